@@ -1,0 +1,19 @@
+PYTHON ?= python3
+# torch is pinned first so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install test test-fast
+.deps-installed: setup.py pyproject.toml
+	$(PYTHON) -m pip install -q "$(TORCH_PIN)"
+	$(PYTHON) -m pip install -q -e ".[test]"
+	touch .deps-installed
+
+install: .deps-installed
+
+# The whole suite, slow multi-rank cases included (this is what CI runs).
+test: .deps-installed
+	$(PYTHON) -m pytest -q
+
+# Skips the cases marked slow: for the edit-test loop.
+test-fast: .deps-installed
+	$(PYTHON) -m pytest -q -m "not slow"

@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megamoe",
+    version="0.1.0",
+    description="Megatron-style training and inference for Mixture-of-Experts language models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["parallel_state*", "megamoe*", "checkpoint_tools*"]),
+    install_requires=[
+        "torch>=2.4",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2",
+            "hypothesis>=6",
+            "transformers>=4.56",
+        ],
+        # TransformerEngine: optional FP8 / fused kernels on NVIDIA GPUs.
+        # NVIDIA apex is never a dependency (the PyPI "apex" is an unrelated package).
+        "te": ["transformer-engine[pytorch]"],
+    },
+)
