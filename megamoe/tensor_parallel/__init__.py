@@ -1,0 +1,30 @@
+"""Tensor-parallel building blocks: plain nn.Modules holding local shards, groups passed explicitly."""
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megamoe import comms
+from megamoe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megamoe.tensor_parallel.embedding import VocabParallelEmbedding
+from megamoe.tensor_parallel.init import initialize_parameters, normal_init, seeded_generator
+from megamoe.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "initialize_parameters", "normal_init", "seeded_generator", "allreduce_sequence_parallel_grads",
+]
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, tp_group: ProcessGroup | None) -> None:
+    """Sum, over TP, the gradients of parameters tagged ``sequence_parallel`` (replicated over TP but
+    fed only this rank's tokens). One all-reduce for all of them."""
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or comms.group_size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comms.all_reduce_(flat, tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,394 @@
+"""Every collective megamoe issues, in one place, with a call/byte counter.
+
+Conventions
+-----------
+- ``group=None`` means *a group of one rank*: every function here is then the identity (no
+  communication, nothing counted). This is NOT torch.distributed's "None = world" convention: layers
+  built without groups are plain single-process modules.
+- Functions named ``*_region`` / ``all_to_all`` are autograd functions; their docstrings say what
+  happens forward and backward. The others (``all_reduce_``, ``send`` ...) move data without autograd.
+- Every collective that moves data is recorded by the active :func:`comm_counter` (if any) with its
+  kind, the group's global ranks and the bytes this rank contributes (its input buffer size).
+
+Tensor-parallel regions split / gather the LAST dim; sequence-parallel regions the FIRST dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
+    "all_reduce_", "all_gather_into", "all_gather_object", "all_to_all_counts", "broadcast_", "send", "recv",
+    "barrier",
+    "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+    "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "all_to_all",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Group helpers
+# ----------------------------------------------------------------------------------------------
+def group_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def group_ranks(group: ProcessGroup | None) -> tuple[int, ...]:
+    """Global ranks of ``group`` (``(global_rank,)`` or ``(0,)`` for ``None``)."""
+    if group is None:
+        return (dist.get_rank() if dist.is_initialized() else 0,)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class CommCounter:
+    """Calls and bytes per (collective kind, group ranks), as seen by this rank.
+
+    ``bytes`` counts the payload this rank hands to the collective (its input), which is what the
+    tests reason about: an all-reduce of an [T, H] fp32 tensor counts ``T*H*4`` bytes.
+    """
+
+    _calls: dict = field(default_factory=lambda: defaultdict(int))
+    _bytes: dict = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, group: ProcessGroup | None, nbytes: int) -> None:
+        key = (kind, group_ranks(group))
+        self._calls[key] += 1
+        self._bytes[key] += int(nbytes)
+
+    def _select(self, table: dict, kind: str | None, group: ProcessGroup | Sequence[int] | None) -> int:
+        ranks = None
+        if group is not None:
+            ranks = tuple(group) if isinstance(group, (tuple, list)) else group_ranks(group)
+        return sum(v for (k, r), v in table.items()
+                   if (kind is None or k == kind) and (ranks is None or r == ranks))
+
+    def calls(self, kind: str | None = None, group=None) -> int:
+        """Number of calls, optionally filtered by kind and by group (a ProcessGroup or its ranks)."""
+        return self._select(self._calls, kind, group)
+
+    def bytes(self, kind: str | None = None, group=None) -> int:
+        """Bytes sent, optionally filtered like :meth:`calls`."""
+        return self._select(self._bytes, kind, group)
+
+    def kinds(self) -> dict[str, int]:
+        """Calls per kind, for quick assertions and benchmark tables."""
+        out: dict[str, int] = defaultdict(int)
+        for (k, _), v in self._calls.items():
+            out[k] += v
+        return dict(out)
+
+    def reset(self) -> None:
+        self._calls.clear()
+        self._bytes.clear()
+
+
+_active_counters: list[CommCounter] = []
+
+
+@contextlib.contextmanager
+def comm_counter() -> Iterator[CommCounter]:
+    """Count every collective issued inside the block (nested counters all count)."""
+    counter = CommCounter()
+    _active_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _active_counters.remove(counter)
+
+
+def _record(kind: str, group: ProcessGroup | None, tensor: torch.Tensor) -> None:
+    if _active_counters:
+        nbytes = tensor.numel() * tensor.element_size()
+        for c in _active_counters:
+            c.record(kind, group, nbytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Raw collectives (no autograd)
+# ----------------------------------------------------------------------------------------------
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; returns ``tensor``."""
+    if group_size(group) == 1:
+        return tensor
+    _record("all_reduce", group, tensor)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather_into(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Concatenate equal-shaped ``tensor`` from every rank along ``dim`` (rank order)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    _record("all_gather", group, tensor)
+    src = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((world * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+    dist.all_gather_into_tensor(out, src, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim0(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world = group_size(group)
+    if tensor.shape[0] % world:
+        raise ValueError(f"reduce-scatter: first dim {tensor.shape[0]} is not divisible by the group size {world}")
+    _record("reduce_scatter", group, tensor)
+    src = tensor.contiguous()
+    out = torch.empty((src.shape[0] // world, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    dist.reduce_scatter_tensor(out, src, group=group)
+    return out
+
+
+def all_gather_object(obj, group: ProcessGroup | None) -> list:
+    """Gather a small picklable Python object (metadata only, never tensors of data) from every rank."""
+    if group_size(group) == 1:
+        return [obj]
+    out = [None] * group_size(group)
+    if _active_counters:
+        for c in _active_counters:
+            c.record("all_gather_object", group, 0)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def all_to_all_counts(send_counts: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Exchange per-destination counts: ``send_counts[r]`` goes to rank r; returns ``recv_counts``.
+
+    The metadata exchange that precedes an uneven :func:`all_to_all`.
+    """
+    if group_size(group) == 1:
+        return send_counts.clone()
+    recv_counts = torch.empty_like(send_counts)
+    _record("all_to_all", group, send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    return recv_counts
+
+
+def broadcast_(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None) -> torch.Tensor:
+    if group_size(group) == 1:
+        return tensor
+    _record("broadcast", group, tensor)
+    dist.broadcast(tensor, src=src_global_rank, group=group)
+    return tensor
+
+
+def send(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None) -> None:
+    """Point-to-point send (pipeline activations / gradients)."""
+    _record("send", group, tensor)
+    dist.send(tensor.contiguous(), dst=dst_global_rank, group=group)
+
+
+def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Point-to-point receive into ``tensor``; returns it."""
+    _record("recv", group, tensor)
+    dist.recv(tensor, src=src_global_rank, group=group)
+    return tensor
+
+
+def barrier(group: ProcessGroup | None) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd functions: tensor parallelism (last dim)
+# ----------------------------------------------------------------------------------------------
+def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world, rank = group_size(group), group_rank(group)
+    if x.shape[-1] % world:
+        raise ValueError(f"last dim {x.shape[-1]} is not divisible by the tensor-parallel size {world}")
+    return x.chunk(world, dim=-1)[rank].contiguous()
+
+
+def _split_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world, rank = group_size(group), group_rank(group)
+    if x.shape[0] % world:
+        raise ValueError(f"first dim {x.shape[0]} is not divisible by the sequence-parallel size {world}")
+    return x.chunk(world, dim=0)[rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_into(grad, ctx.group, dim=-1), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_into(x, group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: identity. Backward: all-reduce (sum) of the gradient over ``group``.
+
+    Entry of a column-parallel layer: every TP rank consumes the full input, so the input's gradient
+    is the sum of the per-rank partial gradients.
+    """
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: all-reduce (sum) over ``group``. Backward: identity.
+
+    Exit of a row-parallel layer: the per-rank partial products are summed.
+    """
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: all-gather the last dim (rank order). Backward: keep this rank's chunk of the gradient."""
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd functions: sequence parallelism (first dim)
+# ----------------------------------------------------------------------------------------------
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_into(grad, ctx.group, dim=0), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, reduce_grad):
+        ctx.group, ctx.reduce_grad = group, reduce_grad
+        return all_gather_into(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return _reduce_scatter_dim0(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_into(grad, ctx.group, dim=0), None
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the first dim. Backward: all-gather the first dim."""
+    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None, reduce_grad: bool = True
+) -> torch.Tensor:
+    """Forward: all-gather the first dim. Backward: reduce-scatter the gradient (first dim).
+
+    The reduce-scatter is right when every rank consumes the gathered tensor with *different*
+    weights (column-parallel layer after sequence-parallel norm): the input gradient is the sum of
+    all ranks' contributions to this rank's rows. With ``reduce_grad=False`` the backward only keeps
+    this rank's rows (use when the consumers' gradients are already identical across ranks).
+    """
+    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, reduce_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: reduce-scatter (sum) along the first dim. Backward: all-gather the first dim.
+
+    Exit of a row-parallel layer under sequence parallelism, and of an all-gather MoE layer whose
+    input tokens are sharded across the group.
+    """
+    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd function: all-to-all with uneven split sizes (expert parallelism)
+# ----------------------------------------------------------------------------------------------
+def _all_to_all_raw(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    _record("all_to_all", group, x)
+    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return _all_to_all_raw(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The transpose of an all-to-all is the all-to-all with the splits swapped.
+        return _all_to_all_raw(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: ProcessGroup | None
+) -> torch.Tensor:
+    """Forward: rows ``x[sum(input_splits[:r]) : ... + input_splits[r]]`` go to rank r; the result
+    stacks the rows received from each rank in rank order (``output_splits[r]`` rows from rank r).
+    Backward: the same exchange with the splits swapped, returning each row's gradient to its sender.
+    Zero-row splits are fine.
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group)

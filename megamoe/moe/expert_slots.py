@@ -1,0 +1,671 @@
+"""Expert slots: where each expert's weights live, how tokens pick a replica, and load statistics.
+
+An *expert* is the model's concept (the router scores ``num_experts`` experts, checkpoints key weights by
+expert id). An *expert slot* is the engine's: ``num_slots >= num_experts`` slots, divided evenly and
+contiguously over the EP ranks (rank ``r`` owns slots ``[r*S/ep, (r+1)*S/ep)``), each holding the weights
+of exactly one expert. A hot expert may hold several slots (replicas); tokens routed to it are spread over
+them by :meth:`ExpertPlacement.choose_slots`, a rule every rank evaluates identically.
+
+This module also owns the expert-load file: per-layer token counts per expert, written by inference and
+read by ``megamoe-convert import-hf --expert-load FILE`` to build balanced placements.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import math
+import operator
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "EXPERT_LOAD_FORMAT",
+    "EXPERT_LOAD_VERSION",
+    "ExpertLoadCounter",
+    "ExpertPlacement",
+    "load_expert_load",
+    "save_expert_load",
+]
+
+logger = logging.getLogger(__name__)
+
+EXPERT_LOAD_FORMAT = "megamoe-expert-load"
+EXPERT_LOAD_VERSION = 1
+
+
+def _positive_int(value, name: str) -> int:
+    # bool is an int subclass; `True` experts is always a mistake.
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{name} must be >= 1, got {number}")
+    return number
+
+
+def _check_slot_layout(num_experts: int, num_slots: int, ep_size: int) -> None:
+    if num_slots < num_experts:
+        raise ValueError(
+            f"num_slots ({num_slots}) < num_experts ({num_experts}): every expert needs at least one slot; "
+            f"use num_slots >= {num_experts}"
+        )
+    if num_slots % ep_size != 0:
+        raise ValueError(
+            f"num_slots ({num_slots}) is not a multiple of ep_size ({ep_size}): slots are divided evenly "
+            f"over EP ranks; use e.g. num_slots={math.ceil(num_slots / ep_size) * ep_size}"
+        )
+
+
+def _slot_table(slot_to_expert) -> torch.Tensor:
+    """[S] int64 CPU copy of a slot -> expert table given as a tensor or a sequence of ints."""
+    if isinstance(slot_to_expert, torch.Tensor):
+        if slot_to_expert.dim() != 1:
+            raise ValueError(
+                f"slot_to_expert must be 1-D [num_slots], got shape {tuple(slot_to_expert.shape)}"
+            )
+        if slot_to_expert.is_floating_point() or slot_to_expert.is_complex() or slot_to_expert.dtype == torch.bool:
+            raise ValueError(f"slot_to_expert must hold integer expert ids, got dtype {slot_to_expert.dtype}")
+        return slot_to_expert.detach().to(device="cpu", dtype=torch.int64).clone()
+    if isinstance(slot_to_expert, (str, bytes)) or not isinstance(slot_to_expert, Sequence):
+        raise ValueError(f"slot_to_expert must be a sequence of expert ids, got {type(slot_to_expert).__name__}")
+    ids = []
+    for slot, expert in enumerate(slot_to_expert):
+        try:
+            if isinstance(expert, bool):
+                raise TypeError
+            ids.append(operator.index(expert))
+        except TypeError:
+            raise ValueError(f"slot_to_expert[{slot}] must be an integer expert id, got {expert!r}") from None
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def _validated_load(expert_load, num_experts: int | None, name: str) -> torch.Tensor:
+    """[E] float64 CPU copy of a per-expert load; ValueError for a wrong length, negative or non-finite load."""
+    try:
+        load = torch.as_tensor(
+            expert_load.detach() if isinstance(expert_load, torch.Tensor) else expert_load
+        ).to(device="cpu", dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{name} must be a 1-D sequence of numbers: {error}") from None
+    if load.dim() != 1 or load.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D vector of per-expert loads, got shape {tuple(load.shape)}")
+    if num_experts is not None and load.numel() != num_experts:
+        raise ValueError(f"{name} has {load.numel()} entries but there are {num_experts} experts; give one load per expert")
+    if not torch.isfinite(load).all():
+        raise ValueError(f"{name} contains NaN or infinite values; loads must be finite token counts or fractions")
+    if (load < 0).any():
+        first = int((load < 0).nonzero()[0])
+        raise ValueError(f"{name}[{first}] is negative ({load[first].item()}); loads must be >= 0")
+    return load
+
+
+def _replica_counts(loads: list[float], num_replicas: int, num_ranks: int) -> list[int]:
+    """One replica per expert, then each extra one to the expert with the highest load per replica.
+
+    An expert gets at most ``num_ranks`` replicas while any other expert can still take one: a replica
+    beyond one per rank shares a rank with a sibling, so the rank serves the same share of the expert's
+    tokens and the slot is wasted (worse, an uneven count such as 3 replicas on 2 ranks leaves one rank
+    with 2/3 of the load). Past that, the cap grows by whole multiples of ``num_ranks``. Ties go to the
+    expert with fewer replicas, then the lower index, so an all-zero load replicates round-robin.
+    """
+    counts = [1] * len(loads)
+    cap = num_ranks
+    heap = [(-load, 1, expert) for expert, load in enumerate(loads)]
+    heapq.heapify(heap)
+    full: list[tuple[float, int, int]] = []  # entries of experts at the cap, kept for when the cap grows
+    for _ in range(num_replicas - len(loads)):
+        while not heap or heap[0][1] >= cap:
+            if heap:
+                full.append(heapq.heappop(heap))
+            else:
+                cap += num_ranks
+                heap, full = full, []
+                heapq.heapify(heap)
+        _, _, expert = heapq.heappop(heap)
+        counts[expert] += 1
+        heapq.heappush(heap, (-loads[expert] / counts[expert], counts[expert], expert))
+    return counts
+
+
+def _pack(weights: list[float], labels: list[int], num_bins: int, capacity: int) -> list[list[int]]:
+    """Split items into ``num_bins`` bins of exactly ``capacity`` items, keeping the heaviest bin light.
+
+    Greedy longest-processing-time first (heaviest item to the lightest bin with room), preferring bins
+    that do not already hold an item of the same label (two replicas of one expert on one rank give that
+    rank no extra parallelism); then swaps that lower the heaviest bin, then swaps that separate
+    same-label items without raising the heaviest bin. Load comes first: a same-label pair is kept when
+    separating it would cost balance. Returns the item indices of each bin.
+    """
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    bin_loads = [0.0] * num_bins
+    bin_labels = [Counter() for _ in range(num_bins)]
+    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], labels[i], i)):
+        label = labels[item]
+        target = min(
+            (b for b in range(num_bins) if len(bins[b]) < capacity),
+            key=lambda b: (bin_labels[b][label] > 0, bin_loads[b], b),
+        )
+        bins[target].append(item)
+        bin_loads[target] += weights[item]
+        bin_labels[target][label] += 1
+    packing = _Packing(bins, bin_loads, bin_labels, weights, labels)
+    packing.lower_peak()
+    packing.separate_labels()
+    return bins
+
+
+class _Packing:
+    """Bins of items under local search by pairwise swaps (one item of one bin for one of another)."""
+
+    def __init__(self, bins, bin_loads, bin_labels, weights, labels):
+        self.bins, self.loads, self.bin_labels = bins, bin_loads, bin_labels
+        self.weights, self.labels = weights, labels
+        self.max_swaps = 4 * len(weights)  # a bound on the worst case; both passes stop well before
+
+    def lower_peak(self) -> None:
+        """Swap an item of the heaviest bin for a lighter one elsewhere while that lowers the heaviest bin.
+
+        Each swap leaves both bins strictly below the old peak, so (peak, number of bins at the peak)
+        strictly decreases. Among equal results the swap adding fewer same-label pairs wins.
+        """
+        for _ in range(self.max_swaps):
+            heavy = max(range(len(self.bins)), key=lambda b: (self.loads[b], -b))
+            peak = self.loads[heavy]
+            best = None  # (new peak of the two bins, added same-label pairs, other bin, pos in heavy, pos in other)
+            for other in range(len(self.bins)):
+                if other == heavy:
+                    continue
+                for pos_heavy, item_heavy in enumerate(self.bins[heavy]):
+                    for pos_other, item_other in enumerate(self.bins[other]):
+                        delta = self.weights[item_heavy] - self.weights[item_other]
+                        if delta <= 0:
+                            continue
+                        new_peak = max(peak - delta, self.loads[other] + delta)
+                        if new_peak >= peak:
+                            continue
+                        candidate = (new_peak, self._added_pairs(heavy, item_heavy, other, item_other), other, pos_heavy, pos_other)
+                        best = candidate if best is None else min(best, candidate)
+            if best is None:
+                return
+            self._swap(heavy, best[3], best[2], best[4])
+
+    def separate_labels(self) -> None:
+        """Swaps that remove same-label pairs while keeping both bins at or below the current peak."""
+        for _ in range(self.max_swaps):
+            peak = max(self.loads)
+            best = None  # (added same-label pairs (< 0), new peak of the two bins, bin, pos, other bin, pos)
+            for crowded in range(len(self.bins)):
+                for pos, item in enumerate(self.bins[crowded]):
+                    if self.bin_labels[crowded][self.labels[item]] < 2:
+                        continue
+                    for other in range(len(self.bins)):
+                        if other == crowded:
+                            continue
+                        for pos_other, item_other in enumerate(self.bins[other]):
+                            delta = self.weights[item] - self.weights[item_other]
+                            new_peak = max(self.loads[crowded] - delta, self.loads[other] + delta)
+                            added = self._added_pairs(crowded, item, other, item_other)
+                            if added >= 0 or new_peak > peak:
+                                continue
+                            candidate = (added, new_peak, crowded, pos, other, pos_other)
+                            best = candidate if best is None else min(best, candidate)
+            if best is None:
+                return
+            self._swap(best[2], best[3], best[4], best[5])
+
+    def _added_pairs(self, bin_a: int, item_a: int, bin_b: int, item_b: int) -> int:
+        """Change in the number of same-label pairs if item_a (in bin_a) and item_b (in bin_b) swap."""
+        label_a, label_b = self.labels[item_a], self.labels[item_b]
+        if label_a == label_b:
+            return 0
+        # Pairs are counted as (count - 1) per label present in a bin.
+        change = 0
+        change -= 1 if self.bin_labels[bin_a][label_a] >= 2 else 0  # label_a leaves bin_a
+        change += 1 if self.bin_labels[bin_a][label_b] >= 1 else 0  # label_b joins bin_a
+        change -= 1 if self.bin_labels[bin_b][label_b] >= 2 else 0
+        change += 1 if self.bin_labels[bin_b][label_a] >= 1 else 0
+        return change
+
+    def _swap(self, bin_a: int, pos_a: int, bin_b: int, pos_b: int) -> None:
+        item_a, item_b = self.bins[bin_a][pos_a], self.bins[bin_b][pos_b]
+        self.bins[bin_a][pos_a], self.bins[bin_b][pos_b] = item_b, item_a
+        delta = self.weights[item_a] - self.weights[item_b]
+        self.loads[bin_a] -= delta
+        self.loads[bin_b] += delta
+        self.bin_labels[bin_a][self.labels[item_a]] -= 1
+        self.bin_labels[bin_a][self.labels[item_b]] += 1
+        self.bin_labels[bin_b][self.labels[item_b]] -= 1
+        self.bin_labels[bin_b][self.labels[item_a]] += 1
+
+
+class ExpertPlacement:
+    """Slot -> expert table for one MoE layer, with its inverse. Immutable; validated on construction.
+
+    ``slot_to_expert[s]`` is the expert whose weights slot ``s`` holds; EP rank ``r`` owns slots
+    ``local_slots(r)``. ``expert_to_slots[e, :replica_counts[e]]`` lists expert ``e``'s slots in ascending
+    order (the rest of the row is -1). The tensor attributes return copies, so a placement never changes
+    once built (it is hashed, compared and cached on devices); build a new one to rebalance.
+    """
+
+    __slots__ = (
+        "num_experts",
+        "num_slots",
+        "ep_size",
+        "slots_per_rank",
+        "_slot_to_expert",
+        "_replica_counts",
+        "_expert_to_slots",
+        "_device_tables",
+    )
+
+    def __init__(self, slot_to_expert: Sequence[int] | torch.Tensor, num_experts: int, ep_size: int):
+        num_experts = _positive_int(num_experts, "num_experts")
+        ep_size = _positive_int(ep_size, "ep_size")
+        table = _slot_table(slot_to_expert)  # [S]
+        num_slots = table.numel()
+        _check_slot_layout(num_experts, num_slots, ep_size)
+        out_of_range = ((table < 0) | (table >= num_experts)).nonzero().flatten()
+        if out_of_range.numel():
+            slot = int(out_of_range[0])
+            raise ValueError(
+                f"slot_to_expert[{slot}] = {int(table[slot])} is not an expert id; ids must be in [0, {num_experts})"
+            )
+        replica_counts = torch.bincount(table, minlength=num_experts)  # [E]
+        missing = (replica_counts == 0).nonzero().flatten().tolist()
+        if missing:
+            raise ValueError(
+                f"experts {missing[:8]}{'...' if len(missing) > 8 else ''} have no slot; every expert needs at "
+                f"least one slot: replace some replicas of other experts with them"
+            )
+        # Slots grouped by expert, ascending slot order within each group (stable sort).
+        slots_by_expert = torch.argsort(table, stable=True)  # [S]
+        experts_sorted = table[slots_by_expert]
+        first_position = torch.cumsum(replica_counts, 0) - replica_counts  # [E]
+        replica_index = torch.arange(num_slots) - first_position[experts_sorted]
+        expert_to_slots = torch.full((num_experts, int(replica_counts.max())), -1, dtype=torch.int64)
+        expert_to_slots[experts_sorted, replica_index] = slots_by_expert
+
+        set_attribute = object.__setattr__
+        set_attribute(self, "num_experts", num_experts)
+        set_attribute(self, "num_slots", num_slots)
+        set_attribute(self, "ep_size", ep_size)
+        set_attribute(self, "slots_per_rank", num_slots // ep_size)
+        set_attribute(self, "_slot_to_expert", table)
+        set_attribute(self, "_replica_counts", replica_counts)
+        set_attribute(self, "_expert_to_slots", expert_to_slots)
+        set_attribute(self, "_device_tables", {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"ExpertPlacement is immutable; build a new placement instead of setting {name!r}")
+
+    def __reduce__(self):
+        return (type(self), (self._slot_to_expert.tolist(), self.num_experts, self.ep_size))
+
+    # ------------------------------------------------------------------ tables
+
+    @property
+    def slot_to_expert(self) -> torch.Tensor:
+        """[S] int64: the expert each slot holds (a copy)."""
+        return self._slot_to_expert.clone()
+
+    @property
+    def replica_counts(self) -> torch.Tensor:
+        """[E] int64: number of slots holding each expert, >= 1 (a copy)."""
+        return self._replica_counts.clone()
+
+    @property
+    def expert_to_slots(self) -> torch.Tensor:
+        """[E, max_replicas] int64: each expert's slots in ascending order, padded with -1 (a copy)."""
+        return self._expert_to_slots.clone()
+
+    def local_slots(self, ep_rank: int) -> range:
+        """The slots EP rank ``ep_rank`` owns (contiguous)."""
+        if isinstance(ep_rank, bool) or not 0 <= operator.index(ep_rank) < self.ep_size:
+            raise ValueError(f"ep_rank must be in [0, {self.ep_size}), got {ep_rank!r}")
+        return range(ep_rank * self.slots_per_rank, (ep_rank + 1) * self.slots_per_rank)
+
+    def slot_owner(self, slot: int) -> int:
+        """The EP rank that owns ``slot``."""
+        if isinstance(slot, bool) or not 0 <= operator.index(slot) < self.num_slots:
+            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot!r}")
+        return slot // self.slots_per_rank
+
+    def slot_owner_tensor(self, slots: torch.Tensor) -> torch.Tensor:
+        """EP rank owning each slot, elementwise (int64, same shape and device). Slots are not range
+        checked here: that would force a device sync on every call."""
+        return torch.div(slots, self.slots_per_rank, rounding_mode="floor").long()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def default(cls, num_experts: int, num_slots: int, ep_size: int) -> "ExpertPlacement":
+        """Experts in order in the first E slots; slot ``E + i`` replicates expert ``i % E``."""
+        num_experts = _positive_int(num_experts, "num_experts")
+        num_slots = _positive_int(num_slots, "num_slots")
+        ep_size = _positive_int(ep_size, "ep_size")
+        _check_slot_layout(num_experts, num_slots, ep_size)
+        return cls([slot % num_experts for slot in range(num_slots)], num_experts, ep_size)
+
+    @classmethod
+    def balanced(
+        cls,
+        expert_load: Sequence[float] | torch.Tensor,
+        num_slots: int,
+        ep_size: int,
+        *,
+        num_groups: int | None = None,
+        num_nodes: int | None = None,
+    ) -> "ExpertPlacement":
+        """A placement that keeps the most loaded EP rank light for the given per-expert load.
+
+        1. Replicas: one slot per expert, then each extra slot to the expert with the highest load per
+           replica (a replica is assumed to take an even share of its expert's tokens, which is what
+           :meth:`choose_slots` does).
+        2. Packing: replicas onto ranks, exactly ``slots_per_rank`` each, greedy heaviest-first onto the
+           lightest rank with room (avoiding a second replica of an expert on one rank where possible),
+           then swaps that lower the heaviest rank.
+
+        With ``num_groups`` and ``num_nodes`` (DeepSeek EPLB's hierarchical policy): the experts form
+        ``num_groups`` contiguous groups, whole groups are first packed onto ``num_nodes`` nodes (a node
+        is a contiguous block of ``ep_size / num_nodes`` ranks) and replicas stay inside their node, so
+        group-limited routing keeps its tokens within few nodes. Deterministic: ties go to lower indices.
+        Within a rank, slots are ordered by expert id.
+        """
+        load = _validated_load(expert_load, None, "expert_load")
+        num_experts = load.numel()
+        num_slots = _positive_int(num_slots, "num_slots")
+        ep_size = _positive_int(ep_size, "ep_size")
+        _check_slot_layout(num_experts, num_slots, ep_size)
+        if (num_groups is None) != (num_nodes is None):
+            raise ValueError(
+                "num_groups and num_nodes go together (hierarchical placement); give both or neither"
+            )
+        if num_groups is None:
+            num_groups = num_nodes = 1  # the flat policy is the one-group, one-node case
+        num_groups = _positive_int(num_groups, "num_groups")
+        num_nodes = _positive_int(num_nodes, "num_nodes")
+        if num_experts % num_groups != 0:
+            raise ValueError(f"num_experts ({num_experts}) is not a multiple of num_groups ({num_groups}); "
+                             f"expert groups must be equal-sized")
+        if num_groups % num_nodes != 0:
+            raise ValueError(f"num_groups ({num_groups}) is not a multiple of num_nodes ({num_nodes}); "
+                             f"each node must take the same number of whole groups")
+        if ep_size % num_nodes != 0:
+            raise ValueError(f"ep_size ({ep_size}) is not a multiple of num_nodes ({num_nodes}); "
+                             f"each node must hold the same number of EP ranks")
+
+        loads = load.tolist()
+        experts_per_group = num_experts // num_groups
+        group_loads = [sum(loads[g * experts_per_group:(g + 1) * experts_per_group]) for g in range(num_groups)]
+        groups_of_node = _pack(group_loads, list(range(num_groups)), num_nodes, num_groups // num_nodes)
+
+        slots_per_rank = num_slots // ep_size
+        slot_to_expert: list[int] = []
+        for node_groups in groups_of_node:
+            node_experts = sorted(
+                expert for group in node_groups
+                for expert in range(group * experts_per_group, (group + 1) * experts_per_group)
+            )
+            counts = _replica_counts([loads[e] for e in node_experts], num_slots // num_nodes, ep_size // num_nodes)
+            replica_expert = [e for e, count in zip(node_experts, counts) for _ in range(count)]
+            replica_weight = [loads[e] / count for e, count in zip(node_experts, counts) for _ in range(count)]
+            for rank_replicas in _pack(replica_weight, replica_expert, ep_size // num_nodes, slots_per_rank):
+                slot_to_expert.extend(sorted(replica_expert[i] for i in rank_replicas))
+        placement = cls(slot_to_expert, num_experts, ep_size)
+        if num_nodes == 1:
+            # The heuristic can lose to the naive layout on small, lumpy loads (e.g. five equal replicas
+            # on two ranks where replicating a lighter expert would have split evenly); never return
+            # something worse than what the engine would use without load statistics. The default
+            # layout ignores node boundaries, so the hierarchical policy has no such fallback.
+            default = cls.default(num_experts, num_slots, ep_size)
+            if default.rank_loads(load).max() < placement.rank_loads(load).max():
+                logger.debug("balanced placement: the default layout is better for this load; using it")
+                placement = default
+        logger.debug("balanced placement %r: balancedness %.4f", placement, placement.balancedness(load))
+        return placement
+
+    # ------------------------------------------------------------------ load accounting
+
+    def rank_loads(self, expert_load: Sequence[float] | torch.Tensor) -> torch.Tensor:
+        """[ep] float64 load per EP rank, assuming each expert's load splits evenly over its replicas."""
+        load = _validated_load(expert_load, self.num_experts, "expert_load")
+        slot_load = load[self._slot_to_expert] / self._replica_counts[self._slot_to_expert]  # [S]
+        return slot_load.view(self.ep_size, self.slots_per_rank).sum(dim=1)
+
+    def balancedness(self, expert_load: Sequence[float] | torch.Tensor) -> float:
+        """Mean rank load / max rank load: 1.0 is perfect; 1.0 too when there is no load at all."""
+        loads = self.rank_loads(expert_load)
+        peak = loads.max().item()
+        return 1.0 if peak == 0 else loads.mean().item() / peak
+
+    # ------------------------------------------------------------------ routing
+
+    def choose_slots(self, expert_ids: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """Map routed (token, expert) pairs to slots: expert_ids [T, K], token_positions [T] -> slots [T, K].
+
+        ``token_positions`` are GLOBAL token positions (the same number for the same token on every
+        rank). The replica is ``(token_position + expert_id) % replica_counts[expert_id]``: it depends on
+        nothing but the pair, so every rank picks the same slot (a per-rank choice would count a pair
+        once per rank holding a replica in the all-gather path), and consecutive tokens of one expert
+        cycle through its replicas. Adding the expert id staggers the cycles of different experts, so
+        one token's K replicated experts do not all take their replica 0 (which tend to share a rank).
+        Ids are not range checked here: that would force a device sync on every call.
+        """
+        if expert_ids.dim() != 2:
+            raise ValueError(f"expert_ids must be [T, K], got shape {tuple(expert_ids.shape)}")
+        if tuple(token_positions.shape) != tuple(expert_ids.shape[:1]):
+            raise ValueError(
+                f"token_positions must be [T] = [{expert_ids.shape[0]}] to match expert_ids, "
+                f"got shape {tuple(token_positions.shape)}"
+            )
+        for name, ids in (("expert_ids", expert_ids), ("token_positions", token_positions)):
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
+        replica_counts, expert_to_slots = self._tables_on(expert_ids.device)
+        expert_ids = expert_ids.long()
+        replica = torch.remainder(token_positions.long().unsqueeze(1) + expert_ids, replica_counts[expert_ids])
+        return expert_to_slots[expert_ids, replica]
+
+    def _tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Copied to each device once: the tables never change, and a copy per call would be a H2D transfer.
+        tables = self._device_tables.get(device)
+        if tables is None:
+            tables = (self._replica_counts.to(device), self._expert_to_slots.to(device))
+            self._device_tables[device] = tables
+        return tables
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict:
+        """JSON-safe description (plain ints), e.g. for a checkpoint manifest."""
+        return {
+            "num_experts": self.num_experts,
+            "ep_size": self.ep_size,
+            "slot_to_expert": self._slot_to_expert.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ExpertPlacement":
+        """Inverse of :meth:`to_dict`; validates like the constructor."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"an expert placement must be a dict, got {type(d).__name__}")
+        expected = {"num_experts", "ep_size", "slot_to_expert"}
+        if set(d) != expected:
+            missing, unknown = sorted(expected - set(d)), sorted(set(d) - expected, key=str)
+            raise ValueError(
+                f"expert placement dict must have exactly the keys {sorted(expected)}; "
+                f"missing {missing}, unknown {unknown}"
+            )
+        if not isinstance(d["slot_to_expert"], (list, tuple)):
+            raise ValueError(
+                f"expert placement 'slot_to_expert' must be a list of ints, got {type(d['slot_to_expert']).__name__}"
+            )
+        return cls(d["slot_to_expert"], d["num_experts"], d["ep_size"])
+
+    # ------------------------------------------------------------------ identity
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ExpertPlacement):
+            return NotImplemented
+        return (
+            self.num_experts == other.num_experts
+            and self.ep_size == other.ep_size
+            and torch.equal(self._slot_to_expert, other._slot_to_expert)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.num_experts, self.ep_size, tuple(self._slot_to_expert.tolist())))
+
+    def __repr__(self) -> str:
+        replicated = (self._replica_counts > 1).nonzero().flatten().tolist()
+        shown = ", ".join(f"{e}: {int(self._replica_counts[e])}" for e in replicated[:8])
+        more = ", ..." if len(replicated) > 8 else ""
+        return (
+            f"ExpertPlacement(num_experts={self.num_experts}, num_slots={self.num_slots}, "
+            f"ep_size={self.ep_size}, replicas={{{shown}{more}}})"
+        )
+
+
+class ExpertLoadCounter:
+    """Running per-expert and per-slot token counts for one layer (for rebalancing and benchmarks).
+
+    Counts live on the device of the ids they are fed (moved there on the first call) and are updated
+    with ``index_add_``, which, unlike ``bincount`` on CUDA, needs no device sync. Out-of-range ids are
+    therefore not detected here; on CPU they raise an IndexError.
+    """
+
+    def __init__(self, num_experts: int, num_slots: int):
+        self.num_experts = _positive_int(num_experts, "num_experts")
+        self.num_slots = _positive_int(num_slots, "num_slots")
+        if self.num_slots < self.num_experts:
+            raise ValueError(
+                f"num_slots ({self.num_slots}) < num_experts ({self.num_experts}); use num_slots >= num_experts"
+            )
+        self.per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # [E]
+        self.per_slot = torch.zeros(self.num_slots, dtype=torch.int64)  # [S]
+
+    @torch.no_grad()
+    def record(self, expert_ids: torch.Tensor, slot_ids: torch.Tensor | None = None) -> None:
+        """Add one count per routed (token, expert) pair; ``slot_ids`` (same shape) also counts slots."""
+        if slot_ids is not None and slot_ids.shape != expert_ids.shape:
+            raise ValueError(
+                f"slot_ids shape {tuple(slot_ids.shape)} must equal expert_ids shape {tuple(expert_ids.shape)}"
+            )
+        self.per_expert = self._add(self.per_expert, expert_ids, "expert_ids")
+        if slot_ids is not None:
+            self.per_slot = self._add(self.per_slot, slot_ids, "slot_ids")
+
+    @staticmethod
+    def _add(counts: torch.Tensor, ids: torch.Tensor, name: str) -> torch.Tensor:
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
+        counts = counts.to(ids.device)
+        flat = ids.reshape(-1).long()
+        return counts.index_add_(0, flat, torch.ones_like(flat))
+
+    def reset(self) -> None:
+        """Zero both counters (they stay on their device)."""
+        self.per_expert.zero_()
+        self.per_slot.zero_()
+
+
+# ---------------------------------------------------------------------- expert-load file
+
+
+def save_expert_load(
+    path: str | os.PathLike,
+    loads: Mapping[int, Sequence[float] | torch.Tensor],
+    *,
+    num_experts: int,
+    metadata: dict | None = None,
+) -> None:
+    """Write per-layer expert loads as JSON (format ``megamoe-expert-load`` v1), atomically.
+
+    ``loads`` maps a layer index to its [E] load (token counts or fractions). The file is written to a
+    temporary file next to ``path`` and renamed over it, so a reader never sees a half-written file.
+    """
+    num_experts = _positive_int(num_experts, "num_experts")
+    if not isinstance(loads, Mapping) or not loads:
+        raise ValueError("loads must be a non-empty dict {layer index: per-expert loads}")
+    layers = {}
+    for layer in sorted(loads, key=lambda k: (not isinstance(k, int), str(k))):
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer keys must be non-negative ints (layer indices), got {layer!r}")
+        layers[str(layer)] = _validated_load(loads[layer], num_experts, f"loads[{layer}]").tolist()
+    document = {
+        "format": EXPERT_LOAD_FORMAT,
+        "version": EXPERT_LOAD_VERSION,
+        "num_experts": num_experts,
+        "layers": layers,
+        "metadata": {} if metadata is None else metadata,
+    }
+    if not isinstance(document["metadata"], dict):
+        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        text = json.dumps(document, allow_nan=False, indent=1)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"metadata is not JSON-serialisable ({error}); use plain str/int/float/list/dict") from None
+
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".expert_load.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def load_expert_load(path: str | os.PathLike) -> dict[int, torch.Tensor]:
+    """Read an expert-load file: layer index -> [E] float64 loads. ValueError says what is wrong and where."""
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); expected a megamoe-expert-load file") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level, got {type(document).__name__}")
+    if document.get("format") != EXPERT_LOAD_FORMAT:
+        raise ValueError(
+            f"{path}: 'format' is {document.get('format')!r}, expected {EXPERT_LOAD_FORMAT!r}; "
+            f"is this an expert-load file written by save_expert_load?"
+        )
+    if document.get("version") != EXPERT_LOAD_VERSION:
+        raise ValueError(
+            f"{path}: unsupported version {document.get('version')!r}; this megamoe reads version {EXPERT_LOAD_VERSION}"
+        )
+    num_experts = document.get("num_experts")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{path}: 'num_experts' must be a positive int, got {num_experts!r}")
+    metadata = document.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: 'metadata' must be an object, got {type(metadata).__name__}")
+    layers = document.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{path}: 'layers' must be a non-empty object {{\"layer index\": [loads]}}")
+    result = {}
+    for key, values in layers.items():
+        if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+            raise ValueError(f"{path}: layer key {key!r} is not a layer index; keys are decimal ints like \"3\"")
+        if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
+            raise ValueError(f"{path}: layer {key} must be a list of numbers")
+        result[int(key)] = _validated_load(values, num_experts, f"{path}: layer {key}")
+    return dict(sorted(result.items()))

@@ -1,0 +1,201 @@
+"""Process groups for one rank layout, held in a frozen :class:`ParallelState`.
+
+Layers receive the groups they need as arguments (``state.tp.group``, ``state.ep.group``, ...); a
+``group`` of ``None`` means "one rank, no communication". Typical use in a script::
+
+    dist.init_process_group("nccl")
+    state = initialize_model_parallel(tp=2, ep=4, pp=2)
+    model = build_model(config, state)          # passes groups down explicitly
+    ...
+    destroy_model_parallel()
+
+See :mod:`parallel_state.rank_grid` for which ranks land in which group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .rank_grid import DEFAULT_ORDER, GROUP_KINDS, compute_rank_groups
+
+__all__ = [
+    "GroupInfo",
+    "ParallelState",
+    "destroy_model_parallel",
+    "get_parallel_state",
+    "initialize_model_parallel",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One process group as seen from this process.
+
+    ``ranks`` are global ranks in group order, ``rank`` is this process's index among them. ``group``
+    is None exactly when ``size == 1``, so single-rank layers never issue collectives.
+    """
+
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    rank: int
+    size: int
+
+    def __post_init__(self):
+        if self.size != len(self.ranks):
+            raise ValueError(f"size {self.size} != len(ranks) {len(self.ranks)}; pass size=len(ranks)")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}), got {self.rank}")
+        if self.size == 1 and self.group is not None:
+            raise ValueError("a single-rank GroupInfo must have group=None (None means no communication)")
+
+
+def _solo(global_rank: int) -> GroupInfo:
+    return GroupInfo(group=None, ranks=(global_rank,), rank=0, size=1)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """All groups of this process for one layout (see :func:`initialize_model_parallel`).
+
+    ``embedding`` is None on middle pipeline stages, which hold neither embedding nor output layer.
+    ``dp_cp_cpu`` is a gloo group over the ``dp_cp`` ranks for CPU-side metadata (it *is* ``dp_cp``
+    when that group already runs on gloo).
+    """
+
+    world_size: int
+    rank: int
+    order: str
+    tp: GroupInfo
+    cp: GroupInfo
+    dp: GroupInfo
+    dp_cp: GroupInfo
+    pp: GroupInfo
+    mp: GroupInfo
+    ep: GroupInfo
+    etp: GroupInfo
+    edp: GroupInfo
+    embedding: GroupInfo | None
+    dp_cp_cpu: GroupInfo
+
+    @classmethod
+    def single_process(cls) -> ParallelState:
+        """The state of a lone process: every group is this rank alone; needs no torch.distributed."""
+        solo = _solo(0)
+        return cls(world_size=1, rank=0, order=DEFAULT_ORDER, tp=solo, cp=solo, dp=solo, dp_cp=solo,
+                   pp=solo, mp=solo, ep=solo, etp=solo, edp=solo, embedding=solo, dp_cp_cpu=solo)
+
+    @property
+    def is_first_pp_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_pp_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    @property
+    def pp_prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage, None on the first stage."""
+        return None if self.is_first_pp_stage else self.pp.ranks[self.pp.rank - 1]
+
+    @property
+    def pp_next_rank(self) -> int | None:
+        """Global rank of the next pipeline stage, None on the last stage."""
+        return None if self.is_last_pp_stage else self.pp.ranks[self.pp.rank + 1]
+
+
+# Kept only to refuse a second initialisation and to serve get_parallel_state() to scripts.
+_current_state: ParallelState | None = None
+_created_groups: list[dist.ProcessGroup] = []
+
+
+def _backend_needs_cpu_twin(backend: str) -> bool:
+    """True when groups of this backend cannot carry CPU tensors (e.g. "nccl"), so a gloo twin is needed.
+
+    Backend strings like "cpu:gloo,cuda:nccl" already route CPU tensors to gloo.
+    """
+    return "gloo" not in backend.lower()
+
+
+def initialize_model_parallel(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    cp: int = 1,
+    order: str = DEFAULT_ORDER,
+    backend: str | None = None,
+) -> ParallelState:
+    """Create every group of the layout and return this process's :class:`ParallelState`.
+
+    Must be called by every rank with the same arguments, after ``torch.distributed`` is initialised;
+    ``backend`` (default: the default group's) is the backend of the new groups. Raises RuntimeError
+    if torch.distributed is not initialised or the groups already exist (call
+    :func:`destroy_model_parallel` first), ValueError for an impossible layout.
+    """
+    global _current_state
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group() before "
+            "initialize_model_parallel(), or use ParallelState.single_process() for one process"
+        )
+    if _current_state is not None:
+        raise RuntimeError(
+            "model parallel groups are already initialised; call destroy_model_parallel() before "
+            "initialising them again"
+        )
+    rank = dist.get_rank()
+    grid = compute_rank_groups(dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, order=order)
+
+    def create(groups: tuple[tuple[int, ...], ...], group_backend: str | None) -> GroupInfo | None:
+        # new_group must be called by every rank for every group, in the same order everywhere,
+        # even for groups this rank is not in. Size-1 groups are skipped identically on all ranks.
+        mine = None
+        for ranks in groups:
+            if len(ranks) == 1:
+                if rank in ranks:
+                    mine = _solo(rank)
+                continue
+            group = dist.new_group(ranks=list(ranks), backend=group_backend)
+            if rank in ranks:
+                _created_groups.append(group)
+                mine = GroupInfo(group=group, ranks=ranks, rank=ranks.index(rank), size=len(ranks))
+        return mine
+
+    infos = {kind: create(getattr(grid, kind), backend) for kind in GROUP_KINDS}
+    if _backend_needs_cpu_twin(backend or dist.get_backend()):
+        dp_cp_cpu = create(grid.dp_cp, "gloo")
+    else:
+        dp_cp_cpu = infos["dp_cp"]
+    _current_state = ParallelState(world_size=grid.world_size, rank=rank, order=grid.order,
+                                   dp_cp_cpu=dp_cp_cpu, **infos)
+    logger.info(
+        "model parallel groups created: world %d, tp %d cp %d dp %d pp %d | ep %d etp %d edp %d, order %s",
+        grid.world_size, grid.tp_size, grid.cp_size, grid.dp_size, grid.pp_size, grid.ep_size,
+        grid.etp_size, grid.edp_size, grid.order,
+    )
+    return _current_state
+
+
+def get_parallel_state() -> ParallelState:
+    """The state made by :func:`initialize_model_parallel`, for top-level scripts only.
+
+    Layers and library code must never call this: they take their groups as arguments.
+    """
+    if _current_state is None:
+        raise RuntimeError("model parallel groups are not initialised; call initialize_model_parallel()")
+    return _current_state
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the groups made by :func:`initialize_model_parallel`; a no-op when there are none."""
+    global _current_state
+    for group in _created_groups:
+        dist.destroy_process_group(group)
+    _created_groups.clear()
+    _current_state = None
