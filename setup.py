@@ -11,6 +11,7 @@ setup(
         "safetensors>=0.4",
         "sentencepiece>=0.2",
         "tqdm>=4.60",
+        "numpy>=1.22",
     ],
     extras_require={
         "test": [

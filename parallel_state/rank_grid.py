@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_ORDER", "GROUP_KINDS", "RankGroups", "compute_rank_groups"]
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Every kind of group RankGroups holds, in the order process groups are created.
-GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "etp", "edp", "embedding")
+GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "etp", "edp", "ep_etp", "embedding")
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -66,6 +66,7 @@ class RankGroups:
     ep: Groups
     etp: Groups
     edp: Groups
+    ep_etp: Groups  # expert model parallel: etp x ep, the ranks that together hold every expert once
     embedding: Groups
 
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...] | None]:
@@ -193,5 +194,6 @@ def compute_rank_groups(
         ep=expert("ep"),
         etp=expert("tp"),
         edp=expert("dp"),
+        ep_etp=expert("tp", "ep"),
         embedding=embedding,
     )

@@ -52,6 +52,16 @@ def _positive_int(value, name: str) -> int:
     return number
 
 
+def _index_below(value, bound: int, name: str) -> int:
+    try:
+        index = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < bound:
+        raise ValueError(f"{name} must be an integer in [0, {bound}), got {value!r}")
+    return index
+
+
 def _check_slot_layout(num_experts: int, num_slots: int, ep_size: int) -> None:
     if num_slots < num_experts:
         raise ValueError(
@@ -99,7 +109,9 @@ def _validated_load(expert_load, num_experts: int | None, name: str) -> torch.Te
     if load.dim() != 1 or load.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 1-D vector of per-expert loads, got shape {tuple(load.shape)}")
     if num_experts is not None and load.numel() != num_experts:
-        raise ValueError(f"{name} has {load.numel()} entries but there are {num_experts} experts; give one load per expert")
+        raise ValueError(
+            f"{name} has {load.numel()} entries but there are {num_experts} experts; give one load per expert"
+        )
     if not torch.isfinite(load).all():
         raise ValueError(f"{name} contains NaN or infinite values; loads must be finite token counts or fractions")
     if (load < 0).any():
@@ -112,10 +124,10 @@ def _replica_counts(loads: list[float], num_replicas: int, num_ranks: int) -> li
     """One replica per expert, then each extra one to the expert with the highest load per replica.
 
     An expert gets at most ``num_ranks`` replicas while any other expert can still take one: a replica
-    beyond one per rank shares a rank with a sibling, so the rank serves the same share of the expert's
-    tokens and the slot is wasted (worse, an uneven count such as 3 replicas on 2 ranks leaves one rank
-    with 2/3 of the load). Past that, the cap grows by whole multiples of ``num_ranks``. Ties go to the
-    expert with fewer replicas, then the lower index, so an all-zero load replicates round-robin.
+    beyond one per rank must share a rank with a sibling, which adds no parallelism, and an uneven count
+    such as 3 replicas on 2 ranks leaves one rank with 2/3 of the expert's tokens. Past that, the cap
+    grows by whole multiples of ``num_ranks``. Ties go to the expert with fewer replicas, then the lower
+    index, so an all-zero load replicates round-robin instead of piling every replica onto expert 0.
     """
     counts = [1] * len(loads)
     cap = num_ranks
@@ -175,12 +187,13 @@ class _Packing:
         """Swap an item of the heaviest bin for a lighter one elsewhere while that lowers the heaviest bin.
 
         Each swap leaves both bins strictly below the old peak, so (peak, number of bins at the peak)
-        strictly decreases. Among equal results the swap adding fewer same-label pairs wins.
+        strictly decreases. A swap that puts two same-label items together is taken only when no other
+        swap lowers the heaviest bin; among the rest, the lowest resulting peak wins.
         """
         for _ in range(self.max_swaps):
             heavy = max(range(len(self.bins)), key=lambda b: (self.loads[b], -b))
             peak = self.loads[heavy]
-            best = None  # (new peak of the two bins, added same-label pairs, other bin, pos in heavy, pos in other)
+            best = None  # (adds a pair?, new peak of the two bins, added pairs, other bin, pos in heavy, pos in other)
             for other in range(len(self.bins)):
                 if other == heavy:
                     continue
@@ -192,11 +205,12 @@ class _Packing:
                         new_peak = max(peak - delta, self.loads[other] + delta)
                         if new_peak >= peak:
                             continue
-                        candidate = (new_peak, self._added_pairs(heavy, item_heavy, other, item_other), other, pos_heavy, pos_other)
+                        added = self._added_pairs(heavy, item_heavy, other, item_other)
+                        candidate = (added > 0, new_peak, added, other, pos_heavy, pos_other)
                         best = candidate if best is None else min(best, candidate)
             if best is None:
                 return
-            self._swap(heavy, best[3], best[2], best[4])
+            self._swap(heavy, best[4], best[3], best[5])
 
     def separate_labels(self) -> None:
         """Swaps that remove same-label pairs while keeping both bins at or below the current peak."""
@@ -329,15 +343,12 @@ class ExpertPlacement:
 
     def local_slots(self, ep_rank: int) -> range:
         """The slots EP rank ``ep_rank`` owns (contiguous)."""
-        if isinstance(ep_rank, bool) or not 0 <= operator.index(ep_rank) < self.ep_size:
-            raise ValueError(f"ep_rank must be in [0, {self.ep_size}), got {ep_rank!r}")
+        ep_rank = _index_below(ep_rank, self.ep_size, "ep_rank")
         return range(ep_rank * self.slots_per_rank, (ep_rank + 1) * self.slots_per_rank)
 
     def slot_owner(self, slot: int) -> int:
         """The EP rank that owns ``slot``."""
-        if isinstance(slot, bool) or not 0 <= operator.index(slot) < self.num_slots:
-            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot!r}")
-        return slot // self.slots_per_rank
+        return _index_below(slot, self.num_slots, "slot") // self.slots_per_rank
 
     def slot_owner_tensor(self, slots: torch.Tensor) -> torch.Tensor:
         """EP rank owning each slot, elementwise (int64, same shape and device). Slots are not range
@@ -369,16 +380,20 @@ class ExpertPlacement:
 
         1. Replicas: one slot per expert, then each extra slot to the expert with the highest load per
            replica (a replica is assumed to take an even share of its expert's tokens, which is what
-           :meth:`choose_slots` does).
+           :meth:`choose_slots` does), at most one replica per rank while other experts can take one.
         2. Packing: replicas onto ranks, exactly ``slots_per_rank`` each, greedy heaviest-first onto the
            lightest rank with room (avoiding a second replica of an expert on one rank where possible),
-           then swaps that lower the heaviest rank.
+           then swaps that lower the heaviest rank, then swaps that separate replicas of one expert
+           without raising it (balance wins over separation).
+        3. If :meth:`default` has a lighter heaviest rank for this load (small, lumpy loads), it is
+           returned instead, so the result is never worse than the default layout.
 
         With ``num_groups`` and ``num_nodes`` (DeepSeek EPLB's hierarchical policy): the experts form
         ``num_groups`` contiguous groups, whole groups are first packed onto ``num_nodes`` nodes (a node
-        is a contiguous block of ``ep_size / num_nodes`` ranks) and replicas stay inside their node, so
-        group-limited routing keeps its tokens within few nodes. Deterministic: ties go to lower indices.
-        Within a rank, slots are ordered by expert id.
+        is a contiguous block of ``ep_size / num_nodes`` ranks), then steps 1-2 run inside each node with
+        its share of the slots, so replicas stay in their node and group-limited routing keeps its
+        tokens within few nodes. Step 3 does not apply (the default layout ignores nodes).
+        Deterministic: ties go to lower indices. Within a rank, slots are ordered by expert id.
         """
         load = _validated_load(expert_load, None, "expert_load")
         num_experts = load.numel()
@@ -422,15 +437,16 @@ class ExpertPlacement:
                 slot_to_expert.extend(sorted(replica_expert[i] for i in rank_replicas))
         placement = cls(slot_to_expert, num_experts, ep_size)
         if num_nodes == 1:
-            # The heuristic can lose to the naive layout on small, lumpy loads (e.g. five equal replicas
-            # on two ranks where replicating a lighter expert would have split evenly); never return
+            # The heuristic can lose to the naive layout on small, lumpy loads (e.g. five replicas of
+            # equal load on two ranks, where replicating a lighter expert would have split evenly); never return
             # something worse than what the engine would use without load statistics. The default
             # layout ignores node boundaries, so the hierarchical policy has no such fallback.
             default = cls.default(num_experts, num_slots, ep_size)
             if default.rank_loads(load).max() < placement.rank_loads(load).max():
                 logger.debug("balanced placement: the default layout is better for this load; using it")
                 placement = default
-        logger.debug("balanced placement %r: balancedness %.4f", placement, placement.balancedness(load))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("balanced placement %r: balancedness %.4f", placement, placement.balancedness(load))
         return placement
 
     # ------------------------------------------------------------------ load accounting
@@ -539,8 +555,9 @@ class ExpertLoadCounter:
     """Running per-expert and per-slot token counts for one layer (for rebalancing and benchmarks).
 
     Counts live on the device of the ids they are fed (moved there on the first call) and are updated
-    with ``index_add_``, which, unlike ``bincount`` on CUDA, needs no device sync. Out-of-range ids are
-    therefore not detected here; on CPU they raise an IndexError.
+    with ``index_add_``, which, unlike ``bincount`` on CUDA, needs no device sync. Negative ids (the
+    layer marks a pair dropped by the capacity limit with slot -1) are not counted. Ids past the end
+    are not detected here (that would need a sync); on CPU they raise an IndexError.
     """
 
     def __init__(self, num_experts: int, num_slots: int):
@@ -555,7 +572,11 @@ class ExpertLoadCounter:
 
     @torch.no_grad()
     def record(self, expert_ids: torch.Tensor, slot_ids: torch.Tensor | None = None) -> None:
-        """Add one count per routed (token, expert) pair; ``slot_ids`` (same shape) also counts slots."""
+        """Add one count per routed (token, expert) pair; ``slot_ids`` (same shape) also counts slots.
+
+        ``per_expert`` counts what the router asked for, dropped pairs included (the demand a
+        rebalanced placement must serve); ``per_slot`` counts only pairs with a slot (id >= 0).
+        """
         if slot_ids is not None and slot_ids.shape != expert_ids.shape:
             raise ValueError(
                 f"slot_ids shape {tuple(slot_ids.shape)} must equal expert_ids shape {tuple(expert_ids.shape)}"
@@ -570,7 +591,8 @@ class ExpertLoadCounter:
             raise ValueError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
         counts = counts.to(ids.device)
         flat = ids.reshape(-1).long()
-        return counts.index_add_(0, flat, torch.ones_like(flat))
+        # Negative ids add 0 at index 0 instead of being filtered out, which would need a sync.
+        return counts.index_add_(0, flat.clamp(min=0), (flat >= 0).long())
 
     def reset(self) -> None:
         """Zero both counters (they stay on their device)."""

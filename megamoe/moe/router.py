@@ -243,7 +243,7 @@ class Router(nn.Module):
         else:
             probs = scores
         if cfg.aux_loss_coeff > 0:
-            slot_fraction = tokens_per_expert.float() / max(num_tokens, 1)  # [E]
+            slot_fraction = tokens_per_expert.float() / max(num_tokens * cfg.top_k, 1)  # [E]
             mean_prob = probs.sum(dim=0) / max(num_tokens, 1)  # [E]
             total = total + cfg.aux_loss_coeff * cfg.num_experts * (slot_fraction * mean_prob).sum()
         if cfg.seq_aux_loss_coeff > 0:

@@ -1,0 +1,277 @@
+"""Single-rank MoE layer: forward and forward+backward time against the dense-GEMM lower bound.
+
+    python benchmarks/moe_layer.py [--quick] [--json out.json]
+
+fp32 on CPU, ``torch.set_num_threads(2)``. For each shape (T, H, F, E, K) it times, in one process
+and interleaved repeat by repeat (so that load from other processes hits every row alike):
+
+- ``bound``: the same FLOPs as plain dense GEMMs over T * K rows: ``x[T*K, H] @ [H, 2F]``, SwiGLU,
+  ``@ [F, H]``, and their backward. No routing, no permutation, one weight instead of E.
+- ``megamoe/<backend>``: the whole single-rank MoE layer (router -> sort by slot -> GroupedExperts ->
+  unpermute and weighted combine), built by :func:`build_megamoe_moe`.
+- ``<hf block>/<experts implementation>``: transformers' Qwen3-MoE and Mixtral sparse blocks of the
+  same sizes, for every experts implementation transformers offers that runs on CPU; the others are
+  listed with the reason they are skipped.
+
+Every row shares the same router and expert weights (the layouts coincide), so all route identically.
+Prints a table of median times and their ratio to the bound; writes JSON (default
+benchmarks/results/moe_layer.json).
+
+Allocator: unless THP_MEM_ALLOC_ENABLE is already set, this script sets it to 1, which makes
+PyTorch's CPU allocator back large tensors with transparent huge pages. On this kind of VM a fresh
+256 MB tensor otherwise costs ~170 ms of page faults on first touch (8x the memset itself), charged
+to whichever row allocates most (the MoE rows: E x the weight gradients of the bound). Run with
+THP_MEM_ALLOC_ENABLE=0 to measure the default allocator.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once, at the first allocation
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from megamoe.moe.experts import ExpertsConfig, GroupedExperts  # noqa: E402
+from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine  # noqa: E402
+from megamoe.moe.router import Router, RouterConfig  # noqa: E402
+
+SHAPES = [  # (T, H, F, E, K)
+    (2048, 1024, 512, 64, 8),
+    (2048, 1024, 2816, 8, 2),
+    (256, 1024, 512, 64, 8),
+]
+TARGETS = {  # megamoe/torch forward+backward, as a multiple of the bound
+    (2048, 1024, 512, 64, 8): 1.2,
+    (2048, 1024, 2816, 8, 2): 1.1,
+    (256, 1024, 512, 64, 8): 1.5,
+}
+MEGAMOE_BACKENDS = ("torch", "loop")
+HF_BLOCKS = ("qwen3_moe", "mixtral")
+# Experts implementations transformers registers; the CUDA-only ones are skipped with a reason.
+HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
+# batched_mm gathers one [2F+F, H] weight copy per (token, expert) pair: skip it above this size.
+BATCHED_MM_MEMORY_LIMIT = 4 << 30
+
+
+class MegamoeMoE(nn.Module):
+    """Router -> sort by slot -> GroupedExperts -> unpermute and weighted combine (one rank, every
+    expert in one slot)."""
+
+    def __init__(self, router: Router, experts: GroupedExperts):
+        super().__init__()
+        self.router, self.experts = router, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = self.router(x)
+        rows, tokens_per_slot, state = permute_by_slot(x, routing.expert_ids, self.experts.config.num_local_slots)
+        return unpermute_and_combine(self.experts(rows, tokens_per_slot), routing.weights, state)
+
+
+def build_megamoe_moe(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                      backend: str) -> nn.Module:
+    """The single-rank megamoe MoE layer measured by this benchmark: ``forward(x [T, H]) -> [T, H]``."""
+    router = Router(RouterConfig(hidden_size, num_experts, top_k, norm_topk_prob=True))
+    experts = GroupedExperts(ExpertsConfig(num_experts, hidden_size, ffn_hidden_size, backend=backend))
+    return MegamoeMoE(router, experts)
+
+
+@dataclass
+class Row:
+    name: str
+    forward: Callable[[], torch.Tensor] | None    # no-grad forward
+    train_step: Callable[[], None] | None         # forward + backward, gradients reset before
+    skip_reason: str | None = None
+
+
+def _dense_bound(x: torch.Tensor, H: int, F_: int, K: int, generator: torch.Generator) -> Row:
+    rows = x.detach().repeat_interleave(K, dim=0).requires_grad_()     # [T*K, H]
+    w1 = (torch.randn(H, 2 * F_, generator=generator) * 0.02).requires_grad_()
+    w2 = (torch.randn(F_, H, generator=generator) * 0.02).requires_grad_()
+    grad_out = torch.randn(rows.shape[0], H, generator=generator)
+
+    def compute():
+        gate, up = (rows @ w1).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w2
+
+    def forward():
+        with torch.no_grad():
+            return compute()
+
+    def train_step():
+        for t in (rows, w1, w2):
+            t.grad = None
+        compute().backward(grad_out)
+
+    return Row("bound", forward, train_step)
+
+
+def _module_row(name: str, module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Row:
+    x_input = x.detach().clone().requires_grad_()
+
+    def forward():
+        with torch.no_grad():
+            return module(x_input)
+
+    def train_step():
+        module.zero_grad(set_to_none=True)
+        x_input.grad = None
+        module(x_input).backward(grad_out)
+
+    return Row(name, forward, train_step)
+
+
+class _HFAdapter(nn.Module):
+    """[T, H] in and out around an HF sparse block ([B, S, H])."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x.unsqueeze(0)).squeeze(0)
+
+
+def _hf_block(family: str, H: int, F_: int, E: int, K: int, implementation: str) -> nn.Module:
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=F_, num_experts=E, num_experts_per_tok=K,
+                                norm_topk_prob=True)
+        config._experts_implementation = implementation
+        return Qwen3MoeSparseMoeBlock(config)
+    from transformers.models.mixtral.configuration_mixtral import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=H, intermediate_size=F_, num_local_experts=E, num_experts_per_tok=K)
+    config._experts_implementation = implementation
+    return MixtralSparseMoeBlock(config)
+
+
+def _hf_implementations() -> list[str]:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ["eager", *sorted(ALL_EXPERTS_FUNCTIONS.keys())]
+
+
+def build_rows(shape, generator: torch.Generator) -> list[Row]:
+    T, H, F_, E, K = shape
+    x = torch.randn(T, H, generator=generator)
+    grad_out = torch.randn(T, H, generator=generator)
+    rows = [_dense_bound(x, H, F_, K, generator)]
+
+    # One set of weights for every row: megamoe's stacked [E, 2F, H] / [E, H, F] is HF's layout.
+    reference = build_megamoe_moe(H, F_, E, K, MEGAMOE_BACKENDS[0])
+    with torch.no_grad():
+        reference.router.weight.normal_(0.0, 0.02, generator=generator)
+        reference.experts.w_gate_up.normal_(0.0, 0.02, generator=generator)
+        reference.experts.w_down.normal_(0.0, 0.02, generator=generator)
+    router_weight = reference.router.weight
+    w_gate_up, w_down = reference.experts.w_gate_up, reference.experts.w_down
+
+    for backend in MEGAMOE_BACKENDS:
+        module = reference if backend == MEGAMOE_BACKENDS[0] else build_megamoe_moe(H, F_, E, K, backend)
+        module.router.weight, module.experts.w_gate_up, module.experts.w_down = router_weight, w_gate_up, w_down
+        rows.append(_module_row(f"megamoe/{backend}", module, x, grad_out))
+
+    for family in HF_BLOCKS:
+        for implementation in _hf_implementations():
+            name = f"{family}/{implementation}"
+            if implementation in HF_CUDA_ONLY:
+                rows.append(Row(name, None, None, HF_CUDA_ONLY[implementation]))
+                continue
+            if implementation == "batched_mm":
+                weight_copies = T * K * 3 * H * F_ * 4
+                if weight_copies > BATCHED_MM_MEMORY_LIMIT:
+                    rows.append(Row(name, None, None, f"copies weights per (token, expert) pair: "
+                                                      f"{weight_copies / 2**30:.0f} GiB"))
+                    continue
+            block = _hf_block(family, H, F_, E, K, implementation)
+            block.gate.weight = router_weight
+            block.experts.gate_up_proj, block.experts.down_proj = w_gate_up, w_down
+            rows.append(_module_row(name, _HFAdapter(block), x, grad_out))
+    return rows
+
+
+def _time(fn: Callable) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(rows: list[Row], repeats: int) -> dict[str, dict]:
+    """Warm every row up once, then ``repeats`` rounds over all rows; medians in seconds. A row
+    whose warm-up step took over 10 s gets a third of the repeats (at least 1)."""
+    runnable = [r for r in rows if r.skip_reason is None]
+    times: dict[str, dict[str, list[float]]] = {r.name: {"forward": [], "train_step": []} for r in runnable}
+    slow = set()
+    for row in runnable:
+        row.forward()
+        if _time(row.train_step) > 10.0:
+            slow.add(row.name)
+    for round_index in range(repeats):
+        for row in runnable:
+            if row.name in slow and round_index >= max(1, repeats // 3):
+                continue
+            times[row.name]["forward"].append(_time(row.forward))
+            times[row.name]["train_step"].append(_time(row.train_step))
+    return {name: {kind: {"median_s": statistics.median(v), "min_s": min(v), "repeats": len(v)}
+                   for kind, v in kinds.items()}
+            for name, kinds in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe_layer.json"),
+                        help="where to write the results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    repeats = 3 if args.quick else 7
+    generator = torch.Generator().manual_seed(0)
+
+    results = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+               "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"), "shapes": []}
+    for shape in SHAPES:
+        rows = build_rows(shape, generator)
+        timings = measure(rows, repeats)
+        bound = timings["bound"]
+        entry = {"T_H_F_E_K": list(shape), "target_megamoe_torch_train": TARGETS[shape], "rows": []}
+        print(f"\n(T, H, F, E, K) = {shape}   times: median ms over repeats; ratio: / bound")
+        print(f"{'row':26s} {'fwd ms':>9s} {'ratio':>6s} {'fwd+bwd ms':>11s} {'ratio':>6s} {'n':>3s}")
+        for row in rows:
+            if row.skip_reason is not None:
+                print(f"{row.name:26s} skipped: {row.skip_reason}")
+                entry["rows"].append({"name": row.name, "skipped": row.skip_reason})
+                continue
+            t = timings[row.name]
+            fwd, train = t["forward"]["median_s"], t["train_step"]["median_s"]
+            fwd_ratio, train_ratio = fwd / bound["forward"]["median_s"], train / bound["train_step"]["median_s"]
+            print(f"{row.name:26s} {fwd * 1e3:9.1f} {fwd_ratio:6.2f} {train * 1e3:11.1f} {train_ratio:6.2f} "
+                  f"{t['train_step']['repeats']:3d}")
+            entry["rows"].append({"name": row.name, **t, "forward_ratio": fwd_ratio, "train_step_ratio": train_ratio})
+        print(f"target for megamoe/torch fwd+bwd: <= {TARGETS[shape]}x")
+        results["shapes"].append(entry)
+        del rows
+
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""Data side of training: a sentencepiece tokenizer, a corpus that needs no download, token files.
+
+Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not import itself twice):
+
+- ``tokenizer``: ``train_sentencepiece``, the ``Tokenizer`` wrapper (sentencepiece ``.model`` or HF
+  ``tokenizer.json``) and the ``train`` CLI.
+- ``corpus``: ``stdlib_corpus_files``, the Python standard library's own sources as a training corpus.
+- ``token_dataset``: ``build_token_file`` and ``TokenDataset`` (a memory-mapped flat token file).
+- ``resumable_sampler``: ``ResumableSampler``, the layout-independent, resumable order of samples.
+"""

@@ -1,0 +1,243 @@
+"""A flat file of token ids (memory-mapped) with a JSON sidecar, and the dataset of fixed-length samples.
+
+File format (``FORMAT_VERSION`` 1): ``<name>`` holds every document's ids back to back (each followed
+by EOS when ``append_eos``), as little-endian uint16 when the vocabulary fits (ids < 65536) else
+uint32; ``<name>.json`` holds :class:`TokenFileMeta`. The sidecar is the commit marker: a build deletes
+the old sidecar first and writes the new one last (both files under temporary names, then renamed),
+so an interrupted build leaves a token file without sidecar, which :class:`TokenDataset` refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from megamoe.data.atomic_file import atomic_write
+from megamoe.data.resumable_sampler import ResumableSampler
+from megamoe.data.tokenizer import Tokenizer
+
+__all__ = [
+    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "TokenDataset", "micro_batches",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+# Tokens buffered before a write: bounds memory (8 bytes per buffered id) for corpora of any size.
+_FLUSH_TOKENS = 1 << 20
+
+
+def sidecar_path(token_path: str | os.PathLike) -> Path:
+    """``<token_path>.json``: the metadata file of a token file."""
+    token_path = Path(token_path)
+    return token_path.with_name(token_path.name + ".json")
+
+
+@dataclass(frozen=True)
+class TokenFileMeta:
+    """The sidecar of a token file. ``tokenizer_sha256`` identifies the tokenizer the ids belong to;
+    ``tokenizer_path`` is where it was at build time (informational)."""
+
+    format_version: int
+    dtype: str
+    num_tokens: int
+    num_documents: int
+    vocab_size: int
+    eos_id: int | None
+    append_eos: bool
+    tokenizer_path: str
+    tokenizer_sha256: str
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"TokenFileMeta.format_version is {self.format_version}, this code reads version "
+                f"{FORMAT_VERSION}: rebuild the token file with build_token_file"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"TokenFileMeta.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("num_tokens", "num_documents", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"TokenFileMeta.{name} must be an int >= 0, got {value!r}")
+        if self.vocab_size > np.iinfo(_DTYPES[self.dtype]).max + 1:
+            raise ValueError(f"TokenFileMeta.vocab_size {self.vocab_size} does not fit dtype {self.dtype}")
+        if not isinstance(self.append_eos, bool):
+            raise ValueError(f"TokenFileMeta.append_eos must be a bool, got {self.append_eos!r}")
+        eos_is_id = type(self.eos_id) is int and 0 <= self.eos_id < self.vocab_size
+        if not (eos_is_id or (self.eos_id is None and not self.append_eos)):
+            raise ValueError(
+                f"TokenFileMeta.eos_id must be an id in [0, vocab_size) (or None without append_eos), "
+                f"got {self.eos_id!r}"
+            )
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> TokenFileMeta:
+        """Parse and validate a sidecar; ValueError says what is wrong with which file."""
+        path = Path(path)
+        try:
+            fields = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"token file sidecar {path} is corrupt: {error}") from None
+        expected = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or set(fields) != expected:
+            got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+            raise ValueError(f"token file sidecar {path} is corrupt: expected keys {sorted(expected)}, got {got}")
+        try:
+            return cls(**fields)
+        except ValueError as error:
+            raise ValueError(f"token file sidecar {path}: {error}") from None
+
+
+def _documents(files_or_texts: Iterable[str | os.PathLike]) -> Iterator[str]:
+    for item in files_or_texts:
+        if isinstance(item, str):
+            yield item
+            continue
+        try:
+            yield Path(item).read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"document file {item} is not UTF-8 text ({error})") from None
+
+
+def build_token_file(
+    files_or_texts: Iterable[str | os.PathLike],
+    tokenizer: Tokenizer,
+    out_path: str | os.PathLike,
+    *,
+    append_eos: bool = True,
+) -> TokenFileMeta:
+    """Tokenize documents into a token file at ``out_path`` plus its sidecar; returns the metadata.
+
+    Each item is one document: a ``str`` is the document's text, a path object (``Path``) names a
+    UTF-8 file to read. With ``append_eos`` every document is followed by ``tokenizer.eos_id``, so
+    samples that span documents see where one ends.
+    """
+    if isinstance(files_or_texts, (str, os.PathLike)):
+        raise TypeError("files_or_texts must be a collection of documents, not one str or path: wrap it in a list")
+    if append_eos and tokenizer.eos_id is None:
+        raise ValueError(f"append_eos=True but tokenizer {tokenizer.path} has no EOS token; pass append_eos=False")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    dtype_name = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
+    dtype = _DTYPES[dtype_name]
+    sidecar = sidecar_path(out_path)
+    sidecar.unlink(missing_ok=True)  # from here on the old pair reads as incomplete until the new sidecar lands
+
+    total = len(files_or_texts) if isinstance(files_or_texts, Sequence) else None
+    num_tokens = num_documents = 0
+    buffer: list[int] = []
+
+    def flush(file) -> None:
+        ids = np.asarray(buffer, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+            raise ValueError(
+                f"tokenizer {tokenizer.path} produced an id outside [0, vocab_size={tokenizer.vocab_size}): "
+                f"min {int(ids.min())}, max {int(ids.max())}"
+            )
+        file.write(ids.astype(dtype).tobytes())
+        buffer.clear()
+
+    with atomic_write(out_path) as file:
+        for text in tqdm(_documents(files_or_texts), total=total, desc="tokenizing", unit="doc", disable=None):
+            ids = tokenizer.encode(text)
+            buffer.extend(ids)
+            num_tokens += len(ids)
+            if append_eos:
+                buffer.append(tokenizer.eos_id)
+                num_tokens += 1
+            num_documents += 1
+            if len(buffer) >= _FLUSH_TOKENS:
+                flush(file)
+        flush(file)
+
+    meta = TokenFileMeta(
+        format_version=FORMAT_VERSION, dtype=dtype_name, num_tokens=num_tokens, num_documents=num_documents,
+        vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, append_eos=append_eos,
+        tokenizer_path=os.fspath(tokenizer.path.resolve()), tokenizer_sha256=tokenizer.sha256,
+    )
+    with atomic_write(sidecar, "w") as file:
+        json.dump(dataclasses.asdict(meta), file, indent=1)
+    logger.info("wrote %d tokens of %d documents to %s (%s)", num_tokens, num_documents, out_path, dtype_name)
+    return meta
+
+
+class TokenDataset:
+    """Fixed-length samples of a token file: sample ``i`` is the window
+    ``tokens[i * seq_len : i * seq_len + seq_len + 1]``, returned as (inputs, labels) = (window[:-1],
+    window[1:]), int64. Consecutive samples share one token (the last label of one is the first input
+    of the next), so every token is predicted once. The file is memory-mapped, never read whole.
+    """
+
+    def __init__(self, path: str | os.PathLike, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.path = Path(path)
+        self.seq_len = seq_len
+        sidecar = sidecar_path(self.path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"token file {self.path} does not exist")
+        if not sidecar.is_file():
+            raise FileNotFoundError(
+                f"token file {self.path} has no sidecar {sidecar.name}: its build was interrupted, or it was "
+                "not written by build_token_file; rebuild it"
+            )
+        self.meta = TokenFileMeta.read(sidecar)
+        expected_bytes = self.meta.num_tokens * self.meta.numpy_dtype.itemsize
+        actual_bytes = self.path.stat().st_size
+        if actual_bytes != expected_bytes:
+            raise ValueError(
+                f"token file {self.path} is truncated or corrupt: its sidecar says {self.meta.num_tokens} "
+                f"{self.meta.dtype} tokens ({expected_bytes} bytes), the file has {actual_bytes} bytes"
+            )
+        self.num_samples = (self.meta.num_tokens - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(
+                f"token file {self.path} has {self.meta.num_tokens} tokens, too few for one sample of "
+                f"seq_len {seq_len} (needs seq_len + 1)"
+            )
+        self.tokens = np.memmap(self.path, dtype=self.meta.numpy_dtype, mode="r", shape=(self.meta.num_tokens,))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample index {index} out of range [0, {self.num_samples})")
+        inputs, labels = self.batch([index])
+        return inputs[0], labels[0]
+
+    def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``indices`` stacked: (inputs [B, S], labels [B, S]), int64."""
+        indices_b = np.asarray(indices, dtype=np.int64)
+        if indices_b.ndim != 1 or (indices_b.size and not 0 <= indices_b.min() <= indices_b.max() < self.num_samples):
+            raise IndexError(f"sample indices must be a 1-D sequence of ints in [0, {self.num_samples})")
+        starts_b = indices_b * self.seq_len
+        windows_bw = torch.from_numpy(self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
+        return windows_bw[:, :-1].contiguous(), windows_bw[:, 1:].contiguous()
+
+
+def micro_batches(dataset: TokenDataset, sampler: ResumableSampler) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This DP rank's micro-batches, (inputs [mb, S], labels [mb, S]), in the sampler's order, forever;
+    ``sampler.state_dict()`` after a global batch's last micro-batch resumes at the next global batch."""
+    if sampler.num_samples != len(dataset):
+        raise ValueError(
+            f"sampler.num_samples ({sampler.num_samples}) != len(dataset) ({len(dataset)}): build the sampler "
+            "with ResumableSampler(len(dataset), ...)"
+        )
+    for indices in sampler:
+        yield dataset.batch(indices)

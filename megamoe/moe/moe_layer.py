@@ -1,0 +1,200 @@
+"""The expert-parallel MoE layer: route -> map experts to slots -> dispatch -> experts -> combine.
+
+Experts are the model's (router ids, checkpoint keys); slots are the engine's (where weights live,
+``num_expert_slots >= num_experts``, a hot expert may own several). The layer maps each (token,
+expert) pair to one slot of that expert with a rule every rank computes identically
+(:meth:`ExpertPlacement.choose_slots`), so replicas are never double counted. Replicas hold identical
+weights; their gradients are per slot, and the training loop sums them across replicas.
+
+Subclassing: override :meth:`build_router`, :meth:`build_experts` or :meth:`build_dispatcher` to swap
+a component; ``forward`` only strings them together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megamoe import comms
+from megamoe.moe.expert_slots import ExpertLoadCounter, ExpertPlacement
+from megamoe.moe.experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.router import Router, RouterConfig
+from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
+from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
+from megamoe.tensor_parallel.init import normal_init, seeded_generator
+
+__all__ = ["MoEConfig", "MoELayer"]
+
+_DISPATCHERS = ("alltoall", "allgather")
+
+
+@dataclass
+class MoEConfig:
+    """One MoE layer. ``router`` carries hidden_size, num_experts and top_k."""
+
+    router: RouterConfig
+    ffn_hidden_size: int                       # per routed expert
+    num_expert_slots: int | None = None        # default: num_experts (no replicas)
+    dispatcher: str = "alltoall"               # "alltoall" | "allgather"
+    input_sharded: bool = False                # allgather: tokens sharded over the EP x ETP group
+    expert_backend: str = "auto"               # "auto" | "torch" | "loop" | "te"
+    activation: str = "swiglu"
+    shared_experts: SharedExpertsConfig | None = None
+    capacity_factor: float | None = None       # None: dropless
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.ffn_hidden_size < 1:
+            raise ValueError(f"MoEConfig.ffn_hidden_size must be >= 1, got {self.ffn_hidden_size}")
+        if self.num_expert_slots is None:
+            self.num_expert_slots = self.router.num_experts
+        if self.num_expert_slots < self.router.num_experts:
+            raise ValueError(f"MoEConfig.num_expert_slots ({self.num_expert_slots}) must be >= num_experts "
+                             f"({self.router.num_experts}): every expert needs a slot")
+        if self.dispatcher not in _DISPATCHERS:
+            raise ValueError(f"MoEConfig.dispatcher must be one of {_DISPATCHERS}, got {self.dispatcher!r}")
+        if self.input_sharded and self.dispatcher != "allgather":
+            raise ValueError("MoEConfig.input_sharded applies to dispatcher='allgather' only")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.shared_experts is not None and self.shared_experts.hidden_size != self.router.hidden_size:
+            raise ValueError("MoEConfig.shared_experts.hidden_size must equal router.hidden_size")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.router.hidden_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-experts layer over this rank's expert slots.
+
+    Args:
+        ep_group: expert-parallel group; slots are split evenly and contiguously over it.
+        etp_group: expert-tensor-parallel group; each expert's FFN dim is split over it.
+        expert_group: the EP x ETP group (``ParallelState.ep_etp``), needed by the all-gather
+            dispatcher: its ranks all see every token and share one reduction.
+        placement: slot -> expert table; default: experts in order, extra slots round-robin replicas.
+
+    ``forward(hidden [..., H]) -> (output [..., H], aux_loss [])``; a 3-D input is [batch, seq, H]
+    (the sequence-level aux loss uses the batch dim).
+    """
+
+    def __init__(self, config: MoEConfig, *, ep_group: ProcessGroup | None = None,
+                 etp_group: ProcessGroup | None = None, expert_group: ProcessGroup | None = None,
+                 placement: ExpertPlacement | None = None, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.ep_group, self.etp_group, self.expert_group = ep_group, etp_group, expert_group
+        self.ep_size, self.ep_rank = comms.group_size(ep_group), comms.group_rank(ep_group)
+        self.etp_size, self.etp_rank = comms.group_size(etp_group), comms.group_rank(etp_group)
+        if config.dispatcher == "allgather" and comms.group_size(expert_group) != self.ep_size * self.etp_size:
+            raise ValueError(
+                f"the all-gather dispatcher needs expert_group = the EP x ETP group of size "
+                f"{self.ep_size * self.etp_size}, got a group of size {comms.group_size(expert_group)}: "
+                "pass expert_group=state.ep_etp.group")
+        self.placement = placement or ExpertPlacement.default(
+            config.num_experts, config.num_expert_slots, self.ep_size)
+        if (self.placement.num_experts, self.placement.num_slots, self.placement.ep_size) != (
+                config.num_experts, config.num_expert_slots, self.ep_size):
+            raise ValueError(
+                f"placement is for {self.placement.num_experts} experts / {self.placement.num_slots} slots / "
+                f"EP {self.placement.ep_size}, the layer has {config.num_experts} / {config.num_expert_slots} / "
+                f"EP {self.ep_size}")
+        self.local_slots = self.placement.local_slots(self.ep_rank)
+        factory = {"device": device, "dtype": dtype}
+        self.router = self.build_router(config, **factory)
+        self.experts = self.build_experts(config, **factory)
+        self.shared_experts = (
+            SharedExperts(config.shared_experts, shard_group=self.dispatcher_reduce_group(), **factory)
+            if config.shared_experts is not None else None)
+        self.dispatcher = self.build_dispatcher(config)
+        self.load_counter = ExpertLoadCounter(config.num_experts, config.num_expert_slots)
+        self.reset_parameters()
+
+    # ---- components (override to customise) --------------------------------------------------
+    def build_router(self, config: MoEConfig, **factory) -> nn.Module:
+        return Router(config.router, **factory)
+
+    def build_experts(self, config: MoEConfig, **factory) -> nn.Module:
+        return GroupedExperts(ExpertsConfig(
+            num_local_slots=len(self.local_slots), hidden_size=config.hidden_size,
+            ffn_hidden_size=config.ffn_hidden_size, activation=config.activation,
+            backend=config.expert_backend, etp_size=self.etp_size, etp_rank=self.etp_rank), **factory)
+
+    def dispatcher_reduce_group(self) -> ProcessGroup | None:
+        return self.expert_group if self.config.dispatcher == "allgather" else self.etp_group
+
+    def build_dispatcher(self, config: MoEConfig) -> TokenDispatcher:
+        if config.dispatcher == "allgather":
+            return AllGatherDispatcher(config.num_expert_slots, ep_group=self.ep_group,
+                                       expert_group=self.expert_group, input_sharded=config.input_sharded)
+        return AllToAllDispatcher(config.num_expert_slots, ep_group=self.ep_group, etp_group=self.etp_group)
+
+    # ---- parameters ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Routed experts: each EXPERT's full weights drawn from a generator seeded by its id, so
+        every replica, layout and ETP shard sees the same expert. (Router and shared experts reset
+        themselves.)"""
+        base_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        init = normal_init(self.config.init_std)
+        H, F = self.config.hidden_size, self.config.ffn_hidden_size
+        gated = self.config.activation == "swiglu"
+        for local_slot, slot in enumerate(self.local_slots):
+            g = seeded_generator(base_seed, f"expert.{int(self.placement.slot_to_expert[slot])}")
+            gate, up, down = torch.empty(F, H), torch.empty(F, H), torch.empty(H, F)
+            for t in (gate, up, down):
+                init(t, g)
+            self.experts.load_expert_weights(local_slot, gate, up if gated else None, down)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def experts_to_slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """[T, K] expert ids -> [T, K] slot ids (-1 for pairs dropped by the capacity limit)."""
+        positions = self.dispatcher.token_positions(expert_ids.shape[0], device=expert_ids.device)
+        slot_ids = self.placement.choose_slots(expert_ids, positions)
+        if self.config.capacity_factor is not None:
+            slot_ids = slot_ids.masked_fill(~self._within_capacity(expert_ids), -1)
+        return slot_ids
+
+    def _within_capacity(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Keep each expert's first ``ceil(cf * T * K / E)`` pairs in (token, k) order; drop the rest."""
+        num_pairs = expert_ids.numel()
+        capacity = math.ceil(self.config.capacity_factor * num_pairs / self.config.num_experts)
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sorted_ids = flat[order]
+        starts = torch.searchsorted(sorted_ids, sorted_ids, right=False)
+        rank_in_expert = torch.empty_like(flat)
+        rank_in_expert[order] = torch.arange(num_pairs, device=flat.device) - starts
+        return (rank_in_expert < capacity).view_as(expert_ids)
+
+    def forward(self, hidden: torch.Tensor):
+        shape = hidden.shape
+        num_sequences = shape[0] if hidden.dim() == 3 else 1
+        x = hidden.reshape(-1, shape[-1])                                   # [T, H]
+
+        routing = self.router(x, num_sequences)                             # route (fp32)
+        slot_ids = self.experts_to_slots(routing.expert_ids)                # experts -> slots
+        with torch.no_grad():
+            self.load_counter.record(routing.expert_ids, slot_ids)
+        expert_input, tokens_per_slot = self.dispatcher.dispatch(x, slot_ids, routing.weights)
+        expert_output = self.experts(expert_input, tokens_per_slot)        # grouped GEMMs
+        shared_output = self._shared_experts_partial(x)
+        output = self.dispatcher.combine(expert_output, shared_output)      # weighted sum + ONE reduction
+        return output.view(shape), routing.aux_loss
+
+    def _shared_experts_partial(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_experts is None:
+            return None
+        gate = self.shared_experts.gate(x)
+        if gate is not None:
+            gate = self.dispatcher.to_token_view(gate)
+        return self.shared_experts(self.dispatcher.token_view, gate)

@@ -1,0 +1,106 @@
+"""Group (token, slot) pairs by slot for the grouped GEMMs, and undo it with the weighted combine.
+
+Pairs whose slot id is -1 (or any id outside ``[0, num_slots)``) are not dispatched: another rank's
+slot, or dropped by a capacity limit. They contribute nothing to the combine and get a zero
+routing-weight gradient.
+
+Both directions are hand-written autograd functions so that the backward of each is one gather or
+one scatter-add of the rows actually used: no zero-filled ``[T * K, H]`` gradient, no inverse
+permutation materialised as a full-size tensor, and the routing-weight gradient comes out of the
+same pass that scales the expert-output gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PermutationState", "sort_by_slot", "permute_by_slot", "unpermute_and_combine"]
+
+
+@dataclass
+class PermutationState:
+    """What the combine needs to undo :func:`permute_by_slot` (N = dispatched pairs)."""
+
+    token_index: torch.Tensor   # [N] int64 source token row of each permuted row
+    pair_index: torch.Tensor    # [N] int64 flat index (t * K + k) of each permuted row's pair
+    num_tokens: int
+
+
+def sort_by_slot(slot_ids_flat: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order of pairs by slot.
+
+    ``slot_ids_flat`` [M] int -> (``permutation`` [M] int64: pair indices, slot 0's first, ties in
+    input order, ids outside ``[0, num_slots)`` last; ``tokens_per_slot`` [num_slots] int64, which
+    counts only valid ids). No host synchronisation.
+    """
+    if slot_ids_flat.dim() != 1:
+        raise ValueError(f"slot_ids_flat must be 1-D, got shape {tuple(slot_ids_flat.shape)}")
+    valid = (slot_ids_flat >= 0) & (slot_ids_flat < num_slots)
+    keys = torch.where(valid, slot_ids_flat, num_slots)
+    sorted_keys, permutation = torch.sort(keys, stable=True)
+    slot_starts = torch.searchsorted(
+        sorted_keys, torch.arange(num_slots + 1, device=keys.device, dtype=sorted_keys.dtype))
+    return permutation, slot_starts.diff()
+
+
+def permute_by_slot(tokens: torch.Tensor, slot_ids: torch.Tensor, num_slots: int):
+    """tokens [T, H], slot_ids [T, K] (-1 = skip) -> (rows [N, H] grouped by slot in ascending order,
+    stable in (token, k) order; tokens_per_slot [num_slots] int64; state for the combine).
+
+    Gradients flow to ``tokens`` (one scatter-add of the N row gradients). Reads the number of
+    dispatched pairs N on the host (one sync on accelerators: the output size depends on it).
+    """
+    if slot_ids.dim() != 2 or slot_ids.shape[0] != tokens.shape[0]:
+        raise ValueError(f"slot_ids must be [T, K] with T = {tokens.shape[0]}, got {tuple(slot_ids.shape)}")
+    top_k = slot_ids.shape[1]
+    permutation, tokens_per_slot = sort_by_slot(slot_ids.reshape(-1), num_slots)
+    num_rows = int(tokens_per_slot.sum())
+    pair_index = permutation[:num_rows]
+    token_index = torch.div(pair_index, top_k, rounding_mode="floor")
+    # index_select's backward is exactly one index_add_ into a [T, H] buffer (the gradient's size).
+    rows = tokens.index_select(0, token_index)
+    return rows, tokens_per_slot, PermutationState(token_index, pair_index, tokens.shape[0])
+
+
+def unpermute_and_combine(expert_output: torch.Tensor, weights: torch.Tensor, state: PermutationState):
+    """expert_output [N, H] (permuted rows), weights [T, K] -> [T, H]: sum over each token's pairs of
+    weight * output (zero for a token without dispatched pairs). Gradients flow to expert_output and
+    to weights."""
+    if expert_output.dim() != 2 or expert_output.shape[0] != state.token_index.shape[0]:
+        raise ValueError(f"expert_output must be [{state.token_index.shape[0]}, H], got "
+                         f"{tuple(expert_output.shape)}")
+    if weights.dim() != 2 or weights.shape[0] != state.num_tokens:
+        raise ValueError(f"weights must be [{state.num_tokens}, K], got {tuple(weights.shape)}")
+    return _WeightedCombine.apply(expert_output, weights, state.token_index, state.pair_index)
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """out[t] = sum over rows i of token t: w[pair(i)] * e[i].
+
+    Backward, with g = grad_out[token(i)] gathered once per row: de[i] = w[pair(i)] * g and
+    dw[pair(i)] = <e[i], g>; undispatched pairs get dw = 0.
+    """
+
+    @staticmethod
+    def forward(ctx, expert_output, weights, token_index, pair_index):
+        row_weights = weights.reshape(-1).index_select(0, pair_index).to(expert_output.dtype)  # [N]
+        out = expert_output.new_zeros(weights.shape[0], expert_output.shape[1])
+        out.index_add_(0, token_index, expert_output * row_weights.unsqueeze(1))
+        ctx.save_for_backward(expert_output, row_weights, token_index, pair_index)
+        ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        expert_output, row_weights, token_index, pair_index = ctx.saved_tensors
+        grad_rows = grad_out.index_select(0, token_index)                 # [N, H], contiguous
+        grad_weights = None
+        if ctx.needs_input_grad[1]:
+            row_dots = torch.bmm(expert_output.unsqueeze(1), grad_rows.unsqueeze(2)).view(-1)  # [N]
+            grad_weights = row_dots.new_zeros(ctx.weights_shape.numel()).index_copy_(0, pair_index, row_dots)
+            grad_weights = grad_weights.view(ctx.weights_shape).to(ctx.weights_dtype)
+        grad_expert_output = grad_rows.mul_(row_weights.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        return grad_expert_output, grad_weights, None, None

@@ -1,0 +1,186 @@
+"""Token dispatchers: move (token, slot) pairs to the ranks holding the slots, and back.
+
+Both dispatchers share one interface, used by :class:`megamoe.moe.moe_layer.MoELayer`::
+
+    expert_input, tokens_per_slot = dispatcher.dispatch(x, slot_ids, weights)
+    expert_output = experts(expert_input, tokens_per_slot)        # rows grouped by local slot
+    output = dispatcher.combine(expert_output, shared_output)     # [T, H] for this rank's tokens
+
+A dispatcher owns the state between ``dispatch`` and ``combine`` (permutation, splits, weights).
+``token_view`` is the layer's tokens as seen by the experts' reduction group (all gathered tokens for
+the all-gather paradigm, this rank's tokens for all-to-all); a shared expert sharded over
+``reduce_group`` runs on it and its partial output is added before the single reduction.
+``to_token_view`` carries a per-token tensor of this rank's tokens (routing weights, a shared-expert
+gate) into that view with gradients that are complete on the rank owning the token.
+
+Pairs whose slot id is -1 (dropped by a capacity limit) are never dispatched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+
+from megamoe import comms
+from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
+
+__all__ = ["TokenDispatcher", "AllGatherDispatcher", "AllToAllDispatcher"]
+
+
+class TokenDispatcher:
+    """Base class: subclasses set ``reduce_group`` and implement the methods below."""
+
+    reduce_group: ProcessGroup | None
+    token_view: torch.Tensor | None = None
+
+    def __init__(self, num_slots: int, ep_group: ProcessGroup | None):
+        self.ep_group = ep_group
+        self.ep_size, self.ep_rank = comms.group_size(ep_group), comms.group_rank(ep_group)
+        if num_slots % self.ep_size:
+            raise ValueError(f"num_slots ({num_slots}) must be a multiple of the EP size ({self.ep_size})")
+        self.num_slots = num_slots
+        self.slots_per_rank = num_slots // self.ep_size
+        self.first_local_slot = self.ep_rank * self.slots_per_rank
+
+    def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens, used for the replica choice (identical on every
+        rank that holds the same token)."""
+        raise NotImplementedError
+
+    def to_token_view(self, values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dispatch(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor):
+        raise NotImplementedError
+
+    def combine(self, expert_output: torch.Tensor, shared_output: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """Every rank of the expert group (EP x ETP) sees all tokens; ONE reduction per layer.
+
+    Each rank keeps the pairs routed to its local slots, computes them, adds the shared expert's
+    partial output, and the partial outputs are summed with one all-reduce over ``expert_group``; or,
+    when the layer's input tokens are sharded across that group (``input_sharded``: sequence parallel,
+    data-parallel attention), the tokens are all-gathered first and the sum is ONE reduce-scatter back
+    to each rank's tokens.
+
+    Gradients: forward all-reduce -> backward identity, so each rank's expert-weight gradients are
+    complete for its slots; the gradients of the token view (and of the routing weights) are summed
+    over the group on the way back (all-reduce, or reduce-scatter for sharded input), so the input and
+    router gradients are complete on every rank.
+    """
+
+    def __init__(self, num_slots: int, *, ep_group: ProcessGroup | None = None,
+                 expert_group: ProcessGroup | None = None, input_sharded: bool = False):
+        super().__init__(num_slots, ep_group)
+        if comms.group_size(expert_group) % self.ep_size:
+            raise ValueError(f"expert_group size ({comms.group_size(expert_group)}) must be a multiple of the "
+                             f"EP size ({self.ep_size}): pass the EP x ETP group")
+        self.reduce_group = expert_group
+        self.input_sharded = input_sharded
+
+    def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
+        offset = comms.group_rank(self.reduce_group) * num_tokens if self.input_sharded else 0
+        return torch.arange(offset, offset + num_tokens, device=device)
+
+    def to_token_view(self, values: torch.Tensor) -> torch.Tensor:
+        if self.input_sharded:
+            return comms.gather_from_sequence_parallel_region(values, self.reduce_group)
+        return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
+
+    def dispatch(self, x, slot_ids, weights):
+        self.token_view = self.to_token_view(x)                          # [T_all, H]
+        if self.input_sharded:
+            slot_ids = comms.all_gather_into(slot_ids, self.reduce_group)  # no grad: integer ids
+        weights = self.to_token_view(weights)                            # [T_all, K]
+        local_slot_ids = slot_ids - self.first_local_slot
+        local_slot_ids = local_slot_ids.masked_fill(
+            (slot_ids < 0) | (local_slot_ids < 0) | (local_slot_ids >= self.slots_per_rank), -1)
+        expert_input, tokens_per_slot, self._permutation = permute_by_slot(
+            self.token_view, local_slot_ids, self.slots_per_rank)
+        self._weights = weights
+        return expert_input, tokens_per_slot
+
+    def combine(self, expert_output, shared_output=None):
+        out = unpermute_and_combine(expert_output, self._weights, self._permutation)  # [T_all, H]
+        if shared_output is not None:
+            out = out + shared_output
+        self._permutation = self._weights = self.token_view = None
+        if self.input_sharded:
+            return comms.reduce_scatter_to_sequence_parallel_region(out, self.reduce_group)
+        return comms.reduce_from_tensor_parallel_region(out, self.reduce_group)
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """Each EP rank sends each token ONCE to every EP rank holding at least one of its selected
+    slots, experts compute, and a second all-to-all returns one weighted partial sum per (token,
+    destination rank) for the combine.
+
+    ETP: the ranks of an ETP group hold the same tokens and exchange them identically inside their EP
+    groups; each computes its FFN shard, and one all-reduce over ``etp_group`` sums the shards (the
+    shared expert's partial included).
+
+    Gradients: the all-to-alls' backward is the reverse exchange, which returns each token's gradient
+    to its owner; expert-weight gradients are complete locally; the token view and routing weights
+    carry an ETP all-reduce in backward (copy-to-TP region) so they are complete on every ETP rank.
+    """
+
+    def __init__(self, num_slots: int, *, ep_group: ProcessGroup | None = None,
+                 etp_group: ProcessGroup | None = None):
+        super().__init__(num_slots, ep_group)
+        self.reduce_group = etp_group
+
+    def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
+        offset = self.ep_rank * num_tokens
+        return torch.arange(offset, offset + num_tokens, device=device)
+
+    def to_token_view(self, values: torch.Tensor) -> torch.Tensor:
+        return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
+
+    def dispatch(self, x, slot_ids, weights):
+        num_tokens, top_k = slot_ids.shape
+        self.token_view = self.to_token_view(x)
+        weights = self.to_token_view(weights)
+        dest_rank = torch.where(slot_ids >= 0, torch.div(slot_ids, self.slots_per_rank, rounding_mode="floor"),
+                                torch.full_like(slot_ids, -1))
+        # Deduplicate per destination: token t goes to rank r once, carrying the local slot ids (and
+        # routing weights) of all its pairs on r; -1 pads pairs that live elsewhere.
+        sends = torch.zeros(self.ep_size, num_tokens, dtype=torch.bool, device=x.device)
+        valid = dest_rank >= 0
+        sends[dest_rank[valid], torch.nonzero(valid, as_tuple=True)[0]] = True
+        send_rank, send_token = torch.nonzero(sends, as_tuple=True)       # sorted by rank, then token
+        send_counts = torch.bincount(send_rank, minlength=self.ep_size)
+        pair_dest = dest_rank[send_token]                                  # [n_send, K]
+        on_dest = pair_dest == send_rank.unsqueeze(1)
+        send_local_slots = torch.where(on_dest, slot_ids[send_token] - send_rank.unsqueeze(1) * self.slots_per_rank,
+                                       torch.full_like(pair_dest, -1))
+        send_weights = weights[send_token] * on_dest                       # [n_send, K]
+
+        recv_counts = comms.all_to_all_counts(send_counts, self.ep_group)
+        self._send_splits, self._recv_splits = send_counts.tolist(), recv_counts.tolist()
+        self._send_token, self._num_tokens = send_token, num_tokens
+        recv_tokens = comms.all_to_all(self.token_view[send_token], self._recv_splits, self._send_splits, self.ep_group)
+        recv_local_slots = _all_to_all_no_grad(send_local_slots, self._recv_splits, self._send_splits, self.ep_group)
+        recv_weights = comms.all_to_all(send_weights, self._recv_splits, self._send_splits, self.ep_group)
+
+        expert_input, tokens_per_slot, self._permutation = permute_by_slot(
+            recv_tokens, recv_local_slots, self.slots_per_rank)
+        self._recv_weights = recv_weights
+        return expert_input, tokens_per_slot
+
+    def combine(self, expert_output, shared_output=None):
+        per_received_token = unpermute_and_combine(expert_output, self._recv_weights, self._permutation)
+        returned = comms.all_to_all(per_received_token, self._send_splits, self._recv_splits, self.ep_group)
+        out = torch.zeros(self._num_tokens, returned.shape[-1], dtype=returned.dtype, device=returned.device)
+        out = out.index_add(0, self._send_token, returned)
+        if shared_output is not None:
+            out = out + shared_output
+        self._permutation = self._recv_weights = self.token_view = self._send_token = None
+        return comms.reduce_from_tensor_parallel_region(out, self.reduce_group)
+
+
+def _all_to_all_no_grad(x, output_splits, input_splits, group):
+    with torch.no_grad():
+        return comms.all_to_all(x, output_splits, input_splits, group)

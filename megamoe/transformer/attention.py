@@ -1,0 +1,237 @@
+"""Grouped-query self-attention with heads split over a tensor-parallel group.
+
+Layout: hidden states [B, S, H] (batch first) and ``position_ids`` [B, S]. Per layer:
+q/k/v projections (column-parallel by heads, optional bias) -> optional q/k norm -> optional clip
+-> RoPE -> (KV cache) -> causal (optionally sliding-window) SDPA -> o_proj (row-parallel).
+
+Tensor parallelism (``tp`` ranks): every rank holds ``num_attention_heads / tp`` query heads and the
+KV heads they use (:mod:`megamoe.transformer.head_sharding`):
+
+- ``num_key_value_heads % tp == 0``: k/v are ordinary column shards.
+- ``tp % num_key_value_heads == 0``: each rank holds the ONE KV head its query heads share; a KV head
+  is replicated on ``tp / num_key_value_heads`` ranks, and its k/v weights (and OLMoE k-norm weight)
+  have their gradients summed over those replicas in backward (one all-reduce of the logical k/v
+  weight size). Anything else raises ValueError.
+
+Communication: forward, one all-reduce (o_proj). Backward, one all-reduce of the input gradient for
+q, k and v together: the block enters the TP region once (``copy_to_tensor_parallel_region``) and
+applies the three column shards locally, instead of calling each ``ColumnParallelLinear``'s forward
+(which would all-reduce the same input gradient three times). Plus tiny all-reduces for the q/k
+norms under TP (OLMoE: [B, S, 1] each way; Qwen3: the [head_dim] weight gradients) and the replica
+sums above.
+
+q/k norm (``AttentionConfig.qk_norm``):
+
+- ``"per_head"`` (Qwen3): RMSNorm over ``head_dim`` of every head, one shared [head_dim] weight.
+- ``"full_width"`` (OLMoE): RMSNorm over the whole q (``heads * head_dim``) or k projection output,
+  i.e. across heads; under TP the variance spans ranks (see :mod:`megamoe.transformer.norm`).
+
+KV cache seam: ``forward(hidden, position_ids, kv_cache=None)``. A cache is any object with
+``update(key, value) -> (all_keys, all_values)`` (:class:`KVCache`) holding ONE layer's state; it
+receives this call's rotated keys and values [B, kv_heads_local, S, head_dim] and returns every
+cached position [B, kv_heads_local, S_past + S, head_dim]. The queries are taken to be the last S
+positions: the causal / sliding-window mask is aligned to the end of the key sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megamoe import comms
+from megamoe.sharding import set_shard_spec
+from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
+from megamoe.transformer.head_sharding import HeadShard, head_shard, sum_grad_over_replicas
+from megamoe.transformer.norm import RMSNorm
+from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
+
+__all__ = ["AttentionConfig", "Attention", "KVCache", "causal_attention"]
+
+QK_NORMS = (None, "per_head", "full_width")
+
+
+class KVCache(Protocol):
+    """One layer's KV cache (filled in by the inference code)."""
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this call's entries (sequence dim -2) and return all cached entries."""
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One GQA attention layer. ``rope.dim`` must equal ``head_dim``."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope: RopeConfig
+    qkv_bias: bool = False                 # Qwen2-MoE; Qwen3/OLMoE `attention_bias` (with o_proj_bias)
+    o_proj_bias: bool = False
+    qk_norm: str | None = None             # None | "per_head" (Qwen3) | "full_width" (OLMoE)
+    norm_eps: float = 1e-6                 # eps of the q/k norms
+    sliding_window: int | None = None      # key j is visible to query i iff i - window < j <= i
+    clip_qkv: float | None = None          # OLMoE: clamp q, k, v to [-clip, clip] after the norms
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AttentionConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"AttentionConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.rope.dim != self.head_dim:
+            raise ValueError(f"AttentionConfig.rope.dim ({self.rope.dim}) must equal head_dim ({self.head_dim}); "
+                             "partial rotary embeddings are not supported")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"AttentionConfig.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"AttentionConfig.sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"AttentionConfig.clip_qkv must be > 0 or None, got {self.clip_qkv}")
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """SDPA of query [B, Hq, Sq, D] over key [B, Hk, Sk, D] / value [B, Hk, Sk, Dv] (``Hq`` a
+    multiple of ``Hk``), the queries being the LAST ``Sq`` of the ``Sk`` positions. Returns
+    [B, Hq, Sq, Dv]."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    gqa = query.shape[1] != key.shape[1]
+    if sliding_window is None and q_len == k_len:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+    q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+    k_pos = torch.arange(k_len, device=query.device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=gqa)
+
+
+class _ReplicatedHeadLinear(nn.Module):
+    """A k or v projection when TP exceeds the KV heads: this rank's single KV head (a chunk of the
+    logical [kv_heads * head_dim, hidden] weight, shared with ``shard.replicas - 1`` other ranks).
+    Its gradients are summed over those replicas in backward."""
+
+    def __init__(self, in_features: int, out_features: int, shard: HeadShard, tp_group: ProcessGroup | None,
+                 bias: bool, init_method: InitMethod, device=None, dtype=None):
+        super().__init__()
+        self.shard, self.tp_group, self.init_method = shard, tp_group, init_method
+        self.in_features, self.out_features = in_features, out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features // shard.count, in_features, **factory))
+        set_shard_spec(self.weight, shard.spec((out_features, in_features)))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // shard.count, **factory))
+            set_shard_spec(self.bias, shard.spec((out_features,)))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        init_sharded_(self.weight, self.init_method, generator)
+        if self.bias is not None:
+            init_sharded_(self.bias, zeros_init, generator)
+
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` is already inside the TP region (its gradient is all-reduced by the caller)."""
+        replicas = self.shard.replicas
+        weight = sum_grad_over_replicas(self.weight, self.weight.shard_spec, self.tp_group, replicas)
+        bias = None if self.bias is None else sum_grad_over_replicas(
+            self.bias, self.bias.shard_spec, self.tp_group, replicas)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local head "
+                f"{self.shard.index} of {self.shard.count}, on {self.shard.replicas} ranks)")
+
+
+def _local_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A column shard's matmul on an input that already entered the TP region."""
+    if isinstance(layer, _ReplicatedHeadLinear):
+        return layer.local_linear(x)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+class Attention(nn.Module):
+    """GQA self-attention, heads split over ``tp_group`` (``None``: one rank). Parameter names follow
+    HuggingFace (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``)."""
+
+    def __init__(self, config: AttentionConfig, *, tp_group: ProcessGroup | None = None, device=None, dtype=None):
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        tp = comms.group_size(tp_group)
+        heads, kv_heads, head_dim, hidden = (config.num_attention_heads, config.num_key_value_heads,
+                                             config.head_dim, config.hidden_size)
+        if heads % tp:
+            raise ValueError(f"AttentionConfig.num_attention_heads ({heads}) must be divisible by the "
+                             f"tensor-parallel size ({tp})")
+        kv_shard = head_shard(tp_group, kv_heads, "AttentionConfig.num_key_value_heads")
+        self.num_heads_local = heads // tp
+        self.num_kv_heads_local = kv_heads // kv_shard.count
+        init = normal_init(config.init_std)
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = ColumnParallelLinear(hidden, heads * head_dim, tp_group=tp_group, bias=config.qkv_bias,
+                                           init_method=init, **factory)
+        for name in ("k_proj", "v_proj"):
+            if kv_shard.replicas == 1:
+                layer = ColumnParallelLinear(hidden, kv_heads * head_dim, tp_group=tp_group, bias=config.qkv_bias,
+                                             init_method=init, **factory)
+            else:
+                layer = _ReplicatedHeadLinear(hidden, kv_heads * head_dim, kv_shard, tp_group, config.qkv_bias,
+                                              init, **factory)
+            self.add_module(name, layer)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, tp_group=tp_group, bias=config.o_proj_bias,
+                                        input_is_parallel=True, init_method=init, **factory)
+        if config.qk_norm == "per_head":
+            # One [head_dim] weight shared by all heads; each rank normalises its own heads.
+            self.q_norm = RMSNorm(head_dim, config.norm_eps, weight_grad_group=tp_group, **factory)
+            self.k_norm = RMSNorm(head_dim, config.norm_eps, weight_grad_group=tp_group, **factory)
+        elif config.qk_norm == "full_width":
+            self.q_norm = RMSNorm(heads * head_dim, config.norm_eps, tp_group=tp_group, num_heads=heads, **factory)
+            self.k_norm = RMSNorm(kv_heads * head_dim, config.norm_eps, tp_group=tp_group, num_heads=kv_heads,
+                                  **factory)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = RotaryEmbedding(config.rope)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Redraw every parameter from full logical tensors (same values for every TP layout)."""
+        for module in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.q_norm, self.k_norm):
+            if module is not None:
+                module.reset_parameters(generator)
+
+    def _qk_norm(self, norm: RMSNorm | None, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """[B, S, heads * D] -> normed [B, S, heads, D]."""
+        if norm is not None and self.config.qk_norm == "full_width":
+            x = norm(x)
+        x = x.unflatten(-1, (heads, self.config.head_dim))
+        if norm is not None and self.config.qk_norm == "per_head":
+            x = norm(x)
+        return x
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank)."""
+        x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)      # one grad all-reduce for q, k, v
+        q = self._qk_norm(self.q_norm, _local_linear(self.q_proj, x), self.num_heads_local)
+        k = self._qk_norm(self.k_norm, _local_linear(self.k_proj, x), self.num_kv_heads_local)
+        v = _local_linear(self.v_proj, x).unflatten(-1, (self.num_kv_heads_local, self.config.head_dim))
+        if self.config.clip_qkv is not None:
+            clip = self.config.clip_qkv
+            q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # [B, heads, S, D]
+        cos, sin = self.rotary(position_ids)
+        q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        out = causal_attention(q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window)
+        return self.o_proj(out.transpose(1, 2).flatten(2))                     # [B, S, heads_local * D] in

@@ -1,0 +1,185 @@
+"""DeepSeek Multi-head Latent Attention (DeepSeek-V2 / V3), heads split over a tensor-parallel group.
+
+Per layer (HF names)::
+
+    q  = q_proj(x)                                  if q_lora_rank is None (V2-Lite)
+       = q_b_proj(q_a_layernorm(q_a_proj(x)))       otherwise
+    kv_latent, k_pe = split(kv_a_proj_with_mqa(x), [kv_lora_rank, qk_rope_head_dim])
+    k_nope, v = split(kv_b_proj(kv_a_layernorm(kv_latent)), per head [qk_nope_head_dim, v_head_dim])
+    q = [q_nope, rope(q_pe)], k = [k_nope, rope(k_pe) shared by all heads]
+    out = o_proj(softmax(q k^T * scale) v),  scale = qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2
+
+RoPE touches only the ``qk_rope_head_dim`` part; DeepSeek pairs dims interleaved
+(``RopeConfig.layout="interleaved"``; V3 with ``rope_interleave=False`` uses ``"half"``).
+
+Tensor parallelism: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are column-parallel by heads,
+``o_proj`` row-parallel. The low-rank down projections and their norms (``q_a_proj``,
+``q_a_layernorm``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``) are replicated: every rank computes
+them on the full input. Gradients: their outputs enter the TP region AFTER the norms, through one
+``copy_to_tensor_parallel_region`` on ``[q_latent, kv_latent, k_pe]``. Each rank's backward only
+reaches the latents through its own heads (partial gradients); that copy's backward all-reduce
+sums them, so the latents' gradients, and from them the replicated weights' and the input's, are
+complete and identical on every rank. No gradient sync over TP is needed afterwards. Cost: one
+all-reduce of (q_lora_rank + kv_lora_rank + qk_rope_head_dim) per token instead of the hidden size.
+Without ``q_lora_rank``, ``q_proj`` (a ColumnParallelLinear) all-reduces its own input gradient
+and the kv latents get theirs: two all-reduces.
+
+KV cache seam (as HF, on the compressed latents): ``kv_cache.update(kv_latent, k_pe)`` receives
+[B, 1, S, kv_lora_rank] (after ``kv_a_layernorm``) and [B, 1, S, qk_rope_head_dim] (rotated) and
+returns every cached position; queries are the last S positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megamoe import comms
+from megamoe.sharding import ShardSpec, set_shard_spec
+from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
+from megamoe.transformer.attention import KVCache, causal_attention
+from megamoe.transformer.norm import RMSNorm
+from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
+
+__all__ = ["MLAConfig", "MultiHeadLatentAttention"]
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """One MLA layer. ``rope.dim`` must equal ``qk_rope_head_dim``."""
+
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int | None              # None: a direct q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeConfig
+    attention_bias: bool = False         # biases of q_a_proj, kv_a_proj_with_mqa and o_proj (HF)
+    latent_norm_eps: float = 1e-6        # HF builds q_a_layernorm / kv_a_layernorm with eps 1e-6, not rms_norm_eps
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MLAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"MLAConfig.q_lora_rank must be >= 1 or None, got {self.q_lora_rank}")
+        if self.rope.dim != self.qk_rope_head_dim:
+            raise ValueError(f"MLAConfig.rope.dim ({self.rope.dim}) must equal qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim})")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5 * self.rope.softmax_scale_factor()
+
+
+class _ReplicatedLinear(nn.Module):
+    """A linear layer every TP rank holds whole (ShardSpec: replicated)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, init_method: InitMethod,
+                 device=None, dtype=None):
+        super().__init__()
+        self.init_method = init_method
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        set_shard_spec(self.weight, ShardSpec((out_features, in_features)))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+            set_shard_spec(self.bias, ShardSpec((out_features,)))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        init_sharded_(self.weight, self.init_method, generator)
+        if self.bias is not None:
+            init_sharded_(self.bias, zeros_init, generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek MLA, heads split over ``tp_group`` (``None``: one rank); HF parameter names."""
+
+    def __init__(self, config: MLAConfig, *, tp_group: ProcessGroup | None = None, device=None, dtype=None):
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        tp = comms.group_size(tp_group)
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        if heads % tp:
+            raise ValueError(f"MLAConfig.num_attention_heads ({heads}) must be divisible by the "
+                             f"tensor-parallel size ({tp})")
+        self.num_heads_local = heads // tp
+        init = normal_init(config.init_std)
+        factory = {"device": device, "dtype": dtype}
+        q_out = heads * config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, q_out, tp_group=tp_group, bias=False, init_method=init,
+                                               **factory)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = _ReplicatedLinear(hidden, config.q_lora_rank, config.attention_bias, init, **factory)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.latent_norm_eps, **factory)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, q_out, tp_group=tp_group, bias=False,
+                                                 init_method=init, **factory)
+        self.kv_a_proj_with_mqa = _ReplicatedLinear(hidden, config.kv_lora_rank + config.qk_rope_head_dim,
+                                                    config.attention_bias, init, **factory)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.latent_norm_eps, **factory)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                              tp_group=tp_group, bias=False, init_method=init, **factory)
+        self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, tp_group=tp_group,
+                                        bias=config.attention_bias, input_is_parallel=True, init_method=init,
+                                        **factory)
+        self.rotary = RotaryEmbedding(config.rope)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Redraw every parameter from full logical tensors (same values for every TP layout)."""
+        for module in (self.q_proj, self.q_a_proj, self.q_a_layernorm, self.q_b_proj, self.kv_a_proj_with_mqa,
+                       self.kv_a_layernorm, self.kv_b_proj, self.o_proj):
+            if module is not None:
+                module.reset_parameters(generator)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank)."""
+        cfg = self.config
+        batch, seq = hidden.shape[:2]
+        kv_latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        kv_latent = self.kv_a_layernorm(kv_latent)
+        if self.q_proj is not None:
+            q = self.q_proj(hidden)                                   # all-reduces its own input grad
+            latents = comms.copy_to_tensor_parallel_region(torch.cat([kv_latent, k_pe], -1), self.tp_group)
+            kv_latent, k_pe = latents.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
+            latents = comms.copy_to_tensor_parallel_region(torch.cat([q_latent, kv_latent, k_pe], -1), self.tp_group)
+            q_latent, kv_latent, k_pe = latents.split([cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+            q = F.linear(q_latent, self.q_b_proj.weight)              # already inside the TP region
+        q = q.unflatten(-1, (self.num_heads_local, cfg.qk_head_dim)).transpose(1, 2)   # [B, heads, S, qk]
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        kv_latent = kv_latent.view(batch, 1, seq, cfg.kv_lora_rank)
+        k_pe = k_pe.view(batch, 1, seq, cfg.qk_rope_head_dim)
+        cos, sin = self.rotary(position_ids)
+        q_pe, k_pe = self.rotary.rotate(q_pe, cos, sin), self.rotary.rotate(k_pe, cos, sin)
+        if kv_cache is not None:
+            kv_latent, k_pe = kv_cache.update(kv_latent, k_pe)
+        kv = F.linear(kv_latent.squeeze(1), self.kv_b_proj.weight)   # [B, Sk, heads * (nope + v)]
+        kv = kv.unflatten(-1, (self.num_heads_local, cfg.qk_nope_head_dim + cfg.v_head_dim)).transpose(1, 2)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
+        k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads_local, -1, -1)], -1)
+        q = torch.cat([q_nope, q_pe], -1)
+        out = causal_attention(q, k, v, cfg.softmax_scale)            # [B, heads, S, v_head_dim]
+        return self.o_proj(out.transpose(1, 2).flatten(2))

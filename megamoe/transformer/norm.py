@@ -1,0 +1,99 @@
+"""RMSNorm, optionally over a feature dim whose heads are split across a tensor-parallel group.
+
+``y = weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 and cast back to the input dtype before
+the weight multiply (the order HuggingFace's Llama-family ``*RMSNorm`` uses, so bf16 results match).
+
+Sharded features (OLMoE's q/k norm spans all heads, and heads are split over TP, see
+:mod:`megamoe.transformer.head_sharding`): the input and ``weight`` hold this rank's heads. The mean
+of squares needs every head once:
+
+- forward: the local sum of squares is all-reduced over TP (divided by the head replication factor
+  when heads are replicated);
+- backward: the gradient of that sum is all-reduced over TP too, because each rank's output (its
+  own heads) contributes a different part of it. ``reduce_from_tensor_parallel_region`` (forward
+  all-reduce) followed by ``copy_to_tensor_parallel_region`` (backward all-reduce) gives exactly
+  that, so no new collective is needed: one all-reduce of [..., 1] each way.
+- The weight shard's gradient is complete locally; a replicated shard's is summed over its replicas.
+
+Replicated weight, different rows per rank (Qwen3's per-head q/k norm applied to this rank's heads):
+pass ``weight_grad_group``; each rank's weight gradient is then partial and is all-reduced over that
+group in backward (``copy_to_tensor_parallel_region`` on the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megamoe import comms
+from megamoe.sharding import set_shard_spec
+from megamoe.tensor_parallel.init import init_sharded_
+from megamoe.transformer.head_sharding import head_shard, sum_grad_over_replicas
+
+__all__ = ["RMSNorm"]
+
+
+def _ones_init(tensor: torch.Tensor, generator: torch.Generator | None) -> None:
+    tensor.fill_(1.0)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim; weight initialised to ones.
+
+    Args:
+        num_features: size of the LOGICAL normalised dim.
+        tp_group: ``None`` (default): the whole dim is local. Otherwise the dim is made of
+            ``num_heads`` equal head blocks split over this group; the input holds this rank's.
+        num_heads: head blocks in the dim (required with a ``tp_group`` of more than one rank).
+        weight_grad_group: the dim is local and the weight replicated, but the ranks of this group
+            normalise different rows, so the weight gradient is summed over it. Not with ``tp_group``.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-6, *, tp_group: ProcessGroup | None = None,
+                 num_heads: int | None = None, weight_grad_group: ProcessGroup | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if num_features < 1:
+            raise ValueError(f"RMSNorm: num_features must be >= 1, got {num_features}")
+        if eps <= 0:
+            raise ValueError(f"RMSNorm: eps must be > 0, got {eps}")
+        if tp_group is not None and weight_grad_group is not None:
+            raise ValueError("RMSNorm: set tp_group (sharded features) or weight_grad_group (replicated weight "
+                             "with per-rank rows), not both")
+        self.tp_group, self.weight_grad_group = tp_group, weight_grad_group
+        self.sharded = comms.group_size(tp_group) > 1
+        if self.sharded and num_heads is None:
+            raise ValueError("RMSNorm: a norm sharded over a tensor-parallel group needs num_heads "
+                             "(the head blocks its feature dim is split by)")
+        num_heads = num_heads or 1
+        if num_features % num_heads:
+            raise ValueError(f"RMSNorm: num_features ({num_features}) must be divisible by num_heads ({num_heads})")
+        self.shard = head_shard(tp_group, num_heads, "RMSNorm num_heads")
+        self.num_features, self.eps = num_features, eps
+        self.weight = nn.Parameter(torch.empty(num_features // self.shard.count, device=device, dtype=dtype))
+        set_shard_spec(self.weight, self.shard.spec((num_features,)))
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        init_sharded_(self.weight, _ones_init, generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        if self.sharded:
+            sum_sq = x32.pow(2).sum(-1, keepdim=True)
+            sum_sq = comms.reduce_from_tensor_parallel_region(sum_sq, self.tp_group)   # forward all-reduce
+            sum_sq = comms.copy_to_tensor_parallel_region(sum_sq, self.tp_group)       # backward all-reduce
+            variance = sum_sq / (self.shard.replicas * self.num_features)
+        else:
+            variance = x32.pow(2).mean(-1, keepdim=True)
+        normed = (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+        if self.weight_grad_group is not None:
+            weight = comms.copy_to_tensor_parallel_region(self.weight, self.weight_grad_group)
+        else:
+            weight = sum_grad_over_replicas(self.weight, self.weight.shard_spec, self.tp_group, self.shard.replicas)
+        return weight * normed
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features} (local {self.weight.shape[0]}), eps={self.eps}, replicas={self.shard.replicas}"

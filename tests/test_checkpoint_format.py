@@ -1,0 +1,538 @@
+"""The checkpoint format: bitwise round trips (parameters, buffers, AdamW state, rank state), resharding
+TP=4 / TP=2 x DP=2 -> TP=2 / TP=1 / TP=4 on 4 ranks, expert replicas written once and loaded into every
+slot, lazy slice reads, crash-safe saves and clear errors for corrupt or mismatched checkpoints."""
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import checkpoint_tools.format as fmt
+from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
+                                     read_manifest, save_checkpoint, verify_checkpoint)
+from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materialize_optimizer_state,
+                                      optimizer_chunks, sharded_state_dict)
+from megamoe.sharding import get_shard_spec
+from megamoe.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                     seeded_generator)
+from megamoe.testing import run_on_ranks
+
+V, H, F = 16, 8, 12            # vocabulary, hidden, ffn (divisible by 4)
+EXPERT_SHAPE = (6, 4)          # one expert's weight [out, in]
+OPTIM_STEP = 5.0
+
+
+class TinyModel(nn.Module):
+    """Embedding -> column -> row, one persistent and one non-persistent buffer."""
+
+    def __init__(self, tp_group=None, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = VocabParallelEmbedding(V, H, tp_group=tp_group)
+        self.up = ColumnParallelLinear(H, F, tp_group=tp_group)
+        self.down = RowParallelLinear(F, H, tp_group=tp_group)
+        self.register_buffer("scale", torch.full((H,), float(seed)))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+class SlotExperts(nn.Module):
+    """Stacked per-slot weights [slots, out, in] whose logical names are per expert (as the MoE layer's):
+    replicas of one expert in several slots are one logical tensor."""
+
+    def __init__(self, slot_to_expert):
+        super().__init__()
+        self.slot_to_expert = list(slot_to_expert)
+        self.weight = nn.Parameter(torch.zeros(len(self.slot_to_expert), *EXPERT_SHAPE))
+
+    def sharded_state_dict(self, prefix):
+        return [LogicalChunk(f"{prefix}experts.{e}.weight", self.weight.detach()[s], EXPERT_SHAPE, (0, 0))
+                for s, e in enumerate(self.slot_to_expert)]
+
+
+class WithExperts(nn.Module):
+    def __init__(self, slot_to_expert):
+        super().__init__()
+        self.router = nn.Linear(4, 3, bias=False)
+        self.moe = SlotExperts(slot_to_expert)
+
+
+def _logical(name, shape):
+    """The reference value of a logical tensor, the same on every rank."""
+    return torch.randn(shape, generator=seeded_generator(0, name))
+
+
+def _region(full, chunk):
+    return full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape))]
+
+
+@torch.no_grad()
+def _set_reference(model, optimizer=None):
+    """Parameters and AdamW state := slices of the reference logical tensors (through the ShardSpecs and
+    optimizer.state directly, not through the code under test)."""
+    for name, p in model.named_parameters():
+        spec = get_shard_spec(p)
+        p.copy_(spec.slice_of(_logical(name, spec.global_shape)))
+        if optimizer is not None:
+            state = optimizer.state[p]
+            state["exp_avg"].copy_(spec.slice_of(_logical(f"optim.exp_avg.{name}", spec.global_shape)))
+            state["exp_avg_sq"].copy_(spec.slice_of(_logical(f"optim.exp_avg_sq.{name}", spec.global_shape)).abs())
+            state["step"].fill_(OPTIM_STEP)
+
+
+def _assert_reference(model, optimizer=None):
+    for name, p in model.named_parameters():
+        spec = get_shard_spec(p)
+        assert torch.equal(p, spec.slice_of(_logical(name, spec.global_shape))), name
+        if optimizer is not None:
+            state = optimizer.state[p]
+            assert torch.equal(state["exp_avg"], spec.slice_of(_logical(f"optim.exp_avg.{name}", spec.global_shape)))
+            assert torch.equal(state["exp_avg_sq"],
+                               spec.slice_of(_logical(f"optim.exp_avg_sq.{name}", spec.global_shape)).abs())
+            assert state["step"].item() == OPTIM_STEP, name
+
+
+def _model_and_optimizer(tp_group=None, seed=0):
+    model = TinyModel(tp_group, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    materialize_optimizer_state(optimizer)
+    return model, optimizer
+
+
+def _all_chunks(model, optimizer):
+    chunks = sharded_state_dict(model)
+    return chunks + optimizer_chunks(optimizer, chunks_by_parameter(model.parameters(), chunks))
+
+
+def _leftovers(path):
+    return sorted(glob.glob(str(path) + ".tmp-*") + glob.glob(str(path) + ".old"))
+
+
+def _simple_save(path, value, **kwargs):
+    chunk = LogicalChunk("w", torch.full((4, 4), float(value)), (4, 4), (0, 0))
+    save_checkpoint(path, [chunk], manifest_fields={"extra": {"version": value}}, **kwargs)
+
+
+def _simple_load(path):
+    target = torch.zeros(4, 4)
+    manifest = load_checkpoint(path, [LogicalChunk("w", target, (4, 4), (0, 0))])
+    assert torch.equal(target, torch.full((4, 4), float(manifest["extra"]["version"])))
+    return manifest["extra"]["version"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Single process
+# ----------------------------------------------------------------------------------------------
+def test_round_trip_is_bitwise(tmp_path):
+    model, optimizer = _model_and_optimizer(seed=0)
+    _set_reference(model, optimizer)
+    model.scratch.fill_(7.0)
+    rng = torch.get_rng_state()
+    path = tmp_path / "ckpt"
+    fields = {"model_config": {"hidden": H, "dims": (1, 2)}, "parallel_layout": {"tp": 1},
+              "expert_placement": {}, "extra": {"step": 12}}
+    save_checkpoint(path, _all_chunks(model, optimizer), manifest_fields=fields, rank_state={"rng": rng},
+                    max_file_bytes=300)
+
+    fresh, fresh_optimizer = _model_and_optimizer(seed=1)
+    manifest = load_checkpoint(path, _all_chunks(fresh, fresh_optimizer), verify_checksums=True)
+    _assert_reference(fresh, fresh_optimizer)
+    assert torch.equal(fresh.scale, model.scale) and not torch.equal(fresh.scratch, model.scratch)
+    assert "scratch" not in manifest["tensors"]
+    assert manifest["model_config"] == {"hidden": H, "dims": [1, 2]} and manifest["extra"] == {"step": 12}
+    assert manifest["missing_tensors"] == [] and manifest["world_size"] == 1
+    assert torch.equal(load_rank_state(path, 0)["rng"], rng)
+    with pytest.raises(CheckpointError, match="no rank state for rank 1"):
+        load_rank_state(path, 1)
+
+    # Files respect the size limit (a single larger chunk gets its own file).
+    per_file = {}
+    for entry in manifest["tensors"].values():
+        for c in entry["chunks"]:
+            per_file.setdefault(c["file"], []).append(4 * torch.Size(c["shape"]).numel())
+    assert len(manifest["files"]) > 3
+    assert all(sum(sizes) <= 300 or len(sizes) == 1 for sizes in per_file.values())
+
+    # Streaming export sees every logical tensor whole; the checksums hold.
+    streamed = dict(iter_logical_tensors(path))
+    assert streamed.keys() == manifest["tensors"].keys()
+    for name, p in model.named_parameters():
+        assert torch.equal(streamed[name], p) and torch.equal(streamed[f"optim.exp_avg.{name}"],
+                                                             optimizer.state[p]["exp_avg"])
+    assert streamed["optim.step.up.weight"].item() == OPTIM_STEP
+    verify_checkpoint(path)
+    assert read_manifest(path)["format_version"] == fmt.FORMAT_VERSION and _leftovers(path) == []
+
+
+def test_materialize_optimizer_state_keeps_parameters():
+    model = TinyModel(seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    materialize_optimizer_state(optimizer)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and optimizer.param_groups[0]["lr"] == 0.1
+    assert len(optimizer.state) == len(list(model.parameters()))
+    partial = torch.optim.AdamW(model.parameters())
+    partial.state[model.up.weight]["step"] = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="needs a fresh optimizer"):
+        materialize_optimizer_state(partial)
+    with pytest.raises(ValueError, match="no state for parameter"):
+        optimizer_chunks(torch.optim.AdamW(model.parameters()), chunks_by_parameter(model.parameters(),
+                                                                                   sharded_state_dict(model)))
+
+
+def test_custom_module_replicas_stored_once_and_loaded_into_every_slot(tmp_path):
+    model = WithExperts([0, 1, 0, 2, 1])          # experts 0 and 1 have two slots each
+    with torch.no_grad():
+        for s, e in enumerate(model.moe.slot_to_expert):
+            model.moe.weight[s] = _logical(f"expert{e}", EXPERT_SHAPE)
+    optimizer = torch.optim.AdamW(model.parameters())
+    materialize_optimizer_state(optimizer)
+    with torch.no_grad():   # replicas carry equal optimizer state too (their gradients are summed)
+        for s, e in enumerate(model.moe.slot_to_expert):
+            optimizer.state[model.moe.weight]["exp_avg"][s] = _logical(f"exp_avg{e}", EXPERT_SHAPE)
+    chunks = _all_chunks(model, optimizer)
+    assert [c.name for c in chunks].count("moe.experts.0.weight") == 2
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, chunks, manifest_fields={"expert_placement": {"moe": model.moe.slot_to_expert}},
+                    verify_replicas=True)
+    manifest = read_manifest(path)
+    for e in range(3):
+        assert len(manifest["tensors"][f"moe.experts.{e}.weight"]["chunks"]) == 1
+        assert len(manifest["tensors"][f"optim.exp_avg.moe.experts.{e}.weight"]["chunks"]) == 1
+    assert manifest["tensors"]["optim.step.moe.experts.2.weight"]["global_shape"] == []
+    assert manifest["expert_placement"] == {"moe": [0, 1, 0, 2, 1]}
+
+    fresh = WithExperts([2, 2, 1, 0])             # another placement: expert 2 now replicated
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    materialize_optimizer_state(fresh_optimizer)
+    load_checkpoint(path, _all_chunks(fresh, fresh_optimizer))
+    assert torch.equal(fresh.router.weight, model.router.weight)
+    for s, e in enumerate(fresh.moe.slot_to_expert):
+        assert torch.equal(fresh.moe.weight[s], _logical(f"expert{e}", EXPERT_SHAPE))
+        assert torch.equal(fresh_optimizer.state[fresh.moe.weight]["exp_avg"][s], _logical(f"exp_avg{e}", EXPERT_SHAPE))
+
+    with torch.no_grad():
+        model.moe.weight[2, 0, 0] += 1.0          # slot 2 (expert 0) diverges from slot 0
+    with pytest.raises(CheckpointError, match=r"replicas of logical tensor 'moe.experts.0.weight'.*differ"):
+        save_checkpoint(path, sharded_state_dict(model), manifest_fields={}, verify_replicas=True)
+    assert _leftovers(path) == [] and read_manifest(path)["expert_placement"] == {"moe": [0, 1, 0, 2, 1]}
+
+
+class _CountingHandle:
+    """Wraps a safe_open handle; records (key, bytes) of every slice read. Has no get_tensor: reading a
+    whole tensor would fail the test."""
+
+    def __init__(self, handle, log):
+        self.handle, self.log = handle, log
+
+    def get_slice(self, key):
+        handle_slice, log = self.handle.get_slice(key), self.log
+
+        class _Slice:
+            def get_shape(self):
+                return handle_slice.get_shape()
+
+            def __getitem__(self, index):
+                piece = handle_slice[index]
+                log.append((key, piece.numel() * piece.element_size()))
+                return piece
+        return _Slice()
+
+
+def test_loads_read_only_the_needed_slices(tmp_path, monkeypatch):
+    full = _logical("w", (16, 12))
+    tp4 = [LogicalChunk("w", full[4 * r:4 * r + 4], (16, 12), (4 * r, 0)) for r in range(4)]   # rows over 4 ranks
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, tp4 + [LogicalChunk("h", full.to(torch.bfloat16), (16, 12), (0, 0))], manifest_fields={})
+    log = []
+    real_safe_open = fmt.safe_open
+
+    @contextlib.contextmanager
+    def counting_safe_open(file_path, framework):
+        with real_safe_open(file_path, framework=framework) as handle:
+            yield _CountingHandle(handle, log)
+    monkeypatch.setattr(fmt, "safe_open", counting_safe_open)
+
+    columns = torch.empty(16, 6)                   # column-split rank 1 of 2: spans the 4 stored chunks
+    load_checkpoint(path, [LogicalChunk("w", columns, (16, 12), (0, 6))])
+    assert torch.equal(columns, full[:, 6:])
+    assert sorted(k for k, _ in log) == sorted(f"w@{4 * r},0" for r in range(4))
+    assert sum(b for _, b in log) == 16 * 6 * 4
+
+    log.clear()
+    rows_a, rows_b = torch.empty(2, 12), torch.empty(2, 12)   # part of one stored chunk, requested twice
+    load_checkpoint(path, [LogicalChunk("w", rows_a, (16, 12), (5, 0)), LogicalChunk("w", rows_b, (16, 12), (5, 0))])
+    assert torch.equal(rows_a, full[5:7]) and torch.equal(rows_b, full[5:7])
+    assert log == [("w@4,0", 2 * 12 * 4)]
+
+    log.clear()
+    as_fp32 = torch.empty(3, 12)                  # stored bf16, loaded into fp32
+    load_checkpoint(path, [LogicalChunk("h", as_fp32, (16, 12), (1, 0))])
+    assert torch.equal(as_fp32, full[1:4].to(torch.bfloat16).float()) and log == [("h@0,0", 3 * 12 * 2)]
+
+
+class _Crash(BaseException):
+    """Stands for the process dying: no `except Exception` cleanup runs."""
+
+
+def _crash_on_call(number, real):
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == number:
+            raise _Crash()
+        return real(*args, **kwargs)
+    return wrapper
+
+
+def test_interrupted_saves_leave_a_complete_checkpoint(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "ckpt"
+    _simple_save(path, 1)
+
+    # Crash while writing files (several files: max_file_bytes < one chunk).
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", _crash_on_call(2, safetensors.torch.save_file))
+        with pytest.raises(_Crash):
+            chunks = [LogicalChunk("w", torch.full((4, 4), 2.0), (4, 4), (0, 0)),
+                      LogicalChunk("x", torch.ones(8), (8,), (0,))]
+            save_checkpoint(path, chunks, manifest_fields={"extra": {"version": 2}}, max_file_bytes=8)
+    [tmp_dir] = _leftovers(path)
+    assert _simple_load(path) == 1
+    with pytest.raises(CheckpointError, match="not a megamoe checkpoint"):
+        read_manifest(tmp_dir)
+
+    # Crash between moving the old checkpoint aside and renaming the new one into place.
+    with monkeypatch.context() as m:
+        m.setattr(os, "rename", _crash_on_call(2, os.rename))
+        with pytest.raises(_Crash):
+            _simple_save(path, 3)
+    assert not path.exists() and len(_leftovers(path)) == 2      # the new temp dir and <path>.old
+    assert _simple_load(path) == 1 and "interrupted" in caplog.text
+    _simple_save(path, 4)                                           # restores .old first, cleans the temp dir
+    assert _simple_load(path) == 4 and _leftovers(path) == []
+
+    # Crash after the new checkpoint is in place, before the old one is deleted.
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "rmtree", _crash_on_call(1, shutil.rmtree))
+        with pytest.raises(_Crash):
+            _simple_save(path, 5)
+    assert _leftovers(path) == [str(path) + ".old"] and _simple_load(path) == 5
+    _simple_save(path, 6)
+    assert _simple_load(path) == 6 and _leftovers(path) == []
+
+    # An ordinary failure cleans up after itself; a foreign directory is never replaced.
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", _failing_save_file)
+        with pytest.raises(CheckpointError, match="rank 0: OSError: disk full"):
+            _simple_save(path, 7)
+    assert _simple_load(path) == 6 and _leftovers(path) == []
+    foreign = tmp_path / "not_a_checkpoint"
+    foreign.mkdir()
+    with pytest.raises(CheckpointError, match="not a megamoe checkpoint"):
+        _simple_save(foreign, 1)
+    assert foreign.exists() and not (foreign / fmt.MANIFEST_FILE).exists()
+
+
+def _failing_save_file(*args, **kwargs):
+    raise OSError("disk full")
+
+
+@pytest.fixture
+def pristine(tmp_path):
+    """A two-file checkpoint of logical tensors 'a' [4, 4] and 'b' [8]."""
+    path = tmp_path / "pristine"
+    save_checkpoint(path, [LogicalChunk("a", _logical("a", (4, 4)), (4, 4), (0, 0)),
+                           LogicalChunk("b", _logical("b", (8,)), (8,), (0,))],
+                    manifest_fields={}, max_file_bytes=64)
+    return path
+
+
+def _copy(pristine, tmp_path, name):
+    path = tmp_path / name
+    shutil.copytree(pristine, path)
+    manifest = read_manifest(path)
+    return path, manifest, path / manifest["tensors"]["a"]["chunks"][0]["file"]
+
+
+def _request_a():
+    return [LogicalChunk("a", torch.empty(4, 4), (4, 4), (0, 0))]
+
+
+def test_corrupt_or_mismatched_checkpoints_give_clear_errors(pristine, tmp_path):
+    path, _, file_a = _copy(pristine, tmp_path, "truncated")
+    file_a.write_bytes(file_a.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=rf"{file_a.name} has \d+ bytes, the manifest says \d+ \(truncated"):
+        load_checkpoint(path, _request_a())
+    load_checkpoint(path, [LogicalChunk("b", torch.empty(8), (8,), (0,))])     # other files are still fine
+
+    path, _, file_a = _copy(pristine, tmp_path, "flipped")
+    data = bytearray(file_a.read_bytes())
+    data[-1] ^= 0xFF
+    file_a.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"checksum mismatch for .*{file_a.name}"):
+        load_checkpoint(path, _request_a(), verify_checksums=True)
+    with pytest.raises(CheckpointError, match=f"failed verification:\n.*checksum mismatch for .*{file_a.name}"):
+        verify_checkpoint(path)
+
+    path, _, file_a = _copy(pristine, tmp_path, "bad_header")
+    data = bytearray(file_a.read_bytes())
+    data[:8] = (1 << 40).to_bytes(8, "little")                  # header length beyond the file
+    file_a.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{file_a.name} is corrupt"):
+        load_checkpoint(path, _request_a())
+
+    path, _, file_a = _copy(pristine, tmp_path, "missing_file")
+    file_a.unlink()
+    with pytest.raises(CheckpointError, match=f"{file_a.name} is missing"):
+        load_checkpoint(path, _request_a())
+    with pytest.raises(CheckpointError, match=f"{file_a.name} is missing"):
+        verify_checkpoint(path)
+
+    def edit_manifest(name, edit):
+        path, manifest, _ = _copy(pristine, tmp_path, name)
+        edit(manifest)
+        (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+        return path
+
+    path = edit_manifest("future", lambda m: m.update(format_version=99))
+    with pytest.raises(CheckpointError, match="unsupported checkpoint format version 99"):
+        load_checkpoint(path, _request_a())
+    path = edit_manifest("hole", lambda m: m["tensors"]["a"]["chunks"][0].update(shape=[2, 4]))
+    with pytest.raises(CheckpointError, match="stored chunks of logical tensor 'a' cover 8 of its 16 elements"):
+        read_manifest(path)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "nowhere", _request_a())
+
+    # Requests that do not match the checkpoint.
+    with pytest.raises(CheckpointError, match="'a' has global shape \\(4, 4\\) .* the model expects \\(4, 8\\)"):
+        load_checkpoint(pristine, [LogicalChunk("a", torch.empty(4, 4), (4, 8), (0, 0))])
+    with pytest.raises(CheckpointError, match="2 logical tensors are missing .*'c', 'd'"):
+        load_checkpoint(pristine, _request_a() + [LogicalChunk(n, torch.empty(1), (1,), (0,)) for n in "cd"])
+    loaded = _request_a()
+    manifest = load_checkpoint(pristine, loaded + [LogicalChunk("c", torch.empty(1), (1,), (0,))], strict=False)
+    assert manifest["missing_tensors"] == ["c"] and torch.equal(loaded[0].tensor, _logical("a", (4, 4)))
+
+
+def test_inconsistent_chunks_are_refused_at_save(tmp_path):
+    path = tmp_path / "ckpt"
+    full = torch.zeros(8, 2)
+    cases = [
+        ([LogicalChunk("w", full[0:4], (8, 2), (0, 0)), LogicalChunk("w", full[2:6], (8, 2), (2, 0))],
+         "chunks held of logical tensor 'w' overlap"),
+        ([LogicalChunk("w", full[0:4], (8, 2), (0, 0))], "cover 8 of its 16 elements .* held by no rank"),
+        ([LogicalChunk("w", full[0:4], (8, 2), (0, 0)), LogicalChunk("w", full[4:].double(), (8, 2), (4, 0))],
+         "'w': rank 0 holds it as float32 .* rank 0 as float64"),
+    ]
+    for chunks, message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            save_checkpoint(path, chunks, manifest_fields={})
+    with pytest.raises(CheckpointError, match="unknown manifest_fields \\['step'\\]"):
+        save_checkpoint(path, [], manifest_fields={"step": {}})
+    with pytest.raises(CheckpointError, match="manifest_fields\\['extra'\\] must be JSON-serialisable"):
+        save_checkpoint(path, [], manifest_fields={"extra": {"t": torch.zeros(1)}})
+    with pytest.raises(ValueError, match="dim 0 covers \\[6, 10\\), outside the logical size 8"):
+        LogicalChunk("w", full[:4], (8, 2), (6, 0))
+    assert not path.exists() and _leftovers(path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Four ranks: one spawn, several layouts
+# ----------------------------------------------------------------------------------------------
+def _load_fresh_and_check(path, tp_group, seed):
+    model, optimizer = _model_and_optimizer(tp_group, seed)
+    manifest = load_checkpoint(path, _all_chunks(model, optimizer))
+    _assert_reference(model, optimizer)
+    return manifest
+
+
+def _check_tp4_reshards(rank, root, world, pair):
+    path = os.path.join(root, "tp4")
+    model, optimizer = _model_and_optimizer(world, seed=10)
+    _set_reference(model, optimizer)
+    rng = torch.get_rng_state()
+    save_checkpoint(path, _all_chunks(model, optimizer), group=world, rank_state={"rng": rng},
+                    manifest_fields={"parallel_layout": {"tp": 4}, "expert_placement": {f"layer{rank}": [rank]}})
+    manifest = _load_fresh_and_check(path, pair, seed=11)                 # TP=2
+    _load_fresh_and_check(path, None, seed=12)                              # TP=1
+    assert torch.equal(load_rank_state(path, rank)["rng"], rng)
+    assert manifest["world_size"] == 4 and manifest["expert_placement"] == {f"layer{r}": [r] for r in range(4)}
+    assert len(manifest["tensors"]["embed.weight"]["chunks"]) == 4
+    if rank == 0:
+        for name, full in iter_logical_tensors(path):
+            if name.startswith(("embed", "up", "down")):
+                assert torch.equal(full, _logical(name, full.shape)), name
+
+
+def _check_dp_replicas_written_once(rank, root, world, pair):
+    path = os.path.join(root, "tp2dp2")
+    model, optimizer = _model_and_optimizer(pair, seed=20)               # ranks (0,1) and (2,3): DP replicas
+    _set_reference(model, optimizer)
+    save_checkpoint(path, _all_chunks(model, optimizer), group=world, manifest_fields={}, verify_replicas=True)
+    manifest = _load_fresh_and_check(path, world, seed=21)               # TP=4
+    files = {c["file"] for t in manifest["tensors"].values() for c in t["chunks"]}
+    assert files and all(f.startswith(("rank00000-", "rank00001-")) for f in files)
+    assert set(manifest["files"]) == files                                # ranks 2 and 3 wrote nothing
+    assert len(manifest["tensors"]["up.weight"]["chunks"]) == 2
+    assert len(manifest["tensors"]["down.bias"]["chunks"]) == 1           # replicated over TP and DP: once
+    assert manifest["tensors"]["down.bias"]["chunks"][0]["file"].startswith("rank00000-")
+
+
+def _check_expert_replicas_across_ranks(rank, root, world):
+    path = os.path.join(root, "experts")
+    placement = [0, 1, 2, 0, 1, 2, 0, 1]                                   # 8 slots, 2 per rank
+    model = WithExperts(placement[2 * rank:2 * rank + 2])
+    with torch.no_grad():
+        model.router.weight.copy_(_logical("router", (3, 4)))
+        for s, e in enumerate(model.moe.slot_to_expert):
+            model.moe.weight[s] = _logical(f"expert{e}", EXPERT_SHAPE)
+    save_checkpoint(path, sharded_state_dict(model), group=world, manifest_fields={}, verify_replicas=True)
+    manifest = read_manifest(path)
+    writers = {e: manifest["tensors"][f"moe.experts.{e}.weight"]["chunks"] for e in range(3)}
+    assert [len(c) for c in writers.values()] == [1, 1, 1]
+    assert [writers[e][0]["file"][:9] for e in range(3)] == ["rank00000", "rank00000", "rank00001"]
+
+    fresh = WithExperts([[2, 2], [1, 1], [0, 0], [1, 2]][rank])
+    load_checkpoint(path, sharded_state_dict(fresh))
+    assert torch.equal(fresh.router.weight, _logical("router", (3, 4)))
+    for s, e in enumerate(fresh.moe.slot_to_expert):
+        assert torch.equal(fresh.moe.weight[s], _logical(f"expert{e}", EXPERT_SHAPE))
+
+    # A diverged replica on rank 3 fails the save on every rank; the previous checkpoint stays.
+    if rank == 3:
+        with torch.no_grad():
+            model.moe.weight[0] += 1.0
+    with pytest.raises(CheckpointError, match="replicas of logical tensor 'moe.experts.0.weight'.*rank 0 and rank 3"):
+        save_checkpoint(path, sharded_state_dict(model), group=world, manifest_fields={}, verify_replicas=True)
+    # A rank that fails to write fails the save everywhere, without a hang.
+    real_save_file = safetensors.torch.save_file
+    if rank == 1:                                                           # the writer of expert 2
+        safetensors.torch.save_file = _failing_save_file
+    try:
+        with pytest.raises(CheckpointError, match="while writing files: rank 1: OSError: disk full"):
+            save_checkpoint(path, sharded_state_dict(model), group=world, manifest_fields={})
+    finally:
+        safetensors.torch.save_file = real_save_file
+    dist.barrier()
+    assert read_manifest(path) == manifest and _leftovers(path) == []
+
+
+def _checkpoint_worker(rank, world_size, root):
+    world = dist.group.WORLD
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    _check_tp4_reshards(rank, root, world, pairs[rank // 2])
+    _check_dp_replicas_written_once(rank, root, world, pairs[rank // 2])
+    _check_expert_replicas_across_ranks(rank, root, world)
+    return rank
+
+
+@pytest.mark.slow
+def test_reshard_and_deduplicate_on_four_ranks(tmp_path):
+    assert run_on_ranks(_checkpoint_worker, 4, args=(str(tmp_path),)) == [0, 1, 2, 3]

@@ -1,0 +1,236 @@
+"""MoELayer under every EP x ETP layout, slot count, dispatcher and CPU backend against the
+single-rank layer without replicas: outputs, input / router / shared-expert gradients, and expert
+gradients summed over each expert's replicas. Plus the collectives each paradigm issues."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megamoe import comms
+from megamoe.moe.moe_layer import MoEConfig, MoELayer
+from megamoe.moe.router import RouterConfig
+from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.testing import run_on_ranks
+
+T, H, F, E, K = 24, 16, 8, 8, 2
+ATOL = 2e-5
+
+
+def _config(num_slots=None, dispatcher="alltoall", input_sharded=False, backend="loop", shared=True,
+            capacity_factor=None):
+    return MoEConfig(
+        router=RouterConfig(hidden_size=H, num_experts=E, top_k=K, norm_topk_prob=True),
+        ffn_hidden_size=F, num_expert_slots=num_slots, dispatcher=dispatcher, input_sharded=input_sharded,
+        expert_backend=backend, capacity_factor=capacity_factor,
+        shared_experts=SharedExpertsConfig(H, 2 * F, gate=True) if shared else None)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(123)
+    return torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+
+
+def _expert_grads(layer: MoELayer) -> dict[int, dict[str, torch.Tensor]]:
+    """expert id -> {gate, up, down} gradient of this rank's shards, summed over its local replicas,
+    placed in full-size (unsharded) HF-layout tensors (zeros outside this rank's ETP shard)."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    shard_f = F // layer.etp_size
+    lo, hi = layer.etp_rank * shard_f, (layer.etp_rank + 1) * shard_f
+    for local_slot, slot in enumerate(layer.local_slots):
+        expert = int(layer.placement.slot_to_expert[slot])
+        grads = layer.experts.expert_weight_shards(local_slot, grad=True)
+        full = out.setdefault(expert, {"gate": torch.zeros(F, H), "up": torch.zeros(F, H), "down": torch.zeros(H, F)})
+        full["gate"][lo:hi] += grads["gate"]
+        full["up"][lo:hi] += grads["up"]
+        full["down"][:, lo:hi] += grads["down"]
+    return out
+
+
+def _reference(config: MoEConfig, x, dy):
+    """The single-rank layer without replicas (same seed), its output and gradients."""
+    torch.manual_seed(7)
+    ref = MoELayer(MoEConfig(**{**config.__dict__, "num_expert_slots": E, "dispatcher": "alltoall",
+                                "input_sharded": False, "expert_backend": "loop"}))
+    xr = x.clone().requires_grad_()
+    out, aux = ref(xr)
+    out.backward(dy)
+    return ref, out.detach(), xr.grad
+
+
+def _close(a, b, what):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    assert torch.allclose(a, b, atol=ATOL, rtol=1e-4), f"{what}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def _check_layer(state, config: MoEConfig, check_comms: bool):
+    x, dy = _inputs()
+    ref, ref_out, ref_dx = _reference(config, x, dy)
+    ep_g, etp_g, group_g = state.ep.group, state.etp.group, state.ep_etp.group
+
+    torch.manual_seed(7)
+    layer = MoELayer(config, ep_group=ep_g, etp_group=etp_g, expert_group=group_g)
+    # Initialisation is layout-invariant: each slot holds its expert's reference weights.
+    for local_slot, slot in enumerate(layer.local_slots):
+        mine = layer.experts.expert_weight_shards(local_slot)
+        full = ref.experts.expert_weight_shards(int(layer.placement.slot_to_expert[slot]))
+        shard_f = F // layer.etp_size
+        sl = slice(layer.etp_rank * shard_f, (layer.etp_rank + 1) * shard_f)
+        _close(mine["gate"], full["gate"][sl], "init gate")
+        _close(mine["down"], full["down"][:, sl], "init down")
+    _close(layer.router.weight, ref.router.weight, "init router")
+
+    # Which tokens this rank holds, and which group must sum the replicated-parameter gradients.
+    if config.dispatcher == "alltoall":
+        token_rank, token_ranks, sum_group = state.ep.rank, state.ep.size, ep_g
+    elif config.input_sharded:
+        token_rank, token_ranks, sum_group = state.ep_etp.rank, state.ep_etp.size, group_g
+    else:
+        token_rank, token_ranks, sum_group = 0, 1, None
+    rows = slice(token_rank * T // token_ranks, (token_rank + 1) * T // token_ranks)
+
+    x_local = x[rows].clone().requires_grad_()
+    with comms.comm_counter() as fwd:
+        out, _ = layer(x_local)
+    with comms.comm_counter() as bwd:
+        out.backward(dy[rows])
+    _close(out, ref_out[rows], "output")
+    _close(x_local.grad, ref_dx[rows], "input grad")
+
+    def summed(t):
+        t = t.detach().clone()
+        if sum_group is not None:
+            dist.all_reduce(t, group=sum_group)
+        return t
+
+    _close(summed(layer.router.weight.grad), ref.router.weight.grad, "router grad")
+    _close(summed(layer.shared_experts.gate_weight.grad), ref.shared_experts.gate_weight.grad, "shared gate grad")
+    # Shared experts run on the dispatcher's token view: every token for all-gather, this rank's tokens
+    # for all-to-all (whose EP ranks hold different tokens, like data-parallel ranks).
+    shared_sum_group = ep_g if config.dispatcher == "alltoall" else None
+    shard_group_size = comms.group_size(layer.dispatcher.reduce_group)
+    shard_rank = comms.group_rank(layer.dispatcher.reduce_group)
+    for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+        expected = getattr(ref.shared_experts, name).grad.chunk(shard_group_size, dim=dim)[shard_rank]
+        grad = getattr(layer.shared_experts, name).grad.clone()
+        if shared_sum_group is not None:
+            dist.all_reduce(grad, group=shared_sum_group)
+        _close(grad, expected, f"shared {name} grad")
+
+    # Expert gradients: sum over every replica and ETP shard of the expert group.
+    mine = _expert_grads(layer)
+    for expert in range(E):
+        for name in ("gate", "up", "down"):
+            total = mine.get(expert, {}).get(name)
+            total = torch.zeros_like(ref.experts.expert_weight_shards(0)[name]) if total is None else total
+            if group_g is not None:
+                dist.all_reduce(total, group=group_g)
+            _close(total, ref.experts.expert_weight_shards(expert, grad=True)[name], f"expert {expert} {name} grad")
+
+    if check_comms:
+        _check_comm_volume(layer, config, state, x_local, fwd, bwd)
+
+
+def _check_comm_volume(layer, config, state, x_local, fwd, bwd):
+    reductions = fwd.calls("all_reduce") + fwd.calls("reduce_scatter")
+    if config.dispatcher == "allgather":
+        if state.ep_etp.size > 1:
+            # ONE reduction per layer forward, whatever the number of experts.
+            assert reductions == 1, fwd.kinds()
+            kind = "reduce_scatter" if config.input_sharded else "all_reduce"
+            assert fwd.calls(kind, state.ep_etp.group) == 1
+            assert fwd.bytes(kind) == T * H * 4
+            assert fwd.calls("all_to_all") == 0
+        else:
+            assert fwd.calls() == 0
+        return
+    # all-to-all: each token goes once to each EP rank holding >= 1 of its selected slots.
+    with torch.no_grad():
+        routing = layer.router(x_local)
+        slots = layer.experts_to_slots(routing.expert_ids)
+        dest = slots // layer.placement.slots_per_rank                      # [T_local, K]
+        sends = torch.zeros(state.ep.size, x_local.shape[0], dtype=torch.bool)
+        sends[dest.reshape(-1), torch.arange(x_local.shape[0]).repeat_interleave(K)] = True
+        send_counts = sends.sum(dim=1)
+    n_send = int(send_counts.sum())
+    all_counts = [torch.zeros_like(send_counts) for _ in range(state.ep.size)]
+    if state.ep.size > 1:
+        dist.all_gather(all_counts, send_counts, group=state.ep.group)
+        n_recv = int(sum(c[state.ep.rank] for c in all_counts))
+        token_bytes = (n_send + n_recv) * H * 4                            # dispatch + return
+        metadata_bytes = state.ep.size * 8 + n_send * K * (8 + 4)          # counts, slot ids, weights
+        assert fwd.bytes("all_to_all") == token_bytes + metadata_bytes, (fwd.bytes("all_to_all"), n_send, n_recv)
+        assert fwd.calls("all_to_all") == 5
+    else:
+        assert fwd.calls("all_to_all") == 0
+    assert fwd.calls("all_reduce") == (1 if state.etp.size > 1 else 0)
+
+
+LAYOUTS = [dict(ep=2, etp=1), dict(ep=4, etp=1), dict(ep=1, etp=2), dict(ep=2, etp=2)]
+
+
+def _layouts_worker(rank, world_size, backends):
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    checked = 0
+    for layout in LAYOUTS:
+        state = initialize_model_parallel(**layout)
+        ep = layout["ep"]
+        for num_slots in (E, E + ep, 2 * E):
+            for dispatcher, sharded in (("alltoall", False), ("allgather", False), ("allgather", True)):
+                for backend in backends:
+                    _check_layer(state, _config(num_slots, dispatcher, sharded, backend),
+                                 check_comms=backend == backends[0])
+                    checked += 1
+        destroy_model_parallel()
+    return checked
+
+
+@pytest.mark.slow
+def test_moe_layer_matches_single_rank_on_every_layout():
+    counts = run_on_ranks(_layouts_worker, 4, args=(("torch", "loop"),), timeout_s=600)
+    assert counts == [len(LAYOUTS) * 3 * 3 * 2] * 4
+
+
+def test_single_rank_dispatchers_backends_and_replicas_agree():
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    for backend in ("torch", "loop"):
+        for dispatcher in ("alltoall", "allgather"):
+            for num_slots in (E, E + 3, 2 * E):
+                _check_layer(state, _config(num_slots, dispatcher, False, backend), check_comms=True)
+
+
+def test_capacity_factor_drops_overflow_deterministically():
+    torch.manual_seed(0)
+    layer = MoELayer(_config(capacity_factor=0.5, shared=False))
+    x, _ = _inputs()
+    routing = layer.router(x)
+    slots = layer.experts_to_slots(routing.expert_ids)
+    capacity = -(-int(0.5 * T * K) // E)
+    kept = slots >= 0
+    per_expert = torch.bincount(routing.expert_ids[kept], minlength=E)
+    assert per_expert.max() <= capacity and (~kept).any()
+    # Earlier tokens win: a kept pair of expert e is never preceded by a dropped pair of e.
+    for e in range(E):
+        flags = kept[routing.expert_ids == e].tolist()
+        assert flags == sorted(flags, reverse=True)
+    out1, _ = layer(x)
+    out2, _ = layer(x)
+    assert torch.equal(out1, out2)
+    # Dropless layer differs exactly on tokens that lost a pair.
+    dropless = MoELayer(_config(shared=False))
+    dropless.load_state_dict(layer.state_dict())
+    lost = (~kept).any(dim=1)
+    same = torch.isclose(dropless(x)[0], out1, atol=1e-6).all(dim=1)
+    assert torch.equal(same, ~lost)
+
+
+def test_config_errors_name_the_field():
+    router = RouterConfig(hidden_size=H, num_experts=E, top_k=K)
+    with pytest.raises(ValueError, match="num_expert_slots"):
+        MoEConfig(router=router, ffn_hidden_size=F, num_expert_slots=E - 1)
+    with pytest.raises(ValueError, match="dispatcher"):
+        MoEConfig(router=router, ffn_hidden_size=F, dispatcher="broadcast")
+    with pytest.raises(ValueError, match="input_sharded"):
+        MoEConfig(router=router, ffn_hidden_size=F, input_sharded=True)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoEConfig(router=router, ffn_hidden_size=F, capacity_factor=0)

@@ -1,0 +1,431 @@
+"""Transformer blocks against transformers' own modules (fp32, one rank): RMSNorm, RoPE frequencies
+and layouts, GQA attention (Mixtral + sliding window, Qwen2-MoE qkv bias, Qwen3-MoE per-head q/k
+norm, OLMoE full-width q/k norm + clip), MLA (DeepSeek-V2 without q LoRA + yarn, DeepSeek-V3 with q
+LoRA, both rope layouts) and the dense MLP: outputs, input gradients and every weight gradient.
+Then every block under TP=2 and TP=4 (replicated KV heads) against the single-rank block.
+
+The ``*_config`` helpers below are the HF-config -> block-config mapping of each family.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import (DeepseekV2Config, DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                          Qwen3MoeConfig)
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+from transformers.models.mixtral import modeling_mixtral as hf_mixtral
+from transformers.models.olmoe import modeling_olmoe as hf_olmoe
+from transformers.models.qwen2_moe import modeling_qwen2_moe as hf_qwen2
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
+
+from megamoe import comms
+from megamoe.sharding import get_shard_spec
+from megamoe.testing import run_on_ranks
+from megamoe.transformer import (MLP, Attention, AttentionConfig, MLAConfig, MLPConfig, MultiHeadLatentAttention,
+                                 RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary)
+
+B, S, H = 2, 7, 32
+ATOL = 1e-5
+POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [5, 9, 10, 11, 20, 21, 40]])   # [B, S], not just arange
+
+
+def _close(a, b, what, atol=ATOL):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.allclose(a, b, atol=atol, rtol=0), f"{what}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def _data(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------
+# HF config -> block config, per family
+# ----------------------------------------------------------------------------------------------
+def _rope(cfg, dim, layout="half"):
+    return RopeConfig.from_hf(cfg.rope_parameters, dim=dim, max_position_embeddings=cfg.max_position_embeddings,
+                              layout=layout)
+
+
+def attention_config(cfg, layer_idx=0) -> AttentionConfig:
+    """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kind = cfg.model_type
+    if kind == "qwen2_moe":            # sliding only on layers marked so; sliding_window is 0 when unused
+        window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
+    else:                              # Mixtral: sliding_window; Qwen3: set only with use_sliding_window
+        window = getattr(cfg, "sliding_window", None)
+    qkv_bias = cfg.qkv_bias if kind == "qwen2_moe" else getattr(cfg, "attention_bias", False)
+    return AttentionConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim, rope=_rope(cfg, head_dim),
+        qkv_bias=qkv_bias, o_proj_bias=kind in ("qwen3_moe", "olmoe") and cfg.attention_bias,
+        qk_norm={"qwen3_moe": "per_head", "olmoe": "full_width"}.get(kind), norm_eps=cfg.rms_norm_eps,
+        sliding_window=window, clip_qkv=getattr(cfg, "clip_qkv", None), init_std=cfg.initializer_range)
+
+
+def mla_config(cfg) -> MLAConfig:
+    """DeepSeek-V2 (always interleaved rope) and DeepSeek-V3 (``rope_interleave``)."""
+    interleaved = cfg.model_type == "deepseek_v2" or cfg.rope_interleave
+    return MLAConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        rope=_rope(cfg, cfg.qk_rope_head_dim, "interleaved" if interleaved else "half"),
+        attention_bias=cfg.attention_bias, init_std=cfg.initializer_range)
+
+
+def mlp_config(cfg, intermediate_size=None) -> MLPConfig:
+    return MLPConfig(cfg.hidden_size, intermediate_size or cfg.intermediate_size, activation=cfg.hidden_act,
+                     bias=getattr(cfg, "mlp_bias", False), init_std=cfg.initializer_range)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny HF configs
+# ----------------------------------------------------------------------------------------------
+YARN_V2 = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707,
+               mscale_all_dim=0.707, beta_fast=32, beta_slow=1, rope_theta=10000.0)
+YARN_V3 = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0,
+               beta_fast=32, beta_slow=1, rope_theta=10000.0)
+
+
+def hf_configs():
+    common = dict(hidden_size=H, num_hidden_layers=1, max_position_embeddings=64, rms_norm_eps=1e-5)
+    return {
+        "mixtral": MixtralConfig(**common, num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+        "qwen2_moe": Qwen2MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, qkv_bias=True,
+                                    intermediate_size=24,
+                                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+        "qwen3_moe": Qwen3MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                    attention_bias=True,
+                                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                     "original_max_position_embeddings": 16}),
+        "olmoe": OlmoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, clip_qkv=2.5,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        "deepseek_v2": DeepseekV2Config(**common, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=24,
+                                        mlp_bias=True, rope_parameters=dict(YARN_V2)),
+        "deepseek_v3": DeepseekV3Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
+                                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, attention_bias=True,
+                                        rope_parameters=dict(YARN_V3)),
+    }
+
+
+HF_ATTENTION = {"mixtral": hf_mixtral.MixtralAttention, "qwen2_moe": hf_qwen2.Qwen2MoeAttention,
+                "qwen3_moe": hf_qwen3.Qwen3MoeAttention, "olmoe": hf_olmoe.OlmoeAttention}
+HF_ROTARY = {"mixtral": hf_mixtral.MixtralRotaryEmbedding, "qwen2_moe": hf_qwen2.Qwen2MoeRotaryEmbedding,
+             "qwen3_moe": hf_qwen3.Qwen3MoeRotaryEmbedding, "olmoe": hf_olmoe.OlmoeRotaryEmbedding,
+             "deepseek_v2": hf_v2.DeepseekV2RotaryEmbedding, "deepseek_v3": hf_v3.DeepseekV3RotaryEmbedding}
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparison machinery
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def _randomize(module, seed):
+    """Every parameter of an HF module to random values (norm weights around one)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        noise = torch.randn(p.shape, generator=g) * 0.2
+        p.copy_(1.0 + noise if "norm" in name else noise)
+
+
+@torch.no_grad()
+def _load_full(block, full_params: dict):
+    """Copy each parameter's shard (per its ShardSpec) out of full logical tensors keyed by HF name."""
+    assert set(dict(block.named_parameters())) == set(full_params), "parameter names differ from HF's"
+    for name, p in block.named_parameters():
+        p.copy_(get_shard_spec(p).slice_of(full_params[name]))
+
+
+def _hf_mask(window=None):
+    q_idx, kv_idx = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    allowed = fn(0, 0, q_idx, kv_idx)
+    return torch.zeros(S, S).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+
+def _compare_with_hf(ours, run_ours, hf, run_hf, what):
+    """Same input and output gradient through both; outputs, input and weight gradients must agree."""
+    x_ours = _data(1, B, S, H).requires_grad_()
+    x_hf = x_ours.detach().clone().requires_grad_()
+    dy = _data(2, B, S, H) * 0.1            # keeps weight gradients O(1), so 1e-5 is ~10x fp32 rounding
+    y_ours, y_hf = run_ours(x_ours), run_hf(x_hf)
+    _close(y_ours, y_hf, f"{what} output")
+    y_ours.backward(dy)
+    y_hf.backward(dy)
+    _close(x_ours.grad, x_hf.grad, f"{what} input grad")
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        _close(p.grad, hf_params[name].grad, f"{what} grad of {name}")
+
+
+def _hf_attention(kind, cfg):
+    cfg._attn_implementation = "eager"
+    hf = (hf_v2.DeepseekV2Attention if kind == "deepseek_v2" else hf_v3.DeepseekV3Attention
+          if kind == "deepseek_v3" else HF_ATTENTION[kind])(cfg, layer_idx=0)
+    _randomize(hf, seed=len(kind))
+    rotary = HF_ROTARY[kind](cfg)
+    window = getattr(cfg, "sliding_window", None) if kind == "mixtral" else None
+    mask = _hf_mask(window)
+
+    def run(x):
+        pos_emb = rotary(x, POSITIONS)
+        if kind == "deepseek_v2":
+            return hf(x, attention_mask=mask, position_embeddings=pos_emb)[0]
+        return hf(x, position_embeddings=pos_emb, attention_mask=mask)[0]
+    return hf, run
+
+
+# ----------------------------------------------------------------------------------------------
+# Single-rank tests against HF
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_attention_matches_hf(kind):
+    cfg = hf_configs()[kind]
+    hf, run_hf = _hf_attention(kind, cfg)
+    ours = Attention(attention_config(cfg))
+    _load_full(ours, dict(hf.named_parameters()))
+    _compare_with_hf(ours, lambda x: ours(x, POSITIONS), hf, run_hf, kind)
+
+
+def test_attention_config_mapping():
+    configs = hf_configs()
+    assert attention_config(configs["mixtral"]).sliding_window == 3
+    assert attention_config(configs["qwen2_moe"]).qkv_bias and attention_config(configs["qwen2_moe"]).sliding_window is None
+    qwen3 = attention_config(configs["qwen3_moe"])
+    assert qwen3.qk_norm == "per_head" and qwen3.head_dim == 12 and qwen3.o_proj_bias
+    olmoe = attention_config(configs["olmoe"])
+    assert olmoe.qk_norm == "full_width" and olmoe.clip_qkv == 2.5
+    # Qwen2-MoE's sliding layers: the odd-numbered layer pattern HF derives from use_sliding_window.
+    sliding = Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                             use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    assert [attention_config(sliding, i).sliding_window for i in range(2)] == [5, None]
+
+
+@pytest.mark.parametrize("kind,rope_interleave", [("deepseek_v2", None), ("deepseek_v3", True),
+                                                  ("deepseek_v3", False)])
+def test_mla_matches_hf(kind, rope_interleave):
+    cfg = hf_configs()[kind]
+    if rope_interleave is not None:
+        cfg.rope_interleave = rope_interleave
+    hf, run_hf = _hf_attention(kind, cfg)
+    config = mla_config(cfg)
+    assert config.rope.softmax_scale_factor() != 1.0          # the yarn mscale correction is exercised
+    ours = MultiHeadLatentAttention(config)
+    _load_full(ours, dict(hf.named_parameters()))
+    assert abs(config.softmax_scale - hf.scaling) < 1e-12
+    _compare_with_hf(ours, lambda x: ours(x, POSITIONS), hf, run_hf, f"{kind} interleave={rope_interleave}")
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v2"])
+def test_mlp_matches_hf(kind):
+    cfg = hf_configs()[kind]
+    hf = (hf_qwen2.Qwen2MoeMLP if kind == "qwen2_moe" else hf_v2.DeepseekV2MLP)(cfg)
+    _randomize(hf, seed=3)
+    ours = MLP(mlp_config(cfg))
+    _load_full(ours, dict(hf.named_parameters()))
+    _compare_with_hf(ours, ours, hf, hf, f"{kind} mlp")
+
+
+def test_rms_norm_matches_hf():
+    hf = hf_mixtral.MixtralRMSNorm(H, eps=1e-5)
+    _randomize(hf, seed=4)
+    ours = RMSNorm(H, eps=1e-5)
+    _load_full(ours, dict(hf.named_parameters()))
+    _compare_with_hf(ours, ours, hf, hf, "rms norm")
+    x16 = _data(5, B, S, H).bfloat16()
+    with torch.no_grad():                     # fp32 compute, cast back before the weight: bitwise as HF
+        assert torch.equal(ours.bfloat16()(x16), hf.bfloat16()(x16))
+    ours.reset_parameters()
+    assert torch.equal(ours.weight, torch.ones(H, dtype=ours.weight.dtype))
+
+
+ROPE_PARAMETERS = [
+    {"rope_type": "default", "rope_theta": 5000.0},
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+    {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 1e4},                       # positions exceed 16
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1e4},
+    {**YARN_V2, "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "attention_factor": 0.8,
+     "beta_fast": 16, "beta_slow": 2, "truncate": False, "rope_theta": 1e4},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8, "rope_theta": 5e5},
+]
+
+
+@pytest.mark.parametrize("params", ROPE_PARAMETERS, ids=lambda p: p["rope_type"])
+def test_rope_frequencies_match_hf(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    dim = 16
+    cfg = MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=dim,
+                        max_position_embeddings=16, rope_parameters=dict(params))
+    config = RopeConfig.from_hf(cfg.rope_parameters, dim=dim, max_position_embeddings=16)
+    if params["rope_type"] != "default":
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg)
+        _close(config.inv_freq(), inv_freq, "inv_freq", atol=0)
+        assert config.attention_scaling() == pytest.approx(scaling, abs=1e-12)
+    cos, sin = hf_mixtral.MixtralRotaryEmbedding(cfg)(torch.zeros(1), POSITIONS)
+    ours_cos, ours_sin = RotaryEmbedding(config)(POSITIONS)
+    _close(ours_cos, cos[..., : dim // 2], "cos", atol=1e-6)
+    _close(ours_sin, sin[..., : dim // 2], "sin", atol=1e-6)
+    _close(cos[..., dim // 2:], cos[..., : dim // 2], "HF cos is cat(freqs, freqs)", atol=0)
+
+
+def test_rope_layouts_match_hf():
+    dim = 8
+    cfg = hf_configs()["deepseek_v2"]
+    config = mla_config(cfg).rope
+    q, k = _data(6, B, 3, S, dim), _data(7, B, 1, S, dim)
+    cos, sin = RotaryEmbedding(config)(POSITIONS)
+    # DeepSeek-V2: complex multiplication of interleaved pairs; same angles, pairs stay in place.
+    freqs_cis = hf_v2.DeepseekV2RotaryEmbedding(cfg)(q, POSITIONS)
+    _close(cos, freqs_cis.real, "V2 cos", atol=1e-6)
+    _close(sin, freqs_cis.imag, "V2 sin", atol=1e-6)
+    q_cos, q_sin = _data(8, B, S, dim // 2), _data(9, B, S, dim // 2)     # arbitrary angles test the algebra
+    hf_q, hf_k = hf_v2.apply_rotary_emb(q[..., :4], k[..., :4], torch.complex(q_cos[..., :2], q_sin[..., :2]))
+    _close(apply_rotary(q[..., :4], q_cos[..., :2], q_sin[..., :2], "interleaved"), hf_q, "V2 q")
+    _close(apply_rotary(k[..., :4], q_cos[..., :2], q_sin[..., :2], "interleaved"), hf_k, "V2 k")
+    # DeepSeek-V3 (rope_interleave): the same rotation written de-interleaved.
+    full_cos, full_sin = torch.cat([q_cos, q_cos], -1), torch.cat([q_sin, q_sin], -1)
+    hf_q, hf_k = hf_v3.apply_rotary_pos_emb_interleave(q, k, full_cos, full_sin)
+    deinterleave = torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
+    _close(apply_rotary(q, q_cos, q_sin, "interleaved")[..., deinterleave], hf_q, "V3 interleave q")
+    _close(apply_rotary(k, q_cos, q_sin, "interleaved")[..., deinterleave], hf_k, "V3 interleave k")
+    # rotate_half (Llama family, V3 without rope_interleave).
+    hf_q, hf_k = hf_v3.apply_rotary_pos_emb(q, k, full_cos, full_sin)
+    _close(apply_rotary(q, q_cos, q_sin, "half"), hf_q, "rotate_half q")
+    _close(apply_rotary(k, q_cos, q_sin, "half"), hf_k, "rotate_half k")
+
+
+class _ConcatCache:
+    """The simplest cache honouring the seam: append along the sequence dim (-2)."""
+
+    def __init__(self):
+        self.entries = None
+
+    def update(self, a, b):
+        self.entries = (a, b) if self.entries is None else tuple(
+            torch.cat([old, new], dim=-2) for old, new in zip(self.entries, (a, b)))
+        return self.entries
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_kv_cache_seam(kind):
+    """Prefill 4 tokens, then decode 3 one at a time: same outputs as one full forward (the mask is
+    aligned to the end of the keys, sliding window included)."""
+    cfg = hf_configs()[kind]
+    block = Attention(attention_config(cfg)) if kind == "mixtral" else MultiHeadLatentAttention(mla_config(cfg))
+    x = _data(10, B, S, H)
+    with torch.no_grad():
+        full = block(x, POSITIONS)
+        cache = _ConcatCache()
+        steps = [block(x[:, :4], POSITIONS[:, :4], kv_cache=cache)]
+        steps += [block(x[:, t:t + 1], POSITIONS[:, t:t + 1], kv_cache=cache) for t in range(4, S)]
+    _close(torch.cat(steps, dim=1), full, f"{kind} cached decode")
+
+
+def test_configs_validate_themselves():
+    rope = RopeConfig(dim=8)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        AttentionConfig(hidden_size=H, num_attention_heads=6, num_key_value_heads=4, head_dim=8, rope=rope)
+    with pytest.raises(ValueError, match="rope.dim"):
+        AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope=rope)
+    with pytest.raises(ValueError, match="qk_norm"):
+        AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope=rope,
+                        qk_norm="olmo")
+    with pytest.raises(ValueError, match="sliding_window"):
+        AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope=rope,
+                        sliding_window=0)
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        MLAConfig(hidden_size=H, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8,
+                  qk_rope_head_dim=4, v_head_dim=8, rope=rope)
+    with pytest.raises(ValueError, match="rope_type"):
+        RopeConfig.from_hf({"rope_type": "longrope"}, dim=8, max_position_embeddings=16)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        RopeConfig.from_hf({"rope_type": "default", "partial_rotary_factor": 0.5}, dim=8, max_position_embeddings=16)
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        RopeConfig(dim=8, rope_type="yarn", factor=4.0)
+    with pytest.raises(ValueError, match="RopeConfig.dim"):
+        RopeConfig(dim=7)
+    with pytest.raises(ValueError, match="MLPConfig.activation"):
+        MLPConfig(H, 16, activation="swish")
+    with pytest.raises(ValueError, match="eps"):
+        RMSNorm(H, eps=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: every block under TP equals the single-rank block
+# ----------------------------------------------------------------------------------------------
+def _blocks():
+    """name -> (constructor(tp_group), calls (forward, backward) all-reduces expected under TP=2)."""
+    configs = hf_configs()
+    blocks = {}
+    for kind, calls in [("mixtral", (1, 1)), ("qwen2_moe", (1, 1)),
+                        ("qwen3_moe", (1, 3)),   # + the per-head q/k norm weight grads
+                        ("olmoe", (3, 3))]:      # + the full-width q/k norm sums of squares, each way
+        config = attention_config(configs[kind])
+        blocks[kind] = (lambda group, c=config: Attention(c, tp_group=group), calls)
+    blocks["deepseek_v2"] = (lambda group, c=mla_config(configs["deepseek_v2"]): MultiHeadLatentAttention(
+        c, tp_group=group), (1, 2))              # q_proj's input grad + the kv latents' grad
+    blocks["deepseek_v3"] = (lambda group, c=mla_config(configs["deepseek_v3"]): MultiHeadLatentAttention(
+        c, tp_group=group), (1, 1))              # one all-reduce for all latents
+    blocks["mlp"] = (lambda group, c=mlp_config(configs["deepseek_v2"]): MLP(c, tp_group=group), (1, 1))
+    return blocks
+
+
+def _check_block_under_tp(name, make, expected_calls, group):
+    tp = comms.group_size(group)
+    ref, par = make(None), make(group)
+    ref.reset_parameters(torch.Generator().manual_seed(11))
+    par.reset_parameters(torch.Generator().manual_seed(11))
+    ref_params = dict(ref.named_parameters())
+    for pname, p in par.named_parameters():          # seeded init is layout-invariant
+        _close(p, get_shard_spec(p).slice_of(ref_params[pname]), f"{name} tp={tp} init of {pname}", atol=0)
+    _randomize(ref, seed=12)                           # beyond ones / zeros, so every weight matters
+    _load_full(par, {k: v.detach() for k, v in ref_params.items()})
+
+    call = (lambda m, x: m(x)) if name == "mlp" else (lambda m, x: m(x, POSITIONS))
+    x_ref = _data(1, B, S, H).requires_grad_()
+    x_par = x_ref.detach().clone().requires_grad_()
+    dy = _data(2, B, S, H) * 0.1
+    y_ref = call(ref, x_ref)
+    y_ref.backward(dy)
+    with comms.comm_counter() as forward:
+        y_par = call(par, x_par)
+    with comms.comm_counter() as backward:
+        y_par.backward(dy)
+    _close(y_par, y_ref, f"{name} tp={tp} output")
+    _close(x_par.grad, x_ref.grad, f"{name} tp={tp} input grad")
+    for pname, p in par.named_parameters():
+        _close(p.grad, get_shard_spec(p).slice_of(ref_params[pname].grad), f"{name} tp={tp} grad of {pname}")
+    assert set(forward.kinds()) == set(backward.kinds()) == {"all_reduce"}, (forward.kinds(), backward.kinds())
+    if tp == 2:
+        assert (forward.calls(), backward.calls()) == expected_calls, (name, forward.calls(), backward.calls())
+
+
+def _tp_worker(rank, world_size):
+    # TP = 4 (world: 2 KV heads, so each is replicated on 2 ranks) and TP = 2 (pairs) in one spawn.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for group in (dist.group.WORLD, pairs[rank // 2]):
+        for name, (make, calls) in _blocks().items():
+            _check_block_under_tp(name, make, calls, group)
+    rope = RopeConfig(dim=8)
+    errors = []
+    for heads, kv_heads in [(6, 6), (8, 3)]:           # heads not divisible by 4; 3 KV heads vs TP 4
+        try:
+            Attention(AttentionConfig(hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      head_dim=8, rope=rope), tp_group=dist.group.WORLD)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.slow
+def test_blocks_under_tensor_parallelism():
+    for errors in run_on_ranks(_tp_worker, 4):
+        assert len(errors) == 2
+        assert "num_attention_heads (6)" in errors[0] and "tensor-parallel size (4)" in errors[0]
+        assert "num_key_value_heads (3)" in errors[1]
