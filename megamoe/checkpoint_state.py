@@ -145,7 +145,7 @@ def _same_view_of(state: torch.Tensor, param: torch.Tensor, view: torch.Tensor) 
         raise ValueError(f"optimizer state strides {state.stride()} differ from the parameter's {param.stride()}; "
                          "cannot map the parameter's chunks onto it")
     delta = view.storage_offset() - param.storage_offset()
-    return state.as_strided(view.shape, view.stride(), state.storage_offset())
+    return state.as_strided(view.shape, view.stride(), state.storage_offset() + delta)
 
 
 def optimizer_chunks(optimizer: torch.optim.Optimizer,

@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 __all__ = [
     "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
     "all_reduce_", "all_gather_into", "all_gather_object", "all_to_all_counts", "broadcast_", "send", "recv",
-    "barrier",
+    "batch_send_recv", "barrier",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
@@ -392,3 +392,45 @@ def all_to_all(
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched point-to-point (pipeline parallelism)
+# ----------------------------------------------------------------------------------------------
+def batch_send_recv(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: ProcessGroup | None,
+) -> list[torch.Tensor]:
+    """Post every send ``(tensor, dst_global_rank)`` and receive ``(buffer, src_global_rank)`` of this
+    rank at once, then wait for all of them; returns the receive buffers (filled in place), in order.
+
+    Why batched: two neighbouring pipeline stages often exchange in both directions at the same
+    moment (activation one way, gradient the other). With blocking ``send`` then ``recv`` on both
+    sides, each waits for the other's receive (gloo) and they deadlock; posting everything before
+    waiting cannot. Messages between the same pair of ranks in the same direction are matched in
+    the order they are posted, on both sides.
+
+    Peers are GLOBAL ranks that belong to ``group``. Each send counts as one "send" (its bytes) and
+    each receive as one "recv" (the buffer's bytes), both keyed by ``group``. ``group=None`` is one
+    rank: only empty lists are accepted (there is nobody to talk to).
+    """
+    if not sends and not recvs:
+        return []
+    if group_size(group) == 1:
+        raise ValueError(
+            "batch_send_recv: group has one rank (None), so there is no peer; pass the pipeline's "
+            "process group, or no sends/recvs"
+        )
+    ops = []
+    for tensor, dst in sends:
+        _record("send", group, tensor)
+        ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer=dst, group=group))
+    for buffer, src in recvs:
+        if not buffer.is_contiguous():
+            raise ValueError("batch_send_recv: receive buffers must be contiguous (received in place)")
+        _record("recv", group, buffer)
+        ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return [buffer for buffer, _ in recvs]

@@ -126,6 +126,19 @@ def _check_layer(state, config: MoEConfig, check_comms: bool):
                 dist.all_reduce(total, group=group_g)
             _close(total, ref.experts.expert_weight_shards(expert, grad=True)[name], f"expert {expert} {name} grad")
 
+    # After the replica reduction every slot holds its expert's full (ETP-shard) gradient.
+    layer.reduce_replica_grads()
+    for local_slot, slot in enumerate(layer.local_slots):
+        expert = int(layer.placement.slot_to_expert[slot])
+        if layer.placement.replica_counts[expert] == 1:
+            continue
+        mine = layer.experts.expert_weight_shards(local_slot, grad=True)
+        full = ref.experts.expert_weight_shards(expert, grad=True)
+        shard_f = F // layer.etp_size
+        sl = slice(layer.etp_rank * shard_f, (layer.etp_rank + 1) * shard_f)
+        _close(mine["gate"], full["gate"][sl], f"replica slot {slot} of expert {expert}: summed gate grad")
+        _close(mine["down"], full["down"][:, sl], f"replica slot {slot} of expert {expert}: summed down grad")
+
     if check_comms:
         _check_comm_volume(layer, config, state, x_local, fwd, bwd)
 

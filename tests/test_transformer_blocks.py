@@ -7,24 +7,47 @@ Then every block under TP=2 and TP=4 (replicated KV heads) against the single-ra
 The ``*_config`` helpers below are the HF-config -> block-config mapping of each family.
 """
 
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import (DeepseekV2Config, DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
-                          Qwen3MoeConfig)
-from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
-from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
-from transformers.models.mixtral import modeling_mixtral as hf_mixtral
-from transformers.models.olmoe import modeling_olmoe as hf_olmoe
-from transformers.models.qwen2_moe import modeling_qwen2_moe as hf_qwen2
-from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 
 from megamoe import comms
 from megamoe.sharding import get_shard_spec
 from megamoe.testing import run_on_ranks
 from megamoe.transformer import (MLP, Attention, AttentionConfig, MLAConfig, MLPConfig, MultiHeadLatentAttention,
                                  RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary)
+
+
+@functools.cache
+def _hf():
+    """transformers, imported on first use: the spawned TP ranks compare our blocks with each other
+    and skip this import (seconds per rank)."""
+    import transformers
+    from transformers import masking_utils, modeling_rope_utils
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.olmoe import modeling_olmoe
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+    return SimpleNamespace(
+        transformers=transformers, masking=masking_utils, rope_utils=modeling_rope_utils,
+        mixtral=modeling_mixtral, v2=modeling_deepseek_v2, v3=modeling_deepseek_v3,
+        attention={"mixtral": modeling_mixtral.MixtralAttention, "qwen2_moe": modeling_qwen2_moe.Qwen2MoeAttention,
+                   "qwen3_moe": modeling_qwen3_moe.Qwen3MoeAttention, "olmoe": modeling_olmoe.OlmoeAttention,
+                   "deepseek_v2": modeling_deepseek_v2.DeepseekV2Attention,
+                   "deepseek_v3": modeling_deepseek_v3.DeepseekV3Attention},
+        rotary={"mixtral": modeling_mixtral.MixtralRotaryEmbedding,
+                "qwen2_moe": modeling_qwen2_moe.Qwen2MoeRotaryEmbedding,
+                "qwen3_moe": modeling_qwen3_moe.Qwen3MoeRotaryEmbedding,
+                "olmoe": modeling_olmoe.OlmoeRotaryEmbedding,
+                "deepseek_v2": modeling_deepseek_v2.DeepseekV2RotaryEmbedding,
+                "deepseek_v3": modeling_deepseek_v3.DeepseekV3RotaryEmbedding},
+        mlp={"qwen2_moe": modeling_qwen2_moe.Qwen2MoeMLP, "deepseek_v2": modeling_deepseek_v2.DeepseekV2MLP})
+
 
 B, S, H = 2, 7, 32
 ATOL = 1e-5
@@ -91,33 +114,27 @@ YARN_V3 = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8,
 
 
 def hf_configs():
+    t = _hf().transformers
     common = dict(hidden_size=H, num_hidden_layers=1, max_position_embeddings=64, rms_norm_eps=1e-5)
     return {
-        "mixtral": MixtralConfig(**common, num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
+        "mixtral": t.MixtralConfig(**common, num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
-        "qwen2_moe": Qwen2MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, qkv_bias=True,
+        "qwen2_moe": t.Qwen2MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, qkv_bias=True,
                                     intermediate_size=24,
                                     rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-        "qwen3_moe": Qwen3MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        "qwen3_moe": t.Qwen3MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                                     attention_bias=True,
                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                      "original_max_position_embeddings": 16}),
-        "olmoe": OlmoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, clip_qkv=2.5,
+        "olmoe": t.OlmoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, clip_qkv=2.5,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
-        "deepseek_v2": DeepseekV2Config(**common, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        "deepseek_v2": t.DeepseekV2Config(**common, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16,
                                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=24,
                                         mlp_bias=True, rope_parameters=dict(YARN_V2)),
-        "deepseek_v3": DeepseekV3Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
+        "deepseek_v3": t.DeepseekV3Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
                                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, attention_bias=True,
                                         rope_parameters=dict(YARN_V3)),
     }
-
-
-HF_ATTENTION = {"mixtral": hf_mixtral.MixtralAttention, "qwen2_moe": hf_qwen2.Qwen2MoeAttention,
-                "qwen3_moe": hf_qwen3.Qwen3MoeAttention, "olmoe": hf_olmoe.OlmoeAttention}
-HF_ROTARY = {"mixtral": hf_mixtral.MixtralRotaryEmbedding, "qwen2_moe": hf_qwen2.Qwen2MoeRotaryEmbedding,
-             "qwen3_moe": hf_qwen3.Qwen3MoeRotaryEmbedding, "olmoe": hf_olmoe.OlmoeRotaryEmbedding,
-             "deepseek_v2": hf_v2.DeepseekV2RotaryEmbedding, "deepseek_v3": hf_v3.DeepseekV3RotaryEmbedding}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +159,8 @@ def _load_full(block, full_params: dict):
 
 def _hf_mask(window=None):
     q_idx, kv_idx = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    masking = _hf().masking
+    fn = masking.causal_mask_function if window is None else masking.sliding_window_causal_mask_function(window)
     allowed = fn(0, 0, q_idx, kv_idx)
     return torch.zeros(S, S).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
@@ -164,10 +182,9 @@ def _compare_with_hf(ours, run_ours, hf, run_hf, what):
 
 def _hf_attention(kind, cfg):
     cfg._attn_implementation = "eager"
-    hf = (hf_v2.DeepseekV2Attention if kind == "deepseek_v2" else hf_v3.DeepseekV3Attention
-          if kind == "deepseek_v3" else HF_ATTENTION[kind])(cfg, layer_idx=0)
+    hf = _hf().attention[kind](cfg, layer_idx=0)
     _randomize(hf, seed=len(kind))
-    rotary = HF_ROTARY[kind](cfg)
+    rotary = _hf().rotary[kind](cfg)
     window = getattr(cfg, "sliding_window", None) if kind == "mixtral" else None
     mask = _hf_mask(window)
 
@@ -200,7 +217,7 @@ def test_attention_config_mapping():
     olmoe = attention_config(configs["olmoe"])
     assert olmoe.qk_norm == "full_width" and olmoe.clip_qkv == 2.5
     # Qwen2-MoE's sliding layers: the odd-numbered layer pattern HF derives from use_sliding_window.
-    sliding = Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+    sliding = _hf().transformers.Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                              use_sliding_window=True, sliding_window=5, max_window_layers=2)
     assert [attention_config(sliding, i).sliding_window for i in range(2)] == [5, None]
 
@@ -223,7 +240,7 @@ def test_mla_matches_hf(kind, rope_interleave):
 @pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v2"])
 def test_mlp_matches_hf(kind):
     cfg = hf_configs()[kind]
-    hf = (hf_qwen2.Qwen2MoeMLP if kind == "qwen2_moe" else hf_v2.DeepseekV2MLP)(cfg)
+    hf = _hf().mlp[kind](cfg)
     _randomize(hf, seed=3)
     ours = MLP(mlp_config(cfg))
     _load_full(ours, dict(hf.named_parameters()))
@@ -231,7 +248,7 @@ def test_mlp_matches_hf(kind):
 
 
 def test_rms_norm_matches_hf():
-    hf = hf_mixtral.MixtralRMSNorm(H, eps=1e-5)
+    hf = _hf().mixtral.MixtralRMSNorm(H, eps=1e-5)
     _randomize(hf, seed=4)
     ours = RMSNorm(H, eps=1e-5)
     _load_full(ours, dict(hf.named_parameters()))
@@ -258,16 +275,15 @@ ROPE_PARAMETERS = [
 
 @pytest.mark.parametrize("params", ROPE_PARAMETERS, ids=lambda p: p["rope_type"])
 def test_rope_frequencies_match_hf(params):
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     dim = 16
-    cfg = MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=dim,
+    cfg = _hf().transformers.MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=dim,
                         max_position_embeddings=16, rope_parameters=dict(params))
     config = RopeConfig.from_hf(cfg.rope_parameters, dim=dim, max_position_embeddings=16)
     if params["rope_type"] != "default":
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg)
+        inv_freq, scaling = _hf().rope_utils.ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg)
         _close(config.inv_freq(), inv_freq, "inv_freq", atol=0)
         assert config.attention_scaling() == pytest.approx(scaling, abs=1e-12)
-    cos, sin = hf_mixtral.MixtralRotaryEmbedding(cfg)(torch.zeros(1), POSITIONS)
+    cos, sin = _hf().mixtral.MixtralRotaryEmbedding(cfg)(torch.zeros(1), POSITIONS)
     ours_cos, ours_sin = RotaryEmbedding(config)(POSITIONS)
     _close(ours_cos, cos[..., : dim // 2], "cos", atol=1e-6)
     _close(ours_sin, sin[..., : dim // 2], "sin", atol=1e-6)
@@ -281,6 +297,7 @@ def test_rope_layouts_match_hf():
     q, k = _data(6, B, 3, S, dim), _data(7, B, 1, S, dim)
     cos, sin = RotaryEmbedding(config)(POSITIONS)
     # DeepSeek-V2: complex multiplication of interleaved pairs; same angles, pairs stay in place.
+    hf_v2, hf_v3 = _hf().v2, _hf().v3
     freqs_cis = hf_v2.DeepseekV2RotaryEmbedding(cfg)(q, POSITIONS)
     _close(cos, freqs_cis.real, "V2 cos", atol=1e-6)
     _close(sin, freqs_cis.imag, "V2 sin", atol=1e-6)
@@ -359,26 +376,28 @@ def test_configs_validate_themselves():
 # ----------------------------------------------------------------------------------------------
 # Tensor parallelism: every block under TP equals the single-rank block
 # ----------------------------------------------------------------------------------------------
-def _blocks():
-    """name -> (constructor(tp_group), calls (forward, backward) all-reduces expected under TP=2)."""
+BLOCK_TYPES = {"attention": Attention, "mla": MultiHeadLatentAttention, "mlp": MLP}
+
+
+def _tp_cases():
+    """(name, block type, config, (forward, backward) all-reduces expected under TP=2), built in the
+    parent from the HF configs and shipped to the ranks."""
     configs = hf_configs()
-    blocks = {}
-    for kind, calls in [("mixtral", (1, 1)), ("qwen2_moe", (1, 1)),
-                        ("qwen3_moe", (1, 3)),   # + the per-head q/k norm weight grads
-                        ("olmoe", (3, 3))]:      # + the full-width q/k norm sums of squares, each way
-        config = attention_config(configs[kind])
-        blocks[kind] = (lambda group, c=config: Attention(c, tp_group=group), calls)
-    blocks["deepseek_v2"] = (lambda group, c=mla_config(configs["deepseek_v2"]): MultiHeadLatentAttention(
-        c, tp_group=group), (1, 2))              # q_proj's input grad + the kv latents' grad
-    blocks["deepseek_v3"] = (lambda group, c=mla_config(configs["deepseek_v3"]): MultiHeadLatentAttention(
-        c, tp_group=group), (1, 1))              # one all-reduce for all latents
-    blocks["mlp"] = (lambda group, c=mlp_config(configs["deepseek_v2"]): MLP(c, tp_group=group), (1, 1))
-    return blocks
+    return [
+        ("mixtral", "attention", attention_config(configs["mixtral"]), (1, 1)),
+        ("qwen2_moe", "attention", attention_config(configs["qwen2_moe"]), (1, 1)),
+        ("qwen3_moe", "attention", attention_config(configs["qwen3_moe"]), (1, 3)),   # + per-head norm weight grads
+        ("olmoe", "attention", attention_config(configs["olmoe"]), (3, 3)),   # + q/k sums of squares, each way
+        ("deepseek_v2", "mla", mla_config(configs["deepseek_v2"]), (1, 2)),   # q_proj input grad + kv latents
+        ("deepseek_v3", "mla", mla_config(configs["deepseek_v3"]), (1, 1)),   # one all-reduce for all latents
+        ("mlp", "mlp", mlp_config(configs["deepseek_v2"]), (1, 1)),
+    ]
 
 
-def _check_block_under_tp(name, make, expected_calls, group):
+def _check_block_under_tp(name, block_type, config, expected_calls, group):
     tp = comms.group_size(group)
-    ref, par = make(None), make(group)
+    ref = BLOCK_TYPES[block_type](config)
+    par = BLOCK_TYPES[block_type](config, tp_group=group)
     ref.reset_parameters(torch.Generator().manual_seed(11))
     par.reset_parameters(torch.Generator().manual_seed(11))
     ref_params = dict(ref.named_parameters())
@@ -387,7 +406,7 @@ def _check_block_under_tp(name, make, expected_calls, group):
     _randomize(ref, seed=12)                           # beyond ones / zeros, so every weight matters
     _load_full(par, {k: v.detach() for k, v in ref_params.items()})
 
-    call = (lambda m, x: m(x)) if name == "mlp" else (lambda m, x: m(x, POSITIONS))
+    call = (lambda m, x: m(x)) if block_type == "mlp" else (lambda m, x: m(x, POSITIONS))
     x_ref = _data(1, B, S, H).requires_grad_()
     x_par = x_ref.detach().clone().requires_grad_()
     dy = _data(2, B, S, H) * 0.1
@@ -406,12 +425,12 @@ def _check_block_under_tp(name, make, expected_calls, group):
         assert (forward.calls(), backward.calls()) == expected_calls, (name, forward.calls(), backward.calls())
 
 
-def _tp_worker(rank, world_size):
+def _tp_worker(rank, world_size, cases):
     # TP = 4 (world: 2 KV heads, so each is replicated on 2 ranks) and TP = 2 (pairs) in one spawn.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for group in (dist.group.WORLD, pairs[rank // 2]):
-        for name, (make, calls) in _blocks().items():
-            _check_block_under_tp(name, make, calls, group)
+        for case in cases:
+            _check_block_under_tp(*case, group)
     rope = RopeConfig(dim=8)
     errors = []
     for heads, kv_heads in [(6, 6), (8, 3)]:           # heads not divisible by 4; 3 KV heads vs TP 4
@@ -425,7 +444,7 @@ def _tp_worker(rank, world_size):
 
 @pytest.mark.slow
 def test_blocks_under_tensor_parallelism():
-    for errors in run_on_ranks(_tp_worker, 4):
+    for errors in run_on_ranks(_tp_worker, 4, args=(_tp_cases(),)):
         assert len(errors) == 2
         assert "num_attention_heads (6)" in errors[0] and "tensor-parallel size (4)" in errors[0]
         assert "num_key_value_heads (3)" in errors[1]

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.checkpoint_state import LogicalChunk, default_sharded_state_dict
 from megamoe.moe.expert_slots import ExpertLoadCounter, ExpertPlacement
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.router import Router, RouterConfig
@@ -116,6 +117,10 @@ class MoELayer(nn.Module):
             SharedExperts(config.shared_experts, shard_group=self.dispatcher_reduce_group(), **factory)
             if config.shared_experts is not None else None)
         self.dispatcher = self.build_dispatcher(config)
+        # Expert parameters are reduced over expert-DP (not DP) and summed across replicas; see
+        # megamoe.training.grad_sync.
+        for param in self.experts.parameters():
+            param.expert_parallel = True
         self.load_counter = ExpertLoadCounter(config.num_experts, config.num_expert_slots)
         self.reset_parameters()
 
@@ -154,6 +159,53 @@ class MoELayer(nn.Module):
             for t in (gate, up, down):
                 init(t, g)
             self.experts.load_expert_weights(local_slot, gate, up if gated else None, down)
+
+    def sharded_state_dict(self, prefix: str = "") -> list[LogicalChunk]:
+        """Router and shared experts as usual; routed experts under per-EXPERT logical names in HF
+        layout (``experts.<id>.gate_proj.weight`` [F, H], ``up_proj`` [F, H], ``down_proj`` [H, F]),
+        each slot contributing its ETP chunk. Replicas yield the same chunk: stored once."""
+        chunks = []
+        for name, child in self.named_children():
+            if name != "experts":
+                chunks += default_sharded_state_dict(child, f"{prefix}{name}.")
+        F, H = self.config.ffn_hidden_size, self.config.hidden_size
+        f_offset = self.etp_rank * (F // self.etp_size)
+        for local_slot, slot in enumerate(self.local_slots):
+            expert = int(self.placement.slot_to_expert[slot])
+            shards = self.experts.expert_weight_shards(local_slot)
+            key = f"{prefix}experts.{expert}"
+            chunks.append(LogicalChunk(f"{key}.gate_proj.weight", shards["gate"], (F, H), (f_offset, 0)))
+            if "up" in shards:
+                chunks.append(LogicalChunk(f"{key}.up_proj.weight", shards["up"], (F, H), (f_offset, 0)))
+            chunks.append(LogicalChunk(f"{key}.down_proj.weight", shards["down"], (H, F), (0, f_offset)))
+        return chunks
+
+    def local_replica_counts(self) -> torch.Tensor:
+        """[S_local] number of slots (on any rank) holding the expert of each local slot."""
+        experts = self.placement.slot_to_expert[self.local_slots.start:self.local_slots.stop]
+        return self.placement.replica_counts[experts]
+
+    @torch.no_grad()
+    def reduce_replica_grads(self) -> None:
+        """Sum each replicated expert's gradients over all its slots (on this rank and across the EP
+        group) and give every replica the sum, so replicas stay identical after the optimizer step.
+        One all-reduce over EP per weight kind, of a buffer holding only the replicated experts."""
+        replicated = torch.nonzero(self.placement.replica_counts > 1, as_tuple=True)[0]
+        if replicated.numel() == 0 or any(p.grad is None for p in self.experts.parameters()):
+            return
+        row_of_expert = torch.full((self.config.num_experts,), -1, dtype=torch.long)
+        row_of_expert[replicated] = torch.arange(replicated.numel())
+        local_rows = [int(row_of_expert[self.placement.slot_to_expert[slot]]) for slot in self.local_slots]
+        grads = [self.experts.expert_weight_shards(s, grad=True) for s in range(len(self.local_slots))]
+        for name, first in grads[0].items():
+            buffer = first.new_zeros((replicated.numel(), *first.shape))
+            for local_slot, row in enumerate(local_rows):
+                if row >= 0:
+                    buffer[row] += grads[local_slot][name]
+            comms.all_reduce_(buffer, self.ep_group)
+            for local_slot, row in enumerate(local_rows):
+                if row >= 0:
+                    grads[local_slot][name].copy_(buffer[row])
 
     # ---- forward ------------------------------------------------------------------------------
     def experts_to_slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
