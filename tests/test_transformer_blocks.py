@@ -7,6 +7,7 @@ Then every block under TP=2 and TP=4 (replicated KV heads) against the single-ra
 The ``*_config`` helpers below are the HF-config -> block-config mapping of each family.
 """
 
+import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -99,8 +100,8 @@ def mla_config(cfg) -> MLAConfig:
         attention_bias=cfg.attention_bias, init_std=cfg.initializer_range)
 
 
-def mlp_config(cfg, intermediate_size=None) -> MLPConfig:
-    return MLPConfig(cfg.hidden_size, intermediate_size or cfg.intermediate_size, activation=cfg.hidden_act,
+def mlp_config(cfg) -> MLPConfig:
+    return MLPConfig(cfg.hidden_size, cfg.intermediate_size, activation=cfg.hidden_act,
                      bias=getattr(cfg, "mlp_bias", False), init_std=cfg.initializer_range)
 
 
@@ -131,9 +132,9 @@ def hf_configs():
         "deepseek_v2": t.DeepseekV2Config(**common, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16,
                                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=24,
                                         mlp_bias=True, rope_parameters=dict(YARN_V2)),
-        "deepseek_v3": t.DeepseekV3Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
-                                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, attention_bias=True,
-                                        rope_parameters=dict(YARN_V3)),
+        "deepseek_v3": t.DeepseekV3Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12,
+                                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                          attention_bias=True, rope_parameters=dict(YARN_V3)),
     }
 
 
@@ -211,14 +212,16 @@ def test_attention_matches_hf(kind):
 def test_attention_config_mapping():
     configs = hf_configs()
     assert attention_config(configs["mixtral"]).sliding_window == 3
-    assert attention_config(configs["qwen2_moe"]).qkv_bias and attention_config(configs["qwen2_moe"]).sliding_window is None
+    qwen2 = attention_config(configs["qwen2_moe"])
+    assert qwen2.qkv_bias and not qwen2.o_proj_bias and qwen2.sliding_window is None
     qwen3 = attention_config(configs["qwen3_moe"])
     assert qwen3.qk_norm == "per_head" and qwen3.head_dim == 12 and qwen3.o_proj_bias
     olmoe = attention_config(configs["olmoe"])
     assert olmoe.qk_norm == "full_width" and olmoe.clip_qkv == 2.5
-    # Qwen2-MoE's sliding layers: the odd-numbered layer pattern HF derives from use_sliding_window.
-    sliding = _hf().transformers.Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                             use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    # Qwen2-MoE with use_sliding_window: HF marks layers 0, 2, 4, ... below max_window_layers as sliding.
+    sliding = _hf().transformers.Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                                                num_hidden_layers=2, use_sliding_window=True, sliding_window=5,
+                                                max_window_layers=2)
     assert [attention_config(sliding, i).sliding_window for i in range(2)] == [5, None]
 
 
@@ -245,6 +248,19 @@ def test_mlp_matches_hf(kind):
     ours = MLP(mlp_config(cfg))
     _load_full(ours, dict(hf.named_parameters()))
     _compare_with_hf(ours, ours, hf, hf, f"{kind} mlp")
+
+
+def test_plain_mlp():
+    """Without a gate: down(act(up(x))), checked against the formula (no supported family uses it)."""
+    mlp = MLP(MLPConfig(H, 24, activation="gelu_pytorch_tanh", gated=False, bias=True))
+    assert mlp.gate_proj is None
+    with torch.no_grad():
+        mlp.up_proj.bias.normal_()
+    x = _data(1, B, S, H)
+    up = torch.nn.functional.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+    expected = torch.nn.functional.linear(torch.nn.functional.gelu(up, approximate="tanh"), mlp.down_proj.weight,
+                                          mlp.down_proj.bias)
+    _close(mlp(x), expected, "plain mlp")
 
 
 def test_rms_norm_matches_hf():
@@ -388,9 +404,13 @@ def _tp_cases():
         ("qwen2_moe", "attention", attention_config(configs["qwen2_moe"]), (1, 1)),
         ("qwen3_moe", "attention", attention_config(configs["qwen3_moe"]), (1, 3)),   # + per-head norm weight grads
         ("olmoe", "attention", attention_config(configs["olmoe"]), (3, 3)),   # + q/k sums of squares, each way
+        # One KV head on every rank: k/v/k_norm weight grads summed over TP (3 more backward all-reduces).
+        ("olmoe_mqa", "attention", dataclasses.replace(attention_config(configs["olmoe"]), num_key_value_heads=1),
+         (3, 6)),
         ("deepseek_v2", "mla", mla_config(configs["deepseek_v2"]), (1, 2)),   # q_proj input grad + kv latents
         ("deepseek_v3", "mla", mla_config(configs["deepseek_v3"]), (1, 1)),   # one all-reduce for all latents
         ("mlp", "mlp", mlp_config(configs["deepseek_v2"]), (1, 1)),
+        ("plain_mlp", "mlp", MLPConfig(H, 24, activation="relu", gated=False), (1, 1)),
     ]
 
 

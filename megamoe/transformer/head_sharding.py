@@ -64,6 +64,8 @@ def sum_grad_over_replicas(local: torch.Tensor, spec: ShardSpec, tp_group: Proce
     """
     if replicas == 1:
         return local
+    if spec.dim is None:                  # one shard (a single KV head): every rank of the group holds it
+        return comms.copy_to_tensor_parallel_region(local, tp_group)
     lo = spec.offsets[spec.dim]
     hi = spec.global_shape[spec.dim] - lo - local.shape[spec.dim]
     pad = [0, 0] * (local.dim() - 1 - spec.dim) + [lo, hi]      # F.pad lists dims from the last one

@@ -138,8 +138,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = _ReplicatedLinear(hidden, config.kv_lora_rank + config.qk_rope_head_dim,
                                                     config.attention_bias, init, **factory)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.latent_norm_eps, **factory)
-        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
-                                              tp_group=tp_group, bias=False, init_method=init, **factory)
+        kv_b_out = heads * (config.qk_nope_head_dim + config.v_head_dim)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, kv_b_out, tp_group=tp_group, bias=False,
+                                              init_method=init, **factory)
         self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, tp_group=tp_group,
                                         bias=config.attention_bias, input_is_parallel=True, init_method=init,
                                         **factory)

@@ -1,0 +1,6 @@
+"""Decoder-only MoE language models assembled from configs (HF families in :mod:`families`)."""
+
+from megamoe.models.config import GPTMoEConfig
+from megamoe.models.gpt_moe import DecoderLayer, GPTMoEModel
+
+__all__ = ["GPTMoEConfig", "DecoderLayer", "GPTMoEModel"]

@@ -1,0 +1,146 @@
+"""A decoder-only MoE language model, built as ONE pipeline stage of a parallel layout.
+
+Every module is named by its global position (``layers.<global index>``), so seeded initialisation
+(:func:`megamoe.tensor_parallel.initialize_parameters`) and checkpoints are independent of the
+pipeline split, the TP size and the expert placement.
+
+Parallel layout of the MoE layers (checked at construction): the all-gather dispatcher runs over
+the TP group (``ep * etp == tp``): tokens are replicated over TP after attention, so one all-reduce
+per MoE layer replaces the dense MLP's. The all-to-all dispatcher needs ``etp == tp``: ETP ranks
+share their tokens, and EP then spans data-parallel ranks, which hold different tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamoe import comms
+from megamoe.models.config import GPTMoEConfig
+from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.moe_layer import MoELayer
+from megamoe.pipeline.partition import partition_layers
+from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from megamoe.tensor_parallel.init import normal_init
+from megamoe.transformer import MLP, Attention, AttentionConfig, MultiHeadLatentAttention, RMSNorm
+
+__all__ = ["DecoderLayer", "GPTMoEModel", "check_moe_layout"]
+
+
+def check_moe_layout(config: GPTMoEConfig, state) -> None:
+    if config.moe is None:
+        return
+    tp, ep, etp = state.tp.size, state.ep.size, state.etp.size
+    if config.moe.dispatcher == "allgather" and ep * etp != tp:
+        raise ValueError(f"the all-gather dispatcher runs over the TP group: needs ep * etp == tp, got "
+                         f"ep={ep} etp={etp} tp={tp}; use dispatcher='alltoall' or change the layout")
+    if config.moe.dispatcher == "alltoall" and etp != tp:
+        raise ValueError(f"the all-to-all dispatcher needs etp == tp (ETP ranks share tokens), got etp={etp} "
+                         f"tp={tp}; set etp={tp} or use dispatcher='allgather' with ep*etp == tp")
+
+
+class DecoderLayer(nn.Module):
+    """pre-norm attention + pre-norm (MoE or dense) MLP, both residual. HF module names."""
+
+    def __init__(self, config: GPTMoEConfig, layer_id: int, state, *, placement: ExpertPlacement | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        tp = state.tp.group
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
+        attention_cls = Attention if isinstance(config.attention, AttentionConfig) else MultiHeadLatentAttention
+        self.self_attn = attention_cls(config.attention, tp_group=tp, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
+        if config.is_moe_layer(layer_id):
+            self.mlp = MoELayer(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
+                                expert_group=state.ep_etp.group, placement=placement, **factory)
+        else:
+            self.mlp = MLP(config.dense_mlp, tp_group=tp, **factory)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None):
+        """[B, S, H] -> ([B, S, H], aux_loss [])."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache)
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
+        if isinstance(mlp_out, tuple):
+            mlp_out, aux_loss = mlp_out
+        else:
+            aux_loss = hidden.new_zeros((), dtype=torch.float32)
+        return hidden + mlp_out, aux_loss
+
+
+class GPTMoEModel(nn.Module):
+    """One pipeline stage of the model for the layout ``state`` (a ParallelState).
+
+    First stage: ``embed_tokens``; last stage: ``norm`` and the vocab-parallel ``lm_head`` (tied to
+    ``embed_tokens`` when ``tie_word_embeddings``: the last stage then holds its own copy of the
+    embedding, kept identical by summing both copies' gradients over the embedding group).
+
+    ``forward(inputs, position_ids=None, labels=None) -> (output, aux_loss)``: ``inputs`` are token ids
+    [B, S] on the first stage and hidden states [B, S, H] elsewhere; the output is the hidden states
+    for the next stage, or on the last stage the mean token loss (with ``labels``; -100 ignored) or
+    this rank's vocab shard of the logits [B, S, V / tp].
+    """
+
+    def __init__(self, config: GPTMoEConfig, state, *, pp_split=None,
+                 placements: dict[int, ExpertPlacement] | None = None, device=None, dtype=None):
+        super().__init__()
+        check_moe_layout(config, state)
+        self.config, self.state = config, state
+        factory = {"device": device, "dtype": dtype}
+        tp = state.tp.group
+        self.layer_ids = partition_layers(config.num_layers, state.pp.size, pp_split)[state.pp.rank]
+        self.is_first_stage, self.is_last_stage = state.is_first_pp_stage, state.is_last_pp_stage
+        init = dict(init_method=normal_init(config.init_std))
+        if self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp,
+                                                       **init, **factory)
+        placements = placements or {}
+        self.layers = nn.ModuleDict({
+            str(i): DecoderLayer(config, i, state, placement=placements.get(i), **factory) for i in self.layer_ids})
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
+            if not config.tie_word_embeddings:
+                self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, tp_group=tp, bias=False,
+                                                    **init, **factory)
+
+    def tied_parameters(self) -> tuple[nn.Parameter, ...]:
+        """Parameters whose copies on the first and last stage must stay identical."""
+        if self.config.tie_word_embeddings and self.state.pp.size > 1 and hasattr(self, "embed_tokens"):
+            return (self.embed_tokens.weight,)
+        return ()
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        return {i: layer.mlp for i, layer in ((int(k), v) for k, v in self.layers.items())
+                if isinstance(layer.mlp, MoELayer)}
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, kv_caches=None):
+        if self.is_first_stage:
+            batch, seq = inputs.shape
+            hidden = self.embed_tokens(inputs)
+        else:
+            batch, seq = inputs.shape[:2]
+            hidden = inputs
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
+        aux_loss = hidden.new_zeros((), dtype=torch.float32)
+        for key, layer in self.layers.items():
+            cache = None if kv_caches is None else kv_caches[int(key)]
+            hidden, layer_aux = layer(hidden, position_ids, cache)
+            aux_loss = aux_loss + layer_aux
+        if not self.is_last_stage:
+            return hidden, aux_loss
+        logits_local = self.logits(hidden)
+        if labels is None:
+            return logits_local, aux_loss
+        token_loss = vocab_parallel_cross_entropy(logits_local, labels, self.state.tp.group)
+        num_tokens = (labels != -100).sum().clamp(min=1)
+        return token_loss.sum() / num_tokens, aux_loss
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + output layer: this rank's vocab shard of the logits (fp32 for the loss)."""
+        hidden = comms.copy_to_tensor_parallel_region(self.norm(hidden), self.state.tp.group)
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,223 @@
+"""Forward/backward schedules over micro-batches: plain gradient accumulation and pipelined 1F1B.
+
+The forward step
+----------------
+``forward_step(input_tensor, micro_batch_index)`` runs this stage's part of the model on one
+micro-batch and returns either ``output`` or ``(output, aux_loss)``:
+
+- ``input_tensor`` is None on the first stage (the step reads micro-batch ``micro_batch_index``
+  itself); elsewhere it is the activation received from the previous stage, a fresh leaf with
+  ``requires_grad=True`` so that its gradient can be sent back.
+- ``output`` is the activation for the next stage (exactly ``tensor_shape`` and ``dtype``) on every
+  stage but the last, and the micro-batch's scalar loss on the last stage.
+- ``aux_loss`` (a scalar, or None) is any extra loss computed on this stage, e.g. the MoE
+  load-balancing losses of its layers. It is backpropagated on this stage together with the output,
+  with gradient 1: the backward of a micro-batch is that of ``<output, grad_from_next> + aux_loss``.
+
+Loss scaling
+------------
+The schedules never rescale anything: each micro-batch's backward is that of exactly what the step
+returned (``loss + aux_loss`` on the last stage). A step that wants the gradient of the MEAN over
+micro-batches returns ``loss / num_micro_batches`` (and aux losses already multiplied by their
+coefficient and divided by ``num_micro_batches``); the step knows the right normalisation (per
+micro-batch, per token over the global batch, ...), the schedule does not. The returned list holds
+the step's main losses, detached, in micro-batch order, so under that convention its sum is the
+batch loss. Gradients are accumulated into ``.grad``; nothing is reduced over data parallelism here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Callable, Sequence, Union
+
+import torch
+from torch.distributed import ProcessGroup
+
+from megamoe import comms
+from megamoe.pipeline.p2p import StageP2P
+
+if TYPE_CHECKING:
+    from parallel_state import ParallelState
+
+__all__ = ["ForwardStep", "forward_backward", "forward_backward_1f1b", "forward_backward_no_pipelining"]
+
+logger = logging.getLogger(__name__)
+
+StepOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, None]]]
+ForwardStep = Callable[[Union[torch.Tensor, None], int], StepOutput]
+
+
+def _check_num_micro_batches(num_micro_batches: int) -> None:
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+
+
+def _forward(forward_step: ForwardStep, input_tensor: torch.Tensor | None, index: int, *, is_last: bool,
+             tensor_shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
+    """Run the step; return ``(output, aux_loss)`` after checking what it returned."""
+    result = forward_step(input_tensor, index)
+    if isinstance(result, tuple):
+        if len(result) != 2:
+            raise ValueError(f"forward_step must return output or (output, aux_loss), got a {len(result)}-tuple")
+        output, aux_loss = result
+    else:
+        output, aux_loss = result, None
+    if aux_loss is not None and aux_loss.numel() != 1:
+        raise ValueError(f"forward_step's aux_loss must be a scalar, got shape {tuple(aux_loss.shape)}")
+    if is_last:
+        if output.numel() != 1:
+            raise ValueError(f"forward_step on the last stage must return the scalar loss, got shape "
+                             f"{tuple(output.shape)}")
+    elif tuple(output.shape) != tensor_shape or output.dtype != dtype:
+        # The receiving stage allocates exactly tensor_shape/dtype: a mismatch would corrupt or hang.
+        raise ValueError(f"forward_step returned an activation of shape {tuple(output.shape)} and dtype "
+                         f"{output.dtype}, but the pipeline sends tensor_shape={tensor_shape}, dtype={dtype}; "
+                         "make the stage output match (or pass the right tensor_shape)")
+    return output, aux_loss
+
+
+def _backward(input_tensor: torch.Tensor | None, output: torch.Tensor, aux_loss: torch.Tensor | None,
+              output_grad: torch.Tensor | None) -> torch.Tensor | None:
+    """Backpropagate one micro-batch through this stage; return its input's gradient (None on the
+    first stage). ``output_grad`` is None on the last stage, where ``output`` is the scalar loss."""
+    tensors, grads = [], []
+    for tensor, grad in ((output, output_grad), (aux_loss, None)):
+        if tensor is not None and tensor.requires_grad:   # e.g. a parameter-free first stage: nothing to do
+            tensors.append(tensor)
+            grads.append(grad)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+    if input_tensor is None:
+        return None
+    # An output that does not depend on its input has a zero input gradient; the previous stage still
+    # waits for one.
+    return input_tensor.grad if input_tensor.grad is not None else torch.zeros_like(input_tensor)
+
+
+def _whole_micro_batch(forward_step: ForwardStep, index: int) -> torch.Tensor:
+    # A function of its own so that no local variable keeps the micro-batch alive after its backward.
+    loss, aux_loss = _forward(forward_step, None, index, is_last=True)
+    _backward(None, loss, aux_loss, None)
+    return loss.detach()
+
+
+def forward_backward_no_pipelining(forward_step: ForwardStep, num_micro_batches: int) -> list[torch.Tensor]:
+    """Gradient accumulation on one stage: forward then backward of each micro-batch in turn.
+
+    ``forward_step(None, index)`` returns the micro-batch's scalar loss or ``(loss, aux_loss)`` (see
+    the module docstring for the scaling convention). Returns the detached losses.
+    """
+    _check_num_micro_batches(num_micro_batches)
+    return [_whole_micro_batch(forward_step, index) for index in range(num_micro_batches)]
+
+
+def _check_pipeline_args(pp_group, pp_rank, pp_size, prev_rank, next_rank) -> None:
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, pp_size={pp_size}), got {pp_rank}")
+    if comms.group_size(pp_group) != pp_size:
+        raise ValueError(f"pp_size is {pp_size} but pp_group has {comms.group_size(pp_group)} rank(s); "
+                         "pass the pipeline group of this rank (None only when pp_size is 1)")
+    if comms.group_rank(pp_group) != pp_rank:
+        raise ValueError(f"pp_rank is {pp_rank} but this process is rank {comms.group_rank(pp_group)} of pp_group")
+    ranks = comms.group_ranks(pp_group)
+    expected_prev = ranks[pp_rank - 1] if pp_rank > 0 else None
+    expected_next = ranks[pp_rank + 1] if pp_rank < pp_size - 1 else None
+    if (prev_rank, next_rank) != (expected_prev, expected_next):
+        raise ValueError(f"prev_rank/next_rank are {prev_rank}/{next_rank} but stage {pp_rank} of pp_group "
+                         f"{ranks} has neighbours {expected_prev}/{expected_next} (global ranks, None at the ends)")
+
+
+def forward_backward_1f1b(
+    forward_step: ForwardStep,
+    num_micro_batches: int,
+    *,
+    pp_group: ProcessGroup | None,
+    pp_rank: int,
+    pp_size: int,
+    prev_rank: int | None,
+    next_rank: int | None,
+    tensor_shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> list[torch.Tensor]:
+    """Non-interleaved one-forward-one-backward pipeline schedule for this stage.
+
+    Stage ``pp_rank`` runs ``min(pp_size - pp_rank - 1, num_micro_batches)`` warmup forwards, then
+    alternates one forward and one backward, then finishes the remaining backwards. A micro-batch's
+    input, output and graph are dropped as soon as its backward ran, so at most
+    ``min(pp_size - pp_rank, num_micro_batches)`` micro-batches are alive on this stage at once.
+
+    ``prev_rank`` / ``next_rank`` are the GLOBAL ranks of the neighbouring stages in ``pp_group``
+    (None at the ends); activations and gradients exchanged with them all have ``tensor_shape`` and
+    ``dtype`` and live on ``device`` (None: torch's default device). Per micro-batch and neighbour,
+    this stage issues exactly one send and one receive. ``forward_step`` and the loss scaling are
+    described in the module docstring. Returns the detached per-micro-batch losses on the last
+    stage, an empty list elsewhere.
+    """
+    _check_num_micro_batches(num_micro_batches)
+    _check_pipeline_args(pp_group, pp_rank, pp_size, prev_rank, next_rank)
+    tensor_shape = tuple(int(d) for d in tensor_shape)
+    p2p = StageP2P(pp_group, prev_rank, next_rank, tensor_shape, dtype, device)
+    is_last = pp_rank == pp_size - 1
+    num_warmup = min(pp_size - pp_rank - 1, num_micro_batches)
+    num_steady = num_micro_batches - num_warmup
+    logger.debug("1F1B stage %d/%d: %d micro-batches, %d warmup", pp_rank, pp_size, num_micro_batches, num_warmup)
+
+    in_flight: deque = deque()   # (input, output, aux_loss) of micro-batches whose backward is pending
+    losses: list[torch.Tensor] = []
+
+    def run_forward(input_tensor: torch.Tensor | None, index: int) -> torch.Tensor:
+        if input_tensor is not None:
+            input_tensor.requires_grad_()
+        output, aux_loss = _forward(forward_step, input_tensor, index, is_last=is_last,
+                                    tensor_shape=tensor_shape, dtype=dtype)
+        if is_last:
+            losses.append(output.detach())
+        in_flight.append((input_tensor, output, aux_loss))
+        return output
+
+    def run_backward(output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        # Popping here (not in the caller) means no caller variable outlives the micro-batch.
+        return _backward(*in_flight.popleft(), output_grad)
+
+    # Callers never bind an output to a local: the deque holds the only reference, so popping it frees
+    # the micro-batch.
+    for index in range(num_warmup):
+        p2p.send_forward(run_forward(p2p.recv_forward(), index))
+
+    input_tensor = p2p.recv_forward() if num_steady else None
+    for step in range(num_steady):
+        output_grad = p2p.send_forward_recv_backward(run_forward(input_tensor, num_warmup + step))
+        input_grad = run_backward(output_grad)
+        if step < num_steady - 1:
+            input_tensor = p2p.send_backward_recv_forward(input_grad)
+        else:
+            p2p.send_backward(input_grad)
+            input_tensor = None   # drop our reference: the cooldown must be able to free this micro-batch
+
+    for _ in range(num_warmup):
+        p2p.send_backward(run_backward(p2p.recv_backward()))
+
+    assert not in_flight, "1F1B finished with micro-batches whose backward never ran"
+    return losses
+
+
+def forward_backward(
+    forward_step: ForwardStep,
+    num_micro_batches: int,
+    state: ParallelState,
+    tensor_shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> list[torch.Tensor]:
+    """Run the schedule that fits ``state``'s pipeline group: plain gradient accumulation when it has
+    one stage, 1F1B otherwise (``tensor_shape``/``dtype``/``device`` are then those of the activations
+    between stages). Returns the losses on the last stage, an empty list elsewhere."""
+    if state.pp.size == 1:
+        return forward_backward_no_pipelining(forward_step, num_micro_batches)
+    return forward_backward_1f1b(
+        forward_step, num_micro_batches, pp_group=state.pp.group, pp_rank=state.pp.rank, pp_size=state.pp.size,
+        prev_rank=state.pp_prev_rank, next_rank=state.pp_next_rank, tensor_shape=tensor_shape, dtype=dtype,
+        device=device,
+    )

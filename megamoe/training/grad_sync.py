@@ -1,0 +1,135 @@
+"""Gradient synchronisation and clipping across every parallel dimension.
+
+Loss convention: each data-parallel rank back-propagates the mean loss of its own micro-batches;
+the global loss is the mean over DP ranks. After :meth:`GradientSync.sync` every rank holds the
+gradient of that global loss for its local parameters:
+
+- parameters tagged ``sequence_parallel`` (replicated over TP but fed only this rank's tokens:
+  norms and biases under sequence parallelism, routers and shared experts when the model splits
+  tokens over TP for all-to-all EP): summed over TP;
+- dense parameters: averaged over DP x CP (``state.dp_cp``);
+- expert parameters (tagged ``expert_parallel``): summed over expert-DP, then divided by the DP x
+  CP size. (Each expert already saw the tokens of every DP rank in its EP group, so only the edp
+  replicas are missing from its sum, and the global mean divides by the number of DP ranks.)
+- replicas of one expert in several slots: summed across their slots (``MoELayer.reduce_replica_grads``);
+- tied embedding / output weights on the first and last pipeline stages: summed over the
+  embedding group.
+
+Each reduction is one coalesced all-reduce per (group, dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megamoe import comms
+from megamoe.moe.moe_layer import MoELayer
+from megamoe.sharding import get_shard_spec
+
+__all__ = ["GradientSync", "clip_grad_norm_", "global_grad_norm"]
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float = 1.0) -> None:
+    grads = [g for g in grads if g is not None]
+    if not grads or comms.group_size(group) == 1:
+        if scale != 1.0:
+            for g in grads:
+                g.mul_(scale)
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        comms.all_reduce_(flat, group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class GradientSync:
+    """Reduce the gradients of ``model`` (this rank's pipeline stage) for the layout ``state``.
+
+    ``tied_params``: parameters shared by the first and last pipeline stage (tied input embedding
+    and output layer); their gradients are summed over the embedding group.
+    """
+
+    def __init__(self, model: nn.Module, state, *, tied_params: tuple[nn.Parameter, ...] = ()):
+        self.state = state
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.expert_params = [p for p in params if getattr(p, "expert_parallel", False)]
+        self.dense_params = [p for p in params if not getattr(p, "expert_parallel", False)]
+        self.sequence_parallel_params = [p for p in self.dense_params if getattr(p, "sequence_parallel", False)]
+        self.moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        self.tied_params = tuple(tied_params)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        state = self.state
+        _all_reduce_coalesced([p.grad for p in self.sequence_parallel_params], state.tp.group)
+        if state.embedding is not None and self.tied_params:
+            _all_reduce_coalesced([p.grad for p in self.tied_params], state.embedding.group)
+        _all_reduce_coalesced([p.grad for p in self.dense_params], state.dp_cp.group, 1.0 / state.dp_cp.size)
+        _all_reduce_coalesced([p.grad for p in self.expert_params], state.edp.group, 1.0 / state.dp_cp.size)
+        for layer in self.moe_layers:
+            layer.reduce_replica_grads()
+
+
+def _replication(param: nn.Parameter, state, tied: bool) -> float:
+    """How many ranks hold an identical copy of this parameter's gradient."""
+    if getattr(param, "expert_parallel", False):
+        return float(state.edp.size)
+    copies = state.dp_cp.size
+    if get_shard_spec(param).count == 1:
+        copies *= state.tp.size           # not split: replicated over TP
+    if tied and state.pp.size > 1:
+        copies *= 2                       # first and last stage
+    return float(copies)
+
+
+@torch.no_grad()
+def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) -> float:
+    """L2 norm of the gradient of the whole (unsharded, deduplicated) model, identical on every rank.
+
+    Each rank sums the squares of its local gradients, weighting every value by 1 / (number of
+    ranks holding the same value): DP replicas, TP-replicated parameters, tied copies, and expert
+    replicas (several slots of one expert). One all-reduce over the world.
+    """
+    tied_ids = {id(p) for p in tied_params}
+    total = torch.zeros((), dtype=torch.float64)
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        weight = 1.0 / _replication(param, state, id(param) in tied_ids)
+        total += param.grad.double().pow(2).sum() * weight
+    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+        # Slots holding a replicated expert: their squares were counted once per replica.
+        counts = layer.local_replica_counts().double()
+        if bool((counts > 1).any()):
+            extra = torch.zeros((), dtype=torch.float64)
+            for local_slot, count in enumerate(counts.tolist()):
+                if count > 1:
+                    sq = sum(g.double().pow(2).sum() for g in
+                             layer.experts.expert_weight_shards(local_slot, grad=True).values())
+                    extra += sq * (1.0 / count - 1.0)
+            total += extra / state.edp.size
+    comms.all_reduce_(total, world_group)
+    return math.sqrt(max(total.item(), 0.0))
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, state, world_group, *, tied_params=()) -> float:
+    """Scale all gradients so the global norm is at most ``max_norm``; returns the norm before clipping."""
+    norm = global_grad_norm(model, state, world_group, tied_params=tied_params)
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm

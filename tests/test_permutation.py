@@ -1,0 +1,110 @@
+"""permute_by_slot / unpermute_and_combine / sort_by_slot against a naive per-pair reference: values
+and gradients (tokens, expert outputs, routing weights), dropped pairs, empty dispatch."""
+
+import pytest
+import torch
+
+from megamoe.moe.permutation import PermutationState, permute_by_slot, sort_by_slot, unpermute_and_combine
+
+T, H, K, S = 9, 6, 3, 4
+
+
+def _slot_ids(seed, drop_fraction):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, S, (T, K), generator=g)
+    return ids.masked_fill(torch.rand(T, K, generator=g) < drop_fraction, -1)
+
+
+def _naive(tokens, slot_ids, weights, expert_fn):
+    """Pair by pair: out[t] = sum_k w[t, k] * f(slot, tokens[t]) over dispatched pairs."""
+    out = tokens * 0.0 + weights.sum() * 0.0  # connected to both inputs even if nothing is dispatched
+    for t in range(tokens.shape[0]):
+        for k in range(slot_ids.shape[1]):
+            slot = int(slot_ids[t, k])
+            if 0 <= slot < S:
+                out[t] = out[t] + weights[t, k] * expert_fn(slot, tokens[t])
+    return out
+
+
+def _expert_fn(slot, rows):
+    """A per-slot nonlinear map, so gradients depend on which slot a row went to."""
+    return torch.tanh(rows * (slot + 1.0)) + slot
+
+
+@pytest.mark.parametrize("seed, drop_fraction", [(0, 0.0), (1, 0.3), (2, 0.8), (3, 1.0)])
+def test_round_trip_matches_naive_values_and_gradients(seed, drop_fraction):
+    slot_ids = _slot_ids(seed, drop_fraction)
+    g = torch.Generator().manual_seed(100 + seed)
+    tokens, weights, grad_out = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+
+    x, w = tokens.clone().requires_grad_(), weights.clone().requires_grad_()
+    rows, tokens_per_slot, state = permute_by_slot(x, slot_ids, S)
+    assert rows.shape == (int((slot_ids >= 0).sum()), H)
+    slot_of_row = torch.repeat_interleave(torch.arange(S), tokens_per_slot)
+    expert_out = torch.cat([_expert_fn(s, r) for s, r in zip(range(S), rows.split(tokens_per_slot.tolist()))])
+    out = unpermute_and_combine(expert_out, w, state)
+    out.backward(grad_out)
+
+    xr, wr = tokens.clone().requires_grad_(), weights.clone().requires_grad_()
+    expected = _naive(xr, slot_ids, wr, _expert_fn)
+    expected.backward(grad_out)
+    assert torch.allclose(out, expected, atol=1e-6)
+    assert torch.allclose(x.grad, xr.grad, atol=1e-6)
+    assert torch.allclose(w.grad, wr.grad, atol=1e-6)
+    assert torch.all(w.grad[slot_ids < 0] == 0)
+    # Rows are grouped by slot, in (token, k) order within a slot.
+    assert torch.equal(slot_of_row, slot_ids.reshape(-1)[state.pair_index])
+    assert torch.equal(state.token_index, state.pair_index // K)
+    for s in range(S):
+        pairs = state.pair_index[slot_of_row == s]
+        assert torch.all(pairs[1:] > pairs[:-1])
+
+
+def test_expert_output_gradient_is_weight_times_token_gradient():
+    slot_ids = _slot_ids(4, 0.2)
+    g = torch.Generator().manual_seed(7)
+    tokens, weights, grad_out = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+    rows, _, state = permute_by_slot(tokens, slot_ids, S)
+    expert_out = rows.clone().requires_grad_()
+    unpermute_and_combine(expert_out, weights, state).backward(grad_out)
+    row_weights = weights.reshape(-1)[state.pair_index].unsqueeze(1)
+    assert torch.allclose(expert_out.grad, row_weights * grad_out[state.token_index])
+
+
+def test_broadcast_gradient_and_weights_without_grad():
+    slot_ids = _slot_ids(5, 0.2)
+    tokens = torch.randn(T, H, requires_grad=True)
+    rows, _, state = permute_by_slot(tokens, slot_ids, S)
+    unpermute_and_combine(rows * 2.0, torch.rand(T, K), state).sum().backward()  # stride-0 grad_out
+    assert tokens.grad is not None and torch.isfinite(tokens.grad).all()
+
+
+def test_sort_by_slot_is_stable_and_puts_invalid_ids_last():
+    ids = torch.tensor([2, -1, 0, 2, 5, 0, 1, 2, -3])
+    permutation, tokens_per_slot = sort_by_slot(ids, 3)
+    assert tokens_per_slot.tolist() == [2, 1, 3]
+    assert permutation.tolist()[:6] == [2, 5, 6, 0, 3, 7]
+    assert sorted(permutation.tolist()[6:]) == [1, 4, 8]
+    empty_perm, empty_counts = sort_by_slot(torch.empty(0, dtype=torch.int64), 2)
+    assert empty_perm.numel() == 0 and empty_counts.tolist() == [0, 0]
+
+
+def test_sort_by_slot_matches_argsort_on_random_ids():
+    ids = torch.randint(0, 7, (500,), generator=torch.Generator().manual_seed(0))
+    permutation, tokens_per_slot = sort_by_slot(ids, 7)
+    assert torch.equal(permutation, torch.argsort(ids, stable=True))
+    assert torch.equal(tokens_per_slot, torch.bincount(ids, minlength=7))
+
+
+def test_errors():
+    tokens = torch.randn(T, H)
+    with pytest.raises(ValueError, match="slot_ids must be"):
+        permute_by_slot(tokens, torch.zeros(T + 1, K, dtype=torch.int64), S)
+    with pytest.raises(ValueError, match="slot_ids_flat must be 1-D"):
+        sort_by_slot(torch.zeros(2, 2, dtype=torch.int64), S)
+    rows, _, state = permute_by_slot(tokens, _slot_ids(0, 0.0), S)
+    with pytest.raises(ValueError, match="expert_output must be"):
+        unpermute_and_combine(rows[1:], torch.rand(T, K), state)
+    with pytest.raises(ValueError, match="weights must be"):
+        unpermute_and_combine(rows, torch.rand(T - 1, K), state)
+    assert isinstance(state, PermutationState) and state.num_tokens == T
