@@ -4,9 +4,10 @@ Every module is named by its global position (``layers.<global index>``), so see
 (:func:`megamoe.tensor_parallel.initialize_parameters`) and checkpoints are independent of the
 pipeline split, the TP size and the expert placement.
 
-Parallel layout of the MoE layers (checked at construction): the all-gather dispatcher runs over
-the TP group (``ep * etp == tp``): tokens are replicated over TP after attention, so one all-reduce
-per MoE layer replaces the dense MLP's. The all-to-all dispatcher needs ``etp == tp``: ETP ranks
+Parallel layout of the MoE layers (checked at construction): the all-gather dispatcher runs inside
+the TP group (``ep * etp`` divides ``tp``): tokens are replicated over TP after attention, so one
+all-reduce per MoE layer replaces the dense MLP's (with ``ep * etp < tp`` the expert group's work is
+replicated over the rest of the TP group). The all-to-all dispatcher needs ``etp == tp``: ETP ranks
 share their tokens, and EP then spans data-parallel ranks, which hold different tokens.
 """
 
@@ -25,19 +26,28 @@ from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.transformer import MLP, Attention, AttentionConfig, MultiHeadLatentAttention, RMSNorm
 
-__all__ = ["DecoderLayer", "GPTMoEModel", "check_moe_layout"]
+__all__ = ["DecoderLayer", "GPTMoEModel", "check_moe_layout", "expert_token_replicas"]
 
 
 def check_moe_layout(config: GPTMoEConfig, state) -> None:
     if config.moe is None:
         return
     tp, ep, etp = state.tp.size, state.ep.size, state.etp.size
-    if config.moe.dispatcher == "allgather" and ep * etp != tp:
-        raise ValueError(f"the all-gather dispatcher runs over the TP group: needs ep * etp == tp, got "
-                         f"ep={ep} etp={etp} tp={tp}; use dispatcher='alltoall' or change the layout")
+    if config.moe.dispatcher == "allgather" and tp % (ep * etp):
+        raise ValueError(f"the all-gather dispatcher runs inside the TP group: ep * etp must divide tp, got "
+                         f"ep={ep} etp={etp} tp={tp}; use dispatcher='alltoall' (with etp == tp) or change the layout")
     if config.moe.dispatcher == "alltoall" and etp != tp:
         raise ValueError(f"the all-to-all dispatcher needs etp == tp (ETP ranks share tokens), got etp={etp} "
-                         f"tp={tp}; set etp={tp} or use dispatcher='allgather' with ep*etp == tp")
+                         f"tp={tp}; set etp={tp} or use dispatcher='allgather' with ep*etp dividing tp")
+
+
+def expert_token_replicas(config: GPTMoEConfig, state) -> int:
+    """How many ranks of an expert-DP group compute the SAME tokens with the same expert shards:
+    tp / (ep * etp) for the all-gather dispatcher (TP ranks outside the expert group hold the same
+    tokens), 1 for all-to-all. The expert gradient reduction divides by it."""
+    if config.moe is None or config.moe.dispatcher == "alltoall":
+        return 1
+    return state.tp.size // (state.ep.size * state.etp.size)
 
 
 class DecoderLayer(nn.Module):

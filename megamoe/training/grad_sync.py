@@ -9,8 +9,10 @@ gradient of that global loss for its local parameters:
   tokens over TP for all-to-all EP): summed over TP;
 - dense parameters: averaged over DP x CP (``state.dp_cp``);
 - expert parameters (tagged ``expert_parallel``): summed over expert-DP, then divided by the DP x
-  CP size. (Each expert already saw the tokens of every DP rank in its EP group, so only the edp
-  replicas are missing from its sum, and the global mean divides by the number of DP ranks.)
+  CP size times ``expert_token_replicas``. (Each expert already saw the tokens of every DP rank in
+  its EP group, so only the edp replicas are missing from its sum, and the global mean divides by
+  the number of DP ranks; edp ranks that computed the same tokens, see
+  :func:`megamoe.models.gpt_moe.expert_token_replicas`, are counted once.)
 - replicas of one expert in several slots: summed across their slots (``MoELayer.reduce_replica_grads``);
 - tied embedding / output weights on the first and last pipeline stages: summed over the
   embedding group.
@@ -60,8 +62,10 @@ class GradientSync:
     and output layer); their gradients are summed over the embedding group.
     """
 
-    def __init__(self, model: nn.Module, state, *, tied_params: tuple[nn.Parameter, ...] = ()):
+    def __init__(self, model: nn.Module, state, *, tied_params: tuple[nn.Parameter, ...] = (),
+                 expert_token_replicas: int = 1):
         self.state = state
+        self.expert_scale = 1.0 / (state.dp_cp.size * expert_token_replicas)
         params = [p for p in model.parameters() if p.requires_grad]
         self.expert_params = [p for p in params if getattr(p, "expert_parallel", False)]
         self.dense_params = [p for p in params if not getattr(p, "expert_parallel", False)]
@@ -76,7 +80,7 @@ class GradientSync:
         if state.embedding is not None and self.tied_params:
             _all_reduce_coalesced([p.grad for p in self.tied_params], state.embedding.group)
         _all_reduce_coalesced([p.grad for p in self.dense_params], state.dp_cp.group, 1.0 / state.dp_cp.size)
-        _all_reduce_coalesced([p.grad for p in self.expert_params], state.edp.group, 1.0 / state.dp_cp.size)
+        _all_reduce_coalesced([p.grad for p in self.expert_params], state.edp.group, self.expert_scale)
         for layer in self.moe_layers:
             layer.reduce_replica_grads()
 

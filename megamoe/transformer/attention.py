@@ -31,6 +31,9 @@ KV cache seam: ``forward(hidden, position_ids, kv_cache=None)``. A cache is any 
 receives this call's rotated keys and values [B, kv_heads_local, S, head_dim] and returns every
 cached position [B, kv_heads_local, S_past + S, head_dim]. The queries are taken to be the last S
 positions: the causal / sliding-window mask is aligned to the end of the key sequence.
+
+Masking is by index along each batch row (as HF without an ``attention_mask``); ``position_ids``
+only drive RoPE. Padding / packed-document masks and sequence parallelism are not supported yet.
 """
 
 from __future__ import annotations

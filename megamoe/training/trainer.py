@@ -1,0 +1,164 @@
+"""One training step over a pipeline stage: forward/backward over micro-batches, gradient sync,
+clipping, optimizer step, aux-loss-free expert-bias update, and the step's metrics.
+
+Loss convention (see :mod:`megamoe.training.grad_sync`): each micro-batch's loss is the mean over
+its tokens; a rank back-propagates ``loss / num_micro_batches`` (+ its stage's aux losses, also
+divided by ``num_micro_batches``), and the reported loss is the mean over micro-batches and DP ranks.
+Micro-batches are the same token sets under every layout (see ``ResumableSampler``), so a layout
+change leaves the loss curve unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megamoe import comms
+from megamoe.models.gpt_moe import GPTMoEModel, expert_token_replicas
+from megamoe.pipeline.schedule import forward_backward
+from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
+
+__all__ = ["TrainConfig", "StepMetrics", "Trainer", "build_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+_AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0              # global-norm clipping; 0 disables
+    autocast: str | None = None         # None (fp32) | "bf16" | "fp16"; parameters stay fp32 (master weights)
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("TrainConfig.weight_decay and grad_clip must be >= 0")
+        if self.autocast not in _AUTOCAST:
+            raise ValueError(f"TrainConfig.autocast must be one of {list(_AUTOCAST)}, got {self.autocast!r}")
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float                 # mean token loss over the global batch
+    aux_loss: float             # sum over MoE layers of the (coefficient-weighted) aux losses
+    grad_norm: float
+    tokens_per_s: float
+    balancedness: float         # mean over MoE layers of mean/max EP-rank load under the placement
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay only on matrices. NVIDIA apex's FusedAdam when importable on CUDA."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if on_cuda:
+        try:
+            from apex.optimizers import FusedAdam  # NVIDIA apex: optional accelerator, never a dependency
+            return FusedAdam(groups, lr=config.lr, betas=config.betas, eps=config.eps, adam_w_mode=True)
+        except ImportError:
+            pass
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+
+
+class Trainer:
+    """Owns the optimizer and the gradient sync of one pipeline stage.
+
+    ``world_group`` is the group of all ranks (``torch.distributed.group.WORLD``, or None for one
+    process): metrics and the expert-load statistics are reduced over it.
+    """
+
+    def __init__(self, model: GPTMoEModel, state, config: TrainConfig, *, world_group=None,
+                 optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.state, self.config, self.world_group = model, state, config, world_group
+        self.optimizer = optimizer or build_optimizer(model, config)
+        self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
+                                      expert_token_replicas=expert_token_replicas(model.config, state))
+        self.step = 0
+
+    def _autocast(self):
+        dtype = _AUTOCAST[self.config.autocast]
+        if dtype is None:
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=dtype)
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepMetrics:
+        """``micro_batches``: this DP rank's (inputs [mb, S], labels [mb, S]) of one global batch."""
+        start = time.perf_counter()
+        model, state = self.model, self.state
+        num_mb = len(micro_batches)
+        mb, seq = micro_batches[0][0].shape
+        self.optimizer.zero_grad(set_to_none=True)
+        for layer in model.moe_layers().values():
+            layer.load_counter.reset()
+        aux_total = torch.zeros((), dtype=torch.float64)
+
+        def forward_step(input_tensor, index):
+            nonlocal aux_total
+            inputs, labels = micro_batches[index]
+            with self._autocast():
+                out, aux = model(inputs if model.is_first_stage else input_tensor,
+                                 labels=labels if model.is_last_stage else None)
+            aux_total += aux.detach().double()
+            if model.is_last_stage:
+                return out.float() / num_mb, aux / num_mb
+            return out, aux / num_mb
+
+        hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
+        losses = forward_backward(forward_step, num_mb, state, (mb, seq, model.config.hidden_size), hidden_dtype)
+        self.grad_sync.sync()
+        grad_norm = clip_grad_norm_(model, self.config.grad_clip, state, self.world_group,
+                                    tied_params=model.tied_parameters())
+        self.optimizer.step()
+        balancedness = self._update_expert_biases()
+        self.step += 1
+
+        # Report the global means: the loss lives on the last stage (identical over TP), the aux
+        # losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
+        reporter = state.tp.rank == 0 and state.cp.rank == 0
+        loss = sum(float(l) for l in losses) if (model.is_last_stage and reporter) else 0.0
+        totals = torch.tensor([loss, aux_total.item() / num_mb if reporter else 0.0], dtype=torch.float64)
+        comms.all_reduce_(totals, self.world_group)
+        totals /= state.dp_cp.size
+        tokens = mb * seq * num_mb * state.dp_cp.size
+        return StepMetrics(step=self.step, loss=totals[0].item(), aux_loss=totals[1].item(),
+                           grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - start),
+                           balancedness=balancedness)
+
+    @torch.no_grad()
+    def _update_expert_biases(self) -> float:
+        """Reduce this step's per-layer expert loads over all ranks (one all-reduce), update the
+        aux-loss-free expert biases identically everywhere, return the mean balancedness."""
+        config = self.model.config
+        if config.moe is None:
+            return 1.0
+        loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64)
+        moe_layers = self.model.moe_layers()
+        for layer_id, layer in moe_layers.items():
+            # Count each DP replica's tokens once (TP ranks route the same tokens).
+            if self.state.tp.rank == 0:
+                loads[layer_id] = layer.load_counter.per_expert.double()
+        comms.all_reduce_(loads, self.world_group)
+        balance = []
+        for layer_id, layer in moe_layers.items():
+            if layer.router.config.use_expert_bias:
+                layer.router.update_expert_bias(loads[layer_id])
+            balance.append(layer.placement.balancedness(loads[layer_id]))
+        # Each stage knows its own layers' placements: one (TP 0, DP 0) rank per stage reports.
+        reporter = self.state.tp.rank == 0 and self.state.dp_cp.rank == 0
+        stats = torch.tensor([sum(balance), len(balance)] if reporter else [0.0, 0.0], dtype=torch.float64)
+        comms.all_reduce_(stats, self.world_group)
+        return (stats[0] / stats[1]).item() if stats[1] > 0 else 1.0

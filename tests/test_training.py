@@ -1,0 +1,128 @@
+"""Training under different (tp, pp, dp, ep, etp) layouts reproduces the single-process loss curve,
+gradient norm and aux loss (fp32), with replicated expert slots too."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.router import RouterConfig
+from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.tensor_parallel import initialize_parameters
+from megamoe.testing import run_on_ranks
+from megamoe.training.trainer import TrainConfig, Trainer
+from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
+
+H, V, E, S, GLOBAL_BATCH, MICRO_BATCH, STEPS = 32, 64, 4, 12, 8, 2, 3
+REL_TOL = 1e-5
+
+
+def tiny_config(dispatcher="alltoall", num_slots=None, num_layers=4) -> GPTMoEConfig:
+    return GPTMoEConfig(
+        family="custom", vocab_size=V, hidden_size=H, num_layers=num_layers,
+        attention=AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  rope=RopeConfig(dim=8), qk_norm="per_head"),
+        moe=MoEConfig(
+            router=RouterConfig(hidden_size=H, num_experts=E, top_k=2, norm_topk_prob=True, aux_loss_coeff=0.01,
+                                use_expert_bias=True, expert_bias_update_rate=0.01),
+            ffn_hidden_size=16, num_expert_slots=num_slots, dispatcher=dispatcher, expert_backend="torch",
+            shared_experts=SharedExpertsConfig(H, 16, gate=True)),
+        moe_layer_ids=tuple(range(1, num_layers)), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=64))
+
+
+def global_batches():
+    """The same global batch every step: the loss then falls visibly within a few steps."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, V, (1, GLOBAL_BATCH, S + 1), generator=g).expand(STEPS, -1, -1)
+
+
+def train_curve(state, dispatcher="alltoall", num_slots=None, world_group=None):
+    """Per-step (loss, grad_norm, aux_loss) of the tiny model trained on this rank's data shard."""
+    model = GPTMoEModel(tiny_config(dispatcher, num_slots), state)
+    initialize_parameters(model, seed=0)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=world_group)
+    per_rank = GLOBAL_BATCH // state.dp_cp.size
+    curve = []
+    for batch in global_batches():
+        mine = batch[state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
+        micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)]
+        m = trainer.train_step(micro_batches)
+        curve.append((m.loss, m.grad_norm, m.aux_loss))
+    return curve
+
+
+def _layouts_worker(rank, world_size, layouts):
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    curves = []
+    for layout in layouts:
+        sizes = {k: layout[k] for k in ("tp", "pp", "ep", "etp")}
+        state = initialize_model_parallel(**sizes)
+        assert state.dp_cp.size == layout["dp"], (layout, state.dp_cp.size)
+        curves.append(train_curve(state, layout["dispatcher"], layout.get("slots"), dist.group.WORLD))
+        destroy_model_parallel()
+    return curves
+
+
+def _layout(tp, pp, dp, ep, etp, dispatcher, slots=None):
+    return dict(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, dispatcher=dispatcher, slots=slots)
+
+
+LAYOUTS_2 = [_layout(2, 1, 1, 2, 1, "allgather")]
+LAYOUTS_4 = [
+    _layout(1, 2, 2, 2, 1, "alltoall"),
+    _layout(2, 2, 1, 1, 1, "allgather"),
+    _layout(1, 1, 4, 4, 1, "alltoall"),
+    _layout(2, 1, 2, 2, 2, "alltoall"),
+    _layout(1, 1, 4, 4, 1, "alltoall", slots=2 * E),      # every expert replicated, replicas on other ranks
+    _layout(2, 1, 2, 2, 1, "allgather", slots=E + 2),     # two hot-expert replicas
+]
+
+
+def _assert_same_curve(curve, reference, what):
+    for step, (got, want) in enumerate(zip(curve, reference)):
+        for name, g, w in zip(("loss", "grad_norm", "aux_loss"), got, want):
+            assert abs(g - w) <= REL_TOL * abs(w) + 1e-9, f"{what} step {step} {name}: {g} vs {w}"
+
+
+@pytest.mark.slow
+def test_loss_curves_match_single_process_on_every_layout():
+    from parallel_state import ParallelState
+    reference = train_curve(ParallelState.single_process())
+    assert reference[-1][0] < reference[0][0], "the loss must fall"
+    for layouts, world in ((LAYOUTS_2, 2), (LAYOUTS_4, 4)):
+        per_rank = run_on_ranks(_layouts_worker, world, args=(layouts,), timeout_s=900)
+        for layout, curve in zip(layouts, per_rank[0]):
+            for r in range(world):  # every rank reports the same global metrics
+                assert per_rank[r][layouts.index(layout)] == curve
+            _assert_same_curve(curve, reference, str(layout))
+
+
+def test_single_process_training_reduces_loss_and_keeps_replicas_identical():
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config(num_slots=2 * E), state)
+    initialize_parameters(model, seed=0)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2))
+    batch = global_batches()[0]
+    first = last = None
+    for _ in range(4):
+        m = trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+        first = first if first is not None else m.loss
+        last = m.loss
+    assert last < first
+    for layer in model.moe_layers().values():
+        for expert in range(E):
+            slots = [s for s in range(layer.placement.num_slots) if int(layer.placement.slot_to_expert[s]) == expert]
+            weights = [layer.experts.expert_weight_shards(s) for s in slots]
+            for w in weights[1:]:
+                assert all(torch.equal(w[k], weights[0][k]) for k in w), f"replicas of expert {expert} diverged"
+
+
+def test_layout_errors_name_the_fix():
+    from parallel_state import ParallelState
+    from dataclasses import replace
+    state = ParallelState.single_process()
+    fake_tp2 = replace(state, tp=replace(state.tp, size=2, ranks=(0, 1)))
+    with pytest.raises(ValueError, match="etp == tp"):
+        GPTMoEModel(tiny_config("alltoall"), fake_tp2)
