@@ -4,7 +4,8 @@ norm, OLMoE full-width q/k norm + clip), MLA (DeepSeek-V2 without q LoRA + yarn,
 LoRA, both rope layouts) and the dense MLP: outputs, input gradients and every weight gradient.
 Then every block under TP=2 and TP=4 (replicated KV heads) against the single-rank block.
 
-The ``*_config`` helpers below are the HF-config -> block-config mapping of each family.
+The HF-config -> block-config mapping of each family (``attention_config`` / ``mla_config`` /
+``mlp_config``) is :mod:`megamoe.models.families`'s.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe import comms
+from megamoe.models.families import attention_config, mla_config, mlp_config
 from megamoe.sharding import get_shard_spec
 from megamoe.testing import run_on_ranks
 from megamoe.transformer import (MLP, Attention, AttentionConfig, MLAConfig, MLPConfig, MultiHeadLatentAttention,
@@ -62,47 +64,6 @@ def _close(a, b, what, atol=ATOL):
 
 def _data(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-# ----------------------------------------------------------------------------------------------
-# HF config -> block config, per family
-# ----------------------------------------------------------------------------------------------
-def _rope(cfg, dim, layout="half"):
-    return RopeConfig.from_hf(cfg.rope_parameters, dim=dim, max_position_embeddings=cfg.max_position_embeddings,
-                              layout=layout)
-
-
-def attention_config(cfg, layer_idx=0) -> AttentionConfig:
-    """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kind = cfg.model_type
-    if kind == "qwen2_moe":            # sliding only on layers marked so; sliding_window is 0 when unused
-        window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
-    else:                              # Mixtral: sliding_window; Qwen3: set only with use_sliding_window
-        window = getattr(cfg, "sliding_window", None)
-    qkv_bias = cfg.qkv_bias if kind == "qwen2_moe" else getattr(cfg, "attention_bias", False)
-    return AttentionConfig(
-        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim, rope=_rope(cfg, head_dim),
-        qkv_bias=qkv_bias, o_proj_bias=kind in ("qwen3_moe", "olmoe") and cfg.attention_bias,
-        qk_norm={"qwen3_moe": "per_head", "olmoe": "full_width"}.get(kind), norm_eps=cfg.rms_norm_eps,
-        sliding_window=window, clip_qkv=getattr(cfg, "clip_qkv", None), init_std=cfg.initializer_range)
-
-
-def mla_config(cfg) -> MLAConfig:
-    """DeepSeek-V2 (always interleaved rope) and DeepSeek-V3 (``rope_interleave``)."""
-    interleaved = cfg.model_type == "deepseek_v2" or cfg.rope_interleave
-    return MLAConfig(
-        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        rope=_rope(cfg, cfg.qk_rope_head_dim, "interleaved" if interleaved else "half"),
-        attention_bias=cfg.attention_bias, init_std=cfg.initializer_range)
-
-
-def mlp_config(cfg) -> MLPConfig:
-    return MLPConfig(cfg.hidden_size, cfg.intermediate_size, activation=cfg.hidden_act,
-                     bias=getattr(cfg, "mlp_bias", False), init_std=cfg.initializer_range)
 
 
 # ----------------------------------------------------------------------------------------------

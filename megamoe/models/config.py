@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.router import RouterConfig
+from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.transformer.attention import AttentionConfig
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.mlp import MLPConfig
+from megamoe.transformer.rope import RopeConfig
 
 __all__ = ["GPTMoEConfig"]
 
@@ -17,6 +22,8 @@ class GPTMoEConfig:
     """``num_layers`` decoder layers; those in ``moe_layer_ids`` use ``moe``, the others ``dense_mlp``.
 
     Build one by hand, or from a HuggingFace config with :func:`megamoe.models.families.config_from_hf`.
+    :meth:`to_dict` / :meth:`from_dict` convert to and from plain JSON values (the checkpoint manifest
+    stores the config that way); the attention dict carries ``kind``: ``"gqa"`` or ``"mla"``.
     """
 
     family: str                          # HF model_type this config reproduces ("custom" otherwise)
@@ -50,3 +57,61 @@ class GPTMoEConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.moe_layer_ids
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested dicts of JSON values (tuples become lists); :meth:`from_dict` inverts it."""
+        data = _json_values(dataclasses.asdict(self))
+        data["attention"] = {"kind": _ATTENTION_KINDS_BY_TYPE[type(self.attention)], **data["attention"]}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GPTMoEConfig:
+        """The config :meth:`to_dict` described; ValueError naming any unknown, missing or bad field."""
+        fields = dict(data)
+        attention = dict(_required(fields, "attention", "GPTMoEConfig"))
+        kind = attention.pop("kind", None)
+        if kind not in _ATTENTION_TYPES_BY_KIND:
+            raise ValueError(f"GPTMoEConfig.from_dict: attention.kind must be one of "
+                             f"{sorted(_ATTENTION_TYPES_BY_KIND)}, got {kind!r}")
+        attention["rope"] = _build(RopeConfig, _required(attention, "rope", "attention"), "attention.rope")
+        fields["attention"] = _build(_ATTENTION_TYPES_BY_KIND[kind], attention, "attention")
+        if fields.get("moe") is not None:
+            moe = dict(fields["moe"])
+            moe["router"] = _build(RouterConfig, _required(moe, "router", "moe"), "moe.router")
+            if moe.get("shared_experts") is not None:
+                moe["shared_experts"] = _build(SharedExpertsConfig, moe["shared_experts"], "moe.shared_experts")
+            fields["moe"] = _build(MoEConfig, moe, "moe")
+        if fields.get("dense_mlp") is not None:
+            fields["dense_mlp"] = _build(MLPConfig, fields["dense_mlp"], "dense_mlp")
+        fields["moe_layer_ids"] = tuple(_required(fields, "moe_layer_ids", "GPTMoEConfig"))
+        return _build(cls, fields, "GPTMoEConfig")
+
+
+_ATTENTION_KINDS_BY_TYPE = {AttentionConfig: "gqa", MLAConfig: "mla"}
+_ATTENTION_TYPES_BY_KIND = {kind: cls for cls, kind in _ATTENTION_KINDS_BY_TYPE.items()}
+
+
+def _json_values(value):
+    if isinstance(value, dict):
+        return {k: _json_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_values(v) for v in value]
+    return value
+
+
+def _required(fields: Mapping[str, Any], name: str, where: str):
+    if name not in fields:
+        raise ValueError(f"GPTMoEConfig.from_dict: {where} has no field {name!r}")
+    return fields[name]
+
+
+def _build(cls, fields: Mapping[str, Any], where: str):
+    """``cls(**fields)``, naming unknown or missing fields instead of a bare TypeError."""
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"GPTMoEConfig.from_dict: unknown fields {unknown} in {where} ({cls.__name__})")
+    try:
+        return cls(**fields)
+    except TypeError as e:   # a required field is missing
+        raise ValueError(f"GPTMoEConfig.from_dict: {where} ({cls.__name__}): {e}") from e

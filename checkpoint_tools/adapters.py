@@ -1,0 +1,480 @@
+"""Declarative key maps between HuggingFace checkpoints and megamoe logical tensors, per model family.
+
+A logical name is what :func:`megamoe.checkpoint_state.sharded_state_dict` lists for a
+:class:`~megamoe.models.GPTMoEModel` (full, unsharded tensors; routed experts per expert id).
+
+Two HF forms (transformers 5.24)
+--------------------------------
+- **checkpoint** (``fused=False``): what ``save_pretrained`` writes and ``from_pretrained`` reads. Every
+  family stores routed experts per expert: ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
+  and Mixtral keeps its original ``model.layers.{i}.block_sparse_moe.{gate.weight, experts.{e}.w1/w3/w2.weight}``
+  (w1 = gate, w3 = up, w2 = down).
+- **fused** (``fused=True``): what ``model.state_dict()`` returns in memory: per MoE layer
+  ``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows first, then up, per expert) and
+  ``model.layers.{i}.mlp.experts.down_proj`` [E, H, F]; Mixtral's module is ``mlp`` there, not
+  ``block_sparse_moe``.
+
+Every other key is the same in both forms and differs from the logical name only by the ``model.`` prefix,
+except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's
+``mlp.gate.e_score_correction_bias`` is ``mlp.router.expert_bias``, shared experts
+(``mlp.shared_expert.*`` in Qwen2-MoE, ``mlp.shared_experts.*`` in DeepSeek) are raw parameters
+``mlp.shared_experts.{gate,up,down}_proj`` (no ``.weight``), and Qwen2-MoE's
+``mlp.shared_expert_gate.weight`` [1, H] is ``mlp.shared_experts.gate_weight``.
+
+Ignored on import: ``lm_head.weight`` of a model with tied embeddings (``state_dict()`` lists the tied
+alias; checkpoints omit it) and DeepSeek-V3's multi-token-prediction layers
+(``model.layers.{num_layers}.*``, which transformers ignores as well).
+
+Streaming
+---------
+A conversion is a list of :class:`KeyTransform` steps (:meth:`HFAdapter.transforms`), each turning a few
+named tensors of one side into a few of the other, with every shape known from the config. The
+``iter_*`` methods consume ``(key, tensor)`` pairs in any order and yield results as soon as a step has
+all its inputs, so only the inputs of unfinished steps are held; given a Mapping, the dict methods read
+it in step order (one step's inputs at a time). Every input key must be consumed exactly once; unknown
+keys, duplicates, missing keys and shape mismatches raise :class:`AdapterError` naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from megamoe.models.config import GPTMoEConfig
+
+__all__ = ["AdapterError", "KeyTransform", "HFAdapter", "ADAPTERS", "adapter_for"]
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+Tensors = Sequence[torch.Tensor]
+
+
+class AdapterError(ValueError):
+    """A key or tensor that does not fit the family's key map for the given config."""
+
+
+@dataclass(frozen=True)
+class KeyTransform:
+    """One step: HF tensors ``hf_keys`` <-> logical tensors ``logical_keys`` (each list in order).
+
+    ``to_logical`` / ``to_hf`` take and return tensors in those orders; outputs may be views of the
+    inputs. ``what`` names the step in errors.
+    """
+
+    hf_keys: tuple[str, ...]
+    hf_shapes: tuple[Shape, ...]
+    logical_keys: tuple[str, ...]
+    logical_shapes: tuple[Shape, ...]
+    to_logical: Callable[[Tensors], Tensors]
+    to_hf: Callable[[Tensors], Tensors]
+    what: str = "rename"
+
+    def side(self, to_logical: bool):
+        """(input keys, input shapes, output keys, output shapes, function) of one direction."""
+        if to_logical:
+            return self.hf_keys, self.hf_shapes, self.logical_keys, self.logical_shapes, self.to_logical
+        return self.logical_keys, self.logical_shapes, self.hf_keys, self.hf_shapes, self.to_hf
+
+
+def _identity(tensors: Tensors) -> Tensors:
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# The declarative tables
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rename:
+    """One tensor under two names. ``{i}`` is the layer index. ``fused``: None when the HF name is the
+    same in both forms, else the form (True: in-memory state_dict, False: checkpoint) it belongs to."""
+
+    hf: str
+    logical: str
+    shape: Callable[[GPTMoEConfig], Shape]
+    when: Callable[[GPTMoEConfig], bool] = lambda c: True
+    fused: bool | None = None
+
+
+@dataclass(frozen=True)
+class ExpertKeys:
+    """How a family names its routed experts: checkpoint keys per expert (``{i}`` layer, ``{e}`` expert:
+    gate, up, down) and the fused in-memory keys (gate_up, down)."""
+
+    per_expert: tuple[str, str, str]
+    fused: tuple[str, str]
+
+
+def _q_out(c):
+    a = c.attention
+    return a.num_attention_heads * a.head_dim
+
+
+def _kv_out(c):
+    a = c.attention
+    return a.num_key_value_heads * a.head_dim
+
+
+def _mla_q_out(c):
+    a = c.attention
+    return a.num_attention_heads * a.qk_head_dim
+
+
+_L = "model.layers.{i}."        # HF per-layer prefix
+_P = "layers.{i}."              # logical per-layer prefix
+
+GLOBAL_KEYS = (
+    Rename("model.embed_tokens.weight", "embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),
+    Rename("model.norm.weight", "norm.weight", lambda c: (c.hidden_size,)),
+    Rename("lm_head.weight", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size),
+           when=lambda c: not c.tie_word_embeddings),
+)
+
+LAYER_NORM_KEYS = tuple(
+    Rename(f"{_L}{n}.weight", f"{_P}{n}.weight", lambda c: (c.hidden_size,))
+    for n in ("input_layernorm", "post_attention_layernorm"))
+
+GQA_ATTENTION_KEYS = (
+    Rename(f"{_L}self_attn.q_proj.weight", f"{_P}self_attn.q_proj.weight", lambda c: (_q_out(c), c.hidden_size)),
+    Rename(f"{_L}self_attn.q_proj.bias", f"{_P}self_attn.q_proj.bias", lambda c: (_q_out(c),),
+           when=lambda c: c.attention.qkv_bias),
+    *(r for n in ("k_proj", "v_proj") for r in (
+        Rename(f"{_L}self_attn.{n}.weight", f"{_P}self_attn.{n}.weight", lambda c: (_kv_out(c), c.hidden_size)),
+        Rename(f"{_L}self_attn.{n}.bias", f"{_P}self_attn.{n}.bias", lambda c: (_kv_out(c),),
+               when=lambda c: c.attention.qkv_bias))),
+    Rename(f"{_L}self_attn.o_proj.weight", f"{_P}self_attn.o_proj.weight", lambda c: (c.hidden_size, _q_out(c))),
+    Rename(f"{_L}self_attn.o_proj.bias", f"{_P}self_attn.o_proj.bias", lambda c: (c.hidden_size,),
+           when=lambda c: c.attention.o_proj_bias),
+    Rename(f"{_L}self_attn.q_norm.weight", f"{_P}self_attn.q_norm.weight",
+           lambda c: (c.attention.head_dim if c.attention.qk_norm == "per_head" else _q_out(c),),
+           when=lambda c: c.attention.qk_norm is not None),
+    Rename(f"{_L}self_attn.k_norm.weight", f"{_P}self_attn.k_norm.weight",
+           lambda c: (c.attention.head_dim if c.attention.qk_norm == "per_head" else _kv_out(c),),
+           when=lambda c: c.attention.qk_norm is not None),
+)
+
+
+def _mla_key(name: str, shape, when=lambda c: True) -> Rename:
+    return Rename(f"{_L}self_attn.{name}", f"{_P}self_attn.{name}", shape, when)
+
+
+_NO_Q_LORA = lambda c: c.attention.q_lora_rank is None            # noqa: E731
+_Q_LORA = lambda c: c.attention.q_lora_rank is not None           # noqa: E731
+_MLA_BIAS = lambda c: c.attention.attention_bias                  # noqa: E731
+
+MLA_ATTENTION_KEYS = (
+    _mla_key("q_proj.weight", lambda c: (_mla_q_out(c), c.hidden_size), _NO_Q_LORA),
+    _mla_key("q_a_proj.weight", lambda c: (c.attention.q_lora_rank, c.hidden_size), _Q_LORA),
+    _mla_key("q_a_proj.bias", lambda c: (c.attention.q_lora_rank,), lambda c: _Q_LORA(c) and _MLA_BIAS(c)),
+    _mla_key("q_a_layernorm.weight", lambda c: (c.attention.q_lora_rank,), _Q_LORA),
+    _mla_key("q_b_proj.weight", lambda c: (_mla_q_out(c), c.attention.q_lora_rank), _Q_LORA),
+    _mla_key("kv_a_proj_with_mqa.weight",
+             lambda c: (c.attention.kv_lora_rank + c.attention.qk_rope_head_dim, c.hidden_size)),
+    _mla_key("kv_a_proj_with_mqa.bias", lambda c: (c.attention.kv_lora_rank + c.attention.qk_rope_head_dim,),
+             _MLA_BIAS),
+    _mla_key("kv_a_layernorm.weight", lambda c: (c.attention.kv_lora_rank,)),
+    _mla_key("kv_b_proj.weight", lambda c: (
+        c.attention.num_attention_heads * (c.attention.qk_nope_head_dim + c.attention.v_head_dim),
+        c.attention.kv_lora_rank)),
+    _mla_key("o_proj.weight", lambda c: (c.hidden_size, c.attention.num_attention_heads * c.attention.v_head_dim)),
+    _mla_key("o_proj.bias", lambda c: (c.hidden_size,), _MLA_BIAS),
+)
+
+_DENSE_INTER = lambda c: c.dense_mlp.intermediate_size            # noqa: E731
+
+DENSE_MLP_KEYS = (
+    Rename(f"{_L}mlp.gate_proj.weight", f"{_P}mlp.gate_proj.weight", lambda c: (_DENSE_INTER(c), c.hidden_size),
+           when=lambda c: c.dense_mlp.gated),
+    Rename(f"{_L}mlp.gate_proj.bias", f"{_P}mlp.gate_proj.bias", lambda c: (_DENSE_INTER(c),),
+           when=lambda c: c.dense_mlp.gated and c.dense_mlp.bias),
+    Rename(f"{_L}mlp.up_proj.weight", f"{_P}mlp.up_proj.weight", lambda c: (_DENSE_INTER(c), c.hidden_size)),
+    Rename(f"{_L}mlp.up_proj.bias", f"{_P}mlp.up_proj.bias", lambda c: (_DENSE_INTER(c),),
+           when=lambda c: c.dense_mlp.bias),
+    Rename(f"{_L}mlp.down_proj.weight", f"{_P}mlp.down_proj.weight", lambda c: (c.hidden_size, _DENSE_INTER(c))),
+    Rename(f"{_L}mlp.down_proj.bias", f"{_P}mlp.down_proj.bias", lambda c: (c.hidden_size,),
+           when=lambda c: c.dense_mlp.bias),
+)
+
+
+def _router_keys(module: str, fused: bool | None = None) -> tuple[Rename, ...]:
+    """The router of an HF MoE module named ``module`` (``mlp`` / Mixtral's ``block_sparse_moe``)."""
+    return (
+        Rename(f"{_L}{module}.gate.weight", f"{_P}mlp.router.weight",
+               lambda c: (c.moe.num_experts, c.hidden_size), fused=fused),
+        Rename(f"{_L}{module}.gate.e_score_correction_bias", f"{_P}mlp.router.expert_bias",
+               lambda c: (c.moe.num_experts,), when=lambda c: c.moe.router.use_expert_bias, fused=fused),
+    )
+
+
+_SHARED_FFN = lambda c: c.moe.shared_experts.ffn_hidden_size     # noqa: E731
+_HAS_SHARED = lambda c: c.moe.shared_experts is not None           # noqa: E731
+
+
+def _shared_expert_keys(module: str) -> tuple[Rename, ...]:
+    """Shared experts held by the HF submodule ``mlp.<module>`` (a plain gated MLP)."""
+    return (
+        Rename(f"{_L}mlp.{module}.gate_proj.weight", f"{_P}mlp.shared_experts.gate_proj",
+               lambda c: (_SHARED_FFN(c), c.hidden_size), when=_HAS_SHARED),
+        Rename(f"{_L}mlp.{module}.up_proj.weight", f"{_P}mlp.shared_experts.up_proj",
+               lambda c: (_SHARED_FFN(c), c.hidden_size), when=_HAS_SHARED),
+        Rename(f"{_L}mlp.{module}.down_proj.weight", f"{_P}mlp.shared_experts.down_proj",
+               lambda c: (c.hidden_size, _SHARED_FFN(c)), when=_HAS_SHARED),
+    )
+
+
+SHARED_EXPERT_GATE_KEY = Rename(f"{_L}mlp.shared_expert_gate.weight", f"{_P}mlp.shared_experts.gate_weight",
+                                lambda c: (1, c.hidden_size), when=lambda c: _HAS_SHARED(c) and c.moe.shared_experts.gate)
+
+_STANDARD_EXPERTS = ExpertKeys(
+    per_expert=(f"{_L}mlp.experts.{{e}}.gate_proj.weight", f"{_L}mlp.experts.{{e}}.up_proj.weight",
+                f"{_L}mlp.experts.{{e}}.down_proj.weight"),
+    fused=(f"{_L}mlp.experts.gate_up_proj", f"{_L}mlp.experts.down_proj"))
+
+LOGICAL_EXPERT_KEYS = (f"{_P}mlp.experts.{{e}}.gate_proj.weight", f"{_P}mlp.experts.{{e}}.up_proj.weight",
+                       f"{_P}mlp.experts.{{e}}.down_proj.weight")
+
+
+def _past_last_layer(key: str, config: GPTMoEConfig) -> bool:
+    """DeepSeek-V3's multi-token-prediction layers follow the decoder layers; transformers skips them."""
+    if not key.startswith("model.layers."):
+        return False
+    index = key.split(".")[2]
+    return index.isdigit() and int(index) >= config.num_layers
+
+
+def _tied_lm_head(key: str, config: GPTMoEConfig) -> bool:
+    return key == "lm_head.weight" and config.tie_word_embeddings
+
+
+# ----------------------------------------------------------------------------------------------
+# Expansion of the tables into steps for one config
+# ----------------------------------------------------------------------------------------------
+def _rename_step(hf: str, logical: str, shape: Shape) -> KeyTransform:
+    return KeyTransform((hf,), (shape,), (logical,), (shape,), _identity, _identity)
+
+
+def _split_gate_up(num_experts: int, ffn: int):
+    def to_logical(tensors: Tensors) -> Tensors:
+        gate_up = tensors[0]                                     # [E, 2F, H]
+        return [gate_up[e, :ffn] for e in range(num_experts)] + [gate_up[e, ffn:] for e in range(num_experts)]
+
+    def to_hf(tensors: Tensors) -> Tensors:
+        gates, ups = tensors[:num_experts], tensors[num_experts:]
+        return [torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)])]    # [E, 2F, H]
+    return to_logical, to_hf
+
+
+def _split_down(num_experts: int):
+    def to_logical(tensors: Tensors) -> Tensors:
+        return list(tensors[0].unbind(0))                        # E x [H, F]
+
+    def to_hf(tensors: Tensors) -> Tensors:
+        return [torch.stack(list(tensors))]                      # [E, H, F]
+    return to_logical, to_hf
+
+
+def _expert_steps(keys: ExpertKeys, config: GPTMoEConfig, layer: int, fused: bool) -> list[KeyTransform]:
+    moe = config.moe
+    if moe.activation != "swiglu":
+        raise AdapterError(f"HF MoE families have gated (swiglu) experts; the config's experts use "
+                           f"{moe.activation!r}")
+    E, F, H = moe.num_experts, moe.ffn_hidden_size, config.hidden_size
+    logical = [[t.format(i=layer, e=e) for e in range(E)] for t in LOGICAL_EXPERT_KEYS]     # gate, up, down
+    if not fused:
+        shapes = ((F, H), (F, H), (H, F))
+        return [_rename_step(hf.format(i=layer, e=e), logical[k][e], shapes[k])
+                for e in range(E) for k, hf in enumerate(keys.per_expert)]
+    gate_up_to_logical, gate_up_to_hf = _split_gate_up(E, F)
+    down_to_logical, down_to_hf = _split_down(E)
+    return [
+        KeyTransform((keys.fused[0].format(i=layer),), ((E, 2 * F, H),), tuple(logical[0] + logical[1]),
+                     ((F, H),) * (2 * E), gate_up_to_logical, gate_up_to_hf,
+                     what="split fused gate_up into per-expert gate/up"),
+        KeyTransform((keys.fused[1].format(i=layer),), ((E, H, F),), tuple(logical[2]), ((H, F),) * E,
+                     down_to_logical, down_to_hf, what="split fused down into per-expert down"),
+    ]
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """The key map of one HF family: which :class:`Rename` tables apply where, how its routed experts are
+    named, and which HF keys are deliberately dropped on import."""
+
+    model_type: str
+    layer_keys: tuple[Rename, ...]          # every layer (norms, attention)
+    dense_keys: tuple[Rename, ...]          # layers with a dense MLP
+    moe_keys: tuple[Rename, ...]            # MoE layers, besides the routed experts
+    experts: ExpertKeys
+    global_keys: tuple[Rename, ...] = GLOBAL_KEYS
+    ignored: tuple[Callable[[str, GPTMoEConfig], bool], ...] = (_tied_lm_head,)
+
+    # ---- planning -----------------------------------------------------------------------------
+    def transforms(self, config: GPTMoEConfig, fused: bool) -> list[KeyTransform]:
+        """Every step converting a whole model of ``config`` in the given HF form, in model order."""
+        def renames(table, layer=None):
+            return [_rename_step(r.hf.format(i=layer), r.logical.format(i=layer), r.shape(config))
+                    for r in table if r.fused in (None, fused) and r.when(config)]
+
+        steps = renames(self.global_keys)
+        for layer in range(config.num_layers):
+            steps += renames(self.layer_keys, layer)
+            if config.is_moe_layer(layer):
+                steps += renames(self.moe_keys, layer)
+                steps += _expert_steps(self.experts, config, layer, fused)
+            else:
+                steps += renames(self.dense_keys, layer)
+        return steps
+
+    def is_ignored(self, hf_key: str, config: GPTMoEConfig) -> bool:
+        return any(rule(hf_key, config) for rule in self.ignored)
+
+    # ---- HF -> megamoe ------------------------------------------------------------------------
+    def iter_hf_to_megamoe(self, hf_items: Iterable[tuple[str, torch.Tensor]],
+                           config: GPTMoEConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Logical ``(name, tensor)`` pairs from HF pairs in either form (even mixed per layer)."""
+        steps = self._both_forms(config)
+        yield from _run(hf_items, steps, to_logical=True,
+                        skip=lambda key: self.is_ignored(key, config), side="HF")
+
+    def hf_to_megamoe(self, hf_state: Mapping[str, torch.Tensor], config: GPTMoEConfig) -> dict[str, torch.Tensor]:
+        """All logical tensors of ``config`` from an HF state dict (checkpoint or fused form)."""
+        steps = self._both_forms(config)
+        return dict(self.iter_hf_to_megamoe(_in_step_order(hf_state, steps, to_logical=True), config))
+
+    def _both_forms(self, config: GPTMoEConfig) -> list[KeyTransform]:
+        steps, seen = [], set()
+        for fused in (False, True):
+            for step in self.transforms(config, fused):
+                if step.hf_keys not in seen:
+                    seen.add(step.hf_keys)
+                    steps.append(step)
+        return steps
+
+    # ---- megamoe -> HF ------------------------------------------------------------------------
+    def iter_megamoe_to_hf(self, logical_items: Iterable[tuple[str, torch.Tensor]], config: GPTMoEConfig,
+                           fused: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF ``(key, tensor)`` pairs in the checkpoint form (``fused=False``) or the in-memory form."""
+        yield from _run(logical_items, self.transforms(config, fused), to_logical=False, skip=lambda key: False,
+                        side="logical")
+
+    def megamoe_to_hf(self, logical: Mapping[str, torch.Tensor], config: GPTMoEConfig,
+                      fused: bool) -> dict[str, torch.Tensor]:
+        """The HF state dict of a model given all its logical tensors."""
+        steps = self.transforms(config, fused)
+        return dict(self.iter_megamoe_to_hf(_in_step_order(logical, steps, to_logical=False), config, fused))
+
+
+def _in_step_order(state: Mapping[str, torch.Tensor], steps: list[KeyTransform],
+                   to_logical: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``state``'s items, each step's inputs together and in step order (unknown keys last), read lazily."""
+    order: dict[str, int] = {}
+    for index, step in enumerate(steps):
+        for key in step.side(to_logical)[0]:
+            order.setdefault(key, index)
+    unknown = len(steps)
+    for key in sorted(state.keys(), key=lambda k: order.get(k, unknown)):
+        yield key, state[key]
+
+
+def _run(items: Iterable[tuple[str, torch.Tensor]], steps: list[KeyTransform], *, to_logical: bool,
+         skip: Callable[[str], bool], side: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Feed ``items`` through ``steps``; see the module docstring for the guarantees."""
+    step_of: dict[str, KeyTransform] = {}
+    for step in steps:
+        for key in step.side(to_logical)[0]:
+            step_of[key] = step
+    expected_outputs: dict[str, list[KeyTransform]] = {}
+    for step in steps:
+        for key in step.side(to_logical)[2]:
+            expected_outputs.setdefault(key, []).append(step)
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    consumed: set[str] = set()
+    produced_by: dict[str, str] = {}
+    for key, tensor in items:
+        step = step_of.get(key)
+        if step is None:
+            if skip(key):
+                logger.debug("ignoring %s key %s", side, key)
+                continue
+            raise AdapterError(f"unexpected {side} key {key!r}: it is not part of the model the config describes")
+        if key in consumed:
+            raise AdapterError(f"{side} key {key!r} was given twice")
+        consumed.add(key)
+        inputs, input_shapes, outputs, output_shapes, fn = step.side(to_logical)
+        expected = input_shapes[inputs.index(key)]
+        if tuple(tensor.shape) != expected:
+            raise AdapterError(f"{side} key {key!r} has shape {tuple(tensor.shape)}, the config expects {expected}")
+        buffer = pending.setdefault(id(step), {})
+        buffer[key] = tensor
+        if len(buffer) < len(inputs):
+            continue
+        del pending[id(step)]
+        results = fn([buffer[k] for k in inputs])
+        source = ", ".join(inputs) if len(inputs) <= 2 else f"{inputs[0]} ... ({len(inputs)} keys)"
+        for out_key, out_shape, out in zip(outputs, output_shapes, results, strict=True):
+            if tuple(out.shape) != out_shape:       # a transform bug, not a user error
+                raise AssertionError(f"{step.what} produced {out_key!r} of shape {tuple(out.shape)}, not {out_shape}")
+            if out_key in produced_by:
+                raise AdapterError(f"{out_key!r} is given twice: by {produced_by[out_key]} and by {source} (an HF "
+                                   "state holding both the per-expert and the fused form of the same experts?)")
+            produced_by[out_key] = source
+            yield out_key, out
+    _check_complete(pending, steps, expected_outputs, produced_by, to_logical, side)
+
+
+def _check_complete(pending, steps, expected_outputs, produced_by, to_logical: bool, side: str) -> None:
+    problems = []
+    for step in steps:
+        buffer = pending.get(id(step))
+        if buffer:
+            missing = [k for k in step.side(to_logical)[0] if k not in buffer]
+            problems.append(f"{step.what}: got {len(buffer)} of its {len(buffer) + len(missing)} {side} keys, "
+                            f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    missing_outputs = [k for k in expected_outputs if k not in produced_by]
+    for key in missing_outputs[:8]:
+        sources = [" + ".join(s.side(to_logical)[0][:2]) + (" ..." if len(s.side(to_logical)[0]) > 2 else "")
+                   for s in expected_outputs[key]]
+        problems.append(f"missing {side} key for {key!r}: expected {' or '.join(repr(s) for s in sources)}")
+    if len(missing_outputs) > 8:
+        problems.append(f"... and {len(missing_outputs) - 8} more missing")
+    if problems:
+        raise AdapterError("incomplete conversion:\n  " + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+# The families
+# ----------------------------------------------------------------------------------------------
+_GQA_LAYER = LAYER_NORM_KEYS + GQA_ATTENTION_KEYS
+_MLA_LAYER = LAYER_NORM_KEYS + MLA_ATTENTION_KEYS
+
+ADAPTERS: dict[str, HFAdapter] = {
+    "mixtral": HFAdapter(
+        "mixtral", _GQA_LAYER, DENSE_MLP_KEYS,
+        moe_keys=_router_keys("block_sparse_moe", fused=False) + _router_keys("mlp", fused=True),
+        experts=ExpertKeys(
+            per_expert=(f"{_L}block_sparse_moe.experts.{{e}}.w1.weight", f"{_L}block_sparse_moe.experts.{{e}}.w3.weight",
+                        f"{_L}block_sparse_moe.experts.{{e}}.w2.weight"),
+            fused=_STANDARD_EXPERTS.fused)),
+    "qwen2_moe": HFAdapter(
+        "qwen2_moe", _GQA_LAYER, DENSE_MLP_KEYS,
+        moe_keys=_router_keys("mlp") + _shared_expert_keys("shared_expert") + (SHARED_EXPERT_GATE_KEY,),
+        experts=_STANDARD_EXPERTS),
+    "qwen3_moe": HFAdapter("qwen3_moe", _GQA_LAYER, DENSE_MLP_KEYS, _router_keys("mlp"), _STANDARD_EXPERTS),
+    "olmoe": HFAdapter("olmoe", _GQA_LAYER, DENSE_MLP_KEYS, _router_keys("mlp"), _STANDARD_EXPERTS),
+    "deepseek_v2": HFAdapter("deepseek_v2", _MLA_LAYER, DENSE_MLP_KEYS,
+                             _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS),
+    "deepseek_v3": HFAdapter("deepseek_v3", _MLA_LAYER, DENSE_MLP_KEYS,
+                             _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
+                             ignored=(_tied_lm_head, _past_last_layer)),
+}
+
+
+def adapter_for(model_type: str) -> HFAdapter:
+    """The adapter of an HF ``model_type``; ValueError listing the supported ones otherwise."""
+    try:
+        return ADAPTERS[model_type]
+    except KeyError:
+        raise ValueError(f"no HF adapter for model_type {model_type!r}; supported: {', '.join(ADAPTERS)}") from None

@@ -1,0 +1,1 @@
+"""Inference: pipeline-aware forward passes and generation."""

@@ -1,0 +1,187 @@
+"""HuggingFace config -> :class:`GPTMoEConfig` for the supported model families.
+
+Checked against transformers 5.24's modeling code (HF config names in quotes):
+
+- attention: GQA for mixtral, qwen2_moe, qwen3_moe, olmoe; MLA for deepseek_v2 / deepseek_v3
+  (interleaved rope for V2, and for V3 when "rope_interleave"). q/k norm: per head (qwen3_moe),
+  across heads (olmoe). Biases: q/k/v from "qkv_bias" (qwen2_moe); q/k/v and o from
+  "attention_bias" (qwen3_moe, olmoe). Sliding window: "sliding_window" on every layer (mixtral;
+  qwen3_moe, whose config clears it unless "use_sliding_window"); qwen2_moe marks layers in
+  "layer_types", and only a window on all layers or none is representable here.
+- which layers are MoE: every layer (mixtral, olmoe); qwen2_moe / qwen3_moe: layer ``i`` unless
+  ``i in "mlp_only_layers"`` or ``(i + 1) % "decoder_sparse_step" != 0`` (none when "num_experts"
+  is 0); deepseek: ``i >= "first_k_dense_replace"`` (transformers ignores DeepSeek's
+  "moe_layer_freq"; a value other than 1 is refused rather than silently reinterpreted).
+- expert FFN size: "intermediate_size" (mixtral, olmoe), "moe_intermediate_size" (qwen, deepseek);
+  dense layers use "intermediate_size".
+- shared experts: qwen2_moe: "shared_expert_intermediate_size" with a sigmoid gate; deepseek:
+  "n_shared_experts" * "moe_intermediate_size", no gate.
+- router: see :mod:`megamoe.moe.router`. The balancing loss HF adds when "output_router_logits"
+  (mixtral, qwen, olmoe) is reproduced with ``aux_loss_coeff = "router_aux_loss_coef" * top_k``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from megamoe.models.config import GPTMoEConfig
+from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.router import RouterConfig
+from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.transformer.attention import AttentionConfig
+from megamoe.transformer.mla import MLAConfig
+from megamoe.transformer.mlp import MLPConfig
+from megamoe.transformer.rope import RopeConfig
+
+__all__ = ["SUPPORTED_FAMILIES", "config_from_hf", "attention_config", "mla_config", "mlp_config",
+           "router_config", "moe_layer_ids"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+
+
+def _rope(cfg, dim: int, layout: str = "half") -> RopeConfig:
+    return RopeConfig.from_hf(cfg.rope_parameters, dim=dim, max_position_embeddings=cfg.max_position_embeddings,
+                              layout=layout)
+
+
+def _sliding_window(cfg, layer_idx: int | None) -> int | None:
+    if cfg.model_type != "qwen2_moe":
+        return getattr(cfg, "sliding_window", None)
+    if layer_idx is not None:
+        return cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
+    kinds = set(cfg.layer_types)
+    if len(kinds) > 1:
+        raise ValueError(f"qwen2_moe: layer_types {cfg.layer_types} mix sliding and full attention; only a "
+                         "window on every layer or on none is supported (set use_sliding_window=False, or "
+                         "max_window_layers=0)")
+    return cfg.sliding_window if kinds == {"sliding_attention"} else None
+
+
+def attention_config(cfg, layer_idx: int | None = None) -> AttentionConfig:
+    """GQA attention of mixtral, qwen2_moe, qwen3_moe and olmoe: of layer ``layer_idx``, or (None) the
+    one config all layers share (ValueError when qwen2_moe's layers differ in their sliding window)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    family = cfg.model_type
+    biased = family in ("qwen3_moe", "olmoe") and cfg.attention_bias
+    return AttentionConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim, rope=_rope(cfg, head_dim),
+        qkv_bias=cfg.qkv_bias if family == "qwen2_moe" else biased, o_proj_bias=biased,
+        qk_norm={"qwen3_moe": "per_head", "olmoe": "full_width"}.get(family), norm_eps=cfg.rms_norm_eps,
+        sliding_window=_sliding_window(cfg, layer_idx), clip_qkv=getattr(cfg, "clip_qkv", None),
+        init_std=cfg.initializer_range)
+
+
+def mla_config(cfg) -> MLAConfig:
+    """DeepSeek-V2 (always interleaved rope) and DeepSeek-V3 (``rope_interleave``)."""
+    interleaved = cfg.model_type == "deepseek_v2" or cfg.rope_interleave
+    return MLAConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        rope=_rope(cfg, cfg.qk_rope_head_dim, "interleaved" if interleaved else "half"),
+        attention_bias=cfg.attention_bias, init_std=cfg.initializer_range)
+
+
+def mlp_config(cfg) -> MLPConfig:
+    """The dense MLP of the layers that are not MoE."""
+    return MLPConfig(cfg.hidden_size, cfg.intermediate_size, activation=cfg.hidden_act,
+                     bias=getattr(cfg, "mlp_bias", False), init_std=cfg.initializer_range)
+
+
+def _num_experts(cfg) -> int:
+    family = cfg.model_type
+    if family == "mixtral":
+        return cfg.num_local_experts
+    return cfg.n_routed_experts if family in _MLA_FAMILIES else cfg.num_experts
+
+
+def moe_layer_ids(cfg) -> tuple[int, ...]:
+    """The layers transformers builds with a sparse MoE block."""
+    family, layers = cfg.model_type, range(cfg.num_hidden_layers)
+    if family in ("mixtral", "olmoe"):
+        return tuple(layers)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        if cfg.num_experts == 0:
+            return ()
+        return tuple(i for i in layers if i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0)
+    freq = getattr(cfg, "moe_layer_freq", 1)
+    if freq != 1:
+        raise ValueError(f"{family}: moe_layer_freq={freq} is not supported: transformers ignores it (every layer "
+                         f">= first_k_dense_replace is MoE) while DeepSeek's reference code does not")
+    return tuple(i for i in layers if i >= cfg.first_k_dense_replace)
+
+
+def router_config(cfg) -> RouterConfig:
+    """The router of one MoE layer (see the family table in :mod:`megamoe.moe.router`)."""
+    family = cfg.model_type
+    top_k = cfg.num_experts_per_tok
+    common = dict(hidden_size=cfg.hidden_size, num_experts=_num_experts(cfg), top_k=top_k,
+                  init_std=cfg.initializer_range)
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        aux = cfg.router_aux_loss_coef * top_k if cfg.output_router_logits else 0.0
+        return RouterConfig(**common, score_func="softmax", norm_topk_prob=family == "mixtral" or cfg.norm_topk_prob,
+                            aux_loss_coeff=aux)
+    if family == "deepseek_v2":
+        if cfg.topk_method == "greedy":
+            groups = {}
+        elif cfg.topk_method == "group_limited_greedy":
+            groups = dict(n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="max")
+        else:
+            raise ValueError(f"deepseek_v2: topk_method {cfg.topk_method!r} is not supported; supported: "
+                             "'greedy', 'group_limited_greedy'")
+        return RouterConfig(**common, score_func="softmax", routed_scaling_factor=cfg.routed_scaling_factor,
+                            **groups)
+    return RouterConfig(**common, score_func="sigmoid", norm_topk_prob=bool(cfg.norm_topk_prob),
+                        routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group or 1,
+                        topk_group=cfg.topk_group or 1, group_score="top2_sum", use_expert_bias=True)
+
+
+def _shared_experts(cfg) -> SharedExpertsConfig | None:
+    family = cfg.model_type
+    if family == "qwen2_moe":
+        return SharedExpertsConfig(cfg.hidden_size, cfg.shared_expert_intermediate_size, gate=True,
+                                   init_std=cfg.initializer_range)
+    if family in _MLA_FAMILIES and cfg.n_shared_experts:
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError(f"{family}: mlp_bias=True gives the shared experts biases, which are not supported")
+        return SharedExpertsConfig(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size,
+                                   init_std=cfg.initializer_range)
+    return None
+
+
+def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: str = "auto",
+                   num_expert_slots: int | None = None) -> GPTMoEConfig:
+    """The :class:`GPTMoEConfig` reproducing a transformers config of a supported family.
+
+    ``dispatcher``, ``expert_backend`` and ``num_expert_slots`` are engine choices (see
+    :class:`MoEConfig`); everything else comes from ``hf_config``. Training-only randomness HF applies
+    (attention dropout, Mixtral's router jitter) is not reproduced and only logged.
+    """
+    family = getattr(hf_config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    cfg = hf_config
+    for name in ("attention_dropout", "router_jitter_noise"):
+        if getattr(cfg, name, 0.0):
+            logger.warning("%s: %s=%s is ignored (training-time noise is not reproduced)", family, name,
+                           getattr(cfg, name))
+    layer_ids = moe_layer_ids(cfg)
+    moe = None
+    if layer_ids:
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"{family}: hidden_act {cfg.hidden_act!r}: gated experts are supported with 'silu' "
+                             "(SwiGLU) only")
+        ffn = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
+        moe = MoEConfig(router=router_config(cfg), ffn_hidden_size=ffn, num_expert_slots=num_expert_slots,
+                        dispatcher=dispatcher, expert_backend=expert_backend, activation="swiglu",
+                        shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
+    dense = mlp_config(cfg) if len(layer_ids) < cfg.num_hidden_layers else None
+    return GPTMoEConfig(
+        family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+        attention=mla_config(cfg) if family in _MLA_FAMILIES else attention_config(cfg), moe=moe,
+        moe_layer_ids=layer_ids, dense_mlp=dense, norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range)

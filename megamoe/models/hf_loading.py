@@ -1,0 +1,76 @@
+"""Fill a model (one rank's shards) from full logical tensors, and gather them back on one process.
+
+The logical tensors are what :mod:`checkpoint_tools.adapters` makes of a HuggingFace state dict: full,
+unsharded tensors named like :func:`megamoe.checkpoint_state.sharded_state_dict` (routed experts per
+expert id). Each rank copies out the slices its chunks hold, so the same mapping serves every layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from megamoe.checkpoint_state import LogicalChunk, sharded_state_dict
+
+__all__ = ["load_logical_state", "gather_logical_state"]
+
+
+def _region(chunk: LogicalChunk) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape))
+
+
+def _chunks_by_name(model: nn.Module) -> dict[str, list[LogicalChunk]]:
+    grouped: dict[str, list[LogicalChunk]] = {}
+    for chunk in sharded_state_dict(model):
+        grouped.setdefault(chunk.name, []).append(chunk)
+    return grouped
+
+
+@torch.no_grad()
+def load_logical_state(model: nn.Module, logical: Mapping[str, torch.Tensor]) -> list[str]:
+    """Copy into every chunk of ``sharded_state_dict(model)`` its slice of ``logical[chunk.name]``.
+
+    Every name the model holds must be present with its global shape (ValueError naming the tensors
+    otherwise); each is read from ``logical`` once however many chunks (replicas, tied copies) share it.
+    Values are converted to each chunk's dtype. Returns the names of ``logical`` this model does not
+    hold (sorted): other stages' or ranks' tensors when the mapping covers the whole model.
+    """
+    grouped = _chunks_by_name(model)
+    missing = sorted(name for name in grouped if name not in logical)
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"{len(missing)} logical tensors the model holds are missing: {shown}")
+    for name, chunks in grouped.items():
+        full = logical[name]
+        if tuple(full.shape) != chunks[0].global_shape:
+            raise ValueError(f"logical tensor {name!r} has shape {tuple(full.shape)}, the model expects "
+                             f"{chunks[0].global_shape}")
+        for chunk in chunks:
+            chunk.tensor.copy_(full[_region(chunk)])
+    return sorted(name for name in logical.keys() if name not in grouped)
+
+
+@torch.no_grad()
+def gather_logical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every logical tensor of a model whose chunks cover them whole (a single process), as new tensors.
+
+    ValueError naming a tensor that this process holds only part of (a multi-rank layout needs a
+    checkpoint save instead, see :mod:`checkpoint_tools.format`).
+    """
+    gathered = {}
+    for name, chunks in _chunks_by_name(model).items():
+        first = chunks[0]
+        full = torch.empty(first.global_shape, dtype=first.tensor.dtype, device=first.tensor.device)
+        covered = torch.zeros(first.global_shape, dtype=torch.bool)
+        for chunk in chunks:
+            full[_region(chunk)] = chunk.tensor
+            covered[_region(chunk)] = True
+        held = int(covered.sum())
+        if held != math.prod(first.global_shape):
+            raise ValueError(f"logical tensor {name!r}: this process holds {held} of its "
+                             f"{math.prod(first.global_shape)} elements; gather_logical_state needs whole tensors")
+        gathered[name] = full
+    return gathered

@@ -1,0 +1,221 @@
+"""Training checkpoints: all a run needs to continue where it stopped, under the same or any other layout.
+
+A training checkpoint is one directory of the megamoe checkpoint format (:mod:`checkpoint_tools.format`):
+
+- the model: the logical chunks of :func:`megamoe.checkpoint_state.sharded_state_dict` (routed experts
+  under per-EXPERT names, so replicas are stored once and loading fills every slot of an expert);
+- the optimizer state: ``optim.<key>.<logical name>``, cut exactly like its parameter
+  (:func:`megamoe.checkpoint_state.optimizer_chunks`), so it follows the parameter into any layout: a
+  slot that replicates an expert gets that expert's state, whether or not it was replicated before;
+- manifest fields: ``model_config`` (the :class:`GPTMoEConfig` as a dict), ``parallel_layout`` (world
+  size, tp, pp, dp, cp, ep, etp, order), ``expert_placement`` (``{"<layer id>": ExpertPlacement.to_dict()}``,
+  each pipeline stage contributing its own layers) and ``extra`` (``step``, ``sampler_state``,
+  ``has_optimizer_state``);
+- per-rank state: each rank's RNG states.
+
+Directory scheme: step-numbered checkpoints ``<directory>/step_<step, 8 digits>`` (see
+:func:`checkpoint_path`), each written atomically (temporary directory + rename, so a crash leaves the
+older checkpoints intact); :func:`latest_checkpoint` finds what a resumed run loads and
+:func:`prune_checkpoints` removes the old ones. Step-numbered rather than one directory overwritten in
+place, so that a run can be rolled back past a bad step (a loss spike, a NaN) to an earlier checkpoint.
+
+Every rank loads only the slices it holds, with no communication. The RNG states are restored only when
+the layout is unchanged: under another layout a rank has no counterpart whose streams it could continue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+
+import torch
+
+from checkpoint_tools.format import load_checkpoint, load_rank_state, read_manifest, save_checkpoint
+from megamoe import comms
+from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
+                                      sharded_state_dict)
+from megamoe.moe.expert_slots import ExpertPlacement
+
+__all__ = [
+    "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
+    "checkpoint_path", "list_checkpoints", "latest_checkpoint", "prune_checkpoints",
+]
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
+# Config fields that choose how the engine computes, not what the model is: they may change on resume.
+_ENGINE_FIELDS = {"moe.num_expert_slots", "moe.dispatcher", "moe.expert_backend", "moe.input_sharded"}
+
+
+def _model_config_dict(config) -> dict:
+    """The config as JSON would give it back (tuples as lists), so saved and current configs compare equal."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def _parallel_layout(state) -> dict:
+    return {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size,
+            "cp": state.cp.size, "ep": state.ep.size, "etp": state.etp.size, "order": state.order}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    # Only when CUDA is already in use: querying its generator would otherwise initialise it.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """False before the first step (nothing to save); a partly initialised optimizer is refused by
+    :func:`optimizer_chunks`, naming the parameter."""
+    return any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"])
+
+
+def _training_chunks(trainer, with_optimizer: bool):
+    chunks = sharded_state_dict(trainer.model)
+    if with_optimizer:
+        chunks += optimizer_chunks(trainer.optimizer, chunks_by_parameter(trainer.model.parameters(), chunks))
+    return chunks
+
+
+def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state: dict | None, world_group) -> None:
+    """Save ``trainer``'s model, optimizer state and step, ``sampler_state`` (the data position) and every
+    rank's RNG states as the checkpoint directory ``path``, atomically.
+
+    Collective over ``world_group`` (every rank of the run; ``None`` for one process): each rank passes
+    its own trainer (its pipeline stage and shards) and the same ``path``. ``sampler_state`` must be a
+    JSON dict equal on every rank (e.g. :meth:`ResumableSampler.state_dict`, which is layout-independent).
+    Until the save completes, ``path`` keeps what it held before.
+    """
+    model, state = trainer.model, trainer.state
+    with_optimizer = _optimizer_has_state(trainer.optimizer)
+    fields = {
+        "model_config": _model_config_dict(model.config),
+        "parallel_layout": _parallel_layout(state),
+        "expert_placement": {str(i): layer.placement.to_dict() for i, layer in model.moe_layers().items()},
+        "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer},
+    }
+    save_checkpoint(path, _training_chunks(trainer, with_optimizer), group=world_group, manifest_fields=fields,
+                    rank_state=_rng_state())
+    logger.info("saved training checkpoint %s at step %d", path, trainer.step)
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def _config_differences(saved: dict, current: dict) -> list[str]:
+    """Dotted names of the model-defining fields that differ (engine fields may change freely)."""
+    saved, current = _flatten(saved), _flatten(current)
+    return sorted(k for k in saved.keys() | current.keys()
+                  if k not in _ENGINE_FIELDS and saved.get(k) != current.get(k))
+
+
+def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group) -> dict:
+    """Load the checkpoint ``path`` into ``trainer`` (model, optimizer state, step), whatever layout,
+    number of expert slots or placement saved it; restore this rank's RNG states if the layout is the
+    same. Each rank reads only its own slices; no communication.
+
+    Returns ``{"step": int, "sampler_state": dict | None}``: hand ``sampler_state`` to the data sampler
+    (:meth:`ResumableSampler.load_state_dict`) to continue with the next samples.
+    Raises :class:`checkpoint_tools.format.CheckpointError` if a tensor is missing or has another shape.
+    """
+    manifest = read_manifest(path)
+    extra = manifest["extra"]
+    model, optimizer = trainer.model, trainer.optimizer
+    differences = _config_differences(manifest["model_config"], _model_config_dict(model.config))
+    if differences:
+        logger.warning("%s was saved with another model config; differing fields: %s", path, ", ".join(differences))
+    if extra["has_optimizer_state"]:
+        materialize_optimizer_state(optimizer)
+    else:
+        optimizer.state.clear()  # saved before the first step: a fresh optimizer is the exact state
+    load_checkpoint(path, _training_chunks(trainer, extra["has_optimizer_state"]))
+    trainer.step = extra["step"]
+
+    layout = _parallel_layout(trainer.state)
+    if manifest["parallel_layout"] == layout:
+        rng = load_rank_state(path, comms.group_rank(world_group))
+        torch.set_rng_state(rng["torch_cpu"])
+        if "torch_cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["torch_cuda"])
+    else:
+        logger.warning("%s was saved under the layout %s, this run is %s: RNG states are not restored",
+                       path, manifest["parallel_layout"], layout)
+    logger.info("loaded training checkpoint %s at step %d", path, trainer.step)
+    return {"step": extra["step"], "sampler_state": extra["sampler_state"]}
+
+
+def expert_placements_from_checkpoint(path: str | os.PathLike) -> dict[int, ExpertPlacement]:
+    """The saved expert placement of every MoE layer, to rebuild the model with the placement a run had
+    reached (e.g. after rebalancing) when it resumes with the same number of slots and EP size."""
+    saved = read_manifest(path)["expert_placement"]
+    return {int(layer_id): ExpertPlacement.from_dict(d) for layer_id, d in saved.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Step-numbered checkpoint directories
+# ----------------------------------------------------------------------------------------------
+def checkpoint_path(directory: str | os.PathLike, step: int) -> str:
+    """Where the checkpoint of ``step`` lives: ``<directory>/step_<8 digits>``."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return os.path.join(os.fspath(directory), f"step_{step:08d}")
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
+    """``(step, path)`` of every complete checkpoint in ``directory``, oldest first.
+
+    A save interrupted mid-way left only a temporary directory (ignored); one interrupted while swapping
+    a re-saved step left ``step_N.old`` (listed as ``step_N``: loading reads the ``.old`` directory).
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    found: dict[int, str] = {}
+    for name in os.listdir(directory):
+        match = _STEP_DIR.fullmatch(name)
+        if match is None or not os.path.isfile(os.path.join(directory, name, "manifest.json")):
+            continue
+        path = os.path.join(directory, name.removesuffix(".old"))
+        if match.group(2) and os.path.exists(path):
+            continue  # a complete step_N exists next to its stale .old
+        found[int(match.group(1))] = path
+    return sorted(found.items())
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint in ``directory`` (``None`` when there is none): what to resume from."""
+    checkpoints = list_checkpoints(directory)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, and what interrupted saves of older
+    steps left behind. Call it on ONE rank, after a save has returned. Returns the deleted paths."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
+    checkpoints = list_checkpoints(directory)
+    if not checkpoints:
+        return []
+    oldest_kept = checkpoints[-keep_last:][0][0]
+    removed = []
+    for _, path in checkpoints[:-keep_last]:
+        removed += [p for p in (path, path + ".old") if os.path.exists(p)]
+    for leftover in glob.glob(os.path.join(glob.escape(os.fspath(directory)), "step_*.tmp-*")):
+        match = re.fullmatch(r"step_(\d+)\.tmp-.*", os.path.basename(leftover))
+        if match and int(match.group(1)) < oldest_kept:
+            removed.append(leftover)
+    for path in removed:
+        shutil.rmtree(path)
+    if removed:
+        logger.info("pruned %d old checkpoint directories in %s", len(removed), directory)
+    return removed

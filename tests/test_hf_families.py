@@ -1,0 +1,279 @@
+"""HF families end to end (fp32): config_from_hf + the checkpoint adapters + load_logical_state give a
+GPTMoEModel whose logits equal transformers' for tiny random models of every family, single process and
+under several parallel layouts; the adapters round-trip both HF forms bitwise and reject bad input.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoint_tools.adapters import AdapterError, adapter_for
+from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
+from megamoe.models.hf_loading import gather_logical_state, load_logical_state
+from megamoe.testing import run_on_ranks
+from parallel_state import ParallelState
+
+V, H, S = 64, 32, 9
+ATOL = 1e-4
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=0.707,
+            beta_fast=32, beta_slow=1, rope_theta=10000.0)
+
+
+@functools.cache
+def _transformers():
+    """Imported on first use: the spawned ranks only run our model (transformers costs seconds each)."""
+    import transformers
+    return transformers
+
+
+def hf_config(family):
+    """A tiny config per family exercising its particular features (E=8, K=2)."""
+    t = _transformers()
+    common = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  num_experts_per_tok=2)
+    mla = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+               intermediate_size=24, moe_intermediate_size=16, n_routed_experts=8, first_k_dense_replace=1,
+               num_hidden_layers=3, n_group=4, topk_group=2, rope_parameters=dict(YARN))
+    configs = {
+        "mixtral": lambda: t.MixtralConfig(**common, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=16,
+                                           num_local_experts=8, sliding_window=5),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(**common, num_key_value_heads=2, num_hidden_layers=3, mlp_only_layers=[1],
+                                              intermediate_size=24, moe_intermediate_size=16,
+                                              shared_expert_intermediate_size=20, num_experts=8),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=12, num_hidden_layers=3,
+                                              decoder_sparse_step=2, attention_bias=True, norm_topk_prob=True,
+                                              intermediate_size=24, moe_intermediate_size=16, num_experts=8,
+                                              tie_word_embeddings=True),
+        "olmoe": lambda: t.OlmoeConfig(**common, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=16,
+                                       num_experts=8, clip_qkv=3.0, eos_token_id=None),
+        "deepseek_v2": lambda: t.DeepseekV2Config(**common, **mla, q_lora_rank=None, n_shared_experts=2,
+                                                  topk_method="group_limited_greedy", routed_scaling_factor=2.0),
+        "deepseek_v3": lambda: t.DeepseekV3Config(**common, **mla, q_lora_rank=12, n_shared_experts=1,
+                                                  routed_scaling_factor=2.5),
+    }
+    return configs[family]()
+
+
+@functools.cache
+def hf_model(family):
+    """(HF model with random weights, our config): norms around 1, everything else N(0, 0.2^2)."""
+    t = _transformers()
+    cfg = hf_config(family)
+    torch.manual_seed(0)
+    model = t.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(len(family))
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():      # includes DeepSeek-V3's e_score_correction_bias
+            noise = torch.randn(tensor.shape, generator=g) * 0.2
+            tensor.copy_(1.0 + noise if "norm" in name else noise)
+    return model, config_from_hf(cfg, expert_backend="torch")
+
+
+def _ids(batch, seed=1):
+    return torch.randint(0, V, (batch, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _checkpoint_form(model):
+    """What save_pretrained writes (read back with safetensors)."""
+    from safetensors.torch import load_file
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        state = {}
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(d, name)))
+    return state
+
+
+def _assert_bitwise(actual, expected, what):
+    assert set(actual) == set(expected), f"{what}: keys differ: {sorted(set(actual) ^ set(expected))[:6]}"
+    for key, tensor in expected.items():
+        assert actual[key].dtype == tensor.dtype and torch.equal(actual[key], tensor), f"{what}: {key} differs"
+
+
+# ----------------------------------------------------------------------------------------------
+# Single process
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_family_matches_transformers(family):
+    hf, config = hf_model(family)
+    adapter = adapter_for(family)
+    fused_state = hf.state_dict()           # transformers 5.24 in memory: experts fused [E, 2F, H] / [E, H, F]
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused_state)
+    logical = adapter.hf_to_megamoe(fused_state, config)
+
+    model = GPTMoEModel(config, ParallelState.single_process())
+    assert load_logical_state(model, logical) == []             # every logical tensor used, none missing
+    ids = _ids(2)
+    with torch.no_grad():
+        logits, _ = model(ids)
+    expected = _hf_logits(hf, ids)
+    diff = (logits - expected).abs().max().item()
+    assert diff <= ATOL, f"{family}: logits differ by {diff:.2e}"
+    _assert_bitwise(gather_logical_state(model), logical, f"{family} gather")
+
+    # In-memory (fused) form round trip; the tied lm_head alias is the one key dropped on import.
+    kept = {k: v for k, v in fused_state.items() if not adapter.is_ignored(k, config)}
+    _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=True), kept, f"{family} fused round trip")
+    # Checkpoint form: save_pretrained writes per-expert keys (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2).
+    on_disk = _checkpoint_form(hf)
+    assert not any("gate_up_proj" in k for k in on_disk)
+    per_expert = "block_sparse_moe.experts.0.w1.weight" if family == "mixtral" else "mlp.experts.0.gate_proj.weight"
+    assert any(k.endswith(per_expert) for k in on_disk)
+    _assert_bitwise(adapter.hf_to_megamoe(on_disk, config), logical, f"{family} from checkpoint form")
+    _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=False), on_disk, f"{family} checkpoint round trip")
+
+
+def test_config_mapping():
+    v2, v3 = hf_model("deepseek_v2")[1], hf_model("deepseek_v3")[1]
+    assert v2.moe_layer_ids == (1, 2) and v2.dense_mlp.intermediate_size == 24
+    assert (v2.moe.router.score_func, v2.moe.router.n_group, v2.moe.router.group_score) == ("softmax", 4, "max")
+    assert not v2.moe.router.norm_topk_prob and v2.moe.router.routed_scaling_factor == 2.0
+    assert v2.moe.shared_experts.ffn_hidden_size == 32 and not v2.moe.shared_experts.gate
+    assert v2.attention.rope.layout == "interleaved" and v2.attention.q_lora_rank is None
+    r3 = v3.moe.router
+    assert (r3.score_func, r3.group_score, r3.use_expert_bias, r3.norm_topk_prob) == ("sigmoid", "top2_sum", True, True)
+    qwen2, qwen3 = hf_model("qwen2_moe")[1], hf_model("qwen3_moe")[1]
+    assert qwen2.moe_layer_ids == (0, 2) and qwen2.moe.shared_experts.gate and qwen2.attention.qkv_bias
+    assert qwen3.moe_layer_ids == (1,) and qwen3.tie_word_embeddings and qwen3.attention.qk_norm == "per_head"
+    assert hf_model("mixtral")[1].attention.sliding_window == 5 and hf_model("mixtral")[1].moe.router.norm_topk_prob
+    assert hf_model("olmoe")[1].attention.qk_norm == "full_width"
+    for family in SUPPORTED_FAMILIES:                          # JSON round trip, nested configs included
+        config = hf_model(family)[1]
+        assert GPTMoEConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    slots = config_from_hf(hf_config("olmoe"), dispatcher="allgather", num_expert_slots=12)
+    assert (slots.moe.dispatcher, slots.moe.num_expert_slots) == ("allgather", 12)
+
+
+def test_config_errors():
+    t = _transformers()
+    with pytest.raises(ValueError, match="supported: mixtral, qwen2_moe"):
+        config_from_hf(t.LlamaConfig())
+    with pytest.raises(ValueError, match="supported: mixtral, qwen2_moe"):
+        adapter_for("llama")
+    v2 = hf_config("deepseek_v2")
+    v2.moe_layer_freq = 2
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        config_from_hf(v2)
+    mixed = t.Qwen2MoeConfig(num_hidden_layers=2, use_sliding_window=True, max_window_layers=2)
+    with pytest.raises(ValueError, match="layer_types"):
+        config_from_hf(mixed)
+    data = hf_model("olmoe")[1].to_dict()
+    data["moe"]["router"]["temperature"] = 1.0
+    with pytest.raises(ValueError, match="temperature.*moe.router"):
+        GPTMoEConfig.from_dict(data)
+
+
+def test_adapter_rejects_bad_input():
+    hf, config = hf_model("deepseek_v3")
+    adapter = adapter_for("deepseek_v3")
+    state = dict(hf.state_dict())
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    with pytest.raises(AdapterError, match="unexpected HF key 'model.layers.1.mlp.bogus'"):
+        adapter.hf_to_megamoe({**state, "model.layers.1.mlp.bogus": torch.zeros(1)}, config)
+    with pytest.raises(AdapterError, match=f"missing HF key for 'layers.1.mlp.router.expert_bias'.*'{key}'"):
+        adapter.hf_to_megamoe({k: v for k, v in state.items() if k != key}, config)
+    with pytest.raises(AdapterError, match=r"'model.layers.2.mlp.experts.gate_up_proj' has shape \(8, 30, 32\)"):
+        adapter.hf_to_megamoe({**state, "model.layers.2.mlp.experts.gate_up_proj": torch.zeros(8, 30, 32)}, config)
+    with pytest.raises(AdapterError, match="given twice"):           # fused and per-expert form of one expert
+        adapter.hf_to_megamoe({**state, "model.layers.1.mlp.experts.3.up_proj.weight": torch.zeros(16, 32)}, config)
+    # DeepSeek-V3's multi-token-prediction layer (after the last layer) is skipped, as transformers does.
+    mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(4, 4)}
+    assert set(adapter.hf_to_megamoe(mtp, config)) == set(adapter.hf_to_megamoe(state, config))
+    logical = adapter.hf_to_megamoe(state, config)
+    del logical["layers.2.mlp.experts.5.up_proj.weight"]
+    with pytest.raises(AdapterError, match="missing .*experts.5.up_proj"):
+        adapter.megamoe_to_hf(logical, config, fused=True)
+    model = GPTMoEModel(config, ParallelState.single_process())
+    with pytest.raises(ValueError, match="missing: 'layers.2.mlp.experts.5.up_proj.weight'"):
+        load_logical_state(model, logical)
+    logical["layers.2.mlp.experts.5.up_proj.weight"] = torch.zeros(16, 31)
+    with pytest.raises(ValueError, match=r"experts.5.up_proj.weight' has shape \(16, 31\)"):
+        load_logical_state(model, logical)
+
+
+def test_adapter_streams_in_any_order():
+    """The iterator form takes keys in any order, holding only unfinished steps' inputs."""
+    hf, config = hf_model("qwen2_moe")
+    adapter = adapter_for("qwen2_moe")
+    logical = adapter.hf_to_megamoe(hf.state_dict(), config)
+    shuffled = [(k, logical[k]) for k in sorted(logical, key=lambda k: hash(k[::-1]))]
+    streamed = dict(adapter.iter_megamoe_to_hf(iter(shuffled), config, fused=True))
+    _assert_bitwise(streamed, adapter.megamoe_to_hf(logical, config, fused=True), "streamed export")
+
+
+# ----------------------------------------------------------------------------------------------
+# Parallel layouts (4 ranks)
+# ----------------------------------------------------------------------------------------------
+LAYOUTS = {   # name: (parallel sizes, dispatcher, expert slots per expert)
+    "tp2 ep2 allgather": (dict(tp=2, ep=2), "allgather", 1),
+    "ep4 alltoall 2E slots": (dict(ep=4), "alltoall", 2),
+    "tp2 pp2 ep2 allgather": (dict(tp=2, pp=2, ep=2), "allgather", 1),
+    "tp2 etp2 ep2 alltoall": (dict(tp=2, etp=2, ep=2), "alltoall", 1),
+}
+
+
+def _stage_logits(model, state, ids):
+    """Run this rank's stage; the last stage returns the full logits (gathered over TP), others None."""
+    if state.is_first_pp_stage:
+        hidden, _ = model(ids)
+    else:
+        hidden = torch.empty(ids.shape[0], S, H)
+        dist.recv(hidden, src=state.pp_prev_rank)
+        hidden, _ = model(hidden)
+    if not state.is_last_pp_stage:
+        dist.send(hidden.contiguous(), dst=state.pp_next_rank)
+        return None
+    if state.tp.size == 1:
+        return hidden
+    shards = [torch.empty_like(hidden) for _ in range(state.tp.size)]
+    dist.all_gather(shards, hidden.contiguous(), group=state.tp.group)
+    return torch.cat(shards, dim=-1)
+
+
+def _layouts_worker(rank, world_size, cases, ids, layouts):
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    results = []
+    for name, (sizes, dispatcher, slots_per_expert) in layouts.items():
+        state = initialize_model_parallel(**sizes)
+        sequence = state.dp.rank            # every data-parallel replica checks its own sequence
+        for family, config, logical, expected in cases:
+            moe = dataclasses.replace(config.moe, dispatcher=dispatcher,
+                                      num_expert_slots=slots_per_expert * config.moe.num_experts)
+            model = GPTMoEModel(dataclasses.replace(config, moe=moe), state)
+            load_logical_state(model, logical)
+            with torch.no_grad():
+                logits = _stage_logits(model, state, ids[sequence:sequence + 1])
+            if logits is not None:
+                diff = (logits[0] - expected[sequence]).abs().max().item()
+                results.append((name, family, diff))
+        destroy_model_parallel()
+    return results
+
+
+@pytest.mark.slow
+def test_families_under_parallel_layouts():
+    ids = _ids(4, seed=2)
+    cases = []
+    for family in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):   # + tied embeddings under pp
+        hf, config = hf_model(family)
+        logical = adapter_for(family).hf_to_megamoe(hf.state_dict(), config)
+        cases.append((family, config, logical, _hf_logits(hf, ids)))
+    checked = {}
+    for per_rank in run_on_ranks(_layouts_worker, 4, args=(cases, ids, LAYOUTS)):
+        for name, family, diff in per_rank:
+            assert diff <= ATOL, f"{family} under {name}: logits differ by {diff:.2e}"
+            checked[name, family] = True
+    assert len(checked) == len(LAYOUTS) * len(cases)

@@ -1,0 +1,293 @@
+"""Training checkpoints: a resumed run continues bitwise (in process, after SIGKILL, after a death in the
+middle of a save), optimizer state follows experts into replica slots, step-numbered directories, and a
+checkpoint saved under one layout resumes under others on the single-process loss curve."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoint_tools.format import read_manifest
+from checkpointed_training import (DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps)
+from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
+from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.testing import run_on_ranks
+from megamoe.training.checkpoint import (checkpoint_path, expert_placements_from_checkpoint, latest_checkpoint,
+                                         list_checkpoints, load_training_checkpoint, prune_checkpoints,
+                                         save_training_checkpoint)
+from test_training import E, REL_TOL
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpointed_training.py")
+
+
+def _single():
+    from parallel_state import ParallelState
+    return ParallelState.single_process()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """As the script runs: GEMM rounding may depend on the thread count, and the comparisons with its
+    losses are bitwise. (Also: on a busy 2-core machine, two intra-op threads make these tiny steps
+    about ten times slower.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference_losses(num_steps):
+    """The uninterrupted single-process run, as the script trains it."""
+    state = _single()
+    return train_steps(build_trainer(state), build_sampler(state), dataset(), num_steps)
+
+
+def _resume(path, state, num_steps, **trainer_kwargs):
+    trainer, sampler = build_trainer(state, **trainer_kwargs), build_sampler(state)
+    extra = load_training_checkpoint(path, trainer, world_group=trainer_kwargs.get("world_group"))
+    sampler.load_state_dict(extra["sampler_state"])
+    return extra["step"], train_steps(trainer, sampler, dataset(), num_steps)
+
+
+def _assert_close(got, want, what):
+    assert len(got) == len(want), what
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= REL_TOL * abs(w), f"{what}: loss {step}: {g} vs {w}"
+
+
+def _all_chunks(trainer):
+    """Every logical chunk of the trainer's model and optimizer (full tensors in one process)."""
+    chunks = sharded_state_dict(trainer.model)
+    return chunks + optimizer_chunks(trainer.optimizer, chunks_by_parameter(trainer.model.parameters(), chunks))
+
+
+def _parse(lines):
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# One process
+# ----------------------------------------------------------------------------------------------
+def test_resume_in_process_continues_bitwise(tmp_path):
+    state, data = _single(), dataset()
+    trainer, sampler = build_trainer(state), build_sampler(state)
+    save_training_checkpoint(checkpoint_path(tmp_path, 0), trainer, sampler_state=sampler.state_dict(),
+                             world_group=None)                       # before the first optimizer step
+    first = train_steps(trainer, sampler, data, 3)
+    path = checkpoint_path(tmp_path, 3)
+    save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=None)
+    random_after_save = torch.rand(4)
+    then = train_steps(trainer, sampler, data, 3)
+
+    manifest = read_manifest(path)
+    assert manifest["parallel_layout"] == {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "etp": 1,
+                                           "order": state.order}
+    assert manifest["expert_placement"] == {str(i): ExpertPlacement.default(E, E, 1).to_dict() for i in (1, 2, 3)}
+    assert manifest["model_config"]["moe"]["router"]["num_experts"] == E
+    assert any(name.startswith("optim.exp_avg.layers.1.mlp.experts.3.") for name in manifest["tensors"])
+
+    torch.manual_seed(999)                                           # the load must restore the generator
+    resumed, resumed_sampler = build_trainer(state), build_sampler(state)
+    extra = load_training_checkpoint(path, resumed, world_group=None)
+    assert extra == {"step": 3, "sampler_state": build_sampler(state).state_dict() | {"consumed_samples": 24}}
+    assert resumed.step == 3
+    assert torch.equal(torch.rand(4), random_after_save)
+    resumed_sampler.load_state_dict(extra["sampler_state"])
+    assert train_steps(resumed, resumed_sampler, data, 3) == then
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+    # Back to step 0 with a trainer that has optimizer state: the state must go, the run restart exactly.
+    extra = load_training_checkpoint(checkpoint_path(tmp_path, 0), resumed, world_group=None)
+    assert extra["step"] == 0 and resumed.step == 0
+    resumed_sampler.load_state_dict(extra["sampler_state"])
+    assert train_steps(resumed, resumed_sampler, data, 6) == first + then
+
+
+def test_optimizer_state_follows_experts_into_replica_slots(tmp_path):
+    state, data = _single(), dataset()
+    source, sampler = build_trainer(state), build_sampler(state)   # one slot per expert
+    train_steps(source, sampler, data, 2)
+    save_training_checkpoint(tmp_path / "one_slot_each", source, sampler_state=sampler.state_dict(),
+                             world_group=None)
+
+    placement = ExpertPlacement([3, 0, 1, 2, 2, 1, 0, 3], E, 1)   # every expert in two slots, shuffled
+    replicated = build_trainer(state, num_slots=2 * E, placements={i: placement for i in (1, 2, 3)})
+    extra = load_training_checkpoint(tmp_path / "one_slot_each", replicated, world_group=None)
+    saved = {c.name: c.tensor for c in _all_chunks(source)}
+    loaded = _all_chunks(replicated)
+    for chunk in loaded:                 # weights and AdamW moments of each slot = its expert's
+        assert torch.equal(chunk.tensor, saved[chunk.name]), chunk.name
+    gate_moments = [c for c in loaded if c.name == "optim.exp_avg_sq.layers.2.mlp.experts.1.gate_proj.weight"]
+    assert len(gate_moments) == 2 and gate_moments[0].tensor.abs().sum() > 0
+
+    replicated_sampler = build_sampler(state)
+    replicated_sampler.load_state_dict(extra["sampler_state"])
+    _assert_close(train_steps(replicated, replicated_sampler, data, 2), train_steps(source, sampler, data, 2),
+                  "2E slots vs E slots")
+
+    save_training_checkpoint(tmp_path / "replicated", replicated, sampler_state=None, world_group=None)
+    assert expert_placements_from_checkpoint(tmp_path / "replicated") == {i: placement for i in (1, 2, 3)}
+    stored = read_manifest(tmp_path / "replicated")["tensors"]["layers.1.mlp.experts.0.up_proj.weight"]
+    assert len(stored["chunks"]) == 1                              # replicas stored once
+
+
+def test_step_directories_latest_and_prune(tmp_path):
+    def make(name, complete=True):
+        os.makedirs(tmp_path / name)
+        if complete:
+            (tmp_path / name / "manifest.json").write_text("{}")
+
+    assert latest_checkpoint(tmp_path / "absent") is None
+    for name in ("step_00000001", "step_00000002", "step_00000002.old", "step_00000005", "step_00000006.old",
+                 "step_00000003.tmp-0a1b", "step_00000007.tmp-2c3d"):
+        make(name)
+    make("step_00000009", complete=False)                          # not a checkpoint: never listed
+    make("notes")
+    assert list_checkpoints(tmp_path) == [(s, checkpoint_path(tmp_path, s)) for s in (1, 2, 5, 6)]
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 6)   # step 6 lives in .old
+
+    removed = prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(os.path.basename(p) for p in removed) == [
+        "step_00000001", "step_00000002", "step_00000002.old", "step_00000003.tmp-0a1b"]
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step_00000005", "step_00000006.old", "step_00000007.tmp-2c3d",
+                                            "step_00000009"]
+    with pytest.raises(ValueError, match="keep_last"):
+        prune_checkpoints(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="step"):
+        checkpoint_path(tmp_path, -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Killed processes
+# ----------------------------------------------------------------------------------------------
+def _script(directory, until_step, *more):
+    return [sys.executable, SCRIPT, "--dir", str(directory), "--until-step", str(until_step), *more]
+
+
+def test_resume_after_sigkill_matches_the_uninterrupted_run(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(_script(ckpt_dir, 1000), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        killed = []
+        try:
+            while not killed or killed[-1].get("step", 0) < 2:
+                line = proc.stdout.readline()
+                assert line, f"the training process ended early: {(tmp_path / 'stderr').read_text()}"
+                killed.append(json.loads(line))
+            os.kill(proc.pid, signal.SIGKILL)                     # wherever it is: mid-step or mid-save
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    (resume_step, resume_path), = list_checkpoints(ckpt_dir)[-1:]
+    assert resume_step >= 2 and resume_path == latest_checkpoint(ckpt_dir)
+
+    done = subprocess.run(_script(ckpt_dir, resume_step + 2), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    resumed = _parse(done.stdout.splitlines())
+    assert resumed[0] == {"resumed_from": resume_step}
+    reference = _reference_losses(resume_step + 2)
+    assert [x["loss"] for x in killed[1:]] == reference[:len(killed) - 1]
+    assert [x["step"] for x in resumed[1:]] == [resume_step + 1, resume_step + 2]
+    assert [x["loss"] for x in resumed[1:]] == reference[resume_step:]
+
+
+def test_death_during_save_keeps_the_previous_checkpoint(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    died = subprocess.run(_script(ckpt_dir, 3, "--die-during-save-at", "3"), capture_output=True, text=True,
+                          timeout=240)
+    assert died.returncode == DIED_IN_SAVE, died.stderr
+    assert [x.get("step") for x in _parse(died.stdout.splitlines())] == [None, 1, 2]
+    half_written = glob.glob(str(checkpoint_path(ckpt_dir, 3)) + ".tmp-*")
+    assert len(half_written) == 1 and os.path.isfile(os.path.join(half_written[0], "manifest.json"))
+    assert latest_checkpoint(ckpt_dir) == checkpoint_path(ckpt_dir, 2)
+
+    reference = _reference_losses(4)
+    state = _single()
+    trainer, sampler = build_trainer(state), build_sampler(state)
+    extra = load_training_checkpoint(latest_checkpoint(ckpt_dir), trainer, world_group=None)
+    sampler.load_state_dict(extra["sampler_state"])
+    assert extra["step"] == 2
+    assert train_steps(trainer, sampler, dataset(), 1) == reference[2:3]
+    save_training_checkpoint(checkpoint_path(ckpt_dir, 3), trainer, sampler_state=sampler.state_dict(),
+                             world_group=None)
+    assert not glob.glob(str(checkpoint_path(ckpt_dir, 3)) + ".tmp-*")   # this save of step 3 cleaned up
+    assert train_steps(trainer, sampler, dataset(), 1) == reference[3:]
+    assert latest_checkpoint(ckpt_dir) == checkpoint_path(ckpt_dir, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Another layout
+# ----------------------------------------------------------------------------------------------
+def _save_worker(rank, world_size, path):
+    """2 ranks, TP 2 x EP 2, all-gather dispatcher, one slot per expert: train 2 steps and save."""
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    state = initialize_model_parallel(tp=2, ep=2)
+    trainer = build_trainer(state, "allgather", E, dist.group.WORLD)
+    sampler = build_sampler(state)
+    losses = train_steps(trainer, sampler, dataset(), 2)
+    save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=dist.group.WORLD)
+    destroy_model_parallel()
+    return losses
+
+
+RESUME_LAYOUTS = {                       # name: (parallel sizes, dispatcher, expert slots)
+    "dp4 ep4 alltoall 2E slots": (dict(ep=4), "alltoall", 2 * E),
+    "pp2 dp2 ep2 alltoall E+2 slots": (dict(pp=2, ep=2), "alltoall", E + 2),
+}
+
+
+def _resume_worker(rank, world_size, path, save_path):
+    """4 ranks: resume ``path`` under each RESUME_LAYOUTS entry for 2 steps; the pipeline layout saves again."""
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    results = {}
+    for name, (sizes, dispatcher, slots) in RESUME_LAYOUTS.items():
+        state = initialize_model_parallel(**sizes)
+        trainer, sampler = build_trainer(state, dispatcher, slots, dist.group.WORLD), build_sampler(state)
+        extra = load_training_checkpoint(path, trainer, world_group=dist.group.WORLD)
+        sampler.load_state_dict(extra["sampler_state"])
+        results[name] = (extra["step"], train_steps(trainer, sampler, dataset(), 2))
+        if state.pp.size > 1:
+            save_training_checkpoint(save_path, trainer, sampler_state=sampler.state_dict(),
+                                     world_group=dist.group.WORLD)
+        destroy_model_parallel()
+    return results
+
+
+@pytest.mark.slow
+def test_resume_under_other_layouts_stays_on_the_single_process_curve(tmp_path):
+    reference = _reference_losses(5)
+    saved, pipelined = str(tmp_path / "tp2_ep2"), str(tmp_path / "pp2_ep2")
+
+    before = run_on_ranks(_save_worker, 2, args=(saved,), timeout_s=300)
+    assert before[0] == before[1]
+    _assert_close(before[0], reference[:2], "tp2 ep2 allgather before the save")
+
+    after = run_on_ranks(_resume_worker, 4, args=(saved, pipelined), timeout_s=300)
+    for name in RESUME_LAYOUTS:
+        assert all(r[name] == after[0][name] for r in after), name     # every rank reports the global loss
+        step, losses = after[0][name]
+        assert step == 2
+        _assert_close(losses, reference[2:4], f"resumed under {name}")
+
+    step, losses = _resume(saved, _single(), 2)
+    assert step == 2
+    _assert_close(losses, reference[2:4], "resumed in one process")
+
+    manifest = read_manifest(pipelined)                          # both pipeline stages gave their layers
+    assert manifest["parallel_layout"] | {"order": None} == dict(world_size=4, tp=1, pp=2, dp=2, cp=1, ep=2, etp=1,
+                                                                 order=None)
+    assert sorted(manifest["expert_placement"]) == ["1", "2", "3"]
+    assert all(len(p["slot_to_expert"]) == E + 2 for p in manifest["expert_placement"].values())
+    step, losses = _resume(pipelined, _single(), 1)
+    assert step == 4
+    _assert_close(losses, reference[4:], "pipelined checkpoint resumed in one process")
