@@ -2,7 +2,7 @@ PYTHON ?= python3
 # torch is pinned first so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test test-fast
+.PHONY: install test test-fast demo
 .deps-installed: setup.py pyproject.toml
 	$(PYTHON) -m pip install -q "$(TORCH_PIN)"
 	$(PYTHON) -m pip install -q -e ".[test]"
@@ -17,3 +17,7 @@ test: .deps-installed
 # Skips the cases marked slow: for the edit-test loop.
 test-fast: .deps-installed
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# The torchrun pretraining demo on 4 CPU ranks: tp=2 x ep=2 (all-gather EP inside the TP group), dp=2.
+demo: .deps-installed
+	$(PYTHON) -m torch.distributed.run --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather

@@ -34,7 +34,8 @@ from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.training.checkpoint import latest_checkpoint, load_training_checkpoint, save_training_checkpoint
+from megamoe.training.checkpoint import (checkpoint_path, latest_checkpoint, load_training_checkpoint,
+                                        prune_checkpoints, save_training_checkpoint)
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
 from parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -58,11 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num-expert-slots", type=int, default=None,
                    help="expert slots per MoE layer (>= experts, multiple of ep); extra slots replicate experts")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    t.add_argument("--steps", type=int, default=120, help="optimizer steps")
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step, over all DP ranks")
     t.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     t.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    t.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
     t.add_argument("--seed", type=int, default=1234, help="seed of the weights and the data order")
     t.add_argument("--save-dir", type=Path, default=Path("runs/pretrain_moe/checkpoints"),
                    help="checkpoints are written here (atomically, keeping the last complete one)")
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         if checkpoint is None:
             raise SystemExit(f"--load-dir {args.load_dir}: no complete checkpoint found there")
         extra = load_training_checkpoint(checkpoint, trainer, world_group=world_group)
-        sampler.load_state_dict(extra["sampler"])
+        sampler.load_state_dict(extra["sampler_state"])
         logger.info("resumed from %s at step %d", checkpoint, trainer.step)
 
     log_path = args.log_json or args.work_dir / "log.jsonl"
@@ -175,8 +176,10 @@ def main(argv=None) -> int:
             logger.info("step %4d  loss %.4f  aux %.4f  grad-norm %.3f  %7.0f tok/s  balance %.3f",
                         m.step, m.loss, m.aux_loss, m.grad_norm, m.tokens_per_s, m.balancedness)
             if m.step % args.save_every == 0 or m.step == args.steps:
-                path = save_training_checkpoint(args.save_dir, trainer, sampler_state=sampler.state_dict(),
-                                                world_group=world_group)
+                path = checkpoint_path(args.save_dir, m.step)
+                save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group)
+                if rank == 0:
+                    prune_checkpoints(args.save_dir, keep_last=2)
                 logger.info("saved %s", path)
 
     prompt = "def "

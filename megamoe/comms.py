@@ -11,6 +11,13 @@ Conventions
   kind, the group's global ranks and the bytes this rank contributes (its input buffer size).
 
 Tensor-parallel regions split / gather the LAST dim; sequence-parallel regions the FIRST dim.
+
+Uneven first dims. The sequence-parallel gather / reduce-scatter (and :func:`all_gather_into`) take
+an optional ``sizes``: every rank's number of rows, in rank order (exchange them with
+:func:`all_gather_sizes`). When they differ, each rank's rows are zero-padded to the largest count,
+the equal-sized collective runs, and the padding is dropped, so ranks may hold any number of rows,
+zero included (e.g. data-parallel attention, where each rank serves its own requests). Equal sizes
+take the plain path: same calls, same bytes.
 """
 
 from __future__ import annotations
@@ -26,13 +33,19 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
-    "all_reduce_", "all_gather_into", "all_gather_object", "all_to_all_counts", "broadcast_", "send", "recv",
+    "all_reduce_", "all_gather_into", "all_gather_sizes", "all_gather_object", "all_to_all_counts", "broadcast_",
+    "send", "recv",
     "batch_send_recv", "barrier",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "all_to_all",
 ]
+
+
+# torch >= 2.13 names them *_single (the *_tensor names warn); older releases only have *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,16 +145,69 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.Reduce
     return tensor
 
 
-def all_gather_into(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
-    """Concatenate equal-shaped ``tensor`` from every rank along ``dim`` (rank order)."""
+def all_gather_into(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0,
+                    sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate ``tensor`` from every rank along ``dim`` (rank order). The shapes must be equal,
+    except along ``dim`` when ``sizes`` (every rank's length of ``dim``) is given."""
     world = group_size(group)
     if world == 1:
         return tensor
-    _record("all_gather", group, tensor)
-    src = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.all_gather_into_tensor(out, src, group=group)
-    return out.movedim(0, dim)
+    src = tensor.movedim(dim, 0)
+    if sizes is not None:
+        _check_sizes(sizes, src.shape[0], group)
+        longest = max(sizes)
+        if longest == 0:
+            return tensor
+        if min(sizes) != longest:
+            gathered = _all_gather_dim0(_pad_rows(src, longest), group).split(longest)
+            return torch.cat([block[:n] for block, n in zip(gathered, sizes)]).movedim(0, dim)
+    return _all_gather_dim0(src, group).movedim(0, dim)
+
+
+def _all_gather_dim0(src: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    src = src.contiguous()
+    _record("all_gather", group, src)
+    out = torch.empty((group_size(group) * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+    _all_gather_single(out, src, group=group)
+    return out
+
+
+def all_gather_sizes(num_rows: int, group: ProcessGroup | None, device=None) -> list[int]:
+    """Every rank's ``num_rows``, in rank order: the metadata exchange (one all-gather of one int64)
+    that precedes a gather or reduce-scatter of uneven first dims."""
+    if group_size(group) == 1:
+        return [int(num_rows)]
+    return all_gather_into(torch.tensor([int(num_rows)], dtype=torch.int64, device=device), group).tolist()
+
+
+def _check_sizes(sizes: Sequence[int], num_rows: int, group: ProcessGroup) -> None:
+    if len(sizes) != group_size(group) or sizes[group_rank(group)] != num_rows:
+        raise ValueError(f"sizes {list(sizes)} must list the rows of each of the {group_size(group)} ranks, this "
+                         f"rank's entry ({group_rank(group)}) being its own row count {num_rows}")
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` [n, ...] zero-padded to [rows, ...]."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def _reduce_scatter_uneven_dim0(tensor: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None):
+    """Sum over ranks of ``tensor`` [sum(sizes), ...]; rank r keeps its block of ``sizes[r]`` rows
+    (blocks in rank order; equal blocks when ``sizes`` is None)."""
+    if sizes is None:
+        return _reduce_scatter_dim0(tensor, group)
+    if len(sizes) != group_size(group) or sum(sizes) != tensor.shape[0]:
+        raise ValueError(f"reduce-scatter: sizes {list(sizes)} must give one row count per rank of the group "
+                         f"({group_size(group)}) and sum to the first dim {tensor.shape[0]}")
+    longest = max(sizes)
+    if longest == 0:
+        return tensor
+    if min(sizes) == longest:
+        return _reduce_scatter_dim0(tensor, group)
+    padded = torch.cat([_pad_rows(block, longest) for block in tensor.split(list(sizes))])
+    return _reduce_scatter_dim0(padded, group)[:sizes[group_rank(group)]]
 
 
 def _reduce_scatter_dim0(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -151,7 +217,7 @@ def _reduce_scatter_dim0(tensor: torch.Tensor, group: ProcessGroup) -> torch.Ten
     _record("reduce_scatter", group, tensor)
     src = tensor.contiguous()
     out = torch.empty((src.shape[0] // world, *src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.reduce_scatter_tensor(out, src, group=group)
+    _reduce_scatter_single(out, src, group=group)
     return out
 
 
@@ -216,8 +282,10 @@ def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x.chunk(world, dim=-1)[rank].contiguous()
 
 
-def _split_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _split_first(x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None) -> torch.Tensor:
     world, rank = group_size(group), group_rank(group)
+    if sizes is not None:
+        return x[sum(sizes[:rank]):sum(sizes[:rank + 1])].contiguous()
     if x.shape[0] % world:
         raise ValueError(f"first dim {x.shape[0]} is not divisible by the sequence-parallel size {world}")
     return x.chunk(world, dim=0)[rank].contiguous()
@@ -309,26 +377,26 @@ class _ScatterToSP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, reduce_grad):
-        ctx.group, ctx.reduce_grad = group, reduce_grad
-        return all_gather_into(x, group, dim=0)
+    def forward(ctx, x, group, reduce_grad, sizes):
+        ctx.group, ctx.reduce_grad, ctx.sizes = group, reduce_grad, sizes
+        return all_gather_into(x, group, dim=0, sizes=sizes)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.reduce_grad:
-            return _reduce_scatter_dim0(grad, ctx.group), None, None
-        return _split_first(grad, ctx.group), None, None
+            return _reduce_scatter_uneven_dim0(grad, ctx.group, ctx.sizes), None, None, None
+        return _split_first(grad, ctx.group, ctx.sizes), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_uneven_dim0(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_into(grad, ctx.group, dim=0), None
+        return all_gather_into(grad, ctx.group, dim=0, sizes=ctx.sizes), None, None
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -337,7 +405,7 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | N
 
 
 def gather_from_sequence_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None, reduce_grad: bool = True
+    x: torch.Tensor, group: ProcessGroup | None, reduce_grad: bool = True, sizes: Sequence[int] | None = None
 ) -> torch.Tensor:
     """Forward: all-gather the first dim. Backward: reduce-scatter the gradient (first dim).
 
@@ -345,17 +413,24 @@ def gather_from_sequence_parallel_region(
     weights (column-parallel layer after sequence-parallel norm): the input gradient is the sum of
     all ranks' contributions to this rank's rows. With ``reduce_grad=False`` the backward only keeps
     this rank's rows (use when the consumers' gradients are already identical across ranks).
+    ``sizes``: every rank's row count when they may differ (see the module docstring).
     """
-    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, reduce_grad)
+    if group_size(group) == 1:
+        return x
+    return _GatherFromSP.apply(x, group, reduce_grad, None if sizes is None else tuple(int(n) for n in sizes))
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None,
+                                               sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Forward: reduce-scatter (sum) along the first dim. Backward: all-gather the first dim.
 
     Exit of a row-parallel layer under sequence parallelism, and of an all-gather MoE layer whose
-    input tokens are sharded across the group.
+    input tokens are sharded across the group. ``sizes``: the rows each rank keeps when they may
+    differ (``x`` has ``sum(sizes)`` rows; rank r keeps ``sizes[r]`` of them, in rank order).
     """
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterToSP.apply(x, group, None if sizes is None else tuple(int(n) for n in sizes))
 
 
 # ----------------------------------------------------------------------------------------------
