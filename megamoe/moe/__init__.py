@@ -1,0 +1,14 @@
+"""Expert-parallel mixture of experts: router, expert slots, dispatchers, grouped experts, the layer."""
+
+from megamoe.moe.expert_slots import ExpertLoadCounter, ExpertPlacement, load_expert_load, save_expert_load
+from megamoe.moe.experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.moe_layer import MoEConfig, MoELayer
+from megamoe.moe.router import Router, RouterConfig, RouterOutput
+from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
+from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
+
+__all__ = [
+    "ExpertLoadCounter", "ExpertPlacement", "load_expert_load", "save_expert_load", "ExpertsConfig", "GroupedExperts",
+    "MoEConfig", "MoELayer", "Router", "RouterConfig", "RouterOutput", "SharedExperts", "SharedExpertsConfig",
+    "AllGatherDispatcher", "AllToAllDispatcher", "TokenDispatcher",
+]
