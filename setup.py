@@ -13,13 +13,16 @@ setup(
         "tqdm>=4.60",
         "numpy>=1.22",
     ],
+    entry_points={"console_scripts": ["megamoe-convert = checkpoint_tools.cli:main"]},
     extras_require={
         "test": [
             "pytest>=7",
             "pytest-timeout>=2",
             "hypothesis>=6",
-            "transformers>=4.56",
+            "transformers>=5.0",
         ],
+        # HuggingFace configs for `megamoe-convert import-hf / export-hf / verify`.
+        "hf": ["transformers>=5.0"],
         # TransformerEngine: optional FP8 / fused kernels on NVIDIA GPUs.
         # NVIDIA apex is never a dependency (the PyPI "apex" is an unrelated package).
         "te": ["transformer-engine[pytorch]"],

@@ -8,7 +8,9 @@ and interleaved repeat by repeat (so that load from other processes hits every r
 - ``bound``: the same FLOPs as plain dense GEMMs over T * K rows: ``x[T*K, H] @ [H, 2F]``, SwiGLU,
   ``@ [F, H]``, and their backward. No routing, no permutation, one weight instead of E.
 - ``megamoe/<backend>``: the whole single-rank MoE layer (router -> sort by slot -> GroupedExperts ->
-  unpermute and weighted combine), built by :func:`build_megamoe_moe`.
+  unpermute and weighted combine), built by :func:`build_megamoe_moe`. ``megamoe/torch+grouped_mm``
+  is the ``torch`` backend with ``torch._grouped_mm`` forced on CPU (the code path accelerators
+  run), to show why the CPU path runs its own per-slot GEMMs.
 - ``<hf block>/<experts implementation>``: transformers' Qwen3-MoE and Mixtral sparse blocks of the
   same sizes, for every experts implementation transformers offers that runs on CPU; the others are
   listed with the reason they are skipped.
@@ -17,35 +19,34 @@ Every row shares the same router and expert weights (the layouts coincide), so a
 Prints a table of median times and their ratio to the bound; writes JSON (default
 benchmarks/results/moe_layer.json).
 
-Allocator: unless THP_MEM_ALLOC_ENABLE is already set, this script sets it to 1, which makes
-PyTorch's CPU allocator back large tensors with transparent huge pages. On this kind of VM a fresh
-256 MB tensor otherwise costs ~170 ms of page faults on first touch (8x the memset itself), charged
-to whichever row allocates most (the MoE rows: E x the weight gradients of the bound). Run with
-THP_MEM_ALLOC_ENABLE=0 to measure the default allocator.
+Allocator: by default this script tells glibc to serve every allocation from the heap and never
+give freed memory back (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD, -1)``), i.e. what
+PyTorch's caching allocator does on GPUs. With glibc's defaults every tensor above 32 MB is a fresh
+mmap, and on this kind of VM the page faults of a fresh 256 MB tensor cost ~170 ms on first touch
+(8x the memset), charged to whichever row allocates most: the MoE rows, whose weight gradients are E
+times the bound's. ``--default-allocator`` measures with glibc's defaults instead.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import ctypes
+import ctypes.util
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once, at the first allocation
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts  # noqa: E402
-from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine  # noqa: E402
-from megamoe.moe.router import Router, RouterConfig  # noqa: E402
+from megamoe.moe.experts import ExpertsConfig, GroupedExperts, GroupedMLPFunction, SlotGroups
+from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
+from megamoe.moe.router import Router, RouterConfig
 
 SHAPES = [  # (T, H, F, E, K)
     (2048, 1024, 512, 64, 8),
@@ -77,6 +78,14 @@ class MegamoeMoE(nn.Module):
         routing = self.router(x)
         rows, tokens_per_slot, state = permute_by_slot(x, routing.expert_ids, self.experts.config.num_local_slots)
         return unpermute_and_combine(self.experts(rows, tokens_per_slot), routing.weights, state)
+
+
+class GroupedMMKernelExperts(GroupedExperts):
+    """The ``torch`` backend with ``torch._grouped_mm`` forced, whatever the device."""
+
+    def forward(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
+        groups = SlotGroups.from_counts(tokens_per_slot, tokens_sorted.shape[0], use_grouped_mm=True)
+        return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, self.config.activation)
 
 
 def build_megamoe_moe(hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
@@ -173,7 +182,7 @@ def build_rows(shape, generator: torch.Generator) -> list[Row]:
     rows = [_dense_bound(x, H, F_, K, generator)]
 
     # One set of weights for every row: megamoe's stacked [E, 2F, H] / [E, H, F] is HF's layout.
-    reference = build_megamoe_moe(H, F_, E, K, MEGAMOE_BACKENDS[0])
+    reference = build_megamoe_moe(H, F_, E, K, "torch")
     with torch.no_grad():
         reference.router.weight.normal_(0.0, 0.02, generator=generator)
         reference.experts.w_gate_up.normal_(0.0, 0.02, generator=generator)
@@ -181,10 +190,11 @@ def build_rows(shape, generator: torch.Generator) -> list[Row]:
     router_weight = reference.router.weight
     w_gate_up, w_down = reference.experts.w_gate_up, reference.experts.w_down
 
-    for backend in MEGAMOE_BACKENDS:
-        module = reference if backend == MEGAMOE_BACKENDS[0] else build_megamoe_moe(H, F_, E, K, backend)
+    kernel_forced = MegamoeMoE(reference.router, GroupedMMKernelExperts(reference.experts.config))
+    for name, module in [*((f"megamoe/{b}", build_megamoe_moe(H, F_, E, K, b)) for b in MEGAMOE_BACKENDS),
+                         ("megamoe/torch+grouped_mm", kernel_forced)]:
         module.router.weight, module.experts.w_gate_up, module.experts.w_down = router_weight, w_gate_up, w_down
-        rows.append(_module_row(f"megamoe/{backend}", module, x, grad_out))
+        rows.append(_module_row(name, module, x, grad_out))
 
     for family in HF_BLOCKS:
         for implementation in _hf_implementations():
@@ -203,6 +213,18 @@ def build_rows(shape, generator: torch.Generator) -> list[Row]:
             block.experts.gate_up_proj, block.experts.down_proj = w_gate_up, w_down
             rows.append(_module_row(name, _HFAdapter(block), x, grad_out))
     return rows
+
+
+def keep_freed_memory_in_heap() -> str:
+    """glibc: no mmap for large blocks, no trimming, so freed tensors are reused without page faults.
+    Returns a description of the allocator setting for the results."""
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    mallopt = getattr(libc, "mallopt", None)
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    if mallopt is None or not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1)):
+        return "default (mallopt unavailable)"
+    return "glibc heap: M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1"
 
 
 def _time(fn: Callable) -> float:
@@ -235,15 +257,19 @@ def measure(rows: list[Row], repeats: int) -> dict[str, dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="keep glibc's allocator defaults (large tensors are fresh mmaps)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe_layer.json"),
                         help="where to write the results")
     args = parser.parse_args(argv)
+    allocator = "glibc defaults" if args.default_allocator else keep_freed_memory_in_heap()
     torch.set_num_threads(2)
     repeats = 3 if args.quick else 7
     generator = torch.Generator().manual_seed(0)
 
     results = {"threads": torch.get_num_threads(), "torch": torch.__version__,
-               "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"), "shapes": []}
+               "allocator": allocator, "shapes": []}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator: {allocator}")
     for shape in SHAPES:
         rows = build_rows(shape, generator)
         timings = measure(rows, repeats)

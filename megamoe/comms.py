@@ -250,7 +250,10 @@ def broadcast_(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup |
     if group_size(group) == 1:
         return tensor
     _record("broadcast", group, tensor)
-    dist.broadcast(tensor, src=src_global_rank, group=group)
+    buffer = tensor if tensor.is_contiguous() else tensor.contiguous()   # gloo needs dense buffers
+    dist.broadcast(buffer, src=src_global_rank, group=group)
+    if buffer is not tensor:
+        tensor.copy_(buffer)
     return tensor
 
 

@@ -159,6 +159,23 @@ def test_load_and_export_round_trip(activation):
     assert module.w_gate_up.grad_fn is None and module.w_gate_up.requires_grad
 
 
+def test_cpu_slot_gemms_serial_and_threaded_agree_and_restore_the_thread_count():
+    """The per-slot GEMMs run on Python threads (one intra-op thread each) when torch has several
+    threads, serially otherwise; both give the loop reference's numbers."""
+    module = _load(_experts("swiglu", "torch"), _full_weights(5, True))
+    reference = _run(_load(_experts("swiglu", "loop"), _full_weights(5, True)), *_inputs((3, 0, 7, 1, 2)))
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 3):
+            torch.set_num_threads(num_threads)
+            got = _run(module, *_inputs((3, 0, 7, 1, 2)))
+            assert torch.get_num_threads() == num_threads
+            for name, e, g in zip(("output", "input grad", "w_gate_up grad", "w_down grad"), reference, got):
+                _close(g, e, f"{num_threads} threads: {name}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_stride_zero_gradient_and_no_input_grad():
     """`out.sum().backward()` hands the experts a broadcast gradient; inputs may not need grads."""
     module = _load(_experts("swiglu", "torch"), _full_weights(5, True))

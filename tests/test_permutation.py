@@ -108,3 +108,19 @@ def test_errors():
     with pytest.raises(ValueError, match="weights must be"):
         unpermute_and_combine(rows, torch.rand(T - 1, K), state)
     assert isinstance(state, PermutationState) and state.num_tokens == T
+
+
+def test_low_precision_expert_output_accumulates_in_fp32():
+    slot_ids = _slot_ids(6, 0.1)
+    g = torch.Generator().manual_seed(8)
+    tokens, weights, grad_out = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+    rows, _, state = permute_by_slot(tokens, slot_ids, S)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        e, w = rows.to(dtype, copy=True).requires_grad_(), weights.clone().requires_grad_()
+        out = unpermute_and_combine(e, w, state)
+        out.backward(grad_out.to(dtype))
+        assert out.dtype == dtype and e.grad.dtype == dtype and w.grad.dtype == torch.float32
+        results[dtype] = (out.float(), e.grad.float(), w.grad)
+    for a, b in zip(results[torch.float32], results[torch.bfloat16]):
+        assert torch.allclose(a, b, atol=5e-2, rtol=2e-2)

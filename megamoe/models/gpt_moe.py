@@ -8,7 +8,14 @@ Parallel layout of the MoE layers (checked at construction): the all-gather disp
 the TP group (``ep * etp`` divides ``tp``): tokens are replicated over TP after attention, so one
 all-reduce per MoE layer replaces the dense MLP's (with ``ep * etp < tp`` the expert group's work is
 replicated over the rest of the TP group). The all-to-all dispatcher needs ``etp == tp``: ETP ranks
-share their tokens, and EP then spans data-parallel ranks, which hold different tokens.
+share their tokens, and EP then spans data-parallel ranks, which hold different tokens. The all-gather
+dispatcher with ``input_sharded`` gathers the tokens of the whole EP x ETP group, which must then
+span data-parallel ranks only (no two of its ranks in one TP group): data-parallel attention, each
+DP rank running attention on its own tokens, in any number.
+
+Padding (inference): ``attention_mask`` [B, S_past + S] (True where a position holds a real token)
+hides padding keys from attention, and this call's padding tokens skip the MLP / MoE layers: they are
+neither computed by the experts nor counted in the expert load.
 """
 
 from __future__ import annotations
@@ -33,7 +40,14 @@ def check_moe_layout(config: GPTMoEConfig, state) -> None:
     if config.moe is None:
         return
     tp, ep, etp = state.tp.size, state.ep.size, state.etp.size
-    if config.moe.dispatcher == "allgather" and tp % (ep * etp):
+    if config.moe.dispatcher == "allgather" and config.moe.input_sharded:
+        shared = sorted(set(state.ep_etp.ranks) & set(state.tp.ranks))
+        if shared != [state.rank]:
+            raise ValueError(f"input_sharded all-gather dispatch gathers the tokens of the EP x ETP group "
+                             f"{state.ep_etp.ranks}, whose ranks must hold different tokens, but ranks {shared} are "
+                             f"in one TP group {state.tp.ranks}; span EP over data-parallel ranks (e.g. "
+                             "order='tp-cp-dp-ep-pp') or set input_sharded=False")
+    elif config.moe.dispatcher == "allgather" and tp % (ep * etp):
         raise ValueError(f"the all-gather dispatcher runs inside the TP group: ep * etp must divide tp, got "
                          f"ep={ep} etp={etp} tp={tp}; use dispatcher='alltoall' (with etp == tp) or change the layout")
     if config.moe.dispatcher == "alltoall" and etp != tp:
@@ -44,9 +58,12 @@ def check_moe_layout(config: GPTMoEConfig, state) -> None:
 def expert_token_replicas(config: GPTMoEConfig, state) -> int:
     """How many ranks of an expert-DP group compute the SAME tokens with the same expert shards:
     tp / (ep * etp) for the all-gather dispatcher (TP ranks outside the expert group hold the same
-    tokens), 1 for all-to-all. The expert gradient reduction divides by it."""
+    tokens), tp with sharded input (each TP rank gathers the same tokens in its own expert group), 1
+    for all-to-all. The expert gradient reduction divides by it."""
     if config.moe is None or config.moe.dispatcher == "alltoall":
         return 1
+    if config.moe.input_sharded:
+        return state.tp.size
     return state.tp.size // (state.ep.size * state.etp.size)
 
 
@@ -69,14 +86,23 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.dense_mlp, tp_group=tp, **factory)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None):
-        """[B, S, H] -> ([B, S, H], aux_loss [])."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache)
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None,
+                attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None):
+        """[B, S, H] -> ([B, S, H], aux_loss []). ``attention_mask`` [B, S_past + S] hides padding keys;
+        ``mlp_token_index`` [T] (flat indices into the B * S tokens): only these tokens go through
+        the MLP, the others (padding) keep the attention output alone."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache, attention_mask)
+        normed = self.post_attention_layernorm(hidden)
+        if mlp_token_index is not None:
+            normed = normed.reshape(-1, normed.shape[-1]).index_select(0, mlp_token_index)   # [T, H]
+        mlp_out = self.mlp(normed)
         if isinstance(mlp_out, tuple):
             mlp_out, aux_loss = mlp_out
         else:
             aux_loss = hidden.new_zeros((), dtype=torch.float32)
+        if mlp_token_index is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            return flat.index_add(0, mlp_token_index, mlp_out).view_as(hidden), aux_loss
         return hidden + mlp_out, aux_loss
 
 
@@ -87,10 +113,13 @@ class GPTMoEModel(nn.Module):
     ``embed_tokens`` when ``tie_word_embeddings``: the last stage then holds its own copy of the
     embedding, kept identical by summing both copies' gradients over the embedding group).
 
-    ``forward(inputs, position_ids=None, labels=None) -> (output, aux_loss)``: ``inputs`` are token ids
-    [B, S] on the first stage and hidden states [B, S, H] elsewhere; the output is the hidden states
-    for the next stage, or on the last stage the mean token loss (with ``labels``; -100 ignored) or
-    this rank's vocab shard of the logits [B, S, V / tp].
+    ``forward(inputs, position_ids=None, labels=None, kv_caches=None, attention_mask=None) -> (output,
+    aux_loss)``: ``inputs`` are token ids [B, S] on the first stage and hidden states [B, S, H]
+    elsewhere; the output is the hidden states for the next stage, or on the last stage the mean token
+    loss (with ``labels``; -100 ignored) or this rank's vocab shard of the logits [B, S, V / tp].
+    ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask`` [B, S_past + S]
+    marks real tokens (see the module docstring). :meth:`run_layers` stops before the final norm, so
+    that generation computes logits for the last position only.
     """
 
     def __init__(self, config: GPTMoEConfig, state, *, pp_split=None,
@@ -126,20 +155,8 @@ class GPTMoEModel(nn.Module):
                 if isinstance(layer.mlp, MoELayer)}
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, kv_caches=None):
-        if self.is_first_stage:
-            batch, seq = inputs.shape
-            hidden = self.embed_tokens(inputs)
-        else:
-            batch, seq = inputs.shape[:2]
-            hidden = inputs
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
-        aux_loss = hidden.new_zeros((), dtype=torch.float32)
-        for key, layer in self.layers.items():
-            cache = None if kv_caches is None else kv_caches[int(key)]
-            hidden, layer_aux = layer(hidden, position_ids, cache)
-            aux_loss = aux_loss + layer_aux
+                labels: torch.Tensor | None = None, kv_caches=None, attention_mask: torch.Tensor | None = None):
+        hidden, aux_loss = self.run_layers(inputs, position_ids, kv_caches, attention_mask)
         if not self.is_last_stage:
             return hidden, aux_loss
         logits_local = self.logits(hidden)
@@ -148,6 +165,31 @@ class GPTMoEModel(nn.Module):
         token_loss = vocab_parallel_cross_entropy(logits_local, labels, self.state.tp.group)
         num_tokens = (labels != -100).sum().clamp(min=1)
         return token_loss.sum() / num_tokens, aux_loss
+
+    def run_layers(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, kv_caches=None,
+                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding (first stage) and this stage's decoder layers: ``(hidden [B, S, H], aux_loss)``."""
+        if self.is_first_stage:
+            batch, seq = inputs.shape
+            hidden = self.embed_tokens(inputs)
+        else:
+            batch, seq = inputs.shape[:2]
+            hidden = inputs
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
+        mlp_token_index = None
+        if attention_mask is not None:               # host syncs once per call, not per layer
+            real = attention_mask[:, -seq:].reshape(-1).bool()
+            if not bool(real.all()):
+                mlp_token_index = real.nonzero().squeeze(1)
+            elif bool(attention_mask.all()):
+                attention_mask = None                # no padding at all: the plain causal mask
+        aux_loss = hidden.new_zeros((), dtype=torch.float32)
+        for key, layer in self.layers.items():
+            cache = None if kv_caches is None else kv_caches[int(key)]
+            hidden, layer_aux = layer(hidden, position_ids, cache, attention_mask, mlp_token_index)
+            aux_loss = aux_loss + layer_aux
+        return hidden, aux_loss
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + output layer: this rank's vocab shard of the logits (fp32 for the loss)."""

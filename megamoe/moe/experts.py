@@ -12,32 +12,40 @@ Backends (one interface, see :class:`GroupedExperts`):
 
 - ``torch``: one fused autograd function for the whole expert MLP: one grouped GEMM per projection
   (gate and up fused), hand-written backward that writes each gradient once, straight into its
-  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` on accelerators; on CPU it is a loop of
-  ``torch.mm(..., out=slice)`` over the slots (``torch._grouped_mm``'s CPU fallback runs the same
-  per-group GEMMs but was measured slower here, see ``benchmarks/moe_layer.py``).
+  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` on accelerators. On CPU, where
+  ``torch._grouped_mm`` is a serial loop of GEMMs each split over all threads, it is one
+  single-threaded ``torch.mm(..., out=slice)`` per slot with the slots spread over worker threads
+  (see :func:`_for_each_slot`; ``benchmarks/moe_layer.py`` has both as rows).
 - ``loop``: the reference: plain autograd over ``F.linear`` per slot, on ``split`` / ``unbind`` views
   (never ``weight[slot]`` indexing, whose backward materialises a zero-filled full-size gradient per
   slot).
 - ``te``: TransformerEngine ``GroupedLinear`` (CUDA only; FP8-capable).
 - ``auto``: ``te`` when TransformerEngine and a CUDA device are present, else ``torch``.
+
+FP8 (``ExpertsConfig.fp8``, an :class:`~megamoe.moe.fp8.FP8Config`) applies to a backend: ``te``
+(``fp8_autocast``), ``torch`` (``torch._scaled_grouped_mm``, sm90+) or ``fp8_emulated``, the CPU
+numerical reference (quantise, dequantise, fp32 GEMMs); ``auto`` picks ``te`` then ``torch`` and
+raises rather than fall back to the emulation. See :mod:`megamoe.moe.fp8_experts`.
 """
 
 from __future__ import annotations
 
-import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.moe.fp8 import FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
+
 __all__ = ["ExpertsConfig", "GroupedExperts"]
 
-logger = logging.getLogger(__name__)
-
 _ACTIVATIONS = ("swiglu", "gelu", "relu", "silu")
-_BACKENDS = ("auto", "torch", "loop", "te")
+_BACKENDS = ("auto", "torch", "loop", "te", "fp8_emulated")
 # Construction must not draw from the global RNG (the MoE layer seeds its layout-invariant expert
 # init from it right after building its children), so the placeholder init uses its own generator.
 _PLACEHOLDER_INIT_STD = 0.02
@@ -52,9 +60,10 @@ class ExpertsConfig:
     hidden_size: int
     ffn_hidden_size: int          # per-expert FFN size, FULL (before ETP sharding)
     activation: str = "swiglu"    # "swiglu" | "gelu" | "relu" | "silu"
-    backend: str = "auto"         # "auto" | "torch" | "loop" | "te"
+    backend: str = "auto"         # "auto" | "torch" | "loop" | "te" | "fp8_emulated" (needs fp8)
     etp_size: int = 1
     etp_rank: int = 0
+    fp8: FP8Config | None = None  # FP8 GEMMs on the chosen backend; see megamoe.moe.fp8_experts
 
     def __post_init__(self) -> None:
         for name in ("num_local_slots", "hidden_size", "ffn_hidden_size", "etp_size"):
@@ -64,6 +73,11 @@ class ExpertsConfig:
             raise ValueError(f"ExpertsConfig.activation must be one of {_ACTIVATIONS}, got {self.activation!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"ExpertsConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.backend == "fp8_emulated" and self.fp8 is None:
+            raise ValueError("ExpertsConfig.backend='fp8_emulated' needs ExpertsConfig.fp8 (an FP8Config)")
+        if self.backend == "loop" and self.fp8 is not None:
+            raise ValueError("ExpertsConfig.backend='loop' is the high-precision reference: with fp8 use "
+                             "backend='fp8_emulated' (the FP8 reference), 'torch', 'te' or 'auto'")
         if self.ffn_hidden_size % self.etp_size != 0:
             raise ValueError(
                 f"ExpertsConfig.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by etp_size "
@@ -101,9 +115,9 @@ class GroupedExperts(nn.Module):
         w_gate_up  [S_local, G * F_shard, H]   rows: [gate shard; up shard] (G = 2), or gate (G = 1)
         w_down     [S_local, H, F_shard]
 
-    Why this layout: each slot's slice is a contiguous nn.Linear weight, so ``F.linear`` (loop), the
-    checkpoint adapters (HF keys ``[F, H]`` / ``[H, F]``) and TransformerEngine share it without
-    copies; ``torch._grouped_mm`` takes it as a transposed (column-major) view, the operand layout its
+    Why this layout: each slot's slice is a contiguous nn.Linear weight, so ``F.linear`` (loop) and
+    the checkpoint adapters (HF keys ``[F, H]`` / ``[H, F]``) use it without copies, as
+    TransformerEngine's per-GEMM weights do; ``torch._grouped_mm`` takes it as a transposed (column-major) view, the operand layout its
     CUDA kernels (including the FP8 ones) are built for; and the fused backward writes the weight
     gradients directly in it (``dW = dY^T X`` per slot), so no transpose copy is ever made. Gate and
     up of one slot are stacked in one matrix so their GEMM is one GEMM with twice the columns, and
@@ -123,18 +137,31 @@ class GroupedExperts(nn.Module):
         self.config = config
         device = torch.device(device) if device is not None else torch.get_default_device()
         dtype = dtype if dtype is not None else torch.get_default_dtype()
-        self.backend = self._resolve_backend(config.backend, device)
+        self.backend = (self._resolve_backend(config.backend, device) if config.fp8 is None
+                        else resolve_fp8_backend(config.backend, device))
+        # FP8 scaling state: TE keeps its own; the torch / emulated paths keep theirs here.
+        self.fp8_state = (FP8ScalingState(config.fp8, config.num_local_slots, device=device)
+                          if config.fp8 is not None and self.backend != "te" else None)
+        self._te_fp8_recipe = (te_fp8_recipe(config.fp8) if config.fp8 is not None and self.backend == "te"
+                               else None)
         S, H, Fs = config.num_local_slots, config.hidden_size, config.ffn_shard_size
         G = 2 if config.gated else 1
+        generator = torch.Generator().manual_seed(_PLACEHOLDER_INIT_SEED)
         if self.backend == "te":
             import transformer_engine.pytorch as te
 
-            self.te_gate_up = te.GroupedLinear(S, H, G * Fs, bias=False, params_dtype=dtype, device=device)
-            self.te_down = te.GroupedLinear(S, Fs, H, bias=False, params_dtype=dtype, device=device)
+            def init_method(weight: torch.Tensor) -> None:
+                _placeholder_init_(weight, generator)
+
+            self.te_gate_up = te.GroupedLinear(S, H, G * Fs, bias=False, init_method=init_method,
+                                               params_dtype=dtype, device=device)
+            self.te_down = te.GroupedLinear(S, Fs, H, bias=False, init_method=init_method,
+                                            params_dtype=dtype, device=device)
         else:
             self.w_gate_up = nn.Parameter(torch.empty(S, G * Fs, H, device=device, dtype=dtype))
             self.w_down = nn.Parameter(torch.empty(S, H, Fs, device=device, dtype=dtype))
-            self._placeholder_init()
+            _placeholder_init_(self.w_gate_up, generator)
+            _placeholder_init_(self.w_down, generator)
 
     @staticmethod
     def _resolve_backend(requested: str, device: torch.device) -> str:
@@ -146,14 +173,6 @@ class GroupedExperts(nn.Module):
                 f"CUDA available: {torch.cuda.is_available()}): install it with `pip install .[te]` on a "
                 "CUDA machine, or use backend='torch'")
         return requested
-
-    @torch.no_grad()
-    def _placeholder_init(self) -> None:
-        generator = torch.Generator().manual_seed(_PLACEHOLDER_INIT_SEED)
-        for weight in (self.w_gate_up, self.w_down):
-            values = torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, _PLACEHOLDER_INIT_STD,
-                                                                          generator=generator)
-            weight.copy_(values)
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
@@ -171,6 +190,8 @@ class GroupedExperts(nn.Module):
         if tokens_sorted.dtype != self.w_gate_up.dtype:
             raise ValueError(f"tokens_sorted is {tokens_sorted.dtype} but the expert weights are "
                              f"{self.w_gate_up.dtype}: cast one of them")
+        if cfg.fp8 is not None:
+            return self._forward_fp8(tokens_sorted, tokens_per_slot)
         if self.backend == "loop":
             sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
@@ -184,8 +205,21 @@ class GroupedExperts(nn.Module):
             # Keep every weight in the graph (zero gradients) without asking TE for empty GEMMs.
             return _loop_mlp(tokens_sorted, self._te_weights(self.te_gate_up),
                              self._te_weights(self.te_down), sizes, self.config.activation)
+        if self._te_fp8_recipe is not None:
+            from megamoe.moe.fp8_experts import te_fp8_grouped_mlp  # imports this module
+            return te_fp8_grouped_mlp(self.te_gate_up, self.te_down, tokens_sorted, tokens_per_slot,
+                                      self._activate, self._te_fp8_recipe)
         hidden = self.te_gate_up(tokens_sorted, sizes)
         return self.te_down(_activate(hidden, self.config.activation), sizes)
+
+    def _forward_fp8(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
+        from megamoe.moe.fp8_experts import fp8_grouped_mlp  # imports this module
+        kernel = "scaled_grouped_mm" if self.backend == "torch" else "emulated"
+        return fp8_grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, tokens_per_slot, self._activate,
+                               self.config.fp8, self.fp8_state, kernel=kernel)
+
+    def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _activate(hidden, self.config.activation)
 
     def _te_weights(self, module: nn.Module) -> list[torch.Tensor]:
         return [getattr(module, f"weight{s}") for s in range(self.config.num_local_slots)]
@@ -255,6 +289,13 @@ class GroupedExperts(nn.Module):
                 f"activation={c.activation}, backend={self.backend}, etp={c.etp_rank}/{c.etp_size}")
 
 
+@torch.no_grad()
+def _placeholder_init_(weight: torch.Tensor, generator: torch.Generator) -> None:
+    """N(0, 0.02) drawn in fp32 on CPU from ``generator``: deterministic on every device and dtype."""
+    values = torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, _PLACEHOLDER_INIT_STD, generator=generator)
+    weight.copy_(values)
+
+
 # ---- reference backend ------------------------------------------------------------------------
 def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int) -> list[int]:
     sizes = tokens_per_slot.tolist()
@@ -314,6 +355,81 @@ class SlotGroups:
         return cls(tokens_per_slot, offsets, _host_sizes(tokens_per_slot, num_rows), num_rows)
 
 
+def _for_each_slot(sizes: list[int], gemm: Callable[[int], object]) -> None:
+    """Run ``gemm(s)`` for every slot with rows, on CPU.
+
+    With T = ``torch.get_num_threads()`` > 1, the slots are spread over T single-threaded worker
+    threads (longest first onto the least loaded worker) instead of splitting every small GEMM over
+    all T threads: a few hundred rows per slot are too few for MKL to scale (measured 1.3x the
+    dense time with 2 threads), and each split GEMM ends in a barrier that a descheduled thread
+    stalls. ``torch.mm`` releases the GIL, so the workers' GEMMs run in parallel; the calling thread
+    only waits.
+    """
+    slots = sorted((s for s, n in enumerate(sizes) if n > 0), key=lambda s: -sizes[s])
+    num_threads = torch.get_num_threads()
+    if num_threads <= 1 or len(slots) <= 1:
+        for s in slots:
+            gemm(s)
+        return
+    buckets: list[list[int]] = [[] for _ in range(min(num_threads, len(slots)))]
+    loads = [0] * len(buckets)
+    for s in slots:
+        least = loads.index(min(loads))
+        buckets[least].append(s)
+        loads[least] += sizes[s]
+
+    def run(bucket: list[int]) -> None:
+        with torch.no_grad():  # grad mode is per thread; these GEMMs run inside an autograd.Function
+            for s in bucket:
+                gemm(s)
+
+    pool = _single_threaded_workers(num_threads)
+    for future in [pool.submit(run, bucket) for bucket in buckets]:
+        future.result()
+
+
+_WORKERS: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, number of workers, pool)
+_WORKERS_LOCK = threading.Lock()
+
+
+def _single_threaded_workers(count: int) -> ThreadPoolExecutor:
+    """``count`` worker threads whose GEMMs run single-threaded.
+
+    MKL's and OpenMP's thread counts are per thread: each worker calls ``torch.set_num_threads(1)``
+    once when it starts, then the caller's count is set again (``torch.set_num_threads`` also writes
+    process-wide state, which ``torch.get_num_threads`` reports). Switching the count around every
+    call instead costs ~20 ms each time (the next parallel op rebuilds a thread pool). The pool is
+    rebuilt after a fork (a forked child has none of its parent's threads) or when ``count``
+    changes.
+    """
+    global _WORKERS
+    with _WORKERS_LOCK:
+        if _WORKERS is None or _WORKERS[:2] != (os.getpid(), count):
+            if _WORKERS is not None and _WORKERS[0] == os.getpid():
+                _WORKERS[2].shutdown(wait=False)  # the thread count changed
+            _WORKERS = (os.getpid(), count, _start_single_threaded_workers(count))
+        return _WORKERS[2]
+
+
+def _start_single_threaded_workers(count: int) -> ThreadPoolExecutor:
+    caller_threads = torch.get_num_threads()
+    started = threading.Barrier(count + 1)
+
+    def start_worker() -> None:
+        torch.set_num_threads(1)
+        started.wait()
+
+    pool = ThreadPoolExecutor(count, thread_name_prefix="megamoe-gemm")
+    # Tasks that block until all have started occupy one new thread each: every worker sets its
+    # count before the caller's is restored and before any GEMM runs.
+    starting = [pool.submit(start_worker) for _ in range(count)]
+    started.wait()
+    for future in starting:
+        future.result()
+    torch.set_num_threads(caller_threads)
+    return pool
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
     """Per slot s: ``y_s = x_s @ weight[s].T``; x [N, I], weight [S, O, I] -> [N, O]."""
     if groups.num_rows == 0:
@@ -321,9 +437,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: SlotGroups) ->
     if groups.sizes is None:
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=groups.offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
-    for s, (rows, out_rows) in enumerate(zip(x.split(groups.sizes), out.split(groups.sizes))):
-        if rows.shape[0]:
-            torch.mm(rows, weight[s].t(), out=out_rows)
+    rows, out_rows = x.split(groups.sizes), out.split(groups.sizes)
+    _for_each_slot(groups.sizes, lambda s: torch.mm(rows[s], weight[s].t(), out=out_rows[s]))
     return out
 
 
@@ -334,9 +449,8 @@ def grouped_linear_input_grad(grad_y: torch.Tensor, weight: torch.Tensor, groups
     if groups.sizes is None:
         return torch._grouped_mm(grad_y, weight, offs=groups.offsets)
     out = grad_y.new_empty(grad_y.shape[0], weight.shape[2])
-    for s, (rows, out_rows) in enumerate(zip(grad_y.split(groups.sizes), out.split(groups.sizes))):
-        if rows.shape[0]:
-            torch.mm(rows, weight[s], out=out_rows)
+    rows, out_rows = grad_y.split(groups.sizes), out.split(groups.sizes)
+    _for_each_slot(groups.sizes, lambda s: torch.mm(rows[s], weight[s], out=out_rows[s]))
     return out
 
 
@@ -350,11 +464,11 @@ def grouped_linear_weight_grad(grad_y: torch.Tensor, x: torch.Tensor, groups: Sl
         # A slot without rows is a K = 0 GEMM, which the grouped kernels do not promise to write.
         return out.masked_fill_((groups.tokens_per_slot == 0).view(-1, 1, 1), 0)
     out = x.new_empty(num_slots, grad_y.shape[1], x.shape[1])
-    for s, (dy_rows, x_rows) in enumerate(zip(grad_y.split(groups.sizes), x.split(groups.sizes))):
-        if dy_rows.shape[0]:
-            torch.mm(dy_rows.t(), x_rows, out=out[s])
-        else:
+    for s, n in enumerate(groups.sizes):
+        if n == 0:
             out[s].zero_()
+    dy_rows, x_rows = grad_y.split(groups.sizes), x.split(groups.sizes)
+    _for_each_slot(groups.sizes, lambda s: torch.mm(dy_rows[s].t(), x_rows[s], out=out[s]))
     return out
 
 

@@ -23,6 +23,7 @@ from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk, default_sharded_state_dict
 from megamoe.moe.expert_slots import ExpertLoadCounter, ExpertPlacement
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.fp8 import FP8Config
 from megamoe.moe.router import Router, RouterConfig
 from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
 from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
@@ -42,7 +43,8 @@ class MoEConfig:
     num_expert_slots: int | None = None        # default: num_experts (no replicas)
     dispatcher: str = "alltoall"               # "alltoall" | "allgather"
     input_sharded: bool = False                # allgather: tokens sharded over the EP x ETP group
-    expert_backend: str = "auto"               # "auto" | "torch" | "loop" | "te"
+    expert_backend: str = "auto"               # "auto" | "torch" | "loop" | "te" | "fp8_emulated"
+    expert_fp8: FP8Config | None = None        # FP8 expert GEMMs (see megamoe.moe.fp8)
     activation: str = "swiglu"
     shared_experts: SharedExpertsConfig | None = None
     capacity_factor: float | None = None       # None: dropless
@@ -132,7 +134,8 @@ class MoELayer(nn.Module):
         return GroupedExperts(ExpertsConfig(
             num_local_slots=len(self.local_slots), hidden_size=config.hidden_size,
             ffn_hidden_size=config.ffn_hidden_size, activation=config.activation,
-            backend=config.expert_backend, etp_size=self.etp_size, etp_rank=self.etp_rank), **factory)
+            backend=config.expert_backend, etp_size=self.etp_size, etp_rank=self.etp_rank,
+            fp8=config.expert_fp8), **factory)
 
     def dispatcher_reduce_group(self) -> ProcessGroup | None:
         return self.expert_group if self.config.dispatcher == "allgather" else self.etp_group

@@ -77,20 +77,21 @@ def unpermute_and_combine(expert_output: torch.Tensor, weights: torch.Tensor, st
 
 
 class _WeightedCombine(torch.autograd.Function):
-    """out[t] = sum over rows i of token t: w[pair(i)] * e[i].
+    """out[t] = sum over rows i of token t: w[pair(i)] * e[i], accumulated in fp32 or wider.
 
     Backward, with g = grad_out[token(i)] gathered once per row: de[i] = w[pair(i)] * g and
-    dw[pair(i)] = <e[i], g>; undispatched pairs get dw = 0.
+    dw[pair(i)] = <e[i], g> (in fp32 or wider); undispatched pairs get dw = 0.
     """
 
     @staticmethod
     def forward(ctx, expert_output, weights, token_index, pair_index):
-        row_weights = weights.reshape(-1).index_select(0, pair_index).to(expert_output.dtype)  # [N]
-        out = expert_output.new_zeros(weights.shape[0], expert_output.shape[1])
-        out.index_add_(0, token_index, expert_output * row_weights.unsqueeze(1))
+        acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
+        row_weights = weights.reshape(-1).index_select(0, pair_index).to(acc_dtype)    # [N]
+        out = torch.zeros(weights.shape[0], expert_output.shape[1], dtype=acc_dtype, device=expert_output.device)
+        out.index_add_(0, token_index, expert_output.to(acc_dtype) * row_weights.unsqueeze(1))
         ctx.save_for_backward(expert_output, row_weights, token_index, pair_index)
         ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
-        return out
+        return out.to(expert_output.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -99,8 +100,11 @@ class _WeightedCombine(torch.autograd.Function):
         grad_rows = grad_out.index_select(0, token_index)                 # [N, H], contiguous
         grad_weights = None
         if ctx.needs_input_grad[1]:
-            row_dots = torch.bmm(expert_output.unsqueeze(1), grad_rows.unsqueeze(2)).view(-1)  # [N]
+            acc_dtype = row_weights.dtype
+            row_dots = torch.linalg.vecdot(expert_output.to(acc_dtype), grad_rows.to(acc_dtype))  # [N]
             grad_weights = row_dots.new_zeros(ctx.weights_shape.numel()).index_copy_(0, pair_index, row_dots)
             grad_weights = grad_weights.view(ctx.weights_shape).to(ctx.weights_dtype)
-        grad_expert_output = grad_rows.mul_(row_weights.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        grad_expert_output = None
+        if ctx.needs_input_grad[0]:
+            grad_expert_output = grad_rows.mul_(row_weights.unsqueeze(1).to(grad_rows.dtype))
         return grad_expert_output, grad_weights, None, None

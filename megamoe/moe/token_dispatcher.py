@@ -66,6 +66,11 @@ class AllGatherDispatcher(TokenDispatcher):
     data-parallel attention), the tokens are all-gathered first and the sum is ONE reduce-scatter back
     to each rank's tokens.
 
+    Sharded input may be uneven: ranks may hold different numbers of tokens, zero included (e.g.
+    data-parallel attention, each rank serving its own requests). Each ``dispatch`` exchanges the
+    token counts (one all-gather of one integer per rank) and the gather / reduce-scatter pad to the
+    largest count (:mod:`megamoe.comms`); equal counts move exactly the unpadded bytes.
+
     Gradients: forward all-reduce -> backward identity, so each rank's expert-weight gradients are
     complete for its slots; the gradients of the token view (and of the routing weights) are summed
     over the group on the way back (all-reduce, or reduce-scatter for sharded input), so the input and
@@ -80,20 +85,26 @@ class AllGatherDispatcher(TokenDispatcher):
                              f"EP size ({self.ep_size}): pass the EP x ETP group")
         self.reduce_group = expert_group
         self.input_sharded = input_sharded
+        self._tokens_per_rank: list[int] | None = None   # sharded input: every rank's token count
 
     def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
+        # Sharded input: only the token's owner picks its slots (the ids are then gathered), so the
+        # offset merely staggers the ranks' replica cycles; with uneven counts it may repeat.
         offset = comms.group_rank(self.reduce_group) * num_tokens if self.input_sharded else 0
         return torch.arange(offset, offset + num_tokens, device=device)
 
     def to_token_view(self, values: torch.Tensor) -> torch.Tensor:
         if self.input_sharded:
-            return comms.gather_from_sequence_parallel_region(values, self.reduce_group)
+            return comms.gather_from_sequence_parallel_region(values, self.reduce_group,
+                                                              sizes=self._tokens_per_rank)
         return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
 
     def dispatch(self, x, slot_ids, weights):
-        self.token_view = self.to_token_view(x)                          # [T_all, H]
         if self.input_sharded:
-            slot_ids = comms.all_gather_into(slot_ids, self.reduce_group)  # no grad: integer ids
+            self._tokens_per_rank = comms.all_gather_sizes(x.shape[0], self.reduce_group, x.device)
+        self.token_view = self.to_token_view(x)                          # [T_all, H]
+        if self.input_sharded:                                           # no grad: integer ids
+            slot_ids = comms.all_gather_into(slot_ids, self.reduce_group, sizes=self._tokens_per_rank)
         weights = self.to_token_view(weights)                            # [T_all, K]
         local_slot_ids = slot_ids - self.first_local_slot
         local_slot_ids = local_slot_ids.masked_fill(
@@ -109,7 +120,8 @@ class AllGatherDispatcher(TokenDispatcher):
             out = out + shared_output
         self._permutation = self._weights = self.token_view = None
         if self.input_sharded:
-            return comms.reduce_scatter_to_sequence_parallel_region(out, self.reduce_group)
+            tokens_per_rank, self._tokens_per_rank = self._tokens_per_rank, None
+            return comms.reduce_scatter_to_sequence_parallel_region(out, self.reduce_group, sizes=tokens_per_rank)
         return comms.reduce_from_tensor_parallel_region(out, self.reduce_group)
 
 
@@ -143,6 +155,13 @@ class AllToAllDispatcher(TokenDispatcher):
         num_tokens, top_k = slot_ids.shape
         self.token_view = self.to_token_view(x)
         weights = self.to_token_view(weights)
+        if self.ep_size == 1:
+            # Every slot is local: the exchange is the identity, so skip its bookkeeping (which
+            # dominates small batches, e.g. decoding).
+            expert_input, tokens_per_slot, self._permutation = permute_by_slot(
+                self.token_view, slot_ids, self.slots_per_rank)
+            self._recv_weights, self._send_token = weights, None
+            return expert_input, tokens_per_slot
         dest_rank = torch.where(slot_ids >= 0, torch.div(slot_ids, self.slots_per_rank, rounding_mode="floor"),
                                 torch.full_like(slot_ids, -1))
         # Deduplicate per destination: token t goes to rank r once, carrying the local slot ids (and
@@ -171,10 +190,11 @@ class AllToAllDispatcher(TokenDispatcher):
         return expert_input, tokens_per_slot
 
     def combine(self, expert_output, shared_output=None):
-        per_received_token = unpermute_and_combine(expert_output, self._recv_weights, self._permutation)
-        returned = comms.all_to_all(per_received_token, self._send_splits, self._recv_splits, self.ep_group)
-        out = torch.zeros(self._num_tokens, returned.shape[-1], dtype=returned.dtype, device=returned.device)
-        out = out.index_add(0, self._send_token, returned)
+        out = unpermute_and_combine(expert_output, self._recv_weights, self._permutation)   # per received token
+        if self._send_token is not None:
+            returned = comms.all_to_all(out, self._send_splits, self._recv_splits, self.ep_group)
+            out = torch.zeros(self._num_tokens, returned.shape[-1], dtype=returned.dtype, device=returned.device)
+            out = out.index_add(0, self._send_token, returned)
         if shared_output is not None:
             out = out + shared_output
         self._permutation = self._recv_weights = self.token_view = self._send_token = None

@@ -7,7 +7,7 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
 - the optimizer state: ``optim.<key>.<logical name>``, cut exactly like its parameter
   (:func:`megamoe.checkpoint_state.optimizer_chunks`), so it follows the parameter into any layout: a
   slot that replicates an expert gets that expert's state, whether or not it was replicated before;
-- manifest fields: ``model_config`` (the :class:`GPTMoEConfig` as a dict), ``parallel_layout`` (world
+- manifest fields: ``model_config`` (:meth:`GPTMoEConfig.to_dict`), ``parallel_layout`` (world
   size, tp, pp, dp, cp, ep, etp, order), ``expert_placement`` (``{"<layer id>": ExpertPlacement.to_dict()}``,
   each pipeline stage contributing its own layers) and ``extra`` (``step``, ``sampler_state``,
   ``has_optimizer_state``);
@@ -25,9 +25,7 @@ the layout is unchanged: under another layout a rank has no counterpart whose st
 
 from __future__ import annotations
 
-import dataclasses
 import glob
-import json
 import logging
 import os
 import re
@@ -35,7 +33,8 @@ import shutil
 
 import torch
 
-from checkpoint_tools.format import load_checkpoint, load_rank_state, read_manifest, save_checkpoint
+from checkpoint_tools.format import (MANIFEST_FILE, load_checkpoint, load_rank_state, read_manifest,
+                                    save_checkpoint)
 from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
                                       sharded_state_dict)
@@ -51,11 +50,6 @@ logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
 # Config fields that choose how the engine computes, not what the model is: they may change on resume.
 _ENGINE_FIELDS = {"moe.num_expert_slots", "moe.dispatcher", "moe.expert_backend", "moe.input_sharded"}
-
-
-def _model_config_dict(config) -> dict:
-    """The config as JSON would give it back (tuples as lists), so saved and current configs compare equal."""
-    return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
 def _parallel_layout(state) -> dict:
@@ -96,7 +90,7 @@ def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state:
     model, state = trainer.model, trainer.state
     with_optimizer = _optimizer_has_state(trainer.optimizer)
     fields = {
-        "model_config": _model_config_dict(model.config),
+        "model_config": model.config.to_dict(),
         "parallel_layout": _parallel_layout(state),
         "expert_placement": {str(i): layer.placement.to_dict() for i, layer in model.moe_layers().items()},
         "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer},
@@ -131,7 +125,7 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group) -
     manifest = read_manifest(path)
     extra = manifest["extra"]
     model, optimizer = trainer.model, trainer.optimizer
-    differences = _config_differences(manifest["model_config"], _model_config_dict(model.config))
+    differences = _config_differences(manifest["model_config"], model.config.to_dict())
     if differences:
         logger.warning("%s was saved with another model config; differing fields: %s", path, ", ".join(differences))
     if extra["has_optimizer_state"]:
@@ -142,13 +136,14 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group) -
     trainer.step = extra["step"]
 
     layout = _parallel_layout(trainer.state)
-    if manifest["parallel_layout"] == layout:
-        rng = load_rank_state(path, comms.group_rank(world_group))
+    rank = comms.group_rank(world_group)
+    if manifest["parallel_layout"] == layout and str(rank) in manifest.get("rank_state", {}):
+        rng = load_rank_state(path, rank)
         torch.set_rng_state(rng["torch_cpu"])
         if "torch_cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["torch_cuda"])
     else:
-        logger.warning("%s was saved under the layout %s, this run is %s: RNG states are not restored",
+        logger.warning("%s holds no RNG state for this layout (%s; this run: %s): RNG states are not restored",
                        path, manifest["parallel_layout"], layout)
     logger.info("loaded training checkpoint %s at step %d", path, trainer.step)
     return {"step": extra["step"], "sampler_state": extra["sampler_state"]}
@@ -183,7 +178,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
     found: dict[int, str] = {}
     for name in os.listdir(directory):
         match = _STEP_DIR.fullmatch(name)
-        if match is None or not os.path.isfile(os.path.join(directory, name, "manifest.json")):
+        if match is None or not os.path.isfile(os.path.join(directory, name, MANIFEST_FILE)):
             continue
         path = os.path.join(directory, name.removesuffix(".old"))
         if match.group(2) and os.path.exists(path):

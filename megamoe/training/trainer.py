@@ -58,7 +58,8 @@ class StepMetrics:
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay only on matrices. NVIDIA apex's FusedAdam when importable on CUDA."""
+    """AdamW; weight decay only on matrices. NVIDIA apex's FusedAdam when importable on CUDA, else
+    torch's fused AdamW kernel where it exists (CPU, CUDA)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -70,7 +71,10 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
             return FusedAdam(groups, lr=config.lr, betas=config.betas, eps=config.eps, adam_w_mode=True)
         except ImportError:
             pass
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+    # One pass over each parameter instead of ~10 elementwise kernels: on CPU the step of a 61M-parameter
+    # model takes ~30 ms instead of ~110 ms (benchmarks/train_step.py). Same update, up to rounding.
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused or None)
 
 
 class Trainer:

@@ -26,14 +26,16 @@ q/k norm (``AttentionConfig.qk_norm``):
 - ``"full_width"`` (OLMoE): RMSNorm over the whole q (``heads * head_dim``) or k projection output,
   i.e. across heads; under TP the variance spans ranks (see :mod:`megamoe.transformer.norm`).
 
-KV cache seam: ``forward(hidden, position_ids, kv_cache=None)``. A cache is any object with
-``update(key, value) -> (all_keys, all_values)`` (:class:`KVCache`) holding ONE layer's state; it
-receives this call's rotated keys and values [B, kv_heads_local, S, head_dim] and returns every
-cached position [B, kv_heads_local, S_past + S, head_dim]. The queries are taken to be the last S
-positions: the causal / sliding-window mask is aligned to the end of the key sequence.
+KV cache seam: ``forward(hidden, position_ids, kv_cache=None, attention_mask=None)``. A cache is any
+object with ``update(key, value) -> (all_keys, all_values)`` (:class:`KVCache`) holding ONE layer's
+state; it receives this call's rotated keys and values [B, kv_heads_local, S, head_dim] and returns
+every cached position [B, kv_heads_local, S_past + S, head_dim]. The queries are taken to be the last
+S positions: the causal / sliding-window mask is aligned to the end of the key sequence.
 
-Masking is by index along each batch row (as HF without an ``attention_mask``); ``position_ids``
-only drive RoPE. Padding / packed-document masks and sequence parallelism are not supported yet.
+Masking is by index along each batch row; ``position_ids`` only drive RoPE. Padding: the optional
+``attention_mask`` [B, S_past + S] (HF's 2-D mask: True / 1 where the position holds a real token)
+hides padding keys (see :func:`causal_attention`); with left padding, the index-based causal and
+sliding-window masks stay exact. Packed-document masks and sequence parallelism are not supported.
 """
 
 from __future__ import annotations
@@ -103,19 +105,30 @@ class AttentionConfig:
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of query [B, Hq, Sq, D] over key [B, Hk, Sk, D] / value [B, Hk, Sk, Dv] (``Hq`` a
     multiple of ``Hk``), the queries being the LAST ``Sq`` of the ``Sk`` positions. Returns
-    [B, Hq, Sq, Dv]."""
+    [B, Hq, Sq, Dv].
+
+    ``attention_mask`` [B, Sk] (True / 1: a real token) hides padding keys. A query always sees its
+    own position, so a padding query's row is never empty: some SDPA kernels return NaN for an empty
+    row, which would reach real queries through the cached values (0 * NaN = NaN); this way its
+    output is finite (and unused) on every backend."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     gqa = query.shape[1] != key.shape[1]
-    if sliding_window is None and q_len == k_len:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+    if attention_mask is None and (sliding_window is None or k_len <= sliding_window):
+        if q_len == k_len:
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+        if q_len == 1:                              # the last position sees every key (decoding)
+            return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
     q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
     k_pos = torch.arange(k_len, device=query.device)[None, :]
-    visible = k_pos <= q_pos
+    visible = k_pos <= q_pos                                                   # [Sq, Sk]
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
+    if attention_mask is not None:
+        visible = (visible & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)   # [B, 1, Sq, Sk]
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=gqa)
 
 
@@ -221,9 +234,10 @@ class Attention(nn.Module):
             x = norm(x)
         return x
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank)."""
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank);
+        ``attention_mask`` [B, S_past + S]: see :func:`causal_attention`."""
         x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)      # one grad all-reduce for q, k, v
         q = self._qk_norm(self.q_norm, _local_linear(self.q_proj, x), self.num_heads_local)
         k = self._qk_norm(self.k_norm, _local_linear(self.k_proj, x), self.num_kv_heads_local)
@@ -236,5 +250,5 @@ class Attention(nn.Module):
         q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        out = causal_attention(q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window)
+        out = causal_attention(q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window, attention_mask)
         return self.o_proj(out.transpose(1, 2).flatten(2))                     # [B, S, heads_local * D] in

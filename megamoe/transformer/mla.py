@@ -26,7 +26,8 @@ and the kv latents get theirs: two all-reduces.
 
 KV cache seam (as HF, on the compressed latents): ``kv_cache.update(kv_latent, k_pe)`` receives
 [B, 1, S, kv_lora_rank] (after ``kv_a_layernorm``) and [B, 1, S, qk_rope_head_dim] (rotated) and
-returns every cached position; queries are the last S positions.
+returns every cached position; queries are the last S positions. ``attention_mask`` [B, S_past + S]
+hides padding keys as in :func:`megamoe.transformer.attention.causal_attention`.
 """
 
 from __future__ import annotations
@@ -153,9 +154,10 @@ class MultiHeadLatentAttention(nn.Module):
             if module is not None:
                 module.reset_parameters(generator)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank)."""
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank);
+        ``attention_mask`` [B, S_past + S] (True: a real token) or None."""
         cfg = self.config
         batch, seq = hidden.shape[:2]
         kv_latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
@@ -182,5 +184,5 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads_local, -1, -1)], -1)
         q = torch.cat([q_nope, q_pe], -1)
-        out = causal_attention(q, k, v, cfg.softmax_scale)            # [B, heads, S, v_head_dim]
+        out = causal_attention(q, k, v, cfg.softmax_scale, attention_mask=attention_mask)   # [B, heads, S, v]
         return self.o_proj(out.transpose(1, 2).flatten(2))

@@ -1,0 +1,160 @@
+"""Generation throughput: megamoe's KV-cache generation against transformers' generate(), same weights.
+
+    python benchmarks/decode.py [--quick] [--threads 1 2] [--json out.json]
+
+One process, CPU, fp32, greedy. A small Qwen3-MoE model (random weights, seeded) is built by
+transformers and loaded into megamoe through the HF adapter, so both run the same weights; the
+generated token ids are compared. For batch 1 and batch 8 (prompts of different lengths, left-padded
+by both), short and long prompts, and each thread count:
+
+- prefill: ``generate(max_new_tokens=1)``; prefill tokens/s = real prompt tokens / its time;
+- decode: ``generate(max_new_tokens=N)`` minus the prefill run; decode tokens/s = B * (N - 1) / that.
+
+The same outside measurement serves both libraries. Rows are interleaved repeat by repeat so that
+load from other processes hits both alike; the table shows medians, the JSON keeps every repeat.
+Target: megamoe decode >= 2x transformers. Writes JSON (default benchmarks/results/decode.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoint_tools.adapters import adapter_for
+from megamoe.inference.generation import GenerationConfig, generate
+from megamoe.models import GPTMoEModel
+from megamoe.models.families import config_from_hf
+from megamoe.models.hf_loading import load_logical_state
+from parallel_state import ParallelState
+
+MODEL = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512,
+             norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False)
+BATCHES = (1, 8)
+TARGET_DECODE_SPEEDUP = 2.0
+
+
+def build_models(seed: int):
+    """(transformers model, megamoe model) holding the same weights."""
+    import transformers
+
+    hf_config = transformers.Qwen3MoeConfig(**MODEL, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    config = config_from_hf(hf_config, expert_backend="torch")
+    model = GPTMoEModel(config, ParallelState.single_process()).eval()
+    load_logical_state(model, adapter_for("qwen3_moe").hf_to_megamoe(hf.state_dict(), config))
+    return hf, model
+
+
+def prompts_for(batch: int, longest: int, generator: torch.Generator) -> list[list[int]]:
+    """``batch`` random prompts of ``longest``, ``longest - 4``, ... tokens."""
+    return [torch.randint(1, MODEL["vocab_size"], (longest - 4 * i,), generator=generator).tolist()
+            for i in range(batch)]
+
+
+def hf_runner(hf, prompts):
+    longest = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        mask[row, longest - len(prompt):] = 1
+
+    def run(new_tokens: int) -> list[list[int]]:
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+        return out[:, longest:].tolist()
+    return run
+
+
+def megamoe_runner(model, prompts):
+    state = ParallelState.single_process()
+
+    def run(new_tokens: int) -> list[list[int]]:
+        return generate(model, state, prompts, GenerationConfig(max_new_tokens=new_tokens)).token_ids
+    return run
+
+
+def timed(run, new_tokens: int) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    ids = run(new_tokens)
+    return time.perf_counter() - start, ids
+
+
+def measure(runners: dict, batch: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
+    samples = {name: {"prefill_s": [], "full_s": []} for name in runners}
+    outputs = {}
+    for name, run in runners.items():                  # warm-up (allocations, lazy inits)
+        run(2)
+    for _ in range(repeats):
+        for name, run in runners.items():
+            prefill_s, _ = timed(run, 1)
+            full_s, outputs[name] = timed(run, new_tokens)
+            samples[name]["prefill_s"].append(prefill_s)
+            samples[name]["full_s"].append(full_s)
+    results = {}
+    for name, s in samples.items():
+        prefill = statistics.median(s["prefill_s"])
+        decode = max(statistics.median(s["full_s"]) - prefill, 1e-9)
+        results[name] = {**s, "prefill_tokens_per_s": prompt_tokens / prefill,
+                         "decode_tokens_per_s": batch * (new_tokens - 1) / decode}
+    return results, outputs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 repeats and 32 new tokens instead of 5 and 64")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts to measure")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 512],
+                        help="longest prompt of a batch (the others are 4, 8, ... tokens shorter)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode.json"),
+                        help="where to write the results")
+    args = parser.parse_args(argv)
+    repeats, new_tokens = (3, 32) if args.quick else (5, 64)
+    hf, model = build_models(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    results = {"torch": torch.__version__, "model": MODEL, "new_tokens": new_tokens, "repeats": repeats,
+               "target_decode_speedup": TARGET_DECODE_SPEEDUP, "rows": []}
+    print(f"torch {torch.__version__}; Qwen3-MoE-like model {MODEL}; {new_tokens} new tokens, median of {repeats}")
+    print("prompt: the longest of the batch (the others are 4, 8, ... tokens shorter); decode x: megamoe / "
+          "transformers decode tokens/s")
+    print(f"{'threads':>7s} {'prompt':>6s} {'batch':>5s} {'implementation':>14s} {'prefill tok/s':>14s} "
+          f"{'decode tok/s':>13s} {'decode x':>9s} {'same ids':>8s}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for prompt_len in args.prompt_lens:
+            for batch in BATCHES:
+                prompts = prompts_for(batch, prompt_len, generator)
+                runners = {"transformers": hf_runner(hf, prompts), "megamoe": megamoe_runner(model, prompts)}
+                measured, outputs = measure(runners, batch, sum(map(len, prompts)), new_tokens, repeats)
+                same = outputs["megamoe"] == outputs["transformers"]
+                speedup = (measured["megamoe"]["decode_tokens_per_s"]
+                           / measured["transformers"]["decode_tokens_per_s"])
+                for name, m in measured.items():
+                    shown = f"{speedup:9.2f}" if name == "megamoe" else f"{'':9s}"
+                    print(f"{threads:7d} {prompt_len:6d} {batch:5d} {name:>14s} {m['prefill_tokens_per_s']:14.1f} "
+                          f"{m['decode_tokens_per_s']:13.1f} {shown} {str(same):>8s}", flush=True)
+                results["rows"].append({"threads": threads, "prompt_len": prompt_len, "batch": batch,
+                                        "same_token_ids": same, "decode_speedup": speedup,
+                                        "implementations": measured})
+    met = all(row["decode_speedup"] >= TARGET_DECODE_SPEEDUP for row in results["rows"])
+    results["target_met"] = met
+    print(f"target: megamoe decode >= {TARGET_DECODE_SPEEDUP}x transformers: {'met' if met else 'NOT met'}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

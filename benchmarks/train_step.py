@@ -1,0 +1,256 @@
+"""Full training step (forward, backward, AdamW step) of a small Qwen3-MoE model: megamoe against
+transformers' ``Qwen3MoeForCausalLM`` with the same config and weights.
+
+    python benchmarks/train_step.py [--quick] [--json out.json]
+
+fp32 on CPU, one process, ``torch.set_num_threads(2)``. The model (see :data:`MODEL` / :data:`QUICK_MODEL`)
+is built once by transformers with its own random init; megamoe's copy is ``config_from_hf`` + the
+checkpoint adapter (``hf_to_megamoe``) + ``load_logical_state``, so both start from identical weights
+(every row trains its own copy). Rows, timed interleaved repeat by repeat in one process (so that
+load from other processes hits every row alike):
+
+- ``megamoe/<backend>``: :class:`megamoe.training.trainer.Trainer` with ``TrainConfig`` on
+  ``ParallelState.single_process()``, one micro-batch, expert backend ``torch`` and ``loop``.
+- ``hf/<experts implementation>``: ``Qwen3MoeForCausalLM`` (SDPA attention, as megamoe uses) with
+  every experts implementation transformers offers (``config._experts_implementation``); those that
+  cannot run here are listed with the reason. Its step: ``zero_grad``, ``model(input_ids,
+  labels).loss.backward()``, ``clip_grad_norm_``, ``AdamW.step``.
+
+Same work on both sides: the same optimizer, built by megamoe's ``build_optimizer`` for both models
+(torch's fused AdamW, which is also what transformers' ``Trainer`` uses by default with torch >= 2.8;
+no weight decay), global-norm clipping at 1.0, and no load-balancing loss: transformers
+adds ``router_aux_loss_coef * aux`` only when ``output_router_logits`` (off here), and
+``config_from_hf`` then sets megamoe's ``aux_loss_coeff`` to 0. Before timing, the script asserts that
+both compute the same loss on the same batch, and again after one optimizer step on each (same
+gradients, same update). transformers shifts the labels inside its loss; megamoe takes them shifted.
+
+Prints a table of tokens/s (median step time over the repeats, after one warm-up step; the minimum is
+shown too) and the ratio megamoe / each HF row; writes JSON (default benchmarks/results/train_step.json).
+The allocator is set as in ``benchmarks/moe_layer.py`` (freed memory stays in the heap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from checkpoint_tools.adapters import adapter_for
+from megamoe.models import GPTMoEModel
+from megamoe.models.families import config_from_hf
+from megamoe.models.hf_loading import load_logical_state
+from megamoe.training.trainer import TrainConfig, Trainer, build_optimizer
+from moe_layer import BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap
+from parallel_state import ParallelState
+
+MODEL = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+             head_dim=32, num_experts=32, num_experts_per_tok=8, moe_intermediate_size=256, batch=4, seq=256)
+QUICK_MODEL = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, batch=2, seq=64)
+MEGAMOE_BACKENDS = ("torch", "loop")
+TARGET_RATIO = 1.5          # megamoe/torch tokens/s over every HF row
+TRAIN = TrainConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0)
+LOSS_ATOL = 1e-4
+
+
+@dataclass
+class Row:
+    name: str
+    step: Callable[[], float] | None        # one training step; returns the (pre-step) loss
+    skip_reason: str | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def hf_config(shape: dict):
+    """The Qwen3-MoE config both sides are built from: every layer MoE, no aux loss, untied head."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
+        num_experts=shape["num_experts"], num_experts_per_tok=shape["num_experts_per_tok"],
+        moe_intermediate_size=shape["moe_intermediate_size"], intermediate_size=4 * shape["moe_intermediate_size"],
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+        max_position_embeddings=shape["seq"], tie_word_embeddings=False, attention_dropout=0.0)
+
+
+def batch(shape: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids [B, S], next-token labels [B, S], -100 on the last position)."""
+    ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]),
+                        generator=torch.Generator().manual_seed(seed))
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    return ids, labels
+
+
+def megamoe_row(hf_model, backend: str, ids: torch.Tensor, labels: torch.Tensor) -> Row:
+    config = config_from_hf(hf_model.config, expert_backend=backend)
+    state = ParallelState.single_process()
+    model = GPTMoEModel(config, state)
+    logical = adapter_for(config.family).hf_to_megamoe(hf_model.state_dict(), config)
+    unused = load_logical_state(model, logical)
+    if unused:
+        raise RuntimeError(f"logical tensors megamoe did not load: {unused}")
+    model.train()
+    trainer = Trainer(model, state, TRAIN)
+    return Row(f"megamoe/{backend}", lambda: trainer.train_step([(ids, labels)]).loss)
+
+
+def hf_row(hf_model, implementation: str, ids: torch.Tensor) -> Row:
+    model = copy.deepcopy(hf_model)
+    model.set_experts_implementation(implementation)
+    model.train()
+    optimizer = build_optimizer(model, TRAIN)      # the very optimizer the Trainer builds for megamoe
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss        # transformers shifts the labels itself
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.grad_clip)
+        optimizer.step()
+        return loss.item()
+
+    return Row(f"hf/{implementation}", step)
+
+
+def hf_implementations() -> list[str]:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ["eager", *sorted(ALL_EXPERTS_FUNCTIONS.keys())]
+
+
+def hf_skip_reason(implementation: str, shape: dict) -> str | None:
+    if implementation in HF_CUDA_ONLY:
+        return HF_CUDA_ONLY[implementation]
+    if implementation == "batched_mm":
+        # One [3F, H] weight copy per (token, expert) pair and layer, all kept for the backward.
+        tokens = shape["batch"] * shape["seq"]
+        copies = (tokens * shape["num_experts_per_tok"] * 3 * shape["hidden_size"] * shape["moe_intermediate_size"]
+                  * 4 * shape["num_hidden_layers"])
+        if copies > BATCHED_MM_MEMORY_LIMIT:
+            return f"copies weights per (token, expert) pair: {copies / 2**30:.0f} GiB"
+    return None
+
+
+def build_rows(shape: dict) -> list[Row]:
+    """Every row, from one HF model's initial weights, all training on the same batch."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(hf_config(shape), attn_implementation="sdpa",
+                                                dtype=torch.float32)
+    ids, labels = batch(shape, seed=1)
+    rows = [megamoe_row(hf_model, backend, ids, labels) for backend in MEGAMOE_BACKENDS]
+    for implementation in hf_implementations():
+        reason = hf_skip_reason(implementation, shape)
+        if reason is not None:
+            rows.append(Row(f"hf/{implementation}", None, reason))
+        else:
+            rows.append(hf_row(hf_model, implementation, ids))
+    return rows
+
+
+def check_same_loss(rows: list[Row]) -> None:
+    """The first two steps of every row (same batch) report the same loss: the second checks the
+    gradients and the optimizer update as well."""
+    runnable = [r for r in rows if r.skip_reason is None]
+    for _ in range(2):
+        for row in runnable:
+            row.losses.append(row.step())
+    reference = runnable[0]
+    for row in runnable[1:]:
+        for index, (loss, expected) in enumerate(zip(row.losses, reference.losses)):
+            if abs(loss - expected) > LOSS_ATOL:
+                raise AssertionError(f"step {index}: {row.name} loss {loss:.6f} differs from {reference.name}'s "
+                                     f"{expected:.6f} by more than {LOSS_ATOL}")
+
+
+def _time(fn: Callable) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(rows: list[Row], repeats: int) -> dict[str, dict]:
+    """One warm-up step per row (after the two loss-check steps), then ``repeats`` rounds over all
+    rows; step times in seconds."""
+    runnable = [r for r in rows if r.skip_reason is None]
+    for row in runnable:
+        row.step()
+    times: dict[str, list[float]] = {r.name: [] for r in runnable}
+    for _ in range(repeats):
+        for row in runnable:
+            times[row.name].append(_time(row.step))
+    return {name: {"median_s": statistics.median(v), "min_s": min(v), "repeats": len(v)} for name, v in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a much smaller model, 1 repeat instead of 5")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="keep glibc's allocator defaults (large tensors are fresh mmaps)")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"),
+                        help="where to write the results")
+    args = parser.parse_args(argv)
+    allocator = "glibc defaults" if args.default_allocator else keep_freed_memory_in_heap()
+    torch.set_num_threads(2)
+    shape = QUICK_MODEL if args.quick else MODEL
+    repeats = 1 if args.quick else 5
+    tokens = shape["batch"] * shape["seq"]
+
+    rows = build_rows(shape)
+    check_same_loss(rows)
+    timings = measure(rows, repeats)
+
+    reference_rows = [r.name for r in rows if r.name.startswith("megamoe/")]
+    hf_rows = [r.name for r in rows if r.name.startswith("hf/") and r.skip_reason is None]
+    results = {"threads": torch.get_num_threads(), "torch": torch.__version__, "allocator": allocator,
+               "model": shape, "tokens_per_step": tokens, "train": {"optimizer": "AdamW", "lr": TRAIN.lr,
+               "grad_clip": TRAIN.grad_clip, "weight_decay": TRAIN.weight_decay, "dtype": "float32"},
+               "loss_check": {r.name: r.losses for r in rows if r.skip_reason is None},
+               "target_megamoe_torch_over_hf": TARGET_RATIO, "rows": []}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator: {allocator}")
+    print(f"model: {shape}; {tokens} tokens per step; loss check passed "
+          f"({', '.join(f'{r.name} {r.losses[0]:.4f}' for r in rows if r.skip_reason is None)})")
+    header = "".join(f" {'/ ' + name:>16s}" for name in hf_rows)
+    print(f"\n{'row':18s} {'median ms':>9s} {'min ms':>8s} {'tokens/s':>9s}{header} {'n':>3s}")
+    for row in rows:
+        if row.skip_reason is not None:
+            print(f"{row.name:18s} skipped: {row.skip_reason}")
+            results["rows"].append({"name": row.name, "skipped": row.skip_reason})
+            continue
+        t = timings[row.name]
+        tokens_per_s = tokens / t["median_s"]
+        is_reference = row.name in reference_rows
+        ratios = {hf: timings[hf]["median_s"] / t["median_s"] for hf in hf_rows} if is_reference else {}
+        min_ratios = {hf: timings[hf]["min_s"] / t["min_s"] for hf in hf_rows} if is_reference else {}
+        ratio_text = "".join(f" {ratios[hf]:16.2f}" if hf in ratios else f" {'':16s}" for hf in hf_rows)
+        print(f"{row.name:18s} {t['median_s'] * 1e3:9.1f} {t['min_s'] * 1e3:8.1f} {tokens_per_s:9.0f}{ratio_text} "
+              f"{t['repeats']:3d}")
+        results["rows"].append({"name": row.name, **t, "tokens_per_s": tokens_per_s, "ratio_over_hf": ratios,
+                                "ratio_over_hf_of_min_times": min_ratios})
+    print(f"ratio: megamoe tokens/s / HF tokens/s (median times); target for megamoe/torch: >= {TARGET_RATIO}x "
+          "every HF row. Other processes only add time: where median and min disagree, the machine was busy.")
+    reference = next(r for r in results["rows"] if r["name"] == "megamoe/torch")
+    missed = [hf for hf, ratio in reference["ratio_over_hf"].items() if ratio < TARGET_RATIO]
+    results["target_met"] = not missed
+    print("target met" if not missed else f"target NOT met against: {', '.join(missed)}")
+
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""``megamoe-convert`` (also ``python -m checkpoint_tools``): HuggingFace <-> megamoe checkpoints.
+
+Subcommands: ``import-hf``, ``export-hf``, ``reshard``, ``inspect``, ``verify``; ``--help`` on each.
+Bad input ends with a one-line ``error:`` message and exit code 1 (2 for a malformed command line);
+``verify`` exits 1 when the logits differ by more than ``--atol``, ``inspect`` when a file is damaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+
+from checkpoint_tools.adapters import AdapterError
+from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.format import CheckpointError
+from checkpoint_tools.target_dtype import TARGET_DTYPES
+
+__all__ = ["main", "build_parser"]
+
+_PROG = "megamoe-convert"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size like 5GB, 500MB or a number of bytes, got {text!r}")
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
+    return size
+
+
+def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | None) -> None:
+    group = parser.add_argument_group("target layout and expert slots")
+    group.add_argument("--tp", type=_positive_int, required=True, help="tensor-parallel size")
+    group.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel size")
+    group.add_argument("--ep", type=_positive_int, required=True, help="expert-parallel size")
+    group.add_argument("--etp", type=_positive_int,
+                       help="expert-tensor-parallel size (default: tp with the alltoall dispatcher, 1 with allgather)")
+    group.add_argument("--num-expert-slots", type=_positive_int,
+                       help="expert slots per MoE layer, a multiple of --ep and >= the number of experts (extra "
+                            "slots hold replicas); default: " + ("one per expert" if dispatcher_default else
+                                                                 "the checkpoint's number"))
+    group.add_argument("--expert-load", metavar="FILE",
+                       help="per-layer expert loads (megamoe-expert-load JSON) for balanced placements")
+    saved = "the checkpoint's"
+    group.add_argument("--dispatcher", choices=("alltoall", "allgather"), default=dispatcher_default,
+                       help=f"token dispatcher recorded in the model config (default: {dispatcher_default or saved})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=_PROG, description="Convert checkpoints between HuggingFace and megamoe, "
+                                     "reshard them, inspect and verify them.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("import-hf", help="HF model directory -> megamoe checkpoint for a layout",
+                            description="Convert a HuggingFace model directory (config.json + safetensors) into a "
+                                        "megamoe checkpoint laid out for the given parallel layout.")
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    _layout_options(p, "alltoall")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors (default keep)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
+
+    p = commands.add_parser("export-hf", help="megamoe checkpoint -> HF model directory",
+                            description="Write a HuggingFace model directory (config.json, safetensors shards + "
+                                        "index, tokenizer files) that transformers' from_pretrained loads.")
+    p.add_argument("checkpoint", metavar="CKPT_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors (default keep)")
+    p.add_argument("--max-shard-size", type=_size, default="50GB",
+                   help="largest safetensors shard, e.g. 5GB (default 50GB, as save_pretrained)")
+    p.add_argument("--hf-config", metavar="HF_DIR",
+                   help="take config.json and tokenizer files from this HF directory (for checkpoints saved by "
+                        "training, which do not keep them)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing HF model directory at OUT_DIR")
+
+    p = commands.add_parser("reshard", help="megamoe checkpoint -> another layout / slots / placement",
+                            description="Rewrite a megamoe checkpoint (optimizer state included) for another "
+                                        "parallel layout, number of expert slots or placement.")
+    p.add_argument("checkpoint", metavar="CKPT_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    _layout_options(p, None)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
+
+    p = commands.add_parser("inspect", help="layout, placements, parameter counts, checksums",
+                            description="Describe a megamoe checkpoint and verify every file's checksum.")
+    p.add_argument("checkpoint", metavar="CKPT_DIR")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    p = commands.add_parser("verify", help="compare the checkpoint's logits with transformers'",
+                            description="Run the checkpoint on spawned CPU ranks (its layout) and the HF model with "
+                                        "transformers on the same tokens; exit 1 if the logits differ by more than "
+                                        "--atol.")
+    p.add_argument("checkpoint", metavar="CKPT_DIR")
+    p.add_argument("--hf", required=True, metavar="HF_DIR", help="the HuggingFace model directory to compare with")
+    p.add_argument("--nproc", type=_positive_int, help="ranks to spawn (default: the checkpoint's world size)")
+    p.add_argument("--atol", type=float, default=1e-4, help="largest accepted absolute logit difference")
+    return parser
+
+
+def _layout(args, dispatcher: str):
+    from checkpoint_tools.layout import ParallelLayout
+    etp = args.etp if args.etp is not None else (args.tp if dispatcher == "alltoall" else 1)
+    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
+
+
+def _run(args) -> int:
+    if args.command == "import-hf":
+        from checkpoint_tools.import_hf import import_hf
+        summary = import_hf(args.hf_dir, args.out_dir, _layout(args, args.dispatcher),
+                            num_expert_slots=args.num_expert_slots, expert_load=args.expert_load, dtype=args.dtype,
+                            dispatcher=args.dispatcher, overwrite=args.overwrite)
+        print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['logical_tensors']} logical tensors, "
+              f"{summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, layout "
+              + " ".join(f"{k}={v}" for k, v in summary["layout"].items()))
+        return 0
+    if args.command == "export-hf":
+        from checkpoint_tools.export_hf import export_hf
+        summary = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
+                            max_shard_bytes=args.max_shard_size, hf_config_dir=args.hf_config)
+        print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['tensors']} tensors in {summary['shards']} "
+              f"shards, {summary['bytes'] / 2**20:.1f} MiB")
+        return 0
+    if args.command == "reshard":
+        from checkpoint_tools.format import read_manifest
+        from checkpoint_tools.reshard import reshard
+        dispatcher = args.dispatcher or (read_manifest(args.checkpoint)["model_config"].get("moe") or {}).get(
+            "dispatcher", "alltoall")
+        summary = reshard(args.checkpoint, args.out_dir, _layout(args, dispatcher),
+                          num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
+                          dispatcher=args.dispatcher, overwrite=args.overwrite)
+        print(f"wrote {summary['out_dir']}: {summary['logical_tensors']} logical tensors "
+              f"({summary['optimizer_tensors']} optimizer state), {summary['files']} files, layout "
+              + " ".join(f"{k}={v}" for k, v in summary["layout"].items()))
+        return 0
+    if args.command == "inspect":
+        from checkpoint_tools.inspection import format_inspection, inspect_checkpoint
+        info = inspect_checkpoint(args.checkpoint)
+        print(json.dumps(info, indent=1) if args.json else format_inspection(info))
+        return 0 if info["verification"]["ok"] else 1
+    from checkpoint_tools.verify import verify_against_hf
+    result = verify_against_hf(args.checkpoint, args.hf, nproc=args.nproc, atol=args.atol)
+    print(f"{'OK' if result.ok else 'FAILED'}: max abs logit difference {result.max_abs_diff:.3e} (atol "
+          f"{result.atol:.1e}), max relative {result.max_rel_diff:.3e}; {result.nproc} ranks, {result.layout}")
+    return 0 if result.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:            # --help (0) or a malformed command line (2)
+        return int(e.code or 0)
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+    threads = torch.get_num_threads()
+    # The conversions only copy memory: one thread is as fast, and intra-op threads waiting on each other
+    # make every copy up to a hundred times slower when the cores are busy (measured: 65 MB/s instead of
+    # 2-8 GB/s on two loaded cores). Restored afterwards for callers that run main() in process.
+    torch.set_num_threads(1)
+    try:
+        return _run(args)
+    except (ConversionError, CheckpointError, AdapterError, OSError) as e:
+        print(f"{_PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{_PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

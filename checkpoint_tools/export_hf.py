@@ -1,0 +1,188 @@
+"""``export-hf``: a megamoe checkpoint -> a HuggingFace model directory ``from_pretrained`` loads.
+
+Writes the keys ``save_pretrained`` of transformers 5.24 writes (the adapters' checkpoint form:
+routed experts per expert, Mixtral's ``block_sparse_moe``), in ``model-0000i-of-0000n.safetensors``
+shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (one ``model.safetensors``
+when everything fits), the original config.json kept in the manifest at import, and the side files.
+Each expert is written once: the checkpoint stores one copy of each logical chunk, replicas included,
+and a save that finds replicas differing fails (``save_checkpoint(..., verify_replicas=True)``).
+
+The config.json and side files come from the checkpoint (kept there by ``import-hf`` and ``reshard``) or,
+with ``hf_config_dir``, from a HF directory (e.g. the one a fine-tuned model was imported from: training
+checkpoints do not keep them); either way the config must still map to the checkpoint's model config.
+A checkpoint of family ``custom`` has no HF equivalent and cannot be exported; one of a supported family
+without any HF config (trained from scratch) needs ``hf_config_dir``: writing a config.json from scratch
+is not supported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+from checkpoint_tools.adapters import ADAPTERS, AdapterError, adapter_for
+from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest
+from checkpoint_tools.hf_checkpoint import CONFIG_FILE, INDEX_FILE, HFCheckpoint
+from checkpoint_tools.import_hf import model_config_from_hf
+from checkpoint_tools.logical_reader import LogicalTensorReader
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
+from checkpoint_tools.output_dir import OutputDirectory
+from checkpoint_tools.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, group_into_files
+from checkpoint_tools.scratch import ScratchBuffer
+from checkpoint_tools.side_files import copy_side_files
+from checkpoint_tools.target_dtype import cast, target_dtype
+from megamoe.models import GPTMoEConfig
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 50 * 1000**3      # transformers 5.24's save_pretrained default ("50GB")
+# Engine choices, not part of the model: they may differ from what the HF config maps to.
+_ENGINE_FIELDS = ("num_expert_slots", "dispatcher", "expert_backend", "input_sharded")
+
+
+def _model_fields(config: GPTMoEConfig) -> dict:
+    data = config.to_dict()
+    for name in _ENGINE_FIELDS:
+        (data.get("moe") or {}).pop(name, None)
+    return data
+
+
+def _differences(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(a.keys() | b.keys()) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _hf_config(manifest: dict, config: GPTMoEConfig, checkpoint: str, hf_config_dir: str | None) -> dict:
+    if config.family not in ADAPTERS:
+        raise ConversionError(
+            f"{checkpoint} holds a model of family {config.family!r}, which has no HuggingFace equivalent: it cannot "
+            f"be exported (exportable families: {', '.join(ADAPTERS)})")
+    if hf_config_dir is not None:
+        where = os.path.join(hf_config_dir, CONFIG_FILE)
+        try:
+            with open(where, encoding="utf-8") as f:
+                hf_config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConversionError(f"cannot read {where}: {e}") from None
+    else:
+        where = f"{checkpoint}: the stored HF config"
+        hf_config = (manifest.get("extra") or {}).get("hf_config")
+        if not hf_config:
+            raise ConversionError(
+                f"{checkpoint} holds no HuggingFace config (it was not imported with import-hf, e.g. trained from "
+                "scratch or saved by a training run), so no config.json can be written for it; pass --hf-config "
+                "with the HF directory whose config.json describes this model")
+    mapped = model_config_from_hf(hf_config, where)
+    differing = _differences(_model_fields(mapped), _model_fields(config))
+    if differing:
+        raise ConversionError(f"{where} does not describe the checkpoint's model (differing fields: "
+                              f"{', '.join(differing[:6])}); cannot write a matching config.json")
+    return dict(hf_config)
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "keep",
+              overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              hf_config_dir: str | os.PathLike | None = None, progress: bool | None = None) -> dict:
+    """Write the HF model directory ``out_dir`` for the megamoe checkpoint ``checkpoint``.
+
+    ``dtype``: ``keep`` (each tensor as stored: bit-exact round trip of an import) | ``fp32`` | ``bf16`` |
+    ``fp16``. ``hf_config_dir``: take config.json and the side files from this HF directory instead of
+    the checkpoint. Optimizer state (``optim.*``) is not exported. Raises :class:`ConversionError` or
+    :class:`~checkpoint_tools.format.CheckpointError` (nothing is left at ``out_dir``). Returns a summary.
+    """
+    checkpoint = os.fspath(checkpoint)
+    hf_config_dir = None if hf_config_dir is None else os.fspath(hf_config_dir)
+    target = target_dtype(dtype)
+    output = OutputDirectory(out_dir, overwrite=overwrite, what="a HuggingFace model directory",
+                             inputs=[checkpoint] + ([hf_config_dir] if hf_config_dir else []),
+                             replaceable=lambda p: os.path.isfile(os.path.join(p, CONFIG_FILE)))
+    manifest = read_manifest(checkpoint)
+    config = model_config_from_manifest(manifest)
+    hf_config = _hf_config(manifest, config, checkpoint, hf_config_dir)
+    adapter = adapter_for(config.family)
+
+    # Dry run on meta tensors: checks the names and shapes, and fixes the order and shapes of the HF keys.
+    model_names = [n for n in manifest["tensors"] if not n.startswith("optim.")]
+    order = {key: i for i, step in enumerate(adapter.transforms(config, fused=False)) for key in step.logical_keys}
+    model_names.sort(key=lambda n: (order.get(n, len(order)), n))
+    entries = manifest["tensors"]
+
+    def meta(name):
+        return torch.empty(entries[name]["global_shape"], dtype=_DTYPES[entries[name]["dtype"]], device="meta")
+
+    try:
+        planned = [PlannedTensor(key, cast(t.dtype, target), tuple(t.shape))
+                   for key, t in adapter.iter_megamoe_to_hf(((n, meta(n)) for n in model_names), config, fused=False)]
+    except AdapterError as e:
+        raise ConversionError(f"{checkpoint} does not hold the tensors of its model config: {e}") from None
+    shards = group_into_files(planned, max_shard_bytes)
+    names = _shard_names(len(shards))
+    file_of = {t.key: names[i] for i, shard in enumerate(shards) for t in shard}
+    total = sum(t.nbytes for t in planned)
+    by_bytes = Counter()
+    for t in planned:
+        by_bytes[t.dtype] += t.nbytes
+    main_dtype = str(by_bytes.most_common(1)[0][0]).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in hf_config and hf_config[key] != main_dtype:
+            logger.info("config.json: %s %s -> %s (the exported weights)", key, hf_config[key], main_dtype)
+            hf_config[key] = main_dtype
+
+    with output as tmp, LogicalTensorReader(checkpoint, manifest) as reader:
+        writers: list[SafetensorsStreamWriter] = []
+        casts = ScratchBuffer()
+        try:
+            with tqdm(total=total, unit="B", unit_scale=True, desc="export-hf",
+                      disable=None if progress is None else not progress) as bar:
+                shard_index = 0
+                writer = SafetensorsStreamWriter(os.path.join(tmp, names[0]), shards[0], metadata={"format": "pt"},
+                                                 sha256=False)
+                writers.append(writer)
+                items = ((name, reader.read(name)) for name in model_names)
+                for key, tensor in adapter.iter_megamoe_to_hf(items, config, fused=False):
+                    if writer.next_key is None:
+                        writer.close()
+                        shard_index += 1
+                        writer = SafetensorsStreamWriter(os.path.join(tmp, names[shard_index]), shards[shard_index],
+                                                         metadata={"format": "pt"}, sha256=False)
+                        writers.append(writer)
+                    out = tensor if cast(tensor.dtype, target) == tensor.dtype else casts.copy_of(tensor, target)
+                    writer.write(key, out)
+                    bar.update(out.numel() * out.element_size())
+                writer.close()
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+        if len(shards) > 1:
+            index = {"metadata": {"total_parameters": sum(t.nbytes // t.dtype.itemsize for t in planned),
+                                  "total_size": total},
+                     "weight_map": dict(sorted(file_of.items()))}
+            with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+            f.write(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if hf_config_dir is not None:
+            side = copy_side_files(hf_config_dir, HFCheckpoint.side_files_of(hf_config_dir), tmp)
+        else:
+            side = (manifest.get("extra") or {}).get("hf_files") or {}
+            if copy_side_files(os.path.join(reader.root, HF_FILES_DIR), list(side), tmp) != side:
+                raise CheckpointError(f"{checkpoint}: the side files in {HF_FILES_DIR}/ do not match the manifest")
+    logger.info("exported %s to %s: %d tensors in %d shards", checkpoint, output.path, len(planned), len(shards))
+    return {"out_dir": output.path, "family": config.family, "tensors": len(planned), "shards": len(shards),
+            "bytes": total, "side_files": sorted(side)}

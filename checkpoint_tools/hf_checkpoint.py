@@ -1,0 +1,156 @@
+"""A HuggingFace model directory on disk: config.json, safetensors weights (one file, or shards with
+``model.safetensors.index.json``) and side files (tokenizer, generation config, ...), read lazily.
+
+Opening checks everything that can be checked without reading tensor data: every weight file's header
+(safetensors refuses a truncated file or a corrupt header), that the index and the files agree (no
+tensor missing from its file, none unlisted, none in two files), and that every dtype is known.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.read_window import ReadWindow
+from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES
+
+__all__ = ["CONFIG_FILE", "INDEX_FILE", "HFTensorInfo", "HFCheckpoint", "is_weight_file"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPE_OF_CODE = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+# Weights in any format, and their indexes: never copied along as side files.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+def is_weight_file(name: str) -> bool:
+    return name == CONFIG_FILE or name.endswith(_WEIGHT_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class HFTensorInfo:
+    file: str                   # file name inside the directory
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _corrupt(path: str, error: Exception) -> ConversionError:
+    return ConversionError(f"{path} is truncated or corrupt: {error}")
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise ConversionError(f"{path} is missing: a HuggingFace model directory has a {what}") from None
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+class HFCheckpoint:
+    """An opened HF model directory: ``config`` (config.json as a dict), ``tensors`` (key ->
+    :class:`HFTensorInfo`, in file order) and ``side_files`` (names of the other top-level files)."""
+
+    def __init__(self, directory: str, config: dict, tensors: dict[str, HFTensorInfo], side_files: list[str]):
+        self.directory, self.config, self.tensors, self.side_files = directory, config, tensors, side_files
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> "HFCheckpoint":
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise ConversionError(f"{directory} is not a directory (expected a HuggingFace model directory)")
+        config = _read_json(os.path.join(directory, CONFIG_FILE), CONFIG_FILE)
+        index_path = os.path.join(directory, INDEX_FILE)
+        listed: dict[str, str] | None = None
+        if os.path.exists(index_path):
+            weight_map = _read_json(index_path, INDEX_FILE).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"{index_path} has no weight_map")
+            listed = weight_map
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not os.path.isfile(os.path.join(directory, name)):
+                    raise ConversionError(f"{index_path} lists {name}, which is missing from {directory}")
+        else:
+            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
+            if not files:
+                others = sorted(n for n in os.listdir(directory) if is_weight_file(n) and n != CONFIG_FILE)
+                hint = f" (found {', '.join(others)}: only safetensors weights are supported)" if others else ""
+                raise ConversionError(f"no safetensors weights in {directory}{hint}")
+        tensors: dict[str, HFTensorInfo] = {}
+        for name in files:
+            tensors.update(cls._read_header(directory, name, tensors))
+        if listed is not None:
+            for key, name in listed.items():
+                if key not in tensors:
+                    raise ConversionError(f"missing tensor {key!r}: {INDEX_FILE} places it in {name}, which does not "
+                                          "hold it")
+                if tensors[key].file != name:
+                    raise ConversionError(f"{INDEX_FILE} places {key!r} in {name}, but it is in {tensors[key].file}")
+            unlisted = [k for k in tensors if k not in listed]
+            if unlisted:
+                raise ConversionError(f"unexpected tensor {unlisted[0]!r} in {tensors[unlisted[0]].file}: not listed in "
+                                      f"{INDEX_FILE} ({len(unlisted)} such tensors)")
+        return cls(directory, config, tensors, cls.side_files_of(directory))
+
+    @staticmethod
+    def side_files_of(directory: str) -> list[str]:
+        """The top-level files of an HF directory that are neither config.json nor weights."""
+        return sorted(n for n in os.listdir(directory)
+                      if os.path.isfile(os.path.join(directory, n)) and not is_weight_file(n))
+
+    @staticmethod
+    def _read_header(directory: str, name: str, seen: dict[str, HFTensorInfo]) -> dict[str, HFTensorInfo]:
+        path = os.path.join(directory, name)
+        found: dict[str, HFTensorInfo] = {}
+        with ReadWindow(open_error=_corrupt) as window:
+            handle = window.handle(path)
+            for key in handle.keys():
+                if key in seen:
+                    raise ConversionError(f"tensor {key!r} is stored twice: in {seen[key].file} and in {name}")
+                view = handle.get_slice(key)
+                code = view.get_dtype()
+                if code not in _DTYPE_OF_CODE:
+                    raise ConversionError(f"{path}: tensor {key!r} has dtype {code}, which is not supported "
+                                          f"(supported: {', '.join(sorted(_DTYPE_OF_CODE))})")
+                found[key] = HFTensorInfo(name, _DTYPE_OF_CODE[code], tuple(view.get_shape()))
+        return found
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def iter_tensors(self, keys: Iterable[str], window: ReadWindow) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key, tensor)`` for ``keys`` in that order, each read when the consumer asks for it; tensors
+        view the mapped file (no copy)."""
+        for key in keys:
+            info = self.tensors[key]
+            path = os.path.join(self.directory, info.file)
+            try:
+                tensor = window.handle(path).get_tensor(key)
+            except ConversionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever safetensors raises for a damaged file
+                raise _corrupt(path, e) from e
+            window.account(info.nbytes)
+            yield key, tensor

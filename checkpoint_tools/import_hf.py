@@ -1,0 +1,162 @@
+"""``import-hf``: a HuggingFace model directory -> a megamoe checkpoint laid out for a parallel layout.
+
+Order of work (nothing is written before every check has passed):
+
+1. Open the HF directory (:class:`HFCheckpoint`: headers, index, dtypes), map config.json to a
+   :class:`GPTMoEConfig` (:func:`config_from_hf`), choose the expert placements and plan the layout's
+   chunks (:func:`plan_layout`, which runs the model's own layout checks).
+2. Dry run: the family's adapter converts the HF keys as meta tensors (shapes and dtypes only), which
+   reports every missing, unexpected or mis-shaped tensor and fixes the order tensors are produced in.
+3. Stream: each HF tensor is read once (a view of the mapped file), converted by the adapter, cast if
+   asked, cut into the layout's chunks and appended to the output files, whose headers were planned in
+   step 2 (:class:`CheckpointStreamWriter`). Memory: about one tensor and the read window.
+4. Copy the side files (tokenizer, ...), write the manifest, rename the directory into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from tqdm import tqdm
+
+from checkpoint_tools.adapters import AdapterError, HFAdapter, adapter_for
+from checkpoint_tools.checkpoint_stream import CheckpointStreamWriter, StreamedTensor
+from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.format import DEFAULT_MAX_FILE_BYTES, MANIFEST_FILE
+from checkpoint_tools.hf_checkpoint import HFCheckpoint
+from checkpoint_tools.layout import ParallelLayout
+from checkpoint_tools.layout_plan import plan_layout
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields
+from checkpoint_tools.output_dir import OutputDirectory
+from checkpoint_tools.placements import build_placements
+from checkpoint_tools.read_window import ReadWindow
+from checkpoint_tools.scratch import ScratchBuffer
+from checkpoint_tools.side_files import copy_side_files
+from checkpoint_tools.target_dtype import cast, target_dtype
+from megamoe.models import GPTMoEConfig
+from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
+
+__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order"]
+
+logger = logging.getLogger(__name__)
+
+
+def hf_config_object(config: dict, where: str):
+    """A transformers config object of a supported family from a config.json dict."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ConversionError(f"{where}: model_type {model_type!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_FAMILIES)}")
+    if config.get("quantization_config"):
+        raise ConversionError(f"{where}: quantized checkpoints ({config['quantization_config'].get('quant_method')}) "
+                              "are not supported; convert from an unquantized (fp32 / bf16 / fp16) checkpoint")
+    try:
+        import transformers
+    except ImportError:
+        raise ConversionError("reading HuggingFace configs needs transformers: pip install transformers") from None
+    try:
+        return transformers.CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except Exception as e:  # noqa: BLE001 - transformers validates configs with several exception types
+        raise ConversionError(f"{where}: transformers rejects the config: {e}") from None
+
+
+def model_config_from_hf(config: dict, where: str, **engine) -> GPTMoEConfig:
+    try:
+        return config_from_hf(hf_config_object(config, where), **engine)
+    except ValueError as e:
+        if isinstance(e, ConversionError):
+            raise
+        raise ConversionError(f"{where}: {e}") from None
+
+
+def hf_key_order(adapter: HFAdapter, config: GPTMoEConfig, keys) -> list[str]:
+    """``keys`` in the adapter's step order (each step's inputs together), unknown keys last."""
+    order: dict[str, int] = {}
+    index = 0
+    for fused in (False, True):
+        for step in adapter.transforms(config, fused):
+            for key in step.hf_keys:
+                order.setdefault(key, index)
+            index += 1
+    return sorted(keys, key=lambda k: (order.get(k, index), k))
+
+
+def _as_conversion_error(e: AdapterError, where: str) -> ConversionError:
+    return ConversionError(f"{where}: the weights do not match config.json: {e}")
+
+
+def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: ParallelLayout, *,
+              num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
+              dtype: str = "keep", dispatcher: str = "alltoall", overwrite: bool = False,
+              max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, progress: bool | None = None) -> dict:
+    """Convert the HF model directory ``hf_dir`` into the megamoe checkpoint ``out_dir`` for ``layout``.
+
+    ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
+    placements) choose the expert slots; ``dtype``: ``keep`` | ``fp32`` | ``bf16`` | ``fp16`` (floating
+    tensors only); ``dispatcher`` is recorded in the model config. Raises :class:`ConversionError` (nothing
+    is left at ``out_dir``) for bad input. Returns a summary dict.
+    """
+    hf_dir = os.fspath(hf_dir)
+    target = target_dtype(dtype)
+    output = OutputDirectory(out_dir, overwrite=overwrite, what="a megamoe checkpoint", inputs=[hf_dir],
+                             replaceable=lambda p: os.path.isfile(os.path.join(p, MANIFEST_FILE)))
+    hf = HFCheckpoint.open(hf_dir)
+    config = model_config_from_hf(hf.config, os.path.join(hf_dir, "config.json"), dispatcher=dispatcher,
+                                  num_expert_slots=num_expert_slots)
+    if num_expert_slots is not None and config.moe is None:
+        raise ConversionError("--num-expert-slots was given but the model has no MoE layers")
+    placements = build_placements(config, layout.ep, expert_load=expert_load)
+    plan = plan_layout(config, layout, placements)
+    adapter = adapter_for(config.family)
+
+    # Dry run on meta tensors: every check on keys and shapes, and the order of the outputs.
+    for key, info in hf.tensors.items():
+        if not info.dtype.is_floating_point:
+            raise ConversionError(f"dtype mismatch: {key!r} in {info.file} is {info.dtype}; model weights are "
+                                  "floating point")
+    dropped = [k for k in hf.tensors if adapter.is_ignored(k, config)]
+    order = hf_key_order(adapter, config, [k for k in hf.tensors if not adapter.is_ignored(k, config)])
+    meta = ((k, torch.empty(hf.tensors[k].shape, dtype=hf.tensors[k].dtype, device="meta")) for k in order)
+    try:
+        produced = [(name, t.dtype, tuple(t.shape)) for name, t in adapter.iter_hf_to_megamoe(meta, config)]
+    except AdapterError as e:
+        raise _as_conversion_error(e, hf_dir) from None
+    names = {name for name, _, _ in produced}
+    if names != set(plan.tensors):
+        raise ConversionError(f"internal: the {config.family} adapter and the model disagree on the logical tensors: "
+                              f"{sorted(names ^ set(plan.tensors))[:6]}")
+    if dropped:
+        logger.warning("dropping %d HF tensors the model does not use (as transformers does): %s%s", len(dropped),
+                       ", ".join(dropped[:4]), " ..." if len(dropped) > 4 else "")
+    streamed = [StreamedTensor(name, cast(dt, target), shape, plan.tensors[name].regions)
+                for name, dt, shape in produced]
+
+    with output as tmp:
+        writer = CheckpointStreamWriter(tmp, streamed, max_file_bytes=max_file_bytes)
+        casts = ScratchBuffer()
+        try:
+            with ReadWindow() as window, tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="import-hf",
+                                              disable=None if progress is None else not progress) as bar:
+                items = hf.iter_tensors(order, window)
+                for name, tensor in adapter.iter_hf_to_megamoe(items, config):
+                    out = tensor if cast(tensor.dtype, target) == tensor.dtype else casts.copy_of(tensor, target)
+                    writer.write(name, out)
+                    bar.update(out.numel() * out.element_size())
+            hf_files = copy_side_files(hf_dir, hf.side_files, os.path.join(tmp, HF_FILES_DIR))
+            extra = {"step": 0, "sampler_state": None, "has_optimizer_state": False, "hf_config": hf.config,
+                     "hf_files": hf_files}
+            manifest = writer.finish(manifest_fields(config, layout, placements, extra), layout.world_size)
+        except AdapterError as e:
+            writer.abort()
+            raise _as_conversion_error(e, hf_dir) from None
+        except BaseException:
+            writer.abort()
+            raise
+    summary = {"out_dir": output.path, "family": config.family, "layout": layout.to_manifest(),
+               "logical_tensors": len(streamed), "files": len(manifest["files"]),
+               "bytes": sum(f["bytes"] for f in manifest["files"].values()), "side_files": sorted(hf_files),
+               "dropped_hf_tensors": dropped}
+    logger.info("imported %s into %s (%s)", hf_dir, output.path, layout)
+    return summary

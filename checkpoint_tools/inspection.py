@@ -1,0 +1,121 @@
+"""``inspect``: what a megamoe checkpoint holds, and whether its files are intact."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+
+from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest, verify_checkpoint
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
+from checkpoint_tools.reshard import OPTIMIZER_PREFIX
+from checkpoint_tools.side_files import verify_side_files
+
+__all__ = ["inspect_checkpoint", "format_inspection"]
+
+
+def _placement_summary(placement) -> dict:
+    counts = placement.replica_counts.tolist()
+    slots = placement.slot_to_expert.tolist()
+    per_rank = placement.num_slots // placement.ep_size
+    return {"num_slots": placement.num_slots, "ep_size": placement.ep_size,
+            "replicated": {str(e): c for e, c in enumerate(counts) if c > 1},
+            "experts_per_rank": [slots[r * per_rank:(r + 1) * per_rank] for r in range(placement.ep_size)]}
+
+
+def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict:
+    """A JSON-ready description: model, layout, placements (replica counts, experts per EP rank),
+    parameter counts and bytes per dtype, optimizer state, files; with ``verify`` the result of checking
+    every file's size, SHA-256 and keys (and the side files) under ``"verification"``."""
+    manifest = read_manifest(path)
+    root = os.fspath(path)
+    if not os.path.isfile(os.path.join(root, "manifest.json")) and os.path.isdir(root + ".old"):
+        root += ".old"
+    config = model_config_from_manifest(manifest)
+    params = {"total": 0, "routed_experts": 0, "by_dtype": defaultdict(lambda: {"parameters": 0, "bytes": 0})}
+    optimizer = {"tensors": 0, "bytes": 0, "state_keys": set()}
+    for name, entry in manifest["tensors"].items():
+        numel = math.prod(entry["global_shape"])
+        nbytes = numel * _DTYPES[entry["dtype"]].itemsize
+        if name.startswith(OPTIMIZER_PREFIX):
+            optimizer["tensors"] += 1
+            optimizer["bytes"] += nbytes
+            optimizer["state_keys"].add(name[len(OPTIMIZER_PREFIX):].partition(".")[0])
+            continue
+        params["total"] += numel
+        if ".mlp.experts." in name:
+            params["routed_experts"] += numel
+        params["by_dtype"][entry["dtype"]]["parameters"] += numel
+        params["by_dtype"][entry["dtype"]]["bytes"] += nbytes
+    moe = config.moe
+    extra = manifest.get("extra") or {}
+    info = {
+        "path": os.path.abspath(root),
+        "format_version": manifest["format_version"],
+        "model": {"family": config.family, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                  "num_layers": config.num_layers, "moe_layers": list(config.moe_layer_ids),
+                  "num_experts": moe.num_experts if moe else 0, "top_k": moe.router.top_k if moe else 0,
+                  "num_expert_slots": moe.num_expert_slots if moe else 0,
+                  "dispatcher": moe.dispatcher if moe else None},
+        "parallel_layout": manifest["parallel_layout"],
+        "saved_by_ranks": manifest["world_size"],
+        "expert_placement": {str(layer): _placement_summary(p)
+                             for layer, p in sorted(placements_from_manifest(manifest).items())},
+        "parameters": {**params, "by_dtype": dict(params["by_dtype"])},
+        "optimizer_state": {**optimizer, "state_keys": sorted(optimizer["state_keys"])},
+        "step": extra.get("step"),
+        "hf_config": "hf_config" in extra,
+        "side_files": sorted(extra.get("hf_files") or {}),
+        "files": {"count": len(manifest["files"]), "bytes": sum(f["bytes"] for f in manifest["files"].values())},
+    }
+    if verify:
+        problems = []
+        try:
+            verify_checkpoint(root)
+        except CheckpointError as e:
+            problems.append(str(e))
+        problems += verify_side_files(os.path.join(root, HF_FILES_DIR), extra.get("hf_files") or {})
+        info["verification"] = {"ok": not problems, "problems": problems}
+    return info
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_inspection(info: dict) -> str:
+    """The inspection as text for a terminal."""
+    m, layout, p = info["model"], info["parallel_layout"], info["parameters"]
+    lines = [
+        f"checkpoint   {info['path']} (format v{info['format_version']}, step {info['step']})",
+        f"model        {m['family']}: {m['num_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}; "
+        f"MoE layers {m['moe_layers'] or 'none'}"
+        + (f", {m['num_experts']} experts top-{m['top_k']}, {m['num_expert_slots']} slots, {m['dispatcher']}"
+           if m["num_experts"] else ""),
+        "layout       " + " ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "ep", "etp", "dp", "cp") if k in layout)
+        + f" (world size {layout.get('world_size')}, saved by {info['saved_by_ranks']} ranks)",
+        f"parameters   {_count(p['total'])} ({_count(p['routed_experts'])} in routed experts)",
+    ]
+    for dtype, d in sorted(p["by_dtype"].items()):
+        lines.append(f"  {dtype:<10} {_count(d['parameters'])} parameters, {_mib(d['bytes'])}")
+    o = info["optimizer_state"]
+    lines.append(f"optimizer    {o['tensors']} tensors ({', '.join(o['state_keys'])}), {_mib(o['bytes'])}"
+                 if o["tensors"] else "optimizer    none")
+    lines.append(f"files        {info['files']['count']} safetensors files, {_mib(info['files']['bytes'])}; HF config "
+                 f"{'kept' if info['hf_config'] else 'absent'}; side files: {', '.join(info['side_files']) or 'none'}")
+    for layer, pl in info["expert_placement"].items():
+        replicated = ", ".join(f"e{e}x{c}" for e, c in pl["replicated"].items()) or "none"
+        ranks = " | ".join(",".join(str(e) for e in experts) for experts in pl["experts_per_rank"])
+        lines.append(f"layer {layer:<6} {pl['num_slots']} slots over EP {pl['ep_size']}; replicas: {replicated}; "
+                     f"experts per EP rank: {ranks}")
+    if "verification" in info:
+        v = info["verification"]
+        lines.append("checksums    OK" if v["ok"] else "checksums    FAILED\n  " + "\n  ".join(v["problems"]))
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""Whole logical tensors of a megamoe checkpoint, read one at a time with bounded memory.
+
+:func:`checkpoint_tools.format.iter_logical_tensors` keeps every file open (mapped) for the whole
+iteration, so the pages read accumulate in memory; this reader closes its files every
+``window_bytes`` (see :mod:`checkpoint_tools.read_window`) and hands out a tensor stored as one chunk
+without copying it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest
+from checkpoint_tools.read_window import DEFAULT_WINDOW_BYTES, ReadWindow
+from checkpoint_tools.scratch import ScratchBuffer
+
+__all__ = ["LogicalTensorReader"]
+
+
+class LogicalTensorReader:
+    """``read(name)`` -> the full logical tensor, as stored (dtype of the manifest), valid until the next
+    ``read`` (a tensor stored in several chunks is assembled in a reused buffer). Files are checked
+    against the manifest's sizes when opened (a truncated file is refused); checksums are ``inspect``'s
+    job. Use as a context manager."""
+
+    def __init__(self, path: str | os.PathLike, manifest: dict | None = None, *,
+                 window_bytes: int = DEFAULT_WINDOW_BYTES):
+        self.manifest = manifest if manifest is not None else read_manifest(path)
+        self.root = os.fspath(path)
+        if not os.path.isfile(os.path.join(self.root, "manifest.json")) and os.path.isdir(self.root + ".old"):
+            self.root += ".old"          # what read_manifest fell back to
+        self._window = ReadWindow(budget_bytes=window_bytes, on_open=self._check_file, open_error=self._corrupt)
+        self._scratch = ScratchBuffer()
+
+    def _check_file(self, file_path: str) -> None:
+        name = os.path.basename(file_path)
+        info = self.manifest["files"].get(name)
+        if info is None:
+            raise CheckpointError(f"{self.root}: the manifest refers to {name}, which it does not list")
+        if not os.path.isfile(file_path):
+            raise CheckpointError(f"checkpoint file {file_path} is missing")
+        size = os.path.getsize(file_path)
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint file {file_path} has {size} bytes, the manifest says {info['bytes']} "
+                                  "(truncated or overwritten)")
+
+    @staticmethod
+    def _corrupt(file_path: str, error: Exception) -> CheckpointError:
+        return CheckpointError(f"checkpoint file {file_path} is corrupt: {error}")
+
+    def _stored(self, chunk: dict, dtype: torch.dtype) -> torch.Tensor:
+        file_path = os.path.join(self.root, chunk["file"])
+        handle = self._window.handle(file_path)
+        try:
+            piece = handle.get_tensor(chunk["key"])
+        except Exception as e:  # noqa: BLE001 - name the file and key whatever safetensors raised
+            raise CheckpointError(f"cannot read {chunk['key']} from {file_path}: {e}") from e
+        if tuple(piece.shape) != tuple(chunk["shape"]) or piece.dtype != dtype:
+            raise CheckpointError(f"{file_path}: {chunk['key']} is {piece.dtype} {tuple(piece.shape)}, the manifest "
+                                  f"says {dtype} {tuple(chunk['shape'])}")
+        self._window.account(piece.numel() * piece.element_size())
+        return piece
+
+    def read(self, name: str) -> torch.Tensor:
+        entry = self.manifest["tensors"].get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.root} holds no logical tensor {name!r}")
+        dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["global_shape"])
+        chunks = entry["chunks"]
+        if len(chunks) == 1 and tuple(chunks[0]["shape"]) == shape:
+            return self._stored(chunks[0], dtype)        # one chunk holds it all: no copy
+        full = self._scratch.take(shape, dtype)
+        covered = 0
+        for chunk in chunks:
+            region = tuple(slice(o, o + s) for o, s in zip(chunk["offsets"], chunk["shape"]))
+            full[region].copy_(self._stored(chunk, dtype))
+            covered += math.prod(chunk["shape"])
+        if covered != math.prod(shape):
+            raise CheckpointError(f"logical tensor {name!r}: the stored chunks cover {covered} of {math.prod(shape)} "
+                                  "elements")
+        return full
+
+    def close(self) -> None:
+        self._window.close()
+
+    def __enter__(self) -> "LogicalTensorReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

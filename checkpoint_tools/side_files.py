@@ -1,0 +1,49 @@
+"""HuggingFace side files (tokenizer, generation config, chat template, ...) carried through conversions.
+
+An import copies every top-level file of the HF directory that is neither config.json nor weights into
+``<checkpoint>/hf_files/`` and records each one's size and SHA-256 in the manifest (``extra.hf_files``);
+export copies them back next to the new config.json; reshard carries them along.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+__all__ = ["copy_side_files", "verify_side_files"]
+
+
+def _digest(path: str) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+def copy_side_files(source_dir: str, names: list[str], target_dir: str) -> dict[str, dict]:
+    """Copy ``names`` from ``source_dir`` into ``target_dir`` (created); returns name -> {bytes, sha256}."""
+    os.makedirs(target_dir, exist_ok=True)
+    copied = {}
+    for name in sorted(names):
+        target = os.path.join(target_dir, name)
+        shutil.copyfile(os.path.join(source_dir, name), target)
+        size, sha = _digest(target)
+        copied[name] = {"bytes": size, "sha256": sha}
+    return copied
+
+
+def verify_side_files(directory: str, recorded: dict[str, dict]) -> list[str]:
+    """Problems with the side files in ``directory`` against their record (empty when all match)."""
+    problems = []
+    for name, info in sorted(recorded.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append(f"side file {path} is missing")
+            continue
+        size, sha = _digest(path)
+        if (size, sha) != (info["bytes"], info["sha256"]):
+            problems.append(f"side file {path} does not match the manifest (size {size}, SHA-256 {sha[:12]}...)")
+    return problems

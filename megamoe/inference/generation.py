@@ -1,0 +1,184 @@
+"""Batched generation with a KV cache: one prefill, then one decode step per new token.
+
+Every rank of the model calls :func:`generate` (it is collective). Per step, each pipeline stage
+receives the previous stage's hidden states (:mod:`megamoe.comms` send / recv), runs its layers on
+its own :class:`~megamoe.inference.kv_cache.StaticKVCache` per layer, and the last stage gathers the
+vocabulary shards of the LAST position's logits over TP, picks the next tokens
+(:mod:`megamoe.inference.sampling`) and broadcasts them over the pipeline group, so every rank
+knows them and the next step starts.
+
+Batches of prompts of different lengths are LEFT-padded: every row ends at the same cache index,
+a decode step appends one column for the whole batch, the last position is every row's newest
+token, and the index-based causal and sliding-window masks stay exact. A boolean mask
+[B, prompt + new tokens] marks the real tokens; position ids count only real tokens (as HF). A row
+that has finished (stop token) keeps running as padding: its later tokens are masked, skip the
+MLP / MoE layers and are not counted in the expert load.
+
+Requests and ranks. The ranks of a TP group and of a pipeline hold the same requests. Data-parallel
+ranks either all pass the same prompts (replicated), or each passes its own (data-parallel
+attention: attention runs on each rank's requests, the MoE layers are expert-parallel across ranks
+through an all-to-all or an input-sharded all-gather dispatcher). Ranks may hold different numbers
+of requests, zero included: a rank without requests runs one padding row, whose tokens reach no
+expert, so that its collectives stay in step. All ranks run the same number of steps: after each
+step the count of unfinished requests is summed over the data-parallel group, and generation stops
+when it is zero or after ``max_new_tokens``. Pass global ``request_ids`` under data-parallel
+attention so that sampled tokens do not depend on how requests are spread over ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from megamoe import comms
+from megamoe.inference.kv_cache import StaticKVCache
+from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
+from megamoe.models.gpt_moe import GPTMoEModel
+
+__all__ = ["GenerationConfig", "GenerationOutput", "generate"]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Stop after ``max_new_tokens`` new tokens, or at the first token in ``stop_token_ids`` (kept in
+    the output). ``sampling``: greedy by default."""
+
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"GenerationConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class GenerationOutput:
+    """This rank's requests, in the order given, with the timings this rank measured."""
+
+    token_ids: list[list[int]]           # new tokens of each request (a stop token included)
+    finish_reasons: list[str]            # "stop" (a stop token) or "length" (max_new_tokens)
+    prompt_tokens: int                   # real (unpadded) prompt tokens
+    prefill_seconds: float               # prefill forward up to the first new tokens
+    decode_seconds: float                # every later step
+    decode_steps: int                    # forward passes after the prefill (the same on every rank)
+
+    @property
+    def decode_tokens(self) -> int:
+        """New tokens produced by decode steps (each request's first token comes from the prefill)."""
+        return sum(max(len(ids) - 1, 0) for ids in self.token_ids)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def _left_padded(prompts: list[list[int]], max_new_tokens: int, real: bool):
+    """(ids [B, P], mask [B, P + max_new_tokens] with the real prompt tokens set, positions [B, P])."""
+    prompt_len = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), prompt_len, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), prompt_len + max_new_tokens, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, prompt_len - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+        mask[row, prompt_len - len(prompt):prompt_len] = real
+    positions = (mask[:, :prompt_len].cumsum(dim=1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    checked = []
+    for index, prompt in enumerate(prompts):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index} holds token ids {bad[:4]} outside the vocabulary [0, {vocab_size})")
+        checked.append(prompt)
+    return checked
+
+
+def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tensor, caches: dict,
+          attention_mask: torch.Tensor, sampling: SamplingConfig, generators: list) -> torch.Tensor:
+    """One forward pass of the whole pipeline on ``inputs`` [B, S] token ids: the next token of every
+    row [B], on every rank."""
+    batch, seq = inputs.shape
+    device = attention_mask.device
+    if not model.is_first_stage:
+        dtype = next(model.parameters()).dtype
+        inputs = comms.recv(torch.empty(batch, seq, model.config.hidden_size, dtype=dtype, device=device),
+                            state.pp_prev_rank, state.pp.group)
+    hidden, _ = model.run_layers(inputs, positions, caches, attention_mask)
+    if model.is_last_stage:
+        logits = comms.gather_from_tensor_parallel_region(model.logits(hidden[:, -1]), state.tp.group)  # [B, V]
+        tokens = sample_next_tokens(logits.float(), sampling, generators)
+    else:
+        comms.send(hidden, state.pp_next_rank, state.pp.group)
+        tokens = torch.empty(batch, dtype=torch.int64, device=device)
+    return comms.broadcast_(tokens, state.pp.ranks[-1], state.pp.group)
+
+
+def _any_unfinished(finished: torch.Tensor, state, device) -> bool:
+    remaining = (~finished).sum().reshape(1).to(device)
+    return int(comms.all_reduce_(remaining, state.dp.group)) > 0
+
+
+@torch.no_grad()
+def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config: GenerationConfig, *,
+             request_ids: Sequence[int] | None = None) -> GenerationOutput:
+    """Generate continuations of ``prompts`` (lists of token ids) on this rank's pipeline stage
+    ``model`` of the layout ``state`` (see the module docstring for who passes which prompts).
+
+    ``request_ids`` (default ``0 .. len(prompts) - 1``) seed each request's sampling generator.
+    Returns this rank's requests' new token ids, why each stopped, and timings.
+    """
+    prompts = _check_prompts(prompts, model.config.vocab_size)
+    request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
+    if len(request_ids) != len(prompts):
+        raise ValueError(f"request_ids has {len(request_ids)} entries for {len(prompts)} prompts")
+    device = next(model.parameters()).device
+    has_requests = bool(prompts)
+    rows = prompts if has_requests else [[0]]                    # no request: one padding row
+    ids, mask, positions = _left_padded(rows, config.max_new_tokens, real=has_requests)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    prompt_len = ids.shape[1]
+    caches = {int(layer_id): StaticKVCache(mask.shape[1]) for layer_id in model.layers}
+    sampling = config.sampling
+    generators = [request_generator(sampling.seed, r) for r in (request_ids if has_requests else [-1])]
+    finished = torch.full((len(rows),), not has_requests, dtype=torch.bool)
+    new_ids: list[list[int]] = [[] for _ in prompts]
+    reasons = ["length"] * len(prompts)
+    stop_ids = set(config.stop_token_ids)
+
+    started = time.perf_counter()
+    tokens = _step(model, state, ids, positions, caches, mask[:, :prompt_len], sampling, generators)
+    prefill_done = time.perf_counter()
+    decode_steps = 0
+    for step in range(config.max_new_tokens):
+        for row, token in enumerate(tokens.tolist()[:len(prompts)]):
+            if finished[row]:
+                continue
+            new_ids[row].append(token)
+            if token in stop_ids:
+                finished[row] = True
+                reasons[row] = "stop"
+        if step + 1 == config.max_new_tokens or not _any_unfinished(finished, state, device):
+            break
+        column = prompt_len + step                              # cache index of the token fed now
+        mask[:, column] = ~finished.to(device)                  # finished rows continue as padding
+        positions = positions[:, -1:] + 1
+        tokens = _step(model, state, tokens[:, None], positions, caches, mask[:, :column + 1], sampling,
+                       generators)
+        decode_steps += 1
+    return GenerationOutput(
+        token_ids=new_ids, finish_reasons=reasons, prompt_tokens=sum(len(p) for p in prompts),
+        prefill_seconds=prefill_done - started, decode_seconds=time.perf_counter() - prefill_done,
+        decode_steps=decode_steps)

@@ -1,0 +1,234 @@
+"""FP8 configuration and the scaling math every FP8 expert path shares.
+
+A tensor ``x`` is stored in FP8 as ``q = saturate(x * scale)`` and read back as ``q / scale``.
+The scale maps the tensor's absolute maximum (amax) onto the format's largest finite value, less a
+safety ``margin`` of powers of two::
+
+    scale = fp8_max / amax / 2 ** margin
+
+Recipes (how amax is chosen, i.e. the scaling granularity and its timing):
+
+- ``delayed`` (TransformerEngine ``DelayedScaling``): one scale per tensor role and expert slot,
+  computed from a rolling history of past amaxes, so the scale for step n only uses steps < n (no
+  extra pass over the tensor before quantising it). ``amax_compute_algo`` reduces the history:
+  ``max`` (its maximum) or ``most_recent`` (the last recorded amax).
+- ``tensorwise`` (TE ``Float8CurrentScaling``): one scale per tensor role and slot from the
+  current tensor's own amax.
+- ``rowwise`` (``torch._scaled_grouped_mm``): current scaling per token row of activations and
+  gradients and per output row of weights.
+
+Formats: ``e4m3`` everywhere, or ``hybrid`` (as TE's ``Format.HYBRID``): e4m3 for forward operands
+(activations, weights: more mantissa), e5m2 for gradients (more range).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["FP8Config", "FP8ScalingState", "FP8_ROLES", "amax_rows", "compute_scale", "dequantize",
+           "fp8_max", "quantize", "resolve_fp8_backend", "te_fp8_recipe"]
+
+_RECIPES = ("delayed", "tensorwise", "rowwise")
+_FORMATS = ("e4m3", "hybrid")
+_AMAX_ALGOS = ("max", "most_recent")
+# One entry per operand of the expert MLP's two grouped GEMMs (fc1 = gate/up, fc2 = down): the
+# forward input and weight, and the backward's incoming gradient.
+FP8_ROLES = ("fc1_input", "fc1_weight", "fc1_grad_output", "fc2_input", "fc2_weight", "fc2_grad_output")
+
+
+@dataclass
+class FP8Config:
+    """How the expert GEMMs quantise their operands to FP8; see the module docstring.
+
+    ``amax_history_len`` and ``amax_compute_algo`` are the delayed recipe's history; ``margin``
+    applies to every recipe's scale.
+    """
+
+    recipe: str = "delayed"            # "delayed" | "tensorwise" | "rowwise"
+    format: str = "hybrid"             # "e4m3" | "hybrid" (e4m3 forward, e5m2 gradients)
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"     # "max" | "most_recent"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.recipe not in _RECIPES:
+            raise ValueError(f"FP8Config.recipe must be one of {_RECIPES}, got {self.recipe!r}")
+        if self.format not in _FORMATS:
+            raise ValueError(f"FP8Config.format must be one of {_FORMATS}, got {self.format!r}")
+        if self.amax_compute_algo not in _AMAX_ALGOS:
+            raise ValueError(f"FP8Config.amax_compute_algo must be one of {_AMAX_ALGOS}, got "
+                             f"{self.amax_compute_algo!r}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"FP8Config.amax_history_len must be >= 1, got {self.amax_history_len}")
+        if self.margin < 0:
+            raise ValueError(f"FP8Config.margin must be >= 0 (a power-of-two headroom), got {self.margin}")
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
+    def dtype_for(self, role: str) -> torch.dtype:
+        return self.gradient_dtype if role.endswith("grad_output") else self.forward_dtype
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return torch.finfo(dtype).max
+
+
+def compute_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int,
+                  fallback: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """``fp8_max / amax / 2^margin`` elementwise; where amax is 0 or not finite (nothing to scale,
+    or an overflow upstream) the scale is ``fallback`` (TE keeps the previous scale)."""
+    amax = amax.float()
+    scale = fp8_max(dtype) / amax / (2.0 ** margin)
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, scale, torch.as_tensor(fallback, dtype=scale.dtype, device=scale.device))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` in ``dtype``; ``scale`` broadcasts against ``x``. The clamp makes
+    out-of-range values saturate at +-fp8_max (a plain cast would give NaN for e4m3fn, inf for
+    e5m2)."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q / scale`` in ``dtype`` (computed in fp32)."""
+    return (q.float() / scale).to(dtype)
+
+
+def amax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Per-row absolute maximum of a 2-D ``x`` [N, K] -> [N] fp32 (0 for an empty row)."""
+    if x.shape[1] == 0:
+        return x.new_zeros(x.shape[0], dtype=torch.float32)
+    return x.detach().abs().amax(dim=1).float()
+
+
+class FP8ScalingState(nn.Module):
+    """The delayed recipe's per-slot amax histories and scales, one row per role of
+    :data:`FP8_ROLES`.
+
+    Buffers (non-persistent: a checkpoint carries weights only; after a load the histories refill
+    within ``amax_history_len`` steps, starting from scale 1 as TE does on its first step)::
+
+        amax_history  [roles, S, L]   most recent amax at index 0
+        scale         [roles, S]      the scale the next quantisation of that role uses
+
+    Histories advance only in training mode (``self.training``): evaluation and generation reuse
+    the training scales.
+    """
+
+    def __init__(self, config: FP8Config, num_slots: int, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("amax_history", torch.zeros(len(FP8_ROLES), num_slots, config.amax_history_len,
+                                                          device=device), persistent=False)
+        self.register_buffer("scale", torch.ones(len(FP8_ROLES), num_slots, device=device), persistent=False)
+
+    def current_scale(self, role: str) -> torch.Tensor:
+        """[S] scales for quantising ``role`` now (from the history up to the previous step)."""
+        return self.scale[FP8_ROLES.index(role)]
+
+    @torch.no_grad()
+    def record(self, role: str, amax_per_slot: torch.Tensor) -> None:
+        """Push this step's amax [S] of ``role`` into its history and recompute its next scale."""
+        if not self.training:
+            return
+        index = FP8_ROLES.index(role)
+        history = self.amax_history[index]                                  # [S, L]
+        history.copy_(torch.roll(history, shifts=1, dims=1))
+        history[:, 0] = amax_per_slot.to(history.dtype)
+        amax = history.amax(dim=1) if self.config.amax_compute_algo == "max" else history[:, 0]
+        self.scale[index] = compute_scale(amax, self.config.dtype_for(role), self.config.margin,
+                                          fallback=self.scale[index])
+
+    def extra_repr(self) -> str:
+        return f"slots={self.scale.shape[1]}, history={self.config.amax_history_len}"
+
+
+def te_fp8_recipe(config: FP8Config):
+    """The TransformerEngine recipe equivalent to ``config`` (``delayed`` -> ``DelayedScaling``,
+    ``tensorwise`` -> ``Float8CurrentScaling``). ``rowwise`` has no TE equivalent: ValueError."""
+    try:
+        from transformer_engine.common import recipe as te_recipe
+    except ImportError as error:
+        raise ValueError("FP8 with the 'te' expert backend needs TransformerEngine: install it with "
+                         "`pip install .[te]` on a CUDA machine, or use backend='fp8_emulated'") from error
+    fp8_format = te_recipe.Format.HYBRID if config.format == "hybrid" else te_recipe.Format.E4M3
+    if config.recipe == "delayed":
+        return te_recipe.DelayedScaling(fp8_format=fp8_format, margin=config.margin,
+                                        amax_history_len=config.amax_history_len,
+                                        amax_compute_algo=config.amax_compute_algo)
+    if config.recipe == "tensorwise":
+        if not hasattr(te_recipe, "Float8CurrentScaling"):
+            raise ValueError("FP8Config.recipe='tensorwise' needs TransformerEngine >= 2.2 "
+                             "(Float8CurrentScaling): upgrade it, or use recipe='delayed'")
+        if config.margin != 0:
+            raise ValueError("TransformerEngine's current scaling has no margin: set FP8Config.margin=0")
+        return te_recipe.Float8CurrentScaling(fp8_format=fp8_format)
+    raise ValueError("FP8Config.recipe='rowwise' is the torch backend's (torch._scaled_grouped_mm); with "
+                     "backend='te' use recipe='delayed' or 'tensorwise'")
+
+
+# Compute capabilities with FP8 tensor cores (Ada, sm89) and with torch._scaled_grouped_mm's
+# row-wise FP8 grouped kernels (Hopper, sm90).
+_TE_FP8_MIN_CAPABILITY = (8, 9)
+_SCALED_GROUPED_MM_MIN_CAPABILITY = (9, 0)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _te_fp8_problem(device: torch.device) -> str | None:
+    capability = _capability(device)
+    if capability is None or capability < _TE_FP8_MIN_CAPABILITY:
+        return (f"FP8 with backend='te' needs a CUDA GPU of compute capability >= 8.9 (device {device}, "
+                f"capability {capability})")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return "FP8 with backend='te' needs TransformerEngine (`pip install .[te]`)"
+    return None
+
+
+def _scaled_grouped_mm_problem(device: torch.device) -> str | None:
+    capability = _capability(device)
+    if capability is None or capability < _SCALED_GROUPED_MM_MIN_CAPABILITY:
+        return (f"FP8 with backend='torch' needs torch._scaled_grouped_mm on a CUDA GPU of compute capability "
+                f">= 9.0 (device {device}, capability {capability})")
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"FP8 with backend='torch' needs torch._scaled_grouped_mm (torch {torch.__version__} lacks it)"
+    return None
+
+
+def resolve_fp8_backend(requested: str, device: torch.device) -> str:
+    """The expert backend that runs FP8 on ``device``: ``te`` (TE >= sm89), ``torch`` (sm90+),
+    ``fp8_emulated`` (anywhere). ``auto`` picks ``te``, then ``torch``, and never falls back to the
+    (slow) emulation silently. Raises ValueError naming the fix when ``requested`` cannot run."""
+    if requested == "fp8_emulated":
+        return requested
+    problems = {"te": _te_fp8_problem(device), "torch": _scaled_grouped_mm_problem(device)}
+    if requested == "auto":
+        for backend, problem in problems.items():
+            if problem is None:
+                return backend
+        raise ValueError(f"no FP8 expert backend runs here ({problems['te']}; {problems['torch']}): use "
+                         "ExpertsConfig.backend='fp8_emulated' (CPU reference) or ExpertsConfig.fp8=None")
+    if requested not in problems:
+        raise ValueError(f"ExpertsConfig.backend={requested!r} has no FP8 path: use 'te', 'torch' or 'fp8_emulated'")
+    if problems[requested] is not None:
+        raise ValueError(f"{problems[requested]}: run on such a machine, or use "
+                         "ExpertsConfig.backend='fp8_emulated' (CPU reference) or ExpertsConfig.fp8=None")
+    return requested
