@@ -14,7 +14,7 @@ import pytest
 import tokenizers
 import torch
 
-from megamoe.data.atomic_file import atomic_write
+from megamoe.atomic_file import atomic_write
 from megamoe.data.corpus import stdlib_corpus_files
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.token_dataset import (

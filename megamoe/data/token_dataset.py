@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megamoe.data.atomic_file import atomic_write
+from megamoe.atomic_file import atomic_write
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.tokenizer import Tokenizer
 

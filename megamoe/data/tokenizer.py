@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece
 
-from megamoe.data.atomic_file import atomic_write
+from megamoe.atomic_file import atomic_write
 
 __all__ = [
     "UNK_ID", "BOS_ID", "EOS_ID", "PAD_ID", "train_sentencepiece",

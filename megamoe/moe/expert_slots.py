@@ -18,11 +18,12 @@ import logging
 import math
 import operator
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from megamoe.atomic_file import atomic_write
 
 __all__ = [
     "EXPERT_LOAD_FORMAT",
@@ -637,19 +638,8 @@ def save_expert_load(
     except (TypeError, ValueError) as error:
         raise ValueError(f"metadata is not JSON-serialisable ({error}); use plain str/int/float/list/dict") from None
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".expert_load.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    with atomic_write(path, "w") as file:
+        file.write(text)
 
 
 def load_expert_load(path: str | os.PathLike) -> dict[int, torch.Tensor]:
