@@ -1,7 +1,7 @@
 """Full training step (forward, backward, AdamW step) of a small Qwen3-MoE model: megamoe against
 transformers' ``Qwen3MoeForCausalLM`` with the same config and weights.
 
-    python benchmarks/train_step.py [--quick] [--json out.json]
+    python benchmarks/train_step.py [--quick] [--default-allocator] [--json out.json]
 
 fp32 on CPU, one process, ``torch.set_num_threads(2)``. The model (see :data:`MODEL` / :data:`QUICK_MODEL`)
 is built once by transformers with its own random init; megamoe's copy is ``config_from_hf`` + the
@@ -48,7 +48,7 @@ from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.training.trainer import TrainConfig, Trainer, build_optimizer
-from moe_layer import BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap
+from moe_layer import BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap  # sibling script
 from parallel_state import ParallelState
 
 MODEL = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
@@ -63,6 +63,8 @@ LOSS_ATOL = 1e-4
 
 @dataclass
 class Row:
+    """One timed configuration: a model, its optimizer and the batch, behind ``step``."""
+
     name: str
     step: Callable[[], float] | None        # one training step; returns the (pre-step) loss
     skip_reason: str | None = None
@@ -213,9 +215,10 @@ def main(argv=None) -> int:
 
     reference_rows = [r.name for r in rows if r.name.startswith("megamoe/")]
     hf_rows = [r.name for r in rows if r.name.startswith("hf/") and r.skip_reason is None]
+    train = {"optimizer": "build_optimizer: fused AdamW", "lr": TRAIN.lr, "grad_clip": TRAIN.grad_clip,
+             "weight_decay": TRAIN.weight_decay, "dtype": "float32"}
     results = {"threads": torch.get_num_threads(), "torch": torch.__version__, "allocator": allocator,
-               "model": shape, "tokens_per_step": tokens, "train": {"optimizer": "AdamW", "lr": TRAIN.lr,
-               "grad_clip": TRAIN.grad_clip, "weight_decay": TRAIN.weight_decay, "dtype": "float32"},
+               "model": shape, "tokens_per_step": tokens, "train": train,
                "loss_check": {r.name: r.losses for r in rows if r.skip_reason is None},
                "target_megamoe_torch_over_hf": TARGET_RATIO, "rows": []}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator: {allocator}")

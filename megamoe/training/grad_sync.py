@@ -106,12 +106,13 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
     replicas (several slots of one expert). One all-reduce over the world.
     """
     tied_ids = {id(p) for p in tied_params}
+    params = [p for p in model.parameters() if p.grad is not None]
+    # Per-tensor norms in the gradients' dtype (one fused kernel), squared and weighted in float64.
+    norms = torch._foreach_norm([p.grad for p in params]) if params else []
     total = torch.zeros((), dtype=torch.float64)
-    for param in model.parameters():
-        if param.grad is None:
-            continue
+    for param, norm in zip(params, norms):
         weight = 1.0 / _replication(param, state, id(param) in tied_ids)
-        total += param.grad.double().pow(2).sum() * weight
+        total += norm.double().pow(2) * weight
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         # Slots holding a replicated expert: their squares were counted once per replica.
         counts = layer.local_replica_counts().double()
