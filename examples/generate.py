@@ -178,45 +178,10 @@ def record_expert_load(args, model: GPTMoEModel, placements: dict, state, num_re
     logger.info("wrote %s", args.record_expert_load)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    manifest = read_manifest(args.checkpoint)
-    model_config = engine_config(args, manifest)
-    state = init_distributed(args, model_config.moe.dispatcher if model_config.moe is not None else None)
-    logging.basicConfig(level=logging.INFO if state.rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    tokenizer = load_tokenizer(args)
-    texts, prompt_ids = read_prompts(args, tokenizer)
-    stop_ids = args.stop_token_id
-    if stop_ids is None:
-        stop_ids = [tokenizer.eos_id] if tokenizer is not None and tokenizer.eos_id is not None else []
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stop_ids),
-                              sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
-    model, placements = load_model(args, manifest, model_config, state)
-    logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s%s", state.world_size, state.tp.size,
-                state.pp.size, state.dp.size, state.ep.size, state.etp.size,
-                model_config.moe.dispatcher if model_config.moe is not None else "-",
-                ", data-parallel attention" if args.data_parallel_attention else "")
-    if args.record_expert_load is not None and model_config.moe is None:
-        raise SystemExit("--record-expert-load: the model has no MoE layer")
-
-    mine = list(range(len(prompt_ids)))
-    if args.data_parallel_attention:
-        mine = mine[state.dp.rank::state.dp.size]
-    if args.record_expert_load is not None:
-        reset_expert_load(model)
-    output = generate(model, state, [prompt_ids[i] for i in mine], config, request_ids=mine)
-    if args.record_expert_load is not None:
-        record_expert_load(args, model, placements, state, len(prompt_ids))
-
-    # Gather every request's result (and timings) onto rank 0.
-    shares = comms.all_gather_object((mine, output), state.dp.group) if args.data_parallel_attention else [
-        (mine, output)]
-    if state.rank != 0:
-        destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return 0
+def report(args, state, config: GenerationConfig, tokenizer: Tokenizer | None, texts, prompt_ids,
+           shares) -> None:
+    """Print every generation; log (and with --output-json write) them with the timings. ``shares``:
+    (request ids, GenerationOutput) of each data-parallel rank (one share without DP attention)."""
     results = {}
     for ids, out in shares:
         for request, new, reason in zip(ids, out.token_ids, out.finish_reasons):
@@ -250,6 +215,44 @@ def main(argv=None) -> int:
                     "generation": dataclasses.asdict(config), "requests": requests, "timings": timings}
         args.output_json.write_text(json.dumps(document, indent=1) + "\n")
         logger.info("wrote %s", args.output_json)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    manifest = read_manifest(args.checkpoint)
+    model_config = engine_config(args, manifest)
+    state = init_distributed(args, model_config.moe.dispatcher if model_config.moe is not None else None)
+    logging.basicConfig(level=logging.INFO if state.rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    tokenizer = load_tokenizer(args)
+    texts, prompt_ids = read_prompts(args, tokenizer)
+    stop_ids = args.stop_token_id
+    if stop_ids is None:
+        stop_ids = [tokenizer.eos_id] if tokenizer is not None and tokenizer.eos_id is not None else []
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stop_ids),
+                              sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
+    model, placements = load_model(args, manifest, model_config, state)
+    logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s%s", state.world_size, state.tp.size,
+                state.pp.size, state.dp.size, state.ep.size, state.etp.size,
+                model_config.moe.dispatcher if model_config.moe is not None else "-",
+                ", data-parallel attention" if args.data_parallel_attention else "")
+    if args.record_expert_load is not None and model_config.moe is None:
+        raise SystemExit("--record-expert-load: the model has no MoE layer")
+
+    mine = list(range(len(prompt_ids)))
+    if args.data_parallel_attention:
+        mine = mine[state.dp.rank::state.dp.size]
+    if args.record_expert_load is not None:
+        reset_expert_load(model)
+    output = generate(model, state, [prompt_ids[i] for i in mine], config, request_ids=mine)
+    if args.record_expert_load is not None:
+        record_expert_load(args, model, placements, state, len(prompt_ids))
+
+    # Every request's result (and the timings) onto rank 0.
+    shares = comms.all_gather_object((mine, output), state.dp.group) if args.data_parallel_attention else [
+        (mine, output)]
+    if state.rank == 0:
+        report(args, state, config, tokenizer, texts, prompt_ids, shares)
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -326,3 +326,12 @@ def _check_gpu_backend_against_emulation(backend, fp8, tol):
     want = emulated(x, counts)
     got = gpu(x.cuda().bfloat16(), counts.cuda()).float().cpu()
     assert ((got - want).norm() / want.norm()) < tol
+
+
+def test_model_config_with_fp8_experts_round_trips_through_json():
+    import json
+    from test_training import tiny_config
+    from megamoe.models import GPTMoEConfig
+    config = tiny_config()
+    config.moe = replace(config.moe, expert_backend="fp8_emulated", expert_fp8=FP8Config(recipe="tensorwise"))
+    assert GPTMoEConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config

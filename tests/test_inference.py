@@ -4,12 +4,14 @@ single process and under several parallel layouts (EP with replicated slots, PP=
 attention with uneven requests incl. a rank with none, a checkpoint resharded on load); seeded
 sampling is identical across layouts; the expert load recorded during generation counts real tokens
 only and round-trips through the expert-load file into a balanced placement; uneven gathers and
-reduce-scatters; the example script end to end.
+reduce-scatters; the example script on a checkpoint converted by megamoe-convert, whose import-hf
+--expert-load takes the load file the script records.
 """
 
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -346,32 +348,40 @@ def test_generate_script_help():
 
 
 @pytest.mark.slow
-def test_generate_script(tmp_path):
-    """One process, then 2 ranks with data-parallel attention (uneven requests): the ids of the library
-    call, decoded with the checkpoint's tokenizer; the expert load of the run is written."""
-    from tokenizers import Tokenizer as HFTokenizerFile
+def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
+    """transformers model -> megamoe-convert import-hf (EP 2, 12 slots) -> examples/generate.py, one
+    process and 2 ranks with data-parallel attention (uneven requests): transformers' generate() ids,
+    decoded with the tokenizer the conversion kept; the recorded expert load feeds import-hf
+    --expert-load (balanced placements)."""
+    from tokenizers import Tokenizer as TokenizerFile
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    model = _our_model("qwen3_moe")
-    checkpoint = tmp_path / "ckpt"
-    save_checkpoint(checkpoint, sharded_state_dict(model), manifest_fields={"model_config": model.config.to_dict()})
-    vocab = WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0")
-    tokenizer = HFTokenizerFile(vocab)
+    from checkpoint_tools.format import read_manifest
+    from checkpoint_tools.import_hf import import_hf
+    from checkpoint_tools.layout import ParallelLayout
+
+    family = "qwen3_moe"
+    hf, config = hf_model(family)
+    hf_dir, checkpoint = tmp_path / "hf", tmp_path / "ckpt"
+    hf.save_pretrained(hf_dir)
+    tokenizer = TokenizerFile(WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
-    tokenizer.save(str(checkpoint / "tokenizer.json"))
-    prompts = [[5, 9, 12], [7, 3], [40, 1, 22, 8]]
-    expected = generate(model, SOLO, prompts, GenerationConfig(max_new_tokens=6)).token_ids
-    args = [str(checkpoint), "--prompt", "t5 t9 t12", "--prompt-ids", "7,3", "--prompt-ids", "40,1,22,8",
-            "--max-new-tokens", "6"]
+    tokenizer.save(str(hf_dir / "tokenizer.json"))
+    import_hf(hf_dir, checkpoint, ParallelLayout(ep=2), num_expert_slots=12)
+    stop = _stop_token(family)[0]
+    expected = _hf_generate(hf, PROMPTS, NEW, stop)
+    args = [str(checkpoint), "--prompt", " ".join(f"t{i}" for i in PROMPTS[0]),
+            *(arg for prompt in PROMPTS[1:] for arg in ("--prompt-ids", ",".join(map(str, prompt)))),
+            "--max-new-tokens", str(NEW), "--stop-token-id", str(stop)]
 
     single = _run_script([*args, "--output-json", "one.json"], 1, tmp_path)
     document = json.loads((tmp_path / "one.json").read_text())
     assert [r["ids"] for r in document["requests"]] == expected
-    assert [r["prompt_ids"] for r in document["requests"]] == prompts
+    assert [r["prompt_ids"] for r in document["requests"]] == PROMPTS
     assert document["requests"][0]["text"] == " ".join(f"t{i}" for i in expected[0])
     assert document["timings"]["decode_tokens"] == sum(len(ids) - 1 for ids in expected)
-    assert "--- request 2 (length, 6 tokens) ---" in single.stdout
+    assert f"--- request 3 ({document['requests'][3]['finish_reason']}" in single.stdout
 
     _run_script([*args, "--ep", "2", "--dispatcher", "allgather", "--data-parallel-attention",
                  "--output-json", "two.json", "--record-expert-load", "load.json"], 2, tmp_path)
@@ -379,6 +389,22 @@ def test_generate_script(tmp_path):
     assert [r["ids"] for r in document["requests"]] == expected
     assert document["layout"]["ep"] == 2 and document["layout"]["data_parallel_attention"]
     load = load_expert_load(tmp_path / "load.json")
-    fed = sum(len(p) + len(ids) - 1 for p, ids in zip(prompts, expected))
-    assert set(load) == set(model.config.moe_layer_ids)
-    assert all(int(n.sum()) == model.config.moe.router.top_k * fed for n in load.values())
+    fed = sum(len(p) + len(ids) - 1 for p, ids in zip(PROMPTS, expected))
+    assert set(load) == set(config.moe_layer_ids)
+    assert all(int(n.sum()) == config.moe.router.top_k * fed for n in load.values())
+
+    import_hf(hf_dir, tmp_path / "balanced", ParallelLayout(ep=2), num_expert_slots=12,
+              expert_load=tmp_path / "load.json")
+    saved = read_manifest(tmp_path / "balanced")["expert_placement"]
+    assert saved == {str(i): ExpertPlacement.balanced(n, 12, 2).to_dict() for i, n in load.items()}
+
+    # The README's Generation example runs as written, on this checkpoint.
+    readme = open(os.path.join(REPO, "README.md")).read()
+    example = re.search(r"```python\n(.*?)```", readme[readme.index("## Generation"):], re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(example.replace('"path/to/checkpoint"', repr(str(checkpoint))), namespace)
+    out = namespace["out"]
+    assert len(out.token_ids) == 2 and all(len(ids) == 16 if reason == "length" else ids[-1] == 2
+                                           for ids, reason in zip(out.token_ids, out.finish_reasons))
+    assert set(load_expert_load(tmp_path / "expert_load.json")) == set(config.moe_layer_ids)

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from megamoe.moe.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
@@ -80,6 +81,8 @@ class GPTMoEConfig:
             moe["router"] = _build(RouterConfig, _required(moe, "router", "moe"), "moe.router")
             if moe.get("shared_experts") is not None:
                 moe["shared_experts"] = _build(SharedExpertsConfig, moe["shared_experts"], "moe.shared_experts")
+            if moe.get("expert_fp8") is not None:
+                moe["expert_fp8"] = _build(FP8Config, moe["expert_fp8"], "moe.expert_fp8")
             fields["moe"] = _build(MoEConfig, moe, "moe")
         if fields.get("dense_mlp") is not None:
             fields["dense_mlp"] = _build(MLPConfig, fields["dense_mlp"], "dense_mlp")
