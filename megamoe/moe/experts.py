@@ -196,7 +196,7 @@ class GroupedExperts(nn.Module):
             sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
                              cfg.activation)
-        groups = SlotGroups.from_counts(tokens_per_slot, tokens_sorted.shape[0])
+        groups = SlotGroups.from_counts(tokens_per_slot.to(tokens_sorted.device), tokens_sorted.shape[0])
         return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)
 
     def _forward_te(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@ Pairs whose slot id is -1 (or any id outside ``[0, num_slots)``) are not dispatc
 slot, or dropped by a capacity limit. They contribute nothing to the combine and get a zero
 routing-weight gradient.
 
-Both directions are hand-written autograd functions so that the backward of each is one gather or
-one scatter-add of the rows actually used: no zero-filled ``[T * K, H]`` gradient, no inverse
-permutation materialised as a full-size tensor, and the routing-weight gradient comes out of the
-same pass that scales the expert-output gradient.
+Each backward touches only the rows actually dispatched: the permutation is one ``index_select``
+(backward: one ``index_add_`` into the ``[T, H]`` gradient), and the combine is a hand-written
+autograd function whose backward gathers the output gradient once per row and derives from it both
+the expert-output gradient and the routing-weight gradient; no zero-filled ``[T * K, H]`` gradient,
+no inverse permutation.
 """
 
 from __future__ import annotations
