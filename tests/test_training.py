@@ -126,3 +126,16 @@ def test_layout_errors_name_the_fix():
     fake_tp2 = replace(state, tp=replace(state.tp, size=2, ranks=(0, 1)))
     with pytest.raises(ValueError, match="etp == tp"):
         GPTMoEModel(tiny_config("alltoall"), fake_tp2)
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_trains():
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config(), state)
+    initialize_parameters(model, seed=0)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2, autocast="bf16"))
+    batch = global_batches()[0]
+    losses = [trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]).loss
+              for _ in range(2)]
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "master weights stay fp32"
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]

@@ -95,8 +95,10 @@ def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state:
         "expert_placement": {str(i): layer.placement.to_dict() for i, layer in model.moe_layers().items()},
         "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer},
     }
+    # verify_replicas: copies of one chunk (DP replicas, expert replicas in several slots) must be
+    # bitwise equal; they are stored once, so a divergence is caught here, naming the tensor.
     save_checkpoint(path, _training_chunks(trainer, with_optimizer), group=world_group, manifest_fields=fields,
-                    rank_state=_rng_state())
+                    rank_state=_rng_state(), verify_replicas=True)
     logger.info("saved training checkpoint %s at step %d", path, trainer.step)
 
 
