@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megamoe.moe import experts as experts_module
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts, GroupedMLPFunction, SlotGroups
 
 H, FFN = 12, 8
@@ -160,16 +161,21 @@ def test_load_and_export_round_trip(activation):
 
 
 def test_cpu_slot_gemms_serial_and_threaded_agree_and_restore_the_thread_count():
-    """The per-slot GEMMs run on Python threads (one intra-op thread each) when torch has several
-    threads, serially otherwise; both give the loop reference's numbers."""
-    module = _load(_experts("swiglu", "torch"), _full_weights(5, True))
-    reference = _run(_load(_experts("swiglu", "loop"), _full_weights(5, True)), *_inputs((3, 0, 7, 1, 2)))
+    """The per-slot GEMMs run on single-threaded worker threads when torch has T > 1 threads and
+    there are >= 2T slots with rows, serially otherwise; both give the loop reference's numbers and
+    leave the caller's thread count alone."""
+    counts = (3, 1, 7, 1, 2, 4, 5, 2)
+    weights = _full_weights(8, True)
+    module = _load(_experts("swiglu", "torch", slots=8), weights)
+    reference = _run(_load(_experts("swiglu", "loop", slots=8), weights), *_inputs(counts))
     threads = torch.get_num_threads()
     try:
-        for num_threads in (1, 3):
+        for num_threads in (1, 2, 3, 5):
             torch.set_num_threads(num_threads)
-            got = _run(module, *_inputs((3, 0, 7, 1, 2)))
+            got = _run(module, *_inputs(counts))
             assert torch.get_num_threads() == num_threads
+            threaded = experts_module._WORKERS is not None and experts_module._WORKERS[1] == num_threads
+            assert threaded == (1 < num_threads <= 4), f"{num_threads} threads: wrong GEMM scheduling"
             for name, e, g in zip(("output", "input grad", "w_gate_up grad", "w_down grad"), reference, got):
                 _close(g, e, f"{num_threads} threads: {name}")
     finally:

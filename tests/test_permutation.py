@@ -35,7 +35,8 @@ def _expert_fn(slot, rows):
 def test_round_trip_matches_naive_values_and_gradients(seed, drop_fraction):
     slot_ids = _slot_ids(seed, drop_fraction)
     g = torch.Generator().manual_seed(100 + seed)
-    tokens, weights, grad_out = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+    tokens, weights = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    grad_out = torch.randn(T, H, generator=g)
 
     x, w = tokens.clone().requires_grad_(), weights.clone().requires_grad_()
     rows, tokens_per_slot, state = permute_by_slot(x, slot_ids, S)
@@ -63,7 +64,8 @@ def test_round_trip_matches_naive_values_and_gradients(seed, drop_fraction):
 def test_expert_output_gradient_is_weight_times_token_gradient():
     slot_ids = _slot_ids(4, 0.2)
     g = torch.Generator().manual_seed(7)
-    tokens, weights, grad_out = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+    tokens, weights = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    grad_out = torch.randn(T, H, generator=g)
     rows, _, state = permute_by_slot(tokens, slot_ids, S)
     expert_out = rows.clone().requires_grad_()
     unpermute_and_combine(expert_out, weights, state).backward(grad_out)
@@ -113,7 +115,8 @@ def test_errors():
 def test_low_precision_expert_output_accumulates_in_fp32():
     slot_ids = _slot_ids(6, 0.1)
     g = torch.Generator().manual_seed(8)
-    tokens, weights, grad_out = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+    tokens, weights = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    grad_out = torch.randn(T, H, generator=g)
     rows, _, state = permute_by_slot(tokens, slot_ids, S)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):

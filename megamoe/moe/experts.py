@@ -117,11 +117,12 @@ class GroupedExperts(nn.Module):
 
     Why this layout: each slot's slice is a contiguous nn.Linear weight, so ``F.linear`` (loop) and
     the checkpoint adapters (HF keys ``[F, H]`` / ``[H, F]``) use it without copies, as
-    TransformerEngine's per-GEMM weights do; ``torch._grouped_mm`` takes it as a transposed (column-major) view, the operand layout its
-    CUDA kernels (including the FP8 ones) are built for; and the fused backward writes the weight
-    gradients directly in it (``dW = dY^T X`` per slot), so no transpose copy is ever made. Gate and
-    up of one slot are stacked in one matrix so their GEMM is one GEMM with twice the columns, and
-    ``chunk(2)`` of its output splits them without a copy.
+    TransformerEngine's per-GEMM weights do; ``torch._grouped_mm`` takes it as a transposed
+    (column-major) view, the operand layout its CUDA kernels (including the FP8 ones) are built
+    for; and the fused backward writes the weight gradients directly in it (``dW = dY^T X`` per
+    slot), so no transpose copy is ever made. On CPU every layout measured the same (MKL takes
+    either operand transposed). Gate and up of one slot are stacked in one matrix so their GEMM is
+    one GEMM with twice the columns, and ``chunk(2)`` of its output splits them without a copy.
 
     The ``te`` backend keeps TransformerEngine's own per-slot parameters (``te_gate_up.weight{s}``,
     ``te_down.weight{s}``) with the same per-slot shapes; use :meth:`load_expert_weights` /
@@ -231,7 +232,8 @@ class GroupedExperts(nn.Module):
         if not 0 <= local_slot < self.config.num_local_slots:
             raise ValueError(f"local_slot must be in [0, {self.config.num_local_slots}), got {local_slot}")
         if self.backend == "te":
-            params = (getattr(self.te_gate_up, f"weight{local_slot}"), getattr(self.te_down, f"weight{local_slot}"))
+            params = (getattr(self.te_gate_up, f"weight{local_slot}"),
+                      getattr(self.te_down, f"weight{local_slot}"))
             slot = slice(None)
         else:
             params = (self.w_gate_up, self.w_down)
@@ -358,20 +360,21 @@ class SlotGroups:
 def _for_each_slot(sizes: list[int], gemm: Callable[[int], object]) -> None:
     """Run ``gemm(s)`` for every slot with rows, on CPU.
 
-    With T = ``torch.get_num_threads()`` > 1, the slots are spread over T single-threaded worker
-    threads (longest first onto the least loaded worker) instead of splitting every small GEMM over
-    all T threads: a few hundred rows per slot are too few for MKL to scale (measured 1.3x the
-    dense time with 2 threads), and each split GEMM ends in a barrier that a descheduled thread
-    stalls. ``torch.mm`` releases the GIL, so the workers' GEMMs run in parallel; the calling thread
-    only waits.
+    With T = ``torch.get_num_threads()`` > 1 threads and at least 2T slots to compute, the slots
+    are spread over T single-threaded worker threads (longest first onto the least loaded worker)
+    instead of splitting every small GEMM over all T threads: a few hundred rows per slot are too
+    few for MKL to scale (measured 1.3x the dense time with 2 threads), and each split GEMM ends in
+    a barrier that a descheduled thread stalls. ``torch.mm`` releases the GIL, so the workers' GEMMs
+    run in parallel; the calling thread only waits. With fewer slots (too few to balance the
+    workers) each GEMM gets all T threads.
     """
     slots = sorted((s for s, n in enumerate(sizes) if n > 0), key=lambda s: -sizes[s])
     num_threads = torch.get_num_threads()
-    if num_threads <= 1 or len(slots) <= 1:
+    if num_threads <= 1 or len(slots) < 2 * num_threads:
         for s in slots:
             gemm(s)
         return
-    buckets: list[list[int]] = [[] for _ in range(min(num_threads, len(slots)))]
+    buckets: list[list[int]] = [[] for _ in range(num_threads)]
     loads = [0] * len(buckets)
     for s in slots:
         least = loads.index(min(loads))
