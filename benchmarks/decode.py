@@ -119,6 +119,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode.json"),
                         help="where to write the results")
     args = parser.parse_args(argv)
+    shortest_allowed = 4 * (max(BATCHES) - 1) + 1
+    if min(args.prompt_lens) < shortest_allowed:
+        parser.error(f"--prompt-lens must be >= {shortest_allowed}: a batch of {max(BATCHES)} prompts is 4 tokens "
+                     "shorter per row")
     repeats, new_tokens = (3, 32) if args.quick else (5, 64)
     hf, model = build_models(args.seed)
     generator = torch.Generator().manual_seed(args.seed)

@@ -30,12 +30,9 @@ times the bound's. ``--default-allocator`` measures with glibc's defaults instea
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap, time_call  # sibling
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts, GroupedMLPFunction, SlotGroups
 from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
 from megamoe.moe.router import Router, RouterConfig
@@ -61,9 +59,6 @@ TARGETS = {  # megamoe/torch forward+backward, as a multiple of the bound
 MEGAMOE_BACKENDS = ("torch", "loop")
 HF_BLOCKS = ("qwen3_moe", "mixtral")
 # Experts implementations transformers registers; the CUDA-only ones are skipped with a reason.
-HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
-# batched_mm gathers one [2F+F, H] weight copy per (token, expert) pair: skip it above this size.
-BATCHED_MM_MEMORY_LIMIT = 4 << 30
 
 
 class MegamoeMoE(nn.Module):
@@ -215,24 +210,6 @@ def build_rows(shape, generator: torch.Generator) -> list[Row]:
     return rows
 
 
-def keep_freed_memory_in_heap() -> str:
-    """glibc: no mmap for large blocks, no trimming, so freed tensors are reused without page faults.
-    Returns a description of the allocator setting for the results."""
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
-    mallopt = getattr(libc, "mallopt", None)
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    if mallopt is None or not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1)):
-        return "default (mallopt unavailable)"
-    return "glibc heap: M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1"
-
-
-def _time(fn: Callable) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(rows: list[Row], repeats: int) -> dict[str, dict]:
     """Warm every row up once, then ``repeats`` rounds over all rows; medians in seconds. A row
     whose warm-up step took over 10 s gets a third of the repeats (at least 1)."""
@@ -241,14 +218,14 @@ def measure(rows: list[Row], repeats: int) -> dict[str, dict]:
     slow = set()
     for row in runnable:
         row.forward()
-        if _time(row.train_step) > 10.0:
+        if time_call(row.train_step) > 10.0:
             slow.add(row.name)
     for round_index in range(repeats):
         for row in runnable:
             if row.name in slow and round_index >= max(1, repeats // 3):
                 continue
-            times[row.name]["forward"].append(_time(row.forward))
-            times[row.name]["train_step"].append(_time(row.train_step))
+            times[row.name]["forward"].append(time_call(row.forward))
+            times[row.name]["train_step"].append(time_call(row.train_step))
     return {name: {kind: {"median_s": statistics.median(v), "min_s": min(v), "repeats": len(v)}
                    for kind, v in kinds.items()}
             for name, kinds in times.items()}
@@ -259,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
     parser.add_argument("--default-allocator", action="store_true",
                         help="keep glibc's allocator defaults (large tensors are fresh mmaps)")
+    parser.add_argument("--shape", type=int, nargs=5, action="append", metavar=("T", "H", "F", "E", "K"),
+                        help="measure this shape instead of the issue's three (repeatable); no target")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe_layer.json"),
                         help="where to write the results")
     args = parser.parse_args(argv)
@@ -270,11 +249,11 @@ def main(argv=None) -> int:
     results = {"threads": torch.get_num_threads(), "torch": torch.__version__,
                "allocator": allocator, "shapes": []}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator: {allocator}")
-    for shape in SHAPES:
+    for shape in [tuple(s) for s in args.shape] if args.shape else SHAPES:
         rows = build_rows(shape, generator)
         timings = measure(rows, repeats)
         bound = timings["bound"]
-        entry = {"T_H_F_E_K": list(shape), "target_megamoe_torch_train": TARGETS[shape], "rows": []}
+        entry = {"T_H_F_E_K": list(shape), "target_megamoe_torch_train": TARGETS.get(shape), "rows": []}
         print(f"\n(T, H, F, E, K) = {shape}   times: median ms over n repeats; ratio: / bound's "
               "(min ratio: fastest repeat / bound's fastest)")
         print(f"{'row':26s} {'fwd ms':>9s} {'ratio':>6s} {'fwd+bwd ms':>11s} {'ratio':>6s} {'min ratio':>9s} "
@@ -292,7 +271,8 @@ def main(argv=None) -> int:
                   f"{train_min_ratio:9.2f} {t['train_step']['repeats']:3d}")
             entry["rows"].append({"name": row.name, **t, "forward_ratio": fwd_ratio, "train_step_ratio": train_ratio,
                                   "train_step_min_ratio": train_min_ratio})
-        print(f"target for megamoe/torch fwd+bwd: <= {TARGETS[shape]}x")
+        if shape in TARGETS:
+            print(f"target for megamoe/torch fwd+bwd: <= {TARGETS[shape]}x")
         results["shapes"].append(entry)
         del rows
 

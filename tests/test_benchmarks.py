@@ -25,13 +25,44 @@ def test_train_step_benchmark_quick(monkeypatch, tmp_path):
     rows = {row["name"]: row for row in results["rows"]}
     timed = [name for name, row in rows.items() if "skipped" not in row]
     hf_rows = [name for name in timed if name.startswith("hf/")]
-    assert {"megamoe/torch", "megamoe/loop", "hf/eager", "hf/grouped_mm"} <= set(rows)
+    assert {"bound", "megamoe/torch", "megamoe/loop", "hf/eager", "hf/grouped_mm"} <= set(rows)
     assert {"hf/deepgemm", "hf/sonicmoe"} <= {name for name, row in rows.items() if "skipped" in row}
-    for name in ("megamoe/torch", "megamoe/loop"):
+    for name in ("bound", "megamoe/torch", "megamoe/loop"):
         row = rows[name]
         assert row["tokens_per_s"] > 0 and row["repeats"] == 1
         assert set(row["ratio_over_hf"]) == set(hf_rows)
     # The loss check ran: every row's first loss is the same (the script asserts it, to 1e-4).
-    assert set(results["loss_check"]) == set(timed)
+    assert set(results["loss_check"]) == set(timed) - {"bound"}
+    # The bound's ratios are the ceiling for any implementation; the report names unreachable targets.
+    assert set(results["target_above_bound_against"]) == {
+        hf for hf, ratio in rows["bound"]["ratio_over_hf"].items() if ratio < results["target_megamoe_torch_over_hf"]}
     first_losses = [losses[0] for losses in results["loss_check"].values()]
     assert max(first_losses) - min(first_losses) <= 1e-4
+
+
+@pytest.mark.slow      # ~10 s on an idle machine
+def test_moe_layer_benchmark_on_a_small_shape(monkeypatch, tmp_path):
+    moe_layer = _benchmark("moe_layer", monkeypatch)
+    out = tmp_path / "moe_layer.json"
+    assert moe_layer.main(["--quick", "--default-allocator", "--shape", "64", "32", "16", "8", "2",
+                           "--json", str(out)]) == 0
+    (entry,) = json.loads(out.read_text())["shapes"]
+    assert entry["T_H_F_E_K"] == [64, 32, 16, 8, 2] and entry["target_megamoe_torch_train"] is None
+    rows = {row["name"]: row for row in entry["rows"]}
+    assert {"bound", "megamoe/torch", "megamoe/loop", "qwen3_moe/eager", "mixtral/grouped_mm"} <= set(rows)
+    assert rows["bound"]["train_step_ratio"] == 1.0
+    for name in ("megamoe/torch", "megamoe/loop"):
+        assert rows[name]["forward"]["repeats"] == 3 and rows[name]["train_step_ratio"] > 0
+
+
+@pytest.mark.slow      # ~20 s on an idle machine
+def test_decode_benchmark_generates_the_same_ids_as_transformers(monkeypatch, tmp_path):
+    decode = _benchmark("decode", monkeypatch)
+    out = tmp_path / "decode.json"
+    assert decode.main(["--quick", "--threads", "1", "--prompt-lens", "32", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [(row["batch"], row["prompt_len"]) for row in results["rows"]] == [(1, 32), (8, 32)]
+    for row in results["rows"]:
+        assert row["same_token_ids"], f"batch {row['batch']}: megamoe and transformers generated different ids"
+        for timings in row["implementations"].values():
+            assert len(timings["full_s"]) == 3 and timings["decode_tokens_per_s"] > 0

@@ -1,0 +1,39 @@
+"""What several benchmark scripts share: the allocator setting, transformers' experts implementations
+that cannot run on CPU, and timing one call.
+
+The scripts import it as a sibling module (``python benchmarks/<script>.py`` puts this directory on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from typing import Callable
+
+__all__ = ["HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap", "time_call"]
+
+# transformers' experts implementations that need CUDA kernels, and why they are skipped here.
+HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
+# batched_mm gathers one [2F+F, H] weight copy per (token, expert) pair: skip it above this size.
+BATCHED_MM_MEMORY_LIMIT = 4 << 30
+
+
+def keep_freed_memory_in_heap() -> str:
+    """glibc: no mmap for large blocks, no trimming, so freed tensors are reused without page faults.
+    Returns a description of the allocator setting for the results."""
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    mallopt = getattr(libc, "mallopt", None)
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    if mallopt is None or not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, -1)):
+        return "default (mallopt unavailable)"
+    return "glibc heap: M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1"
+
+
+def time_call(fn: Callable) -> float:
+    """Seconds one call of ``fn()`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
