@@ -114,6 +114,20 @@ def test_choose_slots_returns_slots_of_the_routed_expert_deterministically():
     assert placement.choose_slots(expert_ids[:0], positions[:0]).shape == (0, 2)  # a rank with no tokens
 
 
+def test_choose_slots_without_replicas_needs_no_positions():
+    # One slot per expert, in a shuffled order: the slot of each pair is the expert's only slot.
+    placement = ExpertPlacement([2, 0, 3, 1], num_experts=4, ep_size=2)
+    expert_ids = torch.tensor([[0, 3], [2, 1], [1, 0]])
+    slots = placement.choose_slots(expert_ids)
+    assert torch.equal(placement.slot_to_expert[slots], expert_ids) and slots.dtype == torch.int64
+    assert torch.equal(placement.choose_slots(expert_ids.int(), torch.arange(3)), slots)
+    with pytest.raises(ValueError, match="integer"):
+        placement.choose_slots(expert_ids.float())
+    replicated = ExpertPlacement([0, 1, 2, 3, 0, 1], num_experts=4, ep_size=2)
+    with pytest.raises(ValueError, match="token_positions are required"):
+        replicated.choose_slots(expert_ids)
+
+
 def test_choose_slots_depends_only_on_position_and_expert():
     placement = ExpertPlacement.balanced(zipf_load(8, 1.5), num_slots=16, ep_size=4)
     generator = torch.Generator().manual_seed(1)

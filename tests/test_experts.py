@@ -70,6 +70,18 @@ def test_torch_backend_matches_loop(activation, counts):
         assert torch.count_nonzero(got[2][empty]) == 0 and torch.count_nonzero(got[3][empty]) == 0
 
 
+@pytest.mark.parametrize("counts", COUNTS)
+def test_inference_forward_matches_the_autograd_forward(counts):
+    """Under no_grad the torch backend skips its autograd node: the same output, bit for bit."""
+    experts = _load(_experts("swiglu", "torch"), _full_weights(5, True))
+    tokens, counts_t, _ = _inputs(counts)
+    with_graph = experts(tokens, counts_t)
+    with torch.no_grad():
+        inference = experts(tokens, counts_t)
+    assert with_graph.grad_fn is not None and inference.grad_fn is None
+    assert torch.equal(inference, with_graph.detach())
+
+
 @pytest.mark.parametrize("activation", ("swiglu", "gelu"))
 @pytest.mark.parametrize("counts", COUNTS)
 def test_grouped_mm_kernel_path_matches_mm_loop_path(activation, counts):

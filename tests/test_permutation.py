@@ -61,6 +61,18 @@ def test_round_trip_matches_naive_values_and_gradients(seed, drop_fraction):
         assert torch.all(pairs[1:] > pairs[:-1])
 
 
+def test_inference_combine_matches_the_autograd_combine():
+    slot_ids = _slot_ids(4, 0.3)
+    g = torch.Generator().manual_seed(7)
+    tokens, weights = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g, requires_grad=True)
+    rows, _, state = permute_by_slot(tokens, slot_ids, S)
+    with_graph = unpermute_and_combine(rows * 2, weights, state)
+    with torch.no_grad():
+        inference = unpermute_and_combine(rows * 2, weights, state)
+    assert with_graph.grad_fn is not None and inference.grad_fn is None
+    assert torch.equal(inference, with_graph.detach())
+
+
 def test_expert_output_gradient_is_weight_times_token_gradient():
     slot_ids = _slot_ids(4, 0.2)
     g = torch.Generator().manual_seed(7)

@@ -32,6 +32,7 @@ from megamoe.pipeline.partition import partition_layers
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.transformer import MLP, Attention, AttentionConfig, MultiHeadLatentAttention, RMSNorm
+from megamoe.transformer.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "GPTMoEModel", "check_moe_layout", "expert_token_replicas"]
 
@@ -87,11 +88,14 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config.dense_mlp, tp_group=tp, **factory)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None,
-                attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None):
         """[B, S, H] -> ([B, S, H], aux_loss []). ``attention_mask`` [B, S_past + S] hides padding keys;
         ``mlp_token_index`` [T] (flat indices into the B * S tokens): only these tokens go through
-        the MLP, the others (padding) keep the attention output alone."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache, attention_mask)
+        the MLP, the others (padding) keep the attention output alone; ``position_embeddings``: the
+        rotary (cos, sin) of ``position_ids``, when the caller computed them once for all layers."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache, attention_mask,
+                                         position_embeddings)
         normed = self.post_attention_layernorm(hidden)
         if mlp_token_index is not None:
             normed = normed.reshape(-1, normed.shape[-1]).index_select(0, mlp_token_index)   # [T, H]
@@ -135,6 +139,8 @@ class GPTMoEModel(nn.Module):
         if self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp,
                                                        **init, **factory)
+        # The rotary angles of a forward's positions, computed once and shared by every layer.
+        self.rotary = RotaryEmbedding(config.attention.rope)
         placements = placements or {}
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(config, i, state, placement=placements.get(i), **factory) for i in self.layer_ids})
@@ -185,9 +191,11 @@ class GPTMoEModel(nn.Module):
             elif bool(attention_mask.all()):
                 attention_mask = None                # no padding at all: the plain causal mask
         aux_loss = hidden.new_zeros((), dtype=torch.float32)
+        position_embeddings = self.rotary(position_ids)
         for key, layer in self.layers.items():
             cache = None if kv_caches is None else kv_caches[int(key)]
-            hidden, layer_aux = layer(hidden, position_ids, cache, attention_mask, mlp_token_index)
+            hidden, layer_aux = layer(hidden, position_ids, cache, attention_mask, mlp_token_index,
+                                      position_embeddings)
             aux_loss = aux_loss + layer_aux
         return hidden, aux_loss
 

@@ -466,8 +466,9 @@ class ExpertPlacement:
 
     # ------------------------------------------------------------------ routing
 
-    def choose_slots(self, expert_ids: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+    def choose_slots(self, expert_ids: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Map routed (token, expert) pairs to slots: expert_ids [T, K], token_positions [T] -> slots [T, K].
+        ``token_positions`` may be omitted when no expert is replicated (``num_slots == num_experts``).
 
         ``token_positions`` are GLOBAL token positions (the same number for the same token on every
         rank). The replica is ``(token_position + expert_id) % replica_counts[expert_id]``: it depends on
@@ -479,16 +480,21 @@ class ExpertPlacement:
         """
         if expert_ids.dim() != 2:
             raise ValueError(f"expert_ids must be [T, K], got shape {tuple(expert_ids.shape)}")
-        if tuple(token_positions.shape) != tuple(expert_ids.shape[:1]):
+        if token_positions is not None and tuple(token_positions.shape) != tuple(expert_ids.shape[:1]):
             raise ValueError(
                 f"token_positions must be [T] = [{expert_ids.shape[0]}] to match expert_ids, "
                 f"got shape {tuple(token_positions.shape)}"
             )
         for name, ids in (("expert_ids", expert_ids), ("token_positions", token_positions)):
-            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            if ids is not None and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
                 raise ValueError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
         replica_counts, expert_to_slots = self._tables_on(expert_ids.device)
         expert_ids = expert_ids.long()
+        if self.num_slots == self.num_experts:  # one slot per expert: nothing to choose (a decode hot path)
+            return expert_to_slots[expert_ids, 0]
+        if token_positions is None:
+            raise ValueError("token_positions are required: this placement replicates experts, and the replica "
+                             "of a (token, expert) pair depends on the token's global position")
         replica = torch.remainder(token_positions.long().unsqueeze(1) + expert_ids, replica_counts[expert_ids])
         return expert_to_slots[expert_ids, replica]
 

@@ -198,7 +198,9 @@ class GroupedExperts(nn.Module):
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
                              cfg.activation)
         groups = SlotGroups.from_counts(tokens_per_slot.to(tokens_sorted.device), tokens_sorted.shape[0])
-        return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)
+        if torch.is_grad_enabled():
+            return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)
+        return _grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)[0]  # inference
 
     def _forward_te(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
         sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
@@ -505,6 +507,13 @@ def _activation_backward(grad_act: torch.Tensor, hidden: torch.Tensor, activatio
     return aten.silu_backward.grad_input(grad_act, hidden, grad_input=grad_act)
 
 
+def _grouped_mlp(tokens, w_gate_up, w_down, groups: SlotGroups, activation: str):
+    """The expert MLP of all slots: (output [N, H], hidden [N, G * F], activation output [N, F])."""
+    hidden = grouped_linear(tokens, w_gate_up, groups)                  # [N, G * F]
+    act = _activation_forward(hidden, activation)                       # [N, F]
+    return grouped_linear(act, w_down, groups), hidden, act             # [N, H]
+
+
 class GroupedMLPFunction(torch.autograd.Function):
     """The whole expert MLP of all slots as one autograd node.
 
@@ -518,9 +527,7 @@ class GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, w_gate_up, w_down, groups: SlotGroups, activation: str):
-        hidden = grouped_linear(tokens, w_gate_up, groups)              # [N, G * F]
-        act = _activation_forward(hidden, activation)                   # [N, F]
-        out = grouped_linear(act, w_down, groups)                       # [N, H]
+        out, hidden, act = _grouped_mlp(tokens, w_gate_up, w_down, groups, activation)
         ctx.save_for_backward(tokens, w_gate_up, w_down, hidden, act)
         ctx.groups, ctx.activation = groups, activation
         return out

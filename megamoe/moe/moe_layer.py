@@ -213,7 +213,9 @@ class MoELayer(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def experts_to_slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """[T, K] expert ids -> [T, K] slot ids (-1 for pairs dropped by the capacity limit)."""
-        positions = self.dispatcher.token_positions(expert_ids.shape[0], device=expert_ids.device)
+        positions = None
+        if self.placement.num_slots > self.placement.num_experts:     # replicas: the choice needs positions
+            positions = self.dispatcher.token_positions(expert_ids.shape[0], device=expert_ids.device)
         slot_ids = self.placement.choose_slots(expert_ids, positions)
         if self.config.capacity_factor is not None:
             slot_ids = slot_ids.masked_fill(~self._within_capacity(expert_ids), -1)

@@ -74,7 +74,18 @@ def unpermute_and_combine(expert_output: torch.Tensor, weights: torch.Tensor, st
                          f"{tuple(expert_output.shape)}")
     if weights.dim() != 2 or weights.shape[0] != state.num_tokens:
         raise ValueError(f"weights must be [{state.num_tokens}, K], got {tuple(weights.shape)}")
-    return _WeightedCombine.apply(expert_output, weights, state.token_index, state.pair_index)
+    if torch.is_grad_enabled():
+        return _WeightedCombine.apply(expert_output, weights, state.token_index, state.pair_index)
+    return _weighted_combine(expert_output, weights, state.token_index, state.pair_index)[0]   # inference
+
+
+def _weighted_combine(expert_output, weights, token_index, pair_index):
+    """(out [T, H], row_weights [N] in the accumulation dtype): see :class:`_WeightedCombine`."""
+    acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
+    row_weights = weights.reshape(-1).index_select(0, pair_index).to(acc_dtype)    # [N]
+    out = torch.zeros(weights.shape[0], expert_output.shape[1], dtype=acc_dtype, device=expert_output.device)
+    out.index_add_(0, token_index, expert_output.to(acc_dtype) * row_weights.unsqueeze(1))
+    return out.to(expert_output.dtype), row_weights
 
 
 class _WeightedCombine(torch.autograd.Function):
@@ -86,13 +97,10 @@ class _WeightedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, expert_output, weights, token_index, pair_index):
-        acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
-        row_weights = weights.reshape(-1).index_select(0, pair_index).to(acc_dtype)    # [N]
-        out = torch.zeros(weights.shape[0], expert_output.shape[1], dtype=acc_dtype, device=expert_output.device)
-        out.index_add_(0, token_index, expert_output.to(acc_dtype) * row_weights.unsqueeze(1))
+        out, row_weights = _weighted_combine(expert_output, weights, token_index, pair_index)
         ctx.save_for_backward(expert_output, row_weights, token_index, pair_index)
         ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
-        return out.to(expert_output.dtype)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -235,9 +235,12 @@ class Attention(nn.Module):
         return x
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank);
-        ``attention_mask`` [B, S_past + S]: see :func:`causal_attention`."""
+        ``attention_mask`` [B, S_past + S]: see :func:`causal_attention`.
+        ``position_embeddings``: ``self.rotary(position_ids)`` if the caller already has it (a model
+        computes it once for all its layers); computed here when None."""
         x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)      # one grad all-reduce for q, k, v
         q = self._qk_norm(self.q_norm, _local_linear(self.q_proj, x), self.num_heads_local)
         k = self._qk_norm(self.k_norm, _local_linear(self.k_proj, x), self.num_kv_heads_local)
@@ -246,7 +249,7 @@ class Attention(nn.Module):
             clip = self.config.clip_qkv
             q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # [B, heads, S, D]
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids) if position_embeddings is None else position_embeddings
         q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)

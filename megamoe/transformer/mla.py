@@ -155,9 +155,12 @@ class MultiHeadLatentAttention(nn.Module):
                 module.reset_parameters(generator)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank);
-        ``attention_mask`` [B, S_past + S] (True: a real token) or None."""
+        ``attention_mask`` [B, S_past + S] (True: a real token) or None.
+        ``position_embeddings``: ``self.rotary(position_ids)`` if the caller already has it (a model
+        computes it once for all its layers); computed here when None."""
         cfg = self.config
         batch, seq = hidden.shape[:2]
         kv_latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
@@ -175,7 +178,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         kv_latent = kv_latent.view(batch, 1, seq, cfg.kv_lora_rank)
         k_pe = k_pe.view(batch, 1, seq, cfg.qk_rope_head_dim)
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids) if position_embeddings is None else position_embeddings
         q_pe, k_pe = self.rotary.rotate(q_pe, cos, sin), self.rotary.rotate(k_pe, cos, sin)
         if kv_cache is not None:
             kv_latent, k_pe = kv_cache.update(kv_latent, k_pe)
