@@ -78,7 +78,7 @@ from megamoe.checkpoint_state import LogicalChunk
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE", "MANIFEST_FIELDS", "DEFAULT_MAX_FILE_BYTES",
     "CheckpointError", "save_checkpoint", "load_checkpoint", "load_rank_state", "read_manifest",
-    "verify_checkpoint", "iter_logical_tensors",
+    "verify_checkpoint", "iter_logical_tensors", "resolve_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -354,7 +354,8 @@ def _swap_into_place(tmp_dir: str, path: str) -> None:
 
 def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, group: ProcessGroup | None = None,
                     manifest_fields: dict[str, dict], rank_state: dict[str, torch.Tensor] | None = None,
-                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, verify_replicas: bool = False) -> None:
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, verify_replicas: bool = False,
+                    extra_files: dict[str, bytes] | None = None) -> None:
     """Write ``chunks`` (this rank's logical chunks) as the checkpoint directory ``path``, atomically.
 
     Collective over ``group`` (``None``: this process alone); every rank passes its own chunks and the
@@ -363,6 +364,8 @@ def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
     (e.g. RNG states as uint8 tensors) is stored per rank, see :func:`load_rank_state`. Files hold at
     most ``max_file_bytes`` of tensor data (one larger chunk gets a file of its own).
     ``verify_replicas``: fail if copies of one logical chunk on several ranks/slots differ bitwise.
+    ``extra_files`` (rank 0's): relative path inside the checkpoint -> bytes, written with the rest
+    (e.g. the HuggingFace side files under ``hf_files/`` that export needs).
 
     Raises :class:`CheckpointError` on every rank if any rank fails; ``path`` then still holds the
     previous checkpoint.
@@ -373,6 +376,12 @@ def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
     rank_state = dict(rank_state or {})
     if max_file_bytes <= 0:
         raise ValueError(f"max_file_bytes must be positive, got {max_file_bytes}")
+    extra_files = dict(extra_files or {})
+    for name in extra_files:
+        parts = name.replace("\\", "/").split("/")
+        if os.path.isabs(name) or ".." in parts or name in ("", MANIFEST_FILE) or name.endswith(".safetensors"):
+            raise ValueError(f"extra_files key {name!r} must be a relative path inside the checkpoint (no '..', "
+                             f"not {MANIFEST_FILE} or a .safetensors file)")
     tmp_dir = None
 
     def describe():
@@ -422,6 +431,13 @@ def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
                                for r, d in enumerate(described) if d[2]},
                 "files": {name: info for r in reports for name, info in sorted(r.files.items())},
             }
+            for name, data in sorted(extra_files.items()):
+                target = os.path.join(tmp_dir, name)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
             _write_manifest(tmp_dir, manifest)
             _swap_into_place(tmp_dir, path)
             logger.info("saved checkpoint %s: %d logical tensors, %d files, %.1f MiB", path, len(tensors),
@@ -438,7 +454,7 @@ def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
 # ----------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------
-def _resolve(path: str | os.PathLike) -> str:
+def resolve_checkpoint(path: str | os.PathLike) -> str:
     """The directory holding the checkpoint ``path`` names (``<path>.old`` after an interrupted swap)."""
     path = os.path.normpath(os.fspath(path))
     if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
@@ -476,7 +492,7 @@ def _read_manifest_at(root: str) -> dict:
 
 def read_manifest(path: str | os.PathLike) -> dict:
     """The checkpoint's manifest (validated: format version, chunks tiling every tensor)."""
-    return _read_manifest_at(_resolve(path))
+    return _read_manifest_at(resolve_checkpoint(path))
 
 
 @dataclass
@@ -576,7 +592,7 @@ def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
 
     Returns the manifest. Raises :class:`CheckpointError` naming the tensor or file at fault.
     """
-    root = _resolve(path)
+    root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
     requests: dict[tuple, list[LogicalChunk]] = {}
     for chunk in chunks:
@@ -604,7 +620,7 @@ def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
 
 def load_rank_state(path: str | os.PathLike, rank: int) -> dict[str, torch.Tensor]:
     """The ``rank_state`` that rank ``rank`` (of the saving group) passed to :func:`save_checkpoint`."""
-    root = _resolve(path)
+    root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
     entries = manifest["rank_state"].get(str(rank))
     if entries is None:
@@ -623,7 +639,7 @@ def load_rank_state(path: str | os.PathLike, rank: int) -> dict[str, torch.Tenso
 
 def iter_logical_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(logical name, full tensor)`` in name order, one tensor in memory at a time."""
-    root = _resolve(path)
+    root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
     with ExitStack() as stack:
         reader = _Reader(root, manifest, False, stack)
@@ -637,7 +653,7 @@ def iter_logical_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.T
 def verify_checkpoint(path: str | os.PathLike) -> None:
     """Check every file against the manifest: present, of the recorded size and SHA-256, and holding the
     recorded keys with the recorded shapes. Raises :class:`CheckpointError` listing every problem."""
-    root = _resolve(path)
+    root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
     expected: dict[str, dict[str, tuple[int, ...]]] = {name: {} for name in manifest["files"]}
     problems = []

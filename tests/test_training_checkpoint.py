@@ -299,3 +299,53 @@ def test_resume_under_other_layouts_stays_on_the_single_process_curve(tmp_path):
     step, losses = _resume_single_process(pipelined, 1)
     assert step == 4
     _assert_close(losses, reference[4:], "pipelined checkpoint resumed in one process")
+
+
+def test_fine_tuned_checkpoint_of_an_import_exports_without_hf_config(tmp_path):
+    """import-hf -> train one step -> save with the import's HFProvenance -> export-hf needs no --hf-config,
+    writes the original config.json and side files, and transformers loads the trained weights."""
+    from safetensors.torch import load_file
+
+    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.training.checkpoint import HFProvenance
+    from megamoe.training.trainer import TrainConfig, Trainer
+    from test_convert import SIDE_FILES, convert, save_hf_model
+    from parallel_state import ParallelState
+
+    hf_dir, imported, tuned, exported = (tmp_path / n for n in ("hf", "imported", "tuned", "exported"))
+    save_hf_model(hf_dir, "qwen3_moe")
+    assert convert("import-hf", hf_dir, imported, "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    provenance = HFProvenance.of_checkpoint(imported)
+    assert provenance.config == json.loads((hf_dir / "config.json").read_text())
+    side_files = {p.name: p.read_bytes() for p in hf_dir.iterdir()
+                  if p.name != "config.json" and not p.name.endswith(".safetensors")}
+    assert set(SIDE_FILES) < set(side_files) and provenance.files == side_files
+
+    state = ParallelState.single_process()
+    model = build_model_from_checkpoint(imported, state)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2, weight_decay=0.0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    trainer.train_step([(ids[:, :-1], ids[:, 1:])])
+    save_training_checkpoint(tuned, trainer, sampler_state=None, world_group=None)
+    assert convert("export-hf", tuned, exported) != 0             # without provenance: --hf-config needed
+    assert not exported.exists()
+    save_training_checkpoint(tuned, trainer, sampler_state=None, world_group=None, hf_provenance=provenance)
+    assert HFProvenance.of_checkpoint(tuned) == provenance
+
+    assert convert("export-hf", tuned, exported) == 0
+    assert json.loads((exported / "config.json").read_text()) == provenance.config
+    for name, data in side_files.items():
+        assert (exported / name).read_bytes() == data
+    weights = load_file(str(exported / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    assert torch.equal(embed, model.embed_tokens.weight.detach())
+    assert not torch.equal(embed, load_file(str(hf_dir / "model.safetensors"))["model.embed_tokens.weight"])
+
+
+def test_extra_files_must_stay_inside_the_checkpoint(tmp_path):
+    from checkpoint_tools.format import save_checkpoint
+
+    for bad in ("../escape.json", "/abs/file", "manifest.json", "part.safetensors"):
+        with pytest.raises(ValueError, match="relative path inside the checkpoint"):
+            save_checkpoint(tmp_path / "ckpt", [], manifest_fields={}, extra_files={bad: b"x"})
+    assert not (tmp_path / "ckpt").exists()

@@ -10,7 +10,8 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
 - manifest fields: ``model_config`` (:meth:`GPTMoEConfig.to_dict`), ``parallel_layout`` (world
   size, tp, pp, dp, cp, ep, etp, order), ``expert_placement`` (``{"<layer id>": ExpertPlacement.to_dict()}``,
   each pipeline stage contributing its own layers) and ``extra`` (``step``, ``sampler_state``,
-  ``has_optimizer_state``);
+  ``has_optimizer_state``; for a model that came from HuggingFace also ``hf_config`` and ``hf_files``, see
+  :class:`HFProvenance`);
 - per-rank state: each rank's RNG states.
 
 Directory scheme: step-numbered checkpoints ``<directory>/step_<step, 8 digits>`` (see
@@ -26,22 +27,26 @@ the layout is unchanged: under another layout a rank has no counterpart whose st
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 
 import torch
 
-from checkpoint_tools.format import (MANIFEST_FILE, load_checkpoint, load_rank_state, read_manifest,
-                                    save_checkpoint)
+from checkpoint_tools.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
+                                    read_manifest, resolve_checkpoint, save_checkpoint)
+from checkpoint_tools.manifest_fields import HF_FILES_DIR
+from checkpoint_tools.side_files import verify_side_files
 from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
                                       sharded_state_dict)
 from megamoe.moe.expert_slots import ExpertPlacement
 
 __all__ = [
-    "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
+    "HFProvenance", "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
     "checkpoint_path", "list_checkpoints", "latest_checkpoint", "prune_checkpoints",
 ]
 
@@ -50,6 +55,44 @@ logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
 # Config fields that choose how the engine computes, not what the model is: they may change on resume.
 _ENGINE_FIELDS = {"moe.num_expert_slots", "moe.dispatcher", "moe.expert_backend", "moe.input_sharded"}
+
+
+@dataclass(frozen=True)
+class HFProvenance:
+    """What ``megamoe-convert export-hf`` needs from a model that came from HuggingFace: the original
+    config.json (``config``) and the side files (tokenizer, generation config, ...: name -> bytes).
+
+    ``import-hf`` stores both in the checkpoint it writes. Read them with :meth:`of_checkpoint` when a
+    run starts from such a checkpoint and pass them to every :func:`save_training_checkpoint`, so that
+    the fine-tuned checkpoints export without ``--hf-config``.
+    """
+
+    config: dict
+    files: dict[str, bytes]
+
+    @classmethod
+    def of_checkpoint(cls, path: str | os.PathLike) -> "HFProvenance | None":
+        """The provenance stored in the checkpoint ``path``; None for a model trained from scratch.
+        Raises :class:`CheckpointError` if a recorded side file is missing or altered."""
+        extra = read_manifest(path).get("extra") or {}
+        if not extra.get("hf_config"):
+            return None
+        recorded = extra.get("hf_files") or {}
+        directory = os.path.join(resolve_checkpoint(path), HF_FILES_DIR)
+        problems = verify_side_files(directory, recorded)
+        if problems:
+            raise CheckpointError(f"{path}: {'; '.join(problems)}")
+        files = {}
+        for name in sorted(recorded):
+            with open(os.path.join(directory, name), "rb") as f:
+                files[name] = f.read()
+        return cls(dict(extra["hf_config"]), files)
+
+    def manifest_extra(self) -> dict:
+        """The ``extra`` entries ``import-hf`` writes for these (sizes and SHA-256 of the side files)."""
+        return {"hf_config": self.config,
+                "hf_files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                             for name, data in sorted(self.files.items())}}
 
 
 def _parallel_layout(state) -> dict:
@@ -78,9 +121,11 @@ def _training_chunks(trainer, with_optimizer: bool):
     return chunks
 
 
-def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state: dict | None, world_group) -> None:
+def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state: dict | None, world_group,
+                             hf_provenance: HFProvenance | None = None) -> None:
     """Save ``trainer``'s model, optimizer state and step, ``sampler_state`` (the data position) and every
-    rank's RNG states as the checkpoint directory ``path``, atomically.
+    rank's RNG states as the checkpoint directory ``path``, atomically. ``hf_provenance`` (of the
+    checkpoint the run started from) is stored as ``import-hf`` stores it, so the result exports to HF.
 
     Collective over ``world_group`` (every rank of the run; ``None`` for one process): each rank passes
     its own trainer (its pipeline stage and shards) and the same ``path``. ``sampler_state`` must be a
@@ -93,12 +138,15 @@ def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state:
         "model_config": model.config.to_dict(),
         "parallel_layout": _parallel_layout(state),
         "expert_placement": {str(i): layer.placement.to_dict() for i, layer in model.moe_layers().items()},
-        "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer},
+        "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer,
+                  **(hf_provenance.manifest_extra() if hf_provenance is not None else {})},
     }
+    extra_files = {} if hf_provenance is None else {
+        f"{HF_FILES_DIR}/{name}": data for name, data in hf_provenance.files.items()}
     # verify_replicas: copies of one chunk (DP replicas, expert replicas in several slots) must be
     # bitwise equal; they are stored once, so a divergence is caught here, naming the tensor.
     save_checkpoint(path, _training_chunks(trainer, with_optimizer), group=world_group, manifest_fields=fields,
-                    rank_state=_rng_state(), verify_replicas=True)
+                    rank_state=_rng_state(), verify_replicas=True, extra_files=extra_files)
     logger.info("saved training checkpoint %s at step %d", path, trainer.step)
 
 
