@@ -1,7 +1,7 @@
 """Build this rank's :class:`GPTMoEModel` from a megamoe checkpoint (converted or trained) and fill it.
 
-The model config comes from the manifest; the engine's choices (dispatcher, number of expert slots) may
-differ from the saved ones. The saved expert placement of a layer is reused when its slots and EP size
+The model config comes from the manifest; the engine's choices (dispatcher, number of expert slots, expert
+backend, sharded MoE input) may differ from the saved ones. The saved expert placement of a layer is reused when its slots and EP size
 match the model's, else the default placement is built: the checkpoint stores each expert once, so any
 placement loads. Every rank reads only its own slices (no communication).
 """
@@ -21,27 +21,33 @@ __all__ = ["config_for_engine", "build_model_from_checkpoint"]
 
 
 def config_for_engine(config: GPTMoEConfig, *, dispatcher: str | None = None,
-                      num_expert_slots: int | None = None) -> GPTMoEConfig:
-    """``config`` with the engine choices replaced where given (None keeps the saved one)."""
-    if config.moe is None or (dispatcher is None and num_expert_slots is None):
+                      num_expert_slots: int | None = None, expert_backend: str | None = None,
+                      input_sharded: bool | None = None) -> GPTMoEConfig:
+    """``config`` with the engine choices of its MoE layers replaced where given (None keeps the saved
+    one): how tokens reach the experts, how many slots hold them and which GEMM backend runs them."""
+    engine = {"dispatcher": dispatcher, "num_expert_slots": num_expert_slots, "expert_backend": expert_backend,
+              "input_sharded": input_sharded}
+    engine = {name: value for name, value in engine.items() if value is not None}
+    if config.moe is None or not engine:
         return config
-    moe = dataclasses.replace(config.moe, dispatcher=dispatcher or config.moe.dispatcher,
-                              num_expert_slots=num_expert_slots or config.moe.num_expert_slots)
-    return dataclasses.replace(config, moe=moe)
+    return dataclasses.replace(config, moe=dataclasses.replace(config.moe, **engine))
 
 
 def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: str | None = None,
-                                num_expert_slots: int | None = None, dtype=None,
+                                num_expert_slots: int | None = None, expert_backend: str | None = None,
+                                input_sharded: bool | None = None, device=None, dtype=None,
                                 verify_checksums: bool = False) -> GPTMoEModel:
-    """This rank's stage of the checkpoint's model under ``state`` (a ParallelState), weights loaded.
+    """This rank's stage of the checkpoint's model under ``state`` (a ParallelState), weights loaded
+    onto ``device`` in ``dtype``; the engine choices as in :func:`config_for_engine`.
 
     Raises :class:`~checkpoint_tools.format.CheckpointError` if the checkpoint lacks a tensor or holds
     one of another shape, ValueError if the layout does not fit the model.
     """
     manifest = read_manifest(path)
     config = config_for_engine(model_config_from_manifest(manifest), dispatcher=dispatcher,
-                               num_expert_slots=num_expert_slots)
+                               num_expert_slots=num_expert_slots, expert_backend=expert_backend,
+                               input_sharded=input_sharded)
     placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))
-    model = GPTMoEModel(config, state, placements=placements, dtype=dtype)
+    model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype)
     load_checkpoint(path, sharded_state_dict(model), verify_checksums=verify_checksums)
     return model

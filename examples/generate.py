@@ -29,16 +29,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import load_checkpoint, read_manifest
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
-from checkpoint_tools.placements import build_placements
+from checkpoint_tools.format import read_manifest
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
+from checkpoint_tools.model_loading import build_model_from_checkpoint, config_for_engine
 from megamoe import comms
-from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.models import GPTMoEModel
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 
@@ -114,27 +113,24 @@ def init_distributed(args, dispatcher: str | None) -> ParallelState:
     return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, order=args.order)
 
 
-def engine_config(args, manifest: dict) -> GPTMoEConfig:
-    """The checkpoint's model config with this run's engine choices (dispatcher, slots, backend)."""
-    config = model_config_from_manifest(manifest)
-    if config.moe is None:
-        return config
-    engine = {"dispatcher": args.dispatcher, "num_expert_slots": args.num_expert_slots,
-              "expert_backend": args.expert_backend}
-    engine = {name: value for name, value in engine.items() if value is not None}
-    dispatcher = engine.get("dispatcher", config.moe.dispatcher)
-    engine["input_sharded"] = args.data_parallel_attention and dispatcher == "allgather"
-    return dataclasses.replace(config, moe=dataclasses.replace(config.moe, **engine))
+def engine_choices(args, manifest: dict) -> dict:
+    """This run's MoE engine choices (dispatcher, slots, backend, sharded input), None where the saved
+    ones stay."""
+    saved = model_config_from_manifest(manifest)
+    if saved.moe is None:
+        return {}
+    dispatcher = args.dispatcher or saved.moe.dispatcher
+    return {"dispatcher": args.dispatcher, "num_expert_slots": args.num_expert_slots,
+            "expert_backend": args.expert_backend,
+            "input_sharded": args.data_parallel_attention and dispatcher == "allgather"}
 
 
-def load_model(args, manifest: dict, config: GPTMoEConfig, state) -> tuple[GPTMoEModel, dict]:
+def load_model(args, engine: dict, state) -> tuple[GPTMoEModel, dict]:
     """This rank's stage, resharded from the checkpoint, and the placement of every MoE layer (the
     saved one where it fits this layout, else the default)."""
-    placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))
     device = torch.device("cuda") if args.device == "cuda" else None
-    model = GPTMoEModel(config, state, placements=placements, device=device, dtype=DTYPES[args.dtype])
-    load_checkpoint(args.checkpoint, sharded_state_dict(model))
-    return model.eval(), placements
+    model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype], **engine)
+    return model.eval(), {layer_id: layer.placement for layer_id, layer in model.moe_layers().items()}
 
 
 def load_tokenizer(args) -> Tokenizer | None:
@@ -220,7 +216,8 @@ def report(args, state, config: GenerationConfig, tokenizer: Tokenizer | None, t
 def main(argv=None) -> int:
     args = parse_args(argv)
     manifest = read_manifest(args.checkpoint)
-    model_config = engine_config(args, manifest)
+    engine = engine_choices(args, manifest)
+    model_config = config_for_engine(model_config_from_manifest(manifest), **engine)
     state = init_distributed(args, model_config.moe.dispatcher if model_config.moe is not None else None)
     logging.basicConfig(level=logging.INFO if state.rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -231,7 +228,7 @@ def main(argv=None) -> int:
         stop_ids = [tokenizer.eos_id] if tokenizer is not None and tokenizer.eos_id is not None else []
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stop_ids),
                               sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
-    model, placements = load_model(args, manifest, model_config, state)
+    model, placements = load_model(args, engine, state)
     logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s%s", state.world_size, state.tp.size,
                 state.pp.size, state.dp.size, state.ep.size, state.etp.size,
                 model_config.moe.dispatcher if model_config.moe is not None else "-",

@@ -323,8 +323,13 @@ def test_fine_tuned_checkpoint_of_an_import_exports_without_hf_config(tmp_path):
 
     state = ParallelState.single_process()
     model = build_model_from_checkpoint(imported, state)
+    reference = build_model_from_checkpoint(imported, state, expert_backend="loop", dispatcher="allgather")
+    assert {(layer.experts.backend, layer.config.dispatcher) for layer in reference.moe_layers().values()} == {
+        ("loop", "allgather")}
     trainer = Trainer(model, state, TrainConfig(lr=1e-2, weight_decay=0.0))
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reference(ids)[0], model(ids)[0], rtol=1e-5, atol=1e-5)
     trainer.train_step([(ids[:, :-1], ids[:, 1:])])
     save_training_checkpoint(tuned, trainer, sampler_state=None, world_group=None)
     assert convert("export-hf", tuned, exported) != 0             # without provenance: --hf-config needed
