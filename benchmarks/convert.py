@@ -9,11 +9,14 @@ alike; repeating and taking medians because the disk and the two cores are share
 
 - ``cp -r`` of the HF directory, then ``sync`` (the converter fsyncs what it writes and ``cp`` does not,
   so the time target is checked against "cp + sync"; plain "cp" is reported too);
-- ``import-hf`` (layout tp=2 ep=2 etp=2: attention and experts cut into shards) and ``export-hf`` back,
-  each in a child process: the conversion is timed inside the child after its imports (Python, torch
-  and transformers take seconds to import; reported apart as "startup"). The child reports its peak RSS
-  (``VmHWM``: resident pages of mapped input files included); ``getrusage`` of a child would count the
-  pages of the parent it was forked from.
+- ``import-hf`` (layout ``--tp 2 --pp 1 --ep 2 --etp 2``: attention and experts cut into TP / ETP
+  shards, experts spread over EP; ``down_proj`` and ``o_proj`` are cut along columns, so a third of the
+  bytes must be gathered in memory rather than copied) and ``export-hf`` back, each in a child process:
+  the conversion is timed inside the child after its imports (Python, torch and transformers take
+  seconds to import; reported apart as "startup"; transformers' model registry, which it loads on first
+  use, ~0.4 s, is still inside the conversion time). The child reports its peak RSS (``VmHWM``: resident
+  pages of mapped input files included); ``getrusage`` of a child would count the pages of the parent
+  it was forked from.
 
 Targets: conversion time <= 1.5x the copy time; peak RSS <= the largest tensor + 512 MB. Prints a table
 and writes JSON.
@@ -37,6 +40,7 @@ from safetensors.torch import save_file
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, FFN, VOCAB = 1024, 16, 4, 64, 32, 1024, 32000
 SHARD_BYTES = 500 * 10**6
+LAYOUT = ["--tp", "2", "--pp", "1", "--ep", "2", "--etp", "2"]      # import-hf's target layout
 DTYPE = torch.bfloat16
 MIB = 2**20
 
@@ -159,8 +163,7 @@ def main() -> None:
             runs["cp_sync"].append(copy + timed(["sync"]))
             shutil.rmtree(work / "copy")
             subprocess.run(["sync"], check=True)
-            runs["import-hf"].append(convert(["import-hf", str(hf), str(work / "megamoe"), "--tp", "2", "--pp", "1",
-                                              "--ep", "2"]))
+            runs["import-hf"].append(convert(["import-hf", str(hf), str(work / "megamoe"), *LAYOUT]))
             runs["export-hf"].append(convert(["export-hf", str(work / "megamoe"), str(work / "hf_out"),
                                               "--max-shard-size", "500MB"]))
             shutil.rmtree(work / "megamoe")
@@ -171,11 +174,13 @@ def main() -> None:
     copy, copy_sync = statistics.median(runs["cp"]), statistics.median(runs["cp_sync"])
     rss_budget = facts["largest_tensor_bytes"] + 512 * MIB
     result = {"checkpoint": {**facts, "directory_bytes": dir_bytes, "dtype": str(DTYPE).removeprefix("torch.")},
-              "repeats": args.repeats, "cp_s": copy, "cp_sync_s": copy_sync, "cp_runs_s": runs["cp"],
-              "cp_sync_runs_s": runs["cp_sync"], "peak_rss_budget_bytes": rss_budget, "steps": {}}
+              "import_layout": " ".join(LAYOUT), "repeats": args.repeats, "cp_s": copy, "cp_sync_s": copy_sync,
+              "cp_runs_s": runs["cp"], "cp_sync_runs_s": runs["cp_sync"], "peak_rss_budget_bytes": rss_budget,
+              "steps": {}}
     print(f"HF checkpoint: {dir_bytes / 1e9:.2f} GB in {facts['shards']} shards, {facts['tensors']} tensors, largest "
           f"{facts['largest_tensor_bytes'] / MIB:.1f} MiB; median of {args.repeats}: cp {copy:.2f} s, "
           f"cp + sync {copy_sync:.2f} s")
+    print(f"import-hf layout: {' '.join(LAYOUT)}; export-hf --max-shard-size 500MB")
     print(f"{'step':<10} {'convert s':>9} {'x cp':>6} {'x cp+sync':>9} {'startup s':>9} {'peak RSS MiB':>12} "
           f"{'budget MiB':>10}  targets")
     for step in ("import-hf", "export-hf"):

@@ -73,6 +73,11 @@ class KeyTransform:
     to_hf: Callable[[Tensors], Tensors]
     what: str = "rename"
 
+    @property
+    def is_rename(self) -> bool:
+        """One tensor under two names: the output is the input tensor itself."""
+        return self.to_logical is _identity and self.to_hf is _identity
+
     def side(self, to_logical: bool):
         """(input keys, input shapes, output keys, output shapes, function) of one direction."""
         if to_logical:

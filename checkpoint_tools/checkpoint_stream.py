@@ -6,7 +6,15 @@ in advance; :class:`CheckpointStreamWriter` cuts each into the chunks of a :clas
 them into files of at most ``max_file_bytes`` (headers planned up front, see
 :mod:`checkpoint_tools.safetensors_stream`) and finally writes the same manifest ``save_checkpoint``
 writes: chunk keys ``<name>@<offsets>``, per-file bytes and SHA-256, the manifest fields. Memory: the
-tensor being written and one chunk, never a file.
+tensor being written and a gathering buffer per file being written, never a file.
+
+A tensor whose bytes lie unchanged in a file (``source``: a view of a mapped HF shard) has each of its
+chunks that is one run of those bytes (a cut along the first dimension, or the whole tensor) copied
+file to file (by a thread of the output file, while the next tensors are cut); chunks cut along a later
+dimension are gathered and written from memory. Each file is hashed and fsynced by its own threads, a
+finished one while the next is being written, so conversions write files of
+:data:`CONVERSION_MAX_FILE_BYTES`: several files keep both cores busy and only the last file's fsync is
+left at the end. :meth:`CheckpointStreamWriter.finish` waits for them all.
 """
 
 from __future__ import annotations
@@ -14,18 +22,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from checkpoint_tools.format import (DEFAULT_MAX_FILE_BYTES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS,
-                                     MANIFEST_FILE, _DTYPES)
-from checkpoint_tools.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, group_into_files
-from checkpoint_tools.scratch import ScratchBuffer
+from checkpoint_tools.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS, MANIFEST_FILE, _DTYPES
+from checkpoint_tools.safetensors_stream import FileExtent, PlannedTensor, SafetensorsStreamWriter, group_into_files
 
-__all__ = ["StreamedTensor", "CheckpointStreamWriter", "dtype_name"]
+__all__ = ["CONVERSION_MAX_FILE_BYTES", "StreamedTensor", "CheckpointStreamWriter", "dtype_name"]
 
 logger = logging.getLogger(__name__)
+
+# Files a conversion writes: small enough that several are hashed at once and the fsync left after the
+# last write is short, large enough to keep the file count low (4 per 2 GB).
+CONVERSION_MAX_FILE_BYTES = 512 * 1024**2
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -48,6 +59,14 @@ class StreamedTensor:
     global_shape: tuple[int, ...]
     regions: tuple[Region, ...]
 
+    @property
+    def chunks_are_runs(self) -> bool:
+        """Whether every chunk is one run of the tensor's bytes (cut along the first dimension only): then a
+        tensor whose bytes lie in a file is written without being read."""
+        whole = torch.empty(self.global_shape, dtype=self.dtype, device="meta")
+        return all(whole[tuple(slice(o, o + s) for o, s in zip(offsets, shape))].is_contiguous()
+                   for offsets, shape in self.regions)
+
 
 def _chunk_key(name: str, offsets: tuple[int, ...]) -> str:
     return f"{name}@{','.join(str(o) for o in offsets)}"
@@ -60,7 +79,7 @@ class CheckpointStreamWriter:
 
     def __init__(self, directory: str, tensors: list[StreamedTensor], *,
                  rank_state: list[tuple[int, str, torch.dtype, tuple[int, ...]]] = (),
-                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, file_prefix: str = "part"):
+                 max_file_bytes: int = CONVERSION_MAX_FILE_BYTES, file_prefix: str = "part"):
         self.directory = directory
         self._tensors = list(tensors)
         self._next_tensor = 0
@@ -78,29 +97,33 @@ class CheckpointStreamWriter:
         self._file_of_key = {t.key: self._file_names[i] for i, f in enumerate(self._files) for t in f}
         self._file_index = -1
         self._writer: SafetensorsStreamWriter | None = None
-        self._file_info: dict[str, dict] = {}
-        self._scratch = ScratchBuffer()       # for chunks that are not contiguous in their tensor (dim > 0 splits)
+        self._closed_writers: list[SafetensorsStreamWriter] = []
+        self._results: dict[str, Future] = {}       # file name -> (bytes, sha256), resolved in the background
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for f in self._files for t in f)
 
-    def _put(self, key: str, tensor: torch.Tensor) -> None:
+    def _put(self, key: str, tensor: torch.Tensor, extents: list[FileExtent] | None, stable: bool) -> None:
         while self._writer is None or self._writer.next_key is None:
             self._close_file()
             self._file_index += 1
             name = self._file_names[self._file_index]
             self._writer = SafetensorsStreamWriter(os.path.join(self.directory, name), self._files[self._file_index])
-        self._writer.write(key, tensor)
+        self._writer.write(key, tensor, extents, stable=stable)
 
     def _close_file(self) -> None:
         if self._writer is not None:
-            size, sha = self._writer.close()
-            self._file_info[self._file_names[self._file_index]] = {"bytes": size, "sha256": sha}
+            self._results[self._file_names[self._file_index]] = self._writer.close()
+            self._closed_writers.append(self._writer)
             self._writer = None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """The next planned logical tensor, whole."""
+    def write(self, name: str, tensor: torch.Tensor, source: FileExtent | None = None, *,
+              stable: bool = False) -> None:
+        """The next planned logical tensor, whole; ``source``: where its bytes lie unchanged in a file
+        (``tensor`` must then be contiguous, and may be a meta tensor if every chunk is a run of its bytes);
+        ``stable``: its memory does not change (a view of a mapped file; see
+        :meth:`SafetensorsStreamWriter.write`)."""
         if self._next_tensor >= len(self._tensors):
             raise ValueError(f"{name!r} is not planned: every planned tensor has been written")
         planned = self._tensors[self._next_tensor]
@@ -109,29 +132,40 @@ class CheckpointStreamWriter:
         if tuple(tensor.shape) != planned.global_shape or tensor.dtype != planned.dtype:
             raise ValueError(f"logical tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, planned "
                              f"{planned.dtype} {planned.global_shape}")
+        if source is not None and not tensor.is_contiguous():
+            raise ValueError(f"logical tensor {name!r}: a tensor copied from a file must be contiguous")
         for offsets, shape in planned.regions:
             if all(shape):
                 chunk = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
-                if not chunk.is_contiguous():
-                    chunk = self._scratch.copy_of(chunk)
-                self._put(_chunk_key(name, offsets), chunk)
+                extents = None
+                if chunk.is_contiguous() and source is not None:
+                    start = source.offset + (chunk.storage_offset() - tensor.storage_offset()) * tensor.element_size()
+                    extents = [FileExtent(source.path, start, chunk.numel() * chunk.element_size())]
+                self._put(_chunk_key(name, offsets), chunk, extents, stable)
         self._next_tensor += 1
 
     def write_rank_state(self, rank: int, key: str, tensor: torch.Tensor) -> None:
-        self._put(f"rank_state/{rank}/{key}", tensor)
+        self._put(f"rank_state/{rank}/{key}", tensor, None, False)
 
     def abort(self) -> None:
+        """Stop writing: every file is closed unfinished (the caller removes the directory)."""
         if self._writer is not None:
             self._writer.abort()
             self._writer = None
+        for writer in self._closed_writers:
+            writer.abort()
 
     def finish(self, fields: dict[str, dict], world_size: int) -> dict:
         """Close the last file and write ``manifest.json``; returns the manifest."""
         if self._next_tensor != len(self._tensors):
             raise ValueError(f"finish() with {len(self._tensors) - self._next_tensor} planned tensors unwritten")
         self._close_file()
-        if len(self._file_info) != len(self._files):
+        if len(self._results) != len(self._files):
             raise ValueError("finish() before every planned rank-state tensor was written")
+        file_info = {}
+        for name, result in self._results.items():
+            size, sha = result.result()
+            file_info[name] = {"bytes": size, "sha256": sha}
         unknown = set(fields) - set(MANIFEST_FIELDS)
         if unknown:
             raise ValueError(f"unknown manifest fields {sorted(unknown)}")
@@ -146,7 +180,7 @@ class CheckpointStreamWriter:
                            for offsets, shape in t.regions if all(shape)],
             } for t in sorted(self._tensors, key=lambda t: t.name)},
             "rank_state": {},
-            "files": dict(sorted(self._file_info.items())),
+            "files": dict(sorted(file_info.items())),
         }
         for rank, key, dtype, shape in self._rank_state:
             stored = f"rank_state/{rank}/{key}"
@@ -154,7 +188,7 @@ class CheckpointStreamWriter:
                 "file": self._file_of_key[stored], "key": stored, "dtype": dtype_name(dtype), "shape": list(shape)}
         path = os.path.join(self.directory, MANIFEST_FILE)
         with open(path, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.write(json.dumps(manifest, indent=1, sort_keys=True))     # json.dump writes piece by piece: slower
             f.flush()
             os.fsync(f.fileno())
         logger.info("wrote %d logical tensors in %d files (%.1f MiB)", len(self._tensors), len(self._files),

@@ -8,6 +8,7 @@ Bad input ends with a one-line ``error:`` message and exit code 1 (2 for a malfo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import re
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     # make every copy up to a hundred times slower when the cores are busy (measured: 65 MB/s instead of
     # 2-8 GB/s on two loaded cores). Restored afterwards for callers that run main() in process.
     torch.set_num_threads(1)
+    # The objects made by importing torch and transformers (about a million) live as long as the process:
+    # without this, every full collection triggered during a conversion walks them all again (~0.15 s).
+    gc.freeze()
     try:
         return _run(args)
     except (ConversionError, CheckpointError, AdapterError, OSError) as e:
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_PROG} {args.command}: interrupted", file=sys.stderr)
         return 130
     finally:
+        gc.unfreeze()
         torch.set_num_threads(threads)
 
 

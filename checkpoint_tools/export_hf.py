@@ -7,9 +7,15 @@ when everything fits), the original config.json kept in the manifest at import, 
 Each expert is written once: the checkpoint stores one copy of each logical chunk, replicas included,
 and a save that finds replicas differing fails (``save_checkpoint(..., verify_replicas=True)``).
 
+A tensor that keeps its dtype and whose stored chunks hold its bytes in order (cut along the first
+dimension only, or not cut) is copied file to file without being read (see
+:mod:`checkpoint_tools.safetensors_stream`); the others are assembled in memory. Each shard is written
+and fsynced by its own threads, a finished one while the next one is being written.
+
 The config.json and side files come from the checkpoint (kept there by ``import-hf`` and ``reshard``) or,
-with ``hf_config_dir``, from a HF directory (e.g. the one a fine-tuned model was imported from: training
-checkpoints do not keep them); either way the config must still map to the checkpoint's model config.
+with ``hf_config_dir``, from a HF directory (e.g. the one a fine-tuned model was imported from, when its
+training checkpoints were saved without :class:`megamoe.training.checkpoint.HFProvenance`); either way the
+config must still map to the checkpoint's model config.
 A checkpoint of family ``custom`` has no HF equivalent and cannot be exported; one of a supported family
 without any HF config (trained from scratch) needs ``hf_config_dir``: writing a config.json from scratch
 is not supported.
@@ -33,7 +39,7 @@ from checkpoint_tools.import_hf import model_config_from_hf
 from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
 from checkpoint_tools.output_dir import OutputDirectory
-from checkpoint_tools.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, group_into_files
+from checkpoint_tools.safetensors_stream import FileExtent, PlannedTensor, SafetensorsStreamWriter, group_into_files
 from checkpoint_tools.scratch import ScratchBuffer
 from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
@@ -79,8 +85,8 @@ def _hf_config(manifest: dict, config: GPTMoEConfig, checkpoint: str, hf_config_
         if not hf_config:
             raise ConversionError(
                 f"{checkpoint} holds no HuggingFace config (it was not imported with import-hf, e.g. trained from "
-                "scratch or saved by a training run), so no config.json can be written for it; pass --hf-config "
-                "with the HF directory whose config.json describes this model")
+                "scratch, or saved by a training run without HFProvenance), so no config.json can be written for "
+                "it; pass --hf-config with the HF directory whose config.json describes this model")
     mapped = model_config_from_hf(hf_config, where)
     differing = _differences(_model_fields(mapped), _model_fields(config))
     if differing:
@@ -143,28 +149,47 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
             logger.info("config.json: %s %s -> %s (the exported weights)", key, hf_config[key], main_dtype)
             hf_config[key] = main_dtype
 
+    # Logical tensors that are an HF tensor under another name: copied from the checkpoint's files if the
+    # dtype is kept and the stored chunks hold the bytes in order.
+    renamed_to = {step.logical_keys[0]: step.hf_keys[0]
+                  for step in adapter.transforms(config, fused=False) if step.is_rename}
+
     with output as tmp, LogicalTensorReader(checkpoint, manifest) as reader:
         writers: list[SafetensorsStreamWriter] = []
         casts = ScratchBuffer()
+        copies: dict[str, tuple[torch.Tensor, list[FileExtent]]] = {}    # HF key -> (placeholder, its bytes)
+
+        def items():
+            for name in model_names:
+                dtype = _DTYPES[entries[name]["dtype"]]
+                extents = reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype else None
+                if extents is None:
+                    yield name, reader.read(name)
+                else:                           # shapes are all the adapter looks at
+                    placeholder = meta(name)
+                    copies[renamed_to[name]] = (placeholder, extents)
+                    yield name, placeholder
         try:
             with tqdm(total=total, unit="B", unit_scale=True, desc="export-hf",
                       disable=None if progress is None else not progress) as bar:
-                shard_index = 0
-                writer = SafetensorsStreamWriter(os.path.join(tmp, names[0]), shards[0], metadata={"format": "pt"},
-                                                 sha256=False)
-                writers.append(writer)
-                items = ((name, reader.read(name)) for name in model_names)
-                for key, tensor in adapter.iter_megamoe_to_hf(items, config, fused=False):
-                    if writer.next_key is None:
-                        writer.close()
-                        shard_index += 1
-                        writer = SafetensorsStreamWriter(os.path.join(tmp, names[shard_index]), shards[shard_index],
-                                                         metadata={"format": "pt"}, sha256=False)
-                        writers.append(writer)
-                    out = tensor if cast(tensor.dtype, target) == tensor.dtype else casts.copy_of(tensor, target)
-                    writer.write(key, out)
-                    bar.update(out.numel() * out.element_size())
-                writer.close()
+                for key, tensor in adapter.iter_megamoe_to_hf(items(), config, fused=False):
+                    if not writers or writers[-1].next_key is None:
+                        if writers:
+                            writers[-1].close()
+                        writers.append(SafetensorsStreamWriter(os.path.join(tmp, names[len(writers)]),
+                                                               shards[len(writers)], metadata={"format": "pt"},
+                                                               sha256=False))
+                    placeholder, extents = copies.pop(key, (None, None))
+                    if placeholder is tensor:
+                        writers[-1].write(key, tensor, extents)
+                    else:
+                        if cast(tensor.dtype, target) != tensor.dtype:
+                            tensor = casts.copy_of(tensor, target)
+                        writers[-1].write(key, tensor)
+                    bar.update(tensor.numel() * tensor.element_size())
+                writers[-1].close()
+                for writer in writers:
+                    writer.result.result()          # on disk
         except BaseException:
             for w in writers:
                 w.abort()

@@ -13,13 +13,13 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Collection, Iterable, Iterator
 
 import torch
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.read_window import ReadWindow
-from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES
+from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "HFTensorInfo", "HFCheckpoint", "is_weight_file"]
 
@@ -41,6 +41,7 @@ class HFTensorInfo:
     file: str                   # file name inside the directory
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int                 # of its first byte in the file
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +125,11 @@ class HFCheckpoint:
         path = os.path.join(directory, name)
         found: dict[str, HFTensorInfo] = {}
         with ReadWindow(open_error=_corrupt) as window:
-            handle = window.handle(path)
+            handle = window.handle(path)            # safetensors' own checks of the header and the size
+            try:
+                extents = read_data_extents(path)
+            except ValueError as e:
+                raise _corrupt(path, e) from None
             for key in handle.keys():
                 if key in seen:
                     raise ConversionError(f"tensor {key!r} is stored twice: in {seen[key].file} and in {name}")
@@ -133,18 +138,32 @@ class HFCheckpoint:
                 if code not in _DTYPE_OF_CODE:
                     raise ConversionError(f"{path}: tensor {key!r} has dtype {code}, which is not supported "
                                           f"(supported: {', '.join(sorted(_DTYPE_OF_CODE))})")
-                found[key] = HFTensorInfo(name, _DTYPE_OF_CODE[code], tuple(view.get_shape()))
+                info = HFTensorInfo(name, _DTYPE_OF_CODE[code], tuple(view.get_shape()), extents[key][2].offset)
+                if extents[key][2].nbytes != info.nbytes:
+                    raise _corrupt(path, ValueError(f"{key!r} has {extents[key][2].nbytes} bytes of data for its "
+                                                    f"{info.nbytes}"))
+                found[key] = info
         return found
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def iter_tensors(self, keys: Iterable[str], window: ReadWindow) -> Iterator[tuple[str, torch.Tensor]]:
+    def extent(self, key: str) -> FileExtent:
+        """Where the bytes of tensor ``key`` lie."""
+        info = self.tensors[key]
+        return FileExtent(os.path.join(self.directory, info.file), info.offset, info.nbytes)
+
+    def iter_tensors(self, keys: Iterable[str], window: ReadWindow,
+                     placeholders: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """``(key, tensor)`` for ``keys`` in that order, each read when the consumer asks for it; tensors
-        view the mapped file (no copy)."""
+        view the mapped file (no copy). Keys in ``placeholders`` are not read: their tensor is a meta
+        tensor of the right dtype and shape (for a consumer that copies the bytes at :meth:`extent`)."""
         for key in keys:
             info = self.tensors[key]
+            if key in placeholders:
+                yield key, torch.empty(info.shape, dtype=info.dtype, device="meta")
+                continue
             path = os.path.join(self.directory, info.file)
             try:
                 tensor = window.handle(path).get_tensor(key)

@@ -9,7 +9,9 @@ Order of work (nothing is written before every check has passed):
    reports every missing, unexpected or mis-shaped tensor and fixes the order tensors are produced in.
 3. Stream: each HF tensor is read once (a view of the mapped file), converted by the adapter, cast if
    asked, cut into the layout's chunks and appended to the output files, whose headers were planned in
-   step 2 (:class:`CheckpointStreamWriter`). Memory: about one tensor and the read window.
+   step 2 (:class:`CheckpointStreamWriter`). A tensor the adapter only renames and that keeps its dtype
+   is not read at all for its chunks that are runs of its bytes: those are copied file to file.
+   Memory: about one tensor and the read window.
 4. Copy the side files (tokenizer, ...), write the manifest, rename the directory into place.
 """
 
@@ -22,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from checkpoint_tools.adapters import AdapterError, HFAdapter, adapter_for
-from checkpoint_tools.checkpoint_stream import CheckpointStreamWriter, StreamedTensor
+from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.format import DEFAULT_MAX_FILE_BYTES, MANIFEST_FILE
+from checkpoint_tools.format import MANIFEST_FILE
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import plan_layout
@@ -90,7 +92,7 @@ def _as_conversion_error(e: AdapterError, where: str) -> ConversionError:
 def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: ParallelLayout, *,
               num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
               dtype: str = "keep", dispatcher: str = "alltoall", overwrite: bool = False,
-              max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, progress: bool | None = None) -> dict:
+              max_file_bytes: int = CONVERSION_MAX_FILE_BYTES, progress: bool | None = None) -> dict:
     """Convert the HF model directory ``hf_dir`` into the megamoe checkpoint ``out_dir`` for ``layout``.
 
     ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
@@ -132,6 +134,14 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                        ", ".join(dropped[:4]), " ..." if len(dropped) > 4 else "")
     streamed = [StreamedTensor(name, cast(dt, target), shape, plan.tensors[name].regions)
                 for name, dt, shape in produced]
+    # Logical tensors that are an HF tensor under another name: their bytes lie in the HF file as they are.
+    # Those whose chunks are all runs of those bytes are not even read (a meta placeholder goes through the
+    # adapter), the others only for their chunks cut along a later dimension.
+    renamed_from = {step.logical_keys[0]: step.hf_keys[0]
+                    for step in adapter.transforms(config, fused=False) if step.is_rename}
+    placeholders = {renamed_from[t.name] for t in streamed
+                    if renamed_from.get(t.name) in hf.tensors and hf.tensors[renamed_from[t.name]].dtype == t.dtype
+                    and t.chunks_are_runs}
 
     with output as tmp:
         writer = CheckpointStreamWriter(tmp, streamed, max_file_bytes=max_file_bytes)
@@ -139,11 +149,23 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
         try:
             with ReadWindow() as window, tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="import-hf",
                                               disable=None if progress is None else not progress) as bar:
-                items = hf.iter_tensors(order, window)
-                for name, tensor in adapter.iter_hf_to_megamoe(items, config):
-                    out = tensor if cast(tensor.dtype, target) == tensor.dtype else casts.copy_of(tensor, target)
-                    writer.write(name, out)
-                    bar.update(out.numel() * out.element_size())
+                latest: dict[str, torch.Tensor] = {}        # the HF tensor read last (a rename's input)
+
+                def items():
+                    for key, tensor in hf.iter_tensors(order, window, placeholders):
+                        latest.clear()
+                        latest[key] = tensor
+                        yield key, tensor
+                for name, tensor in adapter.iter_hf_to_megamoe(items(), config):
+                    # The adapter's outputs view the mapped HF files or are its own new tensors: either way
+                    # their memory stays as it is (stable), unlike the reused buffer of a cast.
+                    source, stable = None, True
+                    if cast(tensor.dtype, target) != tensor.dtype:
+                        tensor, stable = casts.copy_of(tensor, target), False
+                    elif latest.get(renamed_from.get(name)) is tensor and tensor.is_contiguous():
+                        source = hf.extent(renamed_from[name])
+                    writer.write(name, tensor, source, stable=stable)
+                    bar.update(tensor.numel() * tensor.element_size())
             hf_files = copy_side_files(hf_dir, hf.side_files, os.path.join(tmp, HF_FILES_DIR))
             extra = {"step": 0, "sampler_state": None, "has_optimizer_state": False, "hf_config": hf.config,
                      "hf_files": hf_files}

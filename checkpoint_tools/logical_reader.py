@@ -3,7 +3,9 @@
 :func:`checkpoint_tools.format.iter_logical_tensors` keeps every file open (mapped) for the whole
 iteration, so the pages read accumulate in memory; this reader closes its files every
 ``window_bytes`` (see :mod:`checkpoint_tools.read_window`) and hands out a tensor stored as one chunk
-without copying it.
+without copying it. A writer that only needs a tensor's bytes asks for :meth:`LogicalTensorReader.extents`
+instead: where they lie in the files, when the stored chunks hold them in order (the tensor is cut along
+its first dimension only), so they can be copied file to file without being read at all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest
 from checkpoint_tools.read_window import DEFAULT_WINDOW_BYTES, ReadWindow
+from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 from checkpoint_tools.scratch import ScratchBuffer
 
 __all__ = ["LogicalTensorReader"]
@@ -34,6 +37,7 @@ class LogicalTensorReader:
             self.root += ".old"          # what read_manifest fell back to
         self._window = ReadWindow(budget_bytes=window_bytes, on_open=self._check_file, open_error=self._corrupt)
         self._scratch = ScratchBuffer()
+        self._headers: dict[str, dict] = {}      # file path -> its tensors' dtype, shape and bytes (checked)
 
     def _check_file(self, file_path: str) -> None:
         name = os.path.basename(file_path)
@@ -63,6 +67,38 @@ class LogicalTensorReader:
                                   f"says {dtype} {tuple(chunk['shape'])}")
         self._window.account(piece.numel() * piece.element_size())
         return piece
+
+    def _header(self, file_path: str) -> dict:
+        header = self._headers.get(file_path)
+        if header is None:
+            self._check_file(file_path)
+            try:
+                header = self._headers[file_path] = read_data_extents(file_path)
+            except (OSError, ValueError) as e:
+                raise self._corrupt(file_path, e) from None
+        return header
+
+    def extents(self, name: str) -> list[FileExtent] | None:
+        """Where the bytes of logical tensor ``name`` lie, in order, when its stored chunks are cut along
+        the first dimension only (else None: :meth:`read` it)."""
+        entry = self.manifest["tensors"].get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.root} holds no logical tensor {name!r}")
+        shape = tuple(entry["global_shape"])
+        chunks = sorted(entry["chunks"], key=lambda c: tuple(c["offsets"]))
+        if any(tuple(c["offsets"][1:]) != (0,) * (len(shape) - 1) or tuple(c["shape"][1:]) != shape[1:]
+               for c in chunks):
+            return None
+        code = SAFETENSORS_DTYPES[_DTYPES[entry["dtype"]]]
+        extents = []
+        for chunk in chunks:
+            file_path = os.path.join(self.root, chunk["file"])
+            stored = self._header(file_path).get(chunk["key"])
+            if stored is None or stored[:2] != (code, tuple(chunk["shape"])):
+                raise CheckpointError(f"{file_path}: {chunk['key']} is {stored[:2] if stored else 'missing'}, the "
+                                      f"manifest says {entry['dtype']} {tuple(chunk['shape'])}")
+            extents.append(stored[2])
+        return extents
 
     def read(self, name: str) -> torch.Tensor:
         entry = self.manifest["tensors"].get(name)

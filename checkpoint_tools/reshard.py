@@ -16,9 +16,9 @@ import os
 
 from tqdm import tqdm
 
-from checkpoint_tools.checkpoint_stream import CheckpointStreamWriter, StreamedTensor
+from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.format import _DTYPES, DEFAULT_MAX_FILE_BYTES, MANIFEST_FILE, load_rank_state, read_manifest
+from checkpoint_tools.format import _DTYPES, MANIFEST_FILE, load_rank_state, read_manifest
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import LayoutPlan, plan_layout
 from checkpoint_tools.logical_reader import LogicalTensorReader
@@ -55,7 +55,7 @@ def _regions(name: str, entry: dict, plan: LayoutPlan, checkpoint: str):
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, layout: ParallelLayout, *,
             num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
-            dispatcher: str | None = None, overwrite: bool = False, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+            dispatcher: str | None = None, overwrite: bool = False, max_file_bytes: int = CONVERSION_MAX_FILE_BYTES,
             progress: bool | None = None) -> dict:
     """Write ``checkpoint`` as the checkpoint ``out_dir`` laid out for ``layout``.
 

@@ -99,6 +99,15 @@ def assert_same_tensors(actual, expected, what):
         assert actual[key].dtype == tensor.dtype and torch.equal(actual[key], tensor), f"{what}: {key} differs"
 
 
+def hf_as_logical(hf_dir):
+    """The logical tensors an import of ``hf_dir`` must hold, by the family's adapter."""
+    from checkpoint_tools.adapters import adapter_for
+    from checkpoint_tools.import_hf import model_config_from_hf
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = model_config_from_hf(json.load(f), hf_dir)
+    return adapter_for(config.family).hf_to_megamoe(hf_tensors(hf_dir), config)
+
+
 def convert(*argv):
     """Run the CLI in process; the exit code."""
     return main([str(a) for a in argv])
@@ -184,17 +193,26 @@ def test_round_trip_keeps_bf16_and_casts_on_request(tmp_path):
 
 
 def test_streaming_reads_every_hf_tensor_once(hf_models, tmp_path, monkeypatch):
+    """Each HF tensor goes through the adapter once; those that are only renamed and cut along their first
+    dimension are not even mapped (a meta placeholder: their bytes are copied file to file)."""
     hf_dir, _ = hf_models("deepseek_v3")
-    reads = collections.Counter()
+    reads, placeholders = collections.Counter(), set()
     original = HFCheckpoint.iter_tensors
 
-    def counting(self, keys, window):
-        for key, tensor in original(self, keys, window):
+    def counting(self, keys, window, placeholders_for=()):
+        for key, tensor in original(self, keys, window, placeholders_for):
             reads[key] += 1
+            if tensor.is_meta:
+                placeholders.add(key)
             yield key, tensor
     monkeypatch.setattr(HFCheckpoint, "iter_tensors", counting)
     assert convert("import-hf", hf_dir, tmp_path / "ckpt", "--tp", 2, "--pp", 1, "--ep", 2) == 0
     assert set(reads) == set(hf_tensors(hf_dir)) and set(reads.values()) == {1}
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in placeholders          # etp 2: cut along rows
+    assert "model.layers.1.mlp.experts.0.down_proj.weight" not in placeholders      # cut along columns
+    assert "model.layers.0.self_attn.o_proj.weight" not in placeholders
+    assert_same_tensors(dict(iter_logical_tensors(tmp_path / "ckpt")),
+                        hf_as_logical(hf_dir), "deepseek_v3 import")
 
 
 def test_expert_load_gives_balanced_placements(hf_models, tmp_path):
