@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest
+from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest, resolve_checkpoint
 from checkpoint_tools.read_window import DEFAULT_WINDOW_BYTES, ReadWindow
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 from checkpoint_tools.scratch import ScratchBuffer
@@ -32,9 +32,7 @@ class LogicalTensorReader:
     def __init__(self, path: str | os.PathLike, manifest: dict | None = None, *,
                  window_bytes: int = DEFAULT_WINDOW_BYTES):
         self.manifest = manifest if manifest is not None else read_manifest(path)
-        self.root = os.fspath(path)
-        if not os.path.isfile(os.path.join(self.root, "manifest.json")) and os.path.isdir(self.root + ".old"):
-            self.root += ".old"          # what read_manifest fell back to
+        self.root = resolve_checkpoint(path)      # <path>.old after an interrupted swap, as read_manifest
         self._window = ReadWindow(budget_bytes=window_bytes, on_open=self._check_file, open_error=self._corrupt)
         self._scratch = ScratchBuffer()
         self._headers: dict[str, dict] = {}      # file path -> its tensors' dtype, shape and bytes (checked)
