@@ -1,5 +1,5 @@
 """What several benchmark scripts share: the allocator setting, transformers' experts implementations
-that cannot run on CPU, and timing one call.
+that cannot run on CPU, timing one call and writing the results.
 
 The scripts import it as a sibling module (``python benchmarks/<script>.py`` puts this directory on
 ``sys.path``).
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import time
+from pathlib import Path
 from typing import Callable
 
-__all__ = ["HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap", "time_call"]
+__all__ = ["HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap", "time_call", "write_results"]
 
 # transformers' experts implementations that need CUDA kernels, and why they are skipped here.
 HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
@@ -37,3 +39,11 @@ def time_call(fn: Callable) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def write_results(path: str | Path, results: dict) -> None:
+    """Write ``results`` as JSON to ``path`` (its directory created) and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common import write_results  # sibling module
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, FFN, VOCAB = 1024, 16, 4, 64, 32, 1024, 32000
 SHARD_BYTES = 500 * 10**6
 LAYOUT = ["--tp", "2", "--pp", "1", "--ep", "2", "--etp", "2"]      # import-hf's target layout
@@ -193,9 +195,7 @@ def main() -> None:
         print(f"{step:<10} {seconds:>9.2f} {ratio:>6.2f} {ratio_sync:>9.2f} "
               f"{statistics.median(r['startup_s'] for r in runs[step]):>9.2f} {peak / MIB:>12.0f} "
               f"{rss_budget / MIB:>10.0f}  time {'ok' if time_ok else 'MISSED'}, RSS {'ok' if rss_ok else 'MISSED'}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_results(args.json, result)
 
 
 if __name__ == "__main__":

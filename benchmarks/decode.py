@@ -18,7 +18,6 @@ Target: megamoe decode >= 2x transformers. Writes JSON (default benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_tools.adapters import adapter_for
+from common import write_results  # sibling module
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
@@ -153,10 +153,7 @@ def main(argv=None) -> int:
     met = all(row["decode_speedup"] >= TARGET_DECODE_SPEEDUP for row in results["rows"])
     results["target_met"] = met
     print(f"target: megamoe decode >= {TARGET_DECODE_SPEEDUP}x transformers: {'met' if met else 'NOT met'}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, results)
     return 0
 
 

@@ -21,7 +21,6 @@ path is exercised), writes no JSON, and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from common import write_results  # sibling module
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.fp8 import FP8Config, compute_scale, quantize
 
@@ -156,10 +156,7 @@ def main(argv=None) -> int:
         run_cpu_emulation()
         return 0
     results = run_gpu(QUICK if args.quick else FULL, repeats=5 if args.quick else 20)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, results)
     return 0
 
 

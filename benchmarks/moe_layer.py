@@ -30,7 +30,6 @@ times the bound's. ``--default-allocator`` measures with glibc's defaults instea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -41,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap, time_call  # sibling
+from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap, time_call,  # sibling module
+                    write_results)
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts, GroupedMLPFunction, SlotGroups
 from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
 from megamoe.moe.router import Router, RouterConfig
@@ -276,10 +276,7 @@ def main(argv=None) -> int:
         results["shapes"].append(entry)
         del rows
 
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.json, results)
     return 0
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -46,7 +45,8 @@ from typing import Callable
 import torch
 
 from checkpoint_tools.adapters import adapter_for
-from common import BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap, time_call  # sibling module
+from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap, time_call,  # sibling module
+                    write_results)
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
 from megamoe.models.hf_loading import load_logical_state
@@ -286,10 +286,7 @@ def main(argv=None) -> int:
     if beyond_bound:
         print(f"target above the bound (unreachable here) against: {', '.join(beyond_bound)}")
 
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.json, results)
     return 0
 
 
