@@ -78,7 +78,8 @@ from megamoe.checkpoint_state import LogicalChunk
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE", "MANIFEST_FIELDS", "DEFAULT_MAX_FILE_BYTES",
     "CheckpointError", "save_checkpoint", "load_checkpoint", "load_rank_state", "read_manifest",
-    "verify_checkpoint", "iter_logical_tensors", "resolve_checkpoint",
+    "verify_checkpoint", "iter_logical_tensors", "resolve_checkpoint", "check_stored_file", "file_digest",
+    "fsync_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,8 @@ def _check_tiling(name: str, global_shape: tuple[int, ...], regions: list[Region
                               f"(global shape {global_shape}): some part of it is held by no rank")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Force a directory's entries (renames, new files) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -155,14 +157,15 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _hash_and_fsync(file_path: str) -> tuple[int, str]:
-    """Size and SHA-256 of a file as it is on disk, after forcing it there."""
+def file_digest(file_path: str, *, fsync: bool = False) -> tuple[int, str]:
+    """Size and SHA-256 of a file as it is on disk (forced there first with ``fsync``)."""
     digest, size = hashlib.sha256(), 0
     with open(file_path, "rb") as f:
         while block := f.read(1 << 24):
             digest.update(block)
             size += len(block)
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     return size, digest.hexdigest()
 
 
@@ -301,7 +304,7 @@ def _write_rank_files(tmp_dir: str, rank: int, chunks: list[LogicalChunk], write
         # Private CPU copies: safetensors refuses tensors that share memory (views of one parameter).
         safetensors.torch.save_file({key: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()) for key, t in batch},
                                     file_path)
-        size, sha = _hash_and_fsync(file_path)
+        size, sha = file_digest(file_path, fsync=True)
         report.files[file_name] = {"bytes": size, "sha256": sha}
         report.file_of_key.update((key, file_name) for key, _ in batch)
     return report
@@ -339,7 +342,7 @@ def _write_manifest(tmp_dir: str, manifest: dict) -> None:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp_dir)
+    fsync_dir(tmp_dir)
 
 
 def _swap_into_place(tmp_dir: str, path: str) -> None:
@@ -347,7 +350,7 @@ def _swap_into_place(tmp_dir: str, path: str) -> None:
     if os.path.exists(path):
         os.rename(path, old)
     os.rename(tmp_dir, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
     if os.path.exists(old):
         shutil.rmtree(old)
 
@@ -534,18 +537,9 @@ class _Reader:
     def _open(self, file_name: str):
         if file_name in self.handles:
             return self.handles[file_name]
-        file_path = os.path.join(self.root, file_name)
-        info = self.manifest["files"].get(file_name)
-        if info is None:
-            raise CheckpointError(f"{self.root}: the manifest refers to {file_name}, which it does not list")
-        if not os.path.isfile(file_path):
-            raise CheckpointError(f"checkpoint file {file_path} is missing")
-        size = os.path.getsize(file_path)
-        if size != info["bytes"]:
-            raise CheckpointError(f"checkpoint file {file_path} has {size} bytes, the manifest says {info['bytes']} "
-                                  "(truncated or overwritten)")
+        file_path = check_stored_file(self.root, self.manifest, file_name)
         if self.verify_checksums:
-            _verify_file_checksum(file_path, info["sha256"])
+            _verify_file_checksum(file_path, self.manifest["files"][file_name]["sha256"])
         try:
             handle = self.stack.enter_context(safe_open(file_path, framework="pt"))
         except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad header
@@ -572,13 +566,25 @@ class _Reader:
 
 
 def _verify_file_checksum(file_path: str, expected: str) -> None:
-    digest = hashlib.sha256()
-    with open(file_path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    if digest.hexdigest() != expected:
-        raise CheckpointError(f"checksum mismatch for {file_path}: SHA-256 {digest.hexdigest()}, the manifest "
-                              f"says {expected}")
+    actual = file_digest(file_path)[1]
+    if actual != expected:
+        raise CheckpointError(f"checksum mismatch for {file_path}: SHA-256 {actual}, the manifest says {expected}")
+
+
+def check_stored_file(root: str, manifest: dict, file_name: str) -> str:
+    """The path of the checkpoint file ``file_name`` after checking that the manifest lists it, that it
+    exists and that it has the recorded size (a truncated file is refused). CheckpointError otherwise."""
+    file_path = os.path.join(root, file_name)
+    info = manifest["files"].get(file_name)
+    if info is None:
+        raise CheckpointError(f"{root}: the manifest refers to {file_name}, which it does not list")
+    if not os.path.isfile(file_path):
+        raise CheckpointError(f"checkpoint file {file_path} is missing")
+    size = os.path.getsize(file_path)
+    if size != info["bytes"]:
+        raise CheckpointError(f"checkpoint file {file_path} has {size} bytes, the manifest says {info['bytes']} "
+                              "(truncated or overwritten)")
+    return file_path
 
 
 def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, strict: bool = True,

@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest, resolve_checkpoint
+from checkpoint_tools.format import (_DTYPES, CheckpointError, check_stored_file, read_manifest,
+                                    resolve_checkpoint)
 from checkpoint_tools.read_window import DEFAULT_WINDOW_BYTES, ReadWindow
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 from checkpoint_tools.scratch import ScratchBuffer
@@ -38,16 +39,7 @@ class LogicalTensorReader:
         self._headers: dict[str, dict] = {}      # file path -> its tensors' dtype, shape and bytes (checked)
 
     def _check_file(self, file_path: str) -> None:
-        name = os.path.basename(file_path)
-        info = self.manifest["files"].get(name)
-        if info is None:
-            raise CheckpointError(f"{self.root}: the manifest refers to {name}, which it does not list")
-        if not os.path.isfile(file_path):
-            raise CheckpointError(f"checkpoint file {file_path} is missing")
-        size = os.path.getsize(file_path)
-        if size != info["bytes"]:
-            raise CheckpointError(f"checkpoint file {file_path} has {size} bytes, the manifest says {info['bytes']} "
-                                  "(truncated or overwritten)")
+        check_stored_file(self.root, self.manifest, os.path.basename(file_path))
 
     @staticmethod
     def _corrupt(file_path: str, error: Exception) -> CheckpointError:

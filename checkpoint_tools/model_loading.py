@@ -1,9 +1,10 @@
 """Build this rank's :class:`GPTMoEModel` from a megamoe checkpoint (converted or trained) and fill it.
 
 The model config comes from the manifest; the engine's choices (dispatcher, number of expert slots, expert
-backend, sharded MoE input) may differ from the saved ones. The saved expert placement of a layer is reused when its slots and EP size
-match the model's, else the default placement is built: the checkpoint stores each expert once, so any
-placement loads. Every rank reads only its own slices (no communication).
+backend, sharded MoE input) may differ from the saved ones. The saved expert placement of a layer is
+reused when its slots and EP size match the model's, else the default placement is built: the
+checkpoint stores each expert once, so any placement loads. Every rank reads only its own slices (no
+communication).
 """
 
 from __future__ import annotations

@@ -16,18 +16,11 @@ import shutil
 from typing import Callable, Iterable
 
 from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.format import fsync_dir
 
 __all__ = ["OutputDirectory"]
 
 logger = logging.getLogger(__name__)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _inside(path: str, other: str) -> bool:
@@ -79,14 +72,14 @@ class OutputDirectory:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
         try:
-            _fsync_dir(self.tmp)
+            fsync_dir(self.tmp)
             old = self.path + ".old"
             if os.path.exists(old):
                 shutil.rmtree(old)
             if os.path.exists(self.path):
                 os.rename(self.path, old)
             os.rename(self.tmp, self.path)
-            _fsync_dir(os.path.dirname(self.path))
+            fsync_dir(os.path.dirname(self.path))
             if os.path.exists(old):
                 shutil.rmtree(old)
         except BaseException:

@@ -7,20 +7,12 @@ export copies them back next to the new config.json; reshard carries them along.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 
+from checkpoint_tools.format import file_digest
+
 __all__ = ["copy_side_files", "verify_side_files"]
-
-
-def _digest(path: str) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
 
 
 def copy_side_files(source_dir: str, names: list[str], target_dir: str) -> dict[str, dict]:
@@ -30,7 +22,7 @@ def copy_side_files(source_dir: str, names: list[str], target_dir: str) -> dict[
     for name in sorted(names):
         target = os.path.join(target_dir, name)
         shutil.copyfile(os.path.join(source_dir, name), target)
-        size, sha = _digest(target)
+        size, sha = file_digest(target)
         copied[name] = {"bytes": size, "sha256": sha}
     return copied
 
@@ -43,7 +35,7 @@ def verify_side_files(directory: str, recorded: dict[str, dict]) -> list[str]:
         if not os.path.isfile(path):
             problems.append(f"side file {path} is missing")
             continue
-        size, sha = _digest(path)
+        size, sha = file_digest(path)
         if (size, sha) != (info["bytes"], info["sha256"]):
             problems.append(f"side file {path} does not match the manifest (size {size}, SHA-256 {sha[:12]}...)")
     return problems
