@@ -12,7 +12,10 @@ by both), short and long prompts, and each thread count:
 
 The same outside measurement serves both libraries. Rows are interleaved repeat by repeat so that
 load from other processes hits both alike; the table shows medians, the JSON keeps every repeat.
-Target: megamoe decode >= 2x transformers. Writes JSON (default benchmarks/results/decode.json).
+Implementations: transformers (its default eager ``generate()``), megamoe (eager) and megamoe/compiled
+(``generate(..., compiled=True)``: decode steps through ``torch.compile``; compiled during the warm-up,
+once per batch size). Target: megamoe decode >= 2x transformers, checked on the compiled
+row. Writes JSON (default benchmarks/results/decode.json).
 """
 
 from __future__ import annotations
@@ -75,11 +78,12 @@ def hf_runner(hf, prompts):
     return run
 
 
-def megamoe_runner(model, prompts):
+def megamoe_runner(model, prompts, compiled: bool):
     state = ParallelState.single_process()
 
     def run(new_tokens: int) -> list[list[int]]:
-        return generate(model, state, prompts, GenerationConfig(max_new_tokens=new_tokens)).token_ids
+        return generate(model, state, prompts, GenerationConfig(max_new_tokens=new_tokens),
+                        compiled=compiled).token_ids
     return run
 
 
@@ -92,8 +96,8 @@ def timed(run, new_tokens: int) -> tuple[float, list[list[int]]]:
 def measure(runners: dict, batch: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
     samples = {name: {"prefill_s": [], "full_s": []} for name in runners}
     outputs = {}
-    for name, run in runners.items():                  # warm-up (allocations, lazy inits)
-        run(2)
+    for name, run in runners.items():                  # warm-up (allocations, lazy inits, compilation)
+        run(3)
     for _ in range(repeats):
         for name, run in runners.items():
             prefill_s, _ = timed(run, 1)
@@ -118,7 +122,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode.json"),
                         help="where to write the results")
+    parser.add_argument("--eager-only", action="store_true",
+                        help="leave out megamoe/compiled (whose first call per shape compiles for tens of seconds)")
     args = parser.parse_args(argv)
+    implementations = ["megamoe"] if args.eager_only else ["megamoe", "megamoe/compiled"]
     shortest_allowed = 4 * (max(BATCHES) - 1) + 1
     if min(args.prompt_lens) < shortest_allowed:
         parser.error(f"--prompt-lens must be >= {shortest_allowed}: a batch of {max(BATCHES)} prompts is 4 tokens "
@@ -131,28 +138,32 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}; Qwen3-MoE-like model {MODEL}; {new_tokens} new tokens, median of {repeats}")
     print("prompt: the longest of the batch (the others are 4, 8, ... tokens shorter); decode x: megamoe / "
           "transformers decode tokens/s")
-    print(f"{'threads':>7s} {'prompt':>6s} {'batch':>5s} {'implementation':>14s} {'prefill tok/s':>14s} "
+    print(f"{'threads':>7s} {'prompt':>6s} {'batch':>5s} {'implementation':>16s} {'prefill tok/s':>14s} "
           f"{'decode tok/s':>13s} {'decode x':>9s} {'same ids':>8s}")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for prompt_len in args.prompt_lens:
             for batch in BATCHES:
                 prompts = prompts_for(batch, prompt_len, generator)
-                runners = {"transformers": hf_runner(hf, prompts), "megamoe": megamoe_runner(model, prompts)}
+                runners = {"transformers": hf_runner(hf, prompts)}
+                for name in implementations:
+                    runners[name] = megamoe_runner(model, prompts, compiled=name == "megamoe/compiled")
                 measured, outputs = measure(runners, batch, sum(map(len, prompts)), new_tokens, repeats)
-                same = outputs["megamoe"] == outputs["transformers"]
-                speedup = (measured["megamoe"]["decode_tokens_per_s"]
-                           / measured["transformers"]["decode_tokens_per_s"])
+                reference = measured["transformers"]["decode_tokens_per_s"]
+                speedups = {name: measured[name]["decode_tokens_per_s"] / reference for name in implementations}
+                same = {name: outputs[name] == outputs["transformers"] for name in implementations}
                 for name, m in measured.items():
-                    shown = f"{speedup:9.2f}" if name == "megamoe" else f"{'':9s}"
-                    print(f"{threads:7d} {prompt_len:6d} {batch:5d} {name:>14s} {m['prefill_tokens_per_s']:14.1f} "
-                          f"{m['decode_tokens_per_s']:13.1f} {shown} {str(same):>8s}", flush=True)
+                    shown = f"{speedups[name]:9.2f} {str(same[name]):>8s}" if name in speedups else ""
+                    print(f"{threads:7d} {prompt_len:6d} {batch:5d} {name:>16s} {m['prefill_tokens_per_s']:14.1f} "
+                          f"{m['decode_tokens_per_s']:13.1f} {shown}", flush=True)
                 results["rows"].append({"threads": threads, "prompt_len": prompt_len, "batch": batch,
-                                        "same_token_ids": same, "decode_speedup": speedup,
+                                        "same_token_ids": same, "decode_speedup": speedups,
                                         "implementations": measured})
-    met = all(row["decode_speedup"] >= TARGET_DECODE_SPEEDUP for row in results["rows"])
+    best = implementations[-1]
+    met = all(row["decode_speedup"][best] >= TARGET_DECODE_SPEEDUP for row in results["rows"])
     results["target_met"] = met
-    print(f"target: megamoe decode >= {TARGET_DECODE_SPEEDUP}x transformers: {'met' if met else 'NOT met'}")
+    print(f"target: {best} decode >= {TARGET_DECODE_SPEEDUP}x transformers in every row: "
+          f"{'met' if met else 'NOT met'}")
     write_results(args.json, results)
     return 0
 

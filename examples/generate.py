@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
     s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     s.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens of this total mass")
+    s.add_argument("--compile", action="store_true",
+                   help="decode steps through torch.compile (the first step compiles, tens of seconds on a CPU; "
+                        "worth it for long generations)")
     s.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each prompt draws from its own generator, so results do not depend on "
                         "the layout or on the batch")
@@ -241,7 +244,7 @@ def main(argv=None) -> int:
         mine = mine[state.dp.rank::state.dp.size]
     if args.record_expert_load is not None:
         reset_expert_load(model)
-    output = generate(model, state, [prompt_ids[i] for i in mine], config, request_ids=mine)
+    output = generate(model, state, [prompt_ids[i] for i in mine], config, request_ids=mine, compiled=args.compile)
     if args.record_expert_load is not None:
         record_expert_load(args, model, placements, state, len(prompt_ids))
 

@@ -273,3 +273,29 @@ def test_forward_errors(backend):
         module(x, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="cast one of them"):
         module(x.double(), torch.tensor([2, 2]))
+
+
+@pytest.mark.parametrize("activation", ("swiglu", "gelu"))
+@pytest.mark.parametrize("backend", ("torch", "loop"))
+def test_forward_per_pair_matches_grouped_forward_and_combine(activation, backend):
+    """The static-shape decode path: each token's weighted sum over its pairs, pairs whose slot is -1
+    or out of range contribute nothing, equals sorting the pairs, the grouped forward and the sum."""
+    module = _load(_experts(activation, backend), _full_weights(5, activation == "swiglu", seed=4))
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randn(4, H, generator=g)
+    slot_ids = torch.tensor([[0, 3], [2, -1], [4, 4], [7, 1]])          # -1 and 7: not computed here
+    weights = torch.rand(4, 2, generator=g)
+    expected = torch.zeros(4, H)
+    for t in range(4):
+        for k in range(2):
+            slot = int(slot_ids[t, k])
+            if 0 <= slot < 5:
+                counts = torch.zeros(5, dtype=torch.int64)
+                counts[slot] = 1
+                expected[t] += weights[t, k] * module(tokens[t:t + 1], counts)[0].detach()
+    with torch.no_grad():
+        _close(module.forward_per_pair(tokens, slot_ids, weights), expected, "per-pair output")
+    fp8_like = _experts()
+    fp8_like.backend = "te"
+    with pytest.raises(ValueError, match="forward_per_pair needs the 'torch' or 'loop' backend"):
+        fp8_like.forward_per_pair(tokens, slot_ids, weights)

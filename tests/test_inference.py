@@ -105,6 +105,37 @@ def test_greedy_matches_transformers(family):
     assert out.decode_tokens_per_second > 0 and out.prefill_tokens_per_second > 0
 
 
+@pytest.mark.slow      # one torch.compile per family, ~15 s each
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
+def test_compiled_decoding_matches_eager(family):
+    """generate(compiled=True): the same tokens, stop reasons and expert load as eager decoding, for a
+    left-padded batch with a row that stops early (then runs on as padding), with replicated expert
+    slots (MLA, shared experts, group-limited routing, a dense first layer for DeepSeek-V3; a gated
+    shared expert for Qwen2-MoE); a second call with another cache length reuses the compiled graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    stop = _stop_token(family)[0]
+    model = _our_model(family, num_expert_slots=2 * hf_model(family)[1].moe.router.num_experts)
+    config = GenerationConfig(max_new_tokens=NEW, stop_token_ids=(stop,))
+    runs = {}
+    for compiled in (False, True):
+        reset_expert_load(model)
+        out = generate(model, SOLO, PROMPTS, config, compiled=compiled)
+        runs[compiled] = out, {i: layer.load_counter.per_expert.clone() for i, layer in model.moe_layers().items()}
+    (eager, eager_load), (compiled, compiled_load) = runs[False], runs[True]
+    assert compiled.token_ids == eager.token_ids and compiled.finish_reasons == eager.finish_reasons
+    assert "stop" in compiled.finish_reasons and compiled.decode_steps == eager.decode_steps > 0
+    for layer_id in eager_load:
+        assert torch.equal(compiled_load[layer_id], eager_load[layer_id]), layer_id
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs > 0, "nothing was compiled"
+    shorter = GenerationConfig(max_new_tokens=NEW - 2)
+    assert (generate(model, SOLO, PROMPTS, shorter, compiled=True).token_ids
+            == generate(model, SOLO, PROMPTS, shorter).token_ids)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another cache length recompiled"
+
+
 def test_padding_and_batching_do_not_change_results():
     """Each prompt alone, or in a batch (left-padded), or after requests that stop early: same tokens;
     sampled tokens depend on (seed, request id) only, not on the batch."""
@@ -284,6 +315,29 @@ def _expected(family, checkpoint_dir):
     expected = dict(greedy=_hf_generate(hf, PROMPTS, NEW, stop), sampled=sampled, placements=placements,
                     load={i: n.tolist() for i, n in load.items()})
     return (family, config, logical, stop, path), expected
+
+
+def _compiled_layouts_worker(rank, world_size, family, layouts):
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    results = []
+    for sizes, engine in layouts:
+        state = initialize_model_parallel(**sizes)
+        model = _our_model(family, state, **engine)
+        config = GenerationConfig(max_new_tokens=NEW)
+        eager = generate(model, state, PROMPTS, config).token_ids
+        results.append(generate(model, state, PROMPTS, config, compiled=True).token_ids == eager)
+        destroy_model_parallel()
+    return results
+
+
+@pytest.mark.slow      # a compilation per layout on each of 2 ranks, ~60 s
+def test_compiled_decoding_under_parallel_layouts():
+    """Where layers communicate (TP, EP, PP), the compiled step breaks its graph around the
+    collectives and the MoE dispatch (always eager): still the eager tokens."""
+    layouts = [(dict(tp=2), dict(dispatcher="allgather")),
+               (dict(ep=2), dict(dispatcher="alltoall", num_expert_slots=12)),
+               (dict(pp=2), {})]
+    assert run_on_ranks(_compiled_layouts_worker, 2, args=("qwen2_moe", layouts)) == [[True] * 3] * 2
 
 
 @pytest.mark.slow

@@ -247,3 +247,20 @@ def test_config_errors_name_the_field():
         MoEConfig(router=router, ffn_hidden_size=F, input_sharded=True)
     with pytest.raises(ValueError, match="capacity_factor"):
         MoEConfig(router=router, ffn_hidden_size=F, capacity_factor=0)
+
+
+def test_token_mask_keeps_padding_away_from_experts_and_load():
+    """Masked-out tokens reach no expert and are not counted; the real tokens' outputs are unchanged."""
+    torch.manual_seed(0)
+    layer = MoELayer(_config(shared=False, backend="torch"))
+    x, _ = _inputs()
+    mask = torch.arange(T) % 3 != 0
+    layer.load_counter.reset()
+    with torch.no_grad():
+        masked, _ = layer(x, token_mask=mask)
+        counts = layer.load_counter.per_expert.clone(), layer.load_counter.per_slot.clone()
+        layer.load_counter.reset()
+        real_only, _ = layer(x[mask])
+    assert torch.allclose(masked[mask], real_only, atol=1e-6)
+    assert torch.equal(counts[0], layer.load_counter.per_expert) and int(counts[0].sum()) == K * int(mask.sum())
+    assert torch.equal(counts[1], layer.load_counter.per_slot)

@@ -321,6 +321,38 @@ def test_kv_cache_seam(kind):
     _close(torch.cat(steps, dim=1), full, f"{kind} cached decode")
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_static_shape_kv_cache_decode(kind):
+    """The compiled-decoding form of the seam: after an appending prefill, each decode step writes at
+    the cache's ``write_index``, the cache returns its whole (longer, zero-filled) buffer and the
+    attention keeps the positions its mask spans (a padding column hidden): same outputs as appending.
+    Without a mask such a cache is refused."""
+    from megamoe.inference.kv_cache import StaticKVCache
+    cfg = hf_configs()[kind]
+    block = Attention(attention_config(cfg)) if kind == "mixtral" else MultiHeadLatentAttention(mla_config(cfg))
+    x = _data(11, B, S, H)
+    width = S + 5                                               # room the decode never fills
+    mask = torch.zeros(B, width, dtype=torch.bool)
+    mask[:, :S] = True
+    mask[0, 1] = False                                          # a padding position of row 0
+    with torch.no_grad():
+        appending, static = StaticKVCache(width), StaticKVCache(width)
+        block(x[:, :4], POSITIONS[:, :4], appending, mask[:, :4])
+        expected = [block(x[:, t:t + 1], POSITIONS[:, t:t + 1], appending, mask[:, :t + 1]) for t in range(4, S)]
+        block(x[:, :4], POSITIONS[:, :4], static, mask[:, :4])
+        static.write_index = torch.zeros(1, dtype=torch.int64)
+        got = []
+        for t in range(4, S):
+            static.write_index.fill_(t)
+            got.append(block(x[:, t:t + 1], POSITIONS[:, t:t + 1], static, mask[:, :t + 1]))
+            assert static.query_positions.tolist() == [t]
+        with pytest.raises(ValueError, match="needs the attention_mask"):
+            block(x[:, -1:], POSITIONS[:, -1:], static)
+    assert all(b.shape[-2] == width for b in static.buffers)
+    assert all(torch.equal(b[..., S:, :], torch.zeros_like(b[..., S:, :])) for b in static.buffers)
+    _close(torch.cat(got, dim=1), torch.cat(expected, dim=1), f"{kind} static-shape decode")
+
+
 def test_configs_validate_themselves():
     rope = RopeConfig(dim=8)
     with pytest.raises(ValueError, match="num_attention_heads"):

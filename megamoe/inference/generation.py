@@ -14,6 +14,16 @@ token, and the index-based causal and sliding-window masks stay exact. A boolean
 that has finished (stop token) keeps running as padding: its later tokens are masked, skip the
 MLP / MoE layers and are not counted in the expert load.
 
+Compiled decoding (``generate(..., compiled=True)``): the prefill runs eagerly; every decode step
+runs the model through ``torch.compile`` without host syncs (:meth:`GPTMoEModel.run_layers_static`):
+the caches are written at a position held in a tensor, finished rows stay in the batch as padding
+that reaches no expert, and the MoE layers compute their few (token, expert) pairs without sorting
+(see :mod:`megamoe.moe.moe_layer`). The number of cached positions and the cache length are
+dynamic dimensions of the compiled graph, so the first decode step compiles (tens of seconds on a
+CPU) and later steps and calls reuse it (a new batch size compiles once more); tokens equal
+the eager ones up to floating-point summation order. Collectives, sampling and the bookkeeping
+between steps stay eager.
+
 Requests and ranks. The ranks of a TP group and of a pipeline hold the same requests. Data-parallel
 ranks either all pass the same prompts (replicated), or each passes its own (data-parallel
 attention: attention runs on each rank's requests, the MoE layers are expert-parallel across ranks
@@ -106,22 +116,39 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[li
     return checked
 
 
+def _stage_forward(model: GPTMoEModel, inputs, positions, caches, attention_mask, token_mask=None):
+    """This stage's layers: the last position's local logits [B, V / tp] on the last stage, the hidden
+    states [B, S, H] elsewhere. ``token_mask`` given: the step without host syncs (compiled decoding)."""
+    if token_mask is None:
+        hidden, _ = model.run_layers(inputs, positions, caches, attention_mask)
+    else:
+        hidden, _ = model.run_layers_static(inputs, positions, caches, attention_mask, token_mask)
+    return model.logits(hidden[:, -1]) if model.is_last_stage else hidden
+
+
+# One compiled callable for every model: dynamo caches a graph per model. The lengths that change
+# from step to step and call to call are marked dynamic (see generate), so one graph serves them all.
+_compiled_stage_forward = torch.compile(_stage_forward)
+
+
 def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tensor, caches: dict,
-          attention_mask: torch.Tensor, sampling: SamplingConfig, generators: list) -> torch.Tensor:
+          attention_mask: torch.Tensor, sampling: SamplingConfig, generators: list,
+          token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One forward pass of the whole pipeline on ``inputs`` [B, S] token ids: the next token of every
-    row [B], on every rank."""
+    row [B], on every rank. With ``token_mask`` [B * S], the compiled step."""
     batch, seq = inputs.shape
     device = attention_mask.device
     if not model.is_first_stage:
         dtype = next(model.parameters()).dtype
         inputs = comms.recv(torch.empty(batch, seq, model.config.hidden_size, dtype=dtype, device=device),
                             state.pp_prev_rank, state.pp.group)
-    hidden, _ = model.run_layers(inputs, positions, caches, attention_mask)
+    forward = _stage_forward if token_mask is None else _compiled_stage_forward
+    output = forward(model, inputs, positions, caches, attention_mask, token_mask)
     if model.is_last_stage:
-        logits = comms.gather_from_tensor_parallel_region(model.logits(hidden[:, -1]), state.tp.group)  # [B, V]
+        logits = comms.gather_from_tensor_parallel_region(output, state.tp.group)          # [B, V]
         tokens = sample_next_tokens(logits.float(), sampling, generators)
     else:
-        comms.send(hidden, state.pp_next_rank, state.pp.group)
+        comms.send(output, state.pp_next_rank, state.pp.group)
         tokens = torch.empty(batch, dtype=torch.int64, device=device)
     return comms.broadcast_(tokens, state.pp.ranks[-1], state.pp.group)
 
@@ -133,12 +160,13 @@ def _any_unfinished(finished: torch.Tensor, state, device) -> bool:
 
 @torch.no_grad()
 def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config: GenerationConfig, *,
-             request_ids: Sequence[int] | None = None) -> GenerationOutput:
+             request_ids: Sequence[int] | None = None, compiled: bool = False) -> GenerationOutput:
     """Generate continuations of ``prompts`` (lists of token ids) on this rank's pipeline stage
     ``model`` of the layout ``state`` (see the module docstring for who passes which prompts).
 
     ``request_ids`` (default ``0 .. len(prompts) - 1``) seed each request's sampling generator.
-    Returns this rank's requests' new token ids, why each stopped, and timings.
+    ``compiled``: decode steps through ``torch.compile`` (see the module docstring; every rank must
+    pass the same). Returns this rank's requests' new token ids, why each stopped, and timings.
     """
     prompts = _check_prompts(prompts, model.config.vocab_size)
     request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
@@ -161,6 +189,12 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
     started = time.perf_counter()
     tokens = _step(model, state, ids, positions, caches, mask[:, :prompt_len], sampling, generators)
     prefill_done = time.perf_counter()
+    token_mask = None
+    if compiled:                  # decode steps write every cache at one position held in a tensor
+        write_index = torch.zeros(1, dtype=torch.int64, device=device)
+        for cache in caches.values():
+            cache.write_index = write_index
+        token_mask = torch.empty(len(rows), dtype=torch.bool, device=device)
     decode_steps = 0
     for step in range(config.max_new_tokens):
         for row, token in enumerate(tokens.tolist()[:len(prompts)]):
@@ -175,8 +209,16 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         column = prompt_len + step                              # cache index of the token fed now
         mask[:, column] = ~finished.to(device)                  # finished rows continue as padding
         positions = positions[:, -1:] + 1
-        tokens = _step(model, state, tokens[:, None], positions, caches, mask[:, :column + 1], sampling,
-                       generators)
+        visible = mask[:, :column + 1]
+        if compiled:
+            write_index.fill_(column)
+            token_mask.copy_(mask[:, column])
+            if step == 0:         # compile for any cache length and any number of cached positions
+                torch._dynamo.mark_dynamic(visible, 1)
+                for cache in caches.values():
+                    for buffer in cache.buffers:
+                        torch._dynamo.mark_dynamic(buffer, buffer.dim() - 2)
+        tokens = _step(model, state, tokens[:, None], positions, caches, visible, sampling, generators, token_mask)
         decode_steps += 1
     return GenerationOutput(
         token_ids=new_ids, finish_reasons=reasons, prompt_tokens=sum(len(p) for p in prompts),

@@ -89,17 +89,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None,
                 attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None):
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mlp_token_mask: torch.Tensor | None = None):
         """[B, S, H] -> ([B, S, H], aux_loss []). ``attention_mask`` [B, S_past + S] hides padding keys;
         ``mlp_token_index`` [T] (flat indices into the B * S tokens): only these tokens go through
         the MLP, the others (padding) keep the attention output alone; ``position_embeddings``: the
-        rotary (cos, sin) of ``position_ids``, when the caller computed them once for all layers."""
+        rotary (cos, sin) of ``position_ids``, when the caller computed them once for all layers;
+        ``mlp_token_mask`` [B * S] (the static-shape alternative to ``mlp_token_index``): every token
+        goes through the MLP, but those masked out reach no expert of a MoE layer."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache, attention_mask,
                                          position_embeddings)
         normed = self.post_attention_layernorm(hidden)
         if mlp_token_index is not None:
             normed = normed.reshape(-1, normed.shape[-1]).index_select(0, mlp_token_index)   # [T, H]
-        mlp_out = self.mlp(normed)
+        if mlp_token_mask is not None and isinstance(self.mlp, MoELayer):
+            mlp_out = self.mlp(normed, token_mask=mlp_token_mask)
+        else:
+            mlp_out = self.mlp(normed)
         if isinstance(mlp_out, tuple):
             mlp_out, aux_loss = mlp_out
         else:
@@ -175,14 +181,8 @@ class GPTMoEModel(nn.Module):
     def run_layers(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, kv_caches=None,
                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding (first stage) and this stage's decoder layers: ``(hidden [B, S, H], aux_loss)``."""
-        if self.is_first_stage:
-            batch, seq = inputs.shape
-            hidden = self.embed_tokens(inputs)
-        else:
-            batch, seq = inputs.shape[:2]
-            hidden = inputs
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
+        hidden, position_ids = self._embed(inputs, position_ids)
+        seq = hidden.shape[1]
         mlp_token_index = None
         if attention_mask is not None:               # host syncs once per call, not per layer
             real = attention_mask[:, -seq:].reshape(-1).bool()
@@ -190,12 +190,35 @@ class GPTMoEModel(nn.Module):
                 mlp_token_index = real.nonzero().squeeze(1)
             elif bool(attention_mask.all()):
                 attention_mask = None                # no padding at all: the plain causal mask
+        return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_index=mlp_token_index)
+
+    def run_layers_static(self, inputs: torch.Tensor, position_ids: torch.Tensor, kv_caches,
+                          attention_mask: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`run_layers` without host syncs or data-dependent shapes (compiled decoding). The caches
+        are written at their ``write_index`` (:class:`~megamoe.inference.kv_cache.StaticKVCache`);
+        ``attention_mask`` [B, S_past + S] spans the filled positions; ``token_mask`` [B * S] marks
+        this call's real tokens: padding tokens go through every layer (their outputs are unused)
+        but reach no expert and are not counted in the expert load."""
+        hidden, position_ids = self._embed(inputs, position_ids)
+        return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_mask=token_mask)
+
+    def _embed(self, inputs: torch.Tensor, position_ids: torch.Tensor | None):
+        """(hidden [B, S, H], position_ids [B, S]): the embedding on the first stage, the received
+        hidden states elsewhere."""
+        hidden = self.embed_tokens(inputs) if self.is_first_stage else inputs
+        if position_ids is None:
+            batch, seq = hidden.shape[:2]
+            position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
+        return hidden, position_ids
+
+    def _decoder_layers(self, hidden, position_ids, kv_caches, attention_mask, *, mlp_token_index=None,
+                        mlp_token_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         aux_loss = hidden.new_zeros((), dtype=torch.float32)
         position_embeddings = self.rotary(position_ids)
         for key, layer in self.layers.items():
             cache = None if kv_caches is None else kv_caches[int(key)]
             hidden, layer_aux = layer(hidden, position_ids, cache, attention_mask, mlp_token_index,
-                                      position_embeddings)
+                                      position_embeddings, mlp_token_mask)
             aux_loss = aux_loss + layer_aux
         return hidden, aux_loss
 

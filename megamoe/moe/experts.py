@@ -202,6 +202,39 @@ class GroupedExperts(nn.Module):
             return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)
         return _grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)[0]  # inference
 
+    @property
+    def supports_per_pair(self) -> bool:
+        """Whether :meth:`forward_per_pair` is available (stacked high-precision weights)."""
+        return self.backend in ("torch", "loop") and self.config.fp8 is None
+
+    def forward_per_pair(self, tokens: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed output of few tokens, pair by pair, with static shapes (inference only).
+
+        ``tokens`` [T, H], ``slot_ids`` [T, K] local slot ids (-1 or out of range: the pair is not
+        computed here), ``weights`` [T, K] -> [T, H]: for each token, the sum over its pairs of
+        weight * expert(token), accumulated in fp32 or wider (as the grouped path's combine); a
+        partial sum over the ETP group when ``etp_size > 1``.
+
+        Each pair is a matrix-vector product with its slot's weights, read by index: T * K slot
+        weights are read (the grouped path reads each used slot once), but there is no sort, no
+        host synchronisation and no data-dependent shape, so ``torch.compile`` captures a whole
+        decode step. Worth it while T * K is at most about the number of local slots (decoding).
+        """
+        if not self.supports_per_pair:
+            raise ValueError(f"forward_per_pair needs the 'torch' or 'loop' backend without FP8, this is "
+                             f"{self.backend!r}{' with FP8' if self.config.fp8 is not None else ''}")
+        num_tokens, top_k = slot_ids.shape
+        num_slots = self.config.num_local_slots
+        valid = (slot_ids >= 0) & (slot_ids < num_slots)                        # [T, K]
+        slots = torch.where(valid, slot_ids, 0).reshape(-1)                     # [T * K]
+        rows = tokens.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, tokens.shape[-1], 1)   # [T * K, H, 1]
+        hidden = torch.bmm(self.w_gate_up[slots], rows).squeeze(-1)             # [T * K, G * F_shard]
+        act = _activation_forward(hidden, self.config.activation)
+        out = torch.bmm(self.w_down[slots], act.unsqueeze(-1)).view(num_tokens, top_k, -1)   # [T, K, H]
+        acc_dtype = torch.promote_types(out.dtype, torch.float32)
+        pair_weights = torch.where(valid, weights, 0).to(acc_dtype).unsqueeze(-1)
+        return (out.to(acc_dtype) * pair_weights).sum(1).to(tokens.dtype)
+
     def _forward_te(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
         sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
         if tokens_sorted.shape[0] == 0:

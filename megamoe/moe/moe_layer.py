@@ -8,6 +8,12 @@ weights; their gradients are per slot, and the training loop sums them across re
 
 Subclassing: override :meth:`build_router`, :meth:`build_experts` or :meth:`build_dispatcher` to swap
 a component; ``forward`` only strings them together.
+
+Compiled decoding: under ``torch.compile`` without gradients, when no communication is needed (EP
+and the dispatcher's reduction group of size 1) and the step has at most one (token, expert) pair
+per local slot, the layer skips dispatch and computes the pairs one by one
+(:meth:`GroupedExperts.forward_per_pair`): static shapes, no host sync, one captured graph. Eager
+calls always take the grouped path, which reads each used slot's weights once.
 """
 
 from __future__ import annotations
@@ -233,20 +239,47 @@ class MoELayer(nn.Module):
         rank_in_expert[order] = torch.arange(num_pairs, device=flat.device) - starts
         return (rank_in_expert < capacity).view_as(expert_ids)
 
-    def forward(self, hidden: torch.Tensor):
+    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None):
+        """``hidden`` [B, S, H] or [T, H] -> (output of the same shape, aux_loss []).
+        ``token_mask`` [T] (True: a real token): the other tokens (padding) reach no expert and are not
+        counted in the load; their output is unspecified (their routing still enters the aux loss)."""
         shape = hidden.shape
         num_sequences = shape[0] if hidden.dim() == 3 else 1
         x = hidden.reshape(-1, shape[-1])                                   # [T, H]
 
         routing = self.router(x, num_sequences)                             # route (fp32)
         slot_ids = self.experts_to_slots(routing.expert_ids)                # experts -> slots
+        counted_expert_ids = routing.expert_ids
+        if token_mask is not None:
+            padding = ~token_mask.reshape(-1, 1)
+            slot_ids = slot_ids.masked_fill(padding, -1)
+            counted_expert_ids = counted_expert_ids.masked_fill(padding, -1)
         with torch.no_grad():
-            self.load_counter.record(routing.expert_ids, slot_ids)
-        expert_input, tokens_per_slot = self.dispatcher.dispatch(x, slot_ids, routing.weights)
+            self.load_counter.record(counted_expert_ids, slot_ids)
+        if self._computes_per_pair(slot_ids):                               # compiled decoding
+            output = self.experts.forward_per_pair(x, slot_ids, routing.weights)
+            if self.shared_experts is not None:
+                output = output + self.shared_experts(x, self.shared_experts.gate(x))
+        else:
+            output = self.dispatch_and_compute(x, slot_ids, routing.weights)
+        return output.view(shape), routing.aux_loss
+
+    # Row counts and split sizes are read on the host by design: never traced by torch.compile, which
+    # would otherwise recompile its pieces for every new count.
+    @torch.compiler.disable
+    def dispatch_and_compute(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """dispatch -> experts -> combine (with the shared experts): [T, H] for this rank's tokens."""
+        expert_input, tokens_per_slot = self.dispatcher.dispatch(x, slot_ids, weights)
         expert_output = self.experts(expert_input, tokens_per_slot)        # grouped GEMMs
         shared_output = self._shared_experts_partial(x)
-        output = self.dispatcher.combine(expert_output, shared_output)      # weighted sum + ONE reduction
-        return output.view(shape), routing.aux_loss
+        return self.dispatcher.combine(expert_output, shared_output)        # weighted sum + ONE reduction
+
+    def _computes_per_pair(self, slot_ids: torch.Tensor) -> bool:
+        """See the module docstring: compiled inference, nothing to communicate, few pairs."""
+        return (torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and getattr(self.experts, "supports_per_pair", False)
+                and self.dispatcher.ep_size == 1 and comms.group_size(self.dispatcher.reduce_group) == 1
+                and slot_ids.numel() <= len(self.local_slots))
 
     def _shared_experts_partial(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.shared_experts is None:

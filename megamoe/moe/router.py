@@ -199,7 +199,10 @@ class Router(nn.Module):
         if cfg.routed_scaling_factor != 1.0:
             weights = weights * cfg.routed_scaling_factor
 
-        tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=cfg.num_experts)  # [E]
+        # index_add_ rather than bincount: a static output shape (torch.compile) and no device sync.
+        flat_ids = expert_ids.flatten()
+        tokens_per_expert = torch.zeros(cfg.num_experts, dtype=torch.int64, device=flat_ids.device).index_add_(
+            0, flat_ids, torch.ones_like(flat_ids))  # [E]
         aux_loss = self._losses(logits, scores, expert_ids, tokens_per_expert, num_sequences)
         return RouterOutput(
             expert_ids=expert_ids,

@@ -56,7 +56,7 @@ from megamoe.transformer.head_sharding import HeadShard, head_shard, sum_grad_ov
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["AttentionConfig", "Attention", "KVCache", "causal_attention"]
+__all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention"]
 
 QK_NORMS = (None, "per_head", "full_width")
 
@@ -65,8 +65,27 @@ class KVCache(Protocol):
     """One layer's KV cache (filled in by the inference code)."""
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this call's entries (sequence dim -2) and return all cached entries."""
+        """Store this call's entries (sequence dim -2) and return all cached entries."""
         ...
+
+    # Optional: cache indices [S] of the entries just stored, when they are not the last S of the
+    # returned ones (a cache written by index returns its whole buffer); absent or None otherwise.
+    query_positions: torch.Tensor | None
+
+
+def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor | None):
+    """Store this call's ``a`` / ``b`` (keys / values, or MLA's latent / rope key) in ``kv_cache`` and
+    return ``(all a, all b, query_positions)``: the cached positions and where this call's queries sit
+    among them (None: the last S). A cache written by index returns its whole buffer; the positions
+    in use are the first ``attention_mask.shape[-1]`` (the mask spans the keys, as always)."""
+    a, b = kv_cache.update(a, b)
+    query_positions = getattr(kv_cache, "query_positions", None)
+    if query_positions is not None:
+        if attention_mask is None:
+            raise ValueError("a KV cache written by index needs the attention_mask that spans its filled positions")
+        length = attention_mask.shape[-1]
+        a, b = a[..., :length, :], b[..., :length, :]
+    return a, b, query_positions
 
 
 @dataclass(frozen=True)
@@ -105,11 +124,11 @@ class AttentionConfig:
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                     sliding_window: int | None = None,
-                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, attention_mask: torch.Tensor | None = None,
+                     query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of query [B, Hq, Sq, D] over key [B, Hk, Sk, D] / value [B, Hk, Sk, Dv] (``Hq`` a
-    multiple of ``Hk``), the queries being the LAST ``Sq`` of the ``Sk`` positions. Returns
-    [B, Hq, Sq, Dv].
+    multiple of ``Hk``), the queries being the LAST ``Sq`` of the ``Sk`` positions, or those at the
+    key indices ``query_positions`` [Sq] (a static-shape KV cache). Returns [B, Hq, Sq, Dv].
 
     ``attention_mask`` [B, Sk] (True / 1: a real token) hides padding keys. A query always sees its
     own position, so a padding query's row is never empty: some SDPA kernels return NaN for an empty
@@ -117,12 +136,15 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     output is finite (and unused) on every backend."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     gqa = query.shape[1] != key.shape[1]
-    if attention_mask is None and (sliding_window is None or k_len <= sliding_window):
+    if query_positions is None and attention_mask is None and (sliding_window is None or k_len <= sliding_window):
         if q_len == k_len:
             return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
         if q_len == 1:                              # the last position sees every key (decoding)
             return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
-    q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+    if query_positions is None:
+        q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+    else:
+        q_pos = query_positions.to(query.device)[:, None]
     k_pos = torch.arange(k_len, device=query.device)[None, :]
     visible = k_pos <= q_pos                                                   # [Sq, Sk]
     if sliding_window is not None:
@@ -251,7 +273,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # [B, heads, S, D]
         cos, sin = self.rotary(position_ids) if position_embeddings is None else position_embeddings
         q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
+        query_positions = None
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-        out = causal_attention(q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window, attention_mask)
+            k, v, query_positions = cached_keys(kv_cache, k, v, attention_mask)
+        out = causal_attention(q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window, attention_mask,
+                               query_positions)
         return self.o_proj(out.transpose(1, 2).flatten(2))                     # [B, S, heads_local * D] in

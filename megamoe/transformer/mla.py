@@ -43,7 +43,7 @@ from megamoe import comms
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
-from megamoe.transformer.attention import KVCache, causal_attention
+from megamoe.transformer.attention import KVCache, cached_keys, causal_attention
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
@@ -180,12 +180,14 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = k_pe.view(batch, 1, seq, cfg.qk_rope_head_dim)
         cos, sin = self.rotary(position_ids) if position_embeddings is None else position_embeddings
         q_pe, k_pe = self.rotary.rotate(q_pe, cos, sin), self.rotary.rotate(k_pe, cos, sin)
+        query_positions = None
         if kv_cache is not None:
-            kv_latent, k_pe = kv_cache.update(kv_latent, k_pe)
+            kv_latent, k_pe, query_positions = cached_keys(kv_cache, kv_latent, k_pe, attention_mask)
         kv = F.linear(kv_latent.squeeze(1), self.kv_b_proj.weight)   # [B, Sk, heads * (nope + v)]
         kv = kv.unflatten(-1, (self.num_heads_local, cfg.qk_nope_head_dim + cfg.v_head_dim)).transpose(1, 2)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads_local, -1, -1)], -1)
         q = torch.cat([q_nope, q_pe], -1)
-        out = causal_attention(q, k, v, cfg.softmax_scale, attention_mask=attention_mask)   # [B, heads, S, v]
+        out = causal_attention(q, k, v, cfg.softmax_scale, attention_mask=attention_mask,
+                               query_positions=query_positions)                    # [B, heads, S, v]
         return self.o_proj(out.transpose(1, 2).flatten(2))
