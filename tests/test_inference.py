@@ -404,7 +404,7 @@ def test_generate_script_help():
 @pytest.mark.slow
 def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     """transformers model -> megamoe-convert import-hf (EP 2, 12 slots) -> examples/generate.py, one
-    process and 2 ranks with data-parallel attention (uneven requests): transformers' generate() ids,
+    process (compiled decoding) and 2 ranks with data-parallel attention (uneven requests): transformers' generate() ids,
     decoded with the tokenizer the conversion kept; the recorded expert load feeds import-hf
     --expert-load (balanced placements)."""
     from tokenizers import Tokenizer as TokenizerFile
@@ -429,7 +429,7 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
             *(arg for prompt in PROMPTS[1:] for arg in ("--prompt-ids", ",".join(map(str, prompt)))),
             "--max-new-tokens", str(NEW), "--stop-token-id", str(stop)]
 
-    single = _run_script([*args, "--output-json", "one.json"], 1, tmp_path)
+    single = _run_script([*args, "--compile", "--output-json", "one.json"], 1, tmp_path)
     document = json.loads((tmp_path / "one.json").read_text())
     assert [r["ids"] for r in document["requests"]] == expected
     assert [r["prompt_ids"] for r in document["requests"]] == PROMPTS
