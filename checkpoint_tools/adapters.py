@@ -303,6 +303,10 @@ def _expert_steps(keys: ExpertKeys, config: GPTMoEConfig, layer: int, fused: boo
     ]
 
 
+_TRANSFORMS_CACHE: dict[tuple, tuple] = {}
+_TRANSFORMS_CACHE_SIZE = 16
+
+
 @dataclass(frozen=True)
 class HFAdapter:
     """The key map of one HF family: which :class:`Rename` tables apply where, how its routed experts are
@@ -317,8 +321,19 @@ class HFAdapter:
     ignored: tuple[Callable[[str, GPTMoEConfig], bool], ...] = (_tied_lm_head,)
 
     # ---- planning -----------------------------------------------------------------------------
-    def transforms(self, config: GPTMoEConfig, fused: bool) -> list[KeyTransform]:
-        """Every step converting a whole model of ``config`` in the given HF form, in model order."""
+    def transforms(self, config: GPTMoEConfig, fused: bool) -> tuple[KeyTransform, ...]:
+        """Every step converting a whole model of ``config`` in the given HF form, in model order.
+        Built once per (adapter, config, form): a conversion asks for them several times, and a large
+        model has tens of thousands of steps."""
+        key = (self, repr(config), fused)
+        steps = _TRANSFORMS_CACHE.get(key)
+        if steps is None:
+            if len(_TRANSFORMS_CACHE) >= _TRANSFORMS_CACHE_SIZE:
+                _TRANSFORMS_CACHE.clear()
+            steps = _TRANSFORMS_CACHE[key] = tuple(self._build_transforms(config, fused))
+        return steps
+
+    def _build_transforms(self, config: GPTMoEConfig, fused: bool) -> list[KeyTransform]:
         def renames(table, layer=None):
             return [_rename_step(r.hf.format(i=layer), r.logical.format(i=layer), r.shape(config))
                     for r in table if r.fused in (None, fused) and r.when(config)]

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 __all__ = ["DEFAULT_WINDOW_BYTES", "ReadWindow"]
 
-DEFAULT_WINDOW_BYTES = 128 * 1024**2
+DEFAULT_WINDOW_BYTES = 64 * 1024**2
 
 
 class ReadWindow:

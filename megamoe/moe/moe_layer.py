@@ -159,6 +159,8 @@ class MoELayer(nn.Module):
         every replica, layout and ETP shard sees the same expert. (Router and shared experts reset
         themselves.)"""
         base_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        if any(p.is_meta for p in self.experts.parameters()):
+            return                          # no values to hold (e.g. a layout being planned)
         init = normal_init(self.config.init_std)
         H, F = self.config.hidden_size, self.config.ffn_hidden_size
         gated = self.config.activation == "swiglu"
