@@ -111,10 +111,12 @@ def test_compiled_decoding_matches_eager(family):
     """generate(compiled=True): the same tokens, stop reasons and expert load as eager decoding, for a
     left-padded batch with a row that stops early (then runs on as padding), with replicated expert
     slots (MLA, shared experts, group-limited routing, a dense first layer for DeepSeek-V3; a gated
-    shared expert for Qwen2-MoE); a second call with another cache length reuses the compiled graph."""
+    shared expert for Qwen2-MoE); the step is one graph, and a second call with another cache length
+    reuses it."""
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     stop = _stop_token(family)[0]
     model = _our_model(family, num_expert_slots=2 * hf_model(family)[1].moe.router.num_experts)
     config = GenerationConfig(max_new_tokens=NEW, stop_token_ids=(stop,))
@@ -130,6 +132,8 @@ def test_compiled_decoding_matches_eager(family):
         assert torch.equal(compiled_load[layer_id], eager_load[layer_id]), layer_id
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs > 0, "nothing was compiled"
+    # One graph per step: the MoE layers took the per-pair path (the grouped one is never traced).
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     shorter = GenerationConfig(max_new_tokens=NEW - 2)
     assert (generate(model, SOLO, PROMPTS, shorter, compiled=True).token_ids
             == generate(model, SOLO, PROMPTS, shorter).token_ids)
