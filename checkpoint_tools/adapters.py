@@ -348,6 +348,12 @@ class HFAdapter:
                 steps += renames(self.dense_keys, layer)
         return steps
 
+    def renames(self, config: GPTMoEConfig) -> dict[str, str]:
+        """logical name -> HF key of the tensors stored under both names unchanged (checkpoint form):
+        their bytes can be copied between the two files without being read."""
+        return {step.logical_keys[0]: step.hf_keys[0] for step in self.transforms(config, fused=False)
+                if step.is_rename}
+
     def is_ignored(self, hf_key: str, config: GPTMoEConfig) -> bool:
         return any(rule(hf_key, config) for rule in self.ignored)
 

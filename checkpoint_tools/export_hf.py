@@ -151,8 +151,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
 
     # Logical tensors that are an HF tensor under another name: copied from the checkpoint's files if the
     # dtype is kept and the stored chunks hold the bytes in order.
-    renamed_to = {step.logical_keys[0]: step.hf_keys[0]
-                  for step in adapter.transforms(config, fused=False) if step.is_rename}
+    renamed_to = adapter.renames(config)
 
     with output as tmp, LogicalTensorReader(checkpoint, manifest) as reader:
         writers: list[SafetensorsStreamWriter] = []

@@ -137,8 +137,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     # Logical tensors that are an HF tensor under another name: their bytes lie in the HF file as they are.
     # Those whose chunks are all runs of those bytes are not even read (a meta placeholder goes through the
     # adapter), the others only for their chunks cut along a later dimension.
-    renamed_from = {step.logical_keys[0]: step.hf_keys[0]
-                    for step in adapter.transforms(config, fused=False) if step.is_rename}
+    renamed_from = adapter.renames(config)
     placeholders = {renamed_from[t.name] for t in streamed
                     if renamed_from.get(t.name) in hf.tensors and hf.tensors[renamed_from[t.name]].dtype == t.dtype
                     and t.chunks_are_runs}
