@@ -5,7 +5,6 @@ reshard carries optimizer state; every bad input fails with its message, a non-z
 
 import collections
 import dataclasses
-import functools
 import glob
 import json
 import os
@@ -24,49 +23,18 @@ from checkpoint_tools.hf_checkpoint import HFCheckpoint
 from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
 from megamoe.testing import run_on_ranks
+from test_hf_families import V, hf_config, lazy_transformers   # tiny random HF models of every family
 
-V, H, E = 64, 32, 8
+E = 8   # experts per MoE layer in every tiny config
 ATOL = 1e-4
 SIDE_FILES = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"model_max_length": 64}',
               "special_tokens_map.json": '{"eos_token": "</s>"}'}
 
 
-@functools.cache
-def _transformers():
-    import transformers
-    return transformers
-
-
-def hf_config(family):
-    """Tiny configs (E=8, K=2) whose sizes divide by 2 (tp, etp) and vocab by 4."""
-    t = _transformers()
-    common = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5,
-                  num_experts_per_tok=2)
-    mla = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-               intermediate_size=24, moe_intermediate_size=16, n_routed_experts=E, first_k_dense_replace=1,
-               num_hidden_layers=3, n_group=4, topk_group=2)
-    return {
-        "mixtral": lambda: t.MixtralConfig(**common, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=16,
-                                           num_local_experts=E),
-        "qwen2_moe": lambda: t.Qwen2MoeConfig(**common, num_key_value_heads=2, num_hidden_layers=3, mlp_only_layers=[1],
-                                              intermediate_size=24, moe_intermediate_size=16,
-                                              shared_expert_intermediate_size=20, num_experts=E),
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=12, num_hidden_layers=3,
-                                              decoder_sparse_step=2, norm_topk_prob=True, intermediate_size=24,
-                                              moe_intermediate_size=16, num_experts=E, tie_word_embeddings=True),
-        "olmoe": lambda: t.OlmoeConfig(**common, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=16,
-                                       num_experts=E, eos_token_id=None),
-        "deepseek_v2": lambda: t.DeepseekV2Config(**common, **mla, q_lora_rank=None, n_shared_experts=2,
-                                                  topk_method="group_limited_greedy", routed_scaling_factor=2.0),
-        "deepseek_v3": lambda: t.DeepseekV3Config(**common, **mla, q_lora_rank=12, n_shared_experts=1,
-                                                  routed_scaling_factor=2.5),
-    }[family]()
-
-
 def save_hf_model(directory, family, *, seed=0, dtype=torch.float32, sharded=False):
     """A random HF model written with save_pretrained (norms around 1, weights N(0, 0.2^2)) plus side files;
     returns its logits on ``ids()``."""
-    t = _transformers()
+    t = lazy_transformers()
     torch.manual_seed(seed)
     model = t.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(seed + len(family))
@@ -171,7 +139,7 @@ def test_round_trip_is_bit_exact(family, hf_models, tmp_path):
     assert_same_tensors(hf_tensors(tmp_path / "hf_again"), original, f"{family} import -> reshard -> export")
 
     # transformers loads the export and computes the original logits.
-    model = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "hf_again", attn_implementation="eager")
+    model = lazy_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "hf_again", attn_implementation="eager")
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids()).logits, expected_logits)
 
@@ -270,7 +238,7 @@ def test_reshard_carries_optimizer_state(hf_models, tmp_path):
     # computes what the fine-tuned model computes.
     assert convert("export-hf", tmp_path / "trained", tmp_path / "hf_tuned") == 1
     assert convert("export-hf", tmp_path / "trained", tmp_path / "hf_tuned", "--hf-config", hf_dir) == 0
-    tuned = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "hf_tuned", attn_implementation="eager")
+    tuned = lazy_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "hf_tuned", attn_implementation="eager")
     with torch.no_grad():
         ours, _ = trainer.model(ids())
         diff = (tuned.eval()(input_ids=ids()).logits - ours).abs().max().item()

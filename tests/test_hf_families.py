@@ -27,7 +27,7 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, m
 
 
 @functools.cache
-def _transformers():
+def lazy_transformers():
     """Imported on first use: the spawned ranks only run our model (transformers costs seconds each)."""
     import transformers
     return transformers
@@ -35,7 +35,7 @@ def _transformers():
 
 def hf_config(family):
     """A tiny config per family exercising its particular features (E=8, K=2)."""
-    t = _transformers()
+    t = lazy_transformers()
     common = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5,
                   num_experts_per_tok=2)
     mla = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
@@ -64,7 +64,7 @@ def hf_config(family):
 @functools.cache
 def hf_model(family):
     """(HF model with random weights, our config): norms around 1, everything else N(0, 0.2^2)."""
-    t = _transformers()
+    t = lazy_transformers()
     cfg = hf_config(family)
     torch.manual_seed(0)
     model = t.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
@@ -158,7 +158,7 @@ def test_config_mapping():
 
 
 def test_config_errors():
-    t = _transformers()
+    t = lazy_transformers()
     with pytest.raises(ValueError, match="supported: mixtral, qwen2_moe"):
         config_from_hf(t.LlamaConfig())
     with pytest.raises(ValueError, match="supported: mixtral, qwen2_moe"):
