@@ -30,7 +30,7 @@ import torch
 
 from checkpoint_tools.adapters import adapter_for
 from common import write_results  # sibling module
-from megamoe.inference.generation import GenerationConfig, generate
+from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
 from megamoe.models.hf_loading import load_logical_state
@@ -63,18 +63,13 @@ def prompts_for(batch: int, longest: int, generator: torch.Generator) -> list[li
 
 
 def hf_runner(hf, prompts):
-    longest = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
+    ids, mask = left_padded_batch(prompts)
 
     def run(new_tokens: int) -> list[list[int]]:
         with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+            out = hf.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new_tokens,
                               do_sample=False, pad_token_id=0)
-        return out[:, longest:].tolist()
+        return out[:, ids.shape[1]:].tolist()
     return run
 
 

@@ -26,7 +26,7 @@ from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
-from megamoe.inference.generation import GenerationConfig, generate
+from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models import GPTMoEModel
@@ -58,17 +58,12 @@ def _our_model(family, state=SOLO, **moe_fields):
 
 def _hf_generate(hf, prompts, max_new_tokens, stop_id):
     """transformers' greedy generate() on the left-padded batch; each row cut after its stop token."""
-    longest = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
+    ids, mask = left_padded_batch(prompts)
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=stop_id, pad_token_id=0)
+        out = hf.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=stop_id, pad_token_id=0)
     rows = []
-    for new in out[:, longest:].tolist():
+    for new in out[:, ids.shape[1]:].tolist():
         rows.append(new[:new.index(stop_id) + 1] if stop_id in new else new)
     return rows
 
@@ -138,6 +133,12 @@ def test_compiled_decoding_matches_eager(family):
     assert (generate(model, SOLO, PROMPTS, shorter, compiled=True).token_ids
             == generate(model, SOLO, PROMPTS, shorter).token_ids)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another cache length recompiled"
+
+
+def test_left_padded_batch():
+    ids, mask = left_padded_batch([[5, 6, 7], [8]])
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[True, True, True], [False, False, True]]
 
 
 def test_padding_and_batching_do_not_change_results():

@@ -48,7 +48,7 @@ from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models.gpt_moe import GPTMoEModel
 
-__all__ = ["GenerationConfig", "GenerationOutput", "generate"]
+__all__ = ["GenerationConfig", "GenerationOutput", "generate", "left_padded_batch"]
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,24 @@ class GenerationOutput:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
-def _left_padded(prompts: list[list[int]], max_new_tokens: int, real: bool):
-    """(ids [B, P], mask [B, P + max_new_tokens] with the real prompt tokens set, positions [B, P])."""
+def left_padded_batch(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one batch, padded on the left (as transformers' ``generate()``
+    takes them): (ids [B, P] int64 with 0 as padding, mask [B, P] bool, True at real tokens)."""
     prompt_len = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), prompt_len, dtype=torch.int64)
-    mask = torch.zeros(len(prompts), prompt_len + max_new_tokens, dtype=torch.bool)
+    mask = torch.zeros(len(prompts), prompt_len, dtype=torch.bool)
     for row, prompt in enumerate(prompts):
         ids[row, prompt_len - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-        mask[row, prompt_len - len(prompt):prompt_len] = real
-    positions = (mask[:, :prompt_len].cumsum(dim=1) - 1).clamp(min=0)
+        mask[row, prompt_len - len(prompt):] = True
+    return ids, mask
+
+
+def _left_padded(prompts: list[list[int]], max_new_tokens: int, real: bool):
+    """(ids [B, P], mask [B, P + max_new_tokens] with the real prompt tokens set, positions [B, P])."""
+    ids, prompt_mask = left_padded_batch(prompts)
+    mask = torch.zeros(len(prompts), ids.shape[1] + max_new_tokens, dtype=torch.bool)
+    mask[:, :ids.shape[1]] = prompt_mask & real
+    positions = (mask[:, :ids.shape[1]].cumsum(dim=1) - 1).clamp(min=0)
     return ids, mask, positions
 
 
