@@ -200,12 +200,14 @@ def report(args, state, config: GenerationConfig, tokenizer: Tokenizer | None, t
         "decode_steps": outs[0].decode_steps,
         "prefill_seconds": max(o.prefill_seconds for o in outs),
         "decode_seconds": max(o.decode_seconds for o in outs),
+        "compile_seconds": max(o.compile_seconds for o in outs),   # part of decode_seconds (--compile)
     }
     timings["prefill_tokens_per_second"] = timings["prompt_tokens"] / max(timings["prefill_seconds"], 1e-9)
     timings["decode_tokens_per_second"] = timings["decode_tokens"] / max(timings["decode_seconds"], 1e-9)
-    logger.info("prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)",
+    logger.info("prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)%s",
                 timings["prompt_tokens"], timings["prefill_seconds"], timings["prefill_tokens_per_second"],
-                timings["decode_tokens"], timings["decode_seconds"], timings["decode_tokens_per_second"])
+                timings["decode_tokens"], timings["decode_seconds"], timings["decode_tokens_per_second"],
+                f", of which {timings['compile_seconds']:.1f} s compiling" if timings["compile_seconds"] else "")
     if args.output_json is not None:
         layout = {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size,
                   "ep": state.ep.size, "etp": state.etp.size, "order": state.order,

@@ -107,7 +107,7 @@ def test_compiled_decoding_matches_eager(family):
     left-padded batch with a row that stops early (then runs on as padding), with replicated expert
     slots (MLA, shared experts, group-limited routing, a dense first layer for DeepSeek-V3; a gated
     shared expert for Qwen2-MoE); the step is one graph, and a second call with another cache length
-    reuses it."""
+    reuses it; the time spent compiling is reported."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -123,6 +123,7 @@ def test_compiled_decoding_matches_eager(family):
     (eager, eager_load), (compiled, compiled_load) = runs[False], runs[True]
     assert compiled.token_ids == eager.token_ids and compiled.finish_reasons == eager.finish_reasons
     assert "stop" in compiled.finish_reasons and compiled.decode_steps == eager.decode_steps > 0
+    assert eager.compile_seconds == 0 and 0 < compiled.compile_seconds <= compiled.decode_seconds
     for layer_id in eager_load:
         assert torch.equal(compiled_load[layer_id], eager_load[layer_id]), layer_id
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -130,9 +131,10 @@ def test_compiled_decoding_matches_eager(family):
     # One graph per step: the MoE layers took the per-pair path (the grouped one is never traced).
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     shorter = GenerationConfig(max_new_tokens=NEW - 2)
-    assert (generate(model, SOLO, PROMPTS, shorter, compiled=True).token_ids
-            == generate(model, SOLO, PROMPTS, shorter).token_ids)
+    again = generate(model, SOLO, PROMPTS, shorter, compiled=True)
+    assert again.token_ids == generate(model, SOLO, PROMPTS, shorter).token_ids
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another cache length recompiled"
+    assert again.compile_seconds == 0
 
 
 def test_left_padded_batch():
@@ -440,6 +442,7 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     assert [r["prompt_ids"] for r in document["requests"]] == PROMPTS
     assert document["requests"][0]["text"] == " ".join(f"t{i}" for i in expected[0])
     assert document["timings"]["decode_tokens"] == sum(len(ids) - 1 for ids in expected)
+    assert 0 < document["timings"]["compile_seconds"] <= document["timings"]["decode_seconds"]   # a fresh process
     assert f"--- request 3 ({document['requests'][3]['finish_reason']}" in single.stdout
 
     _run_script([*args, "--ep", "2", "--dispatcher", "allgather", "--data-parallel-attention",

@@ -20,7 +20,8 @@ the caches are written at a position held in a tensor, finished rows stay in the
 that reaches no expert, and the MoE layers compute their few (token, expert) pairs without sorting
 (see :mod:`megamoe.moe.moe_layer`). The number of cached positions and the cache length are
 dynamic dimensions of the compiled graph, so the first decode step compiles (tens of seconds on a
-CPU) and later steps and calls reuse it (a new batch size compiles once more); tokens equal
+CPU) and later steps and calls reuse it (a new batch size compiles once more; the time of steps
+that compiled is reported as ``GenerationOutput.compile_seconds``); tokens equal
 the eager ones up to floating-point summation order. Collectives, sampling and the bookkeeping
 between steps stay eager.
 
@@ -76,6 +77,7 @@ class GenerationOutput:
     prefill_seconds: float               # prefill forward up to the first new tokens
     decode_seconds: float                # every later step
     decode_steps: int                    # forward passes after the prefill (the same on every rank)
+    compile_seconds: float = 0.0         # of decode_seconds, in steps during which torch.compile compiled
 
     @property
     def decode_tokens(self) -> int:
@@ -162,6 +164,12 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
     return comms.broadcast_(tokens, state.pp.ranks[-1], state.pp.group)
 
 
+def _frames_compiled() -> int:
+    """How many frames dynamo has compiled in this process (its own counter; 0 where it has none)."""
+    frames = getattr(getattr(torch._dynamo, "utils", None), "counters", {}).get("frames", {})
+    return int(frames.get("total", 0))
+
+
 def _any_unfinished(finished: torch.Tensor, state, device) -> bool:
     remaining = (~finished).sum().reshape(1).to(device)
     return int(comms.all_reduce_(remaining, state.dp.group)) > 0
@@ -204,7 +212,7 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         for cache in caches.values():
             cache.write_index = write_index
         token_mask = torch.empty(len(rows), dtype=torch.bool, device=device)
-    decode_steps = 0
+    decode_steps, compile_seconds = 0, 0.0
     for step in range(config.max_new_tokens):
         for row, token in enumerate(tokens.tolist()[:len(prompts)]):
             if finished[row]:
@@ -227,9 +235,12 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
                 for cache in caches.values():
                     for buffer in cache.buffers:
                         torch._dynamo.mark_dynamic(buffer, buffer.dim() - 2)
+        step_started, compiled_before = time.perf_counter(), _frames_compiled()
         tokens = _step(model, state, tokens[:, None], positions, caches, visible, sampling, generators, token_mask)
+        if compiled and _frames_compiled() != compiled_before:
+            compile_seconds += time.perf_counter() - step_started
         decode_steps += 1
     return GenerationOutput(
         token_ids=new_ids, finish_reasons=reasons, prompt_tokens=sum(len(p) for p in prompts),
         prefill_seconds=prefill_done - started, decode_seconds=time.perf_counter() - prefill_done,
-        decode_steps=decode_steps)
+        decode_steps=decode_steps, compile_seconds=compile_seconds)
