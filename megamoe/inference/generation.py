@@ -235,9 +235,10 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
                 for cache in caches.values():
                     for buffer in cache.buffers:
                         torch._dynamo.mark_dynamic(buffer, buffer.dim() - 2)
-        step_started, compiled_before = time.perf_counter(), _frames_compiled()
+        frames_before = _frames_compiled() if compiled else 0
+        step_started = time.perf_counter()
         tokens = _step(model, state, tokens[:, None], positions, caches, visible, sampling, generators, token_mask)
-        if compiled and _frames_compiled() != compiled_before:
+        if compiled and _frames_compiled() != frames_before:
             compile_seconds += time.perf_counter() - step_started
         decode_steps += 1
     return GenerationOutput(
