@@ -106,8 +106,8 @@ def test_compiled_decoding_matches_eager(family):
     """generate(compiled=True): the same tokens, stop reasons and expert load as eager decoding, for a
     left-padded batch with a row that stops early (then runs on as padding), with replicated expert
     slots (MLA, shared experts, group-limited routing, a dense first layer for DeepSeek-V3; a gated
-    shared expert for Qwen2-MoE); the step is one graph, and a second call with another cache length
-    reuses it; the time spent compiling is reported."""
+    shared expert for Qwen2-MoE); the step is one graph, and later calls with another cache length or
+    batch size reuse it; the time spent compiling is reported."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -135,6 +135,9 @@ def test_compiled_decoding_matches_eager(family):
     assert again.token_ids == generate(model, SOLO, PROMPTS, shorter).token_ids
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another cache length recompiled"
     assert again.compile_seconds == 0
+    fewer = generate(model, SOLO, PROMPTS[:3], shorter, compiled=True)     # another batch size
+    assert fewer.token_ids == generate(model, SOLO, PROMPTS[:3], shorter).token_ids
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another batch size recompiled"
 
 
 def test_left_padded_batch():

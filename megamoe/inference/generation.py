@@ -19,9 +19,10 @@ runs the model through ``torch.compile`` without host syncs (:meth:`GPTMoEModel.
 the caches are written at a position held in a tensor, finished rows stay in the batch as padding
 that reaches no expert, and the MoE layers compute their few (token, expert) pairs without sorting
 (see :mod:`megamoe.moe.moe_layer`). The number of cached positions and the cache length are
-dynamic dimensions of the compiled graph, so the first decode step compiles (tens of seconds on a
-CPU) and later steps and calls reuse it (a new batch size compiles once more; the time of steps
-that compiled is reported as ``GenerationOutput.compile_seconds``); tokens equal
+dynamic dimensions of the compiled graph, and so is the batch size from two rows up, so the first
+decode step compiles (tens of seconds on a CPU) and later steps and calls reuse it (a batch of one
+row compiles its own graph; the time of steps that compiled is reported as
+``GenerationOutput.compile_seconds``); tokens equal
 the eager ones up to floating-point summation order. Collectives, sampling and the bookkeeping
 between steps stay eager.
 
@@ -164,6 +165,20 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
     return comms.broadcast_(tokens, state.pp.ranks[-1], state.pp.group)
 
 
+def _mark_dynamic(inputs, positions, visible, token_mask, caches: dict) -> None:
+    """The sizes the compiled step takes as symbolic, so that one graph serves every step and later
+    call: the number of cached positions, the cache length and, from two rows up, the batch size (a
+    batch of one row gets its own graph: dynamo specialises sizes 0 and 1). The batch only "maybe":
+    a model whose code branches on it is specialised instead of failing to compile."""
+    buffers = [buffer for cache in caches.values() for buffer in cache.buffers]
+    torch._dynamo.mark_dynamic(visible, 1)
+    for buffer in buffers:
+        torch._dynamo.mark_dynamic(buffer, buffer.dim() - 2)
+    if inputs.shape[0] > 1:
+        for tensor in (inputs, positions, visible, token_mask, *buffers):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
 def _frames_compiled() -> int:
     """How many frames dynamo has compiled in this process (its own counter; 0 where it has none)."""
     frames = getattr(getattr(torch._dynamo, "utils", None), "counters", {}).get("frames", {})
@@ -230,14 +245,12 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         if compiled:
             write_index.fill_(column)
             token_mask.copy_(mask[:, column])
-            if step == 0:         # compile for any cache length and any number of cached positions
-                torch._dynamo.mark_dynamic(visible, 1)
-                for cache in caches.values():
-                    for buffer in cache.buffers:
-                        torch._dynamo.mark_dynamic(buffer, buffer.dim() - 2)
+        inputs = tokens[:, None]
+        if compiled and step == 0:
+            _mark_dynamic(inputs, positions, visible, token_mask, caches)
         frames_before = _frames_compiled() if compiled else 0
         step_started = time.perf_counter()
-        tokens = _step(model, state, tokens[:, None], positions, caches, visible, sampling, generators, token_mask)
+        tokens = _step(model, state, inputs, positions, caches, visible, sampling, generators, token_mask)
         if compiled and _frames_compiled() != frames_before:
             compile_seconds += time.perf_counter() - step_started
         decode_steps += 1
