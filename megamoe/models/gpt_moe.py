@@ -232,6 +232,6 @@ class GPTMoEModel(nn.Module):
             # Decoding a batch: a few rows against the whole vocabulary shard. MKL runs the GEMM with
             # the vocabulary as the long side (weight @ hidden^T) 1.2x to 3x faster than F.linear for
             # 2 to 16 rows (measured for vocabularies of 8k to 50k, 1 and 2 threads; decode steps of
-            # benchmarks/decode.py at batch 8: about 1 ms less); one row is a GEMV either way.
+            # benchmarks/decode.py at batch 8: 0.3 to 2.3 ms less); one row is a GEMV either way.
             return torch.mm(weight, hidden.t()).t().contiguous()
         return F.linear(hidden, weight)
