@@ -22,7 +22,7 @@ is deleted right after it:
 Every step starts after a ``sync`` and reads from the page cache. The order of the three steps rotates
 from round to round, so each step runs first, second and third equally often: on this kind of VM the
 disk writes each further gigabyte of a burst more slowly (measured: an export right after another one
-took 1.5x to 2.5x as long), so a fixed order charges that to whichever step comes last. Medians over
+took 1.7x to 2.8x as long), so a fixed order charges that to whichever step comes last. Medians over
 the rounds.
 
 Targets: conversion time <= 1.5x the copy time; peak RSS <= the largest tensor + 512 MB. Prints a table
