@@ -151,14 +151,14 @@ def convert(argv: list[str]) -> dict:
     return {"startup_s": float(startup), "conversion_s": float(conversion), "peak_rss_bytes": int(peak_kib) * 1024}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=2.0, help="size of the generated checkpoint (10^9 bytes)")
     parser.add_argument("--repeats", type=int, default=6,
                         help="rounds of cp / import-hf / export-hf, a multiple of 3 (medians)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "convert.json"))
     parser.add_argument("--workdir", default=None, help="where to put the temporary files (default: system temp)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.repeats < 3 or args.repeats % 3:
         parser.error("--repeats must be a positive multiple of 3 (each step takes each position equally often)")
@@ -181,11 +181,13 @@ def main() -> None:
         def export_step() -> None:
             runs["export-hf"].append(convert(["export-hf", str(checkpoint), str(output), "--max-shard-size", "500MB"]))
 
-        steps = [copy_step, import_step, export_step]
+        steps = {"cp": copy_step, "import-hf": import_step, "export-hf": export_step}
+        names, orders = list(steps), []
         for round_index in range(args.repeats):
-            for step in steps[round_index % 3:] + steps[:round_index % 3]:
+            orders.append(names[round_index % 3:] + names[:round_index % 3])
+            for name in orders[-1]:
                 subprocess.run(["sync"], check=True)
-                step()
+                steps[name]()
                 shutil.rmtree(output)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -193,7 +195,8 @@ def main() -> None:
     copy, copy_sync = statistics.median(runs["cp"]), statistics.median(runs["cp_sync"])
     rss_budget = facts["largest_tensor_bytes"] + 512 * MIB
     result = {"checkpoint": {**facts, "directory_bytes": dir_bytes, "dtype": str(DTYPE).removeprefix("torch.")},
-              "import_layout": " ".join(LAYOUT), "repeats": args.repeats, "cp_s": copy, "cp_sync_s": copy_sync,
+              "import_layout": " ".join(LAYOUT), "repeats": args.repeats, "orders": orders, "cp_s": copy,
+              "cp_sync_s": copy_sync,
               "cp_runs_s": runs["cp"], "cp_sync_runs_s": runs["cp_sync"], "peak_rss_budget_bytes": rss_budget,
               "steps": {}}
     print(f"HF checkpoint: {dir_bytes / 1e9:.2f} GB in {facts['shards']} shards, {facts['tensors']} tensors, largest "

@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark scripts: each runs end to end in its --quick mode and writes its JSON."""
+"""Smoke tests of the benchmark scripts: each runs end to end in a quick mode and writes its JSON."""
 
 import importlib
 import json
@@ -68,3 +68,20 @@ def test_decode_benchmark_generates_the_same_ids_as_transformers(monkeypatch, tm
         assert set(row["implementations"]) == {"transformers", "megamoe", "megamoe/compiled"}
         for timings in row["implementations"].values():
             assert len(timings["full_s"]) == 3 and timings["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.slow      # ~60 s: ten conversions of a one-layer checkpoint, each in a child process
+def test_convert_benchmark_rotates_the_steps(monkeypatch, tmp_path):
+    convert = _benchmark("convert", monkeypatch)
+    out = tmp_path / "convert.json"
+    convert.main(["--size-gb", "0.05", "--repeats", "3", "--json", str(out), "--workdir", str(tmp_path)])
+    results = json.loads(out.read_text())
+    assert [order[0] for order in results["orders"]] == ["cp", "import-hf", "export-hf"]   # each step first once
+    assert all(sorted(order) == ["cp", "export-hf", "import-hf"] for order in results["orders"])
+    assert len(results["cp_sync_runs_s"]) == 3 and results["cp_sync_s"] > 0
+    for step in ("import-hf", "export-hf"):
+        entry = results["steps"][step]
+        assert len(entry["runs"]) == 3 and entry["x_cp_sync"] > 0
+        assert 0 < entry["peak_rss_bytes"] and entry["rss_target_met"] == (
+            entry["peak_rss_bytes"] <= results["peak_rss_budget_bytes"])
+    assert [p.name for p in tmp_path.iterdir()] == ["convert.json"]      # the work directory is gone
