@@ -415,8 +415,8 @@ def test_generate_script_help():
 def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     """transformers model -> megamoe-convert import-hf (EP 2, 12 slots) -> examples/generate.py, one
     process (compiled decoding) and 2 ranks with data-parallel attention (uneven requests):
-    transformers' generate() ids, decoded with the tokenizer the conversion kept; the recorded expert load feeds import-hf
-    --expert-load (balanced placements)."""
+    transformers' generate() ids, decoded with the tokenizer the conversion kept; the recorded
+    expert load feeds import-hf --expert-load (balanced placements)."""
     from tokenizers import Tokenizer as TokenizerFile
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
