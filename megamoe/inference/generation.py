@@ -180,9 +180,8 @@ def _mark_dynamic(inputs, positions, visible, token_mask, caches: dict) -> None:
 
 
 def _frames_compiled() -> int:
-    """How many frames dynamo has compiled in this process (its own counter; 0 where it has none)."""
-    frames = getattr(getattr(torch._dynamo, "utils", None), "counters", {}).get("frames", {})
-    return int(frames.get("total", 0))
+    """How many frames dynamo has compiled in this process (its own counter)."""
+    return torch._dynamo.utils.counters["frames"]["total"]
 
 
 def _any_unfinished(finished: torch.Tensor, state, device) -> bool:
@@ -241,13 +240,12 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         column = prompt_len + step                              # cache index of the token fed now
         mask[:, column] = ~finished.to(device)                  # finished rows continue as padding
         positions = positions[:, -1:] + 1
-        visible = mask[:, :column + 1]
+        visible, inputs = mask[:, :column + 1], tokens[:, None]
         if compiled:
             write_index.fill_(column)
             token_mask.copy_(mask[:, column])
-        inputs = tokens[:, None]
-        if compiled and step == 0:
-            _mark_dynamic(inputs, positions, visible, token_mask, caches)
+            if step == 0:
+                _mark_dynamic(inputs, positions, visible, token_mask, caches)
         frames_before = _frames_compiled() if compiled else 0
         step_started = time.perf_counter()
         tokens = _step(model, state, inputs, positions, caches, visible, sampling, generators, token_mask)
