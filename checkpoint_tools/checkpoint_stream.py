@@ -5,7 +5,7 @@ are all in memory. A conversion instead produces whole logical tensors one at a 
 in advance; :class:`CheckpointStreamWriter` cuts each into the chunks of a :class:`LayoutPlan`, writes
 them into files of at most ``max_file_bytes`` (headers planned up front, see
 :mod:`checkpoint_tools.safetensors_stream`) and finally writes the same manifest ``save_checkpoint``
-writes: chunk keys ``<name>@<offsets>``, per-file bytes and SHA-256, the manifest fields. Memory: the
+writes: chunk keys ``<name>@<offsets>``, per-file bytes and checksums, the manifest fields. Memory: the
 tensor being written and a gathering buffer per file being written, never a file.
 
 A tensor whose bytes lie unchanged in a file (``source``: a view of a mapped HF shard) has each of its
@@ -98,7 +98,7 @@ class CheckpointStreamWriter:
         self._file_index = -1
         self._writer: SafetensorsStreamWriter | None = None
         self._closed_writers: list[SafetensorsStreamWriter] = []
-        self._results: dict[str, Future] = {}       # file name -> (bytes, sha256), resolved in the background
+        self._results: dict[str, Future] = {}       # file name -> its manifest entry, resolved in the background
 
     @property
     def total_bytes(self) -> int:
@@ -162,10 +162,7 @@ class CheckpointStreamWriter:
         self._close_file()
         if len(self._results) != len(self._files):
             raise ValueError("finish() before every planned rank-state tensor was written")
-        file_info = {}
-        for name, result in self._results.items():
-            size, sha = result.result()
-            file_info[name] = {"bytes": size, "sha256": sha}
+        file_info = {name: result.result() for name, result in self._results.items()}
         unknown = set(fields) - set(MANIFEST_FIELDS)
         if unknown:
             raise ValueError(f"unknown manifest fields {sorted(unknown)}")

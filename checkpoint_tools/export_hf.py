@@ -177,7 +177,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
                             writers[-1].close()
                         writers.append(SafetensorsStreamWriter(os.path.join(tmp, names[len(writers)]),
                                                                shards[len(writers)], metadata={"format": "pt"},
-                                                               sha256=False))
+                                                               checksum=False))
                     placeholder, extents = copies.pop(key, (None, None))
                     if placeholder is tensor:
                         writers[-1].write(key, tensor, extents)

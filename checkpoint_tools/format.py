@@ -13,13 +13,13 @@ Layout
 
 ``manifest.json``::
 
-    format, format_version            "megamoe-checkpoint", 1
+    format, format_version            "megamoe-checkpoint", 2 (version 1, which recorded SHA-256s, reads too)
     model_config, parallel_layout,    the caller's JSON dicts (merged over ranks: a key given by several
     expert_placement, extra           ranks must have the same value everywhere)
     world_size                        ranks that saved
     tensors      {logical name: {dtype, global_shape, chunks: [{file, key, offsets, shape}]}}
     rank_state   {"<rank>": {key: {file, key, dtype, shape}}}   per-rank state (RNG states as uint8 ...)
-    files        {file name: {bytes, sha256}}
+    files        {file name: {bytes, xxh3_128}}   (see checkpoint_tools.checksums)
 
 The stored chunks of one logical tensor never overlap and cover it exactly (checked on save and on read),
 so any region can be assembled from them whatever layout it was saved under.
@@ -56,7 +56,6 @@ explicitly to the destination's dtype (a bf16 checkpoint loads into fp32 paramet
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 import math
@@ -72,20 +71,21 @@ import torch
 from safetensors import safe_open
 from torch.distributed import ProcessGroup
 
+from checkpoint_tools import checksums
 from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE", "MANIFEST_FIELDS", "DEFAULT_MAX_FILE_BYTES",
     "CheckpointError", "save_checkpoint", "load_checkpoint", "load_rank_state", "read_manifest",
-    "verify_checkpoint", "iter_logical_tensors", "resolve_checkpoint", "check_stored_file", "file_digest",
-    "fsync_dir",
+    "verify_checkpoint", "iter_logical_tensors", "resolve_checkpoint", "check_stored_file", "fsync_dir",
 ]
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "megamoe-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, FORMAT_VERSION)      # version 1 differs only in recording SHA-256 checksums
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FIELDS = ("model_config", "parallel_layout", "expert_placement", "extra")
 DEFAULT_MAX_FILE_BYTES = 2 * 1024**3
@@ -157,21 +157,11 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def file_digest(file_path: str, *, fsync: bool = False) -> tuple[int, str]:
-    """Size and SHA-256 of a file as it is on disk (forced there first with ``fsync``)."""
-    digest, size = hashlib.sha256(), 0
-    with open(file_path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-            size += len(block)
-        if fsync:
-            os.fsync(f.fileno())
-    return size, digest.hexdigest()
-
-
 def _tensor_digest(t: torch.Tensor) -> str:
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    hasher = checksums.new_hasher()
+    hasher.update(data.numpy())
+    return hasher.hexdigest()
 
 
 def _json_normalized(value: Any, what: str) -> Any:
@@ -201,7 +191,7 @@ class _ChunkMeta:
 
 @dataclass
 class _RankReport:
-    """A rank's files after writing: name -> {bytes, sha256}; where each stored key went; and, with
+    """A rank's files after writing: name -> checksum entry; where each stored key went; and, with
     replica verification, a digest of every replicated chunk it holds."""
 
     files: dict[str, dict] = field(default_factory=dict)
@@ -304,8 +294,7 @@ def _write_rank_files(tmp_dir: str, rank: int, chunks: list[LogicalChunk], write
         # Private CPU copies: safetensors refuses tensors that share memory (views of one parameter).
         safetensors.torch.save_file({key: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()) for key, t in batch},
                                     file_path)
-        size, sha = file_digest(file_path, fsync=True)
-        report.files[file_name] = {"bytes": size, "sha256": sha}
+        report.files[file_name] = checksums.file_entry(file_path, fsync=True)
         report.file_of_key.update((key, file_name) for key, _ in batch)
     return report
 
@@ -481,9 +470,10 @@ def _read_manifest_at(root: str) -> dict:
         raise CheckpointError(f"cannot read {manifest_path}: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{manifest_path} is not a {FORMAT_NAME} manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in _READABLE_VERSIONS:
         raise CheckpointError(f"{manifest_path}: unsupported checkpoint format version "
-                              f"{manifest.get('format_version')!r}; this megamoe reads version {FORMAT_VERSION}")
+                              f"{manifest.get('format_version')!r}; this megamoe reads versions "
+                              f"{', '.join(map(str, _READABLE_VERSIONS))}")
     for name, entry in manifest["tensors"].items():
         if entry["dtype"] not in _DTYPES:
             raise CheckpointError(f"{manifest_path}: logical tensor {name!r} has unknown dtype {entry['dtype']!r}")
@@ -539,7 +529,7 @@ class _Reader:
             return self.handles[file_name]
         file_path = check_stored_file(self.root, self.manifest, file_name)
         if self.verify_checksums:
-            _verify_file_checksum(file_path, self.manifest["files"][file_name]["sha256"])
+            _verify_file_checksum(file_path, self.manifest["files"][file_name])
         try:
             handle = self.stack.enter_context(safe_open(file_path, framework="pt"))
         except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad header
@@ -565,10 +555,10 @@ class _Reader:
                 destination[target].copy_(piece.to(destination.dtype))
 
 
-def _verify_file_checksum(file_path: str, expected: str) -> None:
-    actual = file_digest(file_path)[1]
-    if actual != expected:
-        raise CheckpointError(f"checksum mismatch for {file_path}: SHA-256 {actual}, the manifest says {expected}")
+def _verify_file_checksum(file_path: str, recorded: dict) -> None:
+    problem = checksums.check_entry(file_path, recorded)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 def check_stored_file(root: str, manifest: dict, file_name: str) -> str:
@@ -657,7 +647,7 @@ def iter_logical_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.T
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Check every file against the manifest: present, of the recorded size and SHA-256, and holding the
+    """Check every file against the manifest: present, of the recorded size and checksum, and holding the
     recorded keys with the recorded shapes. Raises :class:`CheckpointError` listing every problem."""
     root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
@@ -676,7 +666,7 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
             problems.append(f"{file_path} is missing")
             continue
         try:
-            _verify_file_checksum(file_path, info["sha256"])
+            _verify_file_checksum(file_path, info)
             with safe_open(file_path, framework="pt") as f:
                 for key, shape in expected[file_name].items():
                     stored = tuple(f.get_slice(key).get_shape())

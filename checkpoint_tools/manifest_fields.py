@@ -8,7 +8,7 @@ Written by conversions (same keys as :mod:`megamoe.training.checkpoint`):
 - ``expert_placement``: ``{"<layer id>": ExpertPlacement.to_dict()}``;
 - ``extra``: ``step`` (0 for an import), ``sampler_state`` (None), ``has_optimizer_state``, and for a
   checkpoint imported from HuggingFace ``hf_config`` (the original config.json, for export) and
-  ``hf_files`` (tokenizer and other side files kept under ``hf_files/``: name -> bytes, sha256).
+  ``hf_files`` (tokenizer and other side files kept under ``hf_files/``: name -> checksum entry).
 """
 
 from __future__ import annotations

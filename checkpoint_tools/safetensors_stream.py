@@ -15,11 +15,12 @@ place in the file is known from the plan, so the two proceed independently.
 
 Each file also has two more threads:
 
-- one computes the SHA-256 the megamoe manifest records on the bytes as they are in the file, read back
-  from the page cache right behind the completed part (neither writer waits for the hash);
+- one computes the checksum the megamoe manifest records (:mod:`checkpoint_tools.checksums`) on the bytes
+  as they are in the file, read back from the page cache right behind the completed part (neither writer
+  waits for the hash);
 - one starts writeback every :data:`WRITEBACK_STEP` bytes (``fdatasync``) instead of all at the end, and
   at the end fsyncs, waits for the others and resolves :attr:`SafetensorsStreamWriter.result`, a future
-  of ``(bytes, sha256)``.
+  of the file's manifest entry (``{"bytes": n, "xxh3_128": hex}``).
 
 The layout is the one safetensors reads: an 8-byte little-endian header length, the JSON header
 (``{key: {dtype, shape, data_offsets}}`` plus ``__metadata__``) padded with spaces to a multiple of 8,
@@ -29,7 +30,6 @@ then the tensors' bytes back to back in the planned order.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import os
@@ -42,6 +42,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+
+from checkpoint_tools import checksums
 
 __all__ = ["SAFETENSORS_DTYPES", "WRITEBACK_STEP", "PlannedTensor", "FileExtent", "group_into_files",
            "read_data_extents", "SafetensorsStreamWriter"]
@@ -180,14 +182,14 @@ class SafetensorsStreamWriter:
     ``write`` checks the key, dtype and shape against the plan and returns once the tensor's memory may be
     reused: bytes from memory are written at once, unless the memory is stable (a mapped file), copies and
     stable tensors are queued for the file's writing thread.
-    ``close`` returns :attr:`result`, a future of ``(bytes, sha256 hex or None)`` resolved once the file
-    is complete, hashed and fsynced; closing before every tensor was written is an error. :meth:`abort`
+    ``close`` returns :attr:`result`, a future of the file's manifest entry (``{"bytes": n}`` only when
+    ``checksum`` is false) resolved once the file is complete, hashed and fsynced; closing before every tensor was written is an error. :meth:`abort`
     stops everything and closes the file (the caller removes it); so does an exception inside a ``with``
     block.
     """
 
     def __init__(self, path: str | os.PathLike, tensors: list[PlannedTensor], *,
-                 metadata: dict[str, str] | None = None, sha256: bool = True):
+                 metadata: dict[str, str] | None = None, checksum: bool = True):
         self.path = os.fspath(path)
         self._plan = list(tensors)
         self._next = 0
@@ -206,13 +208,13 @@ class SafetensorsStreamWriter:
         self._queued_tensor_bytes = 0
         self._aborted = False
         self._error: BaseException | None = None
-        self._digest = hashlib.sha256() if sha256 else None
+        self._digest = checksums.new_hasher() if checksum else None
         self.result: Future = Future()
         self._copier = threading.Thread(target=self._copy_loop, name=f"write {self.path}", daemon=True)
-        self._hasher = threading.Thread(target=self._hash_loop, name=f"sha256 {self.path}", daemon=True)
+        self._hasher = threading.Thread(target=self._hash_loop, name=f"checksum {self.path}", daemon=True)
         self._finisher = threading.Thread(target=self._finish_loop, name=f"fsync {self.path}", daemon=True)
         self._copier.start()
-        if sha256:
+        if checksum:
             self._hasher.start()
         self._finisher.start()
         try:
@@ -261,8 +263,8 @@ class SafetensorsStreamWriter:
         self._next += 1
 
     def close(self) -> Future:
-        """No more tensors: the returned :attr:`result` resolves to ``(bytes, sha256 hex or None)`` once
-        the file is written, hashed and on disk (the work goes on in the background meanwhile)."""
+        """No more tensors: the returned :attr:`result` resolves to the file's manifest entry once the
+        file is written, hashed and on disk (the work goes on in the background meanwhile)."""
         if self._next != len(self._plan):
             missing = [t.key for t in self._plan[self._next:]]
             self.abort()
@@ -435,7 +437,8 @@ class SafetensorsStreamWriter:
                 self.result.set_exception(self._error)
             return
         self._copier_done_then_close()
-        self.result.set_result((self._size, None if self._digest is None else self._digest.hexdigest()))
+        self.result.set_result({"bytes": self._size} if self._digest is None
+                               else checksums.entry(self._size, self._digest))
 
     def _copier_done_then_close(self) -> None:
         """Close the file once no thread may use it: the copier ends at close() or abort()."""

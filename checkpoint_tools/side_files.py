@@ -1,7 +1,7 @@
 """HuggingFace side files (tokenizer, generation config, chat template, ...) carried through conversions.
 
 An import copies every top-level file of the HF directory that is neither config.json nor weights into
-``<checkpoint>/hf_files/`` and records each one's size and SHA-256 in the manifest (``extra.hf_files``);
+``<checkpoint>/hf_files/`` and records each one's size and checksum in the manifest (``extra.hf_files``);
 export copies them back next to the new config.json; reshard carries them along.
 """
 
@@ -10,20 +10,19 @@ from __future__ import annotations
 import os
 import shutil
 
-from checkpoint_tools.format import file_digest
+from checkpoint_tools import checksums
 
 __all__ = ["copy_side_files", "verify_side_files"]
 
 
 def copy_side_files(source_dir: str, names: list[str], target_dir: str) -> dict[str, dict]:
-    """Copy ``names`` from ``source_dir`` into ``target_dir`` (created); returns name -> {bytes, sha256}."""
+    """Copy ``names`` from ``source_dir`` into ``target_dir`` (created); returns name -> checksum entry."""
     os.makedirs(target_dir, exist_ok=True)
     copied = {}
     for name in sorted(names):
         target = os.path.join(target_dir, name)
         shutil.copyfile(os.path.join(source_dir, name), target)
-        size, sha = file_digest(target)
-        copied[name] = {"bytes": size, "sha256": sha}
+        copied[name] = checksums.file_entry(target)
     return copied
 
 
@@ -35,7 +34,7 @@ def verify_side_files(directory: str, recorded: dict[str, dict]) -> list[str]:
         if not os.path.isfile(path):
             problems.append(f"side file {path} is missing")
             continue
-        size, sha = file_digest(path)
-        if (size, sha) != (info["bytes"], info["sha256"]):
-            problems.append(f"side file {path} does not match the manifest (size {size}, SHA-256 {sha[:12]}...)")
+        problem = checksums.check_entry(path, info)
+        if problem is not None:
+            problems.append(f"side file {problem}")
     return problems

@@ -4,6 +4,7 @@ slot, lazy slice reads, crash-safe saves and clear errors for corrupt or mismatc
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -419,6 +420,32 @@ def test_corrupt_or_mismatched_checkpoints_give_clear_errors(pristine, tmp_path)
     loaded = _request_a()
     manifest = load_checkpoint(pristine, loaded + [LogicalChunk("c", torch.empty(1), (1,), (0,))], strict=False)
     assert manifest["missing_tensors"] == ["c"] and torch.equal(loaded[0].tensor, _logical("a", (4, 4)))
+
+
+def test_format_version_1_checkpoints_with_sha256_still_load_and_verify(pristine, tmp_path):
+    """Version 1 recorded SHA-256 per file; such checkpoints keep loading, and a damaged file is still found."""
+    path, manifest, file_a = _copy(pristine, tmp_path, "v1")
+    manifest["format_version"] = 1
+    for name, info in manifest["files"].items():
+        assert set(info) == {"bytes", "xxh3_128"}
+        sha256 = hashlib.sha256((path / name).read_bytes()).hexdigest()
+        manifest["files"][name] = {"bytes": info["bytes"], "sha256": sha256}
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    verify_checkpoint(path)
+    loaded = _request_a()
+    load_checkpoint(path, loaded, verify_checksums=True)
+    assert torch.equal(loaded[0].tensor, _logical("a", (4, 4)))
+
+    data = bytearray(file_a.read_bytes())
+    data[-1] ^= 0xFF
+    file_a.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"checksum mismatch for .*{file_a.name}: sha256 "):
+        load_checkpoint(path, _request_a(), verify_checksums=True)
+
+    manifest["files"][file_a.name] = {"bytes": len(data), "md5": "0" * 32}
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"records no checksum this megamoe knows \(keys \['bytes', 'md5'\]"):
+        verify_checkpoint(path)
 
 
 def test_inconsistent_chunks_are_refused_at_save(tmp_path):

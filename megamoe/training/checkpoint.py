@@ -27,7 +27,6 @@ the layout is unchanged: under another layout a rank has no counterpart whose st
 from __future__ import annotations
 
 import glob
-import hashlib
 import logging
 import os
 import re
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from checkpoint_tools import checksums
 from checkpoint_tools.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
                                     read_manifest, resolve_checkpoint, save_checkpoint)
 from checkpoint_tools.manifest_fields import HF_FILES_DIR
@@ -89,10 +89,9 @@ class HFProvenance:
         return cls(dict(extra["hf_config"]), files)
 
     def manifest_extra(self) -> dict:
-        """The ``extra`` entries ``import-hf`` writes for these (sizes and SHA-256 of the side files)."""
+        """The ``extra`` entries ``import-hf`` writes for these (sizes and checksums of the side files)."""
         return {"hf_config": self.config,
-                "hf_files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                             for name, data in sorted(self.files.items())}}
+                "hf_files": {name: checksums.bytes_entry(data) for name, data in sorted(self.files.items())}}
 
 
 def _parallel_layout(state) -> dict:
