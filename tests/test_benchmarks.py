@@ -68,6 +68,8 @@ def test_decode_benchmark_generates_the_same_ids_as_transformers(monkeypatch, tm
         assert set(row["implementations"]) == {"transformers", "megamoe", "megamoe/compiled"}
         for timings in row["implementations"].values():
             assert len(timings["full_s"]) == 3 and timings["decode_tokens_per_s"] > 0
+    assert results["target_judged_at_threads"] == [1]        # the only count measured, default or not
+    assert results["target_met"] == all(row["decode_speedup"]["megamoe/compiled"] >= 2 for row in results["rows"])
 
 
 @pytest.mark.slow      # ~60 s: ten conversions of a one-layer checkpoint, each in a child process
