@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.fp8 import FP8Config, FP8ScalingState, compute_scale, dequantize, fp8_max, quantize
+from megamoe.moe.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, compute_scale, dequantize, fp8_max,
+                             quantize)
 from megamoe.moe.fp8_experts import FP8GroupedLinearFunction, PaddedRows, fp8_grouped_mlp
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -75,7 +76,8 @@ def test_delayed_scaling_quantises_step_n_with_the_scale_of_step_n_minus_1():
     state = FP8ScalingState(config, num_slots=1)
     x, eye = torch.full((16, 8), 3.3), torch.eye(8).unsqueeze(0)
     rows = PaddedRows.build(torch.tensor([16]), 16, 16, exact=True)
-    outputs = [FP8GroupedLinearFunction.apply(x, eye, rows, "fc1", config, state, "emulated") for _ in range(2)]
+    outputs = [FP8GroupedLinearFunction.apply(x, eye, rows, "fc1", config, state, "emulated",
+                                              FP8AmaxReduction()) for _ in range(2)]
     assert torch.allclose(outputs[0], torch.full_like(x, 3.25))
     assert torch.allclose(outputs[1], x, rtol=1e-6)
 
@@ -125,7 +127,7 @@ def test_emulated_fp8_gemm_error_bound(recipe):
     counts = torch.tensor(COUNTS)
     x, w = torch.randn(int(counts.sum()), H, generator=g), torch.randn(SLOTS, FFN, H, generator=g)
     rows = PaddedRows.build(counts, x.shape[0], 16, exact=True)
-    y = FP8GroupedLinearFunction.apply(x, w, rows, "fc1", config, None, "emulated")
+    y = FP8GroupedLinearFunction.apply(x, w, rows, "fc1", config, None, "emulated", FP8AmaxReduction())
     slot = rows.slot_of_row
     exact = torch.einsum("nk,nok->no", x, w[slot])
     err = (y - exact).abs()
@@ -257,6 +259,79 @@ def test_te_recipe_without_transformer_engine_names_the_fix():
     with pytest.raises(ValueError, match="rowwise"):
         te_fp8_recipe(FP8Config(recipe="rowwise"))
     assert type(te_fp8_recipe(FP8Config())).__name__ == "DelayedScaling"
+
+
+# ---- layouts: ETP shards and expert-DP replicas quantise as one rank does ----------------------------
+LAYOUT_T, LAYOUT_E, LAYOUT_F = 32, 4, 32
+
+
+def _moe_fp8_config(recipe):
+    from megamoe.moe.moe_layer import MoEConfig
+    from megamoe.moe.router import RouterConfig
+    return MoEConfig(router=RouterConfig(hidden_size=H, num_experts=LAYOUT_E, top_k=2),
+                     ffn_hidden_size=LAYOUT_F, expert_backend="fp8_emulated",
+                     expert_fp8=FP8Config(recipe=recipe, amax_history_len=4))
+
+
+def _fp8_layout_worker(rank, world_size, layout, recipes):
+    """Three training steps of an FP8 MoE layer under ``layout`` (2 ranks) against the single-rank layer
+    on all the tokens: outputs, input and expert-weight gradients and delayed scales must agree."""
+    from megamoe import comms
+    from megamoe.moe.moe_layer import MoELayer
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    state = initialize_model_parallel(**layout)
+    # Expert-DP ranks take different halves of the tokens; ETP ranks all take every token.
+    parts = state.edp.size
+    rows = slice(state.edp.rank * LAYOUT_T // parts, (state.edp.rank + 1) * LAYOUT_T // parts)
+    worst = {}
+    for recipe in recipes:
+        config = _moe_fp8_config(recipe)
+        torch.manual_seed(7)
+        ref = MoELayer(config)
+        torch.manual_seed(7)
+        layer = MoELayer(config, ep_group=state.ep.group, etp_group=state.etp.group,
+                         expert_group=state.ep_etp.group, expert_dp_group=state.edp.group)
+        shard_f = LAYOUT_F // state.etp.size
+        shard = slice(state.etp.rank * shard_f, (state.etp.rank + 1) * shard_f)
+        g = torch.Generator().manual_seed(11)
+        worst[recipe] = 0.0
+        for step in range(3):
+            x, dy = torch.randn(LAYOUT_T, H, generator=g), torch.randn(LAYOUT_T, H, generator=g)
+            results = []
+            for module, x_in, dy_in in ((ref, x, dy), (layer, x[rows], dy[rows])):
+                module.zero_grad(set_to_none=True)
+                x_in = x_in.clone().requires_grad_()
+                out, _ = module(x_in)
+                out.backward(dy_in)
+                results.append((out.detach(), x_in.grad))
+            (ref_out, ref_dx), (out, dx) = results
+            pairs = [("output", out, ref_out[rows]), ("input grad", dx, ref_dx[rows])]
+            for slot in range(LAYOUT_E):
+                mine = layer.experts.expert_weight_shards(slot, grad=True)
+                full = ref.experts.expert_weight_shards(slot, grad=True)
+                for name, want in (("gate", full["gate"][shard]), ("down", full["down"][:, shard])):
+                    got = comms.all_reduce_(mine[name].clone(), state.edp.group)   # the expert-DP gradient sum
+                    pairs.append((f"slot {slot} {name} grad", got, want))
+            if recipe == "delayed":
+                pairs.append(("delayed scales", layer.experts.fp8_state.scale, ref.experts.fp8_state.scale))
+            for what, got, want in pairs:
+                error = ((got - want).abs().max() / want.abs().max()).item()
+                worst[recipe] = max(worst[recipe], error)
+                assert error < 1e-5, f"{recipe}, step {step}, {layout}: {what} differs by {error:.2e} (relative)"
+    destroy_model_parallel()
+    return worst
+
+
+@pytest.mark.slow      # ~15 s: two 2-rank layouts, three recipes, three steps each
+@pytest.mark.parametrize("layout", [{"etp": 2}, {"tp": 1}], ids=["etp2", "expert_dp2"])
+def test_fp8_layer_under_etp_or_expert_dp_quantises_as_one_rank(layout):
+    """FP8 amaxes are reduced over the ETP group (shards quantise with the whole tensor's scales) and, for
+    the delayed recipe, over the expert-DP group (replicas keep one history): every layout then computes
+    what one rank computes on all the tokens, up to fp32 summation order."""
+    from megamoe.testing import run_on_ranks
+    recipes = RECIPES if "etp" in layout else ("delayed",)     # current scaling is per rank's batch under DP
+    run_on_ranks(_fp8_layout_worker, 2, args=(layout, recipes), timeout_s=300)
 
 
 # ---- training ------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.moe.fp8 import FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
+from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 
 __all__ = ["ExpertsConfig", "GroupedExperts"]
 
@@ -131,11 +131,16 @@ class GroupedExperts(nn.Module):
     Construction draws no numbers from the global RNG: the weights get a deterministic placeholder
     init, and the owner (the MoE layer) loads each expert's real, layout-invariant initial weights
     through :meth:`load_expert_weights`.
+
+    ``fp8_amax_reduction``: the ETP and expert-DP groups over which the FP8 paths reduce amaxes
+    (:class:`megamoe.moe.fp8.FP8AmaxReduction`); the MoE layer passes its own groups.
     """
 
-    def __init__(self, config: ExpertsConfig, *, device=None, dtype=None) -> None:
+    def __init__(self, config: ExpertsConfig, *, fp8_amax_reduction: FP8AmaxReduction = FP8AmaxReduction(),
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.config = config
+        self.fp8_amax_reduction = fp8_amax_reduction      # groups FP8 amaxes are reduced over (torch / emulated)
         device = torch.device(device) if device is not None else torch.get_default_device()
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.backend = (self._resolve_backend(config.backend, device) if config.fp8 is None
@@ -252,7 +257,7 @@ class GroupedExperts(nn.Module):
         from megamoe.moe.fp8_experts import fp8_grouped_mlp  # imports this module
         kernel = "scaled_grouped_mm" if self.backend == "torch" else "emulated"
         return fp8_grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, tokens_per_slot, self._activate,
-                               self.config.fp8, self.fp8_state, kernel=kernel)
+                               self.config.fp8, self.fp8_state, kernel=kernel, reduction=self.fp8_amax_reduction)
 
     def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
         return _activate(hidden, self.config.activation)

@@ -19,6 +19,13 @@ Recipes (how amax is chosen, i.e. the scaling granularity and its timing):
 
 Formats: ``e4m3`` everywhere, or ``hybrid`` (as TE's ``Format.HYBRID``): e4m3 for forward operands
 (activations, weights: more mantissa), e5m2 for gradients (more range).
+
+Amax reduction (:class:`FP8AmaxReduction`, as TE's amax reduction group): a slot's operands are
+quantised alike whatever the layout. Under expert tensor parallelism each rank holds a shard of a
+slot's weights and activations, so amaxes of a shard are reduced (max) over the ETP group: the scales
+are those of the whole tensor, and ETP = 2 quantises exactly as ETP = 1. With the delayed recipe the
+slot amaxes are also reduced over the expert-data-parallel group, so every replica of a slot keeps
+the same history and scales (the current-scaling recipes scale each rank's own batch, as TE does).
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup, ReduceOp
 
-__all__ = ["FP8Config", "FP8ScalingState", "FP8_ROLES", "amax_rows", "compute_scale", "dequantize",
-           "fp8_max", "quantize", "resolve_fp8_backend", "te_fp8_recipe"]
+from megamoe import comms
+
+__all__ = ["FP8Config", "FP8ScalingState", "FP8AmaxReduction", "FP8_ROLES", "amax_rows", "compute_scale",
+           "dequantize", "fp8_max", "quantize", "resolve_fp8_backend", "te_fp8_recipe"]
 
 _RECIPES = ("delayed", "tensorwise", "rowwise")
 _FORMATS = ("e4m3", "hybrid")
@@ -37,6 +47,11 @@ _AMAX_ALGOS = ("max", "most_recent")
 # One entry per operand of the expert MLP's two grouped GEMMs (fc1 = gate/up, fc2 = down): the
 # forward input and weight, and the backward's incoming gradient.
 FP8_ROLES = ("fc1_input", "fc1_weight", "fc1_grad_output", "fc2_input", "fc2_weight", "fc2_grad_output")
+# Under expert tensor parallelism, the operands of which a rank holds part of each slot's tensor (all
+# but the token-major fc1 input and fc2 output gradient, which every ETP rank holds whole), and of
+# those the ones whose rows are cut too (fc1's weight rows are whole: ETP splits them between ranks).
+_ETP_SPLIT_SLOT_ROLES = frozenset({"fc1_weight", "fc1_grad_output", "fc2_input", "fc2_weight"})
+_ETP_SPLIT_ROW_ROLES = frozenset({"fc1_grad_output", "fc2_input", "fc2_weight"})
 
 
 @dataclass
@@ -153,6 +168,35 @@ class FP8ScalingState(nn.Module):
 
     def extra_repr(self) -> str:
         return f"slots={self.scale.shape[1]}, history={self.config.amax_history_len}"
+
+
+@dataclass(frozen=True)
+class FP8AmaxReduction:
+    """The groups over which amaxes are reduced (max) so that a slot is quantised alike on every rank
+    holding part or a replica of it; see the module docstring. No groups: nothing is reduced.
+
+    ``etp_group``: the expert-tensor-parallel group (ranks holding shards of the same slots).
+    ``expert_dp_group``: the expert-data-parallel group (ranks holding replicas of the same slots;
+    reduced over only for the delayed recipe's histories).
+    """
+
+    etp_group: ProcessGroup | None = None
+    expert_dp_group: ProcessGroup | None = None
+
+    def slot_amax(self, role: str, amax: torch.Tensor, delayed: bool) -> torch.Tensor:
+        """Per-slot amaxes [S] of ``role``, reduced in place where the layout needs it."""
+        if role in _ETP_SPLIT_SLOT_ROLES:
+            comms.all_reduce_(amax, self.etp_group, op=ReduceOp.MAX)       # a no-op on a group of one
+        if delayed:
+            comms.all_reduce_(amax, self.expert_dp_group, op=ReduceOp.MAX)
+        return amax
+
+    def row_amax(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """Per-row amaxes of ``role`` (tokens, or weight output rows), reduced in place over the ETP group
+        where ETP cuts the rows."""
+        if role in _ETP_SPLIT_ROW_ROLES:
+            comms.all_reduce_(amax, self.etp_group, op=ReduceOp.MAX)
+        return amax
 
 
 def te_fp8_recipe(config: FP8Config):

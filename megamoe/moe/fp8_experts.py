@@ -31,7 +31,8 @@ import torch
 
 from megamoe.moe.experts import (SlotGroups, grouped_linear, grouped_linear_input_grad,
                                  grouped_linear_weight_grad)
-from megamoe.moe.fp8 import FP8Config, FP8ScalingState, amax_rows, compute_scale, dequantize, quantize
+from megamoe.moe.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, amax_rows, compute_scale, dequantize,
+                             quantize)
 
 __all__ = ["FP8_ROW_ALIGNMENT", "PaddedRows", "fp8_grouped_mlp", "te_fp8_grouped_mlp"]
 
@@ -93,14 +94,15 @@ class PaddedRows:
 
 # ---- scales per recipe ------------------------------------------------------------------------
 def _row_scales(x: torch.Tensor, rows: PaddedRows, role: str, config: FP8Config,
-                state: FP8ScalingState | None) -> torch.Tensor:
+                state: FP8ScalingState | None, reduction: FP8AmaxReduction) -> torch.Tensor:
     """Quantisation scale of each row of a token-major operand x [N, K] -> [N] fp32."""
     dtype = config.dtype_for(role)
     row_amax = amax_rows(x)
     if config.recipe == "rowwise":
-        return compute_scale(row_amax, dtype, config.margin)
+        return compute_scale(reduction.row_amax(role, row_amax), dtype, config.margin)
     num_slots = rows.padded_counts.shape[0]
     slot_amax = row_amax.new_zeros(num_slots).scatter_reduce_(0, rows.slot_of_row, row_amax, "amax")
+    slot_amax = reduction.slot_amax(role, slot_amax, delayed=config.recipe == "delayed")
     if config.recipe == "tensorwise":
         return compute_scale(slot_amax, dtype, config.margin)[rows.slot_of_row]
     slot_scale = state.current_scale(role).clone()  # from the history up to the previous step
@@ -109,14 +111,15 @@ def _row_scales(x: torch.Tensor, rows: PaddedRows, role: str, config: FP8Config,
 
 
 def _weight_scales(weight: torch.Tensor, role: str, config: FP8Config,
-                   state: FP8ScalingState | None) -> torch.Tensor:
+                   state: FP8ScalingState | None, reduction: FP8AmaxReduction) -> torch.Tensor:
     """Quantisation scale of each output row of weight [S, O, K] -> [S, O] fp32."""
     dtype = config.dtype_for(role)
     row_amax = weight.detach().abs().amax(dim=2).float() if weight.shape[2] else weight.new_zeros(
         weight.shape[:2], dtype=torch.float32)
     if config.recipe == "rowwise":
-        return compute_scale(row_amax, dtype, config.margin)
+        return compute_scale(reduction.row_amax(role, row_amax), dtype, config.margin)
     slot_amax = row_amax.amax(dim=1) if weight.shape[1] else row_amax.new_zeros(weight.shape[0])
+    slot_amax = reduction.slot_amax(role, slot_amax, delayed=config.recipe == "delayed")
     if config.recipe == "tensorwise":
         slot_scale = compute_scale(slot_amax, dtype, config.margin)
     else:
@@ -131,9 +134,10 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
     Saves the FP8 operands and their scales (not the high-precision ones) for backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, rows: PaddedRows, gemm: str, config: FP8Config, state, kernel: str):
-        x_scale = _row_scales(x, rows, f"{gemm}_input", config, state)                 # [N]
-        w_scale = _weight_scales(weight, f"{gemm}_weight", config, state)              # [S, O]
+    def forward(ctx, x, weight, rows: PaddedRows, gemm: str, config: FP8Config, state, kernel: str,
+                reduction: FP8AmaxReduction):
+        x_scale = _row_scales(x, rows, f"{gemm}_input", config, state, reduction)      # [N]
+        w_scale = _weight_scales(weight, f"{gemm}_weight", config, state, reduction)   # [S, O]
         x_q = quantize(x, x_scale[:, None], config.forward_dtype)
         w_q = quantize(weight, w_scale[:, :, None], config.forward_dtype)
         if kernel == "scaled_grouped_mm":
@@ -146,6 +150,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                                         dequantize(w_q, w_scale[:, :, None]), rows.slot_groups())
         ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
         ctx.rows, ctx.gemm, ctx.config, ctx.state, ctx.kernel = rows, gemm, config, state, kernel
+        ctx.reduction = reduction
         ctx.dtypes = (x.dtype, weight.dtype)
         return rows.unpad(out_padded).to(x.dtype)
 
@@ -155,7 +160,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         x_q, x_scale, w_q, w_scale = ctx.saved_tensors
         rows, config = ctx.rows, ctx.config
         grad_out = grad_out.contiguous()
-        g_scale = _row_scales(grad_out, rows, f"{ctx.gemm}_grad_output", config, ctx.state)
+        g_scale = _row_scales(grad_out, rows, f"{ctx.gemm}_grad_output", config, ctx.state, ctx.reduction)
         g_q = quantize(grad_out, g_scale[:, None], config.gradient_dtype)
         compute_dtype = torch.bfloat16 if ctx.kernel == "scaled_grouped_mm" else torch.float32
         # Unpadded grouped GEMMs: padding only serves the FP8 kernel, and zero rows add nothing here.
@@ -169,20 +174,22 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = grouped_linear_weight_grad(g_hat, dequantize(x_q, x_scale[:, None], compute_dtype),
                                                 groups).to(w_dtype)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def fp8_grouped_mlp(tokens: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                     tokens_per_slot: torch.Tensor, activate: Callable[[torch.Tensor], torch.Tensor],
                     config: FP8Config, state: FP8ScalingState, kernel: str = "emulated",
-                    pad_multiple: int = FP8_ROW_ALIGNMENT) -> torch.Tensor:
+                    pad_multiple: int = FP8_ROW_ALIGNMENT,
+                    reduction: FP8AmaxReduction = FP8AmaxReduction()) -> torch.Tensor:
     """The expert MLP ``down(act(gate_up(x)))`` of all slots with FP8 GEMMs; tokens [N, H] sorted
-    by slot -> [N, H]. ``kernel``: ``"emulated"`` (any device) or ``"scaled_grouped_mm"`` (sm90+)."""
+    by slot -> [N, H]. ``kernel``: ``"emulated"`` (any device) or ``"scaled_grouped_mm"`` (sm90+).
+    ``reduction``: the groups amaxes are reduced over (every rank of a group must call this together)."""
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
     rows = PaddedRows.build(tokens_per_slot, tokens.shape[0], pad_multiple, exact=kernel == "emulated")
-    hidden = FP8GroupedLinearFunction.apply(tokens, w_gate_up, rows, "fc1", config, state, kernel)
-    return FP8GroupedLinearFunction.apply(activate(hidden), w_down, rows, "fc2", config, state, kernel)
+    hidden = FP8GroupedLinearFunction.apply(tokens, w_gate_up, rows, "fc1", config, state, kernel, reduction)
+    return FP8GroupedLinearFunction.apply(activate(hidden), w_down, rows, "fc2", config, state, kernel, reduction)
 
 
 def te_fp8_grouped_mlp(te_gate_up, te_down, tokens: torch.Tensor, tokens_per_slot: torch.Tensor,
