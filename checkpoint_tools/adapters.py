@@ -231,7 +231,8 @@ def _shared_expert_keys(module: str) -> tuple[Rename, ...]:
 
 
 SHARED_EXPERT_GATE_KEY = Rename(f"{_L}mlp.shared_expert_gate.weight", f"{_P}mlp.shared_experts.gate_weight",
-                                lambda c: (1, c.hidden_size), when=lambda c: _HAS_SHARED(c) and c.moe.shared_experts.gate)
+                                lambda c: (1, c.hidden_size),
+                                when=lambda c: _HAS_SHARED(c) and c.moe.shared_experts.gate)
 
 _STANDARD_EXPERTS = ExpertKeys(
     per_expert=(f"{_L}mlp.experts.{{e}}.gate_proj.weight", f"{_L}mlp.experts.{{e}}.up_proj.weight",
@@ -481,7 +482,8 @@ ADAPTERS: dict[str, HFAdapter] = {
         "mixtral", _GQA_LAYER, DENSE_MLP_KEYS,
         moe_keys=_router_keys("block_sparse_moe", fused=False) + _router_keys("mlp", fused=True),
         experts=ExpertKeys(
-            per_expert=(f"{_L}block_sparse_moe.experts.{{e}}.w1.weight", f"{_L}block_sparse_moe.experts.{{e}}.w3.weight",
+            per_expert=(f"{_L}block_sparse_moe.experts.{{e}}.w1.weight",
+                        f"{_L}block_sparse_moe.experts.{{e}}.w3.weight",
                         f"{_L}block_sparse_moe.experts.{{e}}.w2.weight"),
             fused=_STANDARD_EXPERTS.fused)),
     "qwen2_moe": HFAdapter(

@@ -93,7 +93,8 @@ class HFCheckpoint:
                 if not os.path.isfile(os.path.join(directory, name)):
                     raise ConversionError(f"{index_path} lists {name}, which is missing from {directory}")
         else:
-            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
+            pattern = os.path.join(glob.escape(directory), "*.safetensors")
+            files = sorted(os.path.basename(p) for p in glob.glob(pattern))
             if not files:
                 others = sorted(n for n in os.listdir(directory) if is_weight_file(n) and n != CONFIG_FILE)
                 hint = f" (found {', '.join(others)}: only safetensors weights are supported)" if others else ""
@@ -110,8 +111,8 @@ class HFCheckpoint:
                     raise ConversionError(f"{INDEX_FILE} places {key!r} in {name}, but it is in {tensors[key].file}")
             unlisted = [k for k in tensors if k not in listed]
             if unlisted:
-                raise ConversionError(f"unexpected tensor {unlisted[0]!r} in {tensors[unlisted[0]].file}: not listed in "
-                                      f"{INDEX_FILE} ({len(unlisted)} such tensors)")
+                raise ConversionError(f"unexpected tensor {unlisted[0]!r} in {tensors[unlisted[0]].file}: not "
+                                      f"listed in {INDEX_FILE} ({len(unlisted)} such tensors)")
         return cls(directory, config, tensors, cls.side_files_of(directory))
 
     @staticmethod

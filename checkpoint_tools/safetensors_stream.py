@@ -183,9 +183,9 @@ class SafetensorsStreamWriter:
     reused: bytes from memory are written at once, unless the memory is stable (a mapped file), copies and
     stable tensors are queued for the file's writing thread.
     ``close`` returns :attr:`result`, a future of the file's manifest entry (``{"bytes": n}`` only when
-    ``checksum`` is false) resolved once the file is complete, hashed and fsynced; closing before every tensor was written is an error. :meth:`abort`
-    stops everything and closes the file (the caller removes it); so does an exception inside a ``with``
-    block.
+    ``checksum`` is false) resolved once the file is complete, hashed and fsynced; closing before every
+    tensor was written is an error. :meth:`abort` stops everything and closes the file (the caller
+    removes it); so does an exception inside a ``with`` block.
     """
 
     def __init__(self, path: str | os.PathLike, tensors: list[PlannedTensor], *,
