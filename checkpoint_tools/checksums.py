@@ -35,12 +35,14 @@ def entry(size: int, hasher) -> dict:
 
 
 def bytes_entry(data: bytes | memoryview) -> dict:
+    """The manifest entry of ``data`` (a file's whole contents)."""
     hasher = new_hasher()
     hasher.update(data)
     return entry(len(data), hasher)
 
 
-def _digest_file(path: str, algorithm: str, fsync: bool) -> tuple[int, str]:
+def _hash_file(path: str, algorithm: str, fsync: bool = False):
+    """(size, hasher of ``algorithm`` that has consumed the file ``path``)."""
     hasher, size = _HASHERS[algorithm](), 0
     with open(path, "rb") as f:
         while block := f.read(_READ_BLOCK):
@@ -48,13 +50,12 @@ def _digest_file(path: str, algorithm: str, fsync: bool) -> tuple[int, str]:
             size += len(block)
         if fsync:
             os.fsync(f.fileno())
-    return size, hasher.hexdigest()
+    return size, hasher
 
 
 def file_entry(path: str, *, fsync: bool = False) -> dict:
     """The manifest entry of the file ``path`` as it is on disk (forced there first with ``fsync``)."""
-    size, digest = _digest_file(path, ALGORITHM, fsync)
-    return {"bytes": size, ALGORITHM: digest}
+    return entry(*_hash_file(path, ALGORITHM, fsync))
 
 
 def check_entry(path: str, recorded: dict) -> str | None:
@@ -63,7 +64,8 @@ def check_entry(path: str, recorded: dict) -> str | None:
     if algorithm is None:
         return (f"{path}: its manifest entry records no checksum this megamoe knows (keys {sorted(recorded)}; "
                 f"known: {sorted(_HASHERS)})")
-    size, digest = _digest_file(path, algorithm, fsync=False)
+    size, hasher = _hash_file(path, algorithm)
+    digest = hasher.hexdigest()
     if size != recorded["bytes"]:
         return f"{path} has {size} bytes, the manifest says {recorded['bytes']} (truncated or overwritten)"
     if digest != recorded[algorithm]:

@@ -373,6 +373,8 @@ def test_corrupt_or_mismatched_checkpoints_give_clear_errors(pristine, tmp_path)
     with pytest.raises(CheckpointError, match=rf"{file_a.name} has \d+ bytes, the manifest says \d+ \(truncated"):
         load_checkpoint(path, _request_a())
     load_checkpoint(path, [LogicalChunk("b", torch.empty(8), (8,), (0,))])     # other files are still fine
+    with pytest.raises(CheckpointError, match=rf"failed verification:\n.*{file_a.name} has \d+ bytes.*truncated"):
+        verify_checkpoint(path)
 
     path, _, file_a = _copy(pristine, tmp_path, "flipped")
     data = bytearray(file_a.read_bytes())
