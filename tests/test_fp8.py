@@ -1,6 +1,7 @@
 """FP8 experts: the scaling math and delayed-scaling history, quantisation error bounds, the CPU
 emulation (error vs fp32 with a derived bound, padding invariance, gradients, a short training run),
-configuration errors; GPU paths (TE, torch._scaled_grouped_mm) against the emulation on a GPU."""
+configuration errors; ETP and expert-DP layouts against one rank (amax reduction); GPU paths (TE,
+torch._scaled_grouped_mm) against the emulation on a GPU."""
 
 import math
 from dataclasses import replace
@@ -319,6 +320,16 @@ def _fp8_layout_worker(rank, world_size, layout, recipes):
                 error = ((got - want).abs().max() / want.abs().max()).item()
                 worst[recipe] = max(worst[recipe], error)
                 assert error < 1e-5, f"{recipe}, step {step}, {layout}: {what} differs by {error:.2e} (relative)"
+        if recipe == "delayed" and state.edp.size > 1:
+            # Training: one all-reduce of the S slot amaxes per forward operand (fc1 / fc2, input / weight);
+            # evaluation reuses the scales and issues no collective at all.
+            with comms.comm_counter() as training:
+                layer(x[rows])
+            layer.eval()
+            with comms.comm_counter() as evaluation:
+                layer(x[rows])
+            assert training.calls("all_reduce", state.edp.group) == 4 == training.calls()
+            assert training.bytes("all_reduce") == 4 * LAYOUT_E * 4 and evaluation.calls() == 0
     destroy_model_parallel()
     return worst
 

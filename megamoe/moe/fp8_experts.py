@@ -102,12 +102,7 @@ def _row_scales(x: torch.Tensor, rows: PaddedRows, role: str, config: FP8Config,
         return compute_scale(reduction.row_amax(role, row_amax), dtype, config.margin)
     num_slots = rows.padded_counts.shape[0]
     slot_amax = row_amax.new_zeros(num_slots).scatter_reduce_(0, rows.slot_of_row, row_amax, "amax")
-    slot_amax = reduction.slot_amax(role, slot_amax, delayed=config.recipe == "delayed")
-    if config.recipe == "tensorwise":
-        return compute_scale(slot_amax, dtype, config.margin)[rows.slot_of_row]
-    slot_scale = state.current_scale(role).clone()  # from the history up to the previous step
-    state.record(role, slot_amax)
-    return slot_scale[rows.slot_of_row]
+    return _slot_scales(slot_amax, role, config, state, reduction)[rows.slot_of_row]
 
 
 def _weight_scales(weight: torch.Tensor, role: str, config: FP8Config,
@@ -119,13 +114,22 @@ def _weight_scales(weight: torch.Tensor, role: str, config: FP8Config,
     if config.recipe == "rowwise":
         return compute_scale(reduction.row_amax(role, row_amax), dtype, config.margin)
     slot_amax = row_amax.amax(dim=1) if weight.shape[1] else row_amax.new_zeros(weight.shape[0])
-    slot_amax = reduction.slot_amax(role, slot_amax, delayed=config.recipe == "delayed")
-    if config.recipe == "tensorwise":
-        slot_scale = compute_scale(slot_amax, dtype, config.margin)
-    else:
-        slot_scale = state.current_scale(role).clone()
-        state.record(role, slot_amax)
+    slot_scale = _slot_scales(slot_amax, role, config, state, reduction)
     return slot_scale[:, None].expand(weight.shape[:2]).contiguous()
+
+
+def _slot_scales(slot_amax: torch.Tensor, role: str, config: FP8Config, state: FP8ScalingState | None,
+                 reduction: FP8AmaxReduction) -> torch.Tensor:
+    """[S] scales of a per-slot recipe from this batch's per-slot amaxes [S]: ``tensorwise`` scales by
+    them; ``delayed`` scales by the history of earlier steps and records them (in training only, where
+    the histories advance: no collective otherwise)."""
+    if config.recipe == "tensorwise":
+        return compute_scale(reduction.slot_amax(role, slot_amax, delayed=False), config.dtype_for(role),
+                             config.margin)
+    slot_scale = state.current_scale(role).clone()  # from the history up to the previous step
+    if state.training:
+        state.record(role, reduction.slot_amax(role, slot_amax, delayed=True))
+    return slot_scale
 
 
 # ---- one grouped GEMM -------------------------------------------------------------------------
