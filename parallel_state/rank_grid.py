@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_ORDER", "GROUP_KINDS", "RankGroups", "compute_rank_groups"]
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Every kind of group RankGroups holds, in the order process groups are created.
-GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "etp", "edp", "ep_etp", "embedding")
+GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "etp", "edp", "ep_etp", "etp_edp", "embedding")
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -67,6 +67,7 @@ class RankGroups:
     etp: Groups
     edp: Groups
     ep_etp: Groups  # expert model parallel: etp x ep, the ranks that together hold every expert once
+    etp_edp: Groups  # etp x edp: the ranks holding shards or replicas of the same expert slots
     embedding: Groups
 
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...] | None]:
@@ -195,5 +196,6 @@ def compute_rank_groups(
         etp=expert("tp"),
         edp=expert("dp"),
         ep_etp=expert("tp", "ep"),
+        etp_edp=expert("tp", "dp"),
         embedding=embedding,
     )

@@ -80,6 +80,7 @@ class ParallelState:
     etp: GroupInfo
     edp: GroupInfo
     ep_etp: GroupInfo
+    etp_edp: GroupInfo
     embedding: GroupInfo | None
     dp_cp_cpu: GroupInfo
 
@@ -88,7 +89,8 @@ class ParallelState:
         """The state of a lone process: every group is this rank alone; needs no torch.distributed."""
         solo = _solo(0)
         return cls(world_size=1, rank=0, order=DEFAULT_ORDER, tp=solo, cp=solo, dp=solo, dp_cp=solo,
-                   pp=solo, mp=solo, ep=solo, etp=solo, edp=solo, ep_etp=solo, embedding=solo, dp_cp_cpu=solo)
+                   pp=solo, mp=solo, ep=solo, etp=solo, edp=solo, ep_etp=solo, etp_edp=solo, embedding=solo,
+                   dp_cp_cpu=solo)
 
     @property
     def is_first_pp_stage(self) -> bool:

@@ -262,6 +262,42 @@ def test_te_recipe_without_transformer_engine_names_the_fix():
     assert type(te_fp8_recipe(FP8Config())).__name__ == "DelayedScaling"
 
 
+def test_te_paths_reduce_delayed_amaxes_over_the_slot_group_only(monkeypatch):
+    """TE's delayed recipe reduces amaxes over fp8_autocast's fp8_group, every rank when it is None: the TE
+    path passes the slot group, and a recipe for a one-rank slot group does not reduce at all. Checked
+    against a stand-in for TransformerEngine (which needs CUDA) that records what it is given."""
+    import contextlib
+    import sys
+    import types
+
+    from megamoe.moe.fp8 import te_fp8_recipe
+    from megamoe.moe.fp8_experts import te_fp8_grouped_mlp
+
+    seen = {}
+    recipe_module = types.SimpleNamespace(Format=types.SimpleNamespace(HYBRID="hybrid", E4M3="e4m3"),
+                                          DelayedScaling=lambda **kwargs: ("DelayedScaling", kwargs))
+
+    @contextlib.contextmanager
+    def fp8_autocast(**kwargs):
+        seen.update(kwargs)
+        yield
+    te = types.ModuleType("transformer_engine")
+    te.common = types.SimpleNamespace(recipe=recipe_module)
+    te.pytorch = types.SimpleNamespace(fp8_autocast=fp8_autocast)
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", te.common)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+
+    for reduce_amax in (True, False):
+        name, kwargs = te_fp8_recipe(FP8Config(amax_history_len=8), reduce_amax=reduce_amax)
+        assert name == "DelayedScaling" and kwargs["reduce_amax"] is reduce_amax and kwargs["amax_history_len"] == 8
+    group = object()
+    x, counts = _tokens()
+    out = te_fp8_grouped_mlp(lambda t, sizes: 2 * t, lambda t, sizes: t + 1, x, counts, torch.relu, "recipe", group)
+    assert seen == {"enabled": True, "fp8_recipe": "recipe", "fp8_group": group}
+    torch.testing.assert_close(out, torch.relu(2 * x) + 1)
+
+
 # ---- layouts: ETP shards and expert-DP replicas quantise as one rank does ----------------------------
 LAYOUT_T, LAYOUT_E, LAYOUT_F = 32, 4, 32
 
@@ -292,7 +328,7 @@ def _fp8_layout_worker(rank, world_size, layout, recipes):
         ref = MoELayer(config)
         torch.manual_seed(7)
         layer = MoELayer(config, ep_group=state.ep.group, etp_group=state.etp.group,
-                         expert_group=state.ep_etp.group, expert_dp_group=state.edp.group)
+                         expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group)
         shard_f = LAYOUT_F // state.etp.size
         shard = slice(state.etp.rank * shard_f, (state.etp.rank + 1) * shard_f)
         g = torch.Generator().manual_seed(11)
@@ -321,14 +357,15 @@ def _fp8_layout_worker(rank, world_size, layout, recipes):
                 worst[recipe] = max(worst[recipe], error)
                 assert error < 1e-5, f"{recipe}, step {step}, {layout}: {what} differs by {error:.2e} (relative)"
         if recipe == "delayed" and state.edp.size > 1:
-            # Training: one all-reduce of the S slot amaxes per forward operand (fc1 / fc2, input / weight);
+            # Training: one all-reduce of the S slot amaxes over ETP x expert-DP per forward operand (fc1 /
+            # fc2, input / weight);
             # evaluation reuses the scales and issues no collective at all.
             with comms.comm_counter() as training:
                 layer(x[rows])
             layer.eval()
             with comms.comm_counter() as evaluation:
                 layer(x[rows])
-            assert training.calls("all_reduce", state.edp.group) == 4 == training.calls()
+            assert training.calls("all_reduce", state.etp_edp.group) == 4 == training.calls()
             assert training.bytes("all_reduce") == 4 * LAYOUT_E * 4 and evaluation.calls() == 0
     destroy_model_parallel()
     return worst

@@ -28,7 +28,7 @@ VARYING = {
     "tp": ("dense", {"tp"}), "cp": ("dense", {"cp"}), "dp": ("dense", {"dp"}),
     "dp_cp": ("dense", {"dp", "cp"}), "pp": ("dense", {"pp"}), "mp": ("dense", {"tp", "pp"}),
     "ep": ("expert", {"ep"}), "etp": ("expert", {"tp"}), "edp": ("expert", {"dp"}),
-    "ep_etp": ("expert", {"tp", "ep"}),
+    "ep_etp": ("expert", {"tp", "ep"}), "etp_edp": ("expert", {"tp", "dp"}),
 }
 
 
@@ -245,6 +245,6 @@ def _check_layouts(rank, world_size, layouts_to_check):
 def test_process_groups_on_4_ranks():
     layouts_to_check = [dict(tp=2, ep=2), dict(pp=2, ep=2)]
     reductions = run_on_ranks(_check_layouts, 4, args=(layouts_to_check,), timeout_s=120)
-    # Groups of more than one rank: tp2 ep2 -> tp, dp, dp_cp, mp, ep, edp, ep_etp;
+    # Groups of more than one rank: tp2 ep2 -> tp, dp, dp_cp, mp, ep, edp, ep_etp, etp_edp;
     # pp2 ep2 -> dp, dp_cp, pp, mp, ep, ep_etp, embedding (edp = 4 / (ep*pp) = 1).
-    assert reductions == [14] * 4
+    assert reductions == [15] * 4

@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         if config.is_moe_layer(layer_id):
             self.mlp = MoELayer(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
-                                expert_group=state.ep_etp.group, expert_dp_group=state.edp.group,
+                                expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
                                 placement=placement, **factory)
         else:
             self.mlp = MLP(config.dense_mlp, tp_group=tp, **factory)

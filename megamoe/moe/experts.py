@@ -132,7 +132,7 @@ class GroupedExperts(nn.Module):
     init, and the owner (the MoE layer) loads each expert's real, layout-invariant initial weights
     through :meth:`load_expert_weights`.
 
-    ``fp8_amax_reduction``: the ETP and expert-DP groups over which the FP8 paths reduce amaxes
+    ``fp8_amax_reduction``: the ETP and ETP x expert-DP groups over which the FP8 paths reduce amaxes
     (:class:`megamoe.moe.fp8.FP8AmaxReduction`); the MoE layer passes its own groups.
     """
 
@@ -140,7 +140,7 @@ class GroupedExperts(nn.Module):
                  device=None, dtype=None) -> None:
         super().__init__()
         self.config = config
-        self.fp8_amax_reduction = fp8_amax_reduction      # groups FP8 amaxes are reduced over (torch / emulated)
+        self.fp8_amax_reduction = fp8_amax_reduction      # groups FP8 amaxes are reduced over
         device = torch.device(device) if device is not None else torch.get_default_device()
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.backend = (self._resolve_backend(config.backend, device) if config.fp8 is None
@@ -148,8 +148,9 @@ class GroupedExperts(nn.Module):
         # FP8 scaling state: TE keeps its own; the torch / emulated paths keep theirs here.
         self.fp8_state = (FP8ScalingState(config.fp8, config.num_local_slots, device=device)
                           if config.fp8 is not None and self.backend != "te" else None)
-        self._te_fp8_recipe = (te_fp8_recipe(config.fp8) if config.fp8 is not None and self.backend == "te"
-                               else None)
+        # TE reduces delayed-scaling amaxes over the slot group; over every rank if given none.
+        self._te_fp8_recipe = (te_fp8_recipe(config.fp8, reduce_amax=fp8_amax_reduction.slot_group is not None)
+                               if config.fp8 is not None and self.backend == "te" else None)
         S, H, Fs = config.num_local_slots, config.hidden_size, config.ffn_shard_size
         G = 2 if config.gated else 1
         generator = torch.Generator().manual_seed(_PLACEHOLDER_INIT_SEED)
@@ -249,7 +250,7 @@ class GroupedExperts(nn.Module):
         if self._te_fp8_recipe is not None:
             from megamoe.moe.fp8_experts import te_fp8_grouped_mlp  # imports this module
             return te_fp8_grouped_mlp(self.te_gate_up, self.te_down, tokens_sorted, tokens_per_slot,
-                                      self._activate, self._te_fp8_recipe)
+                                      self._activate, self._te_fp8_recipe, self.fp8_amax_reduction.slot_group)
         hidden = self.te_gate_up(tokens_sorted, sizes)
         return self.te_down(_activate(hidden, self.config.activation), sizes)
 

@@ -24,8 +24,10 @@ Amax reduction (:class:`FP8AmaxReduction`, as TE's amax reduction group): a slot
 quantised alike whatever the layout. Under expert tensor parallelism each rank holds a shard of a
 slot's weights and activations, so amaxes of a shard are reduced (max) over the ETP group: the scales
 are those of the whole tensor, and ETP = 2 quantises exactly as ETP = 1. With the delayed recipe the
-slot amaxes are also reduced over the expert-data-parallel group, so every replica of a slot keeps
-the same history and scales (the current-scaling recipes scale each rank's own batch, as TE does).
+slot amaxes are reduced over the ETP x expert-data-parallel group (``ParallelState.etp_edp``), so every
+replica of a slot also keeps the same history and scales (the current-scaling recipes scale each
+rank's own batch, as TE does). TransformerEngine's delayed recipe reduces over the same group (its
+``fp8_group``), and not at all when that group is one rank (TE's default would be every rank).
 """
 
 from __future__ import annotations
@@ -176,19 +178,25 @@ class FP8AmaxReduction:
     holding part or a replica of it; see the module docstring. No groups: nothing is reduced.
 
     ``etp_group``: the expert-tensor-parallel group (ranks holding shards of the same slots).
-    ``expert_dp_group``: the expert-data-parallel group (ranks holding replicas of the same slots;
-    reduced over only for the delayed recipe's histories).
+    ``slot_group``: the ETP x expert-DP group (``ParallelState.etp_edp``: ranks holding shards or
+    replicas of the same slots), for the delayed recipe's histories; it contains ``etp_group``.
     """
 
     etp_group: ProcessGroup | None = None
-    expert_dp_group: ProcessGroup | None = None
+    slot_group: ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        etp, slots = comms.group_size(self.etp_group), comms.group_size(self.slot_group)
+        if slots % etp:
+            raise ValueError(f"FP8AmaxReduction.slot_group (size {slots}) must contain etp_group (size {etp}): "
+                             "pass ParallelState.etp_edp.group and ParallelState.etp.group")
 
     def slot_amax(self, role: str, amax: torch.Tensor, delayed: bool) -> torch.Tensor:
         """Per-slot amaxes [S] of ``role``, reduced in place where the layout needs it."""
-        if role in _ETP_SPLIT_SLOT_ROLES:
-            comms.all_reduce_(amax, self.etp_group, op=ReduceOp.MAX)       # a no-op on a group of one
         if delayed:
-            comms.all_reduce_(amax, self.expert_dp_group, op=ReduceOp.MAX)
+            comms.all_reduce_(amax, self.slot_group, op=ReduceOp.MAX)      # a no-op on a group of one
+        elif role in _ETP_SPLIT_SLOT_ROLES:
+            comms.all_reduce_(amax, self.etp_group, op=ReduceOp.MAX)
         return amax
 
     def row_amax(self, role: str, amax: torch.Tensor) -> torch.Tensor:
@@ -199,9 +207,10 @@ class FP8AmaxReduction:
         return amax
 
 
-def te_fp8_recipe(config: FP8Config):
+def te_fp8_recipe(config: FP8Config, reduce_amax: bool = True):
     """The TransformerEngine recipe equivalent to ``config`` (``delayed`` -> ``DelayedScaling``,
-    ``tensorwise`` -> ``Float8CurrentScaling``). ``rowwise`` has no TE equivalent: ValueError."""
+    ``tensorwise`` -> ``Float8CurrentScaling``). ``rowwise`` has no TE equivalent: ValueError.
+    ``reduce_amax``: whether the delayed recipe reduces amaxes over ``fp8_autocast``'s ``fp8_group``."""
     try:
         from transformer_engine.common import recipe as te_recipe
     except ImportError as error:
@@ -211,7 +220,7 @@ def te_fp8_recipe(config: FP8Config):
     if config.recipe == "delayed":
         return te_recipe.DelayedScaling(fp8_format=fp8_format, margin=config.margin,
                                         amax_history_len=config.amax_history_len,
-                                        amax_compute_algo=config.amax_compute_algo)
+                                        amax_compute_algo=config.amax_compute_algo, reduce_amax=reduce_amax)
     if config.recipe == "tensorwise":
         if not hasattr(te_recipe, "Float8CurrentScaling"):
             raise ValueError("FP8Config.recipe='tensorwise' needs TransformerEngine >= 2.2 "

@@ -197,14 +197,15 @@ def fp8_grouped_mlp(tokens: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
 
 
 def te_fp8_grouped_mlp(te_gate_up, te_down, tokens: torch.Tensor, tokens_per_slot: torch.Tensor,
-                       activate: Callable[[torch.Tensor], torch.Tensor], recipe) -> torch.Tensor:
-    """TransformerEngine ``GroupedLinear`` pair under ``fp8_autocast(recipe)``, each slot's rows
-    padded to a multiple of 16 (TE's FP8 grouped GEMM requirement)."""
+                       activate: Callable[[torch.Tensor], torch.Tensor], recipe, fp8_group=None) -> torch.Tensor:
+    """TransformerEngine ``GroupedLinear`` pair under ``fp8_autocast(recipe, fp8_group)``, each slot's rows
+    padded to a multiple of 16 (TE's FP8 grouped GEMM requirement). ``fp8_group``: the ranks the delayed
+    recipe reduces amaxes over (:attr:`FP8AmaxReduction.slot_group`)."""
     import transformer_engine.pytorch as te
 
     rows = PaddedRows.build(tokens_per_slot, tokens.shape[0], FP8_ROW_ALIGNMENT, exact=True)
     sizes = rows.padded_counts.tolist()
-    with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=fp8_group):
         hidden = te_gate_up(rows.pad(tokens), sizes)
         out = te_down(activate(hidden), sizes)
     return rows.unpad(out)

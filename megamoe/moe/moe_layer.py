@@ -90,9 +90,9 @@ class MoELayer(nn.Module):
         etp_group: expert-tensor-parallel group; each expert's FFN dim is split over it.
         expert_group: the EP x ETP group (``ParallelState.ep_etp``), needed by the all-gather
             dispatcher: its ranks all see every token and share one reduction.
-        expert_dp_group: the expert-data-parallel group (``ParallelState.edp``): ranks holding replicas
-            of this rank's slots. Used only by FP8 experts, whose delayed-scaling amaxes are reduced over
-            it (and over ``etp_group``) so that every replica quantises alike.
+        etp_edp_group: the ETP x expert-DP group (``ParallelState.etp_edp``): the ranks holding shards or
+            replicas of this rank's slots. Used only by FP8 experts, whose delayed-scaling amaxes are
+            reduced over it so that every shard and replica quantises alike (see megamoe.moe.fp8).
         placement: slot -> expert table; default: experts in order, extra slots round-robin replicas.
 
     ``forward(hidden [..., H]) -> (output [..., H], aux_loss [])``; a 3-D input is [batch, seq, H]
@@ -101,12 +101,12 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, *, ep_group: ProcessGroup | None = None,
                  etp_group: ProcessGroup | None = None, expert_group: ProcessGroup | None = None,
-                 expert_dp_group: ProcessGroup | None = None, placement: ExpertPlacement | None = None,
+                 etp_edp_group: ProcessGroup | None = None, placement: ExpertPlacement | None = None,
                  device=None, dtype=None):
         super().__init__()
         self.config = config
         self.ep_group, self.etp_group, self.expert_group = ep_group, etp_group, expert_group
-        self.expert_dp_group = expert_dp_group
+        self.etp_edp_group = etp_edp_group
         self.ep_size, self.ep_rank = comms.group_size(ep_group), comms.group_rank(ep_group)
         self.etp_size, self.etp_rank = comms.group_size(etp_group), comms.group_rank(etp_group)
         if config.dispatcher == "allgather" and comms.group_size(expert_group) != self.ep_size * self.etp_size:
@@ -147,7 +147,7 @@ class MoELayer(nn.Module):
             ffn_hidden_size=config.ffn_hidden_size, activation=config.activation,
             backend=config.expert_backend, etp_size=self.etp_size, etp_rank=self.etp_rank,
             fp8=config.expert_fp8),
-            fp8_amax_reduction=FP8AmaxReduction(etp_group=self.etp_group, expert_dp_group=self.expert_dp_group),
+            fp8_amax_reduction=FP8AmaxReduction(etp_group=self.etp_group, slot_group=self.etp_edp_group),
             **factory)
 
     def dispatcher_reduce_group(self) -> ProcessGroup | None:
