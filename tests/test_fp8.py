@@ -318,6 +318,12 @@ def _fp8_layout_worker(rank, world_size, layout, recipes):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
 
     state = initialize_model_parallel(**layout)
+    if state.etp.size > 1:
+        # FP8 experts need the slot group once ETP shards a slot; high-precision experts ignore it.
+        with pytest.raises(ValueError, match="must contain etp_group .* etp_edp_group="):
+            MoELayer(_moe_fp8_config("delayed"), etp_group=state.etp.group)
+        MoELayer(replace(_moe_fp8_config("delayed"), expert_backend="torch", expert_fp8=None),
+                 etp_group=state.etp.group)
     # Expert-DP ranks take different halves of the tokens; ETP ranks all take every token.
     parts = state.edp.size
     rows = slice(state.edp.rank * LAYOUT_T // parts, (state.edp.rank + 1) * LAYOUT_T // parts)

@@ -189,7 +189,8 @@ class FP8AmaxReduction:
         etp, slots = comms.group_size(self.etp_group), comms.group_size(self.slot_group)
         if slots % etp:
             raise ValueError(f"FP8AmaxReduction.slot_group (size {slots}) must contain etp_group (size {etp}): "
-                             "pass ParallelState.etp_edp.group and ParallelState.etp.group")
+                             "pass ParallelState.etp_edp.group and ParallelState.etp.group (to MoELayer: "
+                             "etp_edp_group= and etp_group=)")
 
     def slot_amax(self, role: str, amax: torch.Tensor, delayed: bool) -> torch.Tensor:
         """Per-slot amaxes [S] of ``role``, reduced in place where the layout needs it."""

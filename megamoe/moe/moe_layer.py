@@ -147,7 +147,8 @@ class MoELayer(nn.Module):
             ffn_hidden_size=config.ffn_hidden_size, activation=config.activation,
             backend=config.expert_backend, etp_size=self.etp_size, etp_rank=self.etp_rank,
             fp8=config.expert_fp8),
-            fp8_amax_reduction=FP8AmaxReduction(etp_group=self.etp_group, slot_group=self.etp_edp_group),
+            fp8_amax_reduction=(FP8AmaxReduction(etp_group=self.etp_group, slot_group=self.etp_edp_group)
+                                if config.expert_fp8 is not None else FP8AmaxReduction()),
             **factory)
 
     def dispatcher_reduce_group(self) -> ProcessGroup | None:
