@@ -64,10 +64,10 @@ def check_entry(path: str, recorded: dict) -> str | None:
     if algorithm is None:
         return (f"{path}: its manifest entry records no checksum this megamoe knows (keys {sorted(recorded)}; "
                 f"known: {sorted(_HASHERS)})")
-    size, hasher = _hash_file(path, algorithm)
-    digest = hasher.hexdigest()
+    size = os.path.getsize(path)         # a file of the wrong size is not hashed at all
     if size != recorded["bytes"]:
         return f"{path} has {size} bytes, the manifest says {recorded['bytes']} (truncated or overwritten)"
+    digest = _hash_file(path, algorithm)[1].hexdigest()
     if digest != recorded[algorithm]:
         return f"checksum mismatch for {path}: {algorithm} {digest}, the manifest says {recorded[algorithm]}"
     return None
