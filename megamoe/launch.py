@@ -1,0 +1,100 @@
+"""What a torchrun entry point needs around its work: a process group whose collectives time out, and
+user errors reported as one ``error:`` line with exit code 1 instead of a traceback per rank.
+
+A script written with it::
+
+    def main(argv=None) -> int:
+        args = parse_args(argv)                 # parser built with add_launch_arguments(parser)
+        validate(args)                          # raise UsageError("--prompt-file x: no such file") early
+        rank, world = init_distributed(comm_timeout_s=args.comm_timeout)
+        ...
+
+    if __name__ == "__main__":
+        sys.exit(run_script(main, prog="pretrain_moe.py"))
+
+User errors are :class:`UsageError` and the library's own errors for bad input (``ValueError``, which
+covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
+:class:`~checkpoint_tools.format.CheckpointError`; ``OSError`` such as a missing file). Set
+``MEGAMOE_TRACEBACK=1`` to get the traceback instead (for a bug report).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "add_launch_arguments", "launch_rank", "init_distributed",
+           "run_script"]
+
+logger = logging.getLogger(__name__)
+
+# Minutes, not gloo's default 30 s (a slow checkpoint load on one rank is no hang) nor NCCL's 10 min + hang.
+DEFAULT_COMM_TIMEOUT_S = 600.0
+# torchrun terminates the other workers as soon as one exits: ranks other than 0 wait this long before
+# exiting on a user error, so that rank 0 (which hits the same error) gets to print its line.
+_QUIET_RANK_EXIT_DELAY_S = 3.0
+
+
+class UsageError(ValueError):
+    """Bad input a script's user fixes (a flag, a path, a layout): the message says what and how."""
+
+
+def add_launch_arguments(parser) -> None:
+    """Add ``--comm-timeout SECONDS`` (collective timeout, see :func:`init_distributed`)."""
+    parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT_S, metavar="SECONDS",
+                        help="a collective that waits longer than this for another rank fails, naming the "
+                             "operation (a stuck or dead rank ends the job instead of hanging it)")
+
+
+def launch_rank() -> int:
+    """This process's global rank as torchrun announces it (0 for a plain ``python`` run); readable
+    before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, backend: str = "gloo") -> tuple[int, int]:
+    """Join the torchrun job's process group with collectives timing out after ``comm_timeout_s``
+    seconds. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1
+    and creates no group."""
+    if not comm_timeout_s > 0:
+        raise UsageError(f"--comm-timeout must be positive, got {comm_timeout_s}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return 0, 1
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) -> int:
+    """Run ``main(argv)``; a user error (see the module docstring) prints ``<prog>: error: <message>``
+    on rank 0 (the other ranks stay quiet) and returns 1. Other exceptions propagate."""
+    prog = prog or os.path.basename(sys.argv[0])
+    try:
+        return main(argv)
+    except (ValueError, OSError, _checkpoint_error()) as e:
+        if os.environ.get("MEGAMOE_TRACEBACK"):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else launch_rank()
+        if rank == 0:
+            message = " ".join(str(e).split("\n"))
+            print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(_QUIET_RANK_EXIT_DELAY_S)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _checkpoint_error() -> type[Exception]:
+    from checkpoint_tools.format import CheckpointError   # checkpoint_tools imports megamoe: import late
+    return CheckpointError
