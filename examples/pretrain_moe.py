@@ -6,13 +6,20 @@ Python standard library's own source files. Launch with torchrun, e.g. on 4 CPU 
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --pp 2 --ep 2 --dispatcher alltoall
 
-It logs loss, tokens/s, aux loss and expert-load balancedness per step (and to --log-json), saves a
-checkpoint, and prints a short greedy sample. With matplotlib installed it also plots the run.
+It logs loss, tokens/s, aux loss and expert-load balancedness per step (and to --log-json), saves
+checkpoints, and prints a greedy sample and a few temperature samples. With matplotlib installed it
+also plots the run.
+
+Rerunning in the same directories continues the run: a --save-dir that holds checkpoints is resumed
+from its newest one (with --steps reached, nothing is trained). --overwrite starts afresh instead,
+after moving the old checkpoints aside. Each run appends a "run_start" record to the JSON log.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -26,25 +33,41 @@ import torch.distributed as dist
 from megamoe import comms
 from megamoe.data.corpus import stdlib_corpus_files
 from megamoe.data.resumable_sampler import ResumableSampler
-from megamoe.data.token_dataset import TokenDataset, build_token_file
+from megamoe.data.token_dataset import TokenDataset, build_token_file, token_file_matches
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
-from megamoe.inference.pipeline_forward import greedy_generate_uncached
+from megamoe.inference.generation import GenerationConfig, generate
+from megamoe.inference.sampling import SamplingConfig
+from megamoe.launch import UsageError, add_launch_arguments, init_distributed, run_script
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.training.checkpoint import (checkpoint_path, latest_checkpoint, load_training_checkpoint,
-                                        prune_checkpoints, save_training_checkpoint)
+from megamoe.training.checkpoint import (checkpoint_path, checkpoint_run_id, latest_checkpoint, list_checkpoints,
+                                         load_training_checkpoint, new_run_id, prune_checkpoints,
+                                         save_training_checkpoint)
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
-from parallel_state import destroy_model_parallel, initialize_model_parallel
+from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from parallel_state.rank_grid import compute_rank_groups
 
 logger = logging.getLogger("pretrain_moe")
 
+PROG = "pretrain_moe.py"
+HEADS = 4
+KEEP_LAST_CHECKPOINTS = 2
+SAMPLE_PROMPT = "def "
+# A few samples at a moderate temperature show what the model learnt better than the greedy one alone,
+# which a small model soon locks into a loop (e.g. a run of digits).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K, NUM_SAMPLES = 0.8, 40, 3
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows every default and keeps the description's layout."""
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_HelpFormatter)
     g = p.add_argument_group("parallel layout (world size = tp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule)")
@@ -57,41 +80,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--expert-backend", choices=("auto", "torch", "loop", "te"), default="auto",
                    help="grouped-GEMM experts implementation")
     g.add_argument("--num-expert-slots", type=int, default=None,
-                   help="expert slots per MoE layer (>= experts, multiple of ep); extra slots replicate experts")
+                   help="expert slots per MoE layer (>= experts, multiple of ep); extra slots replicate experts; "
+                        "default: one per expert")
+    add_launch_arguments(p)
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=120, help="optimizer steps")
+    t.add_argument("--steps", type=int, default=120, help="train until this optimizer step")
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step, over all DP ranks")
     t.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     t.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     t.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
-    t.add_argument("--seed", type=int, default=1234, help="seed of the weights and the data order")
+    t.add_argument("--seed", type=int, default=1234, help="seed of the weights, the data order and the samples")
     t.add_argument("--save-dir", type=Path, default=Path("runs/pretrain_moe/checkpoints"),
-                   help="checkpoints are written here (atomically, keeping the last complete one)")
+                   help="checkpoints are written here (atomically, keeping the last two of this run); if it "
+                        "holds checkpoints already, the run resumes from the newest")
     t.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
     t.add_argument("--load-dir", type=Path, default=None,
-                   help="resume from the newest checkpoint in this directory (any layout)")
+                   help="start from the newest checkpoint in this directory (any layout); default: --save-dir's "
+                        "newest, if any")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start afresh although --save-dir holds checkpoints: they are first moved aside into "
+                        "<save-dir>/replaced_<run id>/ (nothing is deleted)")
     d = p.add_argument_group("data and model")
     d.add_argument("--work-dir", type=Path, default=Path("runs/pretrain_moe"),
-                   help="tokenizer, token file, logs and plots go here")
+                   help="tokenizer, token file, logs and plots go here (reused by later runs)")
     d.add_argument("--corpus-bytes", type=int, default=3_000_000,
                    help="bytes of the Python standard library's sources to train on")
     d.add_argument("--vocab-size", type=int, default=2048, help="sentencepiece vocabulary size")
-    d.add_argument("--hidden", type=int, default=128, help="model width")
+    d.add_argument("--hidden", type=int, default=128, help=f"model width (a multiple of {2 * HEADS})")
     d.add_argument("--layers", type=int, default=4, help="decoder layers (layer 0 dense, the rest MoE)")
     d.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
     d.add_argument("--top-k", type=int, default=2, help="experts per token")
     d.add_argument("--log-json", type=Path, default=None,
-                   help="write one JSON object per step here (default: <work-dir>/log.jsonl)")
-    d.add_argument("--sample-tokens", type=int, default=32, help="greedy tokens to print at the end")
+                   help="append one JSON object per step here, after a run_start record; default: "
+                        "<work-dir>/log.jsonl")
+    d.add_argument("--sample-tokens", type=int, default=32,
+                   help="tokens of each sample printed at the end (0: no samples)")
     return p.parse_args(argv)
 
 
+def expert_tp_size(args) -> int:
+    return args.etp if args.etp is not None else (args.tp if args.dispatcher == "alltoall" else 1)
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    return vocab_size + (-vocab_size) % tp
+
+
 def model_config(args, vocab_size: int) -> GPTMoEConfig:
-    H, heads = args.hidden, 4
+    H = args.hidden
     return GPTMoEConfig(
         family="custom", vocab_size=vocab_size, hidden_size=H, num_layers=args.layers,
-        attention=AttentionConfig(hidden_size=H, num_attention_heads=heads, num_key_value_heads=2,
-                                  head_dim=H // heads, rope=RopeConfig(dim=H // heads), qk_norm="per_head"),
+        attention=AttentionConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=2,
+                                  head_dim=H // HEADS, rope=RopeConfig(dim=H // HEADS), qk_norm="per_head"),
         moe=MoEConfig(
             router=RouterConfig(hidden_size=H, num_experts=args.experts, top_k=args.top_k, norm_topk_prob=True,
                                 aux_loss_coeff=1e-2, use_expert_bias=True),
@@ -100,18 +140,159 @@ def model_config(args, vocab_size: int) -> GPTMoEConfig:
         moe_layer_ids=tuple(range(1, args.layers)), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=4 * H))
 
 
+# ----------------------------------------------------------------------------------------------
+# Validation: everything a user can get wrong fails here, in one line, before any expensive work
+# ----------------------------------------------------------------------------------------------
+def check_arguments(args, world_size: int) -> None:
+    """Flag values and the layout against ``world_size`` ranks; raises UsageError naming the flag."""
+    for flag in ("steps", "global_batch", "micro_batch", "seq_len", "save_every", "corpus_bytes", "hidden",
+                 "layers", "experts", "top_k"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.sample_tokens < 0:
+        raise UsageError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
+    if not 0 < args.lr < float("inf"):
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if args.hidden % (2 * HEADS):
+        raise UsageError(f"--hidden must be a multiple of {2 * HEADS} ({HEADS} heads of even size), got {args.hidden}")
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    etp = expert_tp_size(args)
+    try:
+        compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
+    except ValueError as e:
+        raise UsageError(f"the layout --tp {args.tp} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
+                         f"{world_size} rank(s): {e}; change the flags or the number of ranks "
+                         "(torchrun --nproc-per-node)") from None
+    if args.dispatcher == "allgather" and args.tp % (args.ep * etp):
+        raise UsageError(f"--dispatcher allgather runs EP inside the TP group: ep * etp = {args.ep}*{etp} must "
+                         f"divide --tp {args.tp}; use --dispatcher alltoall or change --ep/--etp/--tp")
+    if args.dispatcher == "alltoall" and etp != args.tp:
+        raise UsageError(f"--dispatcher alltoall needs --etp equal to --tp ({args.tp}), got {etp}")
+    if args.pp > args.layers:
+        raise UsageError(f"--pp {args.pp} exceeds --layers {args.layers}: each stage needs a layer")
+    slots = args.num_expert_slots if args.num_expert_slots is not None else args.experts
+    if slots < args.experts or slots % args.ep:
+        raise UsageError(f"--num-expert-slots ({slots}) must be >= --experts ({args.experts}) and a multiple of "
+                         f"--ep ({args.ep})")
+    dp = world_size // (args.tp * args.pp)
+    if args.global_batch % (dp * args.micro_batch):
+        raise UsageError(f"--global-batch {args.global_batch} must be a multiple of dp * --micro-batch = "
+                         f"{dp}*{args.micro_batch} = {dp * args.micro_batch}")
+    try:
+        model_config(args, padded_vocab_size(args.vocab_size, args.tp))
+    except ValueError as e:
+        raise UsageError(f"model flags: {e}") from None
+
+
+def log_path(args) -> Path:
+    return args.log_json if args.log_json is not None else args.work_dir / "log.jsonl"
+
+
+def _check_directory_flag(flag: str, path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} exists and is not a directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPlan:
+    """Where a run starts: ``resume_from`` (a checkpoint, or None: fresh weights), whether that is
+    --save-dir's own newest checkpoint, and whether --overwrite moves --save-dir's checkpoints aside."""
+
+    resume_from: str | None
+    resumes_save_dir: bool
+    move_aside: bool
+
+
+def plan_start(args) -> StartPlan:
+    """Check the output paths and decide where the run starts; reads, never writes."""
+    _check_directory_flag("--work-dir", args.work_dir)
+    _check_directory_flag("--save-dir", args.save_dir)
+    log = log_path(args)
+    if log.is_dir():
+        raise UsageError(f"--log-json {log} is a directory; name a file")
+    if args.log_json is not None and not log.parent.is_dir():
+        raise UsageError(f"--log-json {log}: folder {log.parent} does not exist; create it or choose another path")
+    saved = list_checkpoints(args.save_dir)
+    same_dir = args.load_dir is not None and args.load_dir.resolve() == args.save_dir.resolve()
+    if args.overwrite and same_dir:
+        raise UsageError(f"--overwrite with --load-dir equal to --save-dir ({args.save_dir}) would move aside the "
+                         "checkpoint to load; drop one of them")
+    if args.load_dir is not None and not same_dir:
+        resume_from = latest_checkpoint(args.load_dir)
+        if resume_from is None:
+            raise UsageError(f"--load-dir {args.load_dir}: no complete checkpoint found there")
+        if saved and not args.overwrite:
+            raise UsageError(f"--save-dir {args.save_dir} already holds checkpoints of another run (newest: step "
+                             f"{saved[-1][0]}); pass --overwrite to move them aside, or choose another --save-dir")
+        plan = StartPlan(resume_from, False, args.overwrite)
+    elif args.overwrite:
+        plan = StartPlan(None, False, True)
+    else:
+        if same_dir and not saved:
+            raise UsageError(f"--load-dir {args.load_dir}: no complete checkpoint found there")
+        plan = StartPlan(saved[-1][1] if saved else None, bool(saved), False)
+    if plan.resume_from is not None:
+        from checkpoint_tools.format import read_manifest       # a cut or foreign manifest fails here, early
+        manifest = read_manifest(plan.resume_from)
+        if not isinstance(manifest.get("extra"), dict) or "step" not in manifest["extra"]:
+            raise UsageError(f"{plan.resume_from} is not a training checkpoint (its manifest has no step); "
+                             "pass --load-dir with one saved by this script")
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Data, checkpoints, samples
+# ----------------------------------------------------------------------------------------------
 def prepare_data(args, rank: int, world_group) -> tuple[Tokenizer, TokenDataset]:
-    """Rank 0 trains the tokenizer and tokenizes the corpus once; the others wait and reuse them."""
+    """Rank 0 trains the tokenizer and tokenizes the corpus, or reuses those of an earlier run with the
+    same --vocab-size and --corpus-bytes; the others wait and load them."""
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    prefix = args.work_dir / f"tokenizer_{args.vocab_size}"
+    prefix = args.work_dir / f"tokenizer_{args.vocab_size}_{args.corpus_bytes}"
+    model_path = prefix.with_suffix(".model")
     token_file = args.work_dir / f"tokens_{args.vocab_size}_{args.corpus_bytes}.bin"
-    if rank == 0 and not token_file.with_suffix(".json").exists():
-        files = stdlib_corpus_files(max_bytes=args.corpus_bytes)
-        logger.info("training a %d-token sentencepiece model on %d stdlib files", args.vocab_size, len(files))
-        model_path = train_sentencepiece(files, prefix, args.vocab_size)
-        build_token_file(files, Tokenizer.from_path(model_path), token_file)
+    if rank == 0:
+        files = None
+        if model_path.is_file():
+            logger.info("reusing tokenizer %s", model_path)
+        else:
+            files = stdlib_corpus_files(max_bytes=args.corpus_bytes)
+            logger.info("training a %d-token sentencepiece model on %d stdlib files", args.vocab_size, len(files))
+            train_sentencepiece(files, prefix, args.vocab_size)
+        tokenizer = Tokenizer.from_path(model_path)
+        if token_file_matches(token_file, tokenizer):
+            logger.info("reusing token file %s", token_file)
+        else:
+            build_token_file(files or stdlib_corpus_files(max_bytes=args.corpus_bytes), tokenizer, token_file)
     comms.barrier(world_group)
-    return Tokenizer.from_path(prefix.with_suffix(".model")), TokenDataset(token_file, args.seq_len)
+    return Tokenizer.from_path(model_path), TokenDataset(token_file, args.seq_len)
+
+
+def move_aside(save_dir: Path, run_id: str) -> None:
+    """--overwrite: move the previous run's checkpoints (and what interrupted saves left) out of the way,
+    into ``<save_dir>/replaced_<run_id>/``, which checkpoint listing and pruning ignore."""
+    entries = sorted(save_dir.glob("step_*")) if save_dir.is_dir() else []
+    if not entries:
+        return
+    destination = save_dir / f"replaced_{run_id}"
+    destination.mkdir()
+    for entry in entries:
+        os.replace(entry, destination / entry.name)
+    logger.info("--overwrite: moved %d entries of the previous run to %s", len(entries), destination)
+
+
+def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
+    """Greedy and temperature samples of SAMPLE_PROMPT: collective, every rank generates."""
+    prompt = tokenizer.encode(SAMPLE_PROMPT)
+    greedy = generate(model, state, [prompt], GenerationConfig(max_new_tokens=args.sample_tokens))
+    sampling = SamplingConfig(temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=args.seed)
+    sampled = generate(model, state, [prompt] * NUM_SAMPLES,
+                       GenerationConfig(max_new_tokens=args.sample_tokens, sampling=sampling))
+    if rank == 0:
+        text = [f"--- greedy sample ---\n{SAMPLE_PROMPT}{tokenizer.decode(greedy.token_ids[0])}"]
+        text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed}) "
+                 f"---\n{SAMPLE_PROMPT}{tokenizer.decode(ids)}" for i, ids in enumerate(sampled.token_ids)]
+        print("\n" + "\n".join(text) + "\n---------------------", flush=True)
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -133,38 +314,54 @@ def plot(records: list[dict], path: Path) -> None:
     logger.info("wrote %s", path)
 
 
+def _json_args(args) -> dict:
+    return {k: (os.fspath(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    check_arguments(args, int(os.environ.get("WORLD_SIZE", "1")))
+    plan = plan_start(args)
+    rank, world = init_distributed(comm_timeout_s=args.comm_timeout)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     world_group = dist.group.WORLD if world > 1 else None
-    etp = args.etp if args.etp is not None else (args.tp if args.dispatcher == "alltoall" else 1)
-    state = initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
+    etp = expert_tp_size(args)
+    state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp) if dist.is_initialized()
+             else ParallelState.single_process())
     logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s", world, args.tp, args.pp,
                 state.dp_cp.size, args.ep, etp, args.dispatcher)
+    # A run resumed from its own save directory continues that run's id, so it prunes the older
+    # checkpoints of the run; a fresh start (or another --load-dir) is a new run.
+    inherited = checkpoint_run_id(plan.resume_from) if plan.resumes_save_dir else None
+    run_id = comms.all_gather_object(inherited or new_run_id(), world_group)[0]
+    if rank == 0 and plan.move_aside:
+        move_aside(args.save_dir, run_id)
 
     tokenizer, dataset = prepare_data(args, rank, world_group)
-    config = model_config(args, tokenizer.vocab_size + (-tokenizer.vocab_size) % args.tp)
+    config = model_config(args, padded_vocab_size(tokenizer.vocab_size, args.tp))
     torch.manual_seed(args.seed)
     model = GPTMoEModel(config, state)
     initialize_parameters(model, args.seed)
     trainer = Trainer(model, state, TrainConfig(lr=args.lr), world_group=world_group)
     sampler = ResumableSampler(len(dataset), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                                dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, seed=args.seed)
-    if args.load_dir is not None:
-        checkpoint = latest_checkpoint(args.load_dir)
-        if checkpoint is None:
-            raise SystemExit(f"--load-dir {args.load_dir}: no complete checkpoint found there")
-        extra = load_training_checkpoint(checkpoint, trainer, world_group=world_group)
+    if plan.resume_from is not None:
+        extra = load_training_checkpoint(plan.resume_from, trainer, world_group=world_group)
         sampler.load_state_dict(extra["sampler_state"])
-        logger.info("resumed from %s at step %d", checkpoint, trainer.step)
+        logger.info("resuming from %s at step %d (run %s)", plan.resume_from, trainer.step, run_id)
+    if trainer.step >= args.steps:
+        logger.info("nothing to train: the run is at step %d and --steps is %d (raise --steps to train further)",
+                    trainer.step, args.steps)
 
-    log_path = args.log_json or args.work_dir / "log.jsonl"
     records = []
-    with open(log_path, "a") if rank == 0 else open(os.devnull, "w") as log:
+    with open(log_path(args), "a") if rank == 0 else open(os.devnull, "w") as log:
+        log.write(json.dumps({"run_start": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                              "run_id": run_id, "resumed_from": plan.resume_from,
+                              "resumed_from_step": trainer.step if plan.resume_from is not None else None,
+                              "args": _json_args(args)}) + "\n")
+        log.flush()
         while trainer.step < args.steps:
             micro_batches = [dataset.batch(indices) for indices in sampler.next_micro_batches()]
             m = trainer.train_step(micro_batches)
@@ -177,21 +374,20 @@ def main(argv=None) -> int:
                         m.step, m.loss, m.aux_loss, m.grad_norm, m.tokens_per_s, m.balancedness)
             if m.step % args.save_every == 0 or m.step == args.steps:
                 path = checkpoint_path(args.save_dir, m.step)
-                save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group)
+                save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group,
+                                         run_id=run_id)
                 if rank == 0:
-                    prune_checkpoints(args.save_dir, keep_last=2)
+                    prune_checkpoints(args.save_dir, keep_last=KEEP_LAST_CHECKPOINTS, run_id=run_id)
                 logger.info("saved %s", path)
 
-    prompt = "def "
-    new_ids = greedy_generate_uncached(model, state, tokenizer.encode(prompt), args.sample_tokens)
-    if rank == 0:
-        print(f"\n--- greedy sample ---\n{prompt}{tokenizer.decode(new_ids)}\n---------------------", flush=True)
-        if records:
-            plot(records, args.work_dir / "loss.png")
-    destroy_model_parallel()
-    dist.destroy_process_group()
+    if args.sample_tokens:
+        print_samples(model, state, tokenizer, args, rank)
+    if rank == 0 and records:
+        plot(records, args.work_dir / "loss.png")
+    if dist.is_initialized():
+        destroy_model_parallel()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, prog=PROG))

@@ -26,7 +26,8 @@ from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.tokenizer import Tokenizer
 
 __all__ = [
-    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "TokenDataset", "micro_batches",
+    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "token_file_matches", "TokenDataset",
+    "micro_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,19 @@ def build_token_file(
         json.dump(dataclasses.asdict(meta), file, indent=1)
     logger.info("wrote %d tokens of %d documents to %s (%s)", num_tokens, num_documents, out_path, dtype_name)
     return meta
+
+
+def token_file_matches(path: str | os.PathLike, tokenizer: Tokenizer) -> bool:
+    """Whether ``path`` is a complete token file (sidecar present and valid, size as recorded) of
+    ``tokenizer`` (same file digest): a cache check, so that a rerun reuses it instead of
+    re-tokenizing. False, never an error, for anything else."""
+    path = Path(path)
+    try:
+        meta = TokenFileMeta.read(sidecar_path(path))
+        return (meta.tokenizer_sha256 == tokenizer.sha256
+                and path.stat().st_size == meta.num_tokens * meta.numpy_dtype.itemsize)
+    except (OSError, ValueError):
+        return False
 
 
 class TokenDataset:

@@ -10,8 +10,8 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
 - manifest fields: ``model_config`` (:meth:`GPTMoEConfig.to_dict`), ``parallel_layout`` (world
   size, tp, pp, dp, cp, ep, etp, order), ``expert_placement`` (``{"<layer id>": ExpertPlacement.to_dict()}``,
   each pipeline stage contributing its own layers) and ``extra`` (``step``, ``sampler_state``,
-  ``has_optimizer_state``; for a model that came from HuggingFace also ``hf_config`` and ``hf_files``, see
-  :class:`HFProvenance`);
+  ``has_optimizer_state``, ``verified_finite``, ``run_id``; for a model that came from HuggingFace also
+  ``hf_config`` and ``hf_files``, see :class:`HFProvenance`);
 - per-rank state: each rank's RNG states.
 
 Directory scheme: step-numbered checkpoints ``<directory>/step_<step, 8 digits>`` (see
@@ -20,16 +20,24 @@ older checkpoints intact); :func:`latest_checkpoint` finds what a resumed run lo
 :func:`prune_checkpoints` removes the old ones. Step-numbered rather than one directory overwritten in
 place, so that a run can be rolled back past a bad step (a loss spike, a NaN) to an earlier checkpoint.
 
+What pruning keeps. A save refuses non-finite parameters or optimizer state (a diverged run must not
+replace good checkpoints with NaNs) and records ``verified_finite``; pruning never deletes the newest
+checkpoint so verified (older checkpoints without the flag count as unknown). A save records the
+``run_id`` it is given; pruning with a ``run_id`` deletes only that run's checkpoints, so a run never
+loses its new checkpoints to the higher steps of another run sharing the directory, nor deletes them.
+
 Every rank loads only the slices it holds, with no communication. The RNG states are restored only when
 the layout is unchanged: under another layout a rank has no counterpart whose streams it could continue.
 """
 
 from __future__ import annotations
 
+import datetime
 import glob
 import logging
 import os
 import re
+import secrets
 import shutil
 from dataclasses import dataclass
 
@@ -47,7 +55,7 @@ from megamoe.moe.expert_slots import ExpertPlacement
 
 __all__ = [
     "HFProvenance", "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
-    "checkpoint_path", "list_checkpoints", "latest_checkpoint", "prune_checkpoints",
+    "checkpoint_path", "list_checkpoints", "latest_checkpoint", "prune_checkpoints", "new_run_id", "checkpoint_run_id",
 ]
 
 logger = logging.getLogger(__name__)
@@ -120,31 +128,62 @@ def _training_chunks(trainer, with_optimizer: bool):
     return chunks
 
 
+def _first_non_finite(chunks) -> tuple[str, int]:
+    """(name of this rank's first chunk holding NaN or Inf, or "", how many such chunks): one
+    ``isfinite`` reduction per floating-point tensor."""
+    bad = [c.name for c in chunks if c.tensor.is_floating_point() and c.tensor.numel()
+           and not bool(torch.isfinite(c.tensor.float() if c.tensor.element_size() == 1 else c.tensor).all())]
+    return (bad[0] if bad else ""), len(bad)
+
+
+def _refuse_non_finite(path, chunks, step: int, world_group) -> None:
+    """Raise CheckpointError on EVERY rank if any rank holds a non-finite tensor (so none is left in
+    the save's collectives), naming one; nothing is written."""
+    reports = comms.all_gather_object(_first_non_finite(chunks), world_group)
+    bad = [(rank, name, count) for rank, (name, count) in enumerate(reports) if count]
+    if not bad:
+        return
+    rank, name, _ = bad[0]
+    what = (f"optimizer state {name.split('.', 2)[1]!r} of parameter {name.split('.', 2)[2]!r}"
+            if name.startswith("optim.") else f"parameter {name!r}")
+    raise CheckpointError(
+        f"refusing to save {path} at step {step}: {what} holds NaN or Inf (rank {rank}; "
+        f"{sum(count for _, _, count in bad)} non-finite tensors in all); the training diverged. The earlier "
+        "checkpoints are untouched: resume from one (e.g. with a lower learning rate)")
+
+
 def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state: dict | None, world_group,
-                             hf_provenance: HFProvenance | None = None) -> None:
+                             hf_provenance: HFProvenance | None = None, run_id: str | None = None) -> None:
     """Save ``trainer``'s model, optimizer state and step, ``sampler_state`` (the data position) and every
     rank's RNG states as the checkpoint directory ``path``, atomically. ``hf_provenance`` (of the
     checkpoint the run started from) is stored as ``import-hf`` stores it, so the result exports to HF.
+    ``run_id`` (see :func:`new_run_id`) marks the checkpoint as this run's for :func:`prune_checkpoints`.
 
     Collective over ``world_group`` (every rank of the run; ``None`` for one process): each rank passes
-    its own trainer (its pipeline stage and shards) and the same ``path``. ``sampler_state`` must be a
-    JSON dict equal on every rank (e.g. :meth:`ResumableSampler.state_dict`, which is layout-independent).
-    Until the save completes, ``path`` keeps what it held before.
+    its own trainer (its pipeline stage and shards) and the same ``path`` and ``run_id``. ``sampler_state``
+    must be a JSON dict equal on every rank (e.g. :meth:`ResumableSampler.state_dict`, which is
+    layout-independent). Until the save completes, ``path`` keeps what it held before.
+
+    Raises :class:`CheckpointError` on every rank, before writing anything, if a parameter or optimizer
+    state tensor holds NaN or Inf (the message names one); the checkpoint records ``verified_finite``.
     """
     model, state = trainer.model, trainer.state
     with_optimizer = _optimizer_has_state(trainer.optimizer)
+    chunks = _training_chunks(trainer, with_optimizer)
+    _refuse_non_finite(path, chunks, trainer.step, world_group)
     fields = {
         "model_config": model.config.to_dict(),
         "parallel_layout": _parallel_layout(state),
         "expert_placement": {str(i): layer.placement.to_dict() for i, layer in model.moe_layers().items()},
         "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer,
+                  "verified_finite": True, **({"run_id": run_id} if run_id is not None else {}),
                   **(hf_provenance.manifest_extra() if hf_provenance is not None else {})},
     }
     extra_files = {} if hf_provenance is None else {
         f"{HF_FILES_DIR}/{name}": data for name, data in hf_provenance.files.items()}
     # verify_replicas: copies of one chunk (DP replicas, expert replicas in several slots) must be
     # bitwise equal; they are stored once, so a divergence is caught here, naming the tensor.
-    save_checkpoint(path, _training_chunks(trainer, with_optimizer), group=world_group, manifest_fields=fields,
+    save_checkpoint(path, chunks, group=world_group, manifest_fields=fields,
                     rank_state=_rng_state(), verify_replicas=True, extra_files=extra_files)
     logger.info("saved training checkpoint %s at step %d", path, trainer.step)
 
@@ -242,18 +281,51 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
-def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]:
+def new_run_id() -> str:
+    """A fresh run id for :func:`save_training_checkpoint` / :func:`prune_checkpoints`: the UTC start
+    time and a random suffix. Create it on one rank and share it: every rank must pass the same."""
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
+
+
+def _saved_extra(path: str) -> dict:
+    """The manifest's ``extra`` of ``path``; {} when unreadable (such a checkpoint counts as unknown)."""
+    try:
+        extra = read_manifest(path).get("extra")
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return {}
+    return extra if isinstance(extra, dict) else {}
+
+
+def checkpoint_run_id(path: str | os.PathLike) -> str | None:
+    """The ``run_id`` the checkpoint ``path`` was saved with (None: none recorded)."""
+    run_id = _saved_extra(os.fspath(path)).get("run_id")
+    return run_id if isinstance(run_id, str) else None
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep_last: int, *, run_id: str | None = None) -> list[str]:
     """Delete all but the newest ``keep_last`` complete checkpoints, and what interrupted saves of older
-    steps left behind. Call it on ONE rank, after a save has returned. Returns the deleted paths."""
+    steps left behind. Call it on ONE rank, after a save has returned. Returns the deleted paths.
+
+    With ``run_id`` only that run's checkpoints (saved with the same ``run_id``) count and may go:
+    another run's, or one without a run id, is never deleted, whatever its step. In every case the
+    newest checkpoint verified finite (``extra.verified_finite``) is kept, so a run whose last
+    checkpoints went bad can still be rolled back.
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
     checkpoints = list_checkpoints(directory)
+    extras = {path: _saved_extra(path) for _, path in checkpoints}
+    finite = [path for _, path in checkpoints if extras[path].get("verified_finite") is True]
+    protected = set(finite[-1:])
+    if run_id is not None:
+        checkpoints = [(step, path) for step, path in checkpoints if extras[path].get("run_id") == run_id]
     if not checkpoints:
         return []
     oldest_kept = checkpoints[-keep_last:][0][0]
     removed = []
     for _, path in checkpoints[:-keep_last]:
-        removed += [p for p in (path, path + ".old") if os.path.exists(p)]
+        if path not in protected:
+            removed += [p for p in (path, path + ".old") if os.path.exists(p)]
     for leftover in glob.glob(os.path.join(glob.escape(os.fspath(directory)), "step_*.tmp-*")):
         match = re.fullmatch(r"step_(\d+)\.tmp-.*", os.path.basename(leftover))
         if match and int(match.group(1)) < oldest_kept:
