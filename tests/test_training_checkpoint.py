@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import read_manifest
+from checkpoint_tools.format import CheckpointError, read_manifest, save_checkpoint
 from checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps
 from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
 from megamoe.models import GPTMoEConfig
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.testing import run_on_ranks
-from megamoe.training.checkpoint import (checkpoint_path, expert_placements_from_checkpoint, latest_checkpoint,
-                                         list_checkpoints, load_training_checkpoint, prune_checkpoints,
-                                         save_training_checkpoint)
+from megamoe.training.checkpoint import (checkpoint_path, checkpoint_run_id, expert_placements_from_checkpoint,
+                                         latest_checkpoint, list_checkpoints, load_training_checkpoint,
+                                         new_run_id, prune_checkpoints, save_training_checkpoint)
 from test_training import E, REL_TOL
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpointed_training.py")
@@ -170,6 +170,95 @@ def test_step_directories_latest_and_prune(tmp_path):
         prune_checkpoints(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="step"):
         checkpoint_path(tmp_path, -1)
+
+
+def _fake_checkpoint(directory, step, **extra):
+    """A checkpoint with no tensors and the given manifest ``extra``: what pruning reads."""
+    save_checkpoint(checkpoint_path(directory, step), [], manifest_fields={"extra": {"step": step, **extra}})
+
+
+def _steps(directory):
+    return [step for step, _ in list_checkpoints(directory)]
+
+
+def test_pruning_leaves_another_runs_higher_steps_alone(tmp_path):
+    """The rerun case: an older run's step 100 and 120 are there; the new run's own checkpoints are
+    pruned among themselves only, never deleted because the older run's rank higher."""
+    old_run, new_run = new_run_id(), new_run_id()
+    assert old_run != new_run
+    for step in (100, 120):
+        _fake_checkpoint(tmp_path, step, run_id=old_run, verified_finite=True)
+    _fake_checkpoint(tmp_path, 20, run_id=new_run, verified_finite=True)
+    assert prune_checkpoints(tmp_path, keep_last=2, run_id=new_run) == []
+    assert checkpoint_run_id(checkpoint_path(tmp_path, 20)) == new_run
+    _fake_checkpoint(tmp_path, 40, run_id=new_run, verified_finite=True)
+    assert prune_checkpoints(tmp_path, keep_last=2, run_id=new_run) == []
+    _fake_checkpoint(tmp_path, 60, run_id=new_run, verified_finite=True)
+    assert prune_checkpoints(tmp_path, keep_last=2, run_id=new_run) == [checkpoint_path(tmp_path, 20)]
+    assert _steps(tmp_path) == [40, 60, 100, 120]
+    _fake_checkpoint(tmp_path, 5)                                   # no run id: never this run's
+    assert prune_checkpoints(tmp_path, keep_last=1, run_id=new_run) == [checkpoint_path(tmp_path, 40)]
+    assert _steps(tmp_path) == [5, 60, 100, 120]
+
+
+def test_pruning_keeps_the_newest_checkpoint_verified_finite(tmp_path):
+    for step in (1, 2):
+        _fake_checkpoint(tmp_path, step, verified_finite=True)
+    for step in (3, 4):
+        _fake_checkpoint(tmp_path, step)                            # older code: finiteness unknown
+    assert prune_checkpoints(tmp_path, keep_last=2) == [checkpoint_path(tmp_path, 1)]
+    assert _steps(tmp_path) == [2, 3, 4]
+    assert prune_checkpoints(tmp_path, keep_last=1) == [checkpoint_path(tmp_path, 3)]
+    assert _steps(tmp_path) == [2, 4]
+
+
+def test_save_refuses_non_finite_parameters_and_optimizer_state(tmp_path):
+    state, data = _single(), dataset()
+    trainer, sampler = build_trainer(state), build_sampler(state)
+    train_steps(trainer, sampler, data, 1)
+    good = checkpoint_path(tmp_path, 1)
+    save_training_checkpoint(good, trainer, sampler_state=sampler.state_dict(), world_group=None, run_id="r")
+    assert read_manifest(good)["extra"]["verified_finite"] is True
+    before = sorted(os.listdir(tmp_path))
+
+    name, parameter = next((n, p) for n, p in trainer.model.named_parameters() if "experts" in n)
+    with torch.no_grad():
+        parameter.view(-1)[3] = float("nan")
+    with pytest.raises(CheckpointError, match=r"step 1: parameter 'layers\.1\.mlp\.experts\.0\..*' holds NaN"):
+        save_training_checkpoint(good, trainer, sampler_state=None, world_group=None)
+    with torch.no_grad():
+        parameter.view(-1)[3] = 0.0
+    trainer.optimizer.state[parameter]["exp_avg_sq"].view(-1)[0] = float("inf")
+    trainer.step = 2
+    with pytest.raises(CheckpointError, match=r"step 2: optimizer state 'exp_avg_sq' of parameter 'layers\.1\."):
+        save_training_checkpoint(checkpoint_path(tmp_path, 2), trainer, sampler_state=None, world_group=None)
+    assert sorted(os.listdir(tmp_path)) == before                    # nothing written, nothing replaced
+    assert read_manifest(good)["extra"]["step"] == 1
+
+
+def _non_finite_on_one_rank_worker(rank, world_size, path):
+    """dp 2: only rank 1 holds a NaN; both ranks must refuse (and none hang in the save)."""
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    state = initialize_model_parallel()
+    trainer = build_trainer(state, world_group=dist.group.WORLD)
+    if rank == 1:
+        with torch.no_grad():
+            trainer.model.embed_tokens.weight.view(-1)[0] = float("nan")
+    try:
+        save_training_checkpoint(path, trainer, sampler_state=None, world_group=dist.group.WORLD)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        destroy_model_parallel()
+    return None
+
+
+@pytest.mark.slow
+def test_every_rank_refuses_a_non_finite_save_together(tmp_path):
+    path = str(tmp_path / "ckpt")
+    errors = run_on_ranks(_non_finite_on_one_rank_worker, 2, args=(path,), timeout_s=240)
+    assert errors[0] == errors[1] and "parameter 'embed_tokens.weight' holds NaN or Inf (rank 1" in errors[0]
+    assert not os.listdir(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------
