@@ -1,7 +1,10 @@
-"""The torchrun entry points: the pretraining demo learns and resumes, and a failing rank ends a
-job promptly with its own error."""
+"""The torchrun entry points: the pretraining demo learns and resumes, a rerun in the same directories
+loses nothing and reuses the tokenizer and token file, user errors end in one line before any
+expensive work, and a failing rank ends a job promptly with its own error."""
 
+import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -9,8 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from megamoe.launch import run_script
+from megamoe.training.checkpoint import checkpoint_run_id, list_checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
+TINY = ["--corpus-bytes", "200000", "--vocab-size", "512", "--hidden", "32", "--layers", "2", "--sample-tokens", "4"]
 
 
 def _torchrun(args, nproc, timeout, cwd):
@@ -26,19 +34,165 @@ def test_pretrain_demo_learns_saves_and_resumes(tmp_path):
               "--vocab-size", "512", "--hidden", "64", "--layers", "2", "--sample-tokens", "4", "--save-every", "10"]
     first = _torchrun([*common, "--steps", "30"], 4, 600, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    records = _step_records(tmp_path / "log.jsonl")
     assert [r["step"] for r in records] == list(range(1, 31))
     assert sum(r["loss"] for r in records[-5:]) / 5 < records[0]["loss"] - 1.0, "the loss must clearly fall"
     assert all(0 < r["balancedness"] <= 1 and r["tokens_per_s"] > 0 for r in records)
-    assert "--- greedy sample ---" in first.stdout
+    assert "--- greedy sample ---" in first.stdout and "--- sample 3 (temperature" in first.stdout
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000020", "step_00000030"]
 
     # Resume under another layout (tp=2 x ep=2 all-gather) and keep going.
     resumed = _torchrun([*common[:1], "--tp", "2", "--ep", "2", "--dispatcher", "allgather", *common[7:],
                          "--steps", "32", "--load-dir", str(tmp_path / "ckpt")], 4, 600, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    records = _step_records(tmp_path / "log.jsonl")
     assert [r["step"] for r in records[30:]] == [31, 32]
+    starts = [r for r in _records(tmp_path / "log.jsonl") if "run_start" in r]
+    assert [r["resumed_from_step"] for r in starts] == [None, 30]
+    assert "resuming from" in resumed.stderr and "step 30" in resumed.stderr
+
+
+def _records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _step_records(path):
+    return [r for r in _records(path) if "step" in r]
+
+
+@pytest.fixture
+def demo(monkeypatch):
+    """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
+
+
+def _run(demo, argv, capsys):
+    """(exit code, stdout, stderr) of the script's entry point, as ``sys.exit(run_script(main))`` runs it."""
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_one_error_line(code, err, *fragments):
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def _cut_manifest_dir(tmp_path):
+    step = tmp_path / "cut" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text('{"format": "megamoe-checkpoint", "format_vers')
+    return step.parent
+
+
+USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error line)
+    "missing --load-dir checkpoint": (["--load-dir", "{tmp}/nothing"], None, ["--load-dir", "no complete checkpoint"]),
+    "cut manifest": (["--load-dir", "{cut}"], None, ["cannot read", "step_00000003/manifest.json"]),
+    "layout vs one rank": (["--tp", "2"], None, ["--tp 2", "does not fit 1 rank(s)"]),
+    "layout vs 6 ranks": (["--pp", "4"], "6", ["--pp 4", "does not fit 6 rank(s)", "--nproc-per-node"]),
+    "allgather layout": (["--tp", "2", "--ep", "4", "--dispatcher", "allgather"], "8",
+                         ["--dispatcher allgather", "must divide --tp 2"]),
+    "--log-json folder": (["--log-json", "{tmp}/no/such/log.jsonl"], None, ["--log-json", "does not exist"]),
+    "foreign --save-dir": (["--load-dir", "{cut}", "--save-dir", "{cut}/../other"], None,
+                           ["--save-dir", "--overwrite"]),
+    "bad flag value": (["--global-batch", "0"], None, ["--global-batch must be >= 1"]),
+}
+
+
+@pytest.mark.parametrize("case", USER_ERRORS)
+def test_user_errors_end_in_one_line_before_any_work(demo, case, tmp_path, capsys, monkeypatch):
+    extra, world, fragments = USER_ERRORS[case]
+    cut = _cut_manifest_dir(tmp_path)
+    if case == "foreign --save-dir":        # --save-dir holds a run's checkpoints, --load-dir names another
+        (tmp_path / "other" / "step_00000001").mkdir(parents=True)
+        (tmp_path / "other" / "step_00000001" / "manifest.json").write_text("{}")
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    work = tmp_path / "work"
+    argv = ["--work-dir", work, "--save-dir", tmp_path / "ckpt", *TINY]
+    argv += [a.format(tmp=tmp_path, cut=cut) for a in extra]
+    code, out, err = _run(demo, argv, capsys)
+    _assert_one_error_line(code, err, *fragments)
+    assert "Traceback" not in err and not out
+    assert not work.exists(), "the error must come before the tokenizer is trained"
+
+
+def test_a_second_prepare_data_reuses_the_tokenizer_and_the_token_file(demo, tmp_path, monkeypatch):
+    args = demo.parse_args(["--work-dir", str(tmp_path), *TINY])
+    tokenizer, dataset = demo.prepare_data(args, 0, None)
+    files = sorted(tmp_path.iterdir())
+    stamps = {p.name: p.stat().st_mtime_ns for p in files}
+    assert {p.name for p in files} == {"tokenizer_512_200000.model", "tokens_512_200000.bin",
+                                       "tokens_512_200000.bin.json"}
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the second run must reuse what the first one built")
+
+    for name in ("train_sentencepiece", "build_token_file", "stdlib_corpus_files"):
+        monkeypatch.setattr(demo, name, must_not_run)
+    again, again_dataset = demo.prepare_data(args, 0, None)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
+    assert again.sha256 == tokenizer.sha256 and len(again_dataset) == len(dataset)
+
+    # A token file of another tokenizer (or a damaged one) is rebuilt, not reused.
+    monkeypatch.undo()
+    sidecar = tmp_path / "tokens_512_200000.bin.json"
+    sidecar.write_text(sidecar.read_text().replace(tokenizer.sha256, "0" * 64))
+    demo.prepare_data(args, 0, None)
+    assert tokenizer.sha256 in sidecar.read_text()
+
+
+@pytest.mark.slow
+def test_a_rerun_resumes_and_loses_nothing_and_overwrite_moves_aside(demo, tmp_path, capsys, caplog):
+    """``make demo`` twice: the second run resumes the first one's newest checkpoint (at --steps: it
+    trains nothing), deletes nothing, says where it starts in the log. Then --overwrite with a diverging
+    learning rate: the old checkpoints are moved aside, the NaN checkpoint is refused in one line."""
+    caplog.set_level(logging.INFO, logger="pretrain_moe")
+    work, ckpt = tmp_path / "work", tmp_path / "work" / "ckpt"
+    argv = ["--work-dir", work, "--save-dir", ckpt, *TINY, "--steps", "2", "--save-every", "1"]
+    code, out, _ = _run(demo, argv, capsys)
+    assert code == 0 and "--- greedy sample ---" in out and "--- sample 3 (temperature 0.8" in out
+    first = list_checkpoints(ckpt)
+    assert [step for step, _ in first] == [1, 2]
+    manifests = {p: (Path(p) / "manifest.json").read_bytes() for _, p in first}
+    run_id = checkpoint_run_id(first[0][1])
+    assert run_id and checkpoint_run_id(first[1][1]) == run_id
+
+    caplog.clear()
+    code, again, _ = _run(demo, argv, capsys)
+    assert code == 0 and again == out, "same checkpoint, same seed: the same samples"
+    assert {p: (Path(p) / "manifest.json").read_bytes() for _, p in list_checkpoints(ckpt)} == manifests
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"resuming from {first[1][1]} at step 2 (run {run_id})" in messages
+    assert any(m.startswith("nothing to train: the run is at step 2") for m in messages)
+    assert any(m.startswith("reusing tokenizer") for m in messages) and any(
+        m.startswith("reusing token file") for m in messages)
+    records = _records(work / "log.jsonl")
+    assert [("run_start" in r, r.get("step")) for r in records] == [(True, None), (False, 1), (False, 2),
+                                                                   (True, None)]
+    assert records[0]["resumed_from"] is None and records[3]["resumed_from_step"] == 2
+    assert records[3]["run_id"] == records[0]["run_id"] == run_id and records[3]["args"]["steps"] == 2
+
+    code, _, err = _run(demo, [*argv[:-4], "--steps", "4", "--save-every", "1", "--lr", "1e4", "--overwrite"], capsys)
+    _assert_one_error_line(code, err, "refusing to save", "holds NaN or Inf")
+    replaced, = ckpt.glob("replaced_*")
+    assert {p: (replaced / Path(p).name / "manifest.json").read_bytes() for p in manifests} == {
+        p: data for p, data in manifests.items()}, "--overwrite moves the old checkpoints aside intact"
+    new = list_checkpoints(ckpt)
+    assert new and all(checkpoint_run_id(p) not in (None, run_id) for _, p in new)
+    refused_step = int(err.split(" at step ")[1].split(":")[0])
+    assert [step for step, _ in new] == list(range(max(1, refused_step - 2), refused_step))
 
 
 def test_demo_help_explains_the_flags():
@@ -46,8 +200,25 @@ def test_demo_help_explains_the_flags():
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0
     for flag in ("--tp", "--pp", "--ep", "--etp", "--dispatcher", "--expert-backend", "--num-expert-slots",
-                 "--steps", "--micro-batch", "--seed", "--save-dir", "--load-dir", "--log-json"):
+                 "--steps", "--micro-batch", "--seed", "--save-dir", "--load-dir", "--log-json", "--overwrite",
+                 "--comm-timeout"):
         assert flag in out.stdout
+    text = " ".join(out.stdout.split())                           # argparse wraps lines anywhere
+    assert "until this optimizer step (default: 120)" in text
+    assert "(default: runs/pretrain_moe/checkpoints)" in text
+
+
+@pytest.mark.slow
+def test_torchrun_layout_error_is_one_line_from_rank_0(tmp_path):
+    result = _torchrun([str(REPO / "examples/pretrain_moe.py"), "--tp", "3", "--work-dir", str(tmp_path / "w"),
+                        *TINY], 2, 300, tmp_path)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "pretrain_moe.py: error:" in line]
+    assert errors == ["pretrain_moe.py: error: the layout --tp 3 --pp 1 --ep 1 (etp 3) does not fit 2 rank(s): "
+                      "world_size 2 is not divisible by tp*cp*pp = 3*1*1 = 3; change the flags or the number of "
+                      "ranks (torchrun --nproc-per-node)"], result.stderr
+    assert "examples/pretrain_moe.py\", line" not in result.stderr, "no traceback of the script's code"
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow
