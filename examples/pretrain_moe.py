@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from checkpoint_tools.format import read_manifest
 from megamoe import comms
 from megamoe.data.corpus import stdlib_corpus_files
 from megamoe.data.resumable_sampler import ResumableSampler
@@ -233,8 +234,7 @@ def plan_start(args) -> StartPlan:
             raise UsageError(f"--load-dir {args.load_dir}: no complete checkpoint found there")
         plan = StartPlan(saved[-1][1] if saved else None, bool(saved), False)
     if plan.resume_from is not None:
-        from checkpoint_tools.format import read_manifest       # a cut or foreign manifest fails here, early
-        manifest = read_manifest(plan.resume_from)
+        manifest = read_manifest(plan.resume_from)              # a cut or foreign manifest fails here, early
         if not isinstance(manifest.get("extra"), dict) or "step" not in manifest["extra"]:
             raise UsageError(f"{plan.resume_from} is not a training checkpoint (its manifest has no step); "
                              "pass --load-dir with one saved by this script")
