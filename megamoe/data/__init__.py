@@ -5,6 +5,7 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``tokenizer``: ``train_sentencepiece``, the ``Tokenizer`` wrapper (sentencepiece ``.model`` or HF
   ``tokenizer.json``) and the ``train`` CLI.
 - ``corpus``: ``stdlib_corpus_files``, the Python standard library's own sources as a training corpus.
-- ``token_dataset``: ``build_token_file`` and ``TokenDataset`` (a memory-mapped flat token file).
+- ``token_dataset``: ``build_token_file`` and ``TokenDataset`` (a memory-mapped flat token file);
+  ``token_file_matches`` tells whether a token file on disk is complete and of a given tokenizer (reuse it).
 - ``resumable_sampler``: ``ResumableSampler``, the layout-independent, resumable order of samples.
 """
