@@ -221,7 +221,7 @@ def test_save_refuses_non_finite_parameters_and_optimizer_state(tmp_path):
     assert read_manifest(good)["extra"]["verified_finite"] is True
     before = sorted(os.listdir(tmp_path))
 
-    name, parameter = next((n, p) for n, p in trainer.model.named_parameters() if "experts" in n)
+    parameter = next(p for n, p in trainer.model.named_parameters() if "experts" in n)
     with torch.no_grad():
         parameter.view(-1)[3] = float("nan")
     with pytest.raises(CheckpointError, match=r"step 1: parameter 'layers\.1\.mlp\.experts\.0\..*' holds NaN"):
