@@ -67,7 +67,7 @@ from megamoe.moe.moe_layer import MoEConfig  # noqa: E402
 from megamoe.moe.router import RouterConfig  # noqa: E402
 from megamoe.tensor_parallel import initialize_parameters  # noqa: E402
 from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint  # noqa: E402
-from megamoe.training.trainer import TrainConfig, Trainer  # noqa: E402
+from megamoe.training.trainer import StepMetrics, TrainConfig, Trainer  # noqa: E402
 from megamoe.transformer import AttentionConfig, RopeConfig  # noqa: E402
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel  # noqa: E402
 
@@ -101,14 +101,14 @@ def token_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def train(trainer: Trainer, steps: int) -> list[float]:
+def train(trainer: Trainer, steps: int) -> list[StepMetrics]:
     """``steps`` steps on one fixed batch (the loss falls visibly), this DP rank's share of it."""
     state = trainer.state
     inputs, labels = token_batch(seed=1)
     per_rank = GLOBAL_BATCH // state.dp_cp.size
     mine = slice(state.dp_cp.rank * per_rank, (state.dp_cp.rank + 1) * per_rank)
     micro_batches = list(zip(inputs[mine].split(MICRO_BATCH), labels[mine].split(MICRO_BATCH)))
-    return [trainer.train_step(micro_batches).loss for _ in range(steps)]
+    return [trainer.train_step(micro_batches) for _ in range(steps)]
 
 
 @torch.no_grad()
@@ -121,13 +121,13 @@ def evaluation_loss(model: GPTMoEModel) -> float:
     return float(loss)
 
 
-def train_and_save(state, world_group, directory: str | Path, steps: int) -> tuple[list[float], float]:
-    """Train ``steps`` steps under ``state``, save a training checkpoint in ``directory``; returns the
-    training losses and the evaluation loss of the trained model."""
+def train_and_save(state, world_group, directory: str | Path, steps: int) -> tuple[list[StepMetrics], float]:
+    """Train ``steps`` steps under ``state``, save a training checkpoint in ``directory``; returns each
+    step's metrics and the evaluation loss of the trained model."""
     trainer = build_trainer(state, world_group)
-    losses = train(trainer, steps)
+    metrics = train(trainer, steps)
     save_training_checkpoint(directory, trainer, sampler_state=None, world_group=world_group)
-    return losses, evaluation_loss(trainer.model)
+    return metrics, evaluation_loss(trainer.model)
 
 
 def reload_and_evaluate(state, world_group, directory: str | Path) -> float:
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     group = dist.group.WORLD if world > 1 else None
 
     state = initialize_model_parallel(tp=world) if world > 1 else ParallelState.single_process()
-    losses, trained = train_and_save(state, group, args.dir, args.steps)
+    metrics, trained = train_and_save(state, group, args.dir, args.steps)
     if world > 1:
         destroy_model_parallel()
         state = initialize_model_parallel(tp=1)          # the same ranks as TP 1 x DP 2
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     if world > 1:
         destroy_model_parallel()
     if rank == 0:
-        print(f"training loss {losses[0]:.4f} -> {losses[-1]:.4f}; evaluation loss at TP {world}: {trained:.6f}, "
+        print(f"training loss {metrics[0].loss:.4f} -> {metrics[-1].loss:.4f}; evaluation loss at TP {world}: {trained:.6f}, "
               f"reloaded at TP 1: {reloaded:.6f}", flush=True)
     if abs(reloaded - trained) > REL_TOL * abs(trained):
         raise ValueError(f"the checkpoint reloaded at TP 1 gives the evaluation loss {reloaded}, not {trained}")
