@@ -49,11 +49,9 @@ class LayerSpec:
     def __post_init__(self):
         for name in ("attention", "mlp", "moe"):
             value = getattr(self, name)
-            if value is not None and not callable(value):
+            if not callable(value) and not (name == "attention" and value is None):   # None: by config kind
                 raise ValueError(f"LayerSpec.{name} must be a class or a callable building the module, got "
                                  f"{type(value).__name__} {value!r}")
-        if self.moe is None:
-            raise ValueError("LayerSpec.moe must be a class or a callable building a MoELayer, got None")
         if isinstance(self.moe, type) and not issubclass(self.moe, MoELayer):
             raise ValueError(f"LayerSpec.moe must be MoELayer or a subclass of it, got {self.moe.__name__}: the "
                              "trainer, gradient sync and checkpoints rely on MoELayer's API; subclass MoELayer "

@@ -161,8 +161,8 @@ class MoELayer(nn.Module):
         ``weights`` [T, K] (the combine weights; their gradient trains the router) and ``aux_loss`` []
         (summed over layers, back-propagated and reported by the trainer). With ``use_expert_bias``
         it must also provide ``update_expert_bias(tokens_per_expert [E])``, called by the trainer after
-        each optimizer step with the load summed over all ranks. Its parameters are dense (averaged
-        over data parallel, replicated over EP and TP); ``reset_parameters(generator=None)``, if
+        each optimizer step with the load summed over all ranks. Its parameters are dense ones (the
+        gradient sync averages them over data parallel); ``reset_parameters(generator=None)``, if
         defined, is called by :func:`megamoe.tensor_parallel.initialize_parameters`; checkpoints hold
         its parameters and persistent buffers as ``router.<name>``.
 

@@ -78,14 +78,19 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused or None)
 
 
-def _describe_balancing(router_config) -> str:
-    """The expert load balancing a router config puts in force, in words ("none" when there is none)."""
+def _describe_balancing(router_config) -> str | None:
+    """The expert load balancing a router config puts in force, in words; None when there is none
+    (a z-loss alone keeps the logits small but does not balance the load)."""
     parts = [f"{label} {getattr(router_config, name):g}" for name, label in (
-        ("aux_loss_coeff", "aux loss coeff"), ("seq_aux_loss_coeff", "sequence aux loss coeff"),
-        ("z_loss_coeff", "z-loss coeff")) if getattr(router_config, name) > 0]
+        ("aux_loss_coeff", "aux loss coeff"), ("seq_aux_loss_coeff", "sequence aux loss coeff"))
+        if getattr(router_config, name) > 0]
     if router_config.use_expert_bias:
         parts.append(f"aux-loss-free expert bias (update rate {router_config.expert_bias_update_rate:g})")
-    return ", ".join(parts) or "none"
+    if not parts:
+        return None
+    if router_config.z_loss_coeff > 0:
+        parts.append(f"z-loss coeff {router_config.z_loss_coeff:g}")
+    return ", ".join(parts)
 
 
 class Trainer:
@@ -110,11 +115,11 @@ class Trainer:
         self.step = 0
 
     def _log_balancing(self) -> None:
-        by_description: dict[str, list[int]] = {}
+        by_description: dict[str | None, list[int]] = {}
         for layer_id, layer in self.model.moe_layers().items():
             by_description.setdefault(_describe_balancing(layer.router.config), []).append(layer_id)
         for description, layer_ids in by_description.items():
-            if description == "none":
+            if description is None:
                 logger.warning("MoE layers %s train with NO expert load balancing (aux_loss_coeff, "
                                "seq_aux_loss_coeff = 0, use_expert_bias False): their routing may collapse onto "
                                "few experts; set RouterConfig.aux_loss_coeff or use_expert_bias", layer_ids)
