@@ -167,8 +167,8 @@ def main(argv=None) -> int:
     if world > 1:
         destroy_model_parallel()
     if rank == 0:
-        print(f"training loss {metrics[0].loss:.4f} -> {metrics[-1].loss:.4f}; evaluation loss at TP {world}: {trained:.6f}, "
-              f"reloaded at TP 1: {reloaded:.6f}", flush=True)
+        print(f"training loss {metrics[0].loss:.4f} -> {metrics[-1].loss:.4f}; evaluation loss at TP {world}: "
+              f"{trained:.6f}, reloaded at TP 1: {reloaded:.6f}", flush=True)
     if abs(reloaded - trained) > REL_TOL * abs(trained):
         raise ValueError(f"the checkpoint reloaded at TP 1 gives the evaluation loss {reloaded}, not {trained}")
     return 0

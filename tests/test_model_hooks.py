@@ -22,7 +22,7 @@ from megamoe.training.checkpoint import load_training_checkpoint, save_training_
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import MLP, Attention
 from parallel_state import ParallelState
-from test_training import E, GLOBAL_BATCH, MICRO_BATCH, S, V, tiny_config
+from test_training import GLOBAL_BATCH, MICRO_BATCH, S, V, tiny_config
 
 OFFSET = 5.0      # router logits are ~0.1: expert 0 wins every token's top-k
 
@@ -230,7 +230,8 @@ def _train_save_resume(rank, world_size, directory):
     extra = load_training_checkpoint(directory, resumed, world_group=dist.group.WORLD)
     resumed_losses = [resumed.train_step(_micro_batches(batch, state)).loss
                       for batch in batches[extra["sampler_state"]["next_batch"]:]]
-    resumed_offsets = {i: layer.router.logit_offset.detach().tolist() for i, layer in resumed.model.moe_layers().items()}
+    resumed_offsets = {i: layer.router.logit_offset.detach().tolist()
+                       for i, layer in resumed.model.moe_layers().items()}
     destroy_model_parallel()
     return dict(losses=losses, resumed_losses=resumed_losses, expert0=expert0_share, offsets=offsets,
                 resumed_offsets=resumed_offsets, tokens=_tokens_per_rank(state), step=resumed.step)

@@ -210,9 +210,9 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
             raise ValueError(f"{family}: hidden_act {cfg.hidden_act!r}: gated experts are supported with 'silu' "
                              "(SwiGLU) only")
         ffn = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
-        moe = MoEConfig(router=router_config(cfg, for_training), ffn_hidden_size=ffn, num_expert_slots=num_expert_slots,
-                        dispatcher=dispatcher, expert_backend=expert_backend, activation="swiglu",
-                        shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
+        moe = MoEConfig(router=router_config(cfg, for_training), ffn_hidden_size=ffn,
+                        num_expert_slots=num_expert_slots, dispatcher=dispatcher, expert_backend=expert_backend,
+                        activation="swiglu", shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
     dense = mlp_config(cfg) if len(layer_ids) < cfg.num_hidden_layers else None
     return GPTMoEConfig(
         family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
