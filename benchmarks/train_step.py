@@ -23,9 +23,9 @@ Same work on both sides: the same optimizer, built by megamoe's ``build_optimize
 (torch's fused AdamW, which is also what transformers' ``Trainer`` uses by default with torch >= 2.8;
 no weight decay), global-norm clipping at 1.0, and no load-balancing loss: transformers
 adds ``router_aux_loss_coef * aux`` only when ``output_router_logits`` (off here), and
-``config_from_hf`` then sets megamoe's ``aux_loss_coeff`` to 0. Before timing, the script asserts that
-both compute the same loss on the same batch, and again after one optimizer step on each (same
-gradients, same update). transformers shifts the labels inside its loss; megamoe takes them shifted.
+``config_from_hf(..., for_training=False)`` then sets megamoe's ``aux_loss_coeff`` to 0. Before timing,
+the script asserts that both compute the same loss on the same batch, and again after one optimizer step
+on each (same gradients, same update). transformers shifts the labels inside its loss; megamoe takes them shifted.
 
 Prints a table of tokens/s (median step time over the repeats, after one warm-up step; the minimum is
 shown too) and the ratio megamoe / each HF row; writes JSON (default benchmarks/results/train_step.json).
@@ -97,7 +97,7 @@ def batch(shape: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def megamoe_row(hf_model, backend: str, ids: torch.Tensor, labels: torch.Tensor) -> Row:
-    config = config_from_hf(hf_model.config, expert_backend=backend)
+    config = config_from_hf(hf_model.config, expert_backend=backend, for_training=False)  # HF's loss, no aux
     state = ParallelState.single_process()
     model = GPTMoEModel(config, state)
     logical = adapter_for(config.family).hf_to_megamoe(hf_model.state_dict(), config)

@@ -5,6 +5,15 @@ logical shape and offsets of each local chunk, initialisation uses it to slice o
 tensor (so the same seed gives the same model whatever the layout), and gradient clipping uses it
 to avoid counting replicated parameters more than once.
 
+A parameter a user adds to a parallel layer is untagged, hence taken as replicated: if each rank
+holds a different piece of it, declare that in one line with :func:`shard_parameter`, e.g. a gate on
+a column-parallel layer's local output features::
+
+    self.gate = shard_parameter(nn.Parameter(torch.ones(self.out_features_per_rank)), dim=0, group=tp_group)
+
+Otherwise a checkpoint stores it as one replicated tensor, and the save refuses the ranks' differing
+copies.
+
 A second tag, ``param.sequence_parallel = True``, marks parameters that are replicated over the TP
 group but see only this rank's tokens under sequence parallelism (row-parallel biases, norms): their
 gradients must be all-reduced over TP (see
@@ -16,8 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import ProcessGroup
 
-__all__ = ["ShardSpec", "set_shard_spec", "get_shard_spec"]
+from megamoe import comms
+
+__all__ = ["ShardSpec", "set_shard_spec", "get_shard_spec", "shard_parameter"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +90,24 @@ def set_shard_spec(param: torch.Tensor, spec: ShardSpec) -> None:
 def get_shard_spec(param: torch.Tensor) -> ShardSpec:
     """The parameter's spec; untagged parameters are replicated."""
     return getattr(param, "shard_spec", None) or ShardSpec(tuple(param.shape))
+
+
+def shard_parameter(param: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Declare ``param`` this rank's chunk of a logical tensor split into equal chunks along ``dim``
+    over ``group``, in rank order (rank r holds chunk r; the logical size of ``dim`` is the local one
+    times the group size). Returns ``param``, tagged, so that the declaration fits in the assignment.
+
+    Checkpoints then save the logical tensor (and reload it under another group size), and the global
+    gradient norm counts the chunk once instead of as a copy replicated over ``group``. ``group=None``
+    (one process) declares the whole tensor.
+    """
+    if param.dim() == 0:
+        raise ValueError("shard_parameter: a 0-dim tensor has no dim to split; leave it replicated")
+    if not -param.dim() <= dim < param.dim():
+        raise ValueError(f"shard_parameter: dim {dim} is out of range for a tensor of shape {tuple(param.shape)}")
+    dim %= param.dim()
+    size, rank = comms.group_size(group), comms.group_rank(group)
+    global_shape = list(param.shape)
+    global_shape[dim] *= size
+    set_shard_spec(param, ShardSpec(tuple(global_shape), dim, rank, size))
+    return param

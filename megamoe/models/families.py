@@ -18,6 +18,22 @@ Checked against transformers 5.24's modeling code (HF config names in quotes):
   "n_shared_experts" * "moe_intermediate_size", no gate.
 - router: see :mod:`megamoe.moe.router`. The balancing loss HF adds when "output_router_logits"
   (mixtral, qwen, olmoe) is reproduced with ``aux_loss_coeff = "router_aux_loss_coef" * top_k``.
+
+Load balancing (``config_from_hf(..., for_training=...)``). HF configs ship with "output_router_logits"
+False, so HF's forward adds no balancing loss; fine-tuning without one lets the routing collapse. By
+default (``for_training=True``) the config therefore carries the family's balancing for training:
+
+- mixtral, qwen2_moe, qwen3_moe, olmoe: ``aux_loss_coeff = "router_aux_loss_coef" * top_k`` whatever
+  "output_router_logits" says;
+- deepseek_v2: DeepSeek's sequence-wise balance loss, ``seq_aux_loss_coeff = "aux_loss_alpha"``
+  ("seq_aux" False: the batch-wise ``aux_loss_coeff``), defaulting to DeepSeek's 0.001 when the config
+  has no "aux_loss_alpha" (transformers' own config class drops it; checkpoints' config.json carry it);
+- deepseek_v3: the aux-loss-free expert bias (``use_expert_bias``, update rate 1e-3 as in the paper),
+  plus the sequence-wise loss when the config carries "aux_loss_alpha".
+
+``for_training=False`` gives what HF's forward computes (for comparing training losses with
+transformers): the mixtral / qwen / olmoe loss only when "output_router_logits", no loss for DeepSeek
+(the expert bias stays: it is part of DeepSeek-V3's routing). Logits never depend on the choice.
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ from megamoe.transformer.mlp import MLPConfig
 from megamoe.transformer.rope import RopeConfig
 
 __all__ = ["SUPPORTED_FAMILIES", "config_from_hf", "attention_config", "mla_config", "mlp_config",
-           "router_config", "moe_layer_ids"]
+           "router_config", "balancing_losses", "moe_layer_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,16 +131,32 @@ def moe_layer_ids(cfg) -> tuple[int, ...]:
     return tuple(i for i in layers if i >= cfg.first_k_dense_replace)
 
 
-def router_config(cfg) -> RouterConfig:
-    """The router of one MoE layer (see the family table in :mod:`megamoe.moe.router`)."""
+_DEEPSEEK_AUX_LOSS_ALPHA = 0.001   # DeepSeek's configuration_deepseek.py default ("aux_loss_alpha", "seq_aux" True)
+
+
+def balancing_losses(cfg, for_training: bool = True) -> dict[str, float]:
+    """The RouterConfig loss coefficients of the family's load balancing (see the module docstring)."""
+    family = cfg.model_type
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        on = for_training or cfg.output_router_logits
+        return {"aux_loss_coeff": cfg.router_aux_loss_coef * cfg.num_experts_per_tok if on else 0.0}
+    if not for_training:
+        return {}
+    alpha = getattr(cfg, "aux_loss_alpha", None)
+    if alpha is None:
+        alpha = _DEEPSEEK_AUX_LOSS_ALPHA if family == "deepseek_v2" else 0.0
+    return {"seq_aux_loss_coeff" if getattr(cfg, "seq_aux", True) else "aux_loss_coeff": float(alpha)}
+
+
+def router_config(cfg, for_training: bool = True) -> RouterConfig:
+    """The router of one MoE layer (see the family table in :mod:`megamoe.moe.router`), with the
+    balancing of :func:`balancing_losses`."""
     family = cfg.model_type
     top_k = cfg.num_experts_per_tok
     common = dict(hidden_size=cfg.hidden_size, num_experts=_num_experts(cfg), top_k=top_k,
-                  init_std=cfg.initializer_range)
+                  init_std=cfg.initializer_range, **balancing_losses(cfg, for_training))
     if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
-        aux = cfg.router_aux_loss_coef * top_k if cfg.output_router_logits else 0.0
-        return RouterConfig(**common, score_func="softmax", norm_topk_prob=family == "mixtral" or cfg.norm_topk_prob,
-                            aux_loss_coeff=aux)
+        return RouterConfig(**common, score_func="softmax", norm_topk_prob=family == "mixtral" or cfg.norm_topk_prob)
     if family == "deepseek_v2":
         if cfg.topk_method == "greedy":
             groups = {}
@@ -154,12 +186,14 @@ def _shared_experts(cfg) -> SharedExpertsConfig | None:
 
 
 def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: str = "auto",
-                   num_expert_slots: int | None = None) -> GPTMoEConfig:
+                   num_expert_slots: int | None = None, for_training: bool = True) -> GPTMoEConfig:
     """The :class:`GPTMoEConfig` reproducing a transformers config of a supported family.
 
     ``dispatcher``, ``expert_backend`` and ``num_expert_slots`` are engine choices (see
     :class:`MoEConfig`); everything else comes from ``hf_config``. Training-only randomness HF applies
-    (attention dropout, Mixtral's router jitter) is not reproduced and only logged.
+    (attention dropout, Mixtral's router jitter) is not reproduced and only logged. ``for_training``
+    (default) sets the family's load balancing for training, ``False`` the balancing losses HF's own
+    forward adds (see the module docstring); the logits are the same either way.
     """
     family = getattr(hf_config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
@@ -176,9 +210,9 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
             raise ValueError(f"{family}: hidden_act {cfg.hidden_act!r}: gated experts are supported with 'silu' "
                              "(SwiGLU) only")
         ffn = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
-        moe = MoEConfig(router=router_config(cfg), ffn_hidden_size=ffn, num_expert_slots=num_expert_slots,
-                        dispatcher=dispatcher, expert_backend=expert_backend, activation="swiglu",
-                        shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
+        moe = MoEConfig(router=router_config(cfg, for_training), ffn_hidden_size=ffn,
+                        num_expert_slots=num_expert_slots, dispatcher=dispatcher, expert_backend=expert_backend,
+                        activation="swiglu", shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
     dense = mlp_config(cfg) if len(layer_ids) < cfg.num_hidden_layers else None
     return GPTMoEConfig(
         family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,

@@ -26,15 +26,16 @@ from torch import nn
 
 from megamoe import comms
 from megamoe.models.config import GPTMoEConfig
+from megamoe.models.layer_spec import LayerSpec
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.pipeline.partition import partition_layers
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
-from megamoe.transformer import MLP, Attention, AttentionConfig, MultiHeadLatentAttention, RMSNorm
+from megamoe.transformer import RMSNorm
 from megamoe.transformer.rope import RotaryEmbedding
 
-__all__ = ["DecoderLayer", "GPTMoEModel", "check_moe_layout", "expert_token_replicas"]
+__all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "expert_token_replicas"]
 
 _FEW_ROWS = 16  # logits of at most this many rows (decoding) take the weight-major GEMM on CPU
 
@@ -71,24 +72,25 @@ def expert_token_replicas(config: GPTMoEConfig, state) -> int:
 
 
 class DecoderLayer(nn.Module):
-    """pre-norm attention + pre-norm (MoE or dense) MLP, both residual. HF module names."""
+    """pre-norm attention + pre-norm (MoE or dense) MLP, both residual. HF module names. The attention,
+    dense MLP and MoE layer are built by ``layer_spec`` (:class:`LayerSpec`; default: the shipped classes)."""
 
     def __init__(self, config: GPTMoEConfig, layer_id: int, state, *, placement: ExpertPlacement | None = None,
-                 device=None, dtype=None):
+                 layer_spec: LayerSpec | None = None, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
+        spec = layer_spec or LayerSpec()
         tp = state.tp.group
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
-        attention_cls = Attention if isinstance(config.attention, AttentionConfig) else MultiHeadLatentAttention
-        self.self_attn = attention_cls(config.attention, tp_group=tp, **factory)
+        self.self_attn = spec.build_attention(config.attention, tp_group=tp, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         if config.is_moe_layer(layer_id):
-            self.mlp = MoELayer(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
-                                expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
-                                placement=placement, **factory)
+            self.mlp = spec.build_moe(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
+                                      expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
+                                      placement=placement, **factory)
         else:
-            self.mlp = MLP(config.dense_mlp, tp_group=tp, **factory)
+            self.mlp = spec.build_mlp(config.dense_mlp, tp_group=tp, **factory)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None,
                 attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None,
@@ -133,13 +135,20 @@ class GPTMoEModel(nn.Module):
     ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask`` [B, S_past + S]
     marks real tokens (see the module docstring). :meth:`run_layers` stops before the final norm, so
     that generation computes logits for the last position only.
+
+    ``layer_spec`` (:class:`~megamoe.models.layer_spec.LayerSpec`) chooses the classes of every decoder
+    layer's attention, dense MLP and MoE layer, e.g. ``LayerSpec(moe=MyMoELayer)`` for a MoELayer
+    subclass with its own router; the default builds the shipped ones. The model meets
+    :class:`megamoe.training.TrainableModel` whatever the spec.
     """
 
     def __init__(self, config: GPTMoEConfig, state, *, pp_split=None,
-                 placements: dict[int, ExpertPlacement] | None = None, device=None, dtype=None):
+                 placements: dict[int, ExpertPlacement] | None = None, layer_spec: LayerSpec | None = None,
+                 device=None, dtype=None):
         super().__init__()
         check_moe_layout(config, state)
         self.config, self.state = config, state
+        self.layer_spec = layer_spec or LayerSpec()
         factory = {"device": device, "dtype": dtype}
         tp = state.tp.group
         self.layer_ids = partition_layers(config.num_layers, state.pp.size, pp_split)[state.pp.rank]
@@ -152,7 +161,8 @@ class GPTMoEModel(nn.Module):
         self.rotary = RotaryEmbedding(config.attention.rope)
         placements = placements or {}
         self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(config, i, state, placement=placements.get(i), **factory) for i in self.layer_ids})
+            str(i): DecoderLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
+            for i in self.layer_ids})
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
             if not config.tie_word_embeddings:
@@ -166,6 +176,7 @@ class GPTMoEModel(nn.Module):
         return ()
 
     def moe_layers(self) -> dict[int, MoELayer]:
+        """This stage's MoE layers (subclasses included) by global layer id."""
         return {i: layer.mlp for i, layer in ((int(k), v) for k, v in self.layers.items())
                 if isinstance(layer.mlp, MoELayer)}
 

@@ -7,7 +7,21 @@ expert) pair to one slot of that expert with a rule every rank computes identica
 weights; their gradients are per slot, and the training loop sums them across replicas.
 
 Subclassing: override :meth:`build_router`, :meth:`build_experts` or :meth:`build_dispatcher` to swap
-a component; ``forward`` only strings them together.
+a component; ``forward`` only strings them together. Each method's docstring states what it receives
+and what its component must provide. ``__init__`` calls them in this order, after ``self.config``,
+the groups, ``ep_size`` / ``ep_rank``, ``etp_size`` / ``etp_rank``, ``placement`` and ``local_slots``
+are set: ``build_router``, ``build_experts``, (the shared experts), ``build_dispatcher``; then it tags
+the experts' parameters ``expert_parallel``, creates ``load_counter`` and calls
+:meth:`reset_parameters`. To use a subclass in the shipped model, pass it as
+``GPTMoEModel(config, state, layer_spec=LayerSpec(moe=MySubclass))``
+(:class:`megamoe.models.LayerSpec`).
+
+What the rest of the library reads from a layer (keep these when overriding): the trainer resets and
+reads ``load_counter`` every step, calls ``router.update_expert_bias(load)`` after the optimizer step
+when ``router.config.use_expert_bias``, and reports ``placement.balancedness``; the gradient sync and
+the gradient norm call :meth:`reduce_replica_grads` and :meth:`local_replica_counts` and read the
+experts' ``expert_weight_shards``; checkpoints call :meth:`sharded_state_dict` and store
+``placement.to_dict()``.
 
 Compiled decoding: under ``torch.compile`` without gradients, when no communication is needed (EP
 and the dispatcher's reduction group of size 1) and the step has at most one (token, expert) pair
@@ -139,9 +153,34 @@ class MoELayer(nn.Module):
 
     # ---- components (override to customise) --------------------------------------------------
     def build_router(self, config: MoEConfig, **factory) -> nn.Module:
+        """The router: ``config`` is the layer's MoEConfig, ``factory`` its ``device`` / ``dtype``.
+
+        Must return a module with ``config`` (a :class:`RouterConfig`; the layer and the trainer read
+        ``num_experts``, ``top_k`` and ``use_expert_bias``) and ``forward(x [T, H], num_sequences)
+        -> RouterOutput``, of which the layer uses ``expert_ids`` [T, K] (int64, in [0, num_experts)),
+        ``weights`` [T, K] (the combine weights; their gradient trains the router) and ``aux_loss`` []
+        (summed over layers, back-propagated and reported by the trainer). With ``use_expert_bias``
+        it must also provide ``update_expert_bias(tokens_per_expert [E])``, called by the trainer after
+        each optimizer step with the load summed over all ranks. Its parameters are dense ones (the
+        gradient sync averages them over data parallel); ``reset_parameters(generator=None)``, if
+        defined, is called by :func:`megamoe.tensor_parallel.initialize_parameters`; checkpoints hold
+        its parameters and persistent buffers as ``router.<name>``.
+
+        The simplest custom router subclasses :class:`Router` and overrides
+        :meth:`Router.gate_logits`."""
         return Router(config.router, **factory)
 
     def build_experts(self, config: MoEConfig, **factory) -> nn.Module:
+        """The routed experts of this rank's ``len(self.local_slots)`` slots (ETP shard
+        ``self.etp_rank`` of ``self.etp_size``). ``factory``: ``device`` / ``dtype``.
+
+        Must return a module with ``forward(tokens [N, H] grouped by local slot, tokens_per_slot
+        [S_local] int64) -> [N, H]`` (a partial sum over the ETP group), ``load_expert_weights(local_slot,
+        gate, up, down)`` (full HF-layout weights: used by :meth:`reset_parameters`) and
+        ``expert_weight_shards(local_slot, grad=False) -> {"gate", "up", "down"}`` (views of this
+        rank's shards in HF layout: used by checkpoints, the replica gradient sum and the gradient
+        norm). Optional: ``supports_per_pair`` and ``forward_per_pair`` (compiled decoding, see the
+        module docstring). Every parameter is tagged ``expert_parallel`` after this returns."""
         return GroupedExperts(ExpertsConfig(
             num_local_slots=len(self.local_slots), hidden_size=config.hidden_size,
             ffn_hidden_size=config.ffn_hidden_size, activation=config.activation,
@@ -155,6 +194,11 @@ class MoELayer(nn.Module):
         return self.expert_group if self.config.dispatcher == "allgather" else self.etp_group
 
     def build_dispatcher(self, config: MoEConfig) -> TokenDispatcher:
+        """The :class:`TokenDispatcher` moving (token, slot) pairs to the ranks holding the slots and
+        back (see :mod:`megamoe.moe.token_dispatcher` for the interface: ``dispatch``, ``combine``,
+        ``token_positions``, ``to_token_view``, ``token_view``, ``ep_size``, ``reduce_group``). Called
+        after the router, the experts and the shared experts exist; the shared experts are sharded
+        over :meth:`dispatcher_reduce_group`, which a custom dispatcher's ``reduce_group`` must equal."""
         if config.dispatcher == "allgather":
             return AllGatherDispatcher(config.num_expert_slots, ep_group=self.ep_group,
                                        expert_group=self.expert_group, input_sharded=config.input_sharded)

@@ -168,6 +168,13 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
+    def gate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, E] fp32 router logits; score function, selection, weights and losses follow.
+
+        The hook for a custom router: a subclass overriding it (e.g. adding a learned per-expert offset)
+        keeps everything else, the expert-bias update included."""
+        return F.linear(hidden.float(), self.weight.float())
+
     def forward(self, hidden: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
         """Route ``hidden`` [T, H]: T = num_sequences * seq_len tokens, sequence-major.
 
@@ -182,7 +189,7 @@ class Router(nn.Module):
                 f"num_sequences ({num_sequences}) must be >= 1 and divide the token count ({num_tokens})"
             )
 
-        logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
+        logits = self.gate_logits(hidden)  # [T, E]
         scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()  # [T, E]
 
         # Selection never needs gradients: the weights are gathered from `scores` afterwards.

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import comms
-from megamoe.models.gpt_moe import GPTMoEModel, expert_token_replicas
+from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
+from megamoe.training.trainable_model import TrainableModel, check_trainable_model
 
 __all__ = ["TrainConfig", "StepMetrics", "Trainer", "build_optimizer"]
 
@@ -77,20 +78,53 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused or None)
 
 
+def _describe_balancing(router_config) -> str | None:
+    """The expert load balancing a router config puts in force, in words; None when there is none
+    (a z-loss alone keeps the logits small but does not balance the load)."""
+    parts = [f"{label} {getattr(router_config, name):g}" for name, label in (
+        ("aux_loss_coeff", "aux loss coeff"), ("seq_aux_loss_coeff", "sequence aux loss coeff"))
+        if getattr(router_config, name) > 0]
+    if router_config.use_expert_bias:
+        parts.append(f"aux-loss-free expert bias (update rate {router_config.expert_bias_update_rate:g})")
+    if not parts:
+        return None
+    if router_config.z_loss_coeff > 0:
+        parts.append(f"z-loss coeff {router_config.z_loss_coeff:g}")
+    return ", ".join(parts)
+
+
 class Trainer:
     """Owns the optimizer and the gradient sync of one pipeline stage.
 
+    ``model``: anything meeting :class:`~megamoe.training.trainable_model.TrainableModel`, e.g. a
+    :class:`~megamoe.models.GPTMoEModel` (TypeError naming what is missing otherwise).
     ``world_group`` is the group of all ranks (``torch.distributed.group.WORLD``, or None for one
-    process): metrics and the expert-load statistics are reduced over it.
+    process): metrics and the expert-load statistics are reduced over it. The expert load balancing
+    in force (aux-loss coefficients, expert bias) is logged at construction, with a warning when
+    there is none.
     """
 
-    def __init__(self, model: GPTMoEModel, state, config: TrainConfig, *, world_group=None,
+    def __init__(self, model: TrainableModel, state, config: TrainConfig, *, world_group=None,
                  optimizer: torch.optim.Optimizer | None = None):
+        check_trainable_model(model)
         self.model, self.state, self.config, self.world_group = model, state, config, world_group
+        self._log_balancing()
         self.optimizer = optimizer or build_optimizer(model, config)
         self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
                                       expert_token_replicas=expert_token_replicas(model.config, state))
         self.step = 0
+
+    def _log_balancing(self) -> None:
+        by_description: dict[str | None, list[int]] = {}
+        for layer_id, layer in self.model.moe_layers().items():
+            by_description.setdefault(_describe_balancing(layer.router.config), []).append(layer_id)
+        for description, layer_ids in by_description.items():
+            if description is None:
+                logger.warning("MoE layers %s train with NO expert load balancing (aux_loss_coeff, "
+                               "seq_aux_loss_coeff = 0, use_expert_bias False): their routing may collapse onto "
+                               "few experts; set RouterConfig.aux_loss_coeff or use_expert_bias", layer_ids)
+            else:
+                logger.info("expert load balancing of MoE layers %s: %s", layer_ids, description)
 
     def _autocast(self):
         dtype = _AUTOCAST[self.config.autocast]
