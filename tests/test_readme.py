@@ -18,11 +18,23 @@ def test_readme_opens_with_the_two_commands():
     assert first_block[0].startswith("make demo") and first_block[1].startswith("make test")
 
 
+def _readme_part_of_the_example() -> str:
+    example = (Path(__file__).resolve().parent.parent / "examples" / "custom_layers.py").read_text()
+    return re.search(r"# README: begin\n(.*?)# README: end\n", example, re.S).group(1)
+
+
+def test_subclassing_example_is_the_tested_example_file():
+    assert _block_after("Subclassing a layer in your own model") == _readme_part_of_the_example()
+
+
 def test_subclassing_example_runs_single_rank():
+    from megamoe.sharding import ShardSpec, get_shard_spec
+    from megamoe.transformer import MLPConfig
     namespace: dict = {}
     exec(_block_after("Subclassing a layer in your own model"), namespace)
-    mlp = namespace["MLP"](16, 32, tp_group=None)
+    mlp = namespace["GatedMLP"](MLPConfig(16, 32), tp_group=None)
     out = mlp(torch.randn(4, 16))
     assert out.shape == (4, 16)
     out.sum().backward()
     assert mlp.up.gate.grad is not None
+    assert get_shard_spec(mlp.up.gate) == ShardSpec((32,), 0, 0, 1)
