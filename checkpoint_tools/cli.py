@@ -154,8 +154,7 @@ def _run(args) -> int:
         from checkpoint_tools.import_hf import import_hf
         summary = import_hf(args.hf_dir, args.out_dir, _layout(args, args.dispatcher),
                             num_expert_slots=args.num_expert_slots, expert_load=args.expert_load, dtype=args.dtype,
-                            dispatcher=args.dispatcher, overwrite=args.overwrite,
-                          verify_checksums=args.verify_checksums)
+                            dispatcher=args.dispatcher, overwrite=args.overwrite)
         print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['logical_tensors']} logical tensors, "
               f"{summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, layout "
               + " ".join(f"{k}={v}" for k, v in summary["layout"].items()))
