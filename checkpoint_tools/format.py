@@ -490,7 +490,7 @@ def _check_manifest_names(root: str, manifest_path: str, manifest: dict) -> None
     stored += [(f"rank {rank}'s state {key!r}", e) for rank, entries in manifest.get("rank_state", {}).items()
                for key, e in entries.items()]
     for what, entry in stored:
-        if entry.get("file") not in files:
+        if not isinstance(entry.get("file"), str) or entry["file"] not in files:
             raise CheckpointError(f"{manifest_path}: {what} is stored in {entry.get('file')!r}, which the manifest "
                                   "does not list among its files")
     side_dir = os.path.join(root, HF_FILES_DIR)

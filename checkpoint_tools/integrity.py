@@ -12,9 +12,10 @@ through :func:`verified_path` or :func:`verify_files` here, the one place that d
 
 A file is hashed once per process: a verified file is remembered under its real path with its size,
 ``st_mtime_ns``, inode, device and the recorded digest, and hashed again only when one of them changed
-(the file was rewritten, or another checkpoint records another digest for it). Loading a training
-checkpoint reads model chunks, optimizer chunks and rank state in separate calls; each file is hashed
-once.
+(the file was rewritten, or another checkpoint records another digest for it; a rewrite keeping the size
+within the filesystem's timestamp granularity goes unnoticed: :func:`forget_verified` forgets every file).
+Loading a training checkpoint reads model chunks, optimizer chunks and rank state in separate calls; each
+file is hashed once.
 
 Several ranks (:func:`verify_files` with a ``group``): the ranks exchange the names of the files they
 will read and have not verified yet (one ``all_gather_object``), each such file is given to exactly one
