@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = functools.partial(commands.add_parser, formatter_class=_HelpFormatter)
 
     p = add("import-hf", help="HF model directory -> megamoe checkpoint for a layout",
-                            description="Convert a HuggingFace model directory (config.json + safetensors) into a "
-                                        "megamoe checkpoint laid out for the given parallel layout.")
+            description="Convert a HuggingFace model directory (config.json + safetensors) into a "
+                        "megamoe checkpoint laid out for the given parallel layout.")
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     _layout_options(p, "alltoall")
@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
 
     p = add("export-hf", help="megamoe checkpoint -> HF model directory",
-                            description="Write a HuggingFace model directory (config.json, safetensors shards + "
-                                        "index, tokenizer files) that transformers' from_pretrained loads.")
+            description="Write a HuggingFace model directory (config.json, safetensors shards + "
+                        "index, tokenizer files) that transformers' from_pretrained loads.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors")
@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     _no_verify_option(p)
 
     p = add("reshard", help="megamoe checkpoint -> another layout / slots / placement",
-                            description="Rewrite a megamoe checkpoint (optimizer state included) for another "
-                                        "parallel layout, number of expert slots or placement.")
+            description="Rewrite a megamoe checkpoint (optimizer state included) for another "
+                        "parallel layout, number of expert slots or placement.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     _layout_options(p, None)
@@ -125,16 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     _no_verify_option(p)
 
     p = add("inspect", help="layout, placements, parameter counts, checksums, NaN/Inf",
-                            description="Describe a megamoe checkpoint, verify every file's checksum and, if they "
-                                        "pass, scan every tensor for NaN and infinite values (one tensor in memory "
-                                        "at a time). Exits 1 when a file is damaged or a tensor holds NaN/Inf.")
+            description="Describe a megamoe checkpoint, verify every file's checksum and, if they "
+                        "pass, scan every tensor for NaN and infinite values (one tensor in memory "
+                        "at a time). Exits 1 when a file is damaged or a tensor holds NaN/Inf.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = add("verify", help="compare the checkpoint's logits with transformers'",
-                            description="Run the checkpoint on spawned CPU ranks (its layout) and the HF model with "
-                                        "transformers on the same tokens; exit 1 if the logits differ by more than "
-                                        "--atol.")
+            description="Run the checkpoint on spawned CPU ranks (its layout) and the HF model with "
+                        "transformers on the same tokens; exit 1 if the logits differ by more than "
+                        "--atol.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("--hf", required=True, metavar="HF_DIR", help="the HuggingFace model directory to compare with")
     p.add_argument("--nproc", type=_positive_int, help="ranks to spawn (default: the checkpoint's world size)")
