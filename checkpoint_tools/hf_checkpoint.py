@@ -5,8 +5,8 @@ Opening checks everything that can be checked without reading tensor data: every
 (safetensors refuses a truncated file or a corrupt header), that the index and the files agree (no
 tensor missing from its file, none unlisted, none in two files), and that every dtype is known.
 
-A downloaded directory is untrusted input: every weight file the index names, and every file found in
-the directory, must be a plain relative name resolving inside it (:mod:`checkpoint_tools.safe_names`;
+A downloaded directory is untrusted input: config.json, the index, every weight file the index names
+and every file found in the directory must be plain relative names resolving inside it (:mod:`checkpoint_tools.safe_names`;
 a hub cache snapshot's links into its repository's ``blobs/`` are accepted). A side file that is a link
 leading elsewhere is refused rather than skipped: skipping would quietly drop a tokenizer file from the
 conversion, and a link that ``from_pretrained`` would not follow either is not something to copy.
@@ -91,8 +91,8 @@ class HFCheckpoint:
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise ConversionError(f"{directory} is not a directory (expected a HuggingFace model directory)")
-        config = _read_json(os.path.join(directory, CONFIG_FILE), CONFIG_FILE)
-        index_path = os.path.join(directory, INDEX_FILE)
+        config = _read_json(_inside(directory, CONFIG_FILE, directory), CONFIG_FILE)
+        index_path = _inside(directory, INDEX_FILE, directory)
         listed: dict[str, str] | None = None
         if os.path.exists(index_path):
             weight_map = _read_json(index_path, INDEX_FILE).get("weight_map")
