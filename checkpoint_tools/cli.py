@@ -2,12 +2,16 @@
 
 Subcommands: ``import-hf``, ``export-hf``, ``reshard``, ``inspect``, ``verify``; ``--help`` on each.
 Bad input ends with a one-line ``error:`` message and exit code 1 (2 for a malformed command line);
-``verify`` exits 1 when the logits differ by more than ``--atol``, ``inspect`` when a file is damaged.
+``verify`` exits 1 when the logits differ by more than ``--atol``, ``inspect`` when a file is damaged or a
+tensor holds NaN/Inf. Every command that reads a megamoe checkpoint checks each file against its manifest
+(checksums included) before using it; ``--no-verify-checksums`` skips the hashing (sizes are still
+checked). Every ``--help`` shows the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -47,6 +51,22 @@ def _size(text: str) -> int:
     return size
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help, except where there is nothing to show (no default, an
+    on/off flag, whose name says what it changes) or the help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _no_verify_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                        help="do not hash the checkpoint's files before reading them (their sizes are still "
+                             "checked); only for files you know are intact")
+
+
 def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | None) -> None:
     group = parser.add_argument_group("target layout and expert slots")
     group.add_argument("--tp", type=_positive_int, required=True, help="tensor-parallel size")
@@ -67,53 +87,59 @@ def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | N
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=_PROG, description="Convert checkpoints between HuggingFace and megamoe, "
-                                     "reshard them, inspect and verify them.")
+                                     "reshard them, inspect and verify them.", formatter_class=_HelpFormatter)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add = functools.partial(commands.add_parser, formatter_class=_HelpFormatter)
 
-    p = commands.add_parser("import-hf", help="HF model directory -> megamoe checkpoint for a layout",
-                            description="Convert a HuggingFace model directory (config.json + safetensors) into a "
-                                        "megamoe checkpoint laid out for the given parallel layout.")
+    p = add("import-hf", help="HF model directory -> megamoe checkpoint for a layout",
+            description="Convert a HuggingFace model directory (config.json + safetensors) into a "
+                        "megamoe checkpoint laid out for the given parallel layout.")
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     _layout_options(p, "alltoall")
-    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors (default keep)")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors")
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
 
-    p = commands.add_parser("export-hf", help="megamoe checkpoint -> HF model directory",
-                            description="Write a HuggingFace model directory (config.json, safetensors shards + "
-                                        "index, tokenizer files) that transformers' from_pretrained loads.")
+    p = add("export-hf", help="megamoe checkpoint -> HF model directory",
+            description="Write a HuggingFace model directory (config.json, safetensors shards + "
+                        "index, tokenizer files) that transformers' from_pretrained loads.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors (default keep)")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors")
     p.add_argument("--max-shard-size", type=_size, default="50GB",
-                   help="largest safetensors shard, e.g. 5GB (default 50GB, as save_pretrained)")
+                   help="largest safetensors shard, e.g. 5GB (default: 50GB, as save_pretrained)")
     p.add_argument("--hf-config", metavar="HF_DIR",
                    help="take config.json and tokenizer files from this HF directory (for checkpoints saved by "
                         "training, which do not keep them)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing HF model directory at OUT_DIR")
+    _no_verify_option(p)
 
-    p = commands.add_parser("reshard", help="megamoe checkpoint -> another layout / slots / placement",
-                            description="Rewrite a megamoe checkpoint (optimizer state included) for another "
-                                        "parallel layout, number of expert slots or placement.")
+    p = add("reshard", help="megamoe checkpoint -> another layout / slots / placement",
+            description="Rewrite a megamoe checkpoint (optimizer state included) for another "
+                        "parallel layout, number of expert slots or placement.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     _layout_options(p, None)
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
+    _no_verify_option(p)
 
-    p = commands.add_parser("inspect", help="layout, placements, parameter counts, checksums",
-                            description="Describe a megamoe checkpoint and verify every file's checksum.")
+    p = add("inspect", help="layout, placements, parameter counts, checksums, NaN/Inf",
+            description="Describe a megamoe checkpoint, verify every file's checksum and, if they "
+                        "pass, scan every tensor for NaN and infinite values (one tensor in memory "
+                        "at a time). Exits 1 when a file is damaged or a tensor holds NaN/Inf.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    p = commands.add_parser("verify", help="compare the checkpoint's logits with transformers'",
-                            description="Run the checkpoint on spawned CPU ranks (its layout) and the HF model with "
-                                        "transformers on the same tokens; exit 1 if the logits differ by more than "
-                                        "--atol.")
+    p = add("verify", help="compare the checkpoint's logits with transformers'",
+            description="Run the checkpoint on spawned CPU ranks (its layout) and the HF model with "
+                        "transformers on the same tokens; exit 1 if the logits differ by more than "
+                        "--atol.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("--hf", required=True, metavar="HF_DIR", help="the HuggingFace model directory to compare with")
     p.add_argument("--nproc", type=_positive_int, help="ranks to spawn (default: the checkpoint's world size)")
     p.add_argument("--atol", type=float, default=1e-4, help="largest accepted absolute logit difference")
+    _no_verify_option(p)
     return parser
 
 
@@ -136,7 +162,8 @@ def _run(args) -> int:
     if args.command == "export-hf":
         from checkpoint_tools.export_hf import export_hf
         summary = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
-                            max_shard_bytes=args.max_shard_size, hf_config_dir=args.hf_config)
+                            max_shard_bytes=args.max_shard_size, hf_config_dir=args.hf_config,
+                            verify_checksums=args.verify_checksums)
         print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['tensors']} tensors in {summary['shards']} "
               f"shards, {summary['bytes'] / 2**20:.1f} MiB")
         return 0
@@ -147,7 +174,8 @@ def _run(args) -> int:
             "dispatcher", "alltoall")
         summary = reshard(args.checkpoint, args.out_dir, _layout(args, dispatcher),
                           num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
-                          dispatcher=args.dispatcher, overwrite=args.overwrite)
+                          dispatcher=args.dispatcher, overwrite=args.overwrite,
+                          verify_checksums=args.verify_checksums)
         print(f"wrote {summary['out_dir']}: {summary['logical_tensors']} logical tensors "
               f"({summary['optimizer_tensors']} optimizer state), {summary['files']} files, layout "
               + " ".join(f"{k}={v}" for k, v in summary["layout"].items()))
@@ -156,9 +184,10 @@ def _run(args) -> int:
         from checkpoint_tools.inspection import format_inspection, inspect_checkpoint
         info = inspect_checkpoint(args.checkpoint)
         print(json.dumps(info, indent=1) if args.json else format_inspection(info))
-        return 0 if info["verification"]["ok"] else 1
+        return 0 if info["verification"]["ok"] and not info["non_finite"]["count"] else 1
     from checkpoint_tools.verify import verify_against_hf
-    result = verify_against_hf(args.checkpoint, args.hf, nproc=args.nproc, atol=args.atol)
+    result = verify_against_hf(args.checkpoint, args.hf, nproc=args.nproc, atol=args.atol,
+                               verify_checksums=args.verify_checksums)
     print(f"{'OK' if result.ok else 'FAILED'}: max abs logit difference {result.max_abs_diff:.3e} (atol "
           f"{result.atol:.1e}), max relative {result.max_rel_diff:.3e}; {result.nproc} ranks, {result.layout}")
     return 0 if result.ok else 1

@@ -1,8 +1,9 @@
-"""The one exception type the converter raises for bad input (files, configs, layouts, options)."""
+"""The exception types the checkpoint tools raise: bad input to a conversion, and checkpoints that
+cannot be used."""
 
 from __future__ import annotations
 
-__all__ = ["ConversionError"]
+__all__ = ["ConversionError", "CheckpointError"]
 
 
 class ConversionError(ValueError):
@@ -10,4 +11,12 @@ class ConversionError(ValueError):
 
     The CLI turns it (and the format's / adapters' own errors) into a one-line message and a non-zero
     exit code instead of a traceback.
+    """
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt, or does not match what was asked of it.
+
+    Defined here rather than in :mod:`checkpoint_tools.format` (which re-exports it) so that the modules
+    format.py builds on can raise it too.
     """

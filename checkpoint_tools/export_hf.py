@@ -103,12 +103,15 @@ def _shard_names(count: int) -> list[str]:
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "keep",
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              hf_config_dir: str | os.PathLike | None = None, progress: bool | None = None) -> dict:
+              hf_config_dir: str | os.PathLike | None = None, progress: bool | None = None,
+              verify_checksums: bool = True) -> dict:
     """Write the HF model directory ``out_dir`` for the megamoe checkpoint ``checkpoint``.
 
     ``dtype``: ``keep`` (each tensor as stored: bit-exact round trip of an import) | ``fp32`` | ``bf16`` |
     ``fp16``. ``hf_config_dir``: take config.json and the side files from this HF directory instead of
-    the checkpoint. Optimizer state (``optim.*``) is not exported. Raises :class:`ConversionError` or
+    the checkpoint. Optimizer state (``optim.*``) is not exported. Every checkpoint file read (and every
+    side file) is checked against the manifest before its bytes are used, checksums included unless
+    ``verify_checksums=False``. Raises :class:`ConversionError` or
     :class:`~checkpoint_tools.format.CheckpointError` (nothing is left at ``out_dir``). Returns a summary.
     """
     checkpoint = os.fspath(checkpoint)
@@ -153,7 +156,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     # dtype is kept and the stored chunks hold the bytes in order.
     renamed_to = adapter.renames(config)
 
-    with output as tmp, LogicalTensorReader(checkpoint, manifest) as reader:
+    with output as tmp, LogicalTensorReader(checkpoint, manifest, verify_checksums=verify_checksums) as reader:
         writers: list[SafetensorsStreamWriter] = []
         casts = ScratchBuffer()
         copies: dict[str, tuple[torch.Tensor, list[FileExtent]]] = {}    # HF key -> (placeholder, its bytes)
@@ -205,7 +208,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
             side = copy_side_files(hf_config_dir, HFCheckpoint.side_files_of(hf_config_dir), tmp)
         else:
             side = (manifest.get("extra") or {}).get("hf_files") or {}
-            if copy_side_files(os.path.join(reader.root, HF_FILES_DIR), list(side), tmp) != side:
+            if copy_side_files(os.path.join(reader.root, HF_FILES_DIR), list(side), tmp,
+                               recorded=side if verify_checksums else None) != side:
                 raise CheckpointError(f"{checkpoint}: the side files in {HF_FILES_DIR}/ do not match the manifest")
     logger.info("exported %s to %s: %d tensors in %d shards", checkpoint, output.path, len(planned), len(shards))
     return {"out_dir": output.path, "family": config.family, "tensors": len(planned), "shards": len(shards),

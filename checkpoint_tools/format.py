@@ -46,11 +46,26 @@ and deletes ``<path>.old``. A crash therefore leaves, at worst:
 A directory at ``<path>`` without a manifest is never replaced nor deleted. Concurrent saves to one path
 are not supported.
 
-Loading (per rank, no communication)
-------------------------------------
+Loading
+-------
 Each requested chunk is assembled from the stored chunks it intersects, reading only those slices through
 ``safe_open(...).get_slice(key)[...]``; replicas requested twice are read once. Stored dtypes are converted
 explicitly to the destination's dtype (a bf16 checkpoint loads into fp32 parameters).
+
+Integrity (:mod:`checkpoint_tools.integrity`). A manifest is untrusted input: every file name it gives
+must be a plain relative name resolving inside the checkpoint (:mod:`checkpoint_tools.safe_names`), or
+reading the manifest fails before any file is opened. Every load path checks each file it reads against
+the manifest before using its bytes: its size always, its checksum unless the caller opts out
+(``verify_checksums=False``; the CLI's ``--no-verify-checksums``). A file is hashed once per process
+(remembered by path, size, mtime, inode and recorded digest; a changed file is hashed again). A
+damaged file is a :class:`CheckpointError` naming the file and the expected and actual checksums.
+
+Several ranks loading together: without a process group each rank hashes the files it reads (no
+communication); with one (``load_checkpoint(..., group=)``, ``load_training_checkpoint(world_group=)``,
+``build_model_from_checkpoint(world_group=)``) the ranks exchange the names of the files they will read
+and each file is hashed by exactly one rank (the bytes spread evenly), then the verdicts are exchanged and
+every rank raises the same error if any file failed. Like saving (rank 0 renames the directory holding
+every rank's files), this assumes all ranks see one shared filesystem.
 """
 
 from __future__ import annotations
@@ -71,14 +86,19 @@ import torch
 from safetensors import safe_open
 from torch.distributed import ProcessGroup
 
-from checkpoint_tools import checksums
+from checkpoint_tools import checksums, integrity
+from checkpoint_tools.errors import CheckpointError
+from checkpoint_tools.integrity import check_stored_file
+from checkpoint_tools.manifest_fields import HF_FILES_DIR
+from checkpoint_tools.safe_names import resolve_inside
 from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE", "MANIFEST_FIELDS", "DEFAULT_MAX_FILE_BYTES",
     "CheckpointError", "save_checkpoint", "load_checkpoint", "load_rank_state", "read_manifest",
-    "verify_checkpoint", "iter_logical_tensors", "resolve_checkpoint", "check_stored_file", "fsync_dir",
+    "verify_checkpoint", "iter_logical_tensors", "resolve_checkpoint", "check_stored_file", "planned_files",
+    "fsync_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,10 +116,6 @@ _TMP_INFIX = ".tmp-"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt, or does not match what was asked of it."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,6 +477,27 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
     raise CheckpointError(f"no checkpoint at {path}")
 
 
+def _check_manifest_names(root: str, manifest_path: str, manifest: dict) -> None:
+    """Every file name the manifest gives (its files, the chunks' and rank state's files, the HF side
+    files) is a plain relative name resolving inside the checkpoint (see :mod:`checkpoint_tools.safe_names`),
+    and every chunk's file is listed: refused here, before any file is opened."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{manifest_path}: 'files' must map file names to their sizes and checksums")
+    for name in files:
+        resolve_inside(root, name, f"{manifest_path}: files")
+    stored = [(f"logical tensor {name!r}", c) for name, t in manifest["tensors"].items() for c in t["chunks"]]
+    stored += [(f"rank {rank}'s state {key!r}", e) for rank, entries in manifest.get("rank_state", {}).items()
+               for key, e in entries.items()]
+    for what, entry in stored:
+        if not isinstance(entry.get("file"), str) or entry["file"] not in files:
+            raise CheckpointError(f"{manifest_path}: {what} is stored in {entry.get('file')!r}, which the manifest "
+                                  "does not list among its files")
+    side_dir = os.path.join(root, HF_FILES_DIR)
+    for name in (manifest.get("extra") or {}).get("hf_files") or {}:
+        resolve_inside(side_dir, name, f"{manifest_path}: extra.hf_files", single_component=True)
+
+
 def _read_manifest_at(root: str) -> dict:
     manifest_path = os.path.join(root, MANIFEST_FILE)
     try:
@@ -480,11 +517,13 @@ def _read_manifest_at(root: str) -> dict:
         _check_tiling(name, tuple(entry["global_shape"]),
                       [(tuple(c["offsets"]), tuple(c["shape"])) for c in entry["chunks"]],
                       f"{manifest_path}: the stored chunks")
+    _check_manifest_names(root, manifest_path, manifest)
     return manifest
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
-    """The checkpoint's manifest (validated: format version, chunks tiling every tensor)."""
+    """The checkpoint's manifest (validated: format version, chunks tiling every tensor, every file name
+    a plain name inside the checkpoint)."""
     return _read_manifest_at(resolve_checkpoint(path))
 
 
@@ -518,7 +557,8 @@ def _plan_reads(name: str, entry: dict, region: Region, destinations: list[torch
 
 
 class _Reader:
-    """Opens each needed file once (after checking it against the manifest) and copies slices out."""
+    """Opens each needed file once (after :func:`checkpoint_tools.integrity.verified_path`: size, and
+    checksum with ``verify_checksums``) and copies slices out."""
 
     def __init__(self, root: str, manifest: dict, verify_checksums: bool, stack: ExitStack):
         self.root, self.manifest, self.verify_checksums, self.stack = root, manifest, verify_checksums, stack
@@ -527,9 +567,8 @@ class _Reader:
     def _open(self, file_name: str):
         if file_name in self.handles:
             return self.handles[file_name]
-        file_path = check_stored_file(self.root, self.manifest, file_name)
-        if self.verify_checksums:
-            _verify_file_checksum(file_path, self.manifest["files"][file_name])
+        file_path = integrity.verified_path(self.root, self.manifest, file_name,
+                                            verify_checksums=self.verify_checksums)
         try:
             handle = self.stack.enter_context(safe_open(file_path, framework="pt"))
         except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad header
@@ -555,41 +594,9 @@ class _Reader:
                 destination[target].copy_(piece.to(destination.dtype))
 
 
-def _verify_file_checksum(file_path: str, recorded: dict) -> None:
-    problem = checksums.check_entry(file_path, recorded)
-    if problem is not None:
-        raise CheckpointError(problem)
-
-
-def check_stored_file(root: str, manifest: dict, file_name: str) -> str:
-    """The path of the checkpoint file ``file_name`` after checking that the manifest lists it, that it
-    exists and that it has the recorded size (a truncated file is refused). CheckpointError otherwise."""
-    file_path = os.path.join(root, file_name)
-    info = manifest["files"].get(file_name)
-    if info is None:
-        raise CheckpointError(f"{root}: the manifest refers to {file_name}, which it does not list")
-    if not os.path.isfile(file_path):
-        raise CheckpointError(f"checkpoint file {file_path} is missing")
-    size = os.path.getsize(file_path)
-    if size != info["bytes"]:
-        raise CheckpointError(f"checkpoint file {file_path} has {size} bytes, the manifest says {info['bytes']} "
-                              "(truncated or overwritten)")
-    return file_path
-
-
-def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, strict: bool = True,
-                    verify_checksums: bool = False) -> dict:
-    """Fill every requested chunk in place from the checkpoint ``path``, whatever layout saved it.
-
-    Reads only the slices the chunks need. Each rank calls it on its own (no communication). With
-    ``strict=False`` logical tensors absent from the checkpoint are skipped; their names are returned in
-    the manifest's ``"missing_tensors"`` entry (empty when nothing was missing). ``verify_checksums``
-    hashes every file this rank reads from before reading it.
-
-    Returns the manifest. Raises :class:`CheckpointError` naming the tensor or file at fault.
-    """
-    root = resolve_checkpoint(path)
-    manifest = _read_manifest_at(root)
+def _plan_chunk_reads(root: str, manifest: dict, chunks: Iterable[LogicalChunk],
+                      strict: bool) -> tuple[list[_Read], list[str]]:
+    """The reads filling ``chunks`` and the names of the requested tensors the checkpoint lacks."""
     requests: dict[tuple, list[LogicalChunk]] = {}
     for chunk in chunks:
         requests.setdefault((chunk.name, chunk.offsets, chunk.shape), []).append(chunk)
@@ -604,20 +611,14 @@ def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
             raise CheckpointError(f"logical tensor {name!r} has global shape {tuple(entry['global_shape'])} in "
                                   f"{root}, the model expects {same[0].global_shape}")
         reads.extend(_plan_reads(name, entry, (offsets, shape), [c.tensor for c in same]))
+    missing = sorted(set(missing))
     if missing and strict:
-        missing = sorted(set(missing))
         shown = ", ".join(repr(n) for n in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"{len(missing)} logical tensors are missing from {root}: {shown}")
-    with ExitStack() as stack:
-        _Reader(root, manifest, verify_checksums, stack).run(reads)
-    manifest["missing_tensors"] = sorted(set(missing))
-    return manifest
+    return reads, missing
 
 
-def load_rank_state(path: str | os.PathLike, rank: int) -> dict[str, torch.Tensor]:
-    """The ``rank_state`` that rank ``rank`` (of the saving group) passed to :func:`save_checkpoint`."""
-    root = resolve_checkpoint(path)
-    manifest = _read_manifest_at(root)
+def _plan_rank_state_reads(root: str, manifest: dict, rank: int) -> tuple[dict[str, torch.Tensor], list[_Read]]:
     entries = manifest["rank_state"].get(str(rank))
     if entries is None:
         raise CheckpointError(f"{root} holds no rank state for rank {rank} (it was saved by "
@@ -628,17 +629,69 @@ def load_rank_state(path: str | os.PathLike, rank: int) -> dict[str, torch.Tenso
         shape = tuple(e["shape"])
         state[key] = torch.empty(shape, dtype=_DTYPES[e["dtype"]])
         reads.append(_Read(e["file"], e["key"], shape, tuple(slice(0, s) for s in shape), [(state[key], ())]))
+    return state, reads
+
+
+def planned_files(path: str | os.PathLike, chunks: Iterable[LogicalChunk] = (), *,
+                  rank_state_of: int | None = None, strict: bool = True) -> set[str]:
+    """The checkpoint's files that loading ``chunks`` (and the rank state of rank ``rank_state_of``) reads:
+    what a caller making several loads verifies at once (:func:`checkpoint_tools.integrity.verify_files`)."""
+    root = resolve_checkpoint(path)
+    manifest = _read_manifest_at(root)
+    reads = _plan_chunk_reads(root, manifest, chunks, strict)[0]
+    if rank_state_of is not None:
+        reads += _plan_rank_state_reads(root, manifest, rank_state_of)[1]
+    return {r.file for r in reads}
+
+
+def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, strict: bool = True,
+                    verify_checksums: bool = True, group: ProcessGroup | None = None) -> dict:
+    """Fill every requested chunk in place from the checkpoint ``path``, whatever layout saved it.
+
+    Reads only the slices the chunks need. With ``strict=False`` logical tensors absent from the
+    checkpoint are skipped; their names are returned in the manifest's ``"missing_tensors"`` entry (empty
+    when nothing was missing). Every file read from is first checked against the manifest: its size, and
+    its checksum unless ``verify_checksums=False`` (see :mod:`checkpoint_tools.integrity`; a file this
+    process verified before is not hashed again). ``group`` (every rank calling this together, e.g. the
+    world group) makes that check collective: each needed file is hashed by one rank only. Without it
+    each rank checks the files it reads itself and there is no communication.
+
+    Returns the manifest. Raises :class:`CheckpointError` naming the tensor or file at fault.
+    """
+    root = resolve_checkpoint(path)
+    manifest = _read_manifest_at(root)
+    reads, missing, error = [], [], None
+    try:
+        reads, missing = _plan_chunk_reads(root, manifest, chunks, strict)
+    except CheckpointError as e:
+        error = e
+    integrity.verify_files(root, manifest, {r.file for r in reads}, verify_checksums=verify_checksums, group=group,
+                           local_error=error)
     with ExitStack() as stack:
-        _Reader(root, manifest, False, stack).run(reads)
+        _Reader(root, manifest, verify_checksums, stack).run(reads)
+    manifest["missing_tensors"] = missing
+    return manifest
+
+
+def load_rank_state(path: str | os.PathLike, rank: int, *, verify_checksums: bool = True) -> dict[str, torch.Tensor]:
+    """The ``rank_state`` that rank ``rank`` (of the saving group) passed to :func:`save_checkpoint`; its
+    files are checked as :func:`load_checkpoint` checks them."""
+    root = resolve_checkpoint(path)
+    manifest = _read_manifest_at(root)
+    state, reads = _plan_rank_state_reads(root, manifest, rank)
+    with ExitStack() as stack:
+        _Reader(root, manifest, verify_checksums, stack).run(reads)
     return state
 
 
-def iter_logical_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(logical name, full tensor)`` in name order, one tensor in memory at a time."""
+def iter_logical_tensors(path: str | os.PathLike, *,
+                         verify_checksums: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(logical name, full tensor)`` in name order, one tensor in memory at a time; each file is
+    checked as :func:`load_checkpoint` checks them before its first tensor is read."""
     root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
     with ExitStack() as stack:
-        reader = _Reader(root, manifest, False, stack)
+        reader = _Reader(root, manifest, verify_checksums, stack)
         for name, entry in manifest["tensors"].items():
             shape = tuple(entry["global_shape"])
             full = torch.empty(shape, dtype=_DTYPES[entry["dtype"]])
@@ -647,8 +700,9 @@ def iter_logical_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.T
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Check every file against the manifest: present, of the recorded size and checksum, and holding the
-    recorded keys with the recorded shapes. Raises :class:`CheckpointError` listing every problem."""
+    """Check every file against the manifest: present, of the recorded size and checksum (hashed now,
+    whatever this process verified before), and holding the recorded keys with the recorded shapes.
+    Raises :class:`CheckpointError` listing every problem."""
     root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
     expected: dict[str, dict[str, tuple[int, ...]]] = {name: {} for name in manifest["files"]}
@@ -656,17 +710,14 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
     entries = [c for t in manifest["tensors"].values() for c in t["chunks"]]
     entries += [e for per_rank in manifest["rank_state"].values() for e in per_rank.values()]
     for e in entries:
-        if e["file"] not in expected:
-            problems.append(f"{e['key']} refers to {e['file']}, which the manifest does not list")
-        else:
-            expected[e["file"]][e["key"]] = tuple(e["shape"])
+        expected[e["file"]][e["key"]] = tuple(e["shape"])
     for file_name, info in manifest["files"].items():
         file_path = os.path.join(root, file_name)
         if not os.path.isfile(file_path):
             problems.append(f"{file_path} is missing")
             continue
         try:
-            _verify_file_checksum(file_path, info)
+            integrity.hash_and_check(file_path, info)
             with safe_open(file_path, framework="pt") as f:
                 for key, shape in expected[file_name].items():
                     stored = tuple(f.get_slice(key).get_shape())

@@ -4,6 +4,12 @@
 Opening checks everything that can be checked without reading tensor data: every weight file's header
 (safetensors refuses a truncated file or a corrupt header), that the index and the files agree (no
 tensor missing from its file, none unlisted, none in two files), and that every dtype is known.
+
+A downloaded directory is untrusted input: config.json, the index, every weight file the index names
+and every file found in the directory must be plain relative names resolving inside it (:mod:`checkpoint_tools.safe_names`;
+a hub cache snapshot's links into its repository's ``blobs/`` are accepted). A side file that is a link
+leading elsewhere is refused rather than skipped: skipping would quietly drop a tokenizer file from the
+conversion, and a link that ``from_pretrained`` would not follow either is not something to copy.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.read_window import ReadWindow
+from checkpoint_tools.safe_names import hub_cache_roots, resolve_inside
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "HFTensorInfo", "HFCheckpoint", "is_weight_file"]
@@ -55,6 +62,10 @@ def _corrupt(path: str, error: Exception) -> ConversionError:
     return ConversionError(f"{path} is truncated or corrupt: {error}")
 
 
+def _inside(directory: str, name: str, what: str) -> str:
+    return resolve_inside(directory, name, what, error=ConversionError, extra_roots=hub_cache_roots(directory))
+
+
 def _read_json(path: str, what: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
@@ -80,21 +91,23 @@ class HFCheckpoint:
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise ConversionError(f"{directory} is not a directory (expected a HuggingFace model directory)")
-        config = _read_json(os.path.join(directory, CONFIG_FILE), CONFIG_FILE)
-        index_path = os.path.join(directory, INDEX_FILE)
+        config = _read_json(_inside(directory, CONFIG_FILE, directory), CONFIG_FILE)
+        index_path = _inside(directory, INDEX_FILE, directory)
         listed: dict[str, str] | None = None
         if os.path.exists(index_path):
             weight_map = _read_json(index_path, INDEX_FILE).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"{index_path} has no weight_map")
             listed = weight_map
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(weight_map.values()), key=str)
             for name in files:
-                if not os.path.isfile(os.path.join(directory, name)):
+                if not os.path.isfile(_inside(directory, name, f"{index_path}: weight_map")):
                     raise ConversionError(f"{index_path} lists {name}, which is missing from {directory}")
         else:
             pattern = os.path.join(glob.escape(directory), "*.safetensors")
             files = sorted(os.path.basename(p) for p in glob.glob(pattern))
+            for name in files:
+                _inside(directory, name, directory)
             if not files:
                 others = sorted(n for n in os.listdir(directory) if is_weight_file(n) and n != CONFIG_FILE)
                 hint = f" (found {', '.join(others)}: only safetensors weights are supported)" if others else ""
@@ -117,9 +130,11 @@ class HFCheckpoint:
 
     @staticmethod
     def side_files_of(directory: str) -> list[str]:
-        """The top-level files of an HF directory that are neither config.json nor weights."""
-        return sorted(n for n in os.listdir(directory)
-                      if os.path.isfile(os.path.join(directory, n)) and not is_weight_file(n))
+        """The top-level files of an HF directory that are neither config.json nor weights (a link
+        leading outside the directory, or a link loop, is refused)."""
+        names = sorted(n for n in os.listdir(directory)
+                       if not is_weight_file(n) and not os.path.isdir(os.path.join(directory, n)))
+        return [n for n in names if os.path.isfile(_inside(directory, n, f"{directory}: side file"))]
 
     @staticmethod
     def _read_header(directory: str, name: str, seen: dict[str, HFTensorInfo]) -> dict[str, HFTensorInfo]:

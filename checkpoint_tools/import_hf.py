@@ -82,13 +82,31 @@ def hf_config_object(config: dict, where: str):
         raise ConversionError(f"{where}: transformers rejects the config: {e}") from None
 
 
+# config.json sizes and counts for which 0 or less means nothing (several divide by them). Checked before
+# transformers or the model see them, so that the error names the field.
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size", "moe_intermediate_size", "num_experts_per_tok", "num_local_experts",
+                    "num_experts", "n_routed_experts", "n_group", "topk_group", "max_position_embeddings",
+                    "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def _check_sizes(config: dict, where: str) -> None:
+    for name in _POSITIVE_FIELDS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConversionError(f"{where}: {name} must be a positive integer, got {value!r}; fix config.json")
+
+
 def model_config_from_hf(config: dict, where: str, **engine) -> GPTMoEConfig:
+    _check_sizes(config, where)
     try:
         return config_from_hf(hf_config_object(config, where), **engine)
     except ValueError as e:
         if isinstance(e, ConversionError):
             raise
         raise ConversionError(f"{where}: {e}") from None
+    except ArithmeticError as e:        # a size combination no check above caught: still one line, not a traceback
+        raise ConversionError(f"{where}: the config's sizes are inconsistent ({type(e).__name__}: {e})") from None
 
 
 def hf_key_order(adapter: HFAdapter, config: GPTMoEConfig, keys) -> list[str]:

@@ -1,4 +1,10 @@
-"""``inspect``: what a megamoe checkpoint holds, and whether its files are intact."""
+"""``inspect``: what a megamoe checkpoint holds, whether its files are intact, and whether any tensor
+holds NaN or infinite values.
+
+The value scan streams the logical tensors one at a time (:class:`LogicalTensorReader`, bounded memory),
+each in blocks of :data:`_SCAN_BLOCK` elements, and runs only on files that passed verification (a
+damaged file is reported as such, not read).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,37 @@ import math
 import os
 from collections import defaultdict
 
+import torch
+
 from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest, verify_checkpoint
+from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
 from checkpoint_tools.reshard import OPTIMIZER_PREFIX
 from checkpoint_tools.side_files import verify_side_files
 
-__all__ = ["inspect_checkpoint", "format_inspection"]
+__all__ = ["inspect_checkpoint", "format_inspection", "non_finite_tensors"]
+
+_SCAN_BLOCK = 1 << 22           # elements checked at once: a float32 copy of a block is 16 MiB
+_NAMED = 8                      # non-finite tensors named in the report
+
+
+def _has_non_finite(tensor: torch.Tensor) -> bool:
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _SCAN_BLOCK):
+        if not torch.isfinite(flat[start:start + _SCAN_BLOCK].float()).all():
+            return True
+    return False
+
+
+def non_finite_tensors(path: str | os.PathLike, manifest: dict | None = None) -> list[str]:
+    """Names of the logical tensors (model and optimizer state) holding a NaN or an infinity, in manifest
+    order; each file is verified before it is read (see :class:`LogicalTensorReader`)."""
+    found = []
+    with LogicalTensorReader(path, manifest) as reader:
+        for name, entry in reader.manifest["tensors"].items():
+            if _DTYPES[entry["dtype"]].is_floating_point and _has_non_finite(reader.read(name)):
+                found.append(name)
+    return found
 
 
 def _placement_summary(placement) -> dict:
@@ -26,7 +57,9 @@ def _placement_summary(placement) -> dict:
 def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict:
     """A JSON-ready description: model, layout, placements (replica counts, experts per EP rank),
     parameter counts and bytes per dtype, optimizer state, files; with ``verify`` the result of checking
-    every file's size, SHA-256 and keys (and the side files) under ``"verification"``."""
+    every file's size, checksum and keys (and the side files) under ``"verification"`` and, when they
+    pass, the tensors holding NaN or infinite values under ``"non_finite"`` (``count``, the first
+    ``tensors`` by name; ``scanned`` False when damaged files kept the scan from running)."""
     manifest = read_manifest(path)
     root = os.fspath(path)
     if not os.path.isfile(os.path.join(root, "manifest.json")) and os.path.isdir(root + ".old"):
@@ -76,6 +109,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict:
             problems.append(str(e))
         problems += verify_side_files(os.path.join(root, HF_FILES_DIR), extra.get("hf_files") or {})
         info["verification"] = {"ok": not problems, "problems": problems}
+        found = non_finite_tensors(root, manifest) if not problems else []
+        info["non_finite"] = {"scanned": not problems, "count": len(found), "tensors": found[:_NAMED]}
     return info
 
 
@@ -118,4 +153,14 @@ def format_inspection(info: dict) -> str:
     if "verification" in info:
         v = info["verification"]
         lines.append("checksums    OK" if v["ok"] else "checksums    FAILED\n  " + "\n  ".join(v["problems"]))
+    if "non_finite" in info:
+        nf = info["non_finite"]
+        if not nf["scanned"]:
+            lines.append("values       not scanned (damaged files)")
+        elif not nf["count"]:
+            lines.append("values       all finite")
+        else:
+            more = f" and {nf['count'] - len(nf['tensors'])} more" if nf["count"] > len(nf["tensors"]) else ""
+            lines.append(f"values       NON-FINITE: {nf['count']} tensors hold NaN or Inf: "
+                         f"{', '.join(nf['tensors'])}{more}")
     return "\n".join(lines)

@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from checkpoint_tools.format import (_DTYPES, CheckpointError, check_stored_file, read_manifest,
-                                    resolve_checkpoint)
+from checkpoint_tools import integrity
+from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest, resolve_checkpoint
 from checkpoint_tools.read_window import DEFAULT_WINDOW_BYTES, ReadWindow
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 from checkpoint_tools.scratch import ScratchBuffer
@@ -26,12 +26,14 @@ __all__ = ["LogicalTensorReader"]
 
 class LogicalTensorReader:
     """``read(name)`` -> the full logical tensor, as stored (dtype of the manifest), valid until the next
-    ``read`` (a tensor stored in several chunks is assembled in a reused buffer). Files are checked
-    against the manifest's sizes when opened (a truncated file is refused); checksums are ``inspect``'s
-    job. Use as a context manager."""
+    ``read`` (a tensor stored in several chunks is assembled in a reused buffer). Each file is checked
+    against the manifest before its first byte is used: its size, and its checksum unless
+    ``verify_checksums=False`` (hashed once per process, see :mod:`checkpoint_tools.integrity`: the
+    window's reopenings cost a ``stat``). Use as a context manager."""
 
     def __init__(self, path: str | os.PathLike, manifest: dict | None = None, *,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES):
+                 window_bytes: int = DEFAULT_WINDOW_BYTES, verify_checksums: bool = True):
+        self.verify_checksums = verify_checksums
         self.manifest = manifest if manifest is not None else read_manifest(path)
         self.root = resolve_checkpoint(path)      # <path>.old after an interrupted swap, as read_manifest
         self._window = ReadWindow(budget_bytes=window_bytes, on_open=self._check_file, open_error=self._corrupt)
@@ -39,7 +41,8 @@ class LogicalTensorReader:
         self._headers: dict[str, dict] = {}      # file path -> its tensors' dtype, shape and bytes (checked)
 
     def _check_file(self, file_path: str) -> None:
-        check_stored_file(self.root, self.manifest, os.path.basename(file_path))
+        integrity.verified_path(self.root, self.manifest, os.path.relpath(file_path, self.root),
+                                verify_checksums=self.verify_checksums)
 
     @staticmethod
     def _corrupt(file_path: str, error: Exception) -> CheckpointError:

@@ -3,8 +3,9 @@
 The model config comes from the manifest; the engine's choices (dispatcher, number of expert slots, expert
 backend, sharded MoE input) may differ from the saved ones. The saved expert placement of a layer is
 reused when its slots and EP size match the model's, else the default placement is built: the
-checkpoint stores each expert once, so any placement loads. Every rank reads only its own slices (no
-communication).
+checkpoint stores each expert once, so any placement loads. Every rank reads only its own slices; the
+files are checked against the manifest first (checksums included unless ``verify_checksums=False``), by
+one rank per file when the ranks pass ``world_group`` (see :mod:`checkpoint_tools.integrity`).
 """
 
 from __future__ import annotations
@@ -37,12 +38,18 @@ def config_for_engine(config: GPTMoEConfig, *, dispatcher: str | None = None,
 def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: str | None = None,
                                 num_expert_slots: int | None = None, expert_backend: str | None = None,
                                 input_sharded: bool | None = None, device=None, dtype=None,
-                                verify_checksums: bool = False) -> GPTMoEModel:
+                                verify_checksums: bool = True, world_group=None) -> GPTMoEModel:
     """This rank's stage of the checkpoint's model under ``state`` (a ParallelState), weights loaded
     onto ``device`` in ``dtype``; the engine choices as in :func:`config_for_engine`.
 
-    Raises :class:`~checkpoint_tools.format.CheckpointError` if the checkpoint lacks a tensor or holds
-    one of another shape, ValueError if the layout does not fit the model.
+    ``verify_checksums``: hash every file read before using it (``False``: sizes only).
+    ``world_group``: the process group of every rank building the model together (a ParallelState holds
+    no group spanning all its ranks, so it is passed explicitly, e.g. ``torch.distributed.group.WORLD``);
+    with it each file is hashed by one rank only, and a damaged file fails every rank alike. Without it
+    each rank hashes the files it reads.
+
+    Raises :class:`~checkpoint_tools.format.CheckpointError` if the checkpoint lacks a tensor, holds
+    one of another shape or a damaged file; ValueError if the layout does not fit the model.
     """
     manifest = read_manifest(path)
     config = config_for_engine(model_config_from_manifest(manifest), dispatcher=dispatcher,
@@ -50,5 +57,5 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
                                input_sharded=input_sharded)
     placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))
     model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype)
-    load_checkpoint(path, sharded_state_dict(model), verify_checksums=verify_checksums)
+    load_checkpoint(path, sharded_state_dict(model), verify_checksums=verify_checksums, group=world_group)
     return model

@@ -56,11 +56,14 @@ def _regions(name: str, entry: dict, plan: LayoutPlan, checkpoint: str):
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, layout: ParallelLayout, *,
             num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
             dispatcher: str | None = None, overwrite: bool = False, max_file_bytes: int = CONVERSION_MAX_FILE_BYTES,
-            progress: bool | None = None) -> dict:
+            progress: bool | None = None, verify_checksums: bool = True) -> dict:
     """Write ``checkpoint`` as the checkpoint ``out_dir`` laid out for ``layout``.
 
     ``num_expert_slots`` / ``dispatcher``: new engine choices (default: the saved ones). Placement: balanced
     from ``expert_load``, else the saved one where slots and EP size are unchanged, else the default.
+    Every file read (tensors, rank state, side files) is checked against the manifest before its bytes are
+    used, checksums included unless ``verify_checksums=False``: a damaged checkpoint is refused, never
+    rewritten with fresh checksums.
     Raises :class:`ConversionError` / :class:`~checkpoint_tools.format.CheckpointError`; nothing is left at
     ``out_dir`` then. Returns a summary.
     """
@@ -100,7 +103,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, layout: P
         logger.info("the layout changes: per-rank state (RNG states) is not carried over")
 
     extra = dict(manifest.get("extra") or {})
-    with output as tmp, LogicalTensorReader(checkpoint, manifest) as reader:
+    with output as tmp, LogicalTensorReader(checkpoint, manifest, verify_checksums=verify_checksums) as reader:
         writer = CheckpointStreamWriter(tmp, streamed, rank_state=rank_state, max_file_bytes=max_file_bytes)
         try:
             with tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="reshard",
@@ -110,11 +113,12 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, layout: P
                     writer.write(t.name, tensor)
                     bar.update(tensor.numel() * tensor.element_size())
             for rank in sorted({r for r, _, _, _ in rank_state}):
-                for key, tensor in sorted(load_rank_state(checkpoint, rank).items()):
+                for key, tensor in sorted(load_rank_state(checkpoint, rank, verify_checksums=verify_checksums).items()):
                     writer.write_rank_state(rank, key, tensor)
             if extra.get("hf_files"):
                 if copy_side_files(os.path.join(reader.root, HF_FILES_DIR), list(extra["hf_files"]),
-                                   os.path.join(tmp, HF_FILES_DIR)) != extra["hf_files"]:
+                                   os.path.join(tmp, HF_FILES_DIR),
+                                   recorded=extra["hf_files"] if verify_checksums else None) != extra["hf_files"]:
                     raise ConversionError(f"{checkpoint}: the side files in {HF_FILES_DIR}/ do not match the manifest")
             written = writer.finish(manifest_fields(config, layout, placements, extra), new_layout["world_size"])
         except BaseException:

@@ -48,12 +48,15 @@ def compare_logits(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float
 
 
 def rank_logits(rank: int, world_size: int, checkpoint: str, layout: dict, input_ids: torch.Tensor,
-                overrides: dict | None = None):
+                overrides: dict | None = None, verify_checksums: bool = True):
     """Spawned-rank body: this rank's model from ``checkpoint`` under ``layout`` (tp, pp, ep, etp and
     optionally order): the full fp32 logits as a numpy array (a tensor would travel back to the parent
     as shared memory of a process that has exited) on ONE rank, the last pipeline stage's first TP rank
     of the first data-parallel replica (where they are computed, not broadcast); None elsewhere. ``overrides``: engine
-    choices for :func:`build_model_from_checkpoint` (dispatcher, num_expert_slots)."""
+    choices for :func:`build_model_from_checkpoint` (dispatcher, num_expert_slots). The ranks share out
+    verifying the checkpoint's files (each is hashed by one rank) unless ``verify_checksums=False``."""
+    import torch.distributed as dist
+
     from checkpoint_tools.model_loading import build_model_from_checkpoint
     from megamoe.inference.pipeline_forward import pipeline_logits
     from parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -61,7 +64,8 @@ def rank_logits(rank: int, world_size: int, checkpoint: str, layout: dict, input
     state = initialize_model_parallel(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], etp=layout["etp"],
                                       **({"order": layout["order"]} if "order" in layout else {}))
     try:
-        model = build_model_from_checkpoint(checkpoint, state, dtype=torch.float32, **(overrides or {})).eval()
+        model = build_model_from_checkpoint(checkpoint, state, dtype=torch.float32, verify_checksums=verify_checksums,
+                                            world_group=dist.group.WORLD, **(overrides or {})).eval()
         logits = pipeline_logits(model, state, input_ids)
         reports = state.is_last_pp_stage and state.tp.rank == 0 and state.dp.rank == 0
         return logits.numpy() if reports else None
@@ -71,9 +75,11 @@ def rank_logits(rank: int, world_size: int, checkpoint: str, layout: dict, input
 
 def verify_against_hf(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, *, nproc: int | None = None,
                       atol: float = 1e-4, batch: int = 2, seq_len: int = 16, seed: int = 0,
-                      timeout_s: float = 600.0) -> VerifyResult:
+                      timeout_s: float = 600.0, verify_checksums: bool = True) -> VerifyResult:
     """Logit differences of ``checkpoint`` (on ``nproc`` spawned ranks, default the layout's world size)
-    against transformers' model in ``hf_dir`` on ``batch`` random sequences of ``seq_len`` tokens."""
+    against transformers' model in ``hf_dir`` on ``batch`` random sequences of ``seq_len`` tokens. The
+    checkpoint's files are checked against its manifest first (checksums unless ``verify_checksums=False``):
+    a damaged file fails the run."""
     from megamoe.testing import RankFailure, run_on_ranks
     from parallel_state import compute_rank_groups
 
@@ -94,7 +100,8 @@ def verify_against_hf(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, 
 
     logger.info("running the checkpoint on %d ranks (%s)", nproc, layout)
     try:
-        per_rank = run_on_ranks(rank_logits, nproc, args=(checkpoint, saved, input_ids), timeout_s=timeout_s)
+        per_rank = run_on_ranks(rank_logits, nproc, args=(checkpoint, saved, input_ids),
+                                kwargs={"verify_checksums": verify_checksums}, timeout_s=timeout_s)
     except RankFailure as e:     # e.g. a damaged checkpoint: say what the rank said, without its traceback
         lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith("(ranks")]
         raise ConversionError(f"running the checkpoint on {nproc} ranks failed: {lines[-1]}") from None

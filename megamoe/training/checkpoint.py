@@ -26,8 +26,10 @@ checkpoint so verified (older checkpoints without the flag count as unknown). A 
 ``run_id`` it is given; pruning with a ``run_id`` deletes only that run's checkpoints, so a run never
 loses its new checkpoints to the higher steps of another run sharing the directory, nor deletes them.
 
-Every rank loads only the slices it holds, with no communication. The RNG states are restored only when
-the layout is unchanged: under another layout a rank has no counterpart whose streams it could continue.
+Every rank loads only the slices it holds, after the files it reads were checked against the manifest
+(checksums by default; the ranks share out the hashing, see :mod:`checkpoint_tools.integrity`). The RNG
+states are restored only when the layout is unchanged: under another layout a rank has no counterpart
+whose streams it could continue.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint_tools import checksums
+from checkpoint_tools import checksums, integrity
 from checkpoint_tools.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
-                                    read_manifest, resolve_checkpoint, save_checkpoint)
+                                    planned_files, read_manifest, resolve_checkpoint, save_checkpoint)
 from checkpoint_tools.manifest_fields import HF_FILES_DIR
 from checkpoint_tools.side_files import verify_side_files
 from megamoe import comms
@@ -201,16 +203,23 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
                   if k not in _ENGINE_FIELDS and saved.get(k) != current.get(k))
 
 
-def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group) -> dict:
+def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, verify_checksums: bool = True) -> dict:
     """Load the checkpoint ``path`` into ``trainer`` (model, optimizer state, step), whatever layout,
     number of expert slots or placement saved it; restore this rank's RNG states if the layout is the
-    same. Each rank reads only its own slices; no communication.
+    same. Each rank reads only its own slices.
+
+    Every file is checked against the manifest before it is read: its size, and its checksum unless
+    ``verify_checksums=False``. Collective over ``world_group`` (every rank of the run; ``None`` for one
+    process): the ranks share out the hashing so that each file is hashed by one rank, once, and a
+    damaged file fails every rank with the same error (see :mod:`checkpoint_tools.integrity`).
 
     Returns ``{"step": int, "sampler_state": dict | None}``: hand ``sampler_state`` to the data sampler
     (:meth:`ResumableSampler.load_state_dict`) to continue with the next samples.
-    Raises :class:`checkpoint_tools.format.CheckpointError` if a tensor is missing or has another shape.
+    Raises :class:`checkpoint_tools.format.CheckpointError` if a tensor is missing or has another shape,
+    or a file is damaged.
     """
-    manifest = read_manifest(path)
+    root = resolve_checkpoint(path)
+    manifest = read_manifest(root)
     extra = manifest["extra"]
     model, optimizer = trainer.model, trainer.optimizer
     differences = _config_differences(manifest["model_config"], model.config.to_dict())
@@ -220,13 +229,25 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group) -
         materialize_optimizer_state(optimizer)
     else:
         optimizer.state.clear()  # saved before the first step: a fresh optimizer is the exact state
-    load_checkpoint(path, _training_chunks(trainer, extra["has_optimizer_state"]))
-    trainer.step = extra["step"]
-
+    chunks = _training_chunks(trainer, extra["has_optimizer_state"])
     layout = _parallel_layout(trainer.state)
     rank = comms.group_rank(world_group)
-    if manifest["parallel_layout"] == layout and str(rank) in manifest.get("rank_state", {}):
-        rng = load_rank_state(path, rank)
+    restore_rng = manifest["parallel_layout"] == layout and str(rank) in manifest.get("rank_state", {})
+
+    # Every file this rank reads (model, optimizer, rank state) checked in one collective step; the loads
+    # below find them verified and do not hash them again.
+    files, error = set(), None
+    try:
+        files = planned_files(root, chunks, rank_state_of=rank if restore_rng else None)
+    except CheckpointError as e:
+        error = e
+    integrity.verify_files(root, manifest, files, verify_checksums=verify_checksums, group=world_group,
+                           local_error=error)
+    load_checkpoint(root, chunks, verify_checksums=verify_checksums)
+    trainer.step = extra["step"]
+
+    if restore_rng:
+        rng = load_rank_state(root, rank, verify_checksums=verify_checksums)
         torch.set_rng_state(rng["torch_cpu"])
         if "torch_cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["torch_cuda"])

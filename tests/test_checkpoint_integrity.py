@@ -1,0 +1,458 @@
+"""Damaged checkpoints are refused by every load path (a flipped data byte, a truncated file), a file is
+hashed once per process and once over ranks loading together, the opt-out lets damage through, names
+taken from manifests and HF indexes stay inside their directory, and inspect reports NaN/Inf."""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoint_tools import checksums, integrity
+from checkpoint_tools.cli import build_parser
+from checkpoint_tools.errors import CheckpointError, ConversionError
+from checkpoint_tools.format import (MANIFEST_FILE, iter_logical_tensors, load_checkpoint, load_rank_state,
+                                     read_manifest)
+from checkpoint_tools.logical_reader import LogicalTensorReader
+from checkpoint_tools.model_loading import build_model_from_checkpoint
+from megamoe.checkpoint_state import sharded_state_dict
+from megamoe.testing import run_on_ranks
+from parallel_state import ParallelState
+from test_convert import _single_file_copy, convert, hf_tensors, save_hf_model
+
+DAMAGES = ("flipped byte", "truncated")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    """Each test starts with nothing verified (the cache is per process)."""
+    integrity.forget_verified()
+    yield
+    integrity.forget_verified()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A tiny HF model, its import (one file) and a training checkpoint of it (model, optimizer, rank
+    state and side files, one file), made once."""
+    from checkpointed_training import build_sampler, build_trainer, dataset, train_steps
+    from megamoe.training.checkpoint import save_training_checkpoint
+
+    root = tmp_path_factory.mktemp("sources")
+    save_hf_model(root / "hf", "qwen3_moe")
+    assert convert("import-hf", root / "hf", root / "imported", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    state = ParallelState.single_process()
+    trainer, sampler = build_trainer(state), build_sampler(state)
+    train_steps(trainer, sampler, dataset(), 1)
+    save_training_checkpoint(root / "trained", trainer, sampler_state=sampler.state_dict(), world_group=None)
+    return root
+
+
+def _copy(sources, name, tmp_path):
+    target = tmp_path / name
+    shutil.copytree(sources / name, target)
+    return target
+
+
+def _data_file(checkpoint):
+    files = sorted(read_manifest(checkpoint)["files"])
+    assert len(files) == 1, files
+    return checkpoint / files[0]
+
+
+def damage(checkpoint, how):
+    """Flip one byte in the middle of the data (after the header) of the checkpoint's data file, or cut the
+    file short; returns its path."""
+    path = _data_file(checkpoint)
+    data = bytearray(path.read_bytes())
+    if how == "flipped byte":
+        header = struct.unpack("<Q", data[:8])[0]
+        data[8 + header + (len(data) - 8 - header) // 2] ^= 0x55
+    else:
+        del data[-64:]
+    path.write_bytes(bytes(data))
+    return path
+
+
+def expected_error(how, path):
+    if how == "flipped byte":
+        return rf"checksum mismatch for .*{re.escape(path.name)}: xxh3_128 [0-9a-f]{{32}}, the manifest says [0-9a-f]{{32}}"
+    return rf"{re.escape(path.name)} has \d+ bytes, the manifest says \d+ \(truncated"
+
+
+def assert_cli_fails(capsys, argv, message, out_dir=None):
+    """Exit code 1, exactly one ``error:`` line (the last of stderr, matching ``message``), no traceback,
+    nothing at ``out_dir`` nor a temporary directory next to it."""
+    assert convert(*argv) == 1, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    assert err.strip().splitlines()[-1].startswith(f"megamoe-convert {argv[0]}: error:"), err
+    assert re.search(message, err), (message, err)
+    if out_dir is not None:
+        assert not os.path.exists(out_dir)
+        assert not [n for n in os.listdir(os.path.dirname(out_dir)) if n.startswith(os.path.basename(out_dir) + ".")]
+
+
+def _model_chunks(checkpoint):
+    from checkpoint_tools.manifest_fields import model_config_from_manifest
+    from megamoe.models import GPTMoEModel
+    model = GPTMoEModel(model_config_from_manifest(read_manifest(checkpoint)), ParallelState.single_process())
+    return sharded_state_dict(model)
+
+
+def _trainer_for(checkpoint):
+    from checkpointed_training import build_trainer
+    return build_trainer(ParallelState.single_process())
+
+
+def _resume(checkpoint, **kwargs):
+    from megamoe.training.checkpoint import load_training_checkpoint
+    return load_training_checkpoint(checkpoint, _trainer_for(checkpoint), world_group=None, **kwargs)
+
+
+def _read_one(checkpoint, how, **kwargs):
+    with LogicalTensorReader(checkpoint, **kwargs) as reader:
+        return getattr(reader, how)("embed_tokens.weight")
+
+
+# ----------------------------------------------------------------------------------------------
+# Every library load path refuses a damaged file
+# ----------------------------------------------------------------------------------------------
+LIBRARY_PATHS = {
+    "load_checkpoint": lambda ckpt: load_checkpoint(ckpt, _model_chunks(ckpt)),
+    "load_rank_state": lambda ckpt: load_rank_state(ckpt, 0),
+    "iter_logical_tensors": lambda ckpt: list(iter_logical_tensors(ckpt)),
+    "LogicalTensorReader.read": lambda ckpt: _read_one(ckpt, "read"),
+    "LogicalTensorReader.extents": lambda ckpt: _read_one(ckpt, "extents"),
+    "build_model_from_checkpoint": lambda ckpt: build_model_from_checkpoint(ckpt, ParallelState.single_process()),
+    "load_training_checkpoint": _resume,
+}
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+@pytest.mark.parametrize("load", LIBRARY_PATHS)
+def test_every_load_path_refuses_a_damaged_file(load, how, sources, tmp_path):
+    checkpoint = _copy(sources, "trained", tmp_path)
+    path = damage(checkpoint, how)
+    with pytest.raises(CheckpointError, match=expected_error(how, path)):
+        LIBRARY_PATHS[load](checkpoint)
+
+
+def test_the_opt_out_lets_a_flipped_byte_through(sources, tmp_path):
+    checkpoint = _copy(sources, "trained", tmp_path)
+    damage(checkpoint, "flipped byte")
+    load_checkpoint(checkpoint, _model_chunks(checkpoint), verify_checksums=False)
+    load_rank_state(checkpoint, 0, verify_checksums=False)
+    assert len(list(iter_logical_tensors(checkpoint, verify_checksums=False))) == len(read_manifest(checkpoint)["tensors"])
+    _read_one(checkpoint, "read", verify_checksums=False)
+    build_model_from_checkpoint(checkpoint, ParallelState.single_process(), verify_checksums=False)
+    assert _resume(checkpoint, verify_checksums=False)["step"] == 1
+    with pytest.raises(CheckpointError, match="truncated"):       # sizes are still checked
+        damage(checkpoint, "truncated")
+        load_rank_state(checkpoint, 0, verify_checksums=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI commands
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", DAMAGES)
+def test_export_and_reshard_refuse_a_damaged_checkpoint(how, sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    path = damage(checkpoint, how)
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["export-hf", checkpoint, out], expected_error(how, path), out)
+    # No laundering: a damaged checkpoint is not rewritten with fresh checksums.
+    assert_cli_fails(capsys, ["reshard", checkpoint, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     expected_error(how, path), out)
+    assert convert("inspect", checkpoint) == 1
+    captured = capsys.readouterr().out
+    assert "checksums    FAILED" in captured and "values       not scanned" in captured
+
+
+def test_no_verify_checksums_lets_a_flipped_byte_through(sources, tmp_path):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    path = damage(checkpoint, "flipped byte")
+    assert convert("export-hf", checkpoint, tmp_path / "hf", "--no-verify-checksums") == 0
+    assert convert("reshard", checkpoint, tmp_path / "resharded", "--tp", 1, "--pp", 1, "--ep", 1,
+                   "--no-verify-checksums") == 0
+    assert convert("export-hf", tmp_path / "resharded", tmp_path / "hf2") == 0     # the damage was carried along
+    original = hf_tensors(sources / "hf")
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert [k for k in original if not torch.equal(original[k], exported[k])], f"{path}: the flip changed nothing?"
+
+
+def test_a_damaged_side_file_is_refused_before_anything_is_written(sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    side = checkpoint / "hf_files" / "tokenizer.json"
+    side.write_text(side.read_text().replace("BPE", "XYZ"))
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["export-hf", checkpoint, out], "side file checksum mismatch for .*tokenizer.json", out)
+    assert_cli_fails(capsys, ["reshard", checkpoint, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     "side file checksum mismatch for .*tokenizer.json", out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", DAMAGES)
+def test_verify_refuses_a_damaged_checkpoint(how, sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    path = damage(checkpoint, how)
+    assert_cli_fails(capsys, ["verify", checkpoint, "--hf", sources / "hf"],
+                     "running the checkpoint on 1 ranks failed: .*" + expected_error(how, path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Hashed once per process, and once over ranks loading together
+# ----------------------------------------------------------------------------------------------
+def _counting_hashes(monkeypatch=None):
+    """Patch the file hasher to count calls (per file); returns the counter."""
+    counts = {}
+    real = checksums._hash_file
+
+    def counting(path, *args, **kwargs):
+        counts[os.path.basename(path)] = counts.get(os.path.basename(path), 0) + 1
+        return real(path, *args, **kwargs)
+    if monkeypatch is not None:
+        monkeypatch.setattr(checksums, "_hash_file", counting)
+    else:
+        checksums._hash_file = counting
+    return counts
+
+
+def test_a_file_is_hashed_once_per_process_until_it_changes(sources, tmp_path, monkeypatch):
+    checkpoint = _copy(sources, "trained", tmp_path)
+    counts = _counting_hashes(monkeypatch)
+    # model chunks, optimizer chunks and rank state are read by separate calls, all from one file
+    _resume(checkpoint)
+    build_model_from_checkpoint(checkpoint, ParallelState.single_process())
+    list(iter_logical_tensors(checkpoint))
+    assert counts == {_data_file(checkpoint).name: 1}
+    path = _data_file(checkpoint)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))   # rewritten, say
+    load_rank_state(checkpoint, 0)
+    assert counts == {path.name: 2}
+
+
+def _collective_worker(rank, world_size, checkpoint, trained, damaged):
+    """On 2 ranks (data parallel: both read every file): hashes per file on this rank while building the
+    model and resuming the training checkpoint, and the error each rank gets from a damaged checkpoint."""
+    import torch.distributed as dist
+
+    from checkpointed_training import build_trainer
+    from megamoe.training.checkpoint import load_training_checkpoint
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    counts = _counting_hashes()
+    state = initialize_model_parallel()
+    try:
+        build_model_from_checkpoint(checkpoint, state, world_group=dist.group.WORLD)
+        built = dict(counts)
+        counts.clear()
+        load_training_checkpoint(trained, build_trainer(state, "alltoall", None, dist.group.WORLD),
+                                 world_group=dist.group.WORLD)
+        resumed = dict(counts)
+        try:
+            build_model_from_checkpoint(damaged, state, world_group=dist.group.WORLD)
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+    finally:
+        destroy_model_parallel()
+    return built, resumed, error
+
+
+@pytest.mark.slow
+def test_ranks_loading_together_hash_each_file_once(sources, tmp_path):
+    from checkpoint_tools.import_hf import import_hf
+    from checkpoint_tools.layout import ParallelLayout
+
+    checkpoint = tmp_path / "many_files"
+    import_hf(sources / "hf", checkpoint, ParallelLayout(tp=1, pp=1, ep=1, etp=1), max_file_bytes=40_000)
+    files = read_manifest(checkpoint)["files"]
+    assert len(files) >= 4
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    victim = damaged / sorted(files)[-1]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    trained = _copy(sources, "trained", tmp_path)
+
+    (built0, resumed0, error0), (built1, resumed1, error1) = run_on_ranks(
+        _collective_worker, 2, args=(str(checkpoint), str(trained), str(damaged)), timeout_s=300)
+    total = {name: built0.get(name, 0) + built1.get(name, 0) for name in files}
+    assert total == {name: 1 for name in files}, (built0, built1)        # each file once, over both ranks
+    assert built0 and built1                                            # the hashing was shared out
+    assert sum(resumed0.values()) + sum(resumed1.values()) == 1          # the training checkpoint's one file
+    assert error0 == error1 and re.search(f"checksum mismatch for .*{victim.name}", error0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Names in a manifest or an HF index stay inside their directory
+# ----------------------------------------------------------------------------------------------
+def _edit_manifest(checkpoint, edit):
+    path = checkpoint / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _rename_data_file(manifest, new_name):
+    (old,) = manifest["files"]
+    manifest["files"] = {new_name: manifest["files"][old]}
+    for entry in manifest["tensors"].values():
+        for chunk in entry["chunks"]:
+            chunk["file"] = new_name
+
+
+@pytest.mark.parametrize("bad", ["../x.safetensors", "/etc/passwd", "sub/../../x.safetensors", "a\\b.safetensors"])
+def test_manifest_file_names_must_stay_inside_the_checkpoint(bad, sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    shutil.copy(_data_file(checkpoint), tmp_path / "x.safetensors")           # a valid file outside
+    _edit_manifest(checkpoint, lambda m: _rename_data_file(m, bad))
+    with pytest.raises(CheckpointError, match=f"refusing the file name {re.escape(repr(bad))}"):
+        read_manifest(checkpoint)
+    assert_cli_fails(capsys, ["inspect", checkpoint], "refusing the file name")
+    assert_cli_fails(capsys, ["export-hf", checkpoint, tmp_path / "out"], "refusing the file name",
+                     str(tmp_path / "out"))
+
+
+def test_a_manifest_file_linking_outside_is_refused(sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    path = _data_file(checkpoint)
+    shutil.move(path, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", path)
+    with pytest.raises(CheckpointError, match="symbolic link leading outside"):
+        read_manifest(checkpoint)
+    os.unlink(path)
+    os.symlink("../imported/" + path.name, path)                            # a loop
+    with pytest.raises(CheckpointError, match="symbolic link loop"):
+        read_manifest(checkpoint)
+
+
+def test_a_side_file_name_cannot_escape_the_output(sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    (checkpoint / "escaped.sh").write_text("echo pwned\n")
+    entry = checksums.file_entry(str(checkpoint / "escaped.sh"))
+    _edit_manifest(checkpoint, lambda m: m["extra"]["hf_files"].update({"../escaped.sh": entry}))
+    out = tmp_path / "outputs" / "out"
+    os.makedirs(out.parent)
+    assert_cli_fails(capsys, ["export-hf", checkpoint, out], "refusing the file name '../escaped.sh'", str(out))
+    assert_cli_fails(capsys, ["reshard", checkpoint, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     "refusing the file name '../escaped.sh'", str(out))
+    assert os.listdir(out.parent) == []                                      # no escaped.sh next to OUT_DIR
+
+
+def _sharded_hf(sources, tmp_path):
+    """A two-shard copy of the tiny HF model with its index; returns (directory, index dict)."""
+    directory = tmp_path / "hf_sharded"
+    os.makedirs(directory)
+    state = hf_tensors(sources / "hf")
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, shard_keys in shards.items():
+        save_file({k: state[k] for k in shard_keys}, str(directory / name), metadata={"format": "pt"})
+    shutil.copy(sources / "hf" / "config.json", directory / "config.json")
+    index = {"metadata": {}, "weight_map": {k: name for name, shard_keys in shards.items() for k in shard_keys}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory, index
+
+
+@pytest.mark.parametrize("bad", ["../outside/x.safetensors", "ABSOLUTE"])
+def test_hf_index_names_must_stay_inside_the_directory(bad, sources, tmp_path, capsys):
+    directory, index = _sharded_hf(sources, tmp_path)
+    assert convert("import-hf", directory, tmp_path / "ok", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    os.makedirs(tmp_path / "outside")
+    second = "model-00002-of-00002.safetensors"
+    shutil.move(directory / second, tmp_path / "outside" / "x.safetensors")
+    bad = str(tmp_path / "outside" / "x.safetensors") if bad == "ABSOLUTE" else bad
+    index["weight_map"] = {k: bad if v == second else v for k, v in index["weight_map"].items()}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     f"weight_map: refusing the file name {re.escape(repr(bad))}", out)
+
+
+def test_hf_links_leading_outside_and_loops_are_refused(sources, tmp_path, capsys):
+    directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), lambda s: None)
+    (tmp_path / "secret").write_text("not a tokenizer")
+    os.symlink(tmp_path / "secret", os.path.join(directory, "tokenizer.json"))
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     "tokenizer.json: it is a symbolic link leading outside", out)
+    os.unlink(os.path.join(directory, "tokenizer.json"))
+    os.symlink("b.safetensors", os.path.join(directory, "a.safetensors"))
+    os.symlink("a.safetensors", os.path.join(directory, "b.safetensors"))
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     "a.safetensors is a symbolic link loop", out)
+
+
+def test_a_hub_cache_snapshot_with_links_into_its_blobs_imports(sources, tmp_path):
+    repo = tmp_path / "models--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    os.makedirs(repo / "blobs")
+    os.makedirs(snapshot)
+    for name in os.listdir(sources / "hf"):
+        blob = repo / "blobs" / f"blob-{name}"
+        shutil.copy(sources / "hf" / name, blob)
+        os.symlink(os.path.join("..", "..", "blobs", blob.name), snapshot / name)
+    assert convert("import-hf", snapshot, tmp_path / "out", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    assert "tokenizer.json" in read_manifest(tmp_path / "out")["extra"]["hf_files"]
+
+
+@pytest.mark.parametrize("field", ["num_attention_heads", "num_key_value_heads", "hidden_size"])
+def test_zero_sizes_in_config_json_name_the_field(field, sources, tmp_path, capsys):
+    directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), lambda s: None)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config[field] = 0
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     f"{field} must be a positive integer, got 0", out)
+    from checkpoint_tools.import_hf import model_config_from_hf
+    with pytest.raises(ConversionError, match=field):
+        model_config_from_hf(config, "config.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# inspect: NaN / Inf; --help: defaults
+# ----------------------------------------------------------------------------------------------
+def test_inspect_reports_non_finite_tensors(sources, tmp_path, capsys):
+    assert convert("inspect", sources / "imported") == 0
+    assert "values       all finite" in capsys.readouterr().out
+
+    def poison(state):
+        state["model.layers.1.mlp.experts.3.up_proj.weight"][0, 0] = float("nan")
+        state["model.norm.weight"][2] = float("inf")
+    directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), poison)
+    assert convert("import-hf", directory, tmp_path / "ckpt", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    assert convert("inspect", tmp_path / "ckpt") == 1
+    text = capsys.readouterr().out
+    assert re.search(r"NON-FINITE: 2 tensors hold NaN or Inf: .*layers\.1\.mlp\.experts\.3\.up_proj\.weight", text)
+    assert "norm.weight" in text and "checksums    OK" in text
+    assert convert("inspect", tmp_path / "ckpt", "--json") == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["non_finite"] == {"scanned": True, "count": 2,          # in name order
+                                  "tensors": ["layers.1.mlp.experts.3.up_proj.weight", "norm.weight"]}
+    assert "NaN" in _help("inspect")
+
+
+def _help(command):
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    return subparsers.choices[command].format_help()
+
+
+def test_every_help_shows_the_defaults():
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    for command, parser in subparsers.choices.items():
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default, bool):
+                assert f"default: {action.default}" in text, (command, action.dest, text)
+    assert "--no-verify-checksums" in _help("export-hf") and "--no-verify-checksums" in _help("reshard")
+    assert "--no-verify-checksums" in _help("verify")
