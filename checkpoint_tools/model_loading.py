@@ -17,7 +17,7 @@ from checkpoint_tools.format import load_checkpoint, read_manifest
 from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
 from checkpoint_tools.placements import build_placements
 from megamoe.checkpoint_state import sharded_state_dict
-from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 
 __all__ = ["config_for_engine", "build_model_from_checkpoint"]
 
@@ -38,7 +38,8 @@ def config_for_engine(config: GPTMoEConfig, *, dispatcher: str | None = None,
 def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: str | None = None,
                                 num_expert_slots: int | None = None, expert_backend: str | None = None,
                                 input_sharded: bool | None = None, device=None, dtype=None,
-                                verify_checksums: bool = True, world_group=None) -> GPTMoEModel:
+                                verify_checksums: bool = True, world_group=None,
+                                layer_spec: LayerSpec | None = None) -> GPTMoEModel:
     """This rank's stage of the checkpoint's model under ``state`` (a ParallelState), weights loaded
     onto ``device`` in ``dtype``; the engine choices as in :func:`config_for_engine`.
 
@@ -46,7 +47,8 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
     ``world_group``: the process group of every rank building the model together (a ParallelState holds
     no group spanning all its ranks, so it is passed explicitly, e.g. ``torch.distributed.group.WORLD``);
     with it each file is hashed by one rank only, and a damaged file fails every rank alike. Without it
-    each rank hashes the files it reads.
+    each rank hashes the files it reads. ``layer_spec``: the classes the model was built with
+    (:class:`~megamoe.models.LayerSpec`; a checkpoint does not record them).
 
     Raises :class:`~checkpoint_tools.format.CheckpointError` if the checkpoint lacks a tensor, holds
     one of another shape or a damaged file; ValueError if the layout does not fit the model.
@@ -56,6 +58,7 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
                                num_expert_slots=num_expert_slots, expert_backend=expert_backend,
                                input_sharded=input_sharded)
     placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))
-    model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype)
+    model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype,
+                        layer_spec=layer_spec)
     load_checkpoint(path, sharded_state_dict(model), verify_checksums=verify_checksums, group=world_group)
     return model

@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--load-dir", type=Path, default=None,
                    help="start from the newest checkpoint in this directory (any layout); default: --save-dir's "
                         "newest, if any")
+    t.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="resume without hashing the checkpoint's files (their sizes are still checked); by "
+                        "default every file is checked against the manifest's checksum before it is used")
     t.add_argument("--overwrite", action="store_true",
                    help="start afresh although --save-dir holds checkpoints: they are first moved aside into "
                         "<save-dir>/replaced_<run id>/ (nothing is deleted)")
@@ -348,7 +351,8 @@ def main(argv=None) -> int:
     sampler = ResumableSampler(len(dataset), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                                dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, seed=args.seed)
     if plan.resume_from is not None:
-        extra = load_training_checkpoint(plan.resume_from, trainer, world_group=world_group)
+        extra = load_training_checkpoint(plan.resume_from, trainer, world_group=world_group,
+                                         verify_checksums=args.verify_checksums)
         sampler.load_state_dict(extra["sampler_state"])
         logger.info("resuming from %s at step %d (run %s)", plan.resume_from, trainer.step, run_id)
     if trainer.step >= args.steps:
