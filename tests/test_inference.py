@@ -340,14 +340,25 @@ def _compiled_layouts_worker(rank, world_size, family, layouts):
     return results
 
 
-@pytest.mark.slow      # a compilation per layout on each of 2 ranks, ~60 s
+# Hang detection only. Each rank compiles its graphs while its peer waits in a collective (under PP,
+# stage 1 waits in recv for all of stage 0's compilation, and stage 0 for stage 1's), so both the
+# harness and the collective timeout (0.9 of it) must outlast compilation on a loaded machine: ~60 s
+# in all when quiet, several times that at load average 5-13 on 2 cores (which broke the former
+# 180 s harness / 162 s collective default and pytest's 300 s).
+COMPILED_LAYOUTS_TIMEOUT_S = 1500
+
+
+@pytest.mark.slow      # a compilation per layout on each of 2 ranks, ~60 s on a quiet machine
+@pytest.mark.timeout(COMPILED_LAYOUTS_TIMEOUT_S + 300)
 def test_compiled_decoding_under_parallel_layouts():
     """Where layers communicate (TP, EP, PP), the compiled step breaks its graph around the
     collectives and the MoE dispatch (always eager): still the eager tokens."""
     layouts = [(dict(tp=2), dict(dispatcher="allgather")),
                (dict(ep=2), dict(dispatcher="alltoall", num_expert_slots=12)),
                (dict(pp=2), {})]
-    assert run_on_ranks(_compiled_layouts_worker, 2, args=("qwen2_moe", layouts)) == [[True] * 3] * 2
+    results = run_on_ranks(_compiled_layouts_worker, 2, args=("qwen2_moe", layouts),
+                           timeout_s=COMPILED_LAYOUTS_TIMEOUT_S)
+    assert results == [[True] * 3] * 2
 
 
 @pytest.mark.slow
