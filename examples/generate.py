@@ -209,11 +209,7 @@ def check_layout(args, saved: GPTMoEConfig, world: int) -> str | None:
         raise UsageError(f"--tp {args.tp} --pp {args.pp} --ep {args.ep} do not fit {world} rank(s): {e}; {launch}, "
                          "or change --tp / --pp / --ep / --order") from None
     if saved.moe is None:
-        if args.ep != 1 or (args.etp or 1) != 1:
-            raise UsageError("--ep / --etp: the checkpoint's model has no MoE layer; leave them out")
         return None
-    if args.num_expert_slots is not None and args.num_expert_slots % args.ep:
-        raise UsageError(f"--num-expert-slots {args.num_expert_slots} is not a multiple of --ep {args.ep}")
     if args.dispatcher is not None:
         problem = dispatcher_problem(args, saved, args.dispatcher, world)
         if problem is None:

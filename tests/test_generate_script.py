@@ -132,15 +132,24 @@ def test_damaged_checkpoint_loads_with_no_verify_checksums(checkpoint, tmp_path,
     assert code == 0, stderr[-3000:]
 
 
-def test_explicit_dispatcher_that_does_not_fit_names_the_flag(checkpoint, monkeypatch, capsys):
-    """Under torchrun (WORLD_SIZE=2, as rank 0) --ep 2 --dispatcher allgather at tp 1 cannot run: the
-    error names the dispatcher that can; it comes before any process group is joined."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
+# world size, layout arguments -> what the error line holds
+DISPATCHER_ERRORS = {
+    "explicit dispatcher that does not fit": ("2", ["--ep", "2", "--dispatcher", "allgather"],
+                                              ["--dispatcher allgather", "ep * etp must divide tp",
+                                               "--dispatcher alltoall"]),
+    "no dispatcher fits": ("4", ["--tp", "2", "--ep", "4"], ["no MoE dispatcher fits", "allgather:", "alltoall:"]),
+}
+
+
+@pytest.mark.parametrize("case", DISPATCHER_ERRORS)
+def test_layout_no_dispatcher_can_run_names_the_flag(case, checkpoint, monkeypatch, capsys):
+    """As rank 0 of a torchrun job (WORLD_SIZE set): the error comes before any process group is joined;
+    an explicit --dispatcher that cannot run the layout names the one that can."""
+    world, args, expected = DISPATCHER_ERRORS[case]
+    monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("RANK", "0")
-    code, stderr = _run_main([checkpoint, *_prompt_args(), "--ep", "2", "--dispatcher", "allgather"],
-                             monkeypatch, capsys)
-    _assert_one_error_line(code, stderr, "--dispatcher allgather", "ep * etp must divide tp",
-                           "--dispatcher alltoall")
+    code, stderr = _run_main([checkpoint, *_prompt_args(), *args], monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, *expected)
 
 
 def test_decode_tokens_per_second_leave_compile_time_out():

@@ -456,7 +456,13 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     assert [r["prompt_ids"] for r in document["requests"]] == PROMPTS
     assert document["requests"][0]["text"] == " ".join(f"t{i}" for i in expected[0])
     assert document["timings"]["decode_tokens"] == sum(len(ids) - 1 for ids in expected)
-    assert 0 < document["timings"]["compile_seconds"] <= document["timings"]["decode_seconds"]   # a fresh process
+    timings = document["timings"]
+    assert 0 < timings["compile_seconds"] <= timings["decode_seconds"]   # a fresh process compiles
+    # Decode tokens/s leave the compile time out (it is reported apart).
+    assert timings["decode_seconds_excluding_compile"] == pytest.approx(
+        timings["decode_seconds"] - timings["compile_seconds"])
+    assert timings["decode_tokens_per_second"] == pytest.approx(
+        timings["decode_tokens"] / timings["decode_seconds_excluding_compile"])
     assert f"--- request 3 ({document['requests'][3]['finish_reason']}" in single.stdout
 
     _run_script([*args, "--ep", "2", "--dispatcher", "allgather", "--data-parallel-attention",
