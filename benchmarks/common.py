@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["HelpFormatter", "argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap", "time_call", "write_results"]
+__all__ = ["HelpFormatter", "argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap",
+           "time_call", "write_results"]
 
 # transformers' experts implementations that need CUDA kernels, and why they are skipped here.
 HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
