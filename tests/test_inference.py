@@ -343,8 +343,8 @@ def _compiled_layouts_worker(rank, world_size, family, layouts):
 # Hang detection only. Each rank compiles its graphs while its peer waits in a collective (under PP,
 # stage 1 waits in recv for all of stage 0's compilation, and stage 0 for stage 1's), so both the
 # harness and the collective timeout (0.9 of it) must outlast compilation on a loaded machine: ~60 s
-# in all when quiet, several times that at load average 5-13 on 2 cores (which broke the former
-# 180 s harness / 162 s collective default and pytest's 300 s).
+# in all when quiet, 242 s measured with a cold inductor cache at load average ~9 on 2 cores (past
+# the former 180 s harness / 162 s collective default; pytest's 300 s is next).
 COMPILED_LAYOUTS_TIMEOUT_S = 1500
 
 
