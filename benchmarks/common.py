@@ -1,5 +1,5 @@
-"""What several benchmark scripts share: the allocator setting, transformers' experts implementations
-that cannot run on CPU, timing one call and writing the results.
+"""What several benchmark scripts share: their argument parser, the allocator setting, transformers'
+experts implementations that cannot run on CPU, timing one call and writing the results.
 
 The scripts import it as a sibling module (``python benchmarks/<script>.py`` puts this directory on
 ``sys.path``).
@@ -7,6 +7,7 @@ The scripts import it as a sibling module (``python benchmarks/<script>.py`` put
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import json
@@ -14,12 +15,26 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap", "time_call", "write_results"]
+__all__ = ["HelpFormatter", "argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap",
+           "time_call", "write_results"]
 
 # transformers' experts implementations that need CUDA kernels, and why they are skipped here.
 HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
 # batched_mm gathers one [2F+F, H] weight copy per (token, expert) pair: skip it above this size.
 BATCHED_MM_MEMORY_LIMIT = 4 << 30
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The script's docstring as written, and every option's default; an option whose default is None
+    says in its help what it falls back to ("(default: None)" would say nothing)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark script: ``--help`` shows its whole docstring and every default."""
+    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
 
 
 def keep_freed_memory_in_heap() -> str:

@@ -31,7 +31,6 @@ and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common import write_results  # sibling module
+from common import argument_parser, write_results  # sibling module
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, FFN, VOCAB = 1024, 16, 4, 64, 32, 1024, 32000
 SHARD_BYTES = 500 * 10**6
@@ -152,11 +151,12 @@ def convert(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--size-gb", type=float, default=2.0, help="size of the generated checkpoint (10^9 bytes)")
     parser.add_argument("--repeats", type=int, default=6,
                         help="rounds of cp / import-hf / export-hf, a multiple of 3 (medians)")
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "convert.json"))
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "convert.json"),
+                        help="where to write the results")
     parser.add_argument("--workdir", default=None, help="where to put the temporary files (default: system temp)")
     args = parser.parse_args(argv)
 

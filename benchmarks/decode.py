@@ -21,7 +21,6 @@ are reported beside it. Writes JSON (default benchmarks/results/decode.json).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_tools.adapters import adapter_for
-from common import write_results  # sibling module
+from common import argument_parser, write_results  # sibling module
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
@@ -110,7 +109,7 @@ def measure(runners: dict, batch: int, prompt_tokens: int, new_tokens: int, repe
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="3 repeats and 32 new tokens instead of 5 and 64")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts to measure")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 512],

@@ -20,7 +20,6 @@ path is exercised), writes no JSON, and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from common import write_results  # sibling module
+from common import argument_parser, write_results  # sibling module
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.fp8 import FP8Config, compute_scale, quantize
 
@@ -147,9 +146,10 @@ def run_cpu_emulation() -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help=f"T={QUICK['T']} and 5 repeats instead of 20")
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "fp8_experts.json"))
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "fp8_experts.json"),
+                        help="where to write the results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/fp8_experts.py needs a CUDA GPU (FP8 kernels); running the CPU emulation only")

@@ -29,7 +29,6 @@ times the bound's. ``--default-allocator`` measures with glibc's defaults instea
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from dataclasses import dataclass
@@ -40,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap, time_call,  # sibling module
-                    write_results)
+from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, argument_parser,  # sibling module
+                    keep_freed_memory_in_heap, time_call, write_results)
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts, GroupedMLPFunction, SlotGroups
 from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
 from megamoe.moe.router import Router, RouterConfig
@@ -232,7 +231,7 @@ def measure(rows: list[Row], repeats: int) -> dict[str, dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
     parser.add_argument("--default-allocator", action="store_true",
                         help="keep glibc's allocator defaults (large tensors are fresh mmaps)")

@@ -34,7 +34,6 @@ The allocator is set as in ``benchmarks/moe_layer.py`` (freed memory stays in th
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -45,8 +44,8 @@ from typing import Callable
 import torch
 
 from checkpoint_tools.adapters import adapter_for
-from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, keep_freed_memory_in_heap, time_call,  # sibling module
-                    write_results)
+from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, argument_parser,  # sibling module
+                    keep_freed_memory_in_heap, time_call, write_results)
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
 from megamoe.models.hf_loading import load_logical_state
@@ -227,7 +226,7 @@ def measure(rows: list[Row], repeats: int) -> dict[str, dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="a much smaller model, 1 repeat instead of 5")
     parser.add_argument("--default-allocator", action="store_true",
                         help="keep glibc's allocator defaults (large tensors are fresh mmaps)")

@@ -1,7 +1,8 @@
 """Generate text with a megamoe checkpoint under any parallel layout, with a KV cache.
 
 The checkpoint may have been saved under any layout (training, or ``megamoe-convert import-hf``): each
-rank reads the slices its layout needs. Launch with torchrun, or plain python for one process::
+rank reads the slices its layout needs (and checks their files' checksums, unless
+--no-verify-checksums). Launch with torchrun, or plain python for one process::
 
     torchrun --nproc-per-node 4 examples/generate.py CKPT --tp 2 --ep 2 --dispatcher allgather \\
         --prompt "def fibonacci(n):" --max-new-tokens 64
@@ -9,11 +10,18 @@ rank reads the slices its layout needs. Launch with torchrun, or plain python fo
         --prompt-file prompts.txt --record-expert-load load.json
     python examples/generate.py CKPT --prompt-ids 1,15,27 --temperature 0.8 --top-p 0.95 --seed 1
 
+Without --dispatcher the MoE layers run the checkpoint's dispatcher if it fits the layout, else the
+one that does (e.g. alltoall with etp = tp for EP over data-parallel ranks), and the log says so.
+
 Prompts are tokenized with the checkpoint's tokenizer: ``--tokenizer``, by default the files a
 conversion keeps in ``CKPT/hf_files/``, else ``CKPT`` itself (``tokenizer.json`` or a sentencepiece
 ``.model``). ``--prompt-ids`` needs no tokenizer. Rank 0 prints every generation; ``--output-json``
-also saves prompts, ids, texts and timings, and ``--record-expert-load`` the per-layer router token
+also saves prompts, ids, texts and timings (decode tokens/s leave out the time --compile spends
+compiling, which is reported apart), and ``--record-expert-load`` the per-layer router token
 counts (the file ``megamoe-convert import-hf / reshard --expert-load`` reads to balance placements).
+
+Arguments, paths and the layout are checked before anything is loaded: a mistake is one ``error:``
+line (from rank 0) and exit code 1 (MEGAMOE_TRACEBACK=1 shows the traceback).
 """
 
 from __future__ import annotations
@@ -25,42 +33,56 @@ import logging
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from checkpoint_tools.format import read_manifest
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
 from checkpoint_tools.model_loading import build_model_from_checkpoint, config_for_engine
 from megamoe import comms
+from megamoe.atomic_file import atomic_write
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.models import GPTMoEModel
+from megamoe.launch import UsageError, add_launch_arguments, init_distributed, launch_rank, run_script
+from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.models.gpt_moe import check_moe_layout
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from parallel_state.rank_grid import compute_rank_groups
 
 logger = logging.getLogger("generate")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DISPATCHERS = ("alltoall", "allgather")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default; an option whose default is None says in
+    its help what it falls back to ("(default: None)" would say nothing)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="generate.py", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("checkpoint", type=Path, help="megamoe checkpoint directory (holding manifest.json)")
     g = p.add_argument_group("parallel layout (world size = tp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (expert slots are split over it)")
     g.add_argument("--etp", type=int, default=None,
-                   help="expert tensor-parallel size; default: tp for alltoall, 1 for allgather")
+                   help="expert tensor-parallel size (default: tp for alltoall, 1 for allgather)")
     g.add_argument("--order", default="tp-cp-ep-dp-pp",
                    help="rank order, smallest stride first (see parallel_state); e.g. tp-cp-dp-ep-pp puts EP over "
                         "data-parallel ranks when tp > 1")
-    g.add_argument("--dispatcher", choices=("alltoall", "allgather"), default=None,
-                   help="MoE token dispatcher (default: the checkpoint's). alltoall: needs etp == tp; allgather: "
-                        "EP inside the TP group, or over data-parallel ranks with --data-parallel-attention")
+    g.add_argument("--dispatcher", choices=DISPATCHERS, default=None,
+                   help="MoE token dispatcher (default: the checkpoint's if it fits the layout, else the one that "
+                        "does). alltoall: needs etp == tp; allgather: EP inside the TP group, or over "
+                        "data-parallel ranks with --data-parallel-attention")
     g.add_argument("--num-expert-slots", type=int, default=None,
                    help="expert slots per MoE layer (>= experts, multiple of ep; default: the checkpoint's); extra "
                         "slots replicate experts. The saved placement is used when it fits, else the default one")
@@ -72,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank (LOCAL_RANK), NCCL")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and activation dtype")
+    add_launch_arguments(g)
+    g.add_argument("--no-verify-checksums", action="store_true",
+                   help="skip hashing the checkpoint files this rank reads (faster loads; a damaged file then "
+                        "goes unnoticed)")
     q = p.add_argument_group("prompts (at least one)")
     q.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
     q.add_argument("--prompt-file", type=Path, default=None, help="a text file, one prompt per non-empty line")
@@ -84,80 +110,202 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt at most")
     s.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID",
                    help="stop a sequence at this token (repeatable; default: the tokenizer's EOS, if any)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
-    s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
+    s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
     s.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens of this total mass")
     s.add_argument("--compile", action="store_true",
                    help="decode steps through torch.compile (the first step compiles, tens of seconds on a CPU; "
-                        "worth it for long generations)")
+                        "worth it for long generations; tokens/s are reported without the compile time)")
     s.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each prompt draws from its own generator, so results do not depend on "
                         "the layout or on the batch")
-    o = p.add_argument_group("outputs")
+    o = p.add_argument_group("outputs (their folders must exist)")
     o.add_argument("--output-json", type=Path, default=None,
                    help="write prompts, prompt ids, generated ids and text, finish reasons and timings here")
     o.add_argument("--record-expert-load", type=Path, default=None,
                    help="write the per-layer router token counts per expert of this run here (expert-load JSON)")
-    return p.parse_args(argv)
+    return p
 
 
-def init_distributed(args, dispatcher: str | None) -> ParallelState:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks before any process group, weight or tokenizer is loaded (all ranks run them alike)
+# ----------------------------------------------------------------------------------------------
+def parse_prompt_ids(specs: list[str]) -> list[list[int]]:
+    prompts = []
+    for spec in specs:
+        try:
+            prompts.append([int(t) for t in spec.split(",") if t.strip()])
+        except ValueError:
+            raise UsageError(f"--prompt-ids {spec!r}: expected integer token ids separated by commas, "
+                             "e.g. --prompt-ids 1,15,27") from None
+        if not prompts[-1]:
+            raise UsageError(f"--prompt-ids {spec!r} holds no token id; e.g. --prompt-ids 1,15,27")
+    return prompts
+
+
+def check_paths(args) -> None:
+    """Inputs that must exist and output folders that must exist, so that no run fails at its end."""
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
+    for flag, path in (("--output-json", args.output_json), ("--record-expert-load", args.record_expert_load)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise UsageError(f"{flag} {path} is a directory; name a file in it, e.g. {path / 'out.json'}")
+        folder = path.parent
+        if not folder.is_dir():
+            raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it first "
+                             f"(mkdir -p {folder})")
+    if not (args.prompt or args.prompt_file or args.prompt_ids):
+        raise UsageError("no prompt: give --prompt, --prompt-file or --prompt-ids")
+
+
+def launch_world_size() -> int:
+    """The torchrun job's world size (1 for a plain ``python`` run), readable before the process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _etp_for(args, dispatcher: str | None) -> int:
+    return args.etp if args.etp is not None else (args.tp if dispatcher == "alltoall" else 1)
+
+
+def _rank_view(grid, rank: int) -> SimpleNamespace:
+    """What check_moe_layout reads of a ParallelState (group sizes and ranks), for ``rank`` of
+    ``grid``: the library's own layout rules, checked before any process group exists."""
+    groups = grid.groups_of(rank)
+    return SimpleNamespace(rank=rank, **{kind: SimpleNamespace(size=len(groups[kind]), ranks=groups[kind])
+                                         for kind in ("tp", "ep", "etp", "ep_etp")})
+
+
+def dispatcher_problem(args, config: GPTMoEConfig, dispatcher: str, world: int) -> str | None:
+    """Why ``dispatcher`` cannot run ``config``'s MoE layers under this layout (None: it can)."""
+    try:
+        grid = compute_rank_groups(world, tp=args.tp, pp=args.pp, ep=args.ep, etp=_etp_for(args, dispatcher),
+                                   order=args.order)
+    except ValueError as e:
+        return str(e)
+    engine = config_for_engine(config, dispatcher=dispatcher,
+                               input_sharded=args.data_parallel_attention and dispatcher == "allgather")
+    for rank in range(world):
+        try:
+            check_moe_layout(engine, _rank_view(grid, rank))
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def check_layout(args, saved: GPTMoEConfig, world: int) -> str | None:
+    """The layout fits the world size and the model; returns the dispatcher to run (None for a dense
+    model): --dispatcher, else the checkpoint's when it fits the layout, else the other one."""
+    try:
+        compute_rank_groups(world, tp=args.tp, pp=args.pp, ep=args.ep, order=args.order)
+    except ValueError as e:
+        launch = ("launch with torchrun --nproc-per-node N" if world == 1 else
+                  "launch a world size that fits (torchrun --nproc-per-node N)")
+        raise UsageError(f"--tp {args.tp} --pp {args.pp} --ep {args.ep} do not fit {world} rank(s): {e}; {launch}, "
+                         "or change --tp / --pp / --ep / --order") from None
+    if saved.moe is None:
+        return None
+    if args.dispatcher is not None:
+        problem = dispatcher_problem(args, saved, args.dispatcher, world)
+        if problem is None:
+            return args.dispatcher
+        other = next(d for d in DISPATCHERS if d != args.dispatcher)
+        fix = (f"pass --dispatcher {other} (or leave --dispatcher out: a dispatcher that fits is chosen)"
+               if dispatcher_problem(args, saved, other, world) is None else
+               "change --tp / --ep / --etp / --order")
+        raise UsageError(f"--dispatcher {args.dispatcher} does not fit this layout: {problem}; {fix}")
+    problems = {}
+    for dispatcher in (saved.moe.dispatcher, *(d for d in DISPATCHERS if d != saved.moe.dispatcher)):
+        problems[dispatcher] = dispatcher_problem(args, saved, dispatcher, world)
+        if problems[dispatcher] is None:
+            if dispatcher != saved.moe.dispatcher:
+                logger.info("the checkpoint's dispatcher %s does not fit this layout (%s): running %s "
+                            "(etp %d)", saved.moe.dispatcher, problems[saved.moe.dispatcher], dispatcher,
+                            _etp_for(args, dispatcher))
+            return dispatcher
+    raise UsageError("no MoE dispatcher fits this layout: " + "; ".join(f"{d}: {p}" for d, p in problems.items())
+                     + "; change --tp / --ep / --etp / --order")
+
+
+def tokenizer_path(args) -> Path:
+    if args.tokenizer is not None:
+        return args.tokenizer
+    side_files = args.checkpoint / HF_FILES_DIR
+    return side_files if side_files.is_dir() else args.checkpoint
+
+
+def load_tokenizer(args) -> Tokenizer | None:
+    """The tokenizer text prompts and outputs need (None when neither does); an error names where it
+    was looked for and which flag to pass."""
+    if not (args.prompt or args.prompt_file) and args.tokenizer is None:
+        return None
+    path = tokenizer_path(args)
+    try:
+        return Tokenizer.from_path(path)
+    except (OSError, ValueError, ImportError) as e:
+        if args.tokenizer is not None:
+            raise UsageError(f"--tokenizer {path}: {e}") from None
+        raise UsageError(f"text prompts need a tokenizer: {e}; pass --tokenizer FILE_OR_DIR (a tokenizer.json, a "
+                         "sentencepiece .model or a directory holding one), or give the prompts as --prompt-ids"
+                         ) from None
+
+
+def read_prompts(args, tokenizer: Tokenizer | None, prompt_ids: list[list[int]],
+                 vocab_size: int) -> tuple[list[str | None], list[list[int]]]:
+    """Every prompt's text (None for --prompt-ids) and token ids, checked against the vocabulary."""
+    texts = list(args.prompt)
+    if args.prompt_file is not None:
+        texts += [line for line in args.prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts and not prompt_ids:
+        raise UsageError(f"--prompt-file {args.prompt_file} holds no prompt (no non-empty line)")
+    bos = [tokenizer.bos_id] if args.add_bos and tokenizer is not None and tokenizer.bos_id is not None else []
+    ids = [bos + tokenizer.encode(text) for text in texts] + prompt_ids
+    for shown, prompt in zip(texts + args.prompt_ids, ids):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise UsageError(f"prompt {shown!r} holds token ids {bad[:4]} outside the model's vocabulary "
+                             f"[0, {vocab_size})")
+    return texts + [None] * len(prompt_ids), ids
+
+
+def engine_choices(args, saved: GPTMoEConfig, dispatcher: str | None) -> dict:
+    """This run's MoE engine choices (dispatcher, slots, backend, sharded input), None where the saved
+    ones stay."""
+    if saved.moe is None:
+        return {}
+    return {"dispatcher": dispatcher, "num_expert_slots": args.num_expert_slots,
+            "expert_backend": args.expert_backend,
+            "input_sharded": args.data_parallel_attention and dispatcher == "allgather"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+def join_layout(args, dispatcher: str | None, world: int) -> ParallelState:
+    """Join the process group (torchrun) and create the layout's groups."""
     if world == 1:
-        if (args.tp, args.pp, args.ep, args.etp or 1) != (1, 1, 1, 1):
-            raise SystemExit("a single process runs tp = pp = ep = etp = 1; launch with torchrun for a layout")
         return ParallelState.single_process()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    init_distributed(comm_timeout_s=args.comm_timeout, backend="nccl" if args.device == "cuda" else "gloo")
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    etp = args.etp if args.etp is not None else (args.tp if dispatcher == "alltoall" else 1)
-    return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, order=args.order)
-
-
-def engine_choices(args, manifest: dict) -> dict:
-    """This run's MoE engine choices (dispatcher, slots, backend, sharded input), None where the saved
-    ones stay."""
-    saved = model_config_from_manifest(manifest)
-    if saved.moe is None:
-        return {}
-    dispatcher = args.dispatcher or saved.moe.dispatcher
-    return {"dispatcher": args.dispatcher, "num_expert_slots": args.num_expert_slots,
-            "expert_backend": args.expert_backend,
-            "input_sharded": args.data_parallel_attention and dispatcher == "allgather"}
+    return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=_etp_for(args, dispatcher),
+                                     order=args.order)
 
 
 def load_model(args, engine: dict, state) -> tuple[GPTMoEModel, dict]:
     """This rank's stage, resharded from the checkpoint, and the placement of every MoE layer (the
     saved one where it fits this layout, else the default)."""
     device = torch.device("cuda") if args.device == "cuda" else None
-    model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype], **engine)
+    model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype],
+                                        verify_checksums=not args.no_verify_checksums, **engine)
     return model.eval(), {layer_id: layer.placement for layer_id, layer in model.moe_layers().items()}
-
-
-def load_tokenizer(args) -> Tokenizer | None:
-    if not (args.prompt or args.prompt_file) and args.tokenizer is None:
-        return None
-    path = args.tokenizer
-    if path is None:
-        side_files = args.checkpoint / HF_FILES_DIR
-        path = side_files if side_files.is_dir() else args.checkpoint
-    return Tokenizer.from_path(path)
-
-
-def read_prompts(args, tokenizer: Tokenizer | None) -> tuple[list[str | None], list[list[int]]]:
-    texts = list(args.prompt)
-    if args.prompt_file is not None:
-        texts += [line for line in args.prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if texts and tokenizer is None:
-        raise SystemExit("text prompts need a tokenizer: pass --tokenizer, or --prompt-ids instead")
-    bos = [tokenizer.bos_id] if args.add_bos and tokenizer is not None and tokenizer.bos_id is not None else []
-    ids = [bos + tokenizer.encode(text) for text in texts]
-    ids += [[int(t) for t in spec.split(",") if t.strip()] for spec in args.prompt_ids]
-    if not ids:
-        raise SystemExit("no prompt: give --prompt, --prompt-file or --prompt-ids")
-    return texts + [None] * len(args.prompt_ids), ids
 
 
 def record_expert_load(args, model: GPTMoEModel, placements: dict, state, num_requests: int) -> None:
@@ -177,8 +325,8 @@ def record_expert_load(args, model: GPTMoEModel, placements: dict, state, num_re
     logger.info("wrote %s", args.record_expert_load)
 
 
-def report(args, state, config: GenerationConfig, tokenizer: Tokenizer | None, texts, prompt_ids,
-           shares) -> None:
+def report(args, state, dispatcher: str | None, config: GenerationConfig, tokenizer: Tokenizer | None,
+           texts, prompt_ids, shares) -> None:
     """Print every generation; log (and with --output-json write) them with the timings. ``shares``:
     (request ids, GenerationOutput) of each data-parallel rank (one share without DP attention)."""
     results = {}
@@ -194,53 +342,70 @@ def report(args, state, config: GenerationConfig, tokenizer: Tokenizer | None, t
         print(f"--- request {index} ({reason}, {len(new)} tokens) ---\n{text if text is not None else ids}"
               f"{shown}", flush=True)
     outs = [out for _, out in shares]
-    timings = {   # data-parallel ranks run concurrently: tokens add up, the slowest rank sets the time
+    timings = timings_of(outs)
+    compiling = f" ({timings['compile_seconds']:.1f} s compiling apart)" if timings["compile_seconds"] else ""
+    logger.info("prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)%s",
+                timings["prompt_tokens"], timings["prefill_seconds"], timings["prefill_tokens_per_second"],
+                timings["decode_tokens"], timings["decode_seconds_excluding_compile"],
+                timings["decode_tokens_per_second"], compiling)
+    if args.output_json is not None:
+        layout = {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size,
+                  "ep": state.ep.size, "etp": state.etp.size, "order": state.order,
+                  "data_parallel_attention": args.data_parallel_attention,
+                  "dispatcher": dispatcher}
+        document = {"checkpoint": str(args.checkpoint), "layout": layout,
+                    "generation": dataclasses.asdict(config), "requests": requests, "timings": timings}
+        with atomic_write(args.output_json, "w") as f:
+            f.write(json.dumps(document, indent=1) + "\n")
+        logger.info("wrote %s", args.output_json)
+
+
+def timings_of(outs) -> dict:
+    """The run's timings from every data-parallel rank's GenerationOutput (one without DP attention).
+    The ranks run concurrently: tokens add up, the slowest rank sets the time. ``decode_seconds`` is
+    every decode step's time, compiling included (as GenerationOutput has it); the decode tokens/s
+    leave out the steps' time spent compiling (``compile_seconds``, 0 without --compile)."""
+    timings = {
         "prompt_tokens": sum(o.prompt_tokens for o in outs),
         "decode_tokens": sum(o.decode_tokens for o in outs),
         "decode_steps": outs[0].decode_steps,
         "prefill_seconds": max(o.prefill_seconds for o in outs),
         "decode_seconds": max(o.decode_seconds for o in outs),
-        "compile_seconds": max(o.compile_seconds for o in outs),   # part of decode_seconds (--compile)
+        "compile_seconds": max(o.compile_seconds for o in outs),
+        "decode_seconds_excluding_compile": max(o.decode_seconds - o.compile_seconds for o in outs),
     }
     timings["prefill_tokens_per_second"] = timings["prompt_tokens"] / max(timings["prefill_seconds"], 1e-9)
-    timings["decode_tokens_per_second"] = timings["decode_tokens"] / max(timings["decode_seconds"], 1e-9)
-    logger.info("prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)%s",
-                timings["prompt_tokens"], timings["prefill_seconds"], timings["prefill_tokens_per_second"],
-                timings["decode_tokens"], timings["decode_seconds"], timings["decode_tokens_per_second"],
-                f", of which {timings['compile_seconds']:.1f} s compiling" if timings["compile_seconds"] else "")
-    if args.output_json is not None:
-        layout = {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size,
-                  "ep": state.ep.size, "etp": state.etp.size, "order": state.order,
-                  "data_parallel_attention": args.data_parallel_attention}
-        document = {"checkpoint": str(args.checkpoint), "layout": layout,
-                    "generation": dataclasses.asdict(config), "requests": requests, "timings": timings}
-        args.output_json.write_text(json.dumps(document, indent=1) + "\n")
-        logger.info("wrote %s", args.output_json)
+    timings["decode_tokens_per_second"] = (timings["decode_tokens"]
+                                           / max(timings["decode_seconds_excluding_compile"], 1e-9))
+    return timings
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    manifest = read_manifest(args.checkpoint)
-    engine = engine_choices(args, manifest)
-    model_config = config_for_engine(model_config_from_manifest(manifest), **engine)
-    state = init_distributed(args, model_config.moe.dispatcher if model_config.moe is not None else None)
-    logging.basicConfig(level=logging.INFO if state.rank == 0 else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if launch_rank() == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
+    # Every check that needs no process group nor weights first: a mistake costs seconds, not a load.
+    check_paths(args)
+    prompt_ids = parse_prompt_ids(args.prompt_ids)
+    saved = model_config_from_manifest(read_manifest(args.checkpoint))
+    world = launch_world_size()
+    dispatcher = check_layout(args, saved, world)
+    if args.record_expert_load is not None and saved.moe is None:
+        raise UsageError("--record-expert-load: the checkpoint's model has no MoE layer")
     tokenizer = load_tokenizer(args)
-    texts, prompt_ids = read_prompts(args, tokenizer)
+    texts, prompt_ids = read_prompts(args, tokenizer, prompt_ids, saved.vocab_size)
     stop_ids = args.stop_token_id
     if stop_ids is None:
         stop_ids = [tokenizer.eos_id] if tokenizer is not None and tokenizer.eos_id is not None else []
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stop_ids),
                               sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
+    engine = engine_choices(args, saved, dispatcher)
+
+    state = join_layout(args, dispatcher, world)
     model, placements = load_model(args, engine, state)
     logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s%s", state.world_size, state.tp.size,
-                state.pp.size, state.dp.size, state.ep.size, state.etp.size,
-                model_config.moe.dispatcher if model_config.moe is not None else "-",
+                state.pp.size, state.dp.size, state.ep.size, state.etp.size, dispatcher or "-",
                 ", data-parallel attention" if args.data_parallel_attention else "")
-    if args.record_expert_load is not None and model_config.moe is None:
-        raise SystemExit("--record-expert-load: the model has no MoE layer")
-
     mine = list(range(len(prompt_ids)))
     if args.data_parallel_attention:
         mine = mine[state.dp.rank::state.dp.size]
@@ -254,12 +419,10 @@ def main(argv=None) -> int:
     shares = comms.all_gather_object((mine, output), state.dp.group) if args.data_parallel_attention else [
         (mine, output)]
     if state.rank == 0:
-        report(args, state, config, tokenizer, texts, prompt_ids, shares)
+        report(args, state, dispatcher, config, tokenizer, texts, prompt_ids, shares)
     destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main, prog="generate.py"))

@@ -87,3 +87,29 @@ def test_convert_benchmark_rotates_the_steps(monkeypatch, tmp_path):
         assert 0 < entry["peak_rss_bytes"] and entry["rss_target_met"] == (
             entry["peak_rss_bytes"] <= results["peak_rss_budget_bytes"])
     assert [p.name for p in tmp_path.iterdir()] == ["convert.json"]      # the work directory is gone
+
+
+@pytest.mark.parametrize("name", ["convert", "decode", "fp8_experts", "moe_layer", "train_step"])
+def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
+    import argparse
+
+    module = _benchmark(name, monkeypatch)
+    parsers = []
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def recording_parse_args(parser, *args, **kwargs):
+        parsers.append(parser)
+        return parse_args(parser, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", recording_parse_args)
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--help"])
+    assert exited.value.code == 0
+    shown = "".join(capsys.readouterr().out.split())      # argparse wraps lines, at hyphens too
+    assert "".join(module.__doc__.split()) in shown, "the description is cut"
+    options = [a for a in parsers[0]._actions if a.option_strings and a.dest != "help"]
+    assert options
+    for action in options:
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default is not None:
+            assert f"(default:{action.default})".replace(" ", "") in shown, action.option_strings
