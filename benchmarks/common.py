@@ -15,21 +15,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["HelpFormatter", "argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap",
+from megamoe.launch import HelpFormatter
+
+__all__ = ["argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap",
            "time_call", "write_results"]
 
 # transformers' experts implementations that need CUDA kernels, and why they are skipped here.
 HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
 # batched_mm gathers one [2F+F, H] weight copy per (token, expert) pair: skip it above this size.
 BATCHED_MM_MEMORY_LIMIT = 4 << 30
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The script's docstring as written, and every option's default; an option whose default is None
-    says in its help what it falls back to ("(default: None)" would say nothing)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def argument_parser(doc: str) -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ from checkpoint_tools.adapters import AdapterError
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.format import CheckpointError
 from checkpoint_tools.target_dtype import TARGET_DTYPES
+from megamoe.launch import HelpFormatter
 
 __all__ = ["main", "build_parser"]
 
@@ -51,16 +52,6 @@ def _size(text: str) -> int:
     return size
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to an option's help, except where there is nothing to show (no default, an
-    on/off flag, whose name says what it changes) or the help already says it."""
-
-    def _get_help_string(self, action):
-        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _no_verify_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                         help="do not hash the checkpoint's files before reading them (their sizes are still "
@@ -87,10 +78,10 @@ def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | N
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=_PROG, description="Convert checkpoints between HuggingFace and megamoe, "
-                                     "reshard them, inspect and verify them.", formatter_class=_HelpFormatter)
+                                     "reshard them, inspect and verify them.", formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add = functools.partial(commands.add_parser, formatter_class=_HelpFormatter)
+    add = functools.partial(commands.add_parser, formatter_class=HelpFormatter)
 
     p = add("import-hf", help="HF model directory -> megamoe checkpoint for a layout",
             description="Convert a HuggingFace model directory (config.json + safetensors) into a "

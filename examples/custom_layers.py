@@ -61,7 +61,7 @@ class GatedMLP(nn.Module):
 
 import torch.distributed as dist  # noqa: E402  (after the README part, which must stand alone)
 
-from megamoe.launch import UsageError, init_distributed, run_script  # noqa: E402
+from megamoe.launch import HelpFormatter, UsageError, init_distributed, run_script  # noqa: E402
 from megamoe.models import GPTMoEConfig  # noqa: E402
 from megamoe.moe.moe_layer import MoEConfig  # noqa: E402
 from megamoe.moe.router import RouterConfig  # noqa: E402
@@ -139,7 +139,7 @@ def reload_and_evaluate(state, world_group, directory: str | Path) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("runs/custom_layers/checkpoint"),
                         help="where the checkpoint is written (replaced if it exists)")
     parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")

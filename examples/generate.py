@@ -46,7 +46,8 @@ from megamoe.data.tokenizer import Tokenizer
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import UsageError, add_launch_arguments, init_distributed, launch_rank, run_script
+from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_rank,
+                           launch_world_size, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
@@ -57,14 +58,6 @@ logger = logging.getLogger("generate")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DISPATCHERS = ("alltoall", "allgather")
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring as written, and every option's default; an option whose default is None says in
-    its help what it falls back to ("(default: None)" would say nothing)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,11 +155,6 @@ def check_paths(args) -> None:
                              f"(mkdir -p {folder})")
     if not (args.prompt or args.prompt_file or args.prompt_ids):
         raise UsageError("no prompt: give --prompt, --prompt-file or --prompt-ids")
-
-
-def launch_world_size() -> int:
-    """The torchrun job's world size (1 for a plain ``python`` run), readable before the process group."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _etp_for(args, dispatcher: str | None) -> int:

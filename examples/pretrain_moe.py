@@ -38,7 +38,8 @@ from megamoe.data.token_dataset import TokenDataset, build_token_file, token_fil
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import UsageError, add_launch_arguments, init_distributed, run_script
+from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_world_size,
+                           run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
@@ -63,12 +64,8 @@ SAMPLE_PROMPT = "def "
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K, NUM_SAMPLES = 0.8, 40, 3
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help shows every default and keeps the description's layout."""
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallel layout (world size = tp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule)")
@@ -323,7 +320,7 @@ def _json_args(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    check_arguments(args, int(os.environ.get("WORLD_SIZE", "1")))
+    check_arguments(args, launch_world_size())
     plan = plan_start(args)
     rank, world = init_distributed(comm_timeout_s=args.comm_timeout)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

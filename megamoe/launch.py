@@ -20,6 +20,7 @@ covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import logging
 import os
@@ -29,8 +30,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "add_launch_arguments", "launch_rank", "init_distributed",
-           "run_script"]
+__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "HelpFormatter", "add_launch_arguments", "launch_rank",
+           "launch_world_size", "init_distributed", "run_script"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,17 @@ _QUIET_RANK_EXIT_DELAY_S = 3.0
 
 class UsageError(ValueError):
     """Bad input a script's user fixes (a flag, a path, a layout): the message says what and how."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of the scripts and ``megamoe-convert``: the description as written and every option's
+    default, except where there is nothing to show: no default (None: the help says what it falls back
+    to), an on/off flag (its name says what it changes), or a help text that names its default itself."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_launch_arguments(parser) -> None:
@@ -58,13 +70,18 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launch_world_size() -> int:
+    """The torchrun job's world size (1 for a plain ``python`` run), readable before the process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, backend: str = "gloo") -> tuple[int, int]:
     """Join the torchrun job's process group with collectives timing out after ``comm_timeout_s``
     seconds. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1
     and creates no group."""
     if not comm_timeout_s > 0:
         raise UsageError(f"--comm-timeout must be positive, got {comm_timeout_s}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_world_size()
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout_s))
