@@ -490,3 +490,11 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     assert len(out.token_ids) == 2 and all(len(ids) == 16 if reason == "length" else ids[-1] == 2
                                            for ids, reason in zip(out.token_ids, out.finish_reasons))
     assert set(load_expert_load(tmp_path / "expert_load.json")) == set(config.moe_layer_ids)
+
+
+def test_decode_tokens_per_second_leaves_the_compiling_steps_out():
+    from megamoe.inference.generation import GenerationOutput
+    out = GenerationOutput(token_ids=[[1, 2, 3, 4, 5], [6, 7, 8]], finish_reasons=["length"] * 2, prompt_tokens=4,
+                           prefill_seconds=0.5, decode_seconds=12.0, decode_steps=4, compile_seconds=10.0)
+    assert out.decode_tokens == 6
+    assert out.decode_tokens_per_second == pytest.approx(6 / 2.0)

@@ -91,7 +91,10 @@ class GenerationOutput:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Over the decode steps that did not compile (``compiled=True``): the steady-state rate, which a
+        compilation of tens of seconds would otherwise hide (its time is ``compile_seconds``)."""
+        seconds = self.decode_seconds - self.compile_seconds
+        return self.decode_tokens / seconds if seconds > 0 else 0.0
 
 
 def left_padded_batch(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
