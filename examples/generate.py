@@ -36,6 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from checkpoint_tools.format import read_manifest
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
@@ -292,7 +293,8 @@ def load_model(args, engine: dict, state) -> tuple[GPTMoEModel, dict]:
     saved one where it fits this layout, else the default)."""
     device = torch.device("cuda") if args.device == "cuda" else None
     model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype],
-                                        verify_checksums=not args.no_verify_checksums, **engine)
+                                        verify_checksums=not args.no_verify_checksums,
+                                        world_group=dist.group.WORLD if dist.is_initialized() else None, **engine)
     return model.eval(), {layer_id: layer.placement for layer_id, layer in model.moe_layers().items()}
 
 
