@@ -153,21 +153,27 @@ def run_on_ranks(
     args: Sequence[Any] = (),
     kwargs: dict | None = None,
     timeout_s: float = 180.0,
+    collective_timeout_s: float | None = None,
 ) -> list[Any]:
     """Spawn ``world_size`` gloo ranks, call ``fn(rank, world_size, *args, **kwargs)`` on each.
 
     ``fn`` must be picklable (a module-level function). Returns the per-rank return values ordered by
     rank. Raises :class:`RankFailure` with the failing rank's traceback, or :class:`RankTimeout`.
+    ``collective_timeout_s``: the process groups' timeout (default: a little under ``timeout_s``, so
+    that a hung collective surfaces as a :class:`~megamoe.comms.CollectiveTimeout` inside the rank).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if collective_timeout_s is not None and not collective_timeout_s > 0:
+        raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s}")
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megamoe-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         # Collectives time out a little before the harness does, so a hang surfaces as an error
         # from inside the rank when possible.
-        collective_timeout_s = max(5.0, timeout_s * 0.9)
+        if collective_timeout_s is None:
+            collective_timeout_s = max(5.0, timeout_s * 0.9)
         procs = [
             ctx.Process(
                 target=_rank_entry,
