@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import threading
-from datetime import timedelta
+import time
 
 import torch.distributed as dist
 
@@ -37,6 +37,7 @@ _GRACE_MIN_S, _GRACE_MAX_S, _GRACE_FRACTION = 2.0, 30.0, 0.25
 # The store calls get this long beyond the grace period (a store hosted by the stuck rank itself
 # never answers): the report then says that the missing rank is unknown.
 _STORE_SLACK_S = 10.0
+_POLL_S = 0.1
 
 
 class CollectiveTimeout(RuntimeError):
@@ -102,15 +103,15 @@ def _ask_store(rank: int, what: str, group_ranks: tuple[int, ...], grace_s: floa
         store = dist.PrefixStore(_STORE_PREFIX, dist.distributed_c10d._get_default_store())
         store.set(f"waiting/{rank}", what)
         first_report = store.add("reports", 1) == 1
-        others = [f"waiting/{r}" for r in group_ranks if r != rank]
-        try:
-            store.wait(others, timedelta(seconds=grace_s))
-        except Exception:  # noqa: BLE001 - the store's wait times out when a rank never reports
-            pass
+        # Polled with check (store.wait would log a warning per timed-out wait).
+        others = {r: f"waiting/{r}" for r in group_ranks if r != rank}
+        end = time.monotonic() + grace_s
+        while not store.check(list(others.values())) and time.monotonic() < end:
+            time.sleep(_POLL_S)
         waiting = {rank: what}
-        for r in group_ranks:
-            if r != rank and store.check([f"waiting/{r}"]):
-                waiting[r] = store.get(f"waiting/{r}").decode()
+        for r, key in others.items():
+            if store.check([key]):
+                waiting[r] = store.get(key).decode()
         outcome.update(waiting=waiting, first_report=first_report)
     except Exception as e:  # noqa: BLE001 - the report says that the store failed, and how
         outcome["error"] = f"{type(e).__name__}: {e}"

@@ -89,7 +89,7 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
     except CollectiveTimeout as e:
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
-        return _report(prog, f"{e} (if that rank is only slow, raise --comm-timeout)", e.first_report)
+        return _report(prog, f"{e}; if a rank is only slow, raise --comm-timeout", e.first_report)
     except (ValueError, OSError, _checkpoint_error()) as e:
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
