@@ -45,7 +45,8 @@ class CollectiveTimeout(RuntimeError):
 
     ``operation``: e.g. ``"all_reduce"``; ``group_ranks``: the group's global ranks; ``missing``: the
     ranks that did not arrive (None when that could not be found out); ``first_report``: whether this
-    rank is the first of the job to report a timeout (the one that prints it).
+    rank is the first of the job to report a timeout (the one that prints it; True on every rank
+    when the store could not be asked).
     """
 
     def __init__(self, message: str, *, operation: str, group_ranks: tuple[int, ...],

@@ -141,17 +141,14 @@ def _record(kind: str, group: ProcessGroup | None, tensor: torch.Tensor) -> None
 @contextlib.contextmanager
 def _timeout_named(kind: str, group: ProcessGroup | None, peers: Sequence[int] | None = None) -> Iterator[None]:
     """Re-raise a timeout of the torch.distributed call inside as a :class:`CollectiveTimeout`
-    naming ``kind`` and the ranks involved: ``group``'s (None: the world), or for point-to-point
-    operations this rank and its ``peers``. Other errors pass unchanged."""
+    naming ``kind`` and the ranks involved: ``group``'s, or for point-to-point operations this
+    rank and its ``peers`` (global ranks). Other errors pass unchanged."""
     try:
         yield
     except RuntimeError as e:
         if not is_timeout(e):
             raise
-        if peers is not None:
-            ranks = tuple(sorted({dist.get_rank(), *peers}))
-        else:
-            ranks = group_ranks(group) if group is not None else tuple(range(dist.get_world_size()))
+        ranks = tuple(sorted({dist.get_rank(), *peers})) if peers is not None else group_ranks(group)
         raise CollectiveTimeout.diagnose(kind, ranks, e) from e
 
 

@@ -85,7 +85,7 @@ def _exit_description(exitcode: int) -> str:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
-            name = f"signal {-exitcode}"
+            name = str(-exitcode)
         return f"signal {name} (exit code {exitcode})"
     return f"exit code {exitcode}"
 
