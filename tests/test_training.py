@@ -174,7 +174,7 @@ def test_tp2_matches_single_process_over_30_steps_in_fp64():
     from parallel_state import ParallelState
     reference = train_curve(ParallelState.single_process(), steps=LONG_STEPS, dtype=torch.float64)
     assert reference[-1][0] < 0.1 * reference[0][0], "the loss must fall far: a long, non-trivial run"
-    layouts = [_layout(2, 1, 1, 2, 1, "allgather")]     # TP 2 with EP 2 inside it (plain TP 2 measures the same)
+    layouts = [_layout(2, 1, 1, 1, 1, "allgather"), _layout(2, 1, 1, 2, 1, "allgather")]
     curves = run_on_ranks(_long_fp64_worker, 2, args=(layouts,), timeout_s=900)[0]
     for layout, curve in zip(layouts, curves):
         for step, (got, want) in enumerate(zip(curve, reference), start=1):
