@@ -32,17 +32,13 @@ def tiny_config(dispatcher="alltoall", num_slots=None, num_layers=4) -> GPTMoECo
         moe_layer_ids=tuple(range(1, num_layers)), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=64))
 
 
-def global_batches(steps=STEPS, repeat=True):
-    """``steps`` global batches [GLOBAL_BATCH, S + 1]: the same one every step (the loss then falls
-    visibly within a few steps), or with ``repeat=False`` a new one each step (no memorising)."""
+def global_batches(steps=STEPS):
+    """The same global batch every step: the loss then falls visibly within a few steps."""
     g = torch.Generator().manual_seed(1234)
-    if not repeat:
-        return torch.randint(0, V, (steps, GLOBAL_BATCH, S + 1), generator=g)
     return torch.randint(0, V, (1, GLOBAL_BATCH, S + 1), generator=g).expand(steps, -1, -1)
 
 
-def train_curve(state, dispatcher="alltoall", num_slots=None, world_group=None, *, steps=STEPS, dtype=None,
-                repeat=True):
+def train_curve(state, dispatcher="alltoall", num_slots=None, world_group=None, *, steps=STEPS, dtype=None):
     """Per-step (loss, grad_norm, aux_loss) of the tiny model (parameters in ``dtype``, default fp32)
     trained on this rank's shard of :func:`global_batches` for ``steps`` steps."""
     model = GPTMoEModel(tiny_config(dispatcher, num_slots), state, dtype=dtype)
@@ -50,7 +46,7 @@ def train_curve(state, dispatcher="alltoall", num_slots=None, world_group=None, 
     trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=world_group)
     per_rank = GLOBAL_BATCH // state.dp_cp.size
     curve = []
-    for batch in global_batches(steps, repeat):
+    for batch in global_batches(steps):
         mine = batch[state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
         micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)]
         m = trainer.train_step(micro_batches)
