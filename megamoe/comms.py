@@ -9,6 +9,9 @@ Conventions
   happens forward and backward. The others (``all_reduce_``, ``send`` ...) move data without autograd.
 - Every collective that moves data is recorded by the active :func:`comm_counter` (if any) with its
   kind, the group's global ranks and the bytes this rank contributes (its input buffer size).
+- A collective that times out (the process group's timeout) raises
+  :class:`~megamoe.collective_timeout.CollectiveTimeout`, naming the operation, the group's ranks
+  and, where the store can tell, the ranks that did not arrive.
 
 Tensor-parallel regions split / gather the LAST dim; sequence-parallel regions the FIRST dim.
 
@@ -31,8 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megamoe.collective_timeout import CollectiveTimeout, is_timeout
+
 __all__ = [
-    "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
+    "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
     "all_reduce_", "all_gather_into", "all_gather_sizes", "all_gather_object", "all_to_all_counts", "broadcast_",
     "send", "recv",
     "batch_send_recv", "barrier",
@@ -133,6 +138,20 @@ def _record(kind: str, group: ProcessGroup | None, tensor: torch.Tensor) -> None
             c.record(kind, group, nbytes)
 
 
+@contextlib.contextmanager
+def _timeout_named(kind: str, group: ProcessGroup | None, peers: Sequence[int] | None = None) -> Iterator[None]:
+    """Re-raise a timeout of the torch.distributed call inside as a :class:`CollectiveTimeout`
+    naming ``kind`` and the ranks involved: ``group``'s, or for point-to-point operations this
+    rank and its ``peers`` (global ranks). Other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_timeout(e):
+            raise
+        ranks = tuple(sorted({dist.get_rank(), *peers})) if peers is not None else group_ranks(group)
+        raise CollectiveTimeout.diagnose(kind, ranks, e) from e
+
+
 # ----------------------------------------------------------------------------------------------
 # Raw collectives (no autograd)
 # ----------------------------------------------------------------------------------------------
@@ -141,7 +160,8 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.Reduce
     if group_size(group) == 1:
         return tensor
     _record("all_reduce", group, tensor)
-    dist.all_reduce(tensor, op=op, group=group)
+    with _timeout_named("all_reduce", group):
+        dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -168,7 +188,8 @@ def _all_gather_dim0(src: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     src = src.contiguous()
     _record("all_gather", group, src)
     out = torch.empty((group_size(group) * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
-    _all_gather_single(out, src, group=group)
+    with _timeout_named("all_gather", group):
+        _all_gather_single(out, src, group=group)
     return out
 
 
@@ -217,7 +238,8 @@ def _reduce_scatter_dim0(tensor: torch.Tensor, group: ProcessGroup) -> torch.Ten
     _record("reduce_scatter", group, tensor)
     src = tensor.contiguous()
     out = torch.empty((src.shape[0] // world, *src.shape[1:]), dtype=src.dtype, device=src.device)
-    _reduce_scatter_single(out, src, group=group)
+    with _timeout_named("reduce_scatter", group):
+        _reduce_scatter_single(out, src, group=group)
     return out
 
 
@@ -229,7 +251,8 @@ def all_gather_object(obj, group: ProcessGroup | None) -> list:
     if _active_counters:
         for c in _active_counters:
             c.record("all_gather_object", group, 0)
-    dist.all_gather_object(out, obj, group=group)
+    with _timeout_named("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -242,7 +265,8 @@ def all_to_all_counts(send_counts: torch.Tensor, group: ProcessGroup | None) -> 
         return send_counts.clone()
     recv_counts = torch.empty_like(send_counts)
     _record("all_to_all", group, send_counts)
-    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    with _timeout_named("all_to_all", group):
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
     return recv_counts
 
 
@@ -251,7 +275,8 @@ def broadcast_(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup |
         return tensor
     _record("broadcast", group, tensor)
     buffer = tensor if tensor.is_contiguous() else tensor.contiguous()   # gloo needs dense buffers
-    dist.broadcast(buffer, src=src_global_rank, group=group)
+    with _timeout_named("broadcast", group):
+        dist.broadcast(buffer, src=src_global_rank, group=group)
     if buffer is not tensor:
         tensor.copy_(buffer)
     return tensor
@@ -260,19 +285,22 @@ def broadcast_(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup |
 def send(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None) -> None:
     """Point-to-point send (pipeline activations / gradients)."""
     _record("send", group, tensor)
-    dist.send(tensor.contiguous(), dst=dst_global_rank, group=group)
+    with _timeout_named("send", group, peers=(dst_global_rank,)):
+        dist.send(tensor.contiguous(), dst=dst_global_rank, group=group)
 
 
 def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """Point-to-point receive into ``tensor``; returns it."""
     _record("recv", group, tensor)
-    dist.recv(tensor, src=src_global_rank, group=group)
+    with _timeout_named("recv", group, peers=(src_global_rank,)):
+        dist.recv(tensor, src=src_global_rank, group=group)
     return tensor
 
 
 def barrier(group: ProcessGroup | None) -> None:
     if group_size(group) > 1:
-        dist.barrier(group=group)
+        with _timeout_named("barrier", group):
+            dist.barrier(group=group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,7 +471,9 @@ def _all_to_all_raw(x: torch.Tensor, output_splits: list[int], input_splits: lis
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     _record("all_to_all", group, x)
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    with _timeout_named("all_to_all", group):
+        dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group)
     return out
 
 
@@ -509,6 +539,8 @@ def batch_send_recv(
             raise ValueError("batch_send_recv: receive buffers must be contiguous (received in place)")
         _record("recv", group, buffer)
         ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    peers = [dst for _, dst in sends] + [src for _, src in recvs]
+    with _timeout_named("batch_send_recv", group, peers=peers):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     return [buffer for buffer, _ in recvs]

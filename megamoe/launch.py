@@ -16,6 +16,11 @@ User errors are :class:`UsageError` and the library's own errors for bad input (
 covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
 :class:`~checkpoint_tools.format.CheckpointError`; ``OSError`` such as a missing file). Set
 ``MEGAMOE_TRACEBACK=1`` to get the traceback instead (for a bug report).
+
+A collective that times out (a stuck, dead or much slower rank) raises
+:class:`~megamoe.collective_timeout.CollectiveTimeout` on the ranks waiting for it; the first of them
+to report prints it as one ``error:`` line naming the operation, its ranks and the rank(s) that did not
+arrive, and every one of them exits 1, which ends the torchrun job.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from megamoe.collective_timeout import CollectiveTimeout
+
 __all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "HelpFormatter", "add_launch_arguments", "launch_rank",
            "launch_world_size", "init_distributed", "run_script"]
 
@@ -37,8 +44,10 @@ logger = logging.getLogger(__name__)
 
 # Minutes, not gloo's default 30 s (a slow checkpoint load on one rank is no hang) nor NCCL's 10 min + hang.
 DEFAULT_COMM_TIMEOUT_S = 600.0
-# torchrun terminates the other workers as soon as one exits: ranks other than 0 wait this long before
-# exiting on a user error, so that rank 0 (which hits the same error) gets to print its line.
+# torchrun terminates the other workers as soon as one exits: ranks other than the one that prints
+# wait this long before printing and exiting on an error, so that the printing rank (which usually hits
+# the same error or timeout) prints the only line and the job ends during the wait. A rank still alive
+# afterwards had an error of its own (a file only it reads, say) and prints it.
 _QUIET_RANK_EXIT_DELAY_S = 3.0
 
 
@@ -90,26 +99,42 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, backend:
 
 def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) -> int:
     """Run ``main(argv)``; a user error (see the module docstring) prints ``<prog>: error: <message>``
-    on rank 0 (the other ranks stay quiet) and returns 1. Other exceptions propagate."""
+    on rank 0 (the other ranks stay quiet unless the job outlives a short wait) and returns 1; so does a collective timeout, printed by
+    the first rank that reports it. Other exceptions propagate."""
     prog = prog or os.path.basename(sys.argv[0])
     try:
         return main(argv)
+    except CollectiveTimeout as e:
+        if os.environ.get("MEGAMOE_TRACEBACK"):
+            raise
+        return _report(prog, f"{e}; if a rank is only slow, raise --comm-timeout", e.first_report)
     except (ValueError, OSError, _checkpoint_error()) as e:
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
-        rank = dist.get_rank() if dist.is_initialized() else launch_rank()
-        if rank == 0:
-            message = " ".join(str(e).split("\n"))
-            print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(_QUIET_RANK_EXIT_DELAY_S)
-        return 1
+        return _report(prog, str(e), _rank() == 0)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else launch_rank()
+
+
+def _report(prog: str, message: str, prints: bool) -> int:
+    """Print ``message`` as one ``error:`` line where ``prints``; elsewhere first wait (torchrun ends the
+    job when the first worker exits, and the printing rank must get to print first), then print it
+    naming this rank if the job is still running. Returns 1."""
+    one_line = " ".join(message.split("\n"))
+    if prints:
+        print(f"{prog}: error: {one_line}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(_QUIET_RANK_EXIT_DELAY_S)
+        print(f"{prog}: error: on rank {_rank()}: {one_line}", file=sys.stderr, flush=True)
+    return 1
 
 
 def _checkpoint_error() -> type[Exception]:

@@ -13,8 +13,10 @@ Guarantees:
 - The rendezvous uses a fresh ``file://`` store in a temporary directory, so concurrent test runs
   never collide on a port.
 - Each rank runs with ``torch.set_num_threads(1)`` (ranks share few cores; more threads thrash).
-- If any rank raises, the others are terminated at once and the first failing rank's traceback is
-  raised in the parent as :class:`RankFailure`.
+- If any rank raises or dies, the others are terminated at once and :class:`RankFailure` names the
+  root cause: a rank that died without reporting (killed, crashed) with its exit code or signal,
+  else the first rank whose traceback is its own error (not "connection reset by peer", which a
+  rank sees when ANOTHER rank died), with that traceback.
 - If the ranks do not all finish within ``timeout_s`` (a hung collective), every rank is killed and
   :class:`RankTimeout` names the ranks that had not finished.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -67,25 +70,81 @@ def _rank_entry(fn, rank, world_size, init_file, args, kwargs, result_queue, col
 # Errors a rank raises because ANOTHER rank died (its peer closed the connection): reported as a
 # consequence, never as the cause.
 _SECONDARY_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# How long the parent waits, after a rank's error that names no cause of its own or after seeing a
+# rank die, for the root cause (the dying rank's exit, or another rank's own traceback) to show.
+_ROOT_CAUSE_GRACE_S = 10.0
 
 
-def _failure(rank: int, payload: str, result_queue, world_size: int) -> RankFailure:
-    """Build the failure report, preferring the root cause: when the first error is a secondary one,
-    wait a moment for the failing rank's own traceback."""
-    errors = {rank: payload}
-    deadline = time.monotonic() + 3.0
-    while any(m in payload for m in _SECONDARY_ERRORS) and time.monotonic() < deadline:
+def _is_secondary(payload: str) -> bool:
+    return any(m in payload for m in _SECONDARY_ERRORS)
+
+
+def _exit_description(exitcode: int) -> str:
+    """``exit code 3`` or ``signal SIGKILL (exit code -9)``: how a rank's process ended."""
+    if exitcode < 0:
         try:
-            status, other, other_payload = result_queue.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if status == "error":
-            errors[other] = other_payload
-            if not any(m in other_payload for m in _SECONDARY_ERRORS):
-                rank, payload = other, other_payload
-    others = sorted(set(errors) - {rank})
-    also = f"\n(ranks {others} failed too, as a consequence)" if others else ""
-    return RankFailure(f"rank {rank} of {world_size} failed:\n{payload}{also}")
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        return f"signal {name} (exit code {exitcode})"
+    return f"exit code {exitcode}"
+
+
+class _Outcomes:
+    """What the parent knows about the ranks: results, reported errors, and silent deaths (a process
+    that ended non-zero without reporting, i.e. killed or crashed), each death in the order seen."""
+
+    def __init__(self, procs, result_queue):
+        self.procs, self.queue = procs, result_queue
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}          # rank -> traceback, in arrival order
+        self.deaths: dict[int, int] = {}          # rank -> exit code, in the order first seen
+
+    def poll(self, timeout: float) -> None:
+        """Take the queued reports (waiting up to ``timeout`` for the first), then look for silent
+        deaths: a rank whose process ended non-zero and whose report is not in the queue either."""
+        self._drain(timeout)
+        exited = [r for r, p in enumerate(self.procs)
+                  if not self._reported(r) and r not in self.deaths and p.exitcode not in (0, None)]
+        if exited:
+            self._drain(0.5)     # a report put just before the process ended may still be in flight
+            for rank in exited:
+                if not self._reported(rank):
+                    self.deaths[rank] = self.procs[rank].exitcode
+
+    def _drain(self, timeout: float) -> None:
+        while True:
+            try:
+                status, rank, payload = self.queue.get(timeout=timeout)
+            except queue.Empty:
+                return
+            (self.results if status == "ok" else self.errors)[rank] = payload
+            timeout = 0.0
+
+    def _reported(self, rank: int) -> bool:
+        return rank in self.results or rank in self.errors
+
+    def failed(self) -> bool:
+        return bool(self.errors or self.deaths)
+
+    def root_cause_known(self) -> bool:
+        """A death, or an error of the rank's own (not a peer's closed connection), has been seen."""
+        return bool(self.deaths) or any(not _is_secondary(e) for e in self.errors.values())
+
+    def failure(self, world_size: int) -> RankFailure:
+        """The report, naming the root cause first: a rank that died silently (the others' errors
+        are then its consequences: a killed peer resets their connections), else the first rank
+        whose error is its own, else the first error."""
+        if self.deaths:
+            rank = next(iter(self.deaths))
+            head = (f"rank {rank} of {world_size} died with {_exit_description(self.deaths[rank])} "
+                    "without reporting an error (killed, or crashed in native code)")
+        else:
+            rank = next((r for r, e in self.errors.items() if not _is_secondary(e)), next(iter(self.errors)))
+            head = f"rank {rank} of {world_size} failed:\n{self.errors[rank]}"
+        others = sorted((set(self.errors) | set(self.deaths)) - {rank})
+        also = f"\n(ranks {others} failed too, as a consequence)" if others else ""
+        return RankFailure(head + also)
 
 
 def run_on_ranks(
@@ -94,21 +153,27 @@ def run_on_ranks(
     args: Sequence[Any] = (),
     kwargs: dict | None = None,
     timeout_s: float = 180.0,
+    collective_timeout_s: float | None = None,
 ) -> list[Any]:
     """Spawn ``world_size`` gloo ranks, call ``fn(rank, world_size, *args, **kwargs)`` on each.
 
     ``fn`` must be picklable (a module-level function). Returns the per-rank return values ordered by
     rank. Raises :class:`RankFailure` with the failing rank's traceback, or :class:`RankTimeout`.
+    ``collective_timeout_s``: the process groups' timeout (default: a little under ``timeout_s``, so
+    that a hung collective surfaces as a :class:`~megamoe.comms.CollectiveTimeout` inside the rank).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if collective_timeout_s is not None and not collective_timeout_s > 0:
+        raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s}")
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megamoe-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         # Collectives time out a little before the harness does, so a hang surfaces as an error
         # from inside the rank when possible.
-        collective_timeout_s = max(5.0, timeout_s * 0.9)
+        if collective_timeout_s is None:
+            collective_timeout_s = max(5.0, timeout_s * 0.9)
         procs = [
             ctx.Process(
                 target=_rank_entry,
@@ -120,36 +185,25 @@ def run_on_ranks(
         ]
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
+        outcomes = _Outcomes(procs, result_queue)
         deadline = time.monotonic() + timeout_s
         try:
-            while len(results) < world_size:
+            while len(outcomes.results) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = sorted(set(range(world_size)) - set(results))
+                    missing = sorted(set(range(world_size)) - set(outcomes.results))
                     raise RankTimeout(
                         f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f}s "
                         "(a hung or mismatched collective?)"
                     )
-                try:
-                    status, rank, payload = result_queue.get(timeout=min(remaining, 0.5))
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs)
-                            if r not in results and not p.is_alive() and p.exitcode not in (0, None)]
-                    if dead:
-                        # Give a dying rank's queued traceback a moment to arrive before reporting.
-                        try:
-                            status, rank, payload = result_queue.get(timeout=1.0)
-                        except queue.Empty:
-                            raise RankFailure(
-                                f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                                "without reporting (killed or crashed)"
-                            ) from None
-                    else:
-                        continue
-                if status == "error":
-                    raise _failure(rank, payload, result_queue, world_size)
-                results[rank] = payload
+                outcomes.poll(timeout=min(remaining, 0.5))
+                if outcomes.failed():
+                    # A rank's error may only be the echo of another rank's death: wait (briefly)
+                    # for the cause before naming a rank.
+                    grace_end = time.monotonic() + _ROOT_CAUSE_GRACE_S
+                    while not outcomes.root_cause_known() and time.monotonic() < grace_end:
+                        outcomes.poll(timeout=0.2)
+                    raise outcomes.failure(world_size)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -157,4 +211,4 @@ def run_on_ranks(
             for p in procs:
                 p.join(timeout=5)
             result_queue.close()
-    return [results[r] for r in range(world_size)]
+    return [outcomes.results[r] for r in range(world_size)]

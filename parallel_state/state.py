@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from .rank_grid import DEFAULT_ORDER, GROUP_KINDS, compute_rank_groups
@@ -116,6 +117,16 @@ _current_state: ParallelState | None = None
 _created_groups: list[dist.ProcessGroup] = []
 
 
+def _world_timeout():
+    """The default process group's collective timeout, which the groups created here inherit
+    (torch gives a new group its backend's default instead: 30 min for gloo, ignoring the timeout
+    passed to ``init_process_group``). None where torch does not expose it: torch's default."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _backend_needs_cpu_twin(backend: str) -> bool:
     """True when groups of this backend cannot carry CPU tensors (e.g. "nccl"), so a gloo twin is needed.
 
@@ -153,6 +164,7 @@ def initialize_model_parallel(
             "initialising them again"
         )
     rank = dist.get_rank()
+    timeout = _world_timeout()
     grid = compute_rank_groups(dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, order=order)
 
     def create(groups: tuple[tuple[int, ...], ...], group_backend: str | None) -> GroupInfo | None:
@@ -164,7 +176,7 @@ def initialize_model_parallel(
                 if rank in ranks:
                     mine = _solo(rank)
                 continue
-            group = dist.new_group(ranks=list(ranks), backend=group_backend)
+            group = dist.new_group(ranks=list(ranks), backend=group_backend, timeout=timeout)
             if rank in ranks:
                 _created_groups.append(group)
                 mine = GroupInfo(group=group, ranks=ranks, rank=ranks.index(rank), size=len(ranks))

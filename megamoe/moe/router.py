@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.precision import compute_dtype
+
 __all__ = ["RouterConfig", "RouterOutput", "Router"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
@@ -138,7 +140,8 @@ class Router(nn.Module):
     ``weight`` is ``[E, H]`` like HF's ``gate.weight``. With ``use_expert_bias`` the persistent fp32
     buffer ``expert_bias`` ``[E]`` (HF's ``e_score_correction_bias``) shifts the scores used for
     selection only; it is adjusted by :meth:`update_expert_bias`, never by the optimizer.
-    All router arithmetic runs in fp32 whatever the dtype of ``weight`` and of the input.
+    All router arithmetic runs in fp32 whatever the dtype of ``weight`` and of the input (in fp64
+    when either is fp64, see :mod:`megamoe.precision`).
     """
 
     def __init__(self, config: RouterConfig, *, device=None, dtype=None) -> None:
@@ -169,11 +172,13 @@ class Router(nn.Module):
             self.expert_bias.zero_()
 
     def gate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, E] fp32 router logits; score function, selection, weights and losses follow.
+        """[T, H] -> [T, E] router logits, in fp32 at least (fp64 for an fp64 model); score function,
+        selection, weights and losses follow.
 
         The hook for a custom router: a subclass overriding it (e.g. adding a learned per-expert offset)
         keeps everything else, the expert-bias update included."""
-        return F.linear(hidden.float(), self.weight.float())
+        dtype = compute_dtype(hidden.dtype, self.weight.dtype)
+        return F.linear(hidden.to(dtype), self.weight.to(dtype))
 
     def forward(self, hidden: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
         """Route ``hidden`` [T, H]: T = num_sequences * seq_len tokens, sequence-major.
@@ -195,7 +200,7 @@ class Router(nn.Module):
         # Selection never needs gradients: the weights are gathered from `scores` afterwards.
         selection_scores = scores.detach()
         if self.expert_bias is not None:
-            selection_scores = selection_scores + self.expert_bias.float()
+            selection_scores = selection_scores + self.expert_bias.to(dtype)
         if cfg.n_group > 1:
             selection_scores = self._mask_to_best_groups(selection_scores)
         expert_ids = torch.topk(selection_scores, cfg.top_k, dim=-1).indices  # [T, K]
@@ -245,7 +250,7 @@ class Router(nn.Module):
         """
         cfg = self.config
         num_tokens = logits.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        total = logits.new_zeros(())
         # P_e needs per-token distributions: sigmoid scores are normalised to sum to 1 per token
         # (DeepSeek-V3's s'), softmax probabilities already do.
         if cfg.score_func == "sigmoid":
@@ -253,7 +258,7 @@ class Router(nn.Module):
         else:
             probs = scores
         if cfg.aux_loss_coeff > 0:
-            slot_fraction = tokens_per_expert.float() / max(num_tokens * cfg.top_k, 1)  # [E]
+            slot_fraction = tokens_per_expert.to(logits.dtype) / max(num_tokens * cfg.top_k, 1)  # [E]
             mean_prob = probs.sum(dim=0) / max(num_tokens, 1)  # [E]
             total = total + cfg.aux_loss_coeff * cfg.num_experts * (slot_fraction * mean_prob).sum()
         if cfg.seq_aux_loss_coeff > 0:
@@ -267,7 +272,7 @@ class Router(nn.Module):
             seq_counts.index_add_(
                 0,
                 seq_of_slot * cfg.num_experts + expert_ids.flatten(),
-                torch.ones(num_tokens * cfg.top_k, dtype=torch.float32, device=logits.device),
+                logits.new_ones(num_tokens * cfg.top_k),
             )
             seq_slot_fraction = seq_counts.view(num_sequences, cfg.num_experts) / max(seq_len * cfg.top_k, 1)
             seq_mean_prob = probs.view(num_sequences, seq_len, cfg.num_experts).sum(dim=1) / max(seq_len, 1)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.precision import compute_dtype
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel.init import init_sharded_, normal_init
 
@@ -74,10 +75,11 @@ class SharedExperts(nn.Module):
             init_sharded_(param, init, generator)
 
     def gate(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Per-token gate [T, 1] in fp32, or None without a gate."""
+        """Per-token gate [T, 1] in fp32 (fp64 for fp64 weights), or None without a gate."""
         if self.gate_weight is None:
             return None
-        return torch.sigmoid(F.linear(x.float(), self.gate_weight.float()))
+        dtype = compute_dtype(x.dtype, self.gate_weight.dtype)
+        return torch.sigmoid(F.linear(x.to(dtype), self.gate_weight.to(dtype)))
 
     def forward(self, tokens: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Partial output [T, H] of this rank's FFN shard (times ``gate`` when given)."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.precision import upcast
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -22,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, ignore_index):
         vocab_per_rank = logits.shape[-1]
         vocab_start = comms.group_rank(group) * vocab_per_rank
-        logits = logits.float()
+        logits = upcast(logits)
 
         logits_max = logits.max(dim=-1).values
         comms.all_reduce_(logits_max, group, op=dist.ReduceOp.MAX)
@@ -58,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor,
                                  tp_group: ProcessGroup | None = None, ignore_index: int = -100) -> torch.Tensor:
-    """Per-token loss (fp32, shape ``target.shape``; 0 where ``target == ignore_index``).
+    """Per-token loss (fp32, fp64 for fp64 logits; shape ``target.shape``; 0 where ``target == ignore_index``).
 
     ``logits_local`` [..., V/tp] is this rank's vocabulary chunk (rank order, as produced by a
     ColumnParallelLinear output layer). Average the result over the non-ignored tokens yourself.

@@ -20,6 +20,7 @@ import torch
 from megamoe import comms
 from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.pipeline.schedule import forward_backward
+from megamoe.precision import upcast
 from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
 from megamoe.training.trainable_model import TrainableModel, check_trainable_model
 
@@ -152,7 +153,7 @@ class Trainer:
                                  labels=labels if model.is_last_stage else None)
             aux_total += aux.detach().double()
             if model.is_last_stage:
-                return out.float() / num_mb, aux / num_mb
+                return upcast(out) / num_mb, aux / num_mb
             return out, aux / num_mb
 
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype

@@ -1,7 +1,8 @@
 """RMSNorm, optionally over a feature dim whose heads are split across a tensor-parallel group.
 
-``y = weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 and cast back to the input dtype before
-the weight multiply (the order HuggingFace's Llama-family ``*RMSNorm`` uses, so bf16 results match).
+``y = weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (fp64 for fp64 inputs) and cast back to
+the input dtype before the weight multiply (the order HuggingFace's Llama-family ``*RMSNorm`` uses,
+so bf16 results match).
 
 Sharded features (OLMoE's q/k norm spans all heads, and heads are split over TP, see
 :mod:`megamoe.transformer.head_sharding`): the input and ``weight`` hold this rank's heads. The mean
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.precision import upcast
 from megamoe.sharding import set_shard_spec
 from megamoe.tensor_parallel.init import init_sharded_
 from megamoe.transformer.head_sharding import head_shard, sum_grad_over_replicas
@@ -80,7 +82,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
-        x32 = x.float()
+        x32 = upcast(x)
         if self.sharded:
             sum_sq = x32.pow(2).sum(-1, keepdim=True)
             sum_sq = comms.reduce_from_tensor_parallel_region(sum_sq, self.tp_group)   # forward all-reduce
