@@ -48,7 +48,7 @@ DEFAULT_COMM_TIMEOUT_S = 600.0
 # wait this long before printing and exiting on an error, so that the printing rank (which usually hits
 # the same error or timeout) prints the only line and the job ends during the wait. A rank still alive
 # afterwards had an error of its own (a file only it reads, say) and prints it.
-_QUIET_RANK_EXIT_DELAY_S = 3.0
+_QUIET_RANK_EXIT_DELAY_S = 10.0
 
 
 class UsageError(ValueError):
