@@ -200,7 +200,7 @@ class Router(nn.Module):
         # Selection never needs gradients: the weights are gathered from `scores` afterwards.
         selection_scores = scores.detach()
         if self.expert_bias is not None:
-            selection_scores = selection_scores + self.expert_bias.to(dtype)
+            selection_scores = selection_scores + self.expert_bias.to(logits.dtype)
         if cfg.n_group > 1:
             selection_scores = self._mask_to_best_groups(selection_scores)
         expert_ids = torch.topk(selection_scores, cfg.top_k, dim=-1).indices  # [T, K]
