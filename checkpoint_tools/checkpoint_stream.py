@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint_tools.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS, MANIFEST_FILE, _DTYPES
+from checkpoint_tools.checkpoint_manifest import _DTYPES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS, MANIFEST_FILE
 from checkpoint_tools.safetensors_stream import FileExtent, PlannedTensor, SafetensorsStreamWriter, group_into_files
 
 __all__ = ["CONVERSION_MAX_FILE_BYTES", "StreamedTensor", "CheckpointStreamWriter", "dtype_name"]

@@ -32,8 +32,8 @@ import torch
 from tqdm import tqdm
 
 from checkpoint_tools.adapters import ADAPTERS, AdapterError, adapter_for
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest
+from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
+from checkpoint_tools.errors import CheckpointError, ConversionError
 from checkpoint_tools.hf_checkpoint import CONFIG_FILE, INDEX_FILE, HFCheckpoint
 from checkpoint_tools.import_hf import model_config_from_hf
 from checkpoint_tools.logical_reader import LogicalTensorReader

@@ -14,7 +14,9 @@ from collections import defaultdict
 
 import torch
 
-from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest, verify_checkpoint
+from checkpoint_tools.checkpoint_load import verify_checkpoint
+from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
+from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
 from checkpoint_tools.reshard import OPTIMIZER_PREFIX

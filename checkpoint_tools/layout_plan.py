@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from checkpoint_tools.chunk_regions import Region, _check_tiling
 from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.format import _check_tiling
 from checkpoint_tools.layout import ParallelLayout
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEConfig, GPTMoEModel
@@ -42,8 +42,6 @@ from parallel_state import GROUP_KINDS, GroupInfo, ParallelState, compute_rank_g
 __all__ = ["TensorChunks", "LayoutPlan", "plan_layout"]
 
 logger = logging.getLogger(__name__)
-
-Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
 
 @dataclass(frozen=True)

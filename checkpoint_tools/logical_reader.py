@@ -16,7 +16,8 @@ import os
 import torch
 
 from checkpoint_tools import integrity
-from checkpoint_tools.format import _DTYPES, CheckpointError, read_manifest, resolve_checkpoint
+from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest, resolve_checkpoint
+from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.read_window import DEFAULT_WINDOW_BYTES, ReadWindow
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 from checkpoint_tools.scratch import ScratchBuffer

@@ -7,7 +7,8 @@ import os
 
 from checkpoint_tools.errors import ConversionError
 from megamoe.models import GPTMoEConfig
-from megamoe.moe.expert_slots import ExpertPlacement, load_expert_load
+from megamoe.moe.expert_load_file import load_expert_load
+from megamoe.moe.expert_slots import ExpertPlacement
 
 __all__ = ["build_placements"]
 

@@ -16,9 +16,10 @@ import os
 
 from tqdm import tqdm
 
+from checkpoint_tools.checkpoint_load import load_rank_state
+from checkpoint_tools.checkpoint_manifest import _DTYPES, MANIFEST_FILE, read_manifest
 from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.format import _DTYPES, MANIFEST_FILE, load_rank_state, read_manifest
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import LayoutPlan, plan_layout
 from checkpoint_tools.logical_reader import LogicalTensorReader

@@ -54,15 +54,15 @@ def train_steps(trainer, sampler, data, num_steps) -> list[float]:
 
 
 def _die_while_writing_the_manifest():
-    import checkpoint_tools.format as fmt
+    import checkpoint_tools.checkpoint_save as checkpoint_save
 
     def write_half_and_die(tmp_dir, manifest):
         text = json.dumps(manifest)
-        with open(os.path.join(tmp_dir, fmt.MANIFEST_FILE), "w") as f:
+        with open(os.path.join(tmp_dir, checkpoint_save.MANIFEST_FILE), "w") as f:
             f.write(text[:len(text) // 2])
         os._exit(DIED_IN_SAVE)
 
-    fmt._write_manifest = write_half_and_die
+    checkpoint_save._write_manifest = write_half_and_die
 
 
 def main():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import checkpoint_tools.checkpoint_load as checkpoint_load
 import checkpoint_tools.format as fmt
 from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
                                      read_manifest, save_checkpoint, verify_checkpoint)
@@ -253,13 +254,13 @@ def test_loads_read_only_the_needed_slices(tmp_path, monkeypatch):
     path = tmp_path / "ckpt"
     save_checkpoint(path, tp4 + [LogicalChunk("h", full.to(torch.bfloat16), (16, 12), (0, 0))], manifest_fields={})
     log = []
-    real_safe_open = fmt.safe_open
+    real_safe_open = checkpoint_load.safe_open
 
     @contextlib.contextmanager
     def counting_safe_open(file_path, framework):
         with real_safe_open(file_path, framework=framework) as handle:
             yield _CountingHandle(handle, log)
-    monkeypatch.setattr(fmt, "safe_open", counting_safe_open)
+    monkeypatch.setattr(checkpoint_load, "safe_open", counting_safe_open)
 
     columns = torch.empty(16, 6)                   # column-split rank 1 of 2: spans the 4 stored chunks
     load_checkpoint(path, [LogicalChunk("w", columns, (16, 12), (0, 6))])

@@ -6,24 +6,23 @@ contiguously over the EP ranks (rank ``r`` owns slots ``[r*S/ep, (r+1)*S/ep)``),
 of exactly one expert. A hot expert may hold several slots (replicas); tokens routed to it are spread over
 them by :meth:`ExpertPlacement.choose_slots`, a rule every rank evaluates identically.
 
-This module also owns the expert-load file: per-layer token counts per expert, written by inference and
-read by ``megamoe-convert import-hf --expert-load FILE`` to build balanced placements.
+The balanced packing lives in :mod:`megamoe.moe.placement_policy`; the expert-load file (per-layer token
+counts per expert, written by inference and read by ``megamoe-convert import-hf --expert-load FILE`` to
+build balanced placements) in :mod:`megamoe.moe.expert_load_file`, whose names this module re-exports.
 """
 
 from __future__ import annotations
 
-import heapq
-import json
 import logging
 import math
 import operator
-import os
-from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from megamoe.atomic_file import atomic_write
+from megamoe.moe.argument_checks import positive_int, validated_load
+from megamoe.moe.expert_load_file import EXPERT_LOAD_FORMAT, EXPERT_LOAD_VERSION, load_expert_load, save_expert_load
+from megamoe.moe.placement_policy import balanced_slot_to_expert
 
 __all__ = [
     "EXPERT_LOAD_FORMAT",
@@ -35,22 +34,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-EXPERT_LOAD_FORMAT = "megamoe-expert-load"
-EXPERT_LOAD_VERSION = 1
-
-
-def _positive_int(value, name: str) -> int:
-    # bool is an int subclass; `True` experts is always a mistake.
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be >= 1, got {number}")
-    return number
 
 
 def _index_below(value, bound: int, name: str) -> int:
@@ -99,169 +82,6 @@ def _slot_table(slot_to_expert) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def _validated_load(expert_load, num_experts: int | None, name: str) -> torch.Tensor:
-    """[E] float64 CPU copy of a per-expert load; ValueError for a wrong length, negative or non-finite load."""
-    try:
-        load = torch.as_tensor(
-            expert_load.detach() if isinstance(expert_load, torch.Tensor) else expert_load
-        ).to(device="cpu", dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"{name} must be a 1-D sequence of numbers: {error}") from None
-    if load.dim() != 1 or load.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D vector of per-expert loads, got shape {tuple(load.shape)}")
-    if num_experts is not None and load.numel() != num_experts:
-        raise ValueError(
-            f"{name} has {load.numel()} entries but there are {num_experts} experts; give one load per expert"
-        )
-    if not torch.isfinite(load).all():
-        raise ValueError(f"{name} contains NaN or infinite values; loads must be finite token counts or fractions")
-    if (load < 0).any():
-        first = int((load < 0).nonzero()[0])
-        raise ValueError(f"{name}[{first}] is negative ({load[first].item()}); loads must be >= 0")
-    return load
-
-
-def _replica_counts(loads: list[float], num_replicas: int, num_ranks: int) -> list[int]:
-    """One replica per expert, then each extra one to the expert with the highest load per replica.
-
-    An expert gets at most ``num_ranks`` replicas while any other expert can still take one: a replica
-    beyond one per rank must share a rank with a sibling, which adds no parallelism, and an uneven count
-    such as 3 replicas on 2 ranks leaves one rank with 2/3 of the expert's tokens. Past that, the cap
-    grows by whole multiples of ``num_ranks``. Ties go to the expert with fewer replicas, then the lower
-    index, so an all-zero load replicates round-robin instead of piling every replica onto expert 0.
-    """
-    counts = [1] * len(loads)
-    cap = num_ranks
-    heap = [(-load, 1, expert) for expert, load in enumerate(loads)]
-    heapq.heapify(heap)
-    full: list[tuple[float, int, int]] = []  # entries of experts at the cap, kept for when the cap grows
-    for _ in range(num_replicas - len(loads)):
-        while not heap or heap[0][1] >= cap:
-            if heap:
-                full.append(heapq.heappop(heap))
-            else:
-                cap += num_ranks
-                heap, full = full, []
-                heapq.heapify(heap)
-        _, _, expert = heapq.heappop(heap)
-        counts[expert] += 1
-        heapq.heappush(heap, (-loads[expert] / counts[expert], counts[expert], expert))
-    return counts
-
-
-def _pack(weights: list[float], labels: list[int], num_bins: int, capacity: int) -> list[list[int]]:
-    """Split items into ``num_bins`` bins of exactly ``capacity`` items, keeping the heaviest bin light.
-
-    Greedy longest-processing-time first (heaviest item to the lightest bin with room), preferring bins
-    that do not already hold an item of the same label (two replicas of one expert on one rank give that
-    rank no extra parallelism); then swaps that lower the heaviest bin, then swaps that separate
-    same-label items without raising the heaviest bin. Load comes first: a same-label pair is kept when
-    separating it would cost balance. Returns the item indices of each bin.
-    """
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    bin_loads = [0.0] * num_bins
-    bin_labels = [Counter() for _ in range(num_bins)]
-    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], labels[i], i)):
-        label = labels[item]
-        target = min(
-            (b for b in range(num_bins) if len(bins[b]) < capacity),
-            key=lambda b: (bin_labels[b][label] > 0, bin_loads[b], b),
-        )
-        bins[target].append(item)
-        bin_loads[target] += weights[item]
-        bin_labels[target][label] += 1
-    packing = _Packing(bins, bin_loads, bin_labels, weights, labels)
-    packing.lower_peak()
-    packing.separate_labels()
-    return bins
-
-
-class _Packing:
-    """Bins of items under local search by pairwise swaps (one item of one bin for one of another)."""
-
-    def __init__(self, bins, bin_loads, bin_labels, weights, labels):
-        self.bins, self.loads, self.bin_labels = bins, bin_loads, bin_labels
-        self.weights, self.labels = weights, labels
-        self.max_swaps = 4 * len(weights)  # a bound on the worst case; both passes stop well before
-
-    def lower_peak(self) -> None:
-        """Swap an item of the heaviest bin for a lighter one elsewhere while that lowers the heaviest bin.
-
-        Each swap leaves both bins strictly below the old peak, so (peak, number of bins at the peak)
-        strictly decreases. A swap that puts two same-label items together is taken only when no other
-        swap lowers the heaviest bin; among the rest, the lowest resulting peak wins.
-        """
-        for _ in range(self.max_swaps):
-            heavy = max(range(len(self.bins)), key=lambda b: (self.loads[b], -b))
-            peak = self.loads[heavy]
-            best = None  # (adds a pair?, new peak of the two bins, added pairs, other bin, pos in heavy, pos in other)
-            for other in range(len(self.bins)):
-                if other == heavy:
-                    continue
-                for pos_heavy, item_heavy in enumerate(self.bins[heavy]):
-                    for pos_other, item_other in enumerate(self.bins[other]):
-                        delta = self.weights[item_heavy] - self.weights[item_other]
-                        if delta <= 0:
-                            continue
-                        new_peak = max(peak - delta, self.loads[other] + delta)
-                        if new_peak >= peak:
-                            continue
-                        added = self._added_pairs(heavy, item_heavy, other, item_other)
-                        candidate = (added > 0, new_peak, added, other, pos_heavy, pos_other)
-                        best = candidate if best is None else min(best, candidate)
-            if best is None:
-                return
-            self._swap(heavy, best[4], best[3], best[5])
-
-    def separate_labels(self) -> None:
-        """Swaps that remove same-label pairs while keeping both bins at or below the current peak."""
-        for _ in range(self.max_swaps):
-            peak = max(self.loads)
-            best = None  # (added same-label pairs (< 0), new peak of the two bins, bin, pos, other bin, pos)
-            for crowded in range(len(self.bins)):
-                for pos, item in enumerate(self.bins[crowded]):
-                    if self.bin_labels[crowded][self.labels[item]] < 2:
-                        continue
-                    for other in range(len(self.bins)):
-                        if other == crowded:
-                            continue
-                        for pos_other, item_other in enumerate(self.bins[other]):
-                            delta = self.weights[item] - self.weights[item_other]
-                            new_peak = max(self.loads[crowded] - delta, self.loads[other] + delta)
-                            added = self._added_pairs(crowded, item, other, item_other)
-                            if added >= 0 or new_peak > peak:
-                                continue
-                            candidate = (added, new_peak, crowded, pos, other, pos_other)
-                            best = candidate if best is None else min(best, candidate)
-            if best is None:
-                return
-            self._swap(best[2], best[3], best[4], best[5])
-
-    def _added_pairs(self, bin_a: int, item_a: int, bin_b: int, item_b: int) -> int:
-        """Change in the number of same-label pairs if item_a (in bin_a) and item_b (in bin_b) swap."""
-        label_a, label_b = self.labels[item_a], self.labels[item_b]
-        if label_a == label_b:
-            return 0
-        # Pairs are counted as (count - 1) per label present in a bin.
-        change = 0
-        change -= 1 if self.bin_labels[bin_a][label_a] >= 2 else 0  # label_a leaves bin_a
-        change += 1 if self.bin_labels[bin_a][label_b] >= 1 else 0  # label_b joins bin_a
-        change -= 1 if self.bin_labels[bin_b][label_b] >= 2 else 0
-        change += 1 if self.bin_labels[bin_b][label_a] >= 1 else 0
-        return change
-
-    def _swap(self, bin_a: int, pos_a: int, bin_b: int, pos_b: int) -> None:
-        item_a, item_b = self.bins[bin_a][pos_a], self.bins[bin_b][pos_b]
-        self.bins[bin_a][pos_a], self.bins[bin_b][pos_b] = item_b, item_a
-        delta = self.weights[item_a] - self.weights[item_b]
-        self.loads[bin_a] -= delta
-        self.loads[bin_b] += delta
-        self.bin_labels[bin_a][self.labels[item_a]] -= 1
-        self.bin_labels[bin_a][self.labels[item_b]] += 1
-        self.bin_labels[bin_b][self.labels[item_b]] -= 1
-        self.bin_labels[bin_b][self.labels[item_a]] += 1
-
-
 class ExpertPlacement:
     """Slot -> expert table for one MoE layer, with its inverse. Immutable; validated on construction.
 
@@ -283,8 +103,8 @@ class ExpertPlacement:
     )
 
     def __init__(self, slot_to_expert: Sequence[int] | torch.Tensor, num_experts: int, ep_size: int):
-        num_experts = _positive_int(num_experts, "num_experts")
-        ep_size = _positive_int(ep_size, "ep_size")
+        num_experts = positive_int(num_experts, "num_experts")
+        ep_size = positive_int(ep_size, "ep_size")
         table = _slot_table(slot_to_expert)  # [S]
         num_slots = table.numel()
         _check_slot_layout(num_experts, num_slots, ep_size)
@@ -361,9 +181,9 @@ class ExpertPlacement:
     @classmethod
     def default(cls, num_experts: int, num_slots: int, ep_size: int) -> "ExpertPlacement":
         """Experts in order in the first E slots; slot ``E + i`` replicates expert ``i % E``."""
-        num_experts = _positive_int(num_experts, "num_experts")
-        num_slots = _positive_int(num_slots, "num_slots")
-        ep_size = _positive_int(ep_size, "ep_size")
+        num_experts = positive_int(num_experts, "num_experts")
+        num_slots = positive_int(num_slots, "num_slots")
+        ep_size = positive_int(ep_size, "ep_size")
         _check_slot_layout(num_experts, num_slots, ep_size)
         return cls([slot % num_experts for slot in range(num_slots)], num_experts, ep_size)
 
@@ -396,10 +216,10 @@ class ExpertPlacement:
         tokens within few nodes. Step 3 does not apply (the default layout ignores nodes).
         Deterministic: ties go to lower indices. Within a rank, slots are ordered by expert id.
         """
-        load = _validated_load(expert_load, None, "expert_load")
+        load = validated_load(expert_load, None, "expert_load")
         num_experts = load.numel()
-        num_slots = _positive_int(num_slots, "num_slots")
-        ep_size = _positive_int(ep_size, "ep_size")
+        num_slots = positive_int(num_slots, "num_slots")
+        ep_size = positive_int(ep_size, "ep_size")
         _check_slot_layout(num_experts, num_slots, ep_size)
         if (num_groups is None) != (num_nodes is None):
             raise ValueError(
@@ -407,8 +227,8 @@ class ExpertPlacement:
             )
         if num_groups is None:
             num_groups = num_nodes = 1  # the flat policy is the one-group, one-node case
-        num_groups = _positive_int(num_groups, "num_groups")
-        num_nodes = _positive_int(num_nodes, "num_nodes")
+        num_groups = positive_int(num_groups, "num_groups")
+        num_nodes = positive_int(num_nodes, "num_nodes")
         if num_experts % num_groups != 0:
             raise ValueError(f"num_experts ({num_experts}) is not a multiple of num_groups ({num_groups}); "
                              f"expert groups must be equal-sized")
@@ -419,23 +239,7 @@ class ExpertPlacement:
             raise ValueError(f"ep_size ({ep_size}) is not a multiple of num_nodes ({num_nodes}); "
                              f"each node must hold the same number of EP ranks")
 
-        loads = load.tolist()
-        experts_per_group = num_experts // num_groups
-        group_loads = [sum(loads[g * experts_per_group:(g + 1) * experts_per_group]) for g in range(num_groups)]
-        groups_of_node = _pack(group_loads, list(range(num_groups)), num_nodes, num_groups // num_nodes)
-
-        slots_per_rank = num_slots // ep_size
-        slot_to_expert: list[int] = []
-        for node_groups in groups_of_node:
-            node_experts = sorted(
-                expert for group in node_groups
-                for expert in range(group * experts_per_group, (group + 1) * experts_per_group)
-            )
-            counts = _replica_counts([loads[e] for e in node_experts], num_slots // num_nodes, ep_size // num_nodes)
-            replica_expert = [e for e, count in zip(node_experts, counts) for _ in range(count)]
-            replica_weight = [loads[e] / count for e, count in zip(node_experts, counts) for _ in range(count)]
-            for rank_replicas in _pack(replica_weight, replica_expert, ep_size // num_nodes, slots_per_rank):
-                slot_to_expert.extend(sorted(replica_expert[i] for i in rank_replicas))
+        slot_to_expert = balanced_slot_to_expert(load.tolist(), num_slots, ep_size, num_groups, num_nodes)
         placement = cls(slot_to_expert, num_experts, ep_size)
         if num_nodes == 1:
             # The heuristic can lose to the naive layout on small, lumpy loads (e.g. five replicas of
@@ -454,7 +258,7 @@ class ExpertPlacement:
 
     def rank_loads(self, expert_load: Sequence[float] | torch.Tensor) -> torch.Tensor:
         """[ep] float64 load per EP rank, assuming each expert's load splits evenly over its replicas."""
-        load = _validated_load(expert_load, self.num_experts, "expert_load")
+        load = validated_load(expert_load, self.num_experts, "expert_load")
         slot_load = load[self._slot_to_expert] / self._replica_counts[self._slot_to_expert]  # [S]
         return slot_load.view(self.ep_size, self.slots_per_rank).sum(dim=1)
 
@@ -568,8 +372,8 @@ class ExpertLoadCounter:
     """
 
     def __init__(self, num_experts: int, num_slots: int):
-        self.num_experts = _positive_int(num_experts, "num_experts")
-        self.num_slots = _positive_int(num_slots, "num_slots")
+        self.num_experts = positive_int(num_experts, "num_experts")
+        self.num_slots = positive_int(num_slots, "num_slots")
         if self.num_slots < self.num_experts:
             raise ValueError(
                 f"num_slots ({self.num_slots}) < num_experts ({self.num_experts}); use num_slots >= num_experts"
@@ -605,85 +409,3 @@ class ExpertLoadCounter:
         """Zero both counters (they stay on their device)."""
         self.per_expert.zero_()
         self.per_slot.zero_()
-
-
-# ---------------------------------------------------------------------- expert-load file
-
-
-def save_expert_load(
-    path: str | os.PathLike,
-    loads: Mapping[int, Sequence[float] | torch.Tensor],
-    *,
-    num_experts: int,
-    metadata: dict | None = None,
-) -> None:
-    """Write per-layer expert loads as JSON (format ``megamoe-expert-load`` v1), atomically.
-
-    ``loads`` maps a layer index to its [E] load (token counts or fractions). The file is written to a
-    temporary file next to ``path`` and renamed over it, so a reader never sees a half-written file.
-    """
-    num_experts = _positive_int(num_experts, "num_experts")
-    if not isinstance(loads, Mapping) or not loads:
-        raise ValueError("loads must be a non-empty dict {layer index: per-expert loads}")
-    layers = {}
-    for layer in sorted(loads, key=lambda k: (not isinstance(k, int), str(k))):
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ValueError(f"layer keys must be non-negative ints (layer indices), got {layer!r}")
-        layers[str(layer)] = _validated_load(loads[layer], num_experts, f"loads[{layer}]").tolist()
-    document = {
-        "format": EXPERT_LOAD_FORMAT,
-        "version": EXPERT_LOAD_VERSION,
-        "num_experts": num_experts,
-        "layers": layers,
-        "metadata": {} if metadata is None else metadata,
-    }
-    if not isinstance(document["metadata"], dict):
-        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
-    try:
-        text = json.dumps(document, allow_nan=False, indent=1)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"metadata is not JSON-serialisable ({error}); use plain str/int/float/list/dict") from None
-
-    with atomic_write(path, "w") as file:
-        file.write(text)
-
-
-def load_expert_load(path: str | os.PathLike) -> dict[int, torch.Tensor]:
-    """Read an expert-load file: layer index -> [E] float64 loads. ValueError says what is wrong and where."""
-    path = os.fspath(path)
-    with open(path, encoding="utf-8") as file:
-        text = file.read()
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); expected a megamoe-expert-load file") from None
-    if not isinstance(document, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level, got {type(document).__name__}")
-    if document.get("format") != EXPERT_LOAD_FORMAT:
-        raise ValueError(
-            f"{path}: 'format' is {document.get('format')!r}, expected {EXPERT_LOAD_FORMAT!r}; "
-            f"is this an expert-load file written by save_expert_load?"
-        )
-    if document.get("version") != EXPERT_LOAD_VERSION:
-        raise ValueError(
-            f"{path}: unsupported version {document.get('version')!r}; this megamoe reads version {EXPERT_LOAD_VERSION}"
-        )
-    num_experts = document.get("num_experts")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{path}: 'num_experts' must be a positive int, got {num_experts!r}")
-    metadata = document.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise ValueError(f"{path}: 'metadata' must be an object, got {type(metadata).__name__}")
-    layers = document.get("layers")
-    if not isinstance(layers, dict) or not layers:
-        raise ValueError(f"{path}: 'layers' must be a non-empty object {{\"layer index\": [loads]}}")
-    result = {}
-    for key, values in layers.items():
-        if not (key.isascii() and key.isdigit() and str(int(key)) == key):
-            raise ValueError(f"{path}: layer key {key!r} is not a layer index; keys are decimal ints like \"3\"")
-        if not isinstance(values, list) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
-        ):
-            raise ValueError(f"{path}: layer {key} must be a list of numbers")
-        result[int(key)] = _validated_load(values, num_experts, f"{path}: layer {key}")
-    return dict(sorted(result.items()))

@@ -1,0 +1,98 @@
+"""The megamoe checkpoint format's manifest: its constants, the dtype table, where a checkpoint lives
+(``<path>.old`` after an interrupted save) and reading a manifest as untrusted input.
+
+The format itself is documented in :mod:`checkpoint_tools.format`; this is what its save side
+(:mod:`checkpoint_tools.checkpoint_save`) and read side (:mod:`checkpoint_tools.checkpoint_load`) share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from checkpoint_tools.chunk_regions import _check_tiling
+from checkpoint_tools.errors import CheckpointError
+from checkpoint_tools.manifest_fields import HF_FILES_DIR
+from checkpoint_tools.safe_names import resolve_inside
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "megamoe-checkpoint"
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, FORMAT_VERSION)      # version 1 differs only in recording SHA-256 checksums
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FIELDS = ("model_config", "parallel_layout", "expert_placement", "extra")
+_OLD_SUFFIX = ".old"
+
+# dtypes safetensors stores, by the name the manifest uses.
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """The directory holding the checkpoint ``path`` names (``<path>.old`` after an interrupted swap)."""
+    path = os.path.normpath(os.fspath(path))
+    if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
+        return path
+    old = path + _OLD_SUFFIX
+    if not os.path.exists(path) and os.path.isfile(os.path.join(old, MANIFEST_FILE)):
+        logger.warning("%s is missing but %s holds the previous checkpoint (a save was interrupted while "
+                       "swapping directories); reading it", path, old)
+        return old
+    if os.path.exists(path):
+        raise CheckpointError(f"{path} is not a megamoe checkpoint: it has no {MANIFEST_FILE}")
+    raise CheckpointError(f"no checkpoint at {path}")
+
+
+def _check_manifest_names(root: str, manifest_path: str, manifest: dict) -> None:
+    """Every file name the manifest gives (its files, the chunks' and rank state's files, the HF side
+    files) is a plain relative name resolving inside the checkpoint (see :mod:`checkpoint_tools.safe_names`),
+    and every chunk's file is listed: refused here, before any file is opened."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{manifest_path}: 'files' must map file names to their sizes and checksums")
+    for name in files:
+        resolve_inside(root, name, f"{manifest_path}: files")
+    stored = [(f"logical tensor {name!r}", c) for name, t in manifest["tensors"].items() for c in t["chunks"]]
+    stored += [(f"rank {rank}'s state {key!r}", e) for rank, entries in manifest.get("rank_state", {}).items()
+               for key, e in entries.items()]
+    for what, entry in stored:
+        if not isinstance(entry.get("file"), str) or entry["file"] not in files:
+            raise CheckpointError(f"{manifest_path}: {what} is stored in {entry.get('file')!r}, which the manifest "
+                                  "does not list among its files")
+    side_dir = os.path.join(root, HF_FILES_DIR)
+    for name in (manifest.get("extra") or {}).get("hf_files") or {}:
+        resolve_inside(side_dir, name, f"{manifest_path}: extra.hf_files", single_component=True)
+
+
+def _read_manifest_at(root: str) -> dict:
+    manifest_path = os.path.join(root, MANIFEST_FILE)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {manifest_path}: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{manifest_path} is not a {FORMAT_NAME} manifest")
+    if manifest.get("format_version") not in _READABLE_VERSIONS:
+        raise CheckpointError(f"{manifest_path}: unsupported checkpoint format version "
+                              f"{manifest.get('format_version')!r}; this megamoe reads versions "
+                              f"{', '.join(map(str, _READABLE_VERSIONS))}")
+    for name, entry in manifest["tensors"].items():
+        if entry["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{manifest_path}: logical tensor {name!r} has unknown dtype {entry['dtype']!r}")
+        _check_tiling(name, tuple(entry["global_shape"]),
+                      [(tuple(c["offsets"]), tuple(c["shape"])) for c in entry["chunks"]],
+                      f"{manifest_path}: the stored chunks")
+    _check_manifest_names(root, manifest_path, manifest)
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The checkpoint's manifest (validated: format version, chunks tiling every tensor, every file name
+    a plain name inside the checkpoint)."""
+    return _read_manifest_at(resolve_checkpoint(path))

@@ -1,0 +1,177 @@
+"""Placement policies: which expert each slot holds, chosen from per-expert loads.
+
+The balanced policy behind :meth:`megamoe.moe.expert_slots.ExpertPlacement.balanced` (which validates its
+arguments and keeps the default layout when that is better): replica counts, then packing replicas onto
+EP ranks, optionally inside nodes holding whole expert groups (DeepSeek EPLB's hierarchical policy).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+
+
+def balanced_slot_to_expert(loads: list[float], num_slots: int, ep_size: int, num_groups: int,
+                            num_nodes: int) -> list[int]:
+    """The slot -> expert table of steps 1-2 of :meth:`~megamoe.moe.expert_slots.ExpertPlacement.balanced`
+    for ``loads`` (one per expert); the arguments are already validated there."""
+    num_experts = len(loads)
+    experts_per_group = num_experts // num_groups
+    group_loads = [sum(loads[g * experts_per_group:(g + 1) * experts_per_group]) for g in range(num_groups)]
+    groups_of_node = _pack(group_loads, list(range(num_groups)), num_nodes, num_groups // num_nodes)
+
+    slots_per_rank = num_slots // ep_size
+    slot_to_expert: list[int] = []
+    for node_groups in groups_of_node:
+        node_experts = sorted(
+            expert for group in node_groups
+            for expert in range(group * experts_per_group, (group + 1) * experts_per_group)
+        )
+        counts = _replica_counts([loads[e] for e in node_experts], num_slots // num_nodes, ep_size // num_nodes)
+        replica_expert = [e for e, count in zip(node_experts, counts) for _ in range(count)]
+        replica_weight = [loads[e] / count for e, count in zip(node_experts, counts) for _ in range(count)]
+        for rank_replicas in _pack(replica_weight, replica_expert, ep_size // num_nodes, slots_per_rank):
+            slot_to_expert.extend(sorted(replica_expert[i] for i in rank_replicas))
+    return slot_to_expert
+
+
+def _replica_counts(loads: list[float], num_replicas: int, num_ranks: int) -> list[int]:
+    """One replica per expert, then each extra one to the expert with the highest load per replica.
+
+    An expert gets at most ``num_ranks`` replicas while any other expert can still take one: a replica
+    beyond one per rank must share a rank with a sibling, which adds no parallelism, and an uneven count
+    such as 3 replicas on 2 ranks leaves one rank with 2/3 of the expert's tokens. Past that, the cap
+    grows by whole multiples of ``num_ranks``. Ties go to the expert with fewer replicas, then the lower
+    index, so an all-zero load replicates round-robin instead of piling every replica onto expert 0.
+    """
+    counts = [1] * len(loads)
+    cap = num_ranks
+    heap = [(-load, 1, expert) for expert, load in enumerate(loads)]
+    heapq.heapify(heap)
+    full: list[tuple[float, int, int]] = []  # entries of experts at the cap, kept for when the cap grows
+    for _ in range(num_replicas - len(loads)):
+        while not heap or heap[0][1] >= cap:
+            if heap:
+                full.append(heapq.heappop(heap))
+            else:
+                cap += num_ranks
+                heap, full = full, []
+                heapq.heapify(heap)
+        _, _, expert = heapq.heappop(heap)
+        counts[expert] += 1
+        heapq.heappush(heap, (-loads[expert] / counts[expert], counts[expert], expert))
+    return counts
+
+
+def _pack(weights: list[float], labels: list[int], num_bins: int, capacity: int) -> list[list[int]]:
+    """Split items into ``num_bins`` bins of exactly ``capacity`` items, keeping the heaviest bin light.
+
+    Greedy longest-processing-time first (heaviest item to the lightest bin with room), preferring bins
+    that do not already hold an item of the same label (two replicas of one expert on one rank give that
+    rank no extra parallelism); then swaps that lower the heaviest bin, then swaps that separate
+    same-label items without raising the heaviest bin. Load comes first: a same-label pair is kept when
+    separating it would cost balance. Returns the item indices of each bin.
+    """
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    bin_loads = [0.0] * num_bins
+    bin_labels = [Counter() for _ in range(num_bins)]
+    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], labels[i], i)):
+        label = labels[item]
+        target = min(
+            (b for b in range(num_bins) if len(bins[b]) < capacity),
+            key=lambda b: (bin_labels[b][label] > 0, bin_loads[b], b),
+        )
+        bins[target].append(item)
+        bin_loads[target] += weights[item]
+        bin_labels[target][label] += 1
+    packing = _Packing(bins, bin_loads, bin_labels, weights, labels)
+    packing.lower_peak()
+    packing.separate_labels()
+    return bins
+
+
+class _Packing:
+    """Bins of items under local search by pairwise swaps (one item of one bin for one of another)."""
+
+    def __init__(self, bins, bin_loads, bin_labels, weights, labels):
+        self.bins, self.loads, self.bin_labels = bins, bin_loads, bin_labels
+        self.weights, self.labels = weights, labels
+        self.max_swaps = 4 * len(weights)  # a bound on the worst case; both passes stop well before
+
+    def lower_peak(self) -> None:
+        """Swap an item of the heaviest bin for a lighter one elsewhere while that lowers the heaviest bin.
+
+        Each swap leaves both bins strictly below the old peak, so (peak, number of bins at the peak)
+        strictly decreases. A swap that puts two same-label items together is taken only when no other
+        swap lowers the heaviest bin; among the rest, the lowest resulting peak wins.
+        """
+        for _ in range(self.max_swaps):
+            heavy = max(range(len(self.bins)), key=lambda b: (self.loads[b], -b))
+            peak = self.loads[heavy]
+            best = None  # (adds a pair?, new peak of the two bins, added pairs, other bin, pos in heavy, pos in other)
+            for other in range(len(self.bins)):
+                if other == heavy:
+                    continue
+                for pos_heavy, item_heavy in enumerate(self.bins[heavy]):
+                    for pos_other, item_other in enumerate(self.bins[other]):
+                        delta = self.weights[item_heavy] - self.weights[item_other]
+                        if delta <= 0:
+                            continue
+                        new_peak = max(peak - delta, self.loads[other] + delta)
+                        if new_peak >= peak:
+                            continue
+                        added = self._added_pairs(heavy, item_heavy, other, item_other)
+                        candidate = (added > 0, new_peak, added, other, pos_heavy, pos_other)
+                        best = candidate if best is None else min(best, candidate)
+            if best is None:
+                return
+            self._swap(heavy, best[4], best[3], best[5])
+
+    def separate_labels(self) -> None:
+        """Swaps that remove same-label pairs while keeping both bins at or below the current peak."""
+        for _ in range(self.max_swaps):
+            peak = max(self.loads)
+            best = None  # (added same-label pairs (< 0), new peak of the two bins, bin, pos, other bin, pos)
+            for crowded in range(len(self.bins)):
+                for pos, item in enumerate(self.bins[crowded]):
+                    if self.bin_labels[crowded][self.labels[item]] < 2:
+                        continue
+                    for other in range(len(self.bins)):
+                        if other == crowded:
+                            continue
+                        for pos_other, item_other in enumerate(self.bins[other]):
+                            delta = self.weights[item] - self.weights[item_other]
+                            new_peak = max(self.loads[crowded] - delta, self.loads[other] + delta)
+                            added = self._added_pairs(crowded, item, other, item_other)
+                            if added >= 0 or new_peak > peak:
+                                continue
+                            candidate = (added, new_peak, crowded, pos, other, pos_other)
+                            best = candidate if best is None else min(best, candidate)
+            if best is None:
+                return
+            self._swap(best[2], best[3], best[4], best[5])
+
+    def _added_pairs(self, bin_a: int, item_a: int, bin_b: int, item_b: int) -> int:
+        """Change in the number of same-label pairs if item_a (in bin_a) and item_b (in bin_b) swap."""
+        label_a, label_b = self.labels[item_a], self.labels[item_b]
+        if label_a == label_b:
+            return 0
+        # Pairs are counted as (count - 1) per label present in a bin.
+        change = 0
+        change -= 1 if self.bin_labels[bin_a][label_a] >= 2 else 0  # label_a leaves bin_a
+        change += 1 if self.bin_labels[bin_a][label_b] >= 1 else 0  # label_b joins bin_a
+        change -= 1 if self.bin_labels[bin_b][label_b] >= 2 else 0
+        change += 1 if self.bin_labels[bin_b][label_a] >= 1 else 0
+        return change
+
+    def _swap(self, bin_a: int, pos_a: int, bin_b: int, pos_b: int) -> None:
+        item_a, item_b = self.bins[bin_a][pos_a], self.bins[bin_b][pos_b]
+        self.bins[bin_a][pos_a], self.bins[bin_b][pos_b] = item_b, item_a
+        delta = self.weights[item_a] - self.weights[item_b]
+        self.loads[bin_a] -= delta
+        self.loads[bin_b] += delta
+        self.bin_labels[bin_a][self.labels[item_a]] -= 1
+        self.bin_labels[bin_a][self.labels[item_b]] += 1
+        self.bin_labels[bin_b][self.labels[item_b]] -= 1
+        self.bin_labels[bin_b][self.labels[item_a]] += 1
+
