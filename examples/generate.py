@@ -33,7 +33,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -50,7 +49,7 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_rank,
                            launch_world_size, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.models.gpt_moe import check_moe_layout
+from megamoe.models.gpt_moe import check_moe_layout_on_grid
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
@@ -162,14 +161,6 @@ def _etp_for(args, dispatcher: str | None) -> int:
     return args.etp if args.etp is not None else (args.tp if dispatcher == "alltoall" else 1)
 
 
-def _rank_view(grid, rank: int) -> SimpleNamespace:
-    """What check_moe_layout reads of a ParallelState (group sizes and ranks), for ``rank`` of
-    ``grid``: the library's own layout rules, checked before any process group exists."""
-    groups = grid.groups_of(rank)
-    return SimpleNamespace(rank=rank, **{kind: SimpleNamespace(size=len(groups[kind]), ranks=groups[kind])
-                                         for kind in ("tp", "ep", "etp", "ep_etp")})
-
-
 def dispatcher_problem(args, config: GPTMoEConfig, dispatcher: str, world: int) -> str | None:
     """Why ``dispatcher`` cannot run ``config``'s MoE layers under this layout (None: it can)."""
     try:
@@ -179,11 +170,10 @@ def dispatcher_problem(args, config: GPTMoEConfig, dispatcher: str, world: int) 
         return str(e)
     engine = config_for_engine(config, dispatcher=dispatcher,
                                input_sharded=args.data_parallel_attention and dispatcher == "allgather")
-    for rank in range(world):
-        try:
-            check_moe_layout(engine, _rank_view(grid, rank))
-        except ValueError as e:
-            return str(e)
+    try:
+        check_moe_layout_on_grid(engine, grid)
+    except ValueError as e:
+        return str(e)
     return None
 
 

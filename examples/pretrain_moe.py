@@ -41,6 +41,7 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_world_size,
                            run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.models.gpt_moe import check_moe_layout_on_grid
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
@@ -160,16 +161,11 @@ def check_arguments(args, world_size: int) -> None:
         raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     etp = expert_tp_size(args)
     try:
-        compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
+        grid = compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
     except ValueError as e:
         raise UsageError(f"the layout --tp {args.tp} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
                          f"{world_size} rank(s): {e}; change the flags or the number of ranks "
                          "(torchrun --nproc-per-node)") from None
-    if args.dispatcher == "allgather" and args.tp % (args.ep * etp):
-        raise UsageError(f"--dispatcher allgather runs EP inside the TP group: ep * etp = {args.ep}*{etp} must "
-                         f"divide --tp {args.tp}; use --dispatcher alltoall or change --ep/--etp/--tp")
-    if args.dispatcher == "alltoall" and etp != args.tp:
-        raise UsageError(f"--dispatcher alltoall needs --etp equal to --tp ({args.tp}), got {etp}")
     if args.pp > args.layers:
         raise UsageError(f"--pp {args.pp} exceeds --layers {args.layers}: each stage needs a layer")
     slots = args.num_expert_slots if args.num_expert_slots is not None else args.experts
@@ -181,9 +177,14 @@ def check_arguments(args, world_size: int) -> None:
         raise UsageError(f"--global-batch {args.global_batch} must be a multiple of dp * --micro-batch = "
                          f"{dp}*{args.micro_batch} = {dp * args.micro_batch}")
     try:
-        model_config(args, padded_vocab_size(args.vocab_size, args.tp))
+        config = model_config(args, padded_vocab_size(args.vocab_size, args.tp))
     except ValueError as e:
         raise UsageError(f"model flags: {e}") from None
+    try:
+        check_moe_layout_on_grid(config, grid)
+    except ValueError as e:
+        raise UsageError(f"--dispatcher {args.dispatcher} with --tp {args.tp} --ep {args.ep} (etp {etp}): "
+                         f"{e}") from None
 
 
 def log_path(args) -> Path:

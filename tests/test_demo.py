@@ -103,7 +103,7 @@ USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error l
     "layout vs one rank": (["--tp", "2"], None, ["--tp 2", "does not fit 1 rank(s)"]),
     "layout vs 6 ranks": (["--pp", "4"], "6", ["--pp 4", "does not fit 6 rank(s)", "--nproc-per-node"]),
     "allgather layout": (["--tp", "2", "--ep", "4", "--dispatcher", "allgather"], "8",
-                         ["--dispatcher allgather", "must divide --tp 2"]),
+                         ["--dispatcher allgather", "ep * etp must divide tp, got ep=4 etp=1 tp=2"]),
     "--log-json folder": (["--log-json", "{tmp}/no/such/log.jsonl"], None, ["--log-json", "does not exist"]),
     "foreign --save-dir": (["--load-dir", "{cut}", "--save-dir", "{cut}/../other"], None,
                            ["--save-dir", "--overwrite"]),

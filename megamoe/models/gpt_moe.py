@@ -20,6 +20,8 @@ neither computed by the experts nor counted in the expert load.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,6 +59,17 @@ def check_moe_layout(config: GPTMoEConfig, state) -> None:
     if config.moe.dispatcher == "alltoall" and etp != tp:
         raise ValueError(f"the all-to-all dispatcher needs etp == tp (ETP ranks share tokens), got etp={etp} "
                          f"tp={tp}; set etp={tp} or use dispatcher='allgather' with ep*etp dividing tp")
+
+
+def check_moe_layout_on_grid(config: GPTMoEConfig, grid) -> None:
+    """:func:`check_moe_layout` for every rank of ``grid`` (a :class:`parallel_state.RankGroups` from
+    ``compute_rank_groups``): the same rules, checked before any process group exists (a launcher
+    validating its flags). Raises the first rank's ValueError."""
+    for rank in range(grid.world_size):
+        groups = grid.groups_of(rank)
+        view = SimpleNamespace(rank=rank, **{kind: SimpleNamespace(size=len(groups[kind]), ranks=groups[kind])
+                                             for kind in ("tp", "ep", "etp", "ep_etp")})
+        check_moe_layout(config, view)
 
 
 def expert_token_replicas(config: GPTMoEConfig, state) -> int:
