@@ -82,13 +82,21 @@ def _read_manifest_at(root: str) -> dict:
         raise CheckpointError(f"{manifest_path}: unsupported checkpoint format version "
                               f"{manifest.get('format_version')!r}; this megamoe reads versions "
                               f"{', '.join(map(str, _READABLE_VERSIONS))}")
-    for name, entry in manifest["tensors"].items():
-        if entry["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{manifest_path}: logical tensor {name!r} has unknown dtype {entry['dtype']!r}")
-        _check_tiling(name, tuple(entry["global_shape"]),
-                      [(tuple(c["offsets"]), tuple(c["shape"])) for c in entry["chunks"]],
-                      f"{manifest_path}: the stored chunks")
-    _check_manifest_names(root, manifest_path, manifest)
+    for key in ("tensors", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise CheckpointError(f"{manifest_path} is malformed: {key!r} must be a JSON object")
+    # A manifest is untrusted input: a missing or mistyped field is an error naming the file, never a traceback.
+    try:
+        for name, entry in manifest["tensors"].items():
+            if entry["dtype"] not in _DTYPES:
+                raise CheckpointError(f"{manifest_path}: logical tensor {name!r} has unknown dtype "
+                                      f"{entry['dtype']!r}")
+            _check_tiling(name, tuple(entry["global_shape"]),
+                          [(tuple(c["offsets"]), tuple(c["shape"])) for c in entry["chunks"]],
+                          f"{manifest_path}: the stored chunks")
+        _check_manifest_names(root, manifest_path, manifest)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CheckpointError(f"{manifest_path} is malformed: {type(e).__name__}: {e}") from None
     return manifest
 
 

@@ -321,6 +321,27 @@ def test_manifest_file_names_must_stay_inside_the_checkpoint(bad, sources, tmp_p
                      str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("damage", ["no tensors", "tensors a list", "chunk without shape", "files a list"])
+def test_a_malformed_manifest_is_an_error_naming_it(damage, sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+
+    def edit(manifest):
+        first = next(iter(manifest["tensors"].values()))
+        if damage == "no tensors":
+            del manifest["tensors"]
+        elif damage == "tensors a list":
+            manifest["tensors"] = list(manifest["tensors"])
+        elif damage == "chunk without shape":
+            del first["chunks"][0]["shape"]
+        else:
+            manifest["files"] = list(manifest["files"])
+
+    _edit_manifest(checkpoint, edit)
+    with pytest.raises(CheckpointError, match="manifest.json is malformed"):
+        read_manifest(checkpoint)
+    assert_cli_fails(capsys, ["export-hf", checkpoint, tmp_path / "out"], "is malformed", str(tmp_path / "out"))
+
+
 def test_a_manifest_file_linking_outside_is_refused(sources, tmp_path, capsys):
     checkpoint = _copy(sources, "imported", tmp_path)
     path = _data_file(checkpoint)
