@@ -153,10 +153,12 @@ def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
 
     Returns the manifest. Raises :class:`CheckpointError` naming the tensor or file at fault.
     """
-    root = resolve_checkpoint(path)
-    manifest = _read_manifest_at(root)
-    reads, missing, error = [], [], None
+    # A failure on one rank only (its manifest read, its plan) is exchanged by verify_files: the other
+    # ranks fail too instead of waiting for it in a later collective.
+    root, manifest, reads, missing, error = os.path.normpath(os.fspath(path)), None, [], [], None
     try:
+        root = resolve_checkpoint(path)
+        manifest = _read_manifest_at(root)
         reads, missing = _plan_chunk_reads(root, manifest, chunks, strict)
     except CheckpointError as e:
         error = e
