@@ -89,7 +89,26 @@ def test_convert_benchmark_rotates_the_steps(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["convert.json"]      # the work directory is gone
 
 
-@pytest.mark.parametrize("name", ["convert", "decode", "fp8_experts", "moe_layer", "train_step"])
+def test_checkpoint_load_benchmark_hashes_in_the_verified_load_only(monkeypatch, tmp_path):
+    from checkpoint_tools import checksums
+    bench = _benchmark("checkpoint_load", monkeypatch)
+    hashed = []
+    real_check = checksums.check_entry
+    monkeypatch.setattr(checksums, "check_entry", lambda path, recorded: hashed.append(path) or real_check(path,
+                                                                                                         recorded))
+    out = tmp_path / "load.json"
+    assert bench.main(["--size-gb", "0.02", "--repeats", "2", "--json", str(out), "--workdir", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())
+    assert results["orders"] == [list(bench.STEPS), list(bench.STEPS[::-1])]
+    assert len(hashed) == 2 * results["files"]          # every file, in each verified load, and nowhere else
+    for row in results["steps"].values():
+        assert len(row["runs_s"]) == 2 and row["min_s"] <= row["median_s"]
+    assert results["verified_x_load_min"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["load.json"]      # the checkpoint is gone
+
+
+@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "fp8_experts", "moe_layer",
+                                  "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
 
