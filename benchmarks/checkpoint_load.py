@@ -25,7 +25,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
