@@ -160,7 +160,7 @@ def load_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
         root = resolve_checkpoint(path)
         manifest = _read_manifest_at(root)
         reads, missing = _plan_chunk_reads(root, manifest, chunks, strict)
-    except CheckpointError as e:
+    except Exception as e:  # noqa: BLE001 - re-raised by verify_files, after the other ranks heard of it
         error = e
     integrity.verify_files(root, manifest, {r.file for r in reads}, verify_checksums=verify_checksums, group=group,
                            local_error=error)

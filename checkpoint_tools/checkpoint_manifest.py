@@ -15,6 +15,7 @@ import torch
 
 from checkpoint_tools.chunk_regions import _check_tiling
 from checkpoint_tools.errors import CheckpointError
+from checkpoint_tools.hf_checkpoint import is_weight_file
 from checkpoint_tools.manifest_fields import HF_FILES_DIR
 from checkpoint_tools.safe_names import resolve_inside
 
@@ -67,6 +68,47 @@ def _check_manifest_names(root: str, manifest_path: str, manifest: dict) -> None
     side_dir = os.path.join(root, HF_FILES_DIR)
     for name in (manifest.get("extra") or {}).get("hf_files") or {}:
         resolve_inside(side_dir, name, f"{manifest_path}: extra.hf_files", single_component=True)
+        if is_weight_file(name):      # export-hf writes these itself: a side file must not replace them
+            raise CheckpointError(f"{manifest_path}: extra.hf_files names {name!r}, which is config.json or a "
+                                  "weights file, not a side file")
+
+
+def _sizes(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _check_manifest_types(manifest_path: str, manifest: dict) -> None:
+    """The manifest's fields have the types the readers rely on (a manifest is untrusted input): the
+    first one that does not is a CheckpointError naming it."""
+    def malformed(what: str):
+        return CheckpointError(f"{manifest_path} is malformed: {what}")
+
+    manifest.setdefault("rank_state", {})
+    for key in ("tensors", "files", "rank_state"):
+        if not isinstance(manifest[key] if key in manifest else None, dict):
+            raise malformed(f"{key!r} must be a JSON object")
+    for name, info in manifest["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and info["bytes"] >= 0):
+            raise malformed(f"files[{name!r}] must hold a non-negative 'bytes' count and a checksum")
+    for name, entry in manifest["tensors"].items():
+        if not (isinstance(entry, dict) and _sizes(entry.get("global_shape"))
+                and isinstance(entry.get("chunks"), list)):
+            raise malformed(f"logical tensor {name!r} needs a 'global_shape' of sizes >= 0 and a list of 'chunks'")
+        rank = len(entry["global_shape"])
+        for chunk in entry["chunks"]:
+            if not (isinstance(chunk, dict) and isinstance(chunk.get("key"), str) and _sizes(chunk.get("offsets"))
+                    and _sizes(chunk.get("shape")) and len(chunk["offsets"]) == len(chunk["shape"]) == rank):
+                raise malformed(f"a chunk of {name!r} needs a 'key', and 'offsets' and 'shape' of {rank} sizes >= 0")
+    for rank, entries in manifest["rank_state"].items():
+        if not isinstance(entries, dict):
+            raise malformed(f"rank_state[{rank!r}] must be a JSON object")
+        for key, entry in entries.items():
+            if not (isinstance(entry, dict) and entry.get("dtype") in _DTYPES and isinstance(entry.get("key"), str)
+                    and _sizes(entry.get("shape"))):
+                raise malformed(f"rank_state[{rank!r}][{key!r}] needs a 'key', a known 'dtype' and a 'shape'")
+    extra = manifest.get("extra")
+    if extra is not None and not (isinstance(extra, dict) and isinstance(extra.get("hf_files", {}), dict)):
+        raise malformed("'extra' must be a JSON object and its 'hf_files' one too")
 
 
 def _read_manifest_at(root: str) -> dict:
@@ -82,9 +124,7 @@ def _read_manifest_at(root: str) -> dict:
         raise CheckpointError(f"{manifest_path}: unsupported checkpoint format version "
                               f"{manifest.get('format_version')!r}; this megamoe reads versions "
                               f"{', '.join(map(str, _READABLE_VERSIONS))}")
-    for key in ("tensors", "files"):
-        if not isinstance(manifest.get(key), dict):
-            raise CheckpointError(f"{manifest_path} is malformed: {key!r} must be a JSON object")
+    _check_manifest_types(manifest_path, manifest)
     # A manifest is untrusted input: a missing or mistyped field is an error naming the file, never a traceback.
     try:
         for name, entry in manifest["tensors"].items():

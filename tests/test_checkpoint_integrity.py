@@ -321,7 +321,9 @@ def test_manifest_file_names_must_stay_inside_the_checkpoint(bad, sources, tmp_p
                      str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("damage", ["no tensors", "tensors a list", "chunk without shape", "files a list"])
+@pytest.mark.parametrize("damage", ["no tensors", "tensors a list", "chunk without shape", "files a list",
+                                    "file entry a number", "negative shape", "rank state dtype", "hf_files a list",
+                                    "side file named config.json"])
 def test_a_malformed_manifest_is_an_error_naming_it(damage, sources, tmp_path, capsys):
     checkpoint = _copy(sources, "imported", tmp_path)
 
@@ -333,13 +335,26 @@ def test_a_malformed_manifest_is_an_error_naming_it(damage, sources, tmp_path, c
             manifest["tensors"] = list(manifest["tensors"])
         elif damage == "chunk without shape":
             del first["chunks"][0]["shape"]
-        else:
+        elif damage == "files a list":
             manifest["files"] = list(manifest["files"])
+        elif damage == "file entry a number":
+            manifest["files"][next(iter(manifest["files"]))] = 5
+        elif damage == "negative shape":
+            first["global_shape"][0] = -first["global_shape"][0]
+            first["chunks"][0]["shape"][0] = -first["chunks"][0]["shape"][0]
+        elif damage == "rank state dtype":
+            manifest["rank_state"] = {"0": {"torch_cpu": {"file": next(iter(manifest["files"])), "key": "k",
+                                                          "dtype": "complex32", "shape": [4]}}}
+        elif damage == "hf_files a list":
+            manifest["extra"]["hf_files"] = ["config.json"]
+        else:
+            manifest["extra"]["hf_files"]["config.json"] = next(iter(manifest["extra"]["hf_files"].values()))
 
     _edit_manifest(checkpoint, edit)
-    with pytest.raises(CheckpointError, match="manifest.json is malformed"):
+    expected = "not a side file" if damage == "side file named config.json" else "is malformed"
+    with pytest.raises(CheckpointError, match=expected):
         read_manifest(checkpoint)
-    assert_cli_fails(capsys, ["export-hf", checkpoint, tmp_path / "out"], "is malformed", str(tmp_path / "out"))
+    assert_cli_fails(capsys, ["export-hf", checkpoint, tmp_path / "out"], expected, str(tmp_path / "out"))
 
 
 def test_a_manifest_file_linking_outside_is_refused(sources, tmp_path, capsys):

@@ -239,7 +239,7 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     files, error = set(), None
     try:
         files = planned_files(root, chunks, rank_state_of=rank if restore_rng else None)
-    except CheckpointError as e:
+    except Exception as e:  # noqa: BLE001 - re-raised by verify_files, after the other ranks heard of it
         error = e
     integrity.verify_files(root, manifest, files, verify_checksums=verify_checksums, group=world_group,
                            local_error=error)
