@@ -252,3 +252,14 @@ def test_custom_router_in_the_model_trains_saves_and_resumes_on_two_ranks(tmp_pa
     tensors = read_manifest(directory)["tensors"]
     assert all(f"layers.{i}.mlp.router.logit_offset" in tensors for i in (1, 2, 3))
     assert "optim.exp_avg.layers.1.mlp.router.logit_offset" in tensors
+
+
+def test_trainer_accepts_a_wrapper_whose_forward_takes_any_keyword():
+    """A wrapper such as torch.compile's forwards ``**kwargs``: its ``labels`` cannot be seen, only passed."""
+    state = ParallelState.single_process()
+
+    class Wrapped(GPTMoEModel):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    Trainer(Wrapped(tiny_config("alltoall"), state), state, TrainConfig())

@@ -79,7 +79,9 @@ def check_trainable_model(model) -> None:
     for field in _CONFIG_FIELDS:
         if not hasattr(model.config, field):
             raise TypeError(f"{kind}.config ({type(model.config).__name__}) has no field {field!r}; {_FIX}")
-    if "labels" not in inspect.signature(model.forward).parameters:
+    parameters = inspect.signature(model.forward).parameters
+    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # wrappers
+    if "labels" not in parameters and not takes_any_keyword:
         raise TypeError(f"{kind}.forward takes no 'labels' argument: it must be forward(inputs, labels=None) -> "
                         f"(output, aux_loss); {_FIX}")
     layers = model.moe_layers()
