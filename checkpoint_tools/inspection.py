@@ -12,7 +12,6 @@ import math
 import os
 from collections import defaultdict
 
-import torch
 
 from checkpoint_tools.checkpoint_load import verify_checkpoint
 from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
@@ -21,19 +20,11 @@ from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
 from checkpoint_tools.reshard import OPTIMIZER_PREFIX
 from checkpoint_tools.side_files import verify_side_files
+from megamoe.precision import has_non_finite
 
 __all__ = ["inspect_checkpoint", "format_inspection", "non_finite_tensors"]
 
-_SCAN_BLOCK = 1 << 22           # elements checked at once: a float32 copy of a block is 16 MiB
 _NAMED = 8                      # non-finite tensors named in the report
-
-
-def _has_non_finite(tensor: torch.Tensor) -> bool:
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), _SCAN_BLOCK):
-        if not torch.isfinite(flat[start:start + _SCAN_BLOCK].float()).all():
-            return True
-    return False
 
 
 def non_finite_tensors(path: str | os.PathLike, manifest: dict | None = None) -> list[str]:
@@ -42,7 +33,7 @@ def non_finite_tensors(path: str | os.PathLike, manifest: dict | None = None) ->
     found = []
     with LogicalTensorReader(path, manifest) as reader:
         for name, entry in reader.manifest["tensors"].items():
-            if _DTYPES[entry["dtype"]].is_floating_point and _has_non_finite(reader.read(name)):
+            if _DTYPES[entry["dtype"]].is_floating_point and has_non_finite(reader.read(name)):
                 found.append(name)
     return found
 

@@ -2,14 +2,18 @@
 
 bf16 / fp16 inputs are computed in fp32; fp32 stays fp32; fp64 stays fp64. Casting to fp32
 unconditionally would round an fp64 model's norms and loss to fp32, so that an fp64 run could not
-tell rounding from a real difference (e.g. when comparing parallel layouts).
+tell rounding from a real difference (e.g. when comparing parallel layouts). The same rule decides how
+:func:`has_non_finite` looks at a tensor: fp8 is widened (torch has no fp8 ``isfinite``), nothing is
+narrowed (an fp64 value beyond fp32's range is finite).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "upcast"]
+__all__ = ["compute_dtype", "upcast", "has_non_finite"]
+
+_SCAN_BLOCK = 1 << 22      # elements checked at once: a widened fp8 block is 16 MiB, whatever the tensor
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -23,3 +27,16 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in :func:`compute_dtype` of its dtype (``x`` itself when already that wide)."""
     return x.to(compute_dtype(x.dtype))
+
+
+def has_non_finite(tensor: torch.Tensor) -> bool:
+    """Whether the floating-point ``tensor`` holds a NaN or an infinity (False for other dtypes), checked
+    block by block so that widening fp8 never copies the whole tensor."""
+    if not tensor.is_floating_point():
+        return False
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _SCAN_BLOCK):
+        block = flat[start:start + _SCAN_BLOCK]
+        if not bool(torch.isfinite(block if block.element_size() > 1 else block.float()).all()):
+            return True
+    return False

@@ -54,6 +54,7 @@ from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
                                       sharded_state_dict)
 from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.precision import has_non_finite
 
 __all__ = [
     "HFProvenance", "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
@@ -132,9 +133,8 @@ def _training_chunks(trainer, with_optimizer: bool):
 
 def _first_non_finite(chunks) -> tuple[str, int]:
     """(name of this rank's first chunk holding NaN or Inf, or "", how many such chunks): one
-    ``isfinite`` reduction per floating-point tensor."""
-    bad = [c.name for c in chunks if c.tensor.is_floating_point() and c.tensor.numel()
-           and not bool(torch.isfinite(c.tensor.float() if c.tensor.element_size() == 1 else c.tensor).all())]
+    ``isfinite`` reduction per block of each floating-point tensor."""
+    bad = [c.name for c in chunks if has_non_finite(c.tensor)]
     return (bad[0] if bad else ""), len(bad)
 
 
