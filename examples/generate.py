@@ -344,7 +344,8 @@ def timings_of(outs) -> dict:
     """The run's timings from every data-parallel rank's GenerationOutput (one without DP attention).
     The ranks run concurrently: tokens add up, the slowest rank sets the time. ``decode_seconds`` is
     every decode step's time, compiling included (as GenerationOutput has it); the decode tokens/s
-    leave out the steps' time spent compiling (``compile_seconds``, 0 without --compile)."""
+    leave out the steps that compiled, their time (``compile_seconds``, 0 without --compile) and their
+    tokens."""
     timings = {
         "prompt_tokens": sum(o.prompt_tokens for o in outs),
         "decode_tokens": sum(o.decode_tokens for o in outs),
@@ -353,9 +354,10 @@ def timings_of(outs) -> dict:
         "decode_seconds": max(o.decode_seconds for o in outs),
         "compile_seconds": max(o.compile_seconds for o in outs),
         "decode_seconds_excluding_compile": max(o.decode_seconds - o.compile_seconds for o in outs),
+        "decode_tokens_excluding_compile": sum(o.decode_tokens - o.compile_tokens for o in outs),
     }
     timings["prefill_tokens_per_second"] = timings["prompt_tokens"] / max(timings["prefill_seconds"], 1e-9)
-    timings["decode_tokens_per_second"] = (timings["decode_tokens"]
+    timings["decode_tokens_per_second"] = (timings["decode_tokens_excluding_compile"]
                                            / max(timings["decode_seconds_excluding_compile"], 1e-9))
     return timings
 

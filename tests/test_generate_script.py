@@ -160,14 +160,17 @@ def test_decode_tokens_per_second_leave_compile_time_out():
     tokens/s are over the decode time without the steps spent compiling."""
     generate_script = runpy.run_path(SCRIPT)
     outs = [GenerationOutput(token_ids=[[1, 2, 3, 4]], finish_reasons=["length"], prompt_tokens=3,
-                             prefill_seconds=0.5, decode_seconds=13.0, decode_steps=3, compile_seconds=12.0),
+                             prefill_seconds=0.5, decode_seconds=13.0, decode_steps=3, compile_seconds=12.0,
+                             compile_tokens=1),
             GenerationOutput(token_ids=[[5, 6, 7, 8], [9]], finish_reasons=["length", "stop"], prompt_tokens=6,
-                             prefill_seconds=1.0, decode_seconds=12.5, decode_steps=3, compile_seconds=11.0)]
+                             prefill_seconds=1.0, decode_seconds=12.5, decode_steps=3, compile_seconds=11.0,
+                             compile_tokens=1)]
     timings = generate_script["timings_of"](outs)
     assert timings["decode_tokens"] == 6 and timings["prompt_tokens"] == 9
     assert timings["decode_seconds"] == 13.0 and timings["compile_seconds"] == 12.0
     assert timings["decode_seconds_excluding_compile"] == 1.5          # rank 1: 12.5 - 11
-    assert timings["decode_tokens_per_second"] == pytest.approx(6 / 1.5)
+    assert timings["decode_tokens_excluding_compile"] == 4             # each rank's compiling step made 1
+    assert timings["decode_tokens_per_second"] == pytest.approx(4 / 1.5)
     assert timings["prefill_tokens_per_second"] == pytest.approx(9 / 1.0)
 
 

@@ -124,6 +124,8 @@ def test_compiled_decoding_matches_eager(family):
     assert compiled.token_ids == eager.token_ids and compiled.finish_reasons == eager.finish_reasons
     assert "stop" in compiled.finish_reasons and compiled.decode_steps == eager.decode_steps > 0
     assert eager.compile_seconds == 0 and 0 < compiled.compile_seconds <= compiled.decode_seconds
+    # The compiling steps made tokens too (one per request still running), left out of the tokens/s.
+    assert eager.compile_tokens == 0 and 0 < compiled.compile_tokens < compiled.decode_tokens
     for layer_id in eager_load:
         assert torch.equal(compiled_load[layer_id], eager_load[layer_id]), layer_id
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -461,8 +463,9 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     # Decode tokens/s leave the compile time out (it is reported apart).
     assert timings["decode_seconds_excluding_compile"] == pytest.approx(
         timings["decode_seconds"] - timings["compile_seconds"])
+    assert 0 < timings["decode_tokens_excluding_compile"] < timings["decode_tokens"]
     assert timings["decode_tokens_per_second"] == pytest.approx(
-        timings["decode_tokens"] / timings["decode_seconds_excluding_compile"])
+        timings["decode_tokens_excluding_compile"] / timings["decode_seconds_excluding_compile"])
     assert f"--- request 3 ({document['requests'][3]['finish_reason']}" in single.stdout
 
     _run_script([*args, "--ep", "2", "--dispatcher", "allgather", "--data-parallel-attention",
@@ -495,6 +498,7 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
 def test_decode_tokens_per_second_leaves_the_compiling_steps_out():
     from megamoe.inference.generation import GenerationOutput
     out = GenerationOutput(token_ids=[[1, 2, 3, 4, 5], [6, 7, 8]], finish_reasons=["length"] * 2, prompt_tokens=4,
-                           prefill_seconds=0.5, decode_seconds=12.0, decode_steps=4, compile_seconds=10.0)
+                           prefill_seconds=0.5, decode_seconds=12.0, decode_steps=4, compile_seconds=10.0,
+                           compile_tokens=2)
     assert out.decode_tokens == 6
-    assert out.decode_tokens_per_second == pytest.approx(6 / 2.0)
+    assert out.decode_tokens_per_second == pytest.approx(4 / 2.0)

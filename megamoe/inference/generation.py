@@ -79,6 +79,7 @@ class GenerationOutput:
     decode_seconds: float                # every later step
     decode_steps: int                    # forward passes after the prefill (the same on every rank)
     compile_seconds: float = 0.0         # of decode_seconds, in steps during which torch.compile compiled
+    compile_tokens: int = 0              # of decode_tokens, produced by those steps
 
     @property
     def decode_tokens(self) -> int:
@@ -91,10 +92,11 @@ class GenerationOutput:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Over the decode steps that did not compile (``compiled=True``): the steady-state rate, which a
-        compilation of tens of seconds would otherwise hide (its time is ``compile_seconds``)."""
+        """Over the decode steps that did not compile (``compiled=True``): their tokens in their time, the
+        steady-state rate that a compilation of tens of seconds would otherwise hide (the compiling
+        steps' time and tokens are ``compile_seconds`` and ``compile_tokens``)."""
         seconds = self.decode_seconds - self.compile_seconds
-        return self.decode_tokens / seconds if seconds > 0 else 0.0
+        return (self.decode_tokens - self.compile_tokens) / seconds if seconds > 0 else 0.0
 
 
 def left_padded_batch(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +231,7 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         for cache in caches.values():
             cache.write_index = write_index
         token_mask = torch.empty(len(rows), dtype=torch.bool, device=device)
-    decode_steps, compile_seconds = 0, 0.0
+    decode_steps, compile_seconds, compile_tokens = 0, 0.0, 0
     for step in range(config.max_new_tokens):
         for row, token in enumerate(tokens.tolist()[:len(prompts)]):
             if finished[row]:
@@ -254,8 +256,9 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         tokens = _step(model, state, inputs, positions, caches, visible, sampling, generators, token_mask)
         if compiled and _frames_compiled() != frames_before:
             compile_seconds += time.perf_counter() - step_started
+            compile_tokens += int((~finished[:len(prompts)]).sum())   # one new token per unfinished request
         decode_steps += 1
     return GenerationOutput(
         token_ids=new_ids, finish_reasons=reasons, prompt_tokens=sum(len(p) for p in prompts),
         prefill_seconds=prefill_done - started, decode_seconds=time.perf_counter() - prefill_done,
-        decode_steps=decode_steps, compile_seconds=compile_seconds)
+        decode_steps=decode_steps, compile_seconds=compile_seconds, compile_tokens=compile_tokens)
