@@ -35,10 +35,11 @@ from megamoe.transformer import MLPConfig
 
 class GatedColumnParallelLinear(ColumnParallelLinear):
     """A column-parallel layer with a learned per-feature gate on its local output shard."""
-    def __init__(self, in_features, out_features, *, tp_group=None, **kwargs):
-        super().__init__(in_features, out_features, tp_group=tp_group, **kwargs)
+    def __init__(self, in_features, out_features, *, tp_group=None, device=None, dtype=None, **kwargs):
+        super().__init__(in_features, out_features, tp_group=tp_group, device=device, dtype=dtype, **kwargs)
         # This rank's chunk of the [out_features] gate, declared so: checkpoints hold the whole gate.
-        self.gate = shard_parameter(nn.Parameter(torch.ones(self.out_features_per_rank)), dim=0, group=tp_group)
+        gate = torch.ones(self.out_features_per_rank, device=device, dtype=dtype)
+        self.gate = shard_parameter(nn.Parameter(gate), dim=0, group=tp_group)
 
     def forward(self, x):
         return super().forward(x) * self.gate

@@ -38,3 +38,5 @@ def test_subclassing_example_runs_single_rank():
     out.sum().backward()
     assert mlp.up.gate.grad is not None
     assert get_shard_spec(mlp.up.gate) == ShardSpec((32,), 0, 0, 1)
+    on_meta = namespace["GatedMLP"](MLPConfig(16, 32), tp_group=None, device="meta", dtype=torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in on_meta.parameters()} == {("meta", torch.bfloat16)}
