@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -275,7 +276,7 @@ def join_layout(args, dispatcher: str | None, world: int) -> ParallelState:
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=_etp_for(args, dispatcher),
-                                     order=args.order)
+                                     order=args.order, timeout=datetime.timedelta(seconds=args.comm_timeout))
 
 
 def load_model(args, engine: dict, state) -> tuple[GPTMoEModel, dict]:

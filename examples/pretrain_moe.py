@@ -329,8 +329,9 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     world_group = dist.group.WORLD if world > 1 else None
     etp = expert_tp_size(args)
-    state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp) if dist.is_initialized()
-             else ParallelState.single_process())
+    state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp,
+                                       timeout=datetime.timedelta(seconds=args.comm_timeout))
+             if dist.is_initialized() else ParallelState.single_process())
     logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s", world, args.tp, args.pp,
                 state.dp_cp.size, args.ep, etp, args.dispatcher)
     # A run resumed from its own save directory continues that run's id, so it prunes the older

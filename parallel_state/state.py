@@ -14,6 +14,7 @@ See :mod:`parallel_state.rank_grid` for which ranks land in which group.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 
@@ -144,11 +145,14 @@ def initialize_model_parallel(
     cp: int = 1,
     order: str = DEFAULT_ORDER,
     backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> ParallelState:
     """Create every group of the layout and return this process's :class:`ParallelState`.
 
     Must be called by every rank with the same arguments, after ``torch.distributed`` is initialised;
-    ``backend`` (default: the default group's) is the backend of the new groups. Raises RuntimeError
+    ``backend`` (default: the default group's) is the backend of the new groups, ``timeout`` their
+    collective timeout (default: the default group's where torch exposes it, as for gloo, else the
+    backend's default; pass it for NCCL). Raises RuntimeError
     if torch.distributed is not initialised or the groups already exist (call
     :func:`destroy_model_parallel` first), ValueError for an impossible layout.
     """
@@ -164,7 +168,7 @@ def initialize_model_parallel(
             "initialising them again"
         )
     rank = dist.get_rank()
-    timeout = _world_timeout()
+    timeout = timeout if timeout is not None else _world_timeout()
     grid = compute_rank_groups(dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, order=order)
 
     def create(groups: tuple[tuple[int, ...], ...], group_backend: str | None) -> GroupInfo | None:
