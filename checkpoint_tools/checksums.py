@@ -47,7 +47,9 @@ def _hash_file(path: str, algorithm: str, fsync: bool = False):
 
     The file is hashed through windows of ``_READ_BLOCK`` bytes mapped one at a time: no copy into
     Python buffers (XXH3-128 of a file in the page cache: 18 to 27 GiB/s mapped against 5 to 7 GiB/s
-    with ``read``, measured on the reference CPU), and no more than one window resident at once."""
+    with ``read``, measured on the reference CPU), and no more than one window resident at once. A file
+    truncated by another process while it is hashed ends this one with SIGBUS, as reading it through
+    safetensors' own mapping would; checkpoints are written beside their final path and renamed."""
     hasher, size = _HASHERS[algorithm](), 0
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size

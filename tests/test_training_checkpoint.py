@@ -443,3 +443,14 @@ def test_extra_files_must_stay_inside_the_checkpoint(tmp_path):
         with pytest.raises(ValueError, match="relative path inside the checkpoint"):
             save_checkpoint(tmp_path / "ckpt", [], manifest_fields={}, extra_files={bad: b"x"})
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_pruning_with_a_run_id_leaves_other_saves_in_progress_alone(tmp_path):
+    """A ``step_N.tmp-*`` names no run: pruning with a run id deletes only those of the steps it prunes."""
+    for step in (10, 20, 30):
+        _fake_checkpoint(tmp_path, step, run_id="mine")
+    (tmp_path / "step_00000010.tmp-abc").mkdir()       # this run's save of step 10, interrupted
+    (tmp_path / "step_00000015.tmp-def").mkdir()       # maybe another run's save, under way
+    removed = prune_checkpoints(tmp_path, keep_last=2, run_id="mine")
+    assert sorted(os.path.basename(p) for p in removed) == ["step_00000010", "step_00000010.tmp-abc"]
+    assert (tmp_path / "step_00000015.tmp-def").is_dir()

@@ -328,7 +328,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int, *, run_id: s
     steps left behind. Call it on ONE rank, after a save has returned. Returns the deleted paths.
 
     With ``run_id`` only that run's checkpoints (saved with the same ``run_id``) count and may go:
-    another run's, or one without a run id, is never deleted, whatever its step. In every case the
+    another run's, or one without a run id, is never deleted, whatever its step, and nor is what an
+    interrupted save left at a step that is not pruned here. In every case the
     newest checkpoint verified finite (``extra.verified_finite``) is kept, so a run whose last
     checkpoints went bad can still be rolled back.
     """
@@ -343,13 +344,17 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int, *, run_id: s
     if not checkpoints:
         return []
     oldest_kept = checkpoints[-keep_last:][0][0]
-    removed = []
-    for _, path in checkpoints[:-keep_last]:
+    removed, pruned_steps = [], set()
+    for step, path in checkpoints[:-keep_last]:
         if path not in protected:
             removed += [p for p in (path, path + ".old") if os.path.exists(p)]
+            pruned_steps.add(step)
     for leftover in glob.glob(os.path.join(glob.escape(os.fspath(directory)), "step_*.tmp-*")):
         match = re.fullmatch(r"step_(\d+)\.tmp-.*", os.path.basename(leftover))
-        if match and int(match.group(1)) < oldest_kept:
+        # A leftover names no run: with a run id, only those of the steps pruned here (another run
+        # sharing the directory may be writing its own save right now).
+        if match and (int(match.group(1)) in pruned_steps if run_id is not None
+                      else int(match.group(1)) < oldest_kept):
             removed.append(leftover)
     for path in removed:
         shutil.rmtree(path)
