@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _layout(args, dispatcher: str):
     from checkpoint_tools.layout import ParallelLayout
-    etp = args.etp if args.etp is not None else (args.tp if dispatcher == "alltoall" else 1)
-    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
+    from megamoe.models.gpt_moe import default_etp
+    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=default_etp(args.tp, dispatcher, args.etp))
 
 
 def _run(args) -> int:

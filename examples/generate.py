@@ -50,7 +50,7 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_rank,
                            launch_world_size, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.models.gpt_moe import check_moe_layout_on_grid
+from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
@@ -158,15 +158,11 @@ def check_paths(args) -> None:
         raise UsageError("no prompt: give --prompt, --prompt-file or --prompt-ids")
 
 
-def _etp_for(args, dispatcher: str | None) -> int:
-    return args.etp if args.etp is not None else (args.tp if dispatcher == "alltoall" else 1)
-
-
 def dispatcher_problem(args, config: GPTMoEConfig, dispatcher: str, world: int) -> str | None:
     """Why ``dispatcher`` cannot run ``config``'s MoE layers under this layout (None: it can)."""
     try:
-        grid = compute_rank_groups(world, tp=args.tp, pp=args.pp, ep=args.ep, etp=_etp_for(args, dispatcher),
-                                   order=args.order)
+        grid = compute_rank_groups(world, tp=args.tp, pp=args.pp, ep=args.ep,
+                                   etp=default_etp(args.tp, dispatcher, args.etp), order=args.order)
     except ValueError as e:
         return str(e)
     engine = config_for_engine(config, dispatcher=dispatcher,
@@ -206,7 +202,7 @@ def check_layout(args, saved: GPTMoEConfig, world: int) -> str | None:
             if dispatcher != saved.moe.dispatcher:
                 logger.info("the checkpoint's dispatcher %s does not fit this layout (%s): running %s "
                             "(etp %d)", saved.moe.dispatcher, problems[saved.moe.dispatcher], dispatcher,
-                            _etp_for(args, dispatcher))
+                            default_etp(args.tp, dispatcher, args.etp))
             return dispatcher
     raise UsageError("no MoE dispatcher fits this layout: " + "; ".join(f"{d}: {p}" for d, p in problems.items())
                      + "; change --tp / --ep / --etp / --order")
@@ -275,7 +271,8 @@ def join_layout(args, dispatcher: str | None, world: int) -> ParallelState:
     init_distributed(comm_timeout_s=args.comm_timeout, backend="nccl" if args.device == "cuda" else "gloo")
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=_etp_for(args, dispatcher),
+    return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep,
+                                     etp=default_etp(args.tp, dispatcher, args.etp),
                                      order=args.order, timeout=datetime.timedelta(seconds=args.comm_timeout))
 
 

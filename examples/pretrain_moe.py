@@ -41,7 +41,7 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_world_size,
                            run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.models.gpt_moe import check_moe_layout_on_grid
+from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
@@ -120,10 +120,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def expert_tp_size(args) -> int:
-    return args.etp if args.etp is not None else (args.tp if args.dispatcher == "alltoall" else 1)
-
-
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return vocab_size + (-vocab_size) % tp
 
@@ -159,7 +155,7 @@ def check_arguments(args, world_size: int) -> None:
         raise UsageError(f"--hidden must be a multiple of {2 * HEADS} ({HEADS} heads of even size), got {args.hidden}")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
-    etp = expert_tp_size(args)
+    etp = default_etp(args.tp, args.dispatcher, args.etp)
     try:
         grid = compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
     except ValueError as e:
@@ -328,7 +324,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     world_group = dist.group.WORLD if world > 1 else None
-    etp = expert_tp_size(args)
+    etp = default_etp(args.tp, args.dispatcher, args.etp)
     state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp,
                                        timeout=datetime.timedelta(seconds=args.comm_timeout))
              if dist.is_initialized() else ParallelState.single_process())

@@ -42,6 +42,14 @@ __all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "expe
 _FEW_ROWS = 16  # logits of at most this many rows (decoding) take the weight-major GEMM on CPU
 
 
+def default_etp(tp: int, dispatcher: str | None, etp: int | None = None) -> int:
+    """The expert-TP size of a layout: ``etp`` when given, else what ``dispatcher`` runs with by
+    default: ``tp`` for all-to-all (which needs etp == tp), 1 for all-gather (EP inside the TP group)."""
+    if etp is not None:
+        return etp
+    return tp if dispatcher == "alltoall" else 1
+
+
 def check_moe_layout(config: GPTMoEConfig, state) -> None:
     if config.moe is None:
         return
