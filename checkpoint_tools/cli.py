@@ -22,7 +22,7 @@ from checkpoint_tools.adapters import AdapterError
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.format import CheckpointError
 from checkpoint_tools.target_dtype import TARGET_DTYPES
-from megamoe.launch import HelpFormatter
+from megamoe.launch import HelpFormatter, add_no_verify_checksums_argument
 
 __all__ = ["main", "build_parser"]
 
@@ -50,12 +50,6 @@ def _size(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
     return size
-
-
-def _no_verify_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                        help="do not hash the checkpoint's files before reading them (their sizes are still "
-                             "checked); only for files you know are intact")
 
 
 def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | None) -> None:
@@ -104,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take config.json and tokenizer files from this HF directory (for checkpoints saved by "
                         "training, which do not keep them)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing HF model directory at OUT_DIR")
-    _no_verify_option(p)
+    add_no_verify_checksums_argument(p)
 
     p = add("reshard", help="megamoe checkpoint -> another layout / slots / placement",
             description="Rewrite a megamoe checkpoint (optimizer state included) for another "
@@ -113,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", metavar="OUT_DIR")
     _layout_options(p, None)
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
-    _no_verify_option(p)
+    add_no_verify_checksums_argument(p)
 
     p = add("inspect", help="layout, placements, parameter counts, checksums, NaN/Inf",
             description="Describe a megamoe checkpoint, verify every file's checksum and, if they "
@@ -130,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, metavar="HF_DIR", help="the HuggingFace model directory to compare with")
     p.add_argument("--nproc", type=_positive_int, help="ranks to spawn (default: the checkpoint's world size)")
     p.add_argument("--atol", type=float, default=1e-4, help="largest accepted absolute logit difference")
-    _no_verify_option(p)
+    add_no_verify_checksums_argument(p)
     return parser
 
 

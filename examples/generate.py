@@ -47,8 +47,8 @@ from megamoe.data.tokenizer import Tokenizer
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_rank,
-                           launch_world_size, run_script)
+from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
+                           init_distributed, launch_rank, launch_world_size, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
@@ -89,9 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda: one GPU per rank (LOCAL_RANK), NCCL")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and activation dtype")
     add_launch_arguments(g)
-    g.add_argument("--no-verify-checksums", action="store_true",
-                   help="skip hashing the checkpoint files this rank reads (faster loads; a damaged file then "
-                        "goes unnoticed)")
+    add_no_verify_checksums_argument(g)
     q = p.add_argument_group("prompts (at least one)")
     q.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
     q.add_argument("--prompt-file", type=Path, default=None, help="a text file, one prompt per non-empty line")
@@ -281,7 +279,7 @@ def load_model(args, engine: dict, state) -> tuple[GPTMoEModel, dict]:
     saved one where it fits this layout, else the default)."""
     device = torch.device("cuda") if args.device == "cuda" else None
     model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype],
-                                        verify_checksums=not args.no_verify_checksums,
+                                        verify_checksums=args.verify_checksums,
                                         world_group=dist.group.WORLD if dist.is_initialized() else None, **engine)
     return model.eval(), {layer_id: layer.placement for layer_id, layer in model.moe_layers().items()}
 

@@ -38,8 +38,8 @@ from megamoe.data.token_dataset import TokenDataset, build_token_file, token_fil
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, init_distributed, launch_world_size,
-                           run_script)
+from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
+                           init_distributed, launch_world_size, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.moe_layer import MoEConfig
@@ -96,9 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--load-dir", type=Path, default=None,
                    help="start from the newest checkpoint in this directory (any layout); default: --save-dir's "
                         "newest, if any")
-    t.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                   help="resume without hashing the checkpoint's files (their sizes are still checked); by "
-                        "default every file is checked against the manifest's checksum before it is used")
+    add_no_verify_checksums_argument(t)
     t.add_argument("--overwrite", action="store_true",
                    help="start afresh although --save-dir holds checkpoints: they are first moved aside into "
                         "<save-dir>/replaced_<run id>/ (nothing is deleted)")

@@ -52,7 +52,8 @@ class CollectiveTimeout(RuntimeError):
     def __init__(self, message: str, *, operation: str, group_ranks: tuple[int, ...],
                  missing: tuple[int, ...] | None, first_report: bool):
         super().__init__(message)
-        self.operation, self.group_ranks, self.missing, self.first_report = operation, group_ranks, missing, first_report
+        self.operation, self.group_ranks = operation, group_ranks
+        self.missing, self.first_report = missing, first_report
 
     @classmethod
     def diagnose(cls, operation: str, group_ranks: tuple[int, ...], error: BaseException) -> "CollectiveTimeout":

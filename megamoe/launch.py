@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from megamoe.collective_timeout import CollectiveTimeout
 
-__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "HelpFormatter", "add_launch_arguments", "launch_rank",
-           "launch_world_size", "init_distributed", "run_script"]
+__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "HelpFormatter", "add_launch_arguments",
+           "add_no_verify_checksums_argument", "launch_rank", "launch_world_size", "init_distributed", "run_script"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,14 @@ def add_launch_arguments(parser) -> None:
                              "operation (a stuck or dead rank ends the job instead of hanging it)")
 
 
+def add_no_verify_checksums_argument(parser) -> None:
+    """Add ``--no-verify-checksums`` (``args.verify_checksums``, True by default): the opt-out of hashing a
+    checkpoint's files before they are read (see :mod:`checkpoint_tools.integrity`)."""
+    parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                        help="do not hash the checkpoint's files before reading them (their sizes are still "
+                             "checked); only for files you know are intact")
+
+
 def launch_rank() -> int:
     """This process's global rank as torchrun announces it (0 for a plain ``python`` run); readable
     before the process group exists."""
@@ -99,8 +107,8 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, backend:
 
 def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) -> int:
     """Run ``main(argv)``; a user error (see the module docstring) prints ``<prog>: error: <message>``
-    on rank 0 (the other ranks stay quiet unless the job outlives a short wait) and returns 1; so does a collective timeout, printed by
-    the first rank that reports it. Other exceptions propagate."""
+    on rank 0 (the other ranks stay quiet unless the job outlives a short wait) and returns 1; so does
+    a collective timeout, printed by the first rank that reports it. Other exceptions propagate."""
     prog = prog or os.path.basename(sys.argv[0])
     try:
         return main(argv)
