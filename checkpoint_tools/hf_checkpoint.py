@@ -5,11 +5,12 @@ Opening checks everything that can be checked without reading tensor data: every
 (safetensors refuses a truncated file or a corrupt header), that the index and the files agree (no
 tensor missing from its file, none unlisted, none in two files), and that every dtype is known.
 
-A downloaded directory is untrusted input: config.json, the index, every weight file the index names
-and every file found in the directory must be plain relative names resolving inside it
-(:mod:`checkpoint_tools.safe_names`; a hub cache snapshot's links into its repository's ``blobs/`` are accepted). A side file that is a link
-leading elsewhere is refused rather than skipped: skipping would quietly drop a tokenizer file from the
-conversion, and a link that ``from_pretrained`` would not follow either is not something to copy.
+A downloaded directory is untrusted input: config.json, the index, every weight file the index names and every
+file found in the directory must be plain relative names resolving inside it
+(:mod:`checkpoint_tools.safe_names`; a hub cache snapshot's links into its repository's ``blobs/`` are
+accepted). A side file that is a link leading elsewhere is refused rather than skipped: skipping would quietly
+drop a tokenizer file from the conversion, and a link that ``from_pretrained`` would not follow either is not
+something to copy.
 """
 
 from __future__ import annotations

@@ -158,9 +158,9 @@ class MoELayer(nn.Module):
         Must return a module with ``config`` (a :class:`RouterConfig`; the layer and the trainer read
         ``num_experts``, ``top_k`` and ``use_expert_bias``, and the trainer logs the balancing from
         ``aux_loss_coeff``, ``seq_aux_loss_coeff``, ``z_loss_coeff`` and ``expert_bias_update_rate``) and
-        ``forward(x [T, H], num_sequences) -> RouterOutput``, of which the layer uses ``expert_ids`` [T, K] (int64, in [0, num_experts)),
-        ``weights`` [T, K] (the combine weights; their gradient trains the router) and ``aux_loss`` []
-        (summed over layers, back-propagated and reported by the trainer). With ``use_expert_bias``
+        ``forward(x [T, H], num_sequences) -> RouterOutput``, of which the layer uses ``expert_ids`` [T, K]
+        (int64, in [0, num_experts)), ``weights`` [T, K] (the combine weights; their gradient trains the
+        router) and ``aux_loss`` [] (summed over layers, back-propagated and reported by the trainer). With ``use_expert_bias``
         it must also provide ``update_expert_bias(tokens_per_expert [E])``, called by the trainer after
         each optimizer step with the load summed over all ranks. Its parameters are dense ones (the
         gradient sync averages them over data parallel); ``reset_parameters(generator=None)``, if
