@@ -159,13 +159,13 @@ class MoELayer(nn.Module):
         ``num_experts``, ``top_k`` and ``use_expert_bias``, and the trainer logs the balancing from
         ``aux_loss_coeff``, ``seq_aux_loss_coeff``, ``z_loss_coeff`` and ``expert_bias_update_rate``) and
         ``forward(x [T, H], num_sequences) -> RouterOutput``, of which the layer uses ``expert_ids`` [T, K]
-        (int64, in [0, num_experts)), ``weights`` [T, K] (the combine weights; their gradient trains the
-        router) and ``aux_loss`` [] (summed over layers, back-propagated and reported by the trainer).
-        With ``use_expert_bias`` it must also provide ``update_expert_bias(tokens_per_expert [E])``, called by the trainer after
-        each optimizer step with the load summed over all ranks. Its parameters are dense ones (the
-        gradient sync averages them over data parallel); ``reset_parameters(generator=None)``, if
-        defined, is called by :func:`megamoe.tensor_parallel.initialize_parameters`; checkpoints hold
-        its parameters and persistent buffers as ``router.<name>``.
+        (int64, in [0, num_experts)), ``weights`` [T, K] (the combine weights; their gradient trains the router)
+        and ``aux_loss`` [] (summed over layers, back-propagated and reported by the trainer). With
+        ``use_expert_bias`` it must also provide ``update_expert_bias(tokens_per_expert [E])``, called by the
+        trainer after each optimizer step with the load summed over all ranks. Its parameters are dense ones
+        (the gradient sync averages them over data parallel); ``reset_parameters(generator=None)``, if defined,
+        is called by :func:`megamoe.tensor_parallel.initialize_parameters`; checkpoints hold its parameters and
+        persistent buffers as ``router.<name>``.
 
         The simplest custom router subclasses :class:`Router` and overrides
         :meth:`Router.gate_logits`."""
