@@ -8,4 +8,7 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``token_dataset``: ``build_token_file`` and ``TokenDataset`` (a memory-mapped flat token file);
   ``token_file_matches`` tells whether a token file on disk is complete and of a given tokenizer (reuse it).
 - ``resumable_sampler``: ``ResumableSampler``, the layout-independent, resumable order of samples.
+- ``packing``: ``PackingConfig``, ``packed_micro_batch`` and ``MicroBatch``: documents packed in a row,
+  with reset position ids and document-causal attention (Megatron's ``--reset-position-ids`` /
+  ``--reset-attention-mask``).
 """

@@ -13,11 +13,13 @@ __all__ = ["pipeline_logits"]
 
 
 @torch.no_grad()
-def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor) -> torch.Tensor:
+def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """input_ids [B, S] (identical on every rank of the pipeline and TP groups) -> logits [B, S, V] fp32.
 
     Stages run in turn: each receives the previous stage's hidden states, the last stage gathers the
-    vocab shards over TP, and the logits are broadcast back over the pipeline group.
+    vocab shards over TP, and the logits are broadcast back over the pipeline group. ``position_ids``
+    / ``document_ids`` [B, S] (packed documents, :mod:`megamoe.data.packing`) go to every stage.
     """
     batch, seq = input_ids.shape
     hidden_size = model.config.hidden_size
@@ -29,7 +31,7 @@ def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor) -> torch
     else:
         inputs = comms.recv(torch.empty(batch, seq, hidden_size, dtype=dtype, device=device), state.pp_prev_rank,
                             pp.group)
-    output, _ = model(inputs)
+    output, _ = model(inputs, position_ids, document_ids=document_ids)
     if not model.is_last_stage:
         comms.send(output, state.pp_next_rank, pp.group)
         logits = torch.empty(batch, seq, model.config.vocab_size, dtype=torch.float32, device=device)

@@ -16,10 +16,15 @@ DP rank running attention on its own tokens, in any number.
 Padding (inference): ``attention_mask`` [B, S_past + S] (True where a position holds a real token)
 hides padding keys from attention, and this call's padding tokens skip the MLP / MoE layers: they are
 neither computed by the experts nor counted in the expert load.
+
+Packed documents (training): ``document_ids`` [B, S] (:mod:`megamoe.data.packing`) makes every layer's
+attention document-causal; with per-document ``position_ids`` each document's logits are those of the
+document run alone. Every pipeline stage needs both (they are not sent with the hidden states).
 """
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -112,19 +117,33 @@ class DecoderLayer(nn.Module):
                                       placement=placement, **factory)
         else:
             self.mlp = spec.build_mlp(config.dense_mlp, tp_group=tp, **factory)
+        # A custom attention module written before packed documents existed keeps working without them.
+        parameters = inspect.signature(self.self_attn.forward).parameters.values()
+        self.attention_takes_document_ids = any(p.name == "document_ids" or p.kind is p.VAR_KEYWORD
+                                                for p in parameters)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None,
                 attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mlp_token_mask: torch.Tensor | None = None):
+                mlp_token_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """[B, S, H] -> ([B, S, H], aux_loss []). ``attention_mask`` [B, S_past + S] hides padding keys;
         ``mlp_token_index`` [T] (flat indices into the B * S tokens): only these tokens go through
         the MLP, the others (padding) keep the attention output alone; ``position_embeddings``: the
         rotary (cos, sin) of ``position_ids``, when the caller computed them once for all layers;
         ``mlp_token_mask`` [B * S] (the static-shape alternative to ``mlp_token_index``): every token
-        goes through the MLP, but those masked out reach no expert of a MoE layer."""
+        goes through the MLP, but those masked out reach no expert of a MoE layer; ``document_ids``
+        [B, S]: document-causal attention over packed documents (passed to the attention as a keyword,
+        only when given)."""
+        packing = {}
+        if document_ids is not None:
+            if not self.attention_takes_document_ids:
+                raise ValueError(f"layer {self.layer_id}'s attention {type(self.self_attn).__name__} has no "
+                                 "document_ids keyword in its forward, so it cannot mask packed documents; add "
+                                 "`document_ids=None` to its forward and pass it to causal_attention, or train "
+                                 "without reset_attention_mask")
+            packing["document_ids"] = document_ids
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache, attention_mask,
-                                         position_embeddings)
+                                         position_embeddings, **packing)
         normed = self.post_attention_layernorm(hidden)
         if mlp_token_index is not None:
             normed = normed.reshape(-1, normed.shape[-1]).index_select(0, mlp_token_index)   # [T, H]
@@ -149,13 +168,14 @@ class GPTMoEModel(nn.Module):
     ``embed_tokens`` when ``tie_word_embeddings``: the last stage then holds its own copy of the
     embedding, kept identical by summing both copies' gradients over the embedding group).
 
-    ``forward(inputs, position_ids=None, labels=None, kv_caches=None, attention_mask=None) -> (output,
-    aux_loss)``: ``inputs`` are token ids [B, S] on the first stage and hidden states [B, S, H]
-    elsewhere; the output is the hidden states for the next stage, or on the last stage the mean token
-    loss (with ``labels``; -100 ignored) or this rank's vocab shard of the logits [B, S, V / tp].
-    ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask`` [B, S_past + S]
-    marks real tokens (see the module docstring). :meth:`run_layers` stops before the final norm, so
-    that generation computes logits for the last position only.
+    ``forward(inputs, position_ids=None, labels=None, kv_caches=None, attention_mask=None,
+    document_ids=None) -> (output, aux_loss)``: ``inputs`` are token ids [B, S] on the first stage and
+    hidden states [B, S, H] elsewhere; the output is the hidden states for the next stage, or on the
+    last stage the mean token loss (with ``labels``; -100 ignored) or this rank's vocab shard of the
+    logits [B, S, V / tp]. ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask``
+    [B, S_past + S] marks real tokens; ``document_ids`` [B, S] packs documents (see the module
+    docstring). :meth:`run_layers` stops before the final norm, so that generation computes logits
+    for the last position only.
 
     ``layer_spec`` (:class:`~megamoe.models.layer_spec.LayerSpec`) chooses the classes of every decoder
     layer's attention, dense MLP and MoE layer, e.g. ``LayerSpec(moe=MyMoELayer)`` for a MoELayer
@@ -202,8 +222,9 @@ class GPTMoEModel(nn.Module):
                 if isinstance(layer.mlp, MoELayer)}
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, kv_caches=None, attention_mask: torch.Tensor | None = None):
-        hidden, aux_loss = self.run_layers(inputs, position_ids, kv_caches, attention_mask)
+                labels: torch.Tensor | None = None, kv_caches=None, attention_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
+        hidden, aux_loss = self.run_layers(inputs, position_ids, kv_caches, attention_mask, document_ids)
         if not self.is_last_stage:
             return hidden, aux_loss
         logits_local = self.logits(hidden)
@@ -214,9 +235,17 @@ class GPTMoEModel(nn.Module):
         return token_loss.sum() / num_tokens, aux_loss
 
     def run_layers(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, kv_caches=None,
-                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   attention_mask: torch.Tensor | None = None,
+                   document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding (first stage) and this stage's decoder layers: ``(hidden [B, S, H], aux_loss)``."""
         hidden, position_ids = self._embed(inputs, position_ids)
+        if document_ids is not None:
+            if kv_caches is not None:
+                raise ValueError("document_ids (packed documents) describe one full-sequence forward and cannot "
+                                 "be combined with KV caches; pass document_ids=None when decoding")
+            if document_ids.shape != hidden.shape[:2]:
+                raise ValueError(f"document_ids must be [batch, seq] = {list(hidden.shape[:2])} like the inputs, "
+                                 f"got {list(document_ids.shape)}")
         seq = hidden.shape[1]
         mlp_token_index = None
         if attention_mask is not None:               # host syncs once per call, not per layer
@@ -225,7 +254,8 @@ class GPTMoEModel(nn.Module):
                 mlp_token_index = real.nonzero().squeeze(1)
             elif bool(attention_mask.all()):
                 attention_mask = None                # no padding at all: the plain causal mask
-        return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_index=mlp_token_index)
+        return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_index=mlp_token_index,
+                                    document_ids=document_ids)
 
     def run_layers_static(self, inputs: torch.Tensor, position_ids: torch.Tensor, kv_caches,
                           attention_mask: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,13 +277,13 @@ class GPTMoEModel(nn.Module):
         return hidden, position_ids
 
     def _decoder_layers(self, hidden, position_ids, kv_caches, attention_mask, *, mlp_token_index=None,
-                        mlp_token_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        mlp_token_mask=None, document_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         aux_loss = hidden.new_zeros((), dtype=torch.float32)
         position_embeddings = self.rotary(position_ids)
         for key, layer in self.layers.items():
             cache = None if kv_caches is None else kv_caches[int(key)]
             hidden, layer_aux = layer(hidden, position_ids, cache, attention_mask, mlp_token_index,
-                                      position_embeddings, mlp_token_mask)
+                                      position_embeddings, mlp_token_mask, document_ids)
             aux_loss = aux_loss + layer_aux
         return hidden, aux_loss
 

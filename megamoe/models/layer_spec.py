@@ -10,7 +10,9 @@ callable with that class's constructor signature, called once per decoder layer 
   ``forward(hidden [B, S, H], position_ids [B, S], kv_cache, attention_mask [B, S_past + S] | None,
   position_embeddings (cos, sin) | None) -> [B, S, H]`` is complete on every TP rank (like
   :class:`~megamoe.transformer.attention.Attention`). Default (None): ``Attention`` for an
-  ``AttentionConfig``, ``MultiHeadLatentAttention`` for an ``MLAConfig``.
+  ``AttentionConfig``, ``MultiHeadLatentAttention`` for an ``MLAConfig``. Packed documents
+  (:mod:`megamoe.data.packing`) reach it as the keyword ``document_ids`` [B, S], and only then: a
+  module without that keyword works unchanged, and a packed forward through it raises ValueError.
 - ``mlp(config.dense_mlp, tp_group=..., device=..., dtype=...)``: the MLP of the layers not in
   ``moe_layer_ids``; ``forward(x [..., H]) -> [..., H]`` complete on every TP rank, or
   ``(output, aux_loss [])``. Default :class:`~megamoe.transformer.mlp.MLP`.

@@ -34,7 +34,9 @@ class TrainableModel(Protocol):
     - ``forward(inputs, labels=None) -> (output, aux_loss [])``: ``inputs`` are token ids [B, S] on the
       first stage, the previous stage's hidden states otherwise; the output is the mean token loss
       (last stage, with ``labels``) or the hidden states for the next stage; ``aux_loss`` is this
-      stage's sum of balancing losses (a 0-dim tensor, zero when there is none).
+      stage's sum of balancing losses (a 0-dim tensor, zero when there is none). Only for packed
+      micro-batches (:class:`~megamoe.data.packing.MicroBatch`) does the Trainer also pass the
+      keywords ``position_ids`` / ``document_ids`` [B, S] (those that are not None).
 
     Parallel layers (:mod:`megamoe.tensor_parallel`) tag their parameters' sharding; a parameter of
     one's own that each rank holds a different piece of needs

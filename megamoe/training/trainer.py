@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import comms
+from megamoe.data.packing import MicroBatch
 from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
@@ -134,8 +135,10 @@ class Trainer:
         device = next(self.model.parameters()).device.type
         return torch.autocast(device_type=device, dtype=dtype)
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepMetrics:
-        """``micro_batches``: this DP rank's (inputs [mb, S], labels [mb, S]) of one global batch."""
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor] | MicroBatch]) -> StepMetrics:
+        """``micro_batches``: this DP rank's (inputs [mb, S], labels [mb, S]) of one global batch, or
+        :class:`~megamoe.data.packing.MicroBatch` tuples that also carry packed documents' position
+        ids and document ids (passed to the model on every pipeline stage)."""
         start = time.perf_counter()
         model, state = self.model, self.state
         num_mb = len(micro_batches)
@@ -147,10 +150,13 @@ class Trainer:
 
         def forward_step(input_tensor, index):
             nonlocal aux_total
-            inputs, labels = micro_batches[index]
+            batch = MicroBatch(*micro_batches[index])
+            # Only packed micro-batches pass the packing keywords: a model of one's own need not take them.
+            packing = {name: value for name, value in (("position_ids", batch.position_ids),
+                                                       ("document_ids", batch.document_ids)) if value is not None}
             with self._autocast():
-                out, aux = model(inputs if model.is_first_stage else input_tensor,
-                                 labels=labels if model.is_last_stage else None)
+                out, aux = model(batch.inputs if model.is_first_stage else input_tensor,
+                                 labels=batch.labels if model.is_last_stage else None, **packing)
             aux_total += aux.detach().double()
             if model.is_last_stage:
                 return upcast(out) / num_mb, aux / num_mb

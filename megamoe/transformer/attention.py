@@ -35,7 +35,14 @@ S positions: the causal / sliding-window mask is aligned to the end of the key s
 Masking is by index along each batch row; ``position_ids`` only drive RoPE. Padding: the optional
 ``attention_mask`` [B, S_past + S] (HF's 2-D mask: True / 1 where the position holds a real token)
 hides padding keys (see :func:`causal_attention`); with left padding, the index-based causal and
-sliding-window masks stay exact. Packed-document masks and sequence parallelism are not supported.
+sliding-window masks stay exact.
+
+Packed documents (training, :mod:`megamoe.data.packing`): ``document_ids`` [B, S] (a keyword of
+``forward``) makes attention document-causal: a query sees the keys at or before it that carry the
+same document id (and lie in its sliding window, when configured). Pair it with per-document
+``position_ids`` (restarting at 0) for every document to be computed as if alone. It describes one
+full-sequence call: with a KV cache it raises ValueError (the cache does not keep past document ids).
+None: plain causal attention, the ``is_causal`` SDPA kernel. Sequence parallelism is not supported.
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ from megamoe.transformer.head_sharding import HeadShard, head_shard, sum_grad_ov
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention"]
+__all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention",
+           "check_no_cache_with_documents"]
 
 QK_NORMS = (None, "per_head", "full_width")
 
@@ -86,6 +94,12 @@ def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_m
         length = attention_mask.shape[-1]
         a, b = a[..., :length, :], b[..., :length, :]
     return a, b, query_positions
+
+
+def check_no_cache_with_documents(kv_cache: KVCache | None, document_ids: torch.Tensor | None) -> None:
+    if kv_cache is not None and document_ids is not None:
+        raise ValueError("document_ids (packed documents) describe one full-sequence forward and cannot be "
+                         "combined with a KV cache; pass document_ids=None when decoding")
 
 
 @dataclass(frozen=True)
@@ -125,7 +139,8 @@ class AttentionConfig:
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                      sliding_window: int | None = None, attention_mask: torch.Tensor | None = None,
-                     query_positions: torch.Tensor | None = None) -> torch.Tensor:
+                     query_positions: torch.Tensor | None = None,
+                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of query [B, Hq, Sq, D] over key [B, Hk, Sk, D] / value [B, Hk, Sk, Dv] (``Hq`` a
     multiple of ``Hk``), the queries being the LAST ``Sq`` of the ``Sk`` positions, or those at the
     key indices ``query_positions`` [Sq] (a static-shape KV cache). Returns [B, Hq, Sq, Dv].
@@ -133,10 +148,14 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``attention_mask`` [B, Sk] (True / 1: a real token) hides padding keys. A query always sees its
     own position, so a padding query's row is never empty: some SDPA kernels return NaN for an empty
     row, which would reach real queries through the cached values (0 * NaN = NaN); this way its
-    output is finite (and unused) on every backend."""
+    output is finite (and unused) on every backend.
+
+    ``document_ids`` [B, Sk] (packed documents): a query sees only keys of its own document (the
+    document id at the query's own key index), on top of the causal / sliding-window / padding mask."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     gqa = query.shape[1] != key.shape[1]
-    if query_positions is None and attention_mask is None and (sliding_window is None or k_len <= sliding_window):
+    if (query_positions is None and attention_mask is None and document_ids is None
+            and (sliding_window is None or k_len <= sliding_window)):
         if q_len == k_len:
             return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
         if q_len == 1:                              # the last position sees every key (decoding)
@@ -151,6 +170,12 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         visible &= k_pos > q_pos - sliding_window
     if attention_mask is not None:
         visible = (visible & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)   # [B, 1, Sq, Sk]
+    if document_ids is not None:
+        if document_ids.shape != (query.shape[0], k_len):
+            raise ValueError(f"document_ids must be [batch, keys] = {[query.shape[0], k_len]}, got "
+                             f"{list(document_ids.shape)}")
+        query_documents = document_ids.index_select(1, q_pos[:, 0])                       # [B, Sq]
+        visible = visible & (query_documents[:, None, :, None] == document_ids[:, None, None, :])   # [B, 1, Sq, Sk]
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=gqa)
 
 
@@ -258,11 +283,14 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank);
         ``attention_mask`` [B, S_past + S]: see :func:`causal_attention`.
         ``position_embeddings``: ``self.rotary(position_ids)`` if the caller already has it (a model
-        computes it once for all its layers); computed here when None."""
+        computes it once for all its layers); computed here when None.
+        ``document_ids`` [B, S]: document-causal attention over packed documents (no KV cache)."""
+        check_no_cache_with_documents(kv_cache, document_ids)
         x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)      # one grad all-reduce for q, k, v
         q = self._qk_norm(self.q_norm, _local_linear(self.q_proj, x), self.num_heads_local)
         k = self._qk_norm(self.k_norm, _local_linear(self.k_proj, x), self.num_kv_heads_local)
@@ -277,5 +305,5 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v, query_positions = cached_keys(kv_cache, k, v, attention_mask)
         out = causal_attention(q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window, attention_mask,
-                               query_positions)
+                               query_positions, document_ids)
         return self.o_proj(out.transpose(1, 2).flatten(2))                     # [B, S, heads_local * D] in

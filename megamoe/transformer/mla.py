@@ -27,7 +27,8 @@ and the kv latents get theirs: two all-reduces.
 KV cache seam (as HF, on the compressed latents): ``kv_cache.update(kv_latent, k_pe)`` receives
 [B, 1, S, kv_lora_rank] (after ``kv_a_layernorm``) and [B, 1, S, qk_rope_head_dim] (rotated) and
 returns every cached position; queries are the last S positions. ``attention_mask`` [B, S_past + S]
-hides padding keys as in :func:`megamoe.transformer.attention.causal_attention`.
+hides padding keys, and ``document_ids`` [B, S] (packed documents, no KV cache) makes attention
+document-causal, as in :func:`megamoe.transformer.attention.causal_attention`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from megamoe import comms
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
-from megamoe.transformer.attention import KVCache, cached_keys, causal_attention
+from megamoe.transformer.attention import KVCache, cached_keys, causal_attention, check_no_cache_with_documents
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
@@ -156,11 +157,14 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden`` [B, S, H], ``position_ids`` [B, S] -> [B, S, H] (complete on every rank);
         ``attention_mask`` [B, S_past + S] (True: a real token) or None.
         ``position_embeddings``: ``self.rotary(position_ids)`` if the caller already has it (a model
-        computes it once for all its layers); computed here when None."""
+        computes it once for all its layers); computed here when None.
+        ``document_ids`` [B, S]: document-causal attention over packed documents (no KV cache)."""
+        check_no_cache_with_documents(kv_cache, document_ids)
         cfg = self.config
         batch, seq = hidden.shape[:2]
         kv_latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
@@ -189,5 +193,5 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads_local, -1, -1)], -1)
         q = torch.cat([q_nope, q_pe], -1)
         out = causal_attention(q, k, v, cfg.softmax_scale, attention_mask=attention_mask,
-                               query_positions=query_positions)                    # [B, heads, S, v]
+                               query_positions=query_positions, document_ids=document_ids)   # [B, heads, S, v]
         return self.o_proj(out.transpose(1, 2).flatten(2))
