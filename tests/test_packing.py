@@ -3,13 +3,15 @@ reading of Megatron's rules; with both resets, a packed row gives every document
 losses and gradients it gets run alone (GQA with and without a sliding window, MLA; one process, TP 2
 and PP 2); each reset alone behaves as documented; unpacked forwards keep the ``is_causal`` kernel."""
 
+import argparse
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megamoe.data.packing import (MicroBatch, PackingConfig, document_ids_of, document_position_ids,
-                                  packed_micro_batch, packing_inputs)
+from megamoe.data.packing import (MicroBatch, PackingConfig, add_packing_arguments, document_ids_of,
+                                  document_position_ids, packed_micro_batch, packing_config_from_args, packing_inputs)
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 from megamoe.moe.moe_layer import MoEConfig
@@ -134,6 +136,17 @@ def test_packed_micro_batch_and_its_checks():
         packed_micro_batch(inputs, labels[:, 1:], PackingConfig(EOS))
 
 
+def test_packing_flags():
+    parser = argparse.ArgumentParser()
+    add_packing_arguments(parser)
+    assert packing_config_from_args(parser.parse_args([]), EOS) is None
+    args = parser.parse_args(["--reset-attention-mask", "--eod-mask-loss"])
+    assert packing_config_from_args(args, 7) == PackingConfig(7, reset_position_ids=False, reset_attention_mask=True,
+                                                              mask_eod_loss=True)
+    with pytest.raises(ValueError, match="the tokenizer has none"):
+        packing_config_from_args(args, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # The model, one process
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +230,7 @@ def test_packing_with_a_kv_cache_or_a_wrong_shape_is_refused():
     inputs, _ = packed_tokens()
     document_ids = document_ids_of(inputs, EOS)
     caches = {i: StaticKVCache(32) for i in model.layer_ids}
-    with pytest.raises(ValueError, match="cannot be combined with KV caches"):
+    with pytest.raises(ValueError, match="cannot be combined with a KV cache"):
         model(inputs, kv_caches=caches, document_ids=document_ids)
     attention = model.layers["0"].self_attn
     hidden = torch.zeros(*inputs.shape, H)
@@ -298,3 +311,4 @@ def _packed_under_layouts(rank, world_size):
 @pytest.mark.slow
 def test_packed_documents_under_tp2_and_pp2():
     run_on_ranks(_packed_under_layouts, world_size=2, timeout_s=240)
+

@@ -17,7 +17,8 @@ first token of a row may continue a document cut by the previous row: it is a do
 here, as in Megatron.
 
 :class:`MicroBatch` is what :meth:`megamoe.training.Trainer.train_step` accepts besides plain
-``(inputs, labels)`` tuples; :func:`packed_micro_batch` builds one.
+``(inputs, labels)`` tuples; :func:`packed_micro_batch` builds one. A script takes Megatron's flags with
+:func:`add_packing_arguments` and turns them into a config with :func:`packing_config_from_args`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MicroBatch", "PackingConfig", "document_ids_of", "document_position_ids", "packed_micro_batch",
-           "packing_inputs"]
+__all__ = ["MicroBatch", "PackingConfig", "add_packing_arguments", "document_ids_of", "document_position_ids",
+           "packed_micro_batch", "packing_config_from_args", "packing_inputs"]
 
 
 class MicroBatch(NamedTuple):
@@ -106,3 +107,28 @@ def packed_micro_batch(inputs: torch.Tensor, labels: torch.Tensor, config: Packi
     if config.mask_eod_loss:
         labels = labels.masked_fill(inputs == config.eos_id, -100)
     return MicroBatch(inputs, labels, position_ids, document_ids)
+
+
+def add_packing_arguments(parser) -> None:
+    """Megatron's flags: ``--reset-position-ids``, ``--reset-attention-mask``, ``--eod-mask-loss``."""
+    parser.add_argument("--reset-position-ids", action="store_true",
+                        help="packed documents: restart the position ids at 0 after each EOS token")
+    parser.add_argument("--reset-attention-mask", action="store_true",
+                        help="packed documents: a token attends only to earlier tokens of its own document "
+                             "(documents end at EOS tokens)")
+    parser.add_argument("--eod-mask-loss", action="store_true",
+                        help="no loss on the tokens that follow an EOS (a document's first token)")
+
+
+def packing_config_from_args(args, eos_id: int | None) -> PackingConfig | None:
+    """The :class:`PackingConfig` of :func:`add_packing_arguments`' flags (None when none is set), with
+    the tokenizer's ``eos_id``; ValueError when a flag is set and the tokenizer has no EOS token."""
+    flags = {"reset_position_ids": args.reset_position_ids, "reset_attention_mask": args.reset_attention_mask,
+             "mask_eod_loss": args.eod_mask_loss}
+    if not any(flags.values()):
+        return None
+    if eos_id is None:
+        raise ValueError("--reset-position-ids / --reset-attention-mask / --eod-mask-loss find documents by "
+                         "their EOS token, but the tokenizer has none; use a tokenizer with an EOS token (and "
+                         "a token file built with append_eos) or drop these flags")
+    return PackingConfig(eos_id, **flags)

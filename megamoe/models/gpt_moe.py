@@ -40,6 +40,7 @@ from megamoe.pipeline.partition import partition_layers
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.transformer import RMSNorm
+from megamoe.transformer.attention import check_no_cache_with_documents
 from megamoe.transformer.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "expert_token_replicas"]
@@ -239,13 +240,10 @@ class GPTMoEModel(nn.Module):
                    document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding (first stage) and this stage's decoder layers: ``(hidden [B, S, H], aux_loss)``."""
         hidden, position_ids = self._embed(inputs, position_ids)
-        if document_ids is not None:
-            if kv_caches is not None:
-                raise ValueError("document_ids (packed documents) describe one full-sequence forward and cannot "
-                                 "be combined with KV caches; pass document_ids=None when decoding")
-            if document_ids.shape != hidden.shape[:2]:
-                raise ValueError(f"document_ids must be [batch, seq] = {list(hidden.shape[:2])} like the inputs, "
-                                 f"got {list(document_ids.shape)}")
+        check_no_cache_with_documents(kv_caches, document_ids)
+        if document_ids is not None and document_ids.shape != hidden.shape[:2]:
+            raise ValueError(f"document_ids must be [batch, seq] = {list(hidden.shape[:2])} like the inputs, got "
+                             f"{list(document_ids.shape)}")
         seq = hidden.shape[1]
         mlp_token_index = None
         if attention_mask is not None:               # host syncs once per call, not per layer

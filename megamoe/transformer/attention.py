@@ -96,7 +96,9 @@ def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_m
     return a, b, query_positions
 
 
-def check_no_cache_with_documents(kv_cache: KVCache | None, document_ids: torch.Tensor | None) -> None:
+def check_no_cache_with_documents(kv_cache, document_ids: torch.Tensor | None) -> None:
+    """ValueError when packed documents' ``document_ids`` come with a KV cache (one layer's, or a
+    model's dict of them)."""
     if kv_cache is not None and document_ids is not None:
         raise ValueError("document_ids (packed documents) describe one full-sequence forward and cannot be "
                          "combined with a KV cache; pass document_ids=None when decoding")
