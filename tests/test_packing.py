@@ -302,7 +302,9 @@ def _packed_under_layouts(rank, world_size):
                                  document_ids=batch.document_ids)
         torch.testing.assert_close(logits, ref_logits, rtol=TOL, atol=TOL, msg=str(layout))
         trainer = Trainer(model, state, TrainConfig(grad_clip=0.0), world_group=dist.group.WORLD)
-        metrics = trainer.train_step([batch])
+        # One row per micro-batch (rows of equal length: the mean over micro-batches is the token mean),
+        # so that the 1F1B schedule must pair each micro-batch with its own position and document ids.
+        metrics = trainer.train_step([MicroBatch(*(t[row:row + 1] for t in batch)) for row in range(2)])
         assert metrics.loss == pytest.approx(ref_loss, rel=TOL), layout
         assert metrics.grad_norm == pytest.approx(ref_grad_norm, rel=1e-4), layout
         destroy_model_parallel()
