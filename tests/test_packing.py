@@ -18,6 +18,7 @@ from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.testing import run_on_ranks
+from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import Attention, AttentionConfig, MLAConfig, MLPConfig, RopeConfig
 from megamoe.transformer import attention as attention_module
@@ -288,6 +289,20 @@ def _one_by_one_reference(config, inputs, labels):
     return logits, float(loss), float(grad_norm)
 
 
+def test_evaluate_loss_is_the_mean_loss_without_gradients():
+    config = model_config()
+    model = build_model(config)
+    inputs, labels = packed_tokens()
+    pairs = [(inputs[r:r + 1], labels[r:r + 1]) for r in range(2)]
+    with torch.no_grad():
+        expected = sum(float(model(i, labels=l)[0]) for i, l in pairs) / 2
+    state = ParallelState.single_process()
+    assert evaluate_loss(model, state, pairs) == pytest.approx(expected, rel=1e-6)
+    assert model.training and all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        evaluate_loss(model, state, [])
+
+
 def _packed_under_layouts(rank, world_size):
     from megamoe.inference.pipeline_forward import pipeline_logits
     from parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -301,6 +316,9 @@ def _packed_under_layouts(rank, world_size):
         logits = pipeline_logits(model, state, inputs, position_ids=batch.position_ids,
                                  document_ids=batch.document_ids)
         torch.testing.assert_close(logits, ref_logits, rtol=TOL, atol=TOL, msg=str(layout))
+        rows = [MicroBatch(*(t[row:row + 1] for t in batch)) for row in range(2)]
+        # The forward-only schedule carries each micro-batch's packing ids to every stage, like training.
+        assert evaluate_loss(model, state, rows, world_group=dist.group.WORLD) == pytest.approx(ref_loss, rel=TOL)
         trainer = Trainer(model, state, TrainConfig(grad_clip=0.0), world_group=dist.group.WORLD)
         # One row per micro-batch (rows of equal length: the mean over micro-batches is the token mean),
         # so that the 1F1B schedule must pair each micro-batch with its own position and document ids.
@@ -308,6 +326,12 @@ def _packed_under_layouts(rank, world_size):
         assert metrics.loss == pytest.approx(ref_loss, rel=TOL), layout
         assert metrics.grad_norm == pytest.approx(ref_grad_norm, rel=1e-4), layout
         destroy_model_parallel()
+    # DP 2: each rank evaluates one row; the reported loss is the mean over both ranks.
+    state = initialize_model_parallel()
+    model = build_model(config, state)
+    mine = [MicroBatch(*(t[rank:rank + 1] for t in batch))]
+    assert evaluate_loss(model, state, mine, world_group=dist.group.WORLD) == pytest.approx(ref_loss, rel=TOL)
+    destroy_model_parallel()
 
 
 @pytest.mark.slow

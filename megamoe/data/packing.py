@@ -42,6 +42,12 @@ class MicroBatch(NamedTuple):
     position_ids: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
 
+    def packing_keywords(self) -> dict[str, torch.Tensor]:
+        """The model keywords of the packed fields that are set: a model of one's own that knows
+        nothing of packing is never passed them for a plain micro-batch."""
+        return {name: value for name, value in (("position_ids", self.position_ids),
+                                                ("document_ids", self.document_ids)) if value is not None}
+
 
 @dataclass(frozen=True)
 class PackingConfig:

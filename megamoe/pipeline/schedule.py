@@ -40,7 +40,7 @@ from megamoe.pipeline.p2p import StageP2P
 if TYPE_CHECKING:
     from parallel_state import ParallelState
 
-__all__ = ["ForwardStep", "forward_backward", "forward_backward_1f1b", "forward_backward_no_pipelining"]
+__all__ = ["ForwardStep", "forward_backward", "forward_backward_1f1b", "forward_backward_no_pipelining", "forward_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -221,3 +221,39 @@ def forward_backward(
         prev_rank=state.pp_prev_rank, next_rank=state.pp_next_rank, tensor_shape=tensor_shape, dtype=dtype,
         device=device,
     )
+
+
+@torch.no_grad()
+def forward_only(
+    forward_step: ForwardStep,
+    num_micro_batches: int,
+    state: ParallelState,
+    tensor_shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> list[torch.Tensor]:
+    """Forward every micro-batch through the pipeline without autograd (evaluation).
+
+    Each stage receives micro-batch ``i``'s activation from the previous stage, runs ``forward_step``
+    and sends the output on: one receive and one send per micro-batch and neighbour, no backward
+    traffic. ``forward_step`` is the one of :func:`forward_backward` (its aux loss is ignored).
+    Returns the per-micro-batch losses on the last stage, an empty list elsewhere.
+    """
+    _check_num_micro_batches(num_micro_batches)
+    tensor_shape = tuple(int(d) for d in tensor_shape)
+    pipelined = state.pp.size > 1
+    if pipelined:
+        _check_pipeline_args(state.pp.group, state.pp.rank, state.pp.size, state.pp_prev_rank, state.pp_next_rank)
+    p2p = StageP2P(state.pp.group, state.pp_prev_rank, state.pp_next_rank, tensor_shape, dtype, device) \
+        if pipelined else None
+    is_last = state.pp.rank == state.pp.size - 1
+    losses = []
+    for index in range(num_micro_batches):
+        input_tensor = p2p.recv_forward() if pipelined else None
+        output, _ = _forward(forward_step, input_tensor, index, is_last=is_last, tensor_shape=tensor_shape,
+                             dtype=dtype)
+        if is_last:
+            losses.append(output)
+        else:
+            p2p.send_forward(output)
+    return losses

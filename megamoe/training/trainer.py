@@ -151,12 +151,9 @@ class Trainer:
         def forward_step(input_tensor, index):
             nonlocal aux_total
             batch = MicroBatch(*micro_batches[index])
-            # Only packed micro-batches pass the packing keywords: a model of one's own need not take them.
-            packing = {name: value for name, value in (("position_ids", batch.position_ids),
-                                                       ("document_ids", batch.document_ids)) if value is not None}
             with self._autocast():
                 out, aux = model(batch.inputs if model.is_first_stage else input_tensor,
-                                 labels=batch.labels if model.is_last_stage else None, **packing)
+                                 labels=batch.labels if model.is_last_stage else None, **batch.packing_keywords())
             aux_total += aux.detach().double()
             if model.is_last_stage:
                 return upcast(out) / num_mb, aux / num_mb
