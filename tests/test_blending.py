@@ -3,7 +3,9 @@ held-out eval split and eval batches (disjoint, deterministic, independent of th
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from megamoe.data.blending import BlendedDataset, blend_dataset_index
 from megamoe.data.eval_split import IGNORE_INDEX, ConcatenatedDataset, SampleRange, eval_batches, split_train_eval
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.token_dataset import TokenDataset
+from megamoe.data.training_data import build_train_eval_data, parse_data_paths
 
 
 class TaggedDataset:
@@ -220,3 +223,54 @@ def test_eval_batches_cover_every_sample_once_whatever_the_layout():
         next(eval_batches(dataset, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=2, num_samples=12))
     with pytest.raises(ValueError, match="share one seq_len"):
         ConcatenatedDataset([TaggedDataset(0, 2), TaggedDataset(1, 2, seq_len=5)])
+
+
+# ---------------------------------------------------------------- the run's datasets from --data-path
+
+
+def _token_file(path, tokens):
+    """A megamoe token file of ``tokens`` (uint16) with its sidecar, as build_token_file writes them."""
+    path.write_bytes(np.asarray(tokens, dtype="<u2").tobytes())
+    sidecar = {"format_version": 1, "dtype": "uint16", "num_tokens": len(tokens), "num_documents": 1,
+               "vocab_size": 100, "eos_id": 0, "append_eos": True, "tokenizer_path": "t", "tokenizer_sha256": "0"}
+    path.with_name(path.name + ".json").write_text(json.dumps(sidecar))
+    return path
+
+
+def test_parse_data_paths_megatron_syntax():
+    assert parse_data_paths(["a", "b/c"]) == ([Path("a"), Path("b/c")], None)
+    assert parse_data_paths(["0.3", "a", "7", "b"]) == ([Path("a"), Path("b")], [0.3, 7.0])
+    for values, message in (([], "at least one"), (["a", "0.5"], "mixes paths and weights \\('0.5'\\)"),
+                            (["0.5", "a", "b"], "pairs, got 3 values"), (["0", "a"], "weight '0' \\(of a\\)"),
+                            (["-1", "a"], "positive"), (["nan", "a"], "positive"), (["1", "2"], "the number '2'")):
+        with pytest.raises(ValueError, match=f"--data-path .*{message}"):
+            parse_data_paths(values)
+
+
+def test_build_train_eval_data_blends_splits_and_checks(tmp_path):
+    from test_indexed_dataset import write_megatron
+
+    _token_file(tmp_path / "a.bin", list(range(1, 42)))  # 10 samples of seq_len 4
+    write_megatron(tmp_path / "m", [[list(range(50, 71))]], 4)  # 21 tokens: 5 samples
+    single = build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100)
+    assert isinstance(single.train, TokenDataset) and single.eval is None and len(single.train) == 10
+
+    data = build_train_eval_data(["3", str(tmp_path / "a.bin"), "1", str(tmp_path / "m")], seq_len=4,
+                                 vocab_size=100, num_samples=16, eval_fraction=0.2, seed=5)
+    assert isinstance(data.train, BlendedDataset) and data.train.dataset_sample_counts == (12, 4)
+    assert [source.source.format for source in data.sources] == ["megamoe", "megatron"]
+    eval_inputs, eval_labels = data.eval.batch(range(len(data.eval)))  # tails: 2 of a's 10, 1 of m's 5
+    assert eval_inputs[:, 0].tolist() == [1 + 8 * 4, 1 + 9 * 4, 50 + 4 * 4]
+    train_labels = set(data.train.batch(range(len(data.train)))[1].flatten().tolist())
+    assert not train_labels & set(eval_labels.flatten().tolist())  # held out before blending: no overlap
+
+    unweighted = build_train_eval_data([str(tmp_path / "a.bin"), str(tmp_path / "m")], seq_len=4, vocab_size=100,
+                                       eval_paths=[str(tmp_path / "m")])
+    assert unweighted.train.dataset_sample_counts == (10, 5) and len(unweighted.eval) == 5  # weights = sizes
+    with pytest.raises(ValueError, match="not both"):
+        build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100, eval_fraction=0.1,
+                              eval_paths=[str(tmp_path / "m")])
+    small_vocab = build_train_eval_data([str(tmp_path / "m")], seq_len=4, vocab_size=60).train
+    assert small_vocab.batch([1])[0].tolist() == [[54, 55, 56, 57]]  # ids below 60 pass
+    with pytest.raises(ValueError, match="sample 4 holds token id 66 \\(at token 16\\), outside the model's vocab"):
+        small_vocab.batch([4])
