@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from megamoe.data import indexed_dataset
 from megamoe.data.indexed_dataset import MegatronIndexedDataset, is_megatron_dataset
 from megamoe.data.token_dataset import TokenDataset, build_token_file
 from megamoe.data.token_source import open_token_source
@@ -237,3 +238,21 @@ def test_megamoe_token_file_with_idx_beside_it_stays_a_token_file(tmp_path):
         "eos_id": 0, "append_eos": True, "tokenizer_path": "t", "tokenizer_sha256": "0" * 64}))
     source = open_token_source(tmp_path / "x.bin")
     assert source.format == "megamoe" and source.tokens.tolist() == [5, 6, 7, 8, 9] and source.vocab_size == 10
+
+
+def test_validation_in_chunks_sees_every_chunk(tmp_path, monkeypatch):
+    """The index is checked a chunk at a time (bounded memory); a fault in a later chunk is still found."""
+    monkeypatch.setattr(indexed_dataset, "_CHECK_CHUNK", 2)
+    documents = [[[1, 2], [3]], [[4, 5, 6]], [[7], [8, 9]], [[10]]]  # 6 sequences, document index of 5
+    write_megatron(tmp_path / "ds", documents, 8)
+    assert MegatronIndexedDataset(tmp_path / "ds").tokens.tolist() == list(range(1, 11))
+    pointers_at, doc_index_at = 34 + 6 * 4, 34 + 6 * 12
+    _rewrite_idx(tmp_path / "ds", lambda d: _put(d, pointers_at + 5 * 8, "<q", 16))  # sequence 5, third chunk
+    with pytest.raises(ValueError, match="sequence 5 starts at byte 16 .* not at 18"):
+        MegatronIndexedDataset(tmp_path / "ds")
+    write_megatron(tmp_path / "ds", documents, 8)
+    _rewrite_idx(tmp_path / "ds", lambda d: _put(d, doc_index_at + 3 * 8, "<q", 3))  # [0, 2, 3, 3, 6]: valid
+    assert MegatronIndexedDataset(tmp_path / "ds").num_documents == 4
+    _rewrite_idx(tmp_path / "ds", lambda d: _put(d, doc_index_at + 1 * 8, "<q", 4))  # [0, 4, 3, 3, 6]: falls
+    with pytest.raises(ValueError, match="document index must rise"):  # across the chunk boundary (entries 1, 2)
+        MegatronIndexedDataset(tmp_path / "ds")

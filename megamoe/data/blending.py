@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import numbers
 from typing import Sequence
 
 import numpy as np
@@ -38,11 +39,11 @@ def _normalised_weights(weights: Sequence[float], num_datasets: int) -> list[flo
         raise ValueError(f"BlendedDataset weights: {len(weights)} weights for {num_datasets} datasets; give one "
                          "weight per dataset")
     for d, weight in enumerate(weights):
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
                 or weight <= 0:
             raise ValueError(f"BlendedDataset weights[{d}] must be a positive finite number, got {weight!r}")
     total = math.fsum(weights)
-    return [weight / total for weight in weights]
+    return [float(weight) / total for weight in weights]
 
 
 def blend_dataset_index(weights: Sequence[float], num_samples: int) -> np.ndarray:

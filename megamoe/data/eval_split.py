@@ -15,6 +15,7 @@ on the DP size or the micro-batch size.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -66,7 +67,7 @@ class ConcatenatedDataset:
 def split_train_eval(dataset: SampleDataset, eval_fraction: float) -> tuple[SampleRange, SampleRange]:
     """(train, eval): the first samples and the held-out tail of ``dataset`` (module docstring);
     ``eval_fraction`` in (0, 1), e.g. ``--eval-fraction``."""
-    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) \
+    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, numbers.Real) \
             or not math.isfinite(eval_fraction) or not 0 < eval_fraction < 1:
         raise ValueError(f"eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
     num_samples = len(dataset)

@@ -46,6 +46,8 @@ MEGATRON_DTYPES = {
 }
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document index count
 _SUFFIXES = (".bin", ".idx")
+# Index entries validated at a time: bounds the memory of checking an index of any size.
+_CHECK_CHUNK = 1 << 22
 
 
 def megatron_paths(path: str | os.PathLike) -> tuple[Path, Path, Path]:
@@ -127,30 +129,38 @@ class MegatronIndexedDataset:
 
     def _check_documents(self) -> None:
         doc = self.document_indices
-        if doc.size == 0 or doc[0] != 0 or doc[-1] != len(self) or np.any(np.diff(doc) < 0):
+        rising = all(not np.any(np.diff(doc[start:start + _CHECK_CHUNK + 1]) < 0)
+                     for start in range(0, doc.size, _CHECK_CHUNK))
+        if doc.size == 0 or doc[0] != 0 or doc[-1] != len(self) or not rising:
             raise _fail(self.idx_path, f"its document index must rise from 0 to the sequence count {len(self)}, got "
                                        f"{doc.size} entries from {doc[:1].tolist()} to {doc[-1:].tolist()}")
 
     def _check_contiguous(self) -> int:
         """The token count; ValueError unless sequence ``i`` starts where ``i - 1`` ends and the last ends
-        at the end of ``.bin``."""
-        lengths = self.sequence_lengths.astype(np.int64)
-        if np.any(lengths < 0):
-            raise _fail(self.idx_path, f"negative sequence length at sequence {int(np.argmax(lengths < 0))}")
+        at the end of ``.bin``. Chunked, so that checking a huge index needs little memory."""
         itemsize = self.dtype.itemsize
-        expected_pointers = np.concatenate([[0], np.cumsum(lengths[:-1]) * itemsize]) if lengths.size else lengths
-        mismatch = np.flatnonzero(self.sequence_pointers != expected_pointers)
-        if mismatch.size:
-            i = int(mismatch[0])
-            raise _fail(self.idx_path, f"sequence {i} starts at byte {int(self.sequence_pointers[i])} of "
-                                       f"{self.bin_path.name}, not at {int(expected_pointers[i])} where the previous "
-                                       "one ends: the sequences are not contiguous")
-        num_tokens = int(lengths.sum())
+        next_pointer = 0
+        for start in range(0, len(self), _CHECK_CHUNK):
+            lengths = self.sequence_lengths[start:start + _CHECK_CHUNK].astype(np.int64)
+            if np.any(lengths < 0):
+                first_negative = start + int(np.argmax(lengths < 0))
+                raise _fail(self.idx_path, f"negative sequence length at sequence {first_negative}")
+            ends = next_pointer + np.cumsum(lengths) * itemsize
+            expected_pointers = np.concatenate([[next_pointer], ends[:-1]])
+            pointers = self.sequence_pointers[start:start + _CHECK_CHUNK]
+            mismatch = np.flatnonzero(pointers != expected_pointers)
+            if mismatch.size:
+                i = int(mismatch[0])
+                raise _fail(self.idx_path, f"sequence {start + i} starts at byte {int(pointers[i])} of "
+                                           f"{self.bin_path.name}, not at {int(expected_pointers[i])} where the "
+                                           "previous one ends: the sequences are not contiguous")
+            next_pointer = int(ends[-1])
+        num_tokens = next_pointer // itemsize
         bin_bytes = self.bin_path.stat().st_size
-        if bin_bytes != num_tokens * itemsize:
+        if bin_bytes != next_pointer:
             raise ValueError(
                 f"Megatron data file {self.bin_path} has {bin_bytes} bytes, but its index {self.idx_path.name} "
-                f"describes {num_tokens} {self.dtype.name} tokens ({num_tokens * itemsize} bytes): the pair is "
+                f"describes {num_tokens} {self.dtype.name} tokens ({next_pointer} bytes): the pair is "
                 "truncated or from different builds; rebuild the dataset"
             )
         return num_tokens

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from megamoe.atomic_file import atomic_write
 from megamoe.data.resumable_sampler import ResumableSampler
+from megamoe.data.sample_dataset import checked_sample_indices
 from megamoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -240,9 +241,7 @@ class TokenDataset:
 
     def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``indices`` stacked: (inputs [B, S], labels [B, S]), int64."""
-        indices_b = np.asarray(indices, dtype=np.int64)
-        if indices_b.ndim != 1 or (indices_b.size and not 0 <= indices_b.min() <= indices_b.max() < self.num_samples):
-            raise IndexError(f"sample indices must be a 1-D sequence of ints in [0, {self.num_samples})")
+        indices_b = checked_sample_indices(indices, self.num_samples)
         starts_b = indices_b * self.seq_len
         windows_bw = self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)].astype(np.int64)
         if self._check_ids and windows_bw.size:
