@@ -91,7 +91,24 @@ def test_blend_repeats_each_dataset_in_seeded_passes_and_is_deterministic(caplog
     assert other.dataset_index.tolist() == blend.dataset_index.tolist() and _decode(other, range(20)) != decoded
     # batch() keeps the requested order, repeats included, across datasets.
     assert _decode(blend, [19, 0, 19, 4]) == [decoded[19], decoded[0], decoded[19], decoded[4]]
-    assert len(BlendedDataset(datasets, [1, 1])) == 53  # default size: the datasets' total
+
+
+
+@pytest.mark.parametrize("weights", ([1, 1], [3, 50], [0.1, 0.7, 0.2], [1e-3, 1, 5]))
+def test_default_size_sees_every_dataset_whole(weights):
+    lengths = [3, 50, 7][:len(weights)]
+    blend = BlendedDataset([TaggedDataset(d, n) for d, n in enumerate(lengths)], weights)
+    counts = np.asarray(blend.dataset_sample_counts)
+    assert np.all(counts >= lengths)  # every dataset at least one full pass
+    passes_needed = np.asarray(lengths) / (np.asarray(weights) / np.sum(weights))
+    assert len(blend) - 1 < passes_needed.max() <= len(blend)  # and no blend sample more than that needs
+    limiting = int(np.argmax(passes_needed))
+    assert counts[limiting] - lengths[limiting] <= 1  # the dataset shortest for its weight is seen about once
+    decoded = _decode(blend, range(len(blend)))
+    for d, length in enumerate(lengths):
+        assert {i for t, i in decoded if t == d} == set(range(length))
+    if weights == [3, 50]:
+        assert len(blend) == 53  # weights proportional to the lengths: the datasets' total, each seen once
 
 
 def test_blend_validation():

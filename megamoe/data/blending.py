@@ -16,6 +16,7 @@ import hashlib
 import logging
 import math
 import numbers
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from megamoe.data.sample_dataset import SampleDataset, checked_sample_indices, common_seq_len, gather_samples
 
-__all__ = ["BlendedDataset", "blend_dataset_index"]
+__all__ = ["BlendedDataset", "blend_dataset_index", "full_pass_num_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,21 @@ def _repeated_order(length: int, count: int, seed: int, dataset: int) -> np.ndar
     return np.concatenate(passes)[:count] if passes else np.empty(0, dtype=np.int64)
 
 
+def full_pass_num_samples(lengths: Sequence[int], weights: Sequence[float]) -> int:
+    """The fewest blend samples in which every dataset is seen whole at least once:
+    ``max_d ceil(len_d / w_d)`` in exact arithmetic (so the datasets' total when weights are their lengths)."""
+    total = sum(Fraction(weight) for weight in weights)
+    return max(math.ceil(Fraction(length) * total / Fraction(weight)) for length, weight in zip(lengths, weights))
+
+
 class BlendedDataset:
     """``num_samples`` samples drawn from ``datasets`` by ``weights`` (positive, normalised here); the
-    rule is in the module docstring. ``num_samples`` defaults to the datasets' total length; a training
-    run passes ``steps * global_batch_size`` so that every step's weights hold exactly.
+    rule is in the module docstring.
+
+    ``num_samples`` defaults to ``full_pass_num_samples``: every dataset is seen whole at least once (the
+    one shortest for its weight about once), the others repeated to their weights; the size does not
+    depend on the run's length (a run resumed with more steps keeps its sampler order). A run may pass
+    ``steps * global_batch_size`` instead, to honour the weights exactly over the whole run.
 
     ``dataset_sample_counts[d]`` is how many of the ``num_samples`` come from dataset ``d`` (logged).
     """
@@ -102,7 +114,7 @@ class BlendedDataset:
         for d, length in enumerate(lengths):
             if length < 1:
                 raise ValueError(f"BlendedDataset datasets[{d}] is empty")
-        self.num_samples = sum(lengths) if num_samples is None else num_samples
+        self.num_samples = full_pass_num_samples(lengths, weights) if num_samples is None else num_samples
         self.seed = seed
 
         self.dataset_index = blend_dataset_index(self.weights, self.num_samples)

@@ -80,9 +80,9 @@ def build_train_eval_data(
     seed: int = 0,
 ) -> TrainEvalData:
     """Open ``data_paths`` (``parse_data_paths`` syntax) as ``TokenDataset``\\ s checked against the model's
-    ``vocab_size``; hold out eval data; blend several sources into ``num_samples`` samples (default: the
-    sum of their training samples; ``seed`` orders each source's passes). One source without a weight
-    is used as is, not blended."""
+    ``vocab_size``; hold out eval data; blend several sources into ``num_samples`` samples (default:
+    ``full_pass_num_samples``, every source seen whole; ``seed`` orders each source's passes). One source
+    without a weight is used as is, not blended."""
     if eval_fraction is not None and eval_paths:
         raise ValueError("give eval_fraction (--eval-fraction) or eval_paths (--eval-data-path), not both")
     paths, weights = parse_data_paths(data_paths)
