@@ -100,9 +100,9 @@ def test_default_size_sees_every_dataset_whole(weights):
     blend = BlendedDataset([TaggedDataset(d, n) for d, n in enumerate(lengths)], weights)
     counts = np.asarray(blend.dataset_sample_counts)
     assert np.all(counts >= lengths)  # every dataset at least one full pass
-    passes_needed = np.asarray(lengths) / (np.asarray(weights) / np.sum(weights))
-    assert len(blend) - 1 < passes_needed.max() <= len(blend)  # and no blend sample more than that needs
-    limiting = int(np.argmax(passes_needed))
+    size_needed = np.asarray(lengths) / (np.asarray(weights) / np.sum(weights))
+    assert len(blend) - 1 < size_needed.max() <= len(blend)  # and no blend sample more than that needs
+    limiting = int(np.argmax(size_needed))
     assert counts[limiting] - lengths[limiting] <= 1  # the dataset shortest for its weight is seen about once
     decoded = _decode(blend, range(len(blend)))
     for d, length in enumerate(lengths):
