@@ -5,8 +5,14 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``tokenizer``: ``train_sentencepiece``, the ``Tokenizer`` wrapper (sentencepiece ``.model`` or HF
   ``tokenizer.json``) and the ``train`` CLI.
 - ``corpus``: ``stdlib_corpus_files``, the Python standard library's own sources as a training corpus.
-- ``token_dataset``: ``build_token_file`` and ``TokenDataset`` (a memory-mapped flat token file);
+- ``token_dataset``: ``build_token_file`` and ``TokenDataset`` (fixed-length samples of a token source);
   ``token_file_matches`` tells whether a token file on disk is complete and of a given tokenizer (reuse it).
+- ``indexed_dataset``: ``MegatronIndexedDataset``, a validated zero-copy reader of Megatron-LM ``.bin/.idx``.
+- ``token_source``: ``open_token_source``, a megamoe token file or a Megatron dataset as one flat id array.
+- ``sample_dataset``: the ``SampleDataset`` protocol (``len`` + ``batch``) and helpers of composite datasets.
+- ``blending``: ``BlendedDataset``, Megatron-style weighted blending with exact per-dataset counts.
+- ``eval_split``: ``split_train_eval`` (held-out tail), ``ConcatenatedDataset``, ``eval_batches`` (per DP rank).
+- ``training_data``: ``build_train_eval_data`` from ``--data-path`` (Megatron syntax), what scripts call.
 - ``resumable_sampler``: ``ResumableSampler``, the layout-independent, resumable order of samples.
 - ``packing``: ``PackingConfig``, ``packed_micro_batch`` and ``MicroBatch``: documents packed in a row,
   with reset position ids and document-causal attention (Megatron's ``--reset-position-ids`` /

@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -23,7 +23,11 @@ from tqdm import tqdm
 
 from megamoe.atomic_file import atomic_write
 from megamoe.data.resumable_sampler import ResumableSampler
+from megamoe.data.sample_dataset import checked_sample_indices
 from megamoe.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from megamoe.data.token_source import TokenSource
 
 __all__ = [
     "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "token_file_matches", "TokenDataset",
@@ -191,40 +195,40 @@ def token_file_matches(path: str | os.PathLike, tokenizer: Tokenizer) -> bool:
 
 
 class TokenDataset:
-    """Fixed-length samples of a token file: sample ``i`` is the window
+    """Fixed-length samples of a token source: sample ``i`` is the window
     ``tokens[i * seq_len : i * seq_len + seq_len + 1]``, returned as (inputs, labels) = (window[:-1],
     window[1:]), int64. Consecutive samples share one token (the last label of one is the first input
-    of the next), so every token is predicted once. The file is memory-mapped, never read whole.
+    of the next), so every token is predicted once. The tokens are memory-mapped, never read whole.
+
+    ``source`` is a :class:`~megamoe.data.token_source.TokenSource` or a path for
+    :func:`~megamoe.data.token_source.open_token_source` (a megamoe token file, or a Megatron dataset's
+    prefix, ``.bin`` or ``.idx``). ``vocab_size``, the model's vocabulary, makes :meth:`batch` check
+    every id against it, unless the source records a vocabulary no larger (megamoe token files do; Megatron
+    datasets do not): an id out of range raises a ValueError instead of indexing past the embedding.
     """
 
-    def __init__(self, path: str | os.PathLike, seq_len: int):
+    def __init__(self, source: TokenSource | str | os.PathLike, seq_len: int, *, vocab_size: int | None = None):
+        # Imported here: token_source reads this module's TokenFileMeta.
+        from megamoe.data.token_source import TokenSource, open_token_source
+
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        self.path = Path(path)
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 (or None), got {vocab_size}")
+        self.source = source if isinstance(source, TokenSource) else open_token_source(source)
+        self.path = self.source.path
+        self.meta = self.source.meta
         self.seq_len = seq_len
-        sidecar = sidecar_path(self.path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"token file {self.path} does not exist")
-        if not sidecar.is_file():
-            raise FileNotFoundError(
-                f"token file {self.path} has no sidecar {sidecar.name}: its build was interrupted, or it was "
-                "not written by build_token_file; rebuild it"
-            )
-        self.meta = TokenFileMeta.read(sidecar)
-        expected_bytes = self.meta.num_tokens * self.meta.numpy_dtype.itemsize
-        actual_bytes = self.path.stat().st_size
-        if actual_bytes != expected_bytes:
-            raise ValueError(
-                f"token file {self.path} is truncated or corrupt: its sidecar says {self.meta.num_tokens} "
-                f"{self.meta.dtype} tokens ({expected_bytes} bytes), the file has {actual_bytes} bytes"
-            )
-        self.num_samples = (self.meta.num_tokens - 1) // seq_len
+        self.vocab_size = vocab_size
+        self._check_ids = vocab_size is not None and (self.source.vocab_size is None
+                                                      or self.source.vocab_size > vocab_size)
+        self.num_samples = (self.source.num_tokens - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
-                f"token file {self.path} has {self.meta.num_tokens} tokens, too few for one sample of "
-                f"seq_len {seq_len} (needs seq_len + 1)"
+                f"{self.source} has {self.source.num_tokens} tokens, too few for one sample of seq_len {seq_len} "
+                "(needs seq_len + 1)"
             )
-        self.tokens = np.memmap(self.path, dtype=self.meta.numpy_dtype, mode="r", shape=(self.meta.num_tokens,))
+        self.tokens = self.source.tokens
 
     def __len__(self) -> int:
         return self.num_samples
@@ -237,12 +241,24 @@ class TokenDataset:
 
     def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``indices`` stacked: (inputs [B, S], labels [B, S]), int64."""
-        indices_b = np.asarray(indices, dtype=np.int64)
-        if indices_b.ndim != 1 or (indices_b.size and not 0 <= indices_b.min() <= indices_b.max() < self.num_samples):
-            raise IndexError(f"sample indices must be a 1-D sequence of ints in [0, {self.num_samples})")
+        indices_b = checked_sample_indices(indices, self.num_samples)
         starts_b = indices_b * self.seq_len
-        windows_bw = torch.from_numpy(self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
+        windows_bw = self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)].astype(np.int64)
+        if self._check_ids and windows_bw.size:
+            self._check_vocab(indices_b, windows_bw)
+        windows_bw = torch.from_numpy(windows_bw)
         return windows_bw[:, :-1].contiguous(), windows_bw[:, 1:].contiguous()
+
+    def _check_vocab(self, indices_b: np.ndarray, windows_bw: np.ndarray) -> None:
+        bad_bw = (windows_bw < 0) | (windows_bw >= self.vocab_size)
+        if bad_bw.any():
+            row, column = np.argwhere(bad_bw)[0]
+            raise ValueError(
+                f"{self.source}: sample {int(indices_b[row])} holds token id {int(windows_bw[row, column])} (at "
+                f"token {int(indices_b[row]) * self.seq_len + int(column)}), outside the model's vocabulary "
+                f"[0, {self.vocab_size}): the data was tokenized with another tokenizer, or the model's vocabulary "
+                "is too small"
+            )
 
 
 def micro_batches(dataset: TokenDataset, sampler: ResumableSampler) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,293 @@
+"""BlendedDataset (exact Megatron-style greedy counts, repeats, determinism, resumable sampling over it) and the
+held-out eval split and eval batches (disjoint, deterministic, independent of the DP layout)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megamoe.data.blending import BlendedDataset, blend_dataset_index
+from megamoe.data.eval_split import IGNORE_INDEX, ConcatenatedDataset, SampleRange, eval_batches, split_train_eval
+from megamoe.data.resumable_sampler import ResumableSampler
+from megamoe.data.token_dataset import TokenDataset
+from megamoe.data.training_data import build_train_eval_data, parse_data_paths
+
+
+class TaggedDataset:
+    """Sample ``i`` of dataset ``tag`` is ``seq_len + 1`` copies of ``tag * 1000 + i`` (inputs and labels)."""
+
+    def __init__(self, tag: int, length: int, seq_len: int = 3):
+        self.tag, self.length, self.seq_len = tag, length, seq_len
+
+    def __len__(self) -> int:
+        return self.length
+
+    def batch(self, indices):
+        indices = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        assert indices.ndim == 1 and bool((indices >= 0).all() and (indices < self.length).all())
+        values = (self.tag * 1000 + indices)[:, None].expand(-1, self.seq_len).contiguous()
+        return values, values.clone()
+
+
+def _oracle_choice(weights, num_samples):
+    """Megatron's rule restated: position i goes to argmax_d w_d * (i + 1) - count_d, first maximum on ties."""
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    counts = np.zeros(len(w))
+    choice = []
+    for i in range(num_samples):
+        d = int(np.argmax(w * (i + 1) - counts))
+        counts[d] += 1
+        choice.append(d)
+    return choice
+
+
+def _decode(blend, indices):
+    """(dataset, sample) of each blend index, read back through ``batch``."""
+    values = blend.batch(indices)[0][:, 0]
+    return [(int(v) // 1000, int(v) % 1000) for v in values]
+
+
+@pytest.mark.parametrize("weights, num_samples", [
+    ([1, 1], 10), ([1, 3], 8), ([0.5, 0.25, 0.25], 100), ([0.2, 0.3, 0.5], 37), ([5, 1, 1, 3], 1000),
+    ([1e-3, 1], 50), ([7], 5),
+])
+def test_blend_counts_follow_the_weights_to_the_sample(weights, num_samples):
+    lengths = [4, 9, 2, 6][:len(weights)]
+    blend = BlendedDataset([TaggedDataset(d, n) for d, n in enumerate(lengths)], weights, num_samples=num_samples)
+    assert blend.dataset_index.tolist() == _oracle_choice(weights, num_samples)
+    counts = np.bincount(_oracle_choice(weights, num_samples), minlength=len(weights))
+    assert blend.dataset_sample_counts == tuple(counts.tolist()) and sum(blend.dataset_sample_counts) == num_samples
+    shares = np.asarray(weights) / np.sum(weights) * num_samples
+    assert np.all(np.abs(counts - shares) < 1)  # each dataset gets its share to within one sample
+    integral = np.isclose(shares, np.round(shares))
+    assert np.array_equal(counts[integral], np.round(shares[integral]))  # and exactly where the share is whole
+    # Every prefix is balanced too (the greedy rule), not just the total.
+    prefix_counts = np.cumsum(np.eye(len(weights))[blend.dataset_index], axis=0)
+    positions = np.arange(1, num_samples + 1)[:, None]
+    assert np.all(np.abs(prefix_counts - positions * np.asarray(weights) / np.sum(weights)) < 1)
+
+
+def test_blend_repeats_each_dataset_in_seeded_passes_and_is_deterministic(caplog):
+    datasets = [TaggedDataset(0, 3), TaggedDataset(1, 50)]
+    with caplog.at_level(logging.INFO, logger="megamoe.data.blending"):
+        blend = BlendedDataset(datasets, [0.6, 0.4], num_samples=20, seed=7)
+    assert "blend dataset 0: 12 of 20 samples" in caplog.text and "blend dataset 1: 8 of 20 samples" in caplog.text
+    decoded = _decode(blend, range(len(blend)))
+    assert [d for d, _ in decoded] == blend.dataset_index.tolist()
+    small = [i for d, i in decoded if d == 0]  # 12 samples of a 3-sample dataset: four passes, each a permutation
+    passes = [small[k:k + 3] for k in range(0, 12, 3)]
+    assert all(sorted(p) == [0, 1, 2] for p in passes) and len({tuple(p) for p in passes}) > 1
+    large = [i for d, i in decoded if d == 1]  # 8 of 50: distinct, and a seeded subset rather than the first 8
+    assert len(set(large)) == 8 and sorted(large) != list(range(8))
+
+    again = BlendedDataset(datasets, [0.6, 0.4], num_samples=20, seed=7)
+    assert _decode(again, range(20)) == decoded
+    other = BlendedDataset(datasets, [0.6, 0.4], num_samples=20, seed=8)
+    assert other.dataset_index.tolist() == blend.dataset_index.tolist() and _decode(other, range(20)) != decoded
+    # batch() keeps the requested order, repeats included, across datasets.
+    assert _decode(blend, [19, 0, 19, 4]) == [decoded[19], decoded[0], decoded[19], decoded[4]]
+
+
+
+@pytest.mark.parametrize("weights", ([1, 1], [3, 50], [0.1, 0.7, 0.2], [1e-3, 1, 5]))
+def test_default_size_sees_every_dataset_whole(weights):
+    lengths = [3, 50, 7][:len(weights)]
+    blend = BlendedDataset([TaggedDataset(d, n) for d, n in enumerate(lengths)], weights)
+    counts = np.asarray(blend.dataset_sample_counts)
+    assert np.all(counts >= lengths)  # every dataset at least one full pass
+    size_needed = np.asarray(lengths) / (np.asarray(weights) / np.sum(weights))
+    assert len(blend) - 1 < size_needed.max() <= len(blend)  # and no blend sample more than that needs
+    limiting = int(np.argmax(size_needed))
+    assert counts[limiting] - lengths[limiting] <= 1  # the dataset shortest for its weight is seen about once
+    decoded = _decode(blend, range(len(blend)))
+    for d, length in enumerate(lengths):
+        assert {i for t, i in decoded if t == d} == set(range(length))
+    if weights == [3, 50]:
+        assert len(blend) == 53  # weights proportional to the lengths: the datasets' total, each seen once
+
+
+def test_blend_validation():
+    datasets = [TaggedDataset(0, 3), TaggedDataset(1, 5)]
+    for weights, message in (([1], "1 weights for 2 datasets"), ([1, 0], r"weights\[1\] must be a positive finite"),
+                             ([1, -2], r"weights\[1\]"), ([float("nan"), 1], r"weights\[0\]"),
+                             ([1, float("inf")], r"weights\[1\]"), ([True, 1], r"weights\[0\]")):
+        with pytest.raises(ValueError, match=message):
+            BlendedDataset(datasets, weights, num_samples=4)
+    with pytest.raises(ValueError, match="at least one dataset"):
+        BlendedDataset([], [], num_samples=4)
+    with pytest.raises(ValueError, match="num_samples must be >= 1"):
+        BlendedDataset(datasets, [1, 1], num_samples=0)
+    with pytest.raises(ValueError, match="share one seq_len"):
+        BlendedDataset([TaggedDataset(0, 3, seq_len=4), TaggedDataset(1, 3)], [1, 1])
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        BlendedDataset(datasets, [1, 1], num_samples=4).batch([4])
+    with pytest.raises(ValueError, match="num_samples"):
+        blend_dataset_index([1.0], 0)
+
+
+def _run(blend, steps, *, dp_size, micro_batch_size, start=None):
+    """Per step, the decoded samples of every DP rank's micro-batches in rank order, and the final state."""
+    samplers = [ResumableSampler(len(blend), global_batch_size=8, micro_batch_size=micro_batch_size, dp_rank=rank,
+                                 dp_size=dp_size, seed=3) for rank in range(dp_size)]
+    for sampler in samplers:
+        if start is not None:
+            sampler.load_state_dict(start)
+    steps_out = []
+    for _ in range(steps):
+        steps_out.append([pair for sampler in samplers for mb in sampler.next_micro_batches()
+                          for pair in _decode(blend, mb)])
+    return steps_out, samplers[0].state_dict()
+
+
+def test_resumable_sampler_over_a_blend_resumes_exactly():
+    blend = BlendedDataset([TaggedDataset(0, 5), TaggedDataset(1, 7), TaggedDataset(2, 4)], [3, 2, 1],
+                           num_samples=6 * 8, seed=1)
+    whole, _ = _run(blend, 6, dp_size=1, micro_batch_size=8)
+    assert sorted(pair for step in whole for pair in step) == sorted(_decode(blend, range(len(blend))))
+    assert sum(pair[0] == 0 for step in whole for pair in step) == blend.dataset_sample_counts[0] == 24
+    first, state = _run(blend, 2, dp_size=2, micro_batch_size=2)
+    assert first == whole[:2]
+    for dp_size, micro_batch_size in ((1, 8), (4, 1), (2, 4)):
+        resumed, _ = _run(blend, 4, dp_size=dp_size, micro_batch_size=micro_batch_size, start=state)
+        assert resumed == whole[2:], (dp_size, micro_batch_size)
+
+
+# ---------------------------------------------------------------- eval split
+
+
+def test_eval_split_is_a_disjoint_deterministic_tail():
+    dataset = TaggedDataset(0, 10)
+    for fraction, num_eval in ((0.1, 1), (0.25, 2), (0.5, 5), (0.01, 1), (0.99, 9)):
+        train, held_out = split_train_eval(dataset, fraction)
+        assert (len(train), len(held_out)) == (10 - num_eval, num_eval)
+        train_ids = [i for _, i in _decode(train, range(len(train)))]
+        eval_ids = [i for _, i in _decode(held_out, range(len(held_out)))]
+        assert train_ids + eval_ids == list(range(10))  # disjoint, nothing lost, in order
+        again_train, again_eval = split_train_eval(dataset, fraction)
+        assert _decode(again_eval, range(num_eval)) == _decode(held_out, range(num_eval))
+    for bad in (0, 1, -0.5, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="eval_fraction must be a number in \\(0, 1\\)"):
+            split_train_eval(dataset, bad)
+    with pytest.raises(ValueError, match="at least 2"):
+        split_train_eval(TaggedDataset(0, 1), 0.5)
+    with pytest.raises(IndexError):
+        held_out.batch([len(held_out)])
+    with pytest.raises(ValueError, match="SampleRange"):
+        SampleRange(dataset, 3, 3)
+
+
+def test_eval_split_of_a_token_dataset_shares_no_label(tmp_path):
+    """Over real token windows: no eval label is a training input or label (a contiguous tail)."""
+    tokens = np.arange(1, 42, dtype="<u2")  # token values = positions + 1, all distinct
+    (tmp_path / "t.bin").write_bytes(tokens.tobytes())
+    (tmp_path / "t.bin.json").write_text(
+        '{"format_version": 1, "dtype": "uint16", "num_tokens": 41, "num_documents": 1, "vocab_size": 100, '
+        '"eos_id": 0, "append_eos": true, "tokenizer_path": "t", "tokenizer_sha256": "0"}')
+    train, held_out = split_train_eval(TokenDataset(tmp_path / "t.bin", 4), 0.3)
+    assert (len(train), len(held_out)) == (7, 3)
+    train_inputs, train_labels = train.batch(range(len(train)))
+    eval_inputs, eval_labels = held_out.batch(range(len(held_out)))
+    seen = set(train_inputs.flatten().tolist()) | set(train_labels.flatten().tolist())
+    assert not seen & set(eval_labels.flatten().tolist())
+    assert eval_inputs[0, 0] == 1 + 7 * 4  # the eval part starts right after the training part
+
+
+def _eval_stream(dataset, *, dp_size, micro_batch_size, global_batch_size, num_samples=None):
+    """All ranks' eval micro-batches: per step, rank-major; checks shapes and step counts agree over ranks."""
+    per_rank = [list(eval_batches(dataset, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                                  dp_rank=rank, dp_size=dp_size, num_samples=num_samples)) for rank in range(dp_size)]
+    assert len({len(steps) for steps in per_rank}) == 1
+    micro_batches = []
+    for step in range(len(per_rank[0])):
+        for rank in range(dp_size):
+            assert len(per_rank[rank][step]) == global_batch_size // (dp_size * micro_batch_size)
+            for inputs, labels in per_rank[rank][step]:
+                assert inputs.shape == labels.shape == (micro_batch_size, dataset.seq_len)
+                micro_batches.append((inputs, labels))
+    return micro_batches
+
+
+def test_eval_batches_cover_every_sample_once_whatever_the_layout():
+    dataset = ConcatenatedDataset([TaggedDataset(1, 5), TaggedDataset(2, 6)])  # 11 eval samples
+    expected = [(1, i) for i in range(5)] + [(2, i) for i in range(6)]
+    statistics = set()
+    for dp_size, micro_batch_size, global_batch_size in ((1, 1, 1), (1, 4, 4), (2, 2, 8), (4, 1, 4), (4, 2, 16),
+                                                         (2, 3, 12)):
+        micro_batches = _eval_stream(dataset, dp_size=dp_size, micro_batch_size=micro_batch_size,
+                                     global_batch_size=global_batch_size)
+        labels = torch.cat([labels for _, labels in micro_batches])
+        real = labels[:, 0] != IGNORE_INDEX
+        assert bool((labels[~real] == IGNORE_INDEX).all())  # padding rows are wholly ignored
+        assert [(int(v) // 1000, int(v) % 1000) for v in labels[real, 0]] == expected, (dp_size, micro_batch_size)
+        kept = labels[labels != IGNORE_INDEX].double()
+        statistics.add((kept.numel(), float(kept.sum())))  # what a token-weighted eval loss reduces
+        padding_inputs = torch.cat([inputs for inputs, _ in micro_batches])[~real]
+        assert bool((padding_inputs == 1000).all())  # padding reads sample 0, a valid window
+    assert len(statistics) == 1
+    first_three = _eval_stream(dataset, dp_size=2, micro_batch_size=1, global_batch_size=2, num_samples=3)
+    kept = torch.cat([labels for _, labels in first_three])[:, 0]
+    assert kept[kept != IGNORE_INDEX].tolist() == [1000, 1001, 1002]
+    with pytest.raises(ValueError, match="multiple of dp_size"):
+        next(eval_batches(dataset, global_batch_size=6, micro_batch_size=4, dp_rank=0, dp_size=1))
+    with pytest.raises(ValueError, match="dp_rank"):
+        next(eval_batches(dataset, global_batch_size=4, micro_batch_size=2, dp_rank=2, dp_size=2))
+    with pytest.raises(ValueError, match="num_samples must be in \\[1, len\\(dataset\\) = 11\\]"):
+        next(eval_batches(dataset, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=2, num_samples=12))
+    with pytest.raises(ValueError, match="share one seq_len"):
+        ConcatenatedDataset([TaggedDataset(0, 2), TaggedDataset(1, 2, seq_len=5)])
+
+
+# ---------------------------------------------------------------- the run's datasets from --data-path
+
+
+def _token_file(path, tokens):
+    """A megamoe token file of ``tokens`` (uint16) with its sidecar, as build_token_file writes them."""
+    path.write_bytes(np.asarray(tokens, dtype="<u2").tobytes())
+    sidecar = {"format_version": 1, "dtype": "uint16", "num_tokens": len(tokens), "num_documents": 1,
+               "vocab_size": 100, "eos_id": 0, "append_eos": True, "tokenizer_path": "t", "tokenizer_sha256": "0"}
+    path.with_name(path.name + ".json").write_text(json.dumps(sidecar))
+    return path
+
+
+def test_parse_data_paths_megatron_syntax():
+    assert parse_data_paths(["a", "b/c"]) == ([Path("a"), Path("b/c")], None)
+    assert parse_data_paths(["0.3", "a", "7", "b"]) == ([Path("a"), Path("b")], [0.3, 7.0])
+    for values, message in (([], "at least one"), (["a", "0.5"], "mixes paths and weights \\('0.5'\\)"),
+                            (["0.5", "a", "b"], "pairs, got 3 values"), (["0", "a"], "weight '0' \\(of a\\)"),
+                            (["-1", "a"], "positive"), (["nan", "a"], "positive"), (["1", "2"], "the number '2'")):
+        with pytest.raises(ValueError, match=f"--data-path .*{message}"):
+            parse_data_paths(values)
+
+
+def test_build_train_eval_data_blends_splits_and_checks(tmp_path):
+    from test_indexed_dataset import write_megatron
+
+    _token_file(tmp_path / "a.bin", list(range(1, 42)))  # 10 samples of seq_len 4
+    write_megatron(tmp_path / "m", [[list(range(50, 71))]], 4)  # 21 tokens: 5 samples
+    single = build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100)
+    assert isinstance(single.train, TokenDataset) and single.eval is None and len(single.train) == 10
+
+    data = build_train_eval_data(["3", str(tmp_path / "a.bin"), "1", str(tmp_path / "m")], seq_len=4,
+                                 vocab_size=100, num_samples=16, eval_fraction=0.2, seed=5)
+    assert isinstance(data.train, BlendedDataset) and data.train.dataset_sample_counts == (12, 4)
+    assert [source.source.format for source in data.sources] == ["megamoe", "megatron"]
+    eval_inputs, eval_labels = data.eval.batch(range(len(data.eval)))  # tails: 2 of a's 10, 1 of m's 5
+    assert eval_inputs[:, 0].tolist() == [1 + 8 * 4, 1 + 9 * 4, 50 + 4 * 4]
+    train_labels = set(data.train.batch(range(len(data.train)))[1].flatten().tolist())
+    assert not train_labels & set(eval_labels.flatten().tolist())  # held out before blending: no overlap
+
+    unweighted = build_train_eval_data([str(tmp_path / "a.bin"), str(tmp_path / "m")], seq_len=4, vocab_size=100,
+                                       eval_paths=[str(tmp_path / "m")])
+    assert unweighted.train.dataset_sample_counts == (10, 5) and len(unweighted.eval) == 5  # weights = sizes
+    with pytest.raises(ValueError, match="not both"):
+        build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100, eval_fraction=0.1,
+                              eval_paths=[str(tmp_path / "m")])
+    small_vocab = build_train_eval_data([str(tmp_path / "m")], seq_len=4, vocab_size=60).train
+    assert small_vocab.batch([1])[0].tolist() == [[54, 55, 56, 57]]  # ids below 60 pass
+    with pytest.raises(ValueError, match="sample 4 holds token id 66 \\(at token 16\\), outside the model's vocab"):
+        small_vocab.batch([4])
