@@ -299,8 +299,13 @@ def test_evaluate_loss_is_the_mean_loss_without_gradients():
     state = ParallelState.single_process()
     assert evaluate_loss(model, state, pairs) == pytest.approx(expected, rel=1e-6)
     assert model.training and all(p.grad is None for p in model.parameters())
+    # A padding micro-batch (labels all -100, as eval_batches pads the last step) counts for nothing.
+    padding = (inputs[:1], torch.full_like(labels[:1], -100))
+    assert evaluate_loss(model, state, pairs + [padding]) == pytest.approx(expected, rel=1e-6)
     with pytest.raises(ValueError, match="at least one micro-batch"):
         evaluate_loss(model, state, [])
+    with pytest.raises(ValueError, match="no labelled token"):
+        evaluate_loss(model, state, [padding])
 
 
 def _packed_under_layouts(rank, world_size):

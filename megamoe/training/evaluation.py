@@ -1,9 +1,9 @@
 """Held-out loss: forward-only passes over evaluation micro-batches, through the pipeline.
 
-The reported number follows the training loss's convention (:mod:`megamoe.training.trainer`): each
-micro-batch's loss is the mean over its tokens, and the evaluation loss is the mean over all
-micro-batches of all DP ranks, so it does not depend on the layout when every DP rank holds the
-same number of equally sized micro-batches (what :func:`megamoe.data.eval_micro_batches` yields).
+The evaluation loss is the mean over every labelled token (labels other than -100) of every
+micro-batch of every DP rank: each micro-batch's mean token loss is weighted by its labelled-token
+count, so the padding rows that :func:`megamoe.data.eval_split.eval_batches` adds to give every DP rank
+the same number of micro-batches count for nothing, and the result does not depend on the layout.
 
 Evaluation runs in ``model.eval()`` under ``torch.no_grad``; the MoE layers' load counters see
 the evaluation tokens, but the trainer resets them at the start of every step, so evaluation never
@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from megamoe import comms
+from megamoe.data.eval_split import IGNORE_INDEX
 from megamoe.data.packing import MicroBatch
 from megamoe.pipeline.schedule import forward_only
 from megamoe.precision import upcast
@@ -53,8 +54,14 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
     finally:
         model.train(was_training)
     # The loss lives on the last stage, identical over TP and CP: one reporter per DP replica.
-    reporter = model.is_last_stage and state.tp.rank == 0 and state.cp.rank == 0
-    local = torch.stack(losses).double().mean() if reporter else torch.zeros((), dtype=torch.float64, device=device)
-    total = local.reshape(1).to(device=device, dtype=torch.float64)
-    comms.all_reduce_(total, world_group)
-    return (total / state.dp_cp.size).item()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)             # [sum of token losses, tokens]
+    if model.is_last_stage and state.tp.rank == 0 and state.cp.rank == 0:
+        for loss, batch in zip(losses, micro_batches):
+            labelled = (MicroBatch(*batch).labels != IGNORE_INDEX).sum().to(device)
+            # A micro-batch of padding only has a NaN mean: weight 0 must drop it, not multiply it.
+            totals[0] += torch.where(labelled > 0, loss.double() * labelled, 0.0)
+            totals[1] += labelled
+    comms.all_reduce_(totals, world_group)
+    if totals[1].item() == 0:
+        raise ValueError("evaluate_loss: the micro-batches hold no labelled token (every label is -100)")
+    return (totals[0] / totals[1]).item()
