@@ -2,9 +2,11 @@
 
 File format (``FORMAT_VERSION`` 1): ``<name>`` holds every document's ids back to back (each followed
 by EOS when ``append_eos``), as little-endian uint16 when the vocabulary fits (ids < 65536) else
-uint32; ``<name>.json`` holds :class:`TokenFileMeta`. The sidecar is the commit marker: a build deletes
-the old sidecar first and writes the new one last (both files under temporary names, then renamed),
-so an interrupted build leaves a token file without sidecar, which :class:`TokenDataset` refuses.
+uint32; ``<name>.json`` holds :class:`TokenFileMeta`. The sidecar is the commit marker: a build writes
+the ids under a temporary name, and only once all are written deletes the old sidecar, renames the
+token file into place and writes the new sidecar last (also renamed into place), so a build that fails
+leaves an existing pair as it was, and one interrupted while committing leaves a token file without
+sidecar, which :class:`TokenDataset` refuses.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.tokenizer import Tokenizer
 
 __all__ = [
-    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "token_file_matches", "TokenDataset",
+    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "write_token_file", "token_file_matches",
+    "TokenDataset",
     "micro_batches",
 ]
 
@@ -126,10 +129,31 @@ def build_token_file(
 
     Each item is one document: a ``str`` is the document's text, a path object (``Path``) names a
     UTF-8 file to read. With ``append_eos`` every document is followed by ``tokenizer.eos_id``, so
-    samples that span documents see where one ends.
+    samples that span documents see where one ends. See :func:`write_token_file` for the errors.
     """
     if isinstance(files_or_texts, (str, os.PathLike)):
         raise TypeError("files_or_texts must be a collection of documents, not one str or path: wrap it in a list")
+    total = len(files_or_texts) if isinstance(files_or_texts, Sequence) else None
+    encoded = (tokenizer.encode(text) for text in _documents(files_or_texts))
+    return write_token_file(encoded, tokenizer, out_path, append_eos=append_eos, total=total)
+
+
+def write_token_file(
+    encoded_documents: Iterable[Sequence[int] | np.ndarray],
+    tokenizer: Tokenizer,
+    out_path: str | os.PathLike,
+    *,
+    append_eos: bool = True,
+    total: int | None = None,
+) -> TokenFileMeta:
+    """Write already tokenized documents (each item one document's ids, by ``tokenizer``) as a token
+    file at ``out_path`` plus its sidecar; returns the metadata. ``total`` (documents) sizes the
+    progress bar.
+
+    Nothing is replaced until every document is written: on an error (raised here or by the
+    iterable) an existing pair at ``out_path`` stays as it was and no new file is left behind. No
+    documents, or no tokens at all, is an error (such a file holds no sample).
+    """
     if append_eos and tokenizer.eos_id is None:
         raise ValueError(f"append_eos=True but tokenizer {tokenizer.path} has no EOS token; pass append_eos=False")
     out_path = Path(out_path)
@@ -137,14 +161,12 @@ def build_token_file(
     dtype_name = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
     dtype = _DTYPES[dtype_name]
     sidecar = sidecar_path(out_path)
-    sidecar.unlink(missing_ok=True)  # from here on the old pair reads as incomplete until the new sidecar lands
-
-    total = len(files_or_texts) if isinstance(files_or_texts, Sequence) else None
-    num_tokens = num_documents = 0
-    buffer: list[int] = []
+    eos = np.asarray([tokenizer.eos_id if append_eos else 0], dtype=np.int64)
+    num_tokens = num_documents = buffered = 0
+    buffer: list[np.ndarray] = []
 
     def flush(file) -> None:
-        ids = np.asarray(buffer, dtype=np.int64)
+        ids = np.concatenate(buffer) if buffer else np.zeros(0, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
             raise ValueError(
                 f"tokenizer {tokenizer.path} produced an id outside [0, vocab_size={tokenizer.vocab_size}): "
@@ -154,17 +176,26 @@ def build_token_file(
         buffer.clear()
 
     with atomic_write(out_path) as file:
-        for text in tqdm(_documents(files_or_texts), total=total, desc="tokenizing", unit="doc", disable=None):
-            ids = tokenizer.encode(text)
-            buffer.extend(ids)
-            num_tokens += len(ids)
+        for ids in tqdm(encoded_documents, total=total, desc="tokenizing", unit="doc", disable=None):
+            ids = np.asarray(ids, dtype=np.int64)
+            buffer.append(ids)
             if append_eos:
-                buffer.append(tokenizer.eos_id)
-                num_tokens += 1
+                buffer.append(eos)
+            num_tokens += ids.size + append_eos
+            buffered += ids.size + append_eos
             num_documents += 1
-            if len(buffer) >= _FLUSH_TOKENS:
+            if buffered >= _FLUSH_TOKENS:
                 flush(file)
+                buffered = 0
         flush(file)
+        if num_tokens == 0:
+            raise ValueError(
+                f"no tokens to write to {out_path}: " + (f"the {num_documents} documents are all empty "
+                "(tokenize to nothing)" if num_documents else "there are no documents")
+            )
+        # Only now, with every id written, does the old pair stop being complete: from here until the
+        # new sidecar lands the token file reads as incomplete.
+        sidecar.unlink(missing_ok=True)
 
     meta = TokenFileMeta(
         format_version=FORMAT_VERSION, dtype=dtype_name, num_tokens=num_tokens, num_documents=num_documents,
