@@ -139,20 +139,23 @@ def test_output_is_byte_identical_for_any_worker_count(tmp_path, hf_dir):
     assert np.frombuffer(outputs[0][0], dtype="<u2").tolist() == _expected_ids(tokenizer, DOCS * 3)
 
 
-def test_encoder_worker_error_names_the_document_and_an_old_output_survives(tmp_path, hf_dir):
+def test_worker_error_names_the_document_and_leaves_no_token_file(tmp_path, hf_dir):
     tokenizer = Tokenizer.from_path(_word_level_dir(tmp_path / "words"))
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"text": "a b"}) + "\n")
     out = tmp_path / "out.bin"
     preprocess([good], tokenizer, out, workers=1)
-    before = (out.read_bytes(), sidecar_path(out).read_bytes())
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("a b", "b a", "a zebra")))
+    # An error found before writing (the input) leaves the existing output as it was...
+    before = (out.read_bytes(), sidecar_path(out).read_bytes())
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        preprocess([bad, tmp_path / "absent.jsonl"], tokenizer, out, workers=2)
+    assert (out.read_bytes(), sidecar_path(out).read_bytes()) == before
+    # ... one found while writing (here by a worker) leaves neither the old token file nor a new one.
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: tokenizer .* cannot encode this document"):
         preprocess([bad], tokenizer, out, workers=2, chunk_chars=1)
-    assert (out.read_bytes(), sidecar_path(out).read_bytes()) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out.bin", "out.bin.json",
-                                                          "words"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "words"]
     with pytest.raises(RuntimeError, match="inside its 'with' block"):
         list(DocumentEncoder(tokenizer, workers=2).encode([("a", "x")]))
 

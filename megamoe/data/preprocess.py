@@ -10,7 +10,8 @@ The documents are read in order by one process (see :mod:`megamoe.data.documents
 tokenized in chunks by ``--workers`` processes (default: every core) and written in document order, so
 the output is byte-identical for any number of workers. The token file and its sidecar appear only
 when everything succeeded: after any error (a bad JSONL line, a document the tokenizer cannot encode,
-an interrupt) no new file is left and an existing output is untouched.
+an interrupt) neither is left, not even an older token file of the same name once writing began (an
+error found before, such as a missing input, leaves an existing output as it was).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megamoe.data.documents import (
     DEFAULT_TEXT_SUFFIXES, FORMATS, import_pyarrow, list_document_files, read_documents,
 )
 from megamoe.data.parallel_encode import DEFAULT_CHUNK_CHARS, DocumentEncoder, default_workers
-from megamoe.data.token_dataset import TokenFileMeta, write_token_file
+from megamoe.data.token_dataset import TokenFileMeta, sidecar_path, write_token_file
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.launch import HelpFormatter, UsageError, run_script
 
@@ -77,9 +78,14 @@ def preprocess(
         raise ValueError(f"no documents in {', '.join(map(str, inputs))} ({len(files)} file(s), all empty)")
     logger.info("tokenizing %d file(s) with %s (vocab %d) in %d worker(s) -> %s",
                 len(files), tokenizer.path, tokenizer.vocab_size, workers, output)
-    with DocumentEncoder(tokenizer, workers=workers, chunk_chars=chunk_chars) as encoder:
-        return write_token_file(encoder.encode(itertools.chain([first], documents)), tokenizer, output,
-                                append_eos=append_eos)
+    try:
+        with DocumentEncoder(tokenizer, workers=workers, chunk_chars=chunk_chars) as encoder:
+            return write_token_file(encoder.encode(itertools.chain([first], documents)), tokenizer, output,
+                                    append_eos=append_eos)
+    except BaseException:
+        if output.is_file() and not sidecar_path(output).exists():
+            output.unlink()  # an old token file whose sidecar the failed write removed: leave no token file
+        raise
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -2,11 +2,9 @@
 
 File format (``FORMAT_VERSION`` 1): ``<name>`` holds every document's ids back to back (each followed
 by EOS when ``append_eos``), as little-endian uint16 when the vocabulary fits (ids < 65536) else
-uint32; ``<name>.json`` holds :class:`TokenFileMeta`. The sidecar is the commit marker: a build writes
-the ids under a temporary name, and only once all are written deletes the old sidecar, renames the
-token file into place and writes the new sidecar last (also renamed into place), so a build that fails
-leaves an existing pair as it was, and one interrupted while committing leaves a token file without
-sidecar, which :class:`TokenDataset` refuses.
+uint32; ``<name>.json`` holds :class:`TokenFileMeta`. The sidecar is the commit marker: a build deletes
+the old sidecar first and writes the new one last (both files under temporary names, then renamed),
+so an interrupted build leaves a token file without sidecar, which :class:`TokenDataset` refuses.
 """
 
 from __future__ import annotations
@@ -150,9 +148,9 @@ def write_token_file(
     file at ``out_path`` plus its sidecar; returns the metadata. ``total`` (documents) sizes the
     progress bar.
 
-    Nothing is replaced until every document is written: on an error (raised here or by the
-    iterable) an existing pair at ``out_path`` stays as it was and no new file is left behind. No
-    documents, or no tokens at all, is an error (such a file holds no sample).
+    On an error (raised here or by the iterable) no new file is left behind, and an existing token
+    file at ``out_path`` is left without its sidecar (see the module docstring). No documents, or no
+    tokens at all, is an error (such a file holds no sample).
     """
     if append_eos and tokenizer.eos_id is None:
         raise ValueError(f"append_eos=True but tokenizer {tokenizer.path} has no EOS token; pass append_eos=False")
@@ -161,6 +159,7 @@ def write_token_file(
     dtype_name = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
     dtype = _DTYPES[dtype_name]
     sidecar = sidecar_path(out_path)
+    sidecar.unlink(missing_ok=True)  # from here on the old pair reads as incomplete until the new sidecar lands
     eos = np.asarray([tokenizer.eos_id if append_eos else 0], dtype=np.int64)
     num_tokens = num_documents = buffered = 0
     buffer: list[np.ndarray] = []
@@ -193,9 +192,6 @@ def write_token_file(
                 f"no tokens to write to {out_path}: " + (f"the {num_documents} documents are all empty "
                 "(tokenize to nothing)" if num_documents else "there are no documents")
             )
-        # Only now, with every id written, does the old pair stop being complete: from here until the
-        # new sidecar lands the token file reads as incomplete.
-        sidecar.unlink(missing_ok=True)
 
     meta = TokenFileMeta(
         format_version=FORMAT_VERSION, dtype=dtype_name, num_tokens=num_tokens, num_documents=num_documents,
