@@ -109,7 +109,7 @@ def test_directories_expand_recursively_sorted_by_suffix(tmp_path):
     assert [text for text, _ in read_documents([root])] == ["a/b/c.txt", "a/notes.jsonl", "a/z.md", "b.txt"]
     # An explicit format keeps only that format's files of a directory, and applies to named files.
     assert list_document_files([root], format="jsonl") == [(root / "a/notes.jsonl", "jsonl")]
-    assert [f for f, _ in list_document_files([root], text_suffixes=(".png",))][-1] == root / "image.png"
+    assert [f for f, _ in list_document_files([root], text_suffixes=["PNG"])][-1] == root / "image.png"
     assert list_document_files([single], format="jsonl") == [(single, "jsonl")]
     assert (format_of("x.JSONL"), format_of("x.json"), format_of("x.parquet"), format_of("x")) == (
         "jsonl", "jsonl", "parquet", "text")

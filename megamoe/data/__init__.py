@@ -8,4 +8,8 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``token_dataset``: ``build_token_file`` and ``TokenDataset`` (a memory-mapped flat token file);
   ``token_file_matches`` tells whether a token file on disk is complete and of a given tokenizer (reuse it).
 - ``resumable_sampler``: ``ResumableSampler``, the layout-independent, resumable order of samples.
+- ``documents``: ``read_documents``, a user's documents from text, JSON Lines or Parquet files.
+- ``parallel_encode``: ``DocumentEncoder``, documents tokenized in worker processes, in order.
+- ``preprocess``: the ``megamoe-preprocess`` CLI (``python -m megamoe.data.preprocess``): documents
+  to a token file; ``preprocess`` is the same as a function.
 """

@@ -16,7 +16,8 @@ Formats (:data:`FORMATS`), chosen per file by suffix unless given explicitly:
 A directory stands for the files under it (recursively; hidden files and directories skipped), in
 sorted order of their relative paths, keeping only the suffixes of the chosen format: with automatic
 format detection, ``.jsonl``/``.json``, ``.parquet`` and :data:`DEFAULT_TEXT_SUFFIXES` (or the
-``text_suffixes`` given), since a directory also holds files that are not documents.
+``text_suffixes`` given; case-insensitive, the dot optional), since a directory also holds files that
+are not documents.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ def _check_format(format: str | None) -> None:
 
 
 def _directory_suffixes(format: str | None, text_suffixes: Sequence[str]) -> tuple[str, ...]:
-    by_format = {"text": tuple(text_suffixes), "jsonl": JSONL_SUFFIXES, "parquet": PARQUET_SUFFIXES}
+    if isinstance(text_suffixes, str):
+        raise TypeError("text_suffixes must be a collection of suffixes, not one str: wrap it in a list")
+    text_suffixes = tuple(s.lower() if s.startswith(".") else f".{s.lower()}" for s in text_suffixes)
+    by_format = {"text": text_suffixes, "jsonl": JSONL_SUFFIXES, "parquet": PARQUET_SUFFIXES}
     if format is not None:
         return by_format[format]
-    return JSONL_SUFFIXES + PARQUET_SUFFIXES + tuple(text_suffixes)
+    return JSONL_SUFFIXES + PARQUET_SUFFIXES + text_suffixes
 
 
 def list_document_files(

@@ -126,7 +126,7 @@ class DocumentEncoder:
             )
             try:
                 # The pool forks all its workers on its first task: make that happen now. This also
-                # reports a tokenizer that a worker cannot load before any document is read.
+                # reports a tokenizer that a worker cannot load before any document is tokenized.
                 self._pool.submit(_check_worker).result()
             except BaseException:
                 self.__exit__(None, None, None)

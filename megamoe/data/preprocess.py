@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preprocess(
             args.input, tokenizer, args.output, text_field=args.text_field,
             format=None if args.format == "auto" else args.format,
-            text_suffixes=[s if s.startswith(".") else f".{s}" for s in args.text_suffixes],
+            text_suffixes=args.text_suffixes,
             workers=args.workers, append_eos=args.append_eos,
         )
     except ImportError as error:  # pyarrow missing: a setup step the user takes, not a bug

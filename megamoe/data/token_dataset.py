@@ -27,8 +27,7 @@ from megamoe.data.tokenizer import Tokenizer
 
 __all__ = [
     "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "write_token_file", "token_file_matches",
-    "TokenDataset",
-    "micro_batches",
+    "TokenDataset", "micro_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ def write_token_file(
     dtype = _DTYPES[dtype_name]
     sidecar = sidecar_path(out_path)
     sidecar.unlink(missing_ok=True)  # from here on the old pair reads as incomplete until the new sidecar lands
-    eos = np.asarray([tokenizer.eos_id if append_eos else 0], dtype=np.int64)
+    eos = np.asarray([tokenizer.eos_id], dtype=np.int64) if append_eos else None
     num_tokens = num_documents = buffered = 0
     buffer: list[np.ndarray] = []
 
