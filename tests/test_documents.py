@@ -76,6 +76,9 @@ def test_parquet_rows_are_documents(tmp_path):
     path = _write_parquet(tmp_path / "d.parquet", {"id": list(range(len(DOCS))), "text": DOCS})
     assert list(read_parquet_file(path)) == [(d, f"{path} row {i}") for i, d in enumerate(DOCS)]
 
+    pyarrow = pytest.importorskip("pyarrow")
+    categorical = _write_parquet(tmp_path / "c.parquet", {"text": pyarrow.array(DOCS).dictionary_encode()})
+    assert [text for text, _ in read_parquet_file(categorical)] == DOCS  # as pandas writes a category column
     with pytest.raises(ValueError, match=r"d\.parquet: no column 'body' \(columns: id, text\)"):
         list(read_parquet_file(path, text_field="body"))
     with pytest.raises(ValueError, match=r"d\.parquet: column 'id' must hold strings"):

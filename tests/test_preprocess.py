@@ -109,6 +109,8 @@ def test_check_tokenizer_fits(hf_dir):
     with pytest.raises(ValueError, match=rf"has {tokenizer.vocab_size} token ids, more than the model's vocab_size "
                                          rf"{tokenizer.vocab_size - 1}"):
         check_tokenizer_fits(tokenizer, tokenizer.vocab_size - 1)
+    with pytest.raises(ValueError, match="model_vocab_size must be an int >= 1"):
+        check_tokenizer_fits(tokenizer, 0)
 
 
 # ---------------------------------------------------------------- preprocess (in process)
@@ -124,6 +126,19 @@ def test_text_jsonl_and_parquet_give_the_same_tokens(tmp_path, hf_dir):
         assert _ids(out) == expected, name
         assert (meta.num_documents, meta.num_tokens, meta.eos_id) == (len(DOCS), len(expected), 1)
     assert len(TokenDataset(tmp_path / "jsonl.bin", seq_len=8)) == (len(expected) - 1) // 8
+
+
+def test_output_inside_an_input_directory_is_not_read_back(tmp_path, hf_dir):
+    tokenizer = Tokenizer.from_path(hf_dir)
+    inputs = _write_inputs(tmp_path / "in", DOCS)
+    out = inputs["text"] / "tokens.bin"
+    first = preprocess([inputs["text"]], tokenizer, out, workers=1)
+    first_bytes = out.read_bytes()
+    # The rerun sees tokens.bin.json (a .json file) in its input directory, and skips it.
+    assert preprocess([inputs["text"]], tokenizer, out, workers=1) == first and out.read_bytes() == first_bytes
+    assert _ids(out) == _expected_ids(tokenizer, DOCS)
+    with pytest.raises(ValueError, match="is the output or its sidecar"):
+        preprocess([inputs["jsonl"], sidecar_path(out)], tokenizer, out, workers=1)
 
 
 def test_output_is_byte_identical_for_any_worker_count(tmp_path, hf_dir):
@@ -218,6 +233,17 @@ def test_cli_bad_input_one_error_line_exit_1_no_output(tmp_path, hf_dir, capsys,
         out_dir.mkdir(parents=True)
         rc = run_script(main, [*map(str, args), "--output", str(out_dir / "tokens.bin")], prog=PROG)
         _check_error(name, rc, capsys.readouterr().err, message, out_dir)
+
+
+def test_cli_parquet_without_pyarrow_says_how_to_install(tmp_path, hf_dir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` raise ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    monkeypatch.delenv("MEGAMOE_TRACEBACK", raising=False)
+    (tmp_path / "docs.parquet").write_bytes(b"never read")
+    (tmp_path / "out").mkdir()
+    args = ["--input", tmp_path / "docs.parquet", "--tokenizer", hf_dir, "--output", tmp_path / "out" / "t.bin"]
+    rc = run_script(main, list(map(str, args)), prog=PROG)
+    _check_error("no_pyarrow", rc, capsys.readouterr().err, "pip install megamoe[data]", tmp_path / "out")
 
 
 def _cli(*args, cwd: Path) -> subprocess.Popen:

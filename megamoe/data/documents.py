@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, Sequence
 
 __all__ = [
     "FORMATS", "DEFAULT_TEXT_SUFFIXES", "Document", "format_of", "list_document_files", "read_text_file",
-    "read_jsonl_file", "import_pyarrow", "read_parquet_file", "read_documents",
+    "read_jsonl_file", "import_pyarrow", "read_parquet_file", "read_documents", "read_document_files",
 ]
 
 FORMATS = ("text", "jsonl", "parquet")
@@ -169,6 +169,16 @@ def import_pyarrow():
     return pyarrow, pyarrow.parquet
 
 
+def _is_string_type(pyarrow, column_type) -> bool:
+    """Whether a Parquet column decodes to Python strings: (large) string, string view, or a
+    dictionary-encoded one (what pandas writes for a categorical column)."""
+    if pyarrow.types.is_dictionary(column_type):
+        column_type = column_type.value_type
+    is_string_view = getattr(pyarrow.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    return (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)
+            or is_string_view(column_type))
+
+
 def read_parquet_file(path: str | os.PathLike, text_field: str = "text") -> Iterator[Document]:
     """One document per row: the string column ``text_field``; a null is an error naming the row."""
     path = Path(path)
@@ -184,7 +194,7 @@ def read_parquet_file(path: str | os.PathLike, text_field: str = "text") -> Iter
             "column holding the text (text_field, --text-field)"
         )
     column_type = schema.field(text_field).type
-    if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)):
+    if not _is_string_type(pyarrow, column_type):
         raise ValueError(f"{path}: column {text_field!r} must hold strings, its type is {column_type}")
     row = 0
     for batch in parquet_file.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
@@ -204,9 +214,23 @@ def read_documents(
 ) -> Iterator[Document]:
     """Every document of ``inputs`` (files or directories, see the module docstring) as ``(text,
     where)``, in order. ``format`` (one of :data:`FORMATS`) overrides the suffix of every file."""
+    _check_text_field(text_field)
+    return _read_document_files(list_document_files(inputs, format=format, text_suffixes=text_suffixes), text_field)
+
+
+def read_document_files(files: Iterable[tuple[Path, str]], *, text_field: str = "text") -> Iterator[Document]:
+    """The documents of ``files``, ``(path, format)`` pairs as :func:`list_document_files` returns them."""
+    _check_text_field(text_field)
+    return _read_document_files(files, text_field)
+
+
+def _check_text_field(text_field: str) -> None:
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"text_field must be a non-empty string, got {text_field!r}")
-    for path, file_format in list_document_files(inputs, format=format, text_suffixes=text_suffixes):
+
+
+def _read_document_files(files: Iterable[tuple[Path, str]], text_field: str) -> Iterator[Document]:
+    for path, file_format in files:
         if file_format == "jsonl":
             yield from read_jsonl_file(path, text_field)
         elif file_format == "parquet":

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from megamoe.data.documents import (
-    DEFAULT_TEXT_SUFFIXES, FORMATS, import_pyarrow, list_document_files, read_documents,
+    DEFAULT_TEXT_SUFFIXES, FORMATS, import_pyarrow, list_document_files, read_document_files,
 )
 from megamoe.data.parallel_encode import DEFAULT_CHUNK_CHARS, DocumentEncoder, default_workers
 from megamoe.data.token_dataset import TokenFileMeta, sidecar_path, write_token_file
@@ -69,10 +69,17 @@ def preprocess(
             f"tokenizer {tokenizer.path} has no EOS token to end each document with: name one (eos_token in "
             "tokenizer_config.json for an HF tokenizer), or do without (--no-append-eos, append_eos=False)"
         )
-    files = list_document_files(inputs, format=format, text_suffixes=text_suffixes)
+    outputs = {output.resolve(), sidecar_path(output).resolve()}
+    for path in inputs:
+        if path.resolve() in outputs:
+            raise ValueError(f"input {path} is the output or its sidecar: write the token file elsewhere")
+    # A rerun writing into an input directory must not read its own sidecar (a .json) as documents.
+    files = [(path, file_format)
+             for path, file_format in list_document_files(inputs, format=format, text_suffixes=text_suffixes)
+             if path.resolve() not in outputs]
     if any(file_format == "parquet" for _, file_format in files):
         import_pyarrow()  # the "pip install" error now rather than after the files before it
-    documents = read_documents(inputs, format=format, text_field=text_field, text_suffixes=text_suffixes)
+    documents = read_document_files(files, text_field=text_field)
     first = next(documents, None)
     if first is None:
         raise ValueError(f"no documents in {', '.join(map(str, inputs))} ({len(files)} file(s), all empty)")

@@ -322,6 +322,8 @@ def check_tokenizer_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     """Raise ValueError when ``tokenizer`` produces ids the model has no embedding for (its
     vocabulary is larger than ``model_vocab_size``); a smaller vocabulary is fine (the extra rows
     are never looked up)."""
+    if type(model_vocab_size) is not int or model_vocab_size < 1:
+        raise ValueError(f"model_vocab_size must be an int >= 1, got {model_vocab_size!r}")
     if tokenizer.vocab_size > model_vocab_size:
         raise ValueError(
             f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} token ids, more than the model's "
