@@ -246,6 +246,16 @@ def test_cli_parquet_without_pyarrow_says_how_to_install(tmp_path, hf_dir, capsy
     _check_error("no_pyarrow", rc, capsys.readouterr().err, "pip install megamoe[data]", tmp_path / "out")
 
 
+def test_cli_help_names_the_formats_and_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for text in (".jsonl, .json", ".parquet", "pip install megamoe[data]", "--text-field", "--workers",
+                 "--no-append-eos", "byte-identical"):
+        assert text in help_text, text
+
+
 def _cli(*args, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     env.pop("MEGAMOE_TRACEBACK", None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import signal
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from typing import Iterable, Iterator
@@ -53,6 +54,9 @@ def _load_worker_tokenizer(tokenizer_path: str, sha256: str) -> None:
     # An exception raised by a pool initializer kills the worker and breaks the pool with no message:
     # keep it and raise it from the first task instead.
     global _worker_tokenizer, _worker_load_error
+    # Ctrl-C reaches the whole process group: the caller handles it and shuts the pool down, so the
+    # workers do not each print a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         tokenizer = Tokenizer.from_path(tokenizer_path)
         if tokenizer.sha256 != sha256:

@@ -37,6 +37,19 @@ __all__ = ["preprocess", "main", "cli"]
 logger = logging.getLogger(__name__)
 
 PROG = "megamoe-preprocess"
+_DESCRIPTION = """\
+Tokenize documents into a megamoe token file (OUT plus its sidecar OUT.json), for TokenDataset.
+
+Formats, by suffix (or --format):
+  .jsonl, .json  one JSON object per line, one document each, its text in --text-field
+  .parquet       one row per document, its text in the string column --text-field
+                 (needs pyarrow: pip install megamoe[data])
+  anything else  the whole UTF-8 file is one document
+A directory stands for its files of these formats, recursively, in sorted order, hidden ones skipped
+(text files: those ending in one of --text-suffixes).
+
+Workers tokenize chunks of documents and the ids are written in document order: the output is
+byte-identical for any --workers. On any error (named with its file and line) no output is left."""
 
 
 def preprocess(
@@ -97,13 +110,7 @@ def preprocess(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=HelpFormatter,
-        description=__doc__.split("\n\n")[0].replace("\n", " ") + "\n\nFormats: a .jsonl/.json file holds one "
-                    "JSON object per line (one document each, its text in --text-field); a .parquet file one "
-                    "row per document (its text in the column --text-field; needs pip install "
-                    "megamoe[data]); any other file is one plain-text document. A directory stands for its "
-                    "files of these formats (recursively, sorted, hidden ones skipped; text files only with "
-                    "the --text-suffixes). The output is byte-identical for any --workers.",
+        prog=PROG, formatter_class=HelpFormatter, description=_DESCRIPTION,
     )
     parser.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
                         help="files or directories of documents, read in the order given")
