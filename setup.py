@@ -14,14 +14,20 @@ setup(
         "numpy>=1.22",
         "xxhash>=3.0",      # checkpoint file checksums (checkpoint_tools.checksums)
     ],
-    entry_points={"console_scripts": ["megamoe-convert = checkpoint_tools.cli:main"]},
+    entry_points={"console_scripts": [
+        "megamoe-convert = checkpoint_tools.cli:main",
+        "megamoe-preprocess = megamoe.data.preprocess:cli",
+    ]},
     extras_require={
         "test": [
             "pytest>=7",
             "pytest-timeout>=2",
             "hypothesis>=6",
             "transformers>=5.0",
+            "pyarrow>=14",
         ],
+        # Parquet input for `megamoe-preprocess` (megamoe.data.documents).
+        "data": ["pyarrow>=14"],
         # HuggingFace configs for `megamoe-convert import-hf / export-hf / verify`.
         "hf": ["transformers>=5.0"],
         # TransformerEngine: optional FP8 / fused kernels on NVIDIA GPUs.

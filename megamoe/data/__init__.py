@@ -1,4 +1,5 @@
-"""Data side of training: a sentencepiece tokenizer, a corpus that needs no download, token files.
+"""Data side of training: tokenizers, the user's documents, token files and Megatron datasets, blending,
+held-out data, packing.
 
 Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not import itself twice):
 
@@ -17,4 +18,8 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``packing``: ``PackingConfig``, ``packed_micro_batch`` and ``MicroBatch``: documents packed in a row,
   with reset position ids and document-causal attention (Megatron's ``--reset-position-ids`` /
   ``--reset-attention-mask``).
+- ``documents``: ``read_documents``, a user's documents from text, JSON Lines or Parquet files.
+- ``parallel_encode``: ``DocumentEncoder``, documents tokenized in worker processes, in order.
+- ``preprocess``: the ``megamoe-preprocess`` CLI (``python -m megamoe.data.preprocess``): documents
+  to a token file; ``preprocess`` is the same as a function.
 """

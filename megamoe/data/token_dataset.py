@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from megamoe.data.token_source import TokenSource
 
 __all__ = [
-    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "token_file_matches", "TokenDataset",
-    "micro_batches",
+    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "write_token_file", "token_file_matches",
+    "TokenDataset", "micro_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -130,10 +130,31 @@ def build_token_file(
 
     Each item is one document: a ``str`` is the document's text, a path object (``Path``) names a
     UTF-8 file to read. With ``append_eos`` every document is followed by ``tokenizer.eos_id``, so
-    samples that span documents see where one ends.
+    samples that span documents see where one ends. See :func:`write_token_file` for the errors.
     """
     if isinstance(files_or_texts, (str, os.PathLike)):
         raise TypeError("files_or_texts must be a collection of documents, not one str or path: wrap it in a list")
+    total = len(files_or_texts) if isinstance(files_or_texts, Sequence) else None
+    encoded = (tokenizer.encode(text) for text in _documents(files_or_texts))
+    return write_token_file(encoded, tokenizer, out_path, append_eos=append_eos, total=total)
+
+
+def write_token_file(
+    encoded_documents: Iterable[Sequence[int] | np.ndarray],
+    tokenizer: Tokenizer,
+    out_path: str | os.PathLike,
+    *,
+    append_eos: bool = True,
+    total: int | None = None,
+) -> TokenFileMeta:
+    """Write already tokenized documents (each item one document's ids, by ``tokenizer``) as a token
+    file at ``out_path`` plus its sidecar; returns the metadata. ``total`` (documents) sizes the
+    progress bar.
+
+    On an error (raised here or by the iterable) no new file is left behind, and an existing token
+    file at ``out_path`` is left without its sidecar (see the module docstring). No documents, or no
+    tokens at all, is an error (such a file holds no sample).
+    """
     if append_eos and tokenizer.eos_id is None:
         raise ValueError(f"append_eos=True but tokenizer {tokenizer.path} has no EOS token; pass append_eos=False")
     out_path = Path(out_path)
@@ -142,13 +163,12 @@ def build_token_file(
     dtype = _DTYPES[dtype_name]
     sidecar = sidecar_path(out_path)
     sidecar.unlink(missing_ok=True)  # from here on the old pair reads as incomplete until the new sidecar lands
-
-    total = len(files_or_texts) if isinstance(files_or_texts, Sequence) else None
-    num_tokens = num_documents = 0
-    buffer: list[int] = []
+    eos = np.asarray([tokenizer.eos_id], dtype=np.int64) if append_eos else None
+    num_tokens = num_documents = buffered = 0
+    buffer: list[np.ndarray] = []
 
     def flush(file) -> None:
-        ids = np.asarray(buffer, dtype=np.int64)
+        ids = np.concatenate(buffer) if buffer else np.zeros(0, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
             raise ValueError(
                 f"tokenizer {tokenizer.path} produced an id outside [0, vocab_size={tokenizer.vocab_size}): "
@@ -158,17 +178,23 @@ def build_token_file(
         buffer.clear()
 
     with atomic_write(out_path) as file:
-        for text in tqdm(_documents(files_or_texts), total=total, desc="tokenizing", unit="doc", disable=None):
-            ids = tokenizer.encode(text)
-            buffer.extend(ids)
-            num_tokens += len(ids)
+        for ids in tqdm(encoded_documents, total=total, desc="tokenizing", unit="doc", disable=None):
+            ids = np.asarray(ids, dtype=np.int64)
+            buffer.append(ids)
             if append_eos:
-                buffer.append(tokenizer.eos_id)
-                num_tokens += 1
+                buffer.append(eos)
+            num_tokens += ids.size + append_eos
+            buffered += ids.size + append_eos
             num_documents += 1
-            if len(buffer) >= _FLUSH_TOKENS:
+            if buffered >= _FLUSH_TOKENS:
                 flush(file)
+                buffered = 0
         flush(file)
+        if num_tokens == 0:
+            raise ValueError(
+                f"no tokens to write to {out_path}: " + (f"the {num_documents} documents are all empty "
+                "(tokenize to nothing)" if num_documents else "there are no documents")
+            )
 
     meta = TokenFileMeta(
         format_version=FORMAT_VERSION, dtype=dtype_name, num_tokens=num_tokens, num_documents=num_documents,

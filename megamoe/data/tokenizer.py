@@ -44,7 +44,7 @@ from megamoe.atomic_file import atomic_write
 
 __all__ = [
     "UNK_ID", "BOS_ID", "EOS_ID", "PAD_ID", "train_sentencepiece",
-    "Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "main",
+    "Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "check_tokenizer_fits", "main",
 ]
 
 logger = logging.getLogger(__name__)
@@ -248,9 +248,11 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """An HF ``tokenizer.json`` (needs the ``tokenizers`` package). The bos/eos/pad tokens come from
-    ``tokenizer_config.json`` beside it when present (``tokenizer.json`` does not name them).
-    ``vocab_size`` is the largest id + 1, added tokens included."""
+    """An HF ``tokenizer.json`` (needs the ``tokenizers`` package), e.g. one of a directory written by
+    ``transformers``' ``save_pretrained``. ``tokenizer.json`` does not name the bos/eos/pad tokens:
+    they come from ``tokenizer_config.json`` beside it, and for a token it does not name, from the
+    older ``special_tokens_map.json`` (as ``transformers`` reads them). A named token missing from the
+    vocabulary is an error. ``vocab_size`` is the largest id + 1, added tokens included."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -263,11 +265,25 @@ class HFTokenizer(Tokenizer):
         except Exception as error:  # tokenizers raises its own exception type for bad files
             raise ValueError(f"cannot load HF tokenizer {self.path}: {error}") from None
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-        special = self._special_tokens(self.path.parent / "tokenizer_config.json")
-        self.bos_id, self.eos_id, self.pad_id = (
-            None if special.get(name) is None else self._tokenizer.token_to_id(special[name])
-            for name in ("bos_token", "eos_token", "pad_token")
-        )
+        special = self._special_tokens(self.path.parent / "special_tokens_map.json")
+        special.update({
+            name: token for name, token in self._special_tokens(self.path.parent / "tokenizer_config.json").items()
+            if token is not None
+        })
+        self.bos_id, self.eos_id, self.pad_id = (self._special_id(special, name)
+                                                 for name in ("bos_token", "eos_token", "pad_token"))
+
+    def _special_id(self, special: dict[str, str | None], name: str) -> int | None:
+        token = special.get(name)
+        if token is None:
+            return None
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(
+                f"HF tokenizer {self.path}: {name} {token!r} (named in tokenizer_config.json or "
+                "special_tokens_map.json) is not in its vocabulary"
+            )
+        return token_id
 
     @staticmethod
     def available() -> bool:
@@ -279,14 +295,16 @@ class HFTokenizer(Tokenizer):
 
     @staticmethod
     def _special_tokens(config_path: Path) -> dict[str, str | None]:
-        """``tokenizer_config.json``'s bos/eos/pad token strings (a value may be a string or an
-        AddedToken dict with "content"); empty when the file is absent."""
+        """The bos/eos/pad token strings of ``tokenizer_config.json`` or ``special_tokens_map.json``
+        (a value may be a string or an AddedToken dict with "content"); empty when the file is absent."""
         if not config_path.is_file():
             return {}
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"cannot read {config_path}: {error}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"cannot read {config_path}: expected a JSON object, got {type(config).__name__}")
         tokens = {}
         for name in ("bos_token", "eos_token", "pad_token"):
             value = config.get(name)
@@ -298,6 +316,20 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """Raise ValueError when ``tokenizer`` produces ids the model has no embedding for (its
+    vocabulary is larger than ``model_vocab_size``); a smaller vocabulary is fine (the extra rows
+    are never looked up)."""
+    if type(model_vocab_size) is not int or model_vocab_size < 1:
+        raise ValueError(f"model_vocab_size must be an int >= 1, got {model_vocab_size!r}")
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} token ids, more than the model's "
+            f"vocab_size {model_vocab_size}: ids >= {model_vocab_size} would index past the embedding; use "
+            f"a model with vocab_size >= {tokenizer.vocab_size} or the tokenizer the model was trained with"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,162 @@
+"""Turn a user's text, JSON Lines or Parquet files into a megamoe token file (see
+:mod:`megamoe.data.token_dataset`), ready for ``TokenDataset``.
+
+CLI::
+
+    python -m megamoe.data.preprocess --input data/ more.jsonl --tokenizer tok/ --output tokens.bin
+    megamoe-preprocess ...            # the same, installed as a console script
+
+The documents are read in order by one process (see :mod:`megamoe.data.documents` for the formats),
+tokenized in chunks by ``--workers`` processes (default: every core) and written in document order, so
+the output is byte-identical for any number of workers. The token file and its sidecar appear only
+when everything succeeded: after any error (a bad JSONL line, a document the tokenizer cannot encode,
+an interrupt) neither is left, not even an older token file of the same name once writing began (an
+error found before, such as a missing input, leaves an existing output as it was).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from megamoe.data.documents import (
+    DEFAULT_TEXT_SUFFIXES, FORMATS, import_pyarrow, list_document_files, read_document_files,
+)
+from megamoe.data.parallel_encode import DEFAULT_CHUNK_CHARS, DocumentEncoder, default_workers
+from megamoe.data.token_dataset import TokenFileMeta, sidecar_path, write_token_file
+from megamoe.data.tokenizer import Tokenizer
+from megamoe.launch import HelpFormatter, UsageError, run_script
+
+__all__ = ["preprocess", "main", "cli"]
+
+logger = logging.getLogger(__name__)
+
+PROG = "megamoe-preprocess"
+_DESCRIPTION = """\
+Tokenize documents into a megamoe token file (OUT plus its sidecar OUT.json), for TokenDataset.
+
+Formats, by suffix (or --format):
+  .jsonl, .json  one JSON object per line, one document each, its text in --text-field
+  .parquet       one row per document, its text in the string column --text-field
+                 (needs pyarrow: pip install megamoe[data])
+  anything else  the whole UTF-8 file is one document
+A directory stands for its files of these formats, recursively, in sorted order, hidden ones skipped
+(text files: those ending in one of --text-suffixes).
+
+Workers tokenize chunks of documents and the ids are written in document order: the output is
+byte-identical for any --workers. On any error (named with its file and line) no output is left."""
+
+
+def preprocess(
+    inputs: Iterable[str | os.PathLike],
+    tokenizer: Tokenizer,
+    output: str | os.PathLike,
+    *,
+    text_field: str = "text",
+    format: str | None = None,
+    text_suffixes: Sequence[str] = DEFAULT_TEXT_SUFFIXES,
+    workers: int | None = None,
+    append_eos: bool = True,
+    chunk_chars: int = DEFAULT_CHUNK_CHARS,
+) -> TokenFileMeta:
+    """Tokenize every document of ``inputs`` (files or directories) into the token file ``output``
+    with ``workers`` processes (None: one per core); returns its metadata. ValueError (or
+    FileNotFoundError) names what is wrong: a missing input, a bad document (file and line), no
+    documents or no tokens, a tokenizer without EOS while ``append_eos``."""
+    inputs = [Path(item) for item in inputs]
+    if not inputs:
+        raise ValueError("no inputs given: name at least one file or directory")
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    output = Path(output)
+    if output.is_dir():
+        raise ValueError(f"output {output} is a directory; name the token file to write")
+    if append_eos and tokenizer.eos_id is None:
+        raise ValueError(
+            f"tokenizer {tokenizer.path} has no EOS token to end each document with: name one (eos_token in "
+            "tokenizer_config.json for an HF tokenizer), or do without (--no-append-eos, append_eos=False)"
+        )
+    outputs = {output.resolve(), sidecar_path(output).resolve()}
+    for path in inputs:
+        if path.resolve() in outputs:
+            raise ValueError(f"input {path} is the output or its sidecar: write the token file elsewhere")
+    # A rerun writing into an input directory must not read its own sidecar (a .json) as documents.
+    files = [(path, file_format)
+             for path, file_format in list_document_files(inputs, format=format, text_suffixes=text_suffixes)
+             if path.resolve() not in outputs]
+    if any(file_format == "parquet" for _, file_format in files):
+        import_pyarrow()  # the "pip install" error now rather than after the files before it
+    documents = read_document_files(files, text_field=text_field)
+    first = next(documents, None)
+    if first is None:
+        raise ValueError(f"no documents in {', '.join(map(str, inputs))} ({len(files)} file(s), all empty)")
+    logger.info("tokenizing %d file(s) with %s (vocab %d) in %d worker(s) -> %s",
+                len(files), tokenizer.path, tokenizer.vocab_size, workers, output)
+    try:
+        with DocumentEncoder(tokenizer, workers=workers, chunk_chars=chunk_chars) as encoder:
+            return write_token_file(encoder.encode(itertools.chain([first], documents)), tokenizer, output,
+                                    append_eos=append_eos)
+    except BaseException:
+        if output.is_file() and not sidecar_path(output).exists():
+            output.unlink()  # an old token file whose sidecar the failed write removed: leave no token file
+        raise
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=HelpFormatter, description=_DESCRIPTION,
+    )
+    parser.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
+                        help="files or directories of documents, read in the order given")
+    parser.add_argument("--tokenizer", required=True, type=Path, metavar="PATH",
+                        help="a sentencepiece .model, an HF tokenizer.json, or a directory holding one (as "
+                             "written by transformers' save_pretrained; EOS from its tokenizer_config.json)")
+    parser.add_argument("--output", required=True, type=Path, metavar="OUT",
+                        help="the token file to write (and OUT.json, its sidecar)")
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the JSONL field or Parquet column holding each document's text")
+    parser.add_argument("--format", choices=("auto",) + FORMATS, default="auto",
+                        help="read every input file in this format instead of choosing it by suffix")
+    parser.add_argument("--text-suffixes", nargs="+", default=list(DEFAULT_TEXT_SUFFIXES), metavar="SUFFIX",
+                        help="the suffixes of the text files a directory contributes")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help=f"tokenizing processes (default: every core, {default_workers()} here)")
+    parser.add_argument("--no-append-eos", dest="append_eos", action="store_false",
+                        help="do not end each document with the tokenizer's EOS token")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    try:
+        tokenizer = Tokenizer.from_path(args.tokenizer)
+    except (ValueError, OSError, ImportError) as error:
+        raise UsageError(f"--tokenizer {args.tokenizer}: {error}") from None
+    try:
+        preprocess(
+            args.input, tokenizer, args.output, text_field=args.text_field,
+            format=None if args.format == "auto" else args.format,
+            text_suffixes=args.text_suffixes,
+            workers=args.workers, append_eos=args.append_eos,
+        )
+    except ImportError as error:  # pyarrow missing: a setup step the user takes, not a bug
+        raise UsageError(str(error)) from None
+    return 0
+
+
+def cli() -> int:
+    """The ``megamoe-preprocess`` console script."""
+    return run_script(main, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
