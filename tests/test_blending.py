@@ -15,7 +15,7 @@ from megamoe.data.blending import BlendedDataset, blend_dataset_index
 from megamoe.data.eval_split import IGNORE_INDEX, ConcatenatedDataset, SampleRange, eval_batches, split_train_eval
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.token_dataset import TokenDataset
-from megamoe.data.training_data import build_train_eval_data, parse_data_paths
+from megamoe.data.training_data import build_train_eval_data, check_data_weights
 
 
 class TaggedDataset:
@@ -242,7 +242,7 @@ def test_eval_batches_cover_every_sample_once_whatever_the_layout():
         ConcatenatedDataset([TaggedDataset(0, 2), TaggedDataset(1, 2, seq_len=5)])
 
 
-# ---------------------------------------------------------------- the run's datasets from --data-path
+# ---------------------------------------------------------------- the run's datasets from --data
 
 
 def _token_file(path, tokens):
@@ -254,14 +254,14 @@ def _token_file(path, tokens):
     return path
 
 
-def test_parse_data_paths_megatron_syntax():
-    assert parse_data_paths(["a", "b/c"]) == ([Path("a"), Path("b/c")], None)
-    assert parse_data_paths(["0.3", "a", "7", "b"]) == ([Path("a"), Path("b")], [0.3, 7.0])
-    for values, message in (([], "at least one"), (["a", "0.5"], "mixes paths and weights \\('0.5'\\)"),
-                            (["0.5", "a", "b"], "pairs, got 3 values"), (["0", "a"], "weight '0' \\(of a\\)"),
-                            (["-1", "a"], "positive"), (["nan", "a"], "positive"), (["1", "2"], "the number '2'")):
-        with pytest.raises(ValueError, match=f"--data-path .*{message}"):
-            parse_data_paths(values)
+def test_check_data_weights():
+    assert check_data_weights(["a", "b"], None) is None
+    assert check_data_weights(["a", "b"], [3, 0.5]) == [3.0, 0.5]
+    for paths, weights, message in ((["a"], [1, 2], "2 weight\\(s\\) for 1 --data path"), ([], None, "at least one"),
+                                    (["a"], [0], "weight 0 of a"), (["a"], [-1.0], "positive"),
+                                    (["a"], [float("nan")], "positive")):
+        with pytest.raises(ValueError, match=message):
+            check_data_weights(paths, weights)
 
 
 def test_build_train_eval_data_blends_splits_and_checks(tmp_path):
@@ -272,7 +272,7 @@ def test_build_train_eval_data_blends_splits_and_checks(tmp_path):
     single = build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100)
     assert isinstance(single.train, TokenDataset) and single.eval is None and len(single.train) == 10
 
-    data = build_train_eval_data(["3", str(tmp_path / "a.bin"), "1", str(tmp_path / "m")], seq_len=4,
+    data = build_train_eval_data([tmp_path / "a.bin", tmp_path / "m"], weights=[3, 1], seq_len=4,
                                  vocab_size=100, num_samples=16, eval_fraction=0.2, seed=5)
     assert isinstance(data.train, BlendedDataset) and data.train.dataset_sample_counts == (12, 4)
     assert [source.source.format for source in data.sources] == ["megamoe", "megatron"]

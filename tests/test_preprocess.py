@@ -284,3 +284,25 @@ def test_cli_subprocess_hf_directory_end_to_end_and_a_worker_error(tmp_path, hf_
         one_worker.read_bytes(), sidecar_path(one_worker).read_bytes())
     assert _ids(three) == _expected_ids(Tokenizer.from_path(hf_dir), DOCS * 2)
     _check_error("worker_error", bad.returncode, bad_stderr, message, tmp_path / "bad")
+
+
+# ---------------------------------------------------------------- documents named by a training run's --data
+
+
+def test_tokenized_path_tokenizes_documents_once_and_passes_token_sources_through(tmp_path, hf_dir):
+    from megamoe.data.training_data import tokenized_path
+
+    tokenizer = Tokenizer.from_path(hf_dir)
+    inputs = _write_inputs(tmp_path / "in", DOCS)
+    cache = tmp_path / "cache"
+    first = tokenized_path(inputs["jsonl"], tokenizer, cache, text_field="content", workers=1)
+    assert first.parent == cache and _ids(first) == _expected_ids(tokenizer, DOCS)
+    built = first.stat().st_mtime_ns
+    assert tokenized_path(inputs["jsonl"], tokenizer, cache, text_field="content", workers=1) == first
+    assert first.stat().st_mtime_ns == built                        # reused, not tokenized again
+    assert tokenized_path(first, tokenizer, cache) == first          # a token file is used as it is
+    # Another text field, or a changed file, is another token file.
+    assert tokenized_path(inputs["text"], tokenizer, cache, workers=1) != first
+    inputs["jsonl"].write_text(json.dumps({"content": "changed"}) + "\n", encoding="utf-8")
+    changed = tokenized_path(inputs["jsonl"], tokenizer, cache, text_field="content", workers=1)
+    assert changed != first and _ids(changed) == _expected_ids(tokenizer, ["changed"])

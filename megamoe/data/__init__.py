@@ -13,7 +13,8 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``sample_dataset``: the ``SampleDataset`` protocol (``len`` + ``batch``) and helpers of composite datasets.
 - ``blending``: ``BlendedDataset``, Megatron-style weighted blending with exact per-dataset counts.
 - ``eval_split``: ``split_train_eval`` (held-out tail), ``ConcatenatedDataset``, ``eval_batches`` (per DP rank).
-- ``training_data``: ``build_train_eval_data`` from ``--data-path`` (Megatron syntax), what scripts call.
+- ``training_data``: ``tokenized_path`` (documents tokenized once, cached) and ``build_train_eval_data``:
+  the run's train and eval datasets from ``--data`` / ``--data-weights``, what scripts call.
 - ``resumable_sampler``: ``ResumableSampler``, the layout-independent, resumable order of samples.
 - ``packing``: ``PackingConfig``, ``packed_micro_batch`` and ``MicroBatch``: documents packed in a row,
   with reset position ids and document-causal attention (Megatron's ``--reset-position-ids`` /

@@ -1,8 +1,8 @@
 """The training and eval datasets of a run, from the user's data paths: what a training script calls.
 
-``--data-path`` follows Megatron-LM's syntax: one or more token sources (megamoe token files or
-Megatron dataset prefixes), optionally each preceded by its weight (``0.3 corpus_a 0.7 corpus_b``).
-Several sources are blended (:class:`~megamoe.data.blending.BlendedDataset`); without weights each
+``--data`` names one or more sources: megamoe token files, Megatron dataset prefixes, or documents
+(text, JSON Lines, Parquet, directories of them), which :func:`tokenized_path` tokenizes once into a
+cache; ``--data-weights`` gives each its weight. Several sources are blended (:class:`~megamoe.data.blending.BlendedDataset`); without weights each
 weighs its number of samples, so a pass of the blend is a pass of every source. Held-out eval data is
 either the tail of every source (``eval_fraction``, split before blending so that no eval sample is
 also drawn for training) or separate sources (``eval_paths``, concatenated).
@@ -10,6 +10,7 @@ also drawn for training) or separate sources (``eval_paths``, concatenated).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -20,49 +21,76 @@ from typing import Sequence
 from megamoe.data.blending import BlendedDataset
 from megamoe.data.eval_split import ConcatenatedDataset, split_train_eval
 from megamoe.data.sample_dataset import SampleDataset
-from megamoe.data.token_dataset import TokenDataset
+from megamoe.data.indexed_dataset import is_megatron_dataset
+from megamoe.data.token_dataset import TokenDataset, sidecar_path, token_file_matches
+from megamoe.data.tokenizer import Tokenizer
 
-__all__ = ["parse_data_paths", "TrainEvalData", "build_train_eval_data"]
+__all__ = ["is_token_source", "check_data_weights", "tokenized_path", "TrainEvalData", "build_train_eval_data"]
 
 logger = logging.getLogger(__name__)
 
 
-def _weight(text: str) -> float | None:
-    try:
-        value = float(text)
-    except ValueError:
+def is_token_source(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is already tokenized: a megamoe token file (it has its sidecar) or a Megatron
+    dataset (a prefix, or either of its ``.bin`` / ``.idx`` files); anything else is documents."""
+    path = Path(path)
+    return sidecar_path(path).is_file() or is_megatron_dataset(path)
+
+
+def check_data_weights(paths: Sequence, weights: Sequence[float] | None) -> list[float] | None:
+    """``weights`` as floats, checked against ``paths`` (one positive finite weight per path); ValueError
+    naming ``--data-weights`` otherwise."""
+    if not paths:
+        raise ValueError("--data needs at least one path")
+    if weights is None:
         return None
-    return value
-
-
-def parse_data_paths(values: Sequence[str], *, flag: str = "--data-path") -> tuple[list[Path], list[float] | None]:
-    """``(paths, weights)`` of ``[PATH ...]`` or ``[WEIGHT PATH ...]``; weights None when not given.
-    ValueError names ``flag`` and the offending item."""
-    values = [os.fspath(value) for value in values]
-    if not values:
-        raise ValueError(f"{flag} needs at least one token file or Megatron dataset prefix")
-    if _weight(values[0]) is None:
-        numbers = [value for value in values if _weight(value) is not None]
-        if numbers:
-            raise ValueError(f"{flag} mixes paths and weights ({numbers[0]!r}): give WEIGHT PATH pairs for every "
-                             "source, or paths only")
-        return [Path(value) for value in values], None
-    if len(values) % 2:
-        raise ValueError(f"{flag} with weights needs WEIGHT PATH pairs, got {len(values)} values")
-    weights, paths = values[0::2], values[1::2]
+    if len(weights) != len(paths):
+        raise ValueError(f"--data-weights has {len(weights)} weight(s) for {len(paths)} --data path(s): give one "
+                         "weight per path, in the same order")
     for weight, path in zip(weights, paths):
-        number = _weight(weight)
-        if number is None or not math.isfinite(number) or number <= 0:
-            raise ValueError(f"{flag} weight {weight!r} (of {path}) must be a positive number")
-        if _weight(path) is not None:
-            raise ValueError(f"{flag} expected a path after weight {weight!r}, got the number {path!r}")
-    return [Path(path) for path in paths], [float(weight) for weight in weights]
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            raise ValueError(f"--data-weights: the weight {weight!r} of {path} must be a positive number")
+    return [float(weight) for weight in weights]
+
+
+def _documents_cache_key(files: Sequence[tuple[Path, str]], tokenizer: Tokenizer, text_field: str) -> str:
+    """What a cached token file of documents depends on: every file's path, size and mtime, the
+    tokenizer's digest and the text field (a changed input or tokenizer makes a new key)."""
+    digest = hashlib.sha256(f"{tokenizer.sha256}\0{text_field}".encode())
+    for file, file_format in files:
+        stat = file.stat()
+        digest.update(f"\0{file.resolve()}\0{file_format}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def tokenized_path(path: str | os.PathLike, tokenizer: Tokenizer, cache_dir: str | os.PathLike, *,
+                   text_field: str = "text", workers: int | None = None) -> Path:
+    """A token source for ``path``: ``path`` itself when it is tokenized already (see
+    :func:`is_token_source`), else its documents (text, JSON Lines, Parquet files or a directory of
+    them, :mod:`megamoe.data.documents`) tokenized into ``cache_dir`` by
+    :func:`megamoe.data.preprocess.preprocess`, or the token file an earlier call made of the same
+    files (same paths, sizes and mtimes), tokenizer and text field. Call it on one rank, then let the
+    others open the returned path."""
+    path = Path(path)
+    if is_token_source(path):
+        return path
+    from megamoe.data.documents import list_document_files
+    from megamoe.data.preprocess import preprocess
+
+    files = list_document_files([path])
+    out = Path(cache_dir) / f"{path.stem or 'documents'}_{_documents_cache_key(files, tokenizer, text_field)}.bin"
+    if token_file_matches(out, tokenizer):
+        logger.info("reusing token file %s of %s", out, path)
+    else:
+        logger.info("tokenizing %s (%d file(s)) into %s", path, len(files), out)
+        preprocess([path], tokenizer, out, text_field=text_field, workers=workers)
+    return out
 
 
 @dataclass(frozen=True)
 class TrainEvalData:
     """``train`` for ``ResumableSampler`` + ``batch``; ``eval`` (None without eval data) for ``eval_batches``;
-    ``sources`` the opened token datasets, in ``--data-path`` order."""
+    ``sources`` the opened token datasets, in ``--data`` order."""
 
     train: SampleDataset
     eval: SampleDataset | None
@@ -70,30 +98,32 @@ class TrainEvalData:
 
 
 def build_train_eval_data(
-    data_paths: Sequence[str],
+    data_paths: Sequence[str | os.PathLike],
     *,
     seq_len: int,
     vocab_size: int | None,
+    weights: Sequence[float] | None = None,
     num_samples: int | None = None,
     eval_fraction: float | None = None,
-    eval_paths: Sequence[str] = (),
+    eval_paths: Sequence[str | os.PathLike] = (),
     seed: int = 0,
 ) -> TrainEvalData:
-    """Open ``data_paths`` (``parse_data_paths`` syntax) as ``TokenDataset``\\ s checked against the model's
-    ``vocab_size``; hold out eval data; blend several sources into ``num_samples`` samples (default:
-    ``full_pass_num_samples``, every source seen whole; ``seed`` orders each source's passes). One source
-    without a weight is used as is, not blended."""
+    """Open the token sources ``data_paths`` (megamoe token files or Megatron datasets; see
+    :func:`tokenized_path` for documents) as ``TokenDataset``\\ s checked against the model's
+    ``vocab_size``; hold out eval data; blend several sources by ``weights`` (default: each source's
+    number of samples) into ``num_samples`` samples (default: ``full_pass_num_samples``, every source
+    seen whole; ``seed`` orders each source's passes). One source without a weight is used as is."""
     if eval_fraction is not None and eval_paths:
-        raise ValueError("give eval_fraction (--eval-fraction) or eval_paths (--eval-data-path), not both")
-    paths, weights = parse_data_paths(data_paths)
+        raise ValueError("give eval_fraction (--eval-fraction) or eval_paths (--eval-data), not both")
+    paths = [Path(path) for path in data_paths]
+    weights = check_data_weights(paths, weights)
     sources = tuple(TokenDataset(path, seq_len, vocab_size=vocab_size) for path in paths)
     if eval_fraction is not None:
         splits = [split_train_eval(source, eval_fraction) for source in sources]
         train_parts, eval_parts = [train for train, _ in splits], [held_out for _, held_out in splits]
     else:
         train_parts = list(sources)
-        eval_parts = [TokenDataset(path, seq_len, vocab_size=vocab_size)
-                      for path in parse_data_paths(eval_paths, flag="--eval-data-path")[0]] if eval_paths else []
+        eval_parts = [TokenDataset(path, seq_len, vocab_size=vocab_size) for path in eval_paths]
     if len(train_parts) == 1 and weights is None:
         train = train_parts[0]
     else:
