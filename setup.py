@@ -21,9 +21,12 @@ setup(
             "pytest-timeout>=2",
             "hypothesis>=6",
             "transformers>=5.0",
+            "tensorboard>=2.10",
         ],
         # HuggingFace configs for `megamoe-convert import-hf / export-hf / verify`.
         "hf": ["transformers>=5.0"],
+        # TensorBoard event files of the training metrics (megamoe.training.metric_sinks).
+        "tensorboard": ["tensorboard>=2.10"],
         # TransformerEngine: optional FP8 / fused kernels on NVIDIA GPUs.
         # NVIDIA apex is never a dependency (the PyPI "apex" is an unrelated package).
         "te": ["transformer-engine[pytorch]"],
