@@ -13,6 +13,8 @@ import pytest
 from megamoe.launch import run_script
 from megamoe.training.metric_sinks import (JsonlSink, MissingPackageError, TensorBoardSink, WandbSink,
                                            build_metric_sinks, scalar_tags, step_record)
+from megamoe.training.metrics_arguments import (add_metrics_arguments, check_metrics_arguments,
+                                                 metric_sinks_from_arguments)
 from megamoe.training.trainer import MoELayerMetrics, StepMetrics
 
 
@@ -160,3 +162,40 @@ def test_non_finite_values_reach_tensorboard_as_numbers(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert math.isinf(events.Scalars("loss")[0].value)
+
+
+def _parse(argv):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_metrics_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_metrics_arguments_build_the_sinks_asked_for(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", _fake_wandb())
+    args = _parse(["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "p", "--peak-tflops", "312"])
+    check_metrics_arguments(args)
+    assert args.peak_tflops == 312.0
+    with metric_sinks_from_arguments(args, rank=0, jsonl_path=tmp_path / "log.jsonl") as sinks:
+        assert [type(s).__name__ for s in sinks.sinks] == ["JsonlSink", "TensorBoardSink", "WandbSink"]
+    defaults = _parse([])
+    check_metrics_arguments(defaults)
+    assert metric_sinks_from_arguments(defaults, rank=0, jsonl_path=None).sinks == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
+    (["--wandb-run-name", "r"], "--wandb-run-name needs --wandb-project"),
+    (["--wandb-project", " "], "--wandb-project must name a project"),
+    (["--wandb-project", "p"], "pip install wandb"),              # wandb is not installed here
+])
+def test_metrics_argument_errors_name_the_flag(monkeypatch, argv, message):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ValueError, match=message):
+        check_metrics_arguments(_parse(argv))
+
+
+def test_tensorboard_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "tb").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        check_metrics_arguments(_parse(["--tensorboard-dir", str(tmp_path / "tb")]))

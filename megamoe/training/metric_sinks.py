@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 __all__ = ["JsonlSink", "MetricSink", "MetricSinks", "MissingPackageError", "TensorBoardSink", "WandbSink",
-           "build_metric_sinks", "scalar_tags", "step_record"]
+           "build_metric_sinks", "require_sink_packages", "scalar_tags", "step_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,14 @@ class MissingPackageError(ImportError, ValueError):
 _TENSORBOARD = ("torch.utils.tensorboard", "TensorBoard logging (tensorboard_dir)",
                 "pip install tensorboard (or pip install 'megamoe[tensorboard]')")
 _WANDB = ("wandb", "Weights & Biases logging (wandb_project)", "pip install wandb")
+
+
+def require_sink_packages(*, tensorboard: bool = False, wandb: bool = False) -> None:
+    """:class:`MissingPackageError` unless the packages of the sinks asked for are importable."""
+    if tensorboard:
+        _import_optional(*_TENSORBOARD)
+    if wandb:
+        _import_optional(*_WANDB)
 
 
 def _import_optional(module: str, what: str, pip: str):
@@ -217,10 +225,7 @@ def build_metric_sinks(*, rank: int, jsonl_path: str | os.PathLike | None = None
     if rank != 0:
         return MetricSinks()
     # Both imports first: a missing package then leaves no log file or event file behind.
-    if tensorboard_dir is not None:
-        _import_optional(*_TENSORBOARD)
-    if wandb_project is not None:
-        _import_optional(*_WANDB)
+    require_sink_packages(tensorboard=tensorboard_dir is not None, wandb=wandb_project is not None)
     sinks: list[MetricSink] = []
     try:
         if jsonl_path is not None:

@@ -185,11 +185,11 @@ class Trainer:
         # losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
         reporter = state.tp.rank == 0 and state.cp.rank == 0
         loss = sum(float(l) for l in losses) if (model.is_last_stage and reporter) else 0.0
-        num_layers = model.config.num_layers
-        layer_aux_means = layer_aux.totals(num_layers) / num_mb if reporter else torch.zeros(num_layers,
-                                                                                              dtype=torch.float64)
-        totals = torch.cat([torch.tensor([loss, aux_total.item() / num_mb if reporter else 0.0],
-                                         dtype=torch.float64), layer_aux_means])
+        # [loss, aux loss, each layer's aux loss]: one all-reduce
+        layer_aux_means = layer_aux.totals(model.config.num_layers) / num_mb
+        totals = torch.cat([torch.tensor([loss, aux_total.item() / num_mb], dtype=torch.float64), layer_aux_means])
+        if not reporter:
+            totals[1:] = 0.0
         comms.all_reduce_(totals, self.world_group)
         totals /= state.dp_cp.size
         tokens = mb * seq * num_mb * state.dp_cp.size
