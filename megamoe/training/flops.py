@@ -31,6 +31,13 @@ flash / memory-efficient SDPA backward adds one recomputation of ``q k^T`` (``2.
 forward instead of ``2 x``), which this module does not count: recomputation is not model FLOPs.
 Norms, activations, softmax, RoPE and the loss are elementwise and not counted (as in Megatron-LM's
 ``num_floating_point_operations``).
+
+Checking against :class:`FlopCounterMode` (tests/test_flops.py: equal on GQA and MLA configs): run
+the MoE experts on the ``loop`` backend (``MoEConfig.expert_backend="loop"``, one ``F.linear`` per slot
+in the calling thread) and SDPA on the math backend. The ``torch`` expert backend is invisible to it:
+on CPU its GEMMs run in worker threads, outside the counting thread's dispatch mode, and
+``torch._grouped_mm`` (accelerators) has no FlopCounterMode formula (torch 2.13); CPU's fused SDPA
+kernel has none either.
 """
 
 from __future__ import annotations
