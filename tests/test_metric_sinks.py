@@ -177,7 +177,7 @@ def test_metrics_arguments_build_the_sinks_asked_for(monkeypatch, tmp_path):
     check_metrics_arguments(args)
     assert args.peak_tflops == 312.0
     with metric_sinks_from_arguments(args, rank=0, jsonl_path=tmp_path / "log.jsonl") as sinks:
-        assert [type(s).__name__ for s in sinks.sinks] == ["JsonlSink", "TensorBoardSink", "WandbSink"]
+        assert [type(s).__name__ for s in sinks.sinks] == ["WandbSink", "TensorBoardSink", "JsonlSink"]
     defaults = _parse([])
     check_metrics_arguments(defaults)
     assert metric_sinks_from_arguments(defaults, rank=0, jsonl_path=None).sinks == []
@@ -199,3 +199,16 @@ def test_tensorboard_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "tb").write_text("")
     with pytest.raises(ValueError, match="is not a directory"):
         check_metrics_arguments(_parse(["--tensorboard-dir", str(tmp_path / "tb")]))
+
+
+def test_a_failing_wandb_login_leaves_no_local_file(monkeypatch, tmp_path):
+    wandb = _fake_wandb()
+
+    def refuse(**kwargs):
+        raise ValueError("wandb: no API key configured; run wandb login")
+    wandb.init = refuse
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    with pytest.raises(ValueError, match="wandb login"):
+        build_metric_sinks(rank=0, jsonl_path=tmp_path / "log.jsonl", tensorboard_dir=tmp_path / "tb",
+                           wandb_project="p")
+    assert list(tmp_path.iterdir()) == []

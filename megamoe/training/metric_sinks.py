@@ -169,15 +169,13 @@ class TensorBoardSink:
 
 class WandbSink:
     """A Weights & Biases run in ``project`` (``wandb.init(project=..., name=..., config=...)``); the
-    usual W&B environment (``WANDB_API_KEY``, ``WANDB_MODE=offline``, ...) applies."""
+    usual W&B environment (``WANDB_API_KEY``, ``WANDB_MODE=offline``, ``WANDB_DIR``, ...) applies."""
 
-    def __init__(self, project: str, *, run_name: str | None = None, config: Mapping[str, Any] | None = None,
-                 directory: str | os.PathLike | None = None):
+    def __init__(self, project: str, *, run_name: str | None = None, config: Mapping[str, Any] | None = None):
         if not project:
             raise ValueError("WandbSink: project must be a non-empty W&B project name")
         wandb = _import_optional(*_WANDB)
-        self._run = wandb.init(project=project, name=run_name, config=_json_safe(dict(config or {})),
-                               dir=None if directory is None else os.fspath(directory))
+        self._run = wandb.init(project=project, name=run_name, config=_json_safe(dict(config or {})))
 
     def start_run(self, info: Mapping[str, Any]) -> None:
         self._run.config.update(_json_safe(dict(info)), allow_val_change=True)
@@ -226,15 +224,17 @@ def build_metric_sinks(*, rank: int, jsonl_path: str | os.PathLike | None = None
         return MetricSinks()
     # Both imports first: a missing package then leaves no log file or event file behind.
     require_sink_packages(tensorboard=tensorboard_dir is not None, wandb=wandb_project is not None)
+    # The W&B run first (the likeliest to fail: a login, the network), the local files last: a
+    # failure then leaves no new file behind.
     sinks: list[MetricSink] = []
     try:
-        if jsonl_path is not None:
-            sinks.append(JsonlSink(jsonl_path))
+        if wandb_project is not None:
+            sinks.append(WandbSink(wandb_project, run_name=wandb_run_name, config=run_config))
         if tensorboard_dir is not None:
             sinks.append(TensorBoardSink(tensorboard_dir))
             logger.info("TensorBoard event files in %s", tensorboard_dir)
-        if wandb_project is not None:
-            sinks.append(WandbSink(wandb_project, run_name=wandb_run_name, config=run_config))
+        if jsonl_path is not None:
+            sinks.append(JsonlSink(jsonl_path))
     except BaseException:
         MetricSinks(sinks).close()
         raise
