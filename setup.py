@@ -25,11 +25,14 @@ setup(
             "hypothesis>=6",
             "transformers>=5.0",
             "pyarrow>=14",
+            "tensorboard>=2.10",
         ],
         # Parquet input for `megamoe-preprocess` (megamoe.data.documents).
         "data": ["pyarrow>=14"],
         # HuggingFace configs for `megamoe-convert import-hf / export-hf / verify`.
         "hf": ["transformers>=5.0"],
+        # TensorBoard event files of the training metrics (megamoe.training.metric_sinks).
+        "tensorboard": ["tensorboard>=2.10"],
         # TransformerEngine: optional FP8 / fused kernels on NVIDIA GPUs.
         # NVIDIA apex is never a dependency (the PyPI "apex" is an unrelated package).
         "te": ["transformer-engine[pytorch]"],

@@ -13,19 +13,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megamoe import comms
 from megamoe.data.packing import MicroBatch
+from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
+from megamoe.training.flops import training_flops
 from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
+from megamoe.training.mfu import model_flops_utilization, model_tflops_per_rank
+from megamoe.training.moe_layer_metrics import MoELayerMetrics, PerLayerAuxLoss
+from megamoe.training.peak_memory import peak_memory_bytes, reset_peak_memory
 from megamoe.training.trainable_model import TrainableModel, check_trainable_model
 
-__all__ = ["TrainConfig", "StepMetrics", "Trainer", "build_optimizer"]
+__all__ = ["TrainConfig", "StepMetrics", "MoELayerMetrics", "Trainer", "build_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,12 @@ class StepMetrics:
     grad_norm: float
     tokens_per_s: float
     balancedness: float         # mean over MoE layers of mean/max EP-rank load under the placement
+    # Model TFLOP/s per rank: the whole model's training FLOPs of the global batch / step time / world
+    # size (megamoe.training.mfu); None for a model whose config is not a GPTMoEConfig.
+    tflops: float | None = None
+    mfu: float | None = None    # tflops / the Trainer's peak_tflops; None without one
+    moe_layers: dict[int, MoELayerMetrics] = field(default_factory=dict)   # by global layer id, all stages
+    peak_memory_bytes: int | None = None   # this rank's; see megamoe.training.peak_memory (CUDA: the step's)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -103,13 +114,15 @@ class Trainer:
     ``world_group`` is the group of all ranks (``torch.distributed.group.WORLD``, or None for one
     process): metrics and the expert-load statistics are reduced over it. The expert load balancing
     in force (aux-loss coefficients, expert bias) is logged at construction, with a warning when
-    there is none.
+    there is none. ``peak_tflops``: the per-device peak that ``StepMetrics.mfu`` is measured against
+    (:func:`megamoe.training.mfu.resolve_peak_tflops`); None leaves ``mfu`` None.
     """
 
     def __init__(self, model: TrainableModel, state, config: TrainConfig, *, world_group=None,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, peak_tflops: float | None = None):
         check_trainable_model(model)
         self.model, self.state, self.config, self.world_group = model, state, config, world_group
+        self.peak_tflops = peak_tflops
         self._log_balancing()
         self.optimizer = optimizer or build_optimizer(model, config)
         self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
@@ -143,6 +156,8 @@ class Trainer:
         model, state = self.model, self.state
         num_mb = len(micro_batches)
         mb, seq = micro_batches[0][0].shape
+        device = next(model.parameters()).device
+        reset_peak_memory(device)
         self.optimizer.zero_grad(set_to_none=True)
         for layer in model.moe_layers().values():
             layer.load_counter.reset()
@@ -160,33 +175,48 @@ class Trainer:
             return out, aux / num_mb
 
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
-        losses = forward_backward(forward_step, num_mb, state, (mb, seq, model.config.hidden_size), hidden_dtype)
+        with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
+            losses = forward_backward(forward_step, num_mb, state, (mb, seq, model.config.hidden_size), hidden_dtype)
         self.grad_sync.sync()
         grad_norm = clip_grad_norm_(model, self.config.grad_clip, state, self.world_group,
                                     tied_params=model.tied_parameters())
         self.optimizer.step()
-        balancedness = self._update_expert_biases()
+        balancedness, layer_balance, loads = self._update_expert_biases()
         self.step += 1
 
         # Report the global means: the loss lives on the last stage (identical over TP), the aux
         # losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
         reporter = state.tp.rank == 0 and state.cp.rank == 0
         loss = sum(float(l) for l in losses) if (model.is_last_stage and reporter) else 0.0
-        totals = torch.tensor([loss, aux_total.item() / num_mb if reporter else 0.0], dtype=torch.float64)
+        # [loss, aux loss, each layer's aux loss]: one all-reduce
+        layer_aux_means = layer_aux.totals(model.config.num_layers) / num_mb
+        totals = torch.cat([torch.tensor([loss, aux_total.item() / num_mb], dtype=torch.float64), layer_aux_means])
+        if not reporter:
+            totals[1:] = 0.0
         comms.all_reduce_(totals, self.world_group)
         totals /= state.dp_cp.size
         tokens = mb * seq * num_mb * state.dp_cp.size
+        elapsed = time.perf_counter() - start
+        tflops = mfu = None
+        if isinstance(model.config, GPTMoEConfig):
+            tflops = model_tflops_per_rank(training_flops(model.config, seq, tokens), step_time_s=elapsed,
+                                           world_size=comms.group_size(self.world_group))
+            mfu = model_flops_utilization(tflops, self.peak_tflops)
+        moe_layers = {i: MoELayerMetrics(aux_loss=totals[2 + i].item(), balancedness=b,
+                                         tokens_per_expert=[int(n) for n in loads[i].tolist()])
+                      for i, b in layer_balance.items()}
         return StepMetrics(step=self.step, loss=totals[0].item(), aux_loss=totals[1].item(),
-                           grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - start),
-                           balancedness=balancedness)
+                           grad_norm=grad_norm, tokens_per_s=tokens / elapsed, balancedness=balancedness,
+                           tflops=tflops, mfu=mfu, moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(device))
 
     @torch.no_grad()
-    def _update_expert_biases(self) -> float:
+    def _update_expert_biases(self) -> tuple[float, dict[int, float], torch.Tensor | None]:
         """Reduce this step's per-layer expert loads over all ranks (one all-reduce), update the
-        aux-loss-free expert biases identically everywhere, return the mean balancedness."""
+        aux-loss-free expert biases identically everywhere. Returns the mean balancedness, each MoE
+        layer's (of every stage) and the loads [num_layers, num_experts] summed over all ranks."""
         config = self.model.config
         if config.moe is None:
-            return 1.0
+            return 1.0, {}, None
         loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64)
         moe_layers = self.model.moe_layers()
         for layer_id, layer in moe_layers.items():
@@ -194,13 +224,17 @@ class Trainer:
             if self.state.tp.rank == 0:
                 loads[layer_id] = layer.load_counter.per_expert.double()
         comms.all_reduce_(loads, self.world_group)
-        balance = []
+        # Each stage knows its own layers' placements: one (TP 0, DP 0) rank per stage reports.
+        # stats: [balancedness, 1 where reported] per layer.
+        reporter = self.state.tp.rank == 0 and self.state.dp_cp.rank == 0
+        stats = torch.zeros(2, config.num_layers, dtype=torch.float64)
         for layer_id, layer in moe_layers.items():
             if layer.router.config.use_expert_bias:
                 layer.router.update_expert_bias(loads[layer_id])
-            balance.append(layer.placement.balancedness(loads[layer_id]))
-        # Each stage knows its own layers' placements: one (TP 0, DP 0) rank per stage reports.
-        reporter = self.state.tp.rank == 0 and self.state.dp_cp.rank == 0
-        stats = torch.tensor([sum(balance), len(balance)] if reporter else [0.0, 0.0], dtype=torch.float64)
+            if reporter:
+                stats[:, layer_id] = torch.tensor([layer.placement.balancedness(loads[layer_id]), 1.0])
         comms.all_reduce_(stats, self.world_group)
-        return (stats[0] / stats[1]).item() if stats[1] > 0 else 1.0
+        reported = stats[1] > 0
+        per_layer = {i: stats[0, i].item() for i in reported.nonzero().flatten().tolist()}
+        mean = (stats[0].sum() / stats[1].sum()).item() if reported.any() else 1.0
+        return mean, per_layer, loads
