@@ -173,7 +173,7 @@ def _parse(argv):
 
 def test_metrics_arguments_build_the_sinks_asked_for(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", _fake_wandb())
-    args = _parse(["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "p", "--peak-tflops", "312"])
+    args = _parse(["--tensorboard", str(tmp_path / "tb"), "--wandb-project", "p", "--peak-tflops", "312"])
     check_metrics_arguments(args)
     assert args.peak_tflops == 312.0
     with metric_sinks_from_arguments(args, rank=0, jsonl_path=tmp_path / "log.jsonl") as sinks:
@@ -198,7 +198,7 @@ def test_metrics_argument_errors_name_the_flag(monkeypatch, argv, message):
 def test_tensorboard_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "tb").write_text("")
     with pytest.raises(ValueError, match="is not a directory"):
-        check_metrics_arguments(_parse(["--tensorboard-dir", str(tmp_path / "tb")]))
+        check_metrics_arguments(_parse(["--tensorboard", str(tmp_path / "tb")]))
 
 
 def test_a_failing_wandb_login_leaves_no_local_file(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ __all__ = ["add_metrics_arguments", "check_metrics_arguments", "metric_sinks_fro
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("metrics")
-    g.add_argument("--tensorboard-dir", type=Path, default=None,
+    g.add_argument("--tensorboard", dest="tensorboard_dir", metavar="DIR", type=Path, default=None,
                    help="write TensorBoard event files of the step metrics here (needs: pip install tensorboard)")
     g.add_argument("--wandb-project", default=None,
                    help="log the step metrics to this Weights & Biases project (needs: pip install wandb)")
@@ -32,7 +32,7 @@ def check_metrics_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if args.tensorboard_dir is not None:
         if args.tensorboard_dir.exists() and not args.tensorboard_dir.is_dir():
-            raise ValueError(f"--tensorboard-dir {args.tensorboard_dir} exists and is not a directory")
+            raise ValueError(f"--tensorboard {args.tensorboard_dir} exists and is not a directory")
     if args.wandb_run_name is not None and args.wandb_project is None:
         raise ValueError("--wandb-run-name needs --wandb-project")
     if args.wandb_project is not None:
