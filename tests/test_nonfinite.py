@@ -151,6 +151,16 @@ def _two_rank_worker(rank, world_size):
     _assert_unchanged(trainer, snapshot)
     results.append((m.skipped, m.step, m.consecutive_skips))
     destroy_model_parallel()
+    # 3. Two pipeline stages, the forward made non-finite in the second: found by re-running micro-batch 0
+    #    through the pipeline.
+    state = initialize_model_parallel(tp=1, pp=2, ep=1, etp=1)
+    trainer = build_trainer(state, world_group=dist.group.WORLD, config=TrainConfig(lr=1e-2, max_skipped_steps=0))
+    if rank == 1:
+        module = dict(trainer.model.named_modules())["layers.3.input_layernorm"]
+        module.register_forward_hook(lambda mod, inputs, out: out * float("nan"))
+    m = trainer.train_step(_micro_batches())
+    results.append((m.skipped, m.step, m.consecutive_skips))
+    destroy_model_parallel()
     return results, messages
 
 
@@ -158,10 +168,12 @@ def _two_rank_worker(rank, world_size):
 def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank():
     per_rank = run_on_ranks(_two_rank_worker, 2, timeout_s=600)
     for results, messages in per_rank:
-        assert results == [(True, 2, 1), (True, 3, 2)]
+        assert results == [(True, 2, 1), (True, 3, 2), (True, 1, 1)]
         assert "the gradient of parameter 'layers.2.self_attn.o_proj.weight' went non-finite first in the " \
                "backward (rank 1)" in messages[0]
         assert "parameter 'layers.1.mlp.experts.w_down' holds NaN or Inf (rank 1)" in messages[1]
+        assert "the output of module 'layers.3.input_layernorm' went non-finite first in the forward (rank 1)" \
+               in messages[2]
 
 
 # ----------------------------------------------------------------------------------------------
