@@ -211,8 +211,8 @@ def _check_lr_schedule(path, extra: dict, trainer, override_lr_schedule: bool) -
     caller overrides (then a warning)."""
     current, saved_state = trainer.training_state()["lr_schedule"], extra.get("training_state")
     if saved_state is None:
-        logger.warning("%s records no LR schedule (saved by an older version): continuing with this run's "
-                       "(peak LR %g, %s)", path, trainer.config.lr, trainer.config.lr_schedule)
+        logger.info("%s records no LR schedule (converted, or saved before schedules were recorded): this run's "
+                    "applies (peak LR %g, %s)", path, trainer.config.lr, trainer.config.lr_schedule)
         return
     saved = saved_state["lr_schedule"]
     changes = [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(saved.keys() | current.keys())

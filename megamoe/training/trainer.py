@@ -13,7 +13,9 @@ before the optimizer step (:mod:`megamoe.training.lr_schedule`).
 Non-finite steps. A step whose reduced loss, aux loss or global gradient norm is NaN or Inf (values every
 rank holds identically) is skipped on every rank alike: no optimizer step, no expert-bias update (the
 step's routing may have run on NaN scores), so parameters, optimizer state and biases stay as they were.
-As in Megatron, a skipped step still counts: ``Trainer.step`` and hence the LR schedule advance. The
+(Megatron updates the expert bias in ``finalize_model_grads``, before its optimizer's inf check, so also
+on a skipped step; here a skipped step changes no trained state.) As in Megatron, a skipped step still
+counts: ``Trainer.step`` and hence the LR schedule advance (Adam's own step count does not). The
 warning names what went non-finite (:func:`~megamoe.training.non_finite.locate_non_finite`; that search
 runs only on such a step). After ``TrainConfig.max_skipped_steps`` consecutive skips the step raises
 :class:`~megamoe.training.non_finite.NonFiniteTrainingError`.
