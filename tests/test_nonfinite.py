@@ -76,7 +76,7 @@ def test_poisoned_weight_skips_the_step_names_it_and_stops_after_max_skipped_ste
             assert (m.step, m.skipped, m.consecutive_skips) == (step, True, step - 1)
             assert not math.isfinite(m.loss)
             _assert_unchanged(trainer, snapshot)
-        assert f"step 2 skipped" in caplog.text and f"parameter {name!r} holds NaN or Inf (rank 0)" in caplog.text
+        assert "step 2 skipped" in caplog.text and f"parameter {name!r} holds NaN or Inf (rank 0)" in caplog.text
         with pytest.raises(NonFiniteTrainingError, match=rf"3 consecutive steps .* parameter '{name}' holds NaN"):
             trainer.train_step(_micro_batches())
     assert trainer.step == 4 and trainer.skipped_steps == 3           # skipped steps still count (Megatron)

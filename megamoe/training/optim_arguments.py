@@ -69,10 +69,10 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
                          f"not {args.lr_decay_style}")
     if args.max_skipped_steps < 0:
         raise UsageError(f"--max-skipped-steps must be >= 0 (0: never stop), got {args.max_skipped_steps}")
+    decay_steps = train_steps if args.lr_decay_steps is None else args.lr_decay_steps
     try:
         schedule = LRScheduleConfig(
-            style=style, warmup_steps=args.lr_warmup_steps,
-            decay_steps=None if style == "constant" else (train_steps if args.lr_decay_steps is None else args.lr_decay_steps),
+            style=style, warmup_steps=args.lr_warmup_steps, decay_steps=None if style == "constant" else decay_steps,
             min_lr_ratio=args.min_lr_ratio, wsd_decay_style=args.lr_wsd_decay_style,
             wsd_decay_steps=args.lr_wsd_decay_steps if style == "wsd" else None,
             wsd_decay_fraction=wsd_fraction if style == "wsd" else None)

@@ -257,8 +257,9 @@ class Trainer:
         if limit and self.consecutive_skips >= limit:
             raise NonFiniteTrainingError(
                 f"training stopped at step {self.step}: {self.consecutive_skips} consecutive steps were non-finite "
-                f"and skipped (TrainConfig.max_skipped_steps={limit}); at the last one {culprit}. Resume from an "
-                "earlier checkpoint, e.g. with a lower learning rate or stronger gradient clipping")
+                f"and skipped (the limit: max_skipped_steps={limit}, a script's --max-skipped-steps); at the last "
+                f"one {culprit}. Resume from an earlier checkpoint, e.g. with a lower learning rate or stronger "
+                "gradient clipping")
 
     def training_state(self) -> dict:
         """What a training checkpoint stores besides the step: the LR schedule with its peak, the skip
