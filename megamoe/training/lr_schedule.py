@@ -116,7 +116,3 @@ class LRScheduleConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LRScheduleConfig":
-        return cls(**d)
