@@ -14,7 +14,9 @@ A script written with it::
 
 User errors are :class:`UsageError` and the library's own errors for bad input (``ValueError``, which
 covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
-:class:`~checkpoint_tools.format.CheckpointError`; ``OSError`` such as a missing file). Set
+:class:`~checkpoint_tools.format.CheckpointError`; ``OSError`` such as a missing file), and a run stopped
+by :class:`~megamoe.training.non_finite.NonFiniteTrainingError` (a diverged run: the message says where
+and what to do). Set
 ``MEGAMOE_TRACEBACK=1`` to get the traceback instead (for a bug report).
 
 A collective that times out (a stuck, dead or much slower rank) raises
@@ -116,7 +118,7 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
         return _report(prog, f"{e}; if a rank is only slow, raise --comm-timeout", e.first_report)
-    except (ValueError, OSError, _checkpoint_error()) as e:
+    except (ValueError, OSError, _checkpoint_error(), _non_finite_training_error()) as e:
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
         return _report(prog, str(e), _rank() == 0)
@@ -143,6 +145,11 @@ def _report(prog: str, message: str, prints: bool) -> int:
         time.sleep(_QUIET_RANK_EXIT_DELAY_S)
         print(f"{prog}: error: on rank {_rank()}: {one_line}", file=sys.stderr, flush=True)
     return 1
+
+
+def _non_finite_training_error() -> type[Exception]:
+    from megamoe.training.non_finite import NonFiniteTrainingError   # imports the training stack: import late
+    return NonFiniteTrainingError
 
 
 def _checkpoint_error() -> type[Exception]:

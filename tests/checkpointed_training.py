@@ -33,10 +33,11 @@ def dataset() -> torch.Tensor:
     return torch.randint(0, V, (NUM_SAMPLES, S + 1), generator=torch.Generator().manual_seed(1234))
 
 
-def build_trainer(state, dispatcher="alltoall", num_slots=None, world_group=None, placements=None) -> Trainer:
+def build_trainer(state, dispatcher="alltoall", num_slots=None, world_group=None, placements=None,
+                  config: TrainConfig | None = None) -> Trainer:
     model = GPTMoEModel(tiny_config(dispatcher, num_slots), state, placements=placements)
     initialize_parameters(model, seed=0)
-    return Trainer(model, state, TrainConfig(lr=1e-2), world_group=world_group)
+    return Trainer(model, state, config or TrainConfig(lr=1e-2), world_group=world_group)
 
 
 def build_sampler(state) -> ResumableSampler:

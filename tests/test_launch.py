@@ -26,6 +26,18 @@ def test_another_rank_waits_then_names_itself(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == ["tool.py: error: on rank 3: --prompt-file x.txt: no such file"]
 
 
+def test_a_run_stopped_for_non_finite_steps_is_one_error_line(monkeypatch, capsys):
+    from megamoe.training.non_finite import NonFiniteTrainingError
+    monkeypatch.delenv("RANK", raising=False)
+
+    def diverges(argv):
+        raise NonFiniteTrainingError("training stopped at step 7: 10 consecutive steps were non-finite")
+
+    assert run_script(diverges, [], prog="tool.py") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tool.py: error: training stopped at step 7: 10 consecutive steps were non-finite"]
+
+
 def test_a_bug_is_not_a_user_error(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
 

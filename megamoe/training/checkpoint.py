@@ -10,8 +10,9 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
 - manifest fields: ``model_config`` (:meth:`GPTMoEConfig.to_dict`), ``parallel_layout`` (world
   size, tp, pp, dp, cp, ep, etp, order), ``expert_placement`` (``{"<layer id>": ExpertPlacement.to_dict()}``,
   each pipeline stage contributing its own layers) and ``extra`` (``step``, ``sampler_state``,
-  ``has_optimizer_state``, ``verified_finite``, ``run_id``; for a model that came from HuggingFace also
-  ``hf_config`` and ``hf_files``, see :class:`HFProvenance`);
+  ``has_optimizer_state``, ``verified_finite``, ``run_id``, ``training_state``: the LR schedule with its
+  peak, the skip counters and the fp16 loss scale, see :meth:`Trainer.training_state`; for a model that
+  came from HuggingFace also ``hf_config`` and ``hf_files``, see :class:`HFProvenance`);
 - per-rank state: each rank's RNG states.
 
 Directory scheme: step-numbered checkpoints ``<directory>/step_<step, 8 digits>`` (see
@@ -178,7 +179,8 @@ def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state:
         "parallel_layout": _parallel_layout(state),
         "expert_placement": {str(i): layer.placement.to_dict() for i, layer in model.moe_layers().items()},
         "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer,
-                  "verified_finite": True, **({"run_id": run_id} if run_id is not None else {}),
+                  "verified_finite": True, "training_state": trainer.training_state(),
+                  **({"run_id": run_id} if run_id is not None else {}),
                   **(hf_provenance.manifest_extra() if hf_provenance is not None else {})},
     }
     extra_files = {} if hf_provenance is None else {
@@ -203,10 +205,39 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
                   if k not in _ENGINE_FIELDS and saved.get(k) != current.get(k))
 
 
-def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, verify_checksums: bool = True) -> dict:
-    """Load the checkpoint ``path`` into ``trainer`` (model, optimizer state, step), whatever layout,
-    number of expert slots or placement saved it; restore this rank's RNG states if the layout is the
-    same. Each rank reads only its own slices.
+def _check_lr_schedule(path, extra: dict, trainer, override_lr_schedule: bool) -> None:
+    """The LR schedule is a function of the step: resuming with another one jumps to another LR curve.
+    As Megatron (without ``--override-opt-param-scheduler``): an error naming what changed, unless the
+    caller overrides (then a warning)."""
+    current, saved_state = trainer.training_state()["lr_schedule"], extra.get("training_state")
+    if saved_state is None:
+        logger.info("%s records no LR schedule (converted, or saved before schedules were recorded): this run's "
+                    "applies (peak LR %g, %s)", path, trainer.config.lr, trainer.config.lr_schedule)
+        return
+    saved = saved_state["lr_schedule"]
+    changes = [f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(saved.keys() | current.keys())
+               if saved.get(k) != current.get(k)]
+    if not changes:
+        return
+    if override_lr_schedule:
+        logger.warning("%s: the LR schedule changed (%s); overriding it: this run's schedule from step %d on",
+                       path, ", ".join(changes), extra["step"])
+        return
+    raise CheckpointError(
+        f"{path} was saved with another LR schedule: {', '.join(changes)}. Resume with the saved schedule, or "
+        "override it to continue with this one (override_lr_schedule=True; the script's "
+        "--override-opt-param-scheduler)")
+
+
+def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, verify_checksums: bool = True,
+                             override_lr_schedule: bool = False) -> dict:
+    """Load the checkpoint ``path`` into ``trainer`` (model, optimizer state, step, skip counters, fp16 loss
+    scale), whatever layout, number of expert slots or placement saved it; restore this rank's RNG states
+    if the layout is the same. Each rank reads only its own slices.
+
+    A checkpoint saved with another LR schedule (peak LR included) raises :class:`CheckpointError` naming
+    the changes, before anything is loaded, unless ``override_lr_schedule`` (then a warning, and the
+    trainer's schedule continues from the saved step).
 
     Every file is checked against the manifest before it is read: its size, and its checksum unless
     ``verify_checksums=False``. Collective over ``world_group`` (every rank of the run; ``None`` for one
@@ -222,6 +253,7 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     manifest = read_manifest(root)
     extra = manifest["extra"]
     model, optimizer = trainer.model, trainer.optimizer
+    _check_lr_schedule(path, extra, trainer, override_lr_schedule)
     differences = _config_differences(manifest["model_config"], model.config.to_dict())
     if differences:
         logger.warning("%s was saved with another model config; differing fields: %s", path, ", ".join(differences))
@@ -245,6 +277,7 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
                            local_error=error)
     load_checkpoint(root, chunks, verify_checksums=verify_checksums)
     trainer.step = extra["step"]
+    trainer.load_training_state(extra.get("training_state") or {})
 
     if restore_rng:
         rng = load_rank_state(root, rank, verify_checksums=verify_checksums)

@@ -6,12 +6,30 @@ its tokens; a rank back-propagates ``loss / num_micro_batches`` (+ its stage's a
 divided by ``num_micro_batches``), and the reported loss is the mean over micro-batches and DP ranks.
 Micro-batches are the same token sets under every layout (see ``ResumableSampler``), so a layout
 change leaves the loss curve unchanged.
+
+Each step's LR is ``TrainConfig.lr_schedule.lr_at(step, TrainConfig.lr)``, set on every param group just
+before the optimizer step (:mod:`megamoe.training.lr_schedule`).
+
+Non-finite steps. A step whose reduced loss, aux loss or global gradient norm is NaN or Inf (values every
+rank holds identically) is skipped on every rank alike: no optimizer step, no expert-bias update (the
+step's routing may have run on NaN scores), so parameters, optimizer state and biases stay as they were.
+(Megatron updates the expert bias in ``finalize_model_grads``, before its optimizer's inf check, so also
+on a skipped step; here a skipped step changes no trained state.) As in Megatron, a skipped step still
+counts: ``Trainer.step`` and hence the LR schedule advance (Adam's own step count does not). The
+warning names what went non-finite (:func:`~megamoe.training.non_finite.locate_non_finite`; that search
+runs only on such a step). After ``TrainConfig.max_skipped_steps`` consecutive skips the step raises
+:class:`~megamoe.training.non_finite.NonFiniteTrainingError`.
+
+fp16 (``autocast="fp16"``): dynamic loss scaling (:mod:`megamoe.training.loss_scaling`). The backward
+starts from the loss times the scale; the synced gradients are unscaled before the norm, clipping and
+the optimizer step; an overflow is a non-finite step as above, and backs the scale off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +43,11 @@ from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
 from megamoe.training.flops import training_flops
 from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
+from megamoe.training.loss_scaling import DynamicLossScaler, LossScaleConfig
+from megamoe.training.lr_schedule import LRScheduleConfig
 from megamoe.training.mfu import model_flops_utilization, model_tflops_per_rank
 from megamoe.training.moe_layer_metrics import MoELayerMetrics, PerLayerAuxLoss
+from megamoe.training.non_finite import NonFiniteTrainingError, locate_non_finite
 from megamoe.training.peak_memory import peak_memory_bytes, reset_peak_memory
 from megamoe.training.trainable_model import TrainableModel, check_trainable_model
 
@@ -45,6 +66,9 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0              # global-norm clipping; 0 disables
     autocast: str | None = None         # None (fp32) | "bf16" | "fp16"; parameters stay fp32 (master weights)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)   # around the peak ``lr``
+    max_skipped_steps: int = 10         # consecutive non-finite steps before NonFiniteTrainingError; 0: never
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)      # used with autocast="fp16" only
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -53,6 +77,11 @@ class TrainConfig:
             raise ValueError("TrainConfig.weight_decay and grad_clip must be >= 0")
         if self.autocast not in _AUTOCAST:
             raise ValueError(f"TrainConfig.autocast must be one of {list(_AUTOCAST)}, got {self.autocast!r}")
+        if not (isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 0):
+            raise ValueError(f"TrainConfig.max_skipped_steps must be an int >= 0 (0: never stop), "
+                             f"got {self.max_skipped_steps!r}")
+        if not isinstance(self.lr_schedule, LRScheduleConfig):
+            raise ValueError(f"TrainConfig.lr_schedule must be an LRScheduleConfig, got {type(self.lr_schedule)}")
 
 
 @dataclass
@@ -63,6 +92,10 @@ class StepMetrics:
     grad_norm: float
     tokens_per_s: float
     balancedness: float         # mean over MoE layers of mean/max EP-rank load under the placement
+    lr: float = 0.0             # the LR of this step (set on the optimizer, or that it would have had if skipped)
+    skipped: bool = False       # non-finite: the optimizer step was skipped (on every rank)
+    consecutive_skips: int = 0  # skipped steps in a row, this one included
+    loss_scale: float | None = None   # fp16: the scale this step's backward used
     # Model TFLOP/s per rank: the whole model's training FLOPs of the global batch / step time / world
     # size (megamoe.training.mfu); None for a model whose config is not a GPTMoEConfig.
     tflops: float | None = None
@@ -128,6 +161,9 @@ class Trainer:
         self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
                                       expert_token_replicas=expert_token_replicas(model.config, state))
         self.step = 0
+        self.consecutive_skips = 0      # saved in training checkpoints, so the limit holds across a resume
+        self.skipped_steps = 0
+        self.loss_scaler = DynamicLossScaler(config.loss_scale) if config.autocast == "fp16" else None
 
     def _log_balancing(self) -> None:
         by_description: dict[str | None, list[int]] = {}
@@ -162,6 +198,8 @@ class Trainer:
         for layer in model.moe_layers().values():
             layer.load_counter.reset()
         aux_total = torch.zeros((), dtype=torch.float64)
+        lr = self.config.lr_schedule.lr_at(self.step + 1, self.config.lr)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
 
         def forward_step(input_tensor, index):
             nonlocal aux_total
@@ -171,30 +209,40 @@ class Trainer:
                                  labels=batch.labels if model.is_last_stage else None, **batch.packing_keywords())
             aux_total += aux.detach().double()
             if model.is_last_stage:
-                return upcast(out) / num_mb, aux / num_mb
-            return out, aux / num_mb
+                out = upcast(out) / num_mb
+            aux = aux / num_mb
+            if scale is not None:
+                out = out * scale if model.is_last_stage else out
+                aux = aux * scale
+            return out, aux
 
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
+        hidden_shape = (mb, seq, model.config.hidden_size)
         with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
-            losses = forward_backward(forward_step, num_mb, state, (mb, seq, model.config.hidden_size), hidden_dtype)
+            losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype)
         self.grad_sync.sync()
+        loss, aux_loss, layer_aux_losses = self._global_losses(
+            losses, aux_total, layer_aux.totals(model.config.num_layers), num_mb, scale or 1.0)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if scale is not None and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)     # unscaled before the norm and clipping
         grad_norm = clip_grad_norm_(model, self.config.grad_clip, state, self.world_group,
                                     tied_params=model.tied_parameters())
-        self.optimizer.step()
-        balancedness, layer_balance, loads = self._update_expert_biases()
+        # Identical on every rank (global norm, reduced losses): every rank skips, or none does.
+        finite = math.isfinite(loss) and math.isfinite(aux_loss) and math.isfinite(grad_norm)
+        if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        balancedness, layer_balance, loads = self._update_expert_biases(update_biases=finite)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(finite)
         self.step += 1
-
-        # Report the global means: the loss lives on the last stage (identical over TP), the aux
-        # losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
-        reporter = state.tp.rank == 0 and state.cp.rank == 0
-        loss = sum(float(l) for l in losses) if (model.is_last_stage and reporter) else 0.0
-        # [loss, aux loss, each layer's aux loss]: one all-reduce
-        layer_aux_means = layer_aux.totals(model.config.num_layers) / num_mb
-        totals = torch.cat([torch.tensor([loss, aux_total.item() / num_mb], dtype=torch.float64), layer_aux_means])
-        if not reporter:
-            totals[1:] = 0.0
-        comms.all_reduce_(totals, self.world_group)
-        totals /= state.dp_cp.size
+        if finite:
+            self.consecutive_skips = 0
+        else:
+            self._skip(loss, aux_loss, grad_norm, scale, lambda: forward_backward(
+                forward_step, 1, state, hidden_shape, hidden_dtype))
         tokens = mb * seq * num_mb * state.dp_cp.size
         elapsed = time.perf_counter() - start
         tflops = mfu = None
@@ -202,17 +250,73 @@ class Trainer:
             tflops = model_tflops_per_rank(training_flops(model.config, seq, tokens), step_time_s=elapsed,
                                            world_size=comms.group_size(self.world_group))
             mfu = model_flops_utilization(tflops, self.peak_tflops)
-        moe_layers = {i: MoELayerMetrics(aux_loss=totals[2 + i].item(), balancedness=b,
+        moe_layers = {i: MoELayerMetrics(aux_loss=layer_aux_losses[i].item(), balancedness=b,
                                          tokens_per_expert=[int(n) for n in loads[i].tolist()])
                       for i, b in layer_balance.items()}
-        return StepMetrics(step=self.step, loss=totals[0].item(), aux_loss=totals[1].item(),
-                           grad_norm=grad_norm, tokens_per_s=tokens / elapsed, balancedness=balancedness,
-                           tflops=tflops, mfu=mfu, moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(device))
+        return StepMetrics(step=self.step, loss=loss, aux_loss=aux_loss, grad_norm=grad_norm,
+                           tokens_per_s=tokens / elapsed, balancedness=balancedness, lr=lr, skipped=not finite,
+                           consecutive_skips=self.consecutive_skips, loss_scale=scale, tflops=tflops, mfu=mfu,
+                           moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(device))
+
+    def _global_losses(self, losses, aux_total, layer_aux_totals: torch.Tensor, num_mb: int,
+                       scale: float) -> tuple[float, float, torch.Tensor]:
+        """The global means of the loss, the aux loss and each layer's aux loss [num_layers] (identical on
+        every rank), in one all-reduce: the loss lives on the last stage (identical over TP), the aux
+        losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
+        ``losses`` (what the backward started from) are divided by ``scale``."""
+        state = self.state
+        reporter = state.tp.rank == 0 and state.cp.rank == 0
+        loss = sum(float(l) for l in losses) / scale if (self.model.is_last_stage and reporter) else 0.0
+        # [loss, aux loss, each layer's aux loss]; the returned losses were already divided by num_mb
+        totals = torch.cat([torch.tensor([loss, aux_total.item() / num_mb], dtype=torch.float64),
+                            layer_aux_totals.double() / num_mb])
+        if not reporter:
+            totals.zero_()
+        comms.all_reduce_(totals, self.world_group)
+        totals /= state.dp_cp.size
+        return totals[0].item(), totals[1].item(), totals[2:]
+
+    def _skip(self, loss: float, aux_loss: float, grad_norm: float, scale: float | None, rerun_forward) -> None:
+        """Count a skipped step, say what went non-finite (collective), raise after too many in a row."""
+        self.consecutive_skips += 1
+        self.skipped_steps += 1
+        culprit = locate_non_finite(self.model, self.state, self.world_group,
+                                    loss_finite=math.isfinite(loss) and math.isfinite(aux_loss),
+                                    rerun_forward=rerun_forward)
+        self.optimizer.zero_grad(set_to_none=True)   # the re-run's, if any
+        scaling = "" if scale is None else f"; fp16 loss scale {scale:g} -> {self.loss_scaler.scale:g}"
+        limit = self.config.max_skipped_steps
+        logger.warning("step %d skipped (loss %s, aux loss %s, grad norm %s%s): %s; %d consecutive skipped step(s)%s",
+                       self.step, loss, aux_loss, grad_norm, scaling, culprit, self.consecutive_skips,
+                       f" of at most {limit}" if limit else "")
+        if limit and self.consecutive_skips >= limit:
+            raise NonFiniteTrainingError(
+                f"training stopped at step {self.step}: {self.consecutive_skips} consecutive steps were non-finite "
+                f"and skipped (the limit: max_skipped_steps={limit}, a script's --max-skipped-steps); at the last "
+                f"one {culprit}. Resume from an earlier checkpoint, e.g. with a lower learning rate or stronger "
+                "gradient clipping")
+
+    def training_state(self) -> dict:
+        """What a training checkpoint stores besides the step: the LR schedule with its peak, the skip
+        counters and the fp16 loss scale (JSON)."""
+        return {"lr_schedule": {"peak_lr": self.config.lr, **self.config.lr_schedule.to_dict()},
+                "consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps,
+                "loss_scale": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+
+    def load_training_state(self, saved: dict) -> None:
+        """Restore the counters and the loss scale of :meth:`training_state` (the schedule is this
+        trainer's config; :func:`~megamoe.training.checkpoint.load_training_checkpoint` compares them).
+        A loss scale saved by a non-fp16 run leaves an fp16 trainer at its initial scale."""
+        self.consecutive_skips = int(saved.get("consecutive_skips", 0))
+        self.skipped_steps = int(saved.get("skipped_steps", 0))
+        if self.loss_scaler is not None and saved.get("loss_scale") is not None:
+            self.loss_scaler.load_state_dict(saved["loss_scale"])
 
     @torch.no_grad()
-    def _update_expert_biases(self) -> tuple[float, dict[int, float], torch.Tensor | None]:
+    def _update_expert_biases(self, update_biases: bool = True) -> tuple[float, dict[int, float], torch.Tensor | None]:
         """Reduce this step's per-layer expert loads over all ranks (one all-reduce), update the
-        aux-loss-free expert biases identically everywhere. Returns the mean balancedness, each MoE
+        aux-loss-free expert biases identically everywhere (unless ``update_biases`` is False: a
+        skipped step). Returns the mean balancedness, each MoE
         layer's (of every stage) and the loads [num_layers, num_experts] summed over all ranks."""
         config = self.model.config
         if config.moe is None:
@@ -229,7 +333,7 @@ class Trainer:
         reporter = self.state.tp.rank == 0 and self.state.dp_cp.rank == 0
         stats = torch.zeros(2, config.num_layers, dtype=torch.float64)
         for layer_id, layer in moe_layers.items():
-            if layer.router.config.use_expert_bias:
+            if update_biases and layer.router.config.use_expert_bias:
                 layer.router.update_expert_bias(loads[layer_id])
             if reporter:
                 stats[:, layer_id] = torch.tensor([layer.placement.balancedness(loads[layer_id]), 1.0])

@@ -1,0 +1,103 @@
+"""Finding what went non-finite in a training step, once the step is known to be non-finite.
+
+The normal step pays nothing for this: :class:`~megamoe.training.trainer.Trainer` decides on values every
+rank already holds (the global gradient norm, the reduced loss) and only then calls
+:func:`locate_non_finite`, on every rank alike (it is collective over the world). What it names, in order:
+
+1. a parameter whose VALUE holds NaN or Inf (e.g. corrupted by an earlier step, or by hand): everything
+   computed from it is non-finite, so it is the cause rather than a symptom;
+2. if the forward was finite (the loss is), the gradient that went non-finite first in the backward: the
+   one nearest the output (the last pipeline stage holding one, and there its last parameter in
+   registration order, i.e. in forward order; the backward runs in reverse, and a non-finite gradient
+   makes those of every earlier layer non-finite too);
+3. otherwise the forward: the first module (in execution order, innermost first) whose output is
+   non-finite, found by re-running micro-batch 0 through the pipeline with forward hooks (RNG states
+   restored afterwards, gradients of the re-run discarded by the next step's ``zero_grad``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from megamoe import comms
+from megamoe.precision import has_non_finite
+
+__all__ = ["NonFiniteTrainingError", "locate_non_finite"]
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Raised (on every rank) after ``TrainConfig.max_skipped_steps`` consecutive non-finite steps."""
+
+
+def _first_non_finite_value(model: nn.Module) -> str | None:
+    return next((name for name, p in model.named_parameters() if has_non_finite(p.detach())), None)
+
+
+def _last_non_finite_gradient(model: nn.Module) -> str | None:
+    bad = [name for name, p in model.named_parameters() if p.grad is not None and has_non_finite(p.grad)]
+    return bad[-1] if bad else None
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _first_non_finite_module(model: nn.Module, rerun_forward: Callable[[], None]) -> str | None:
+    found: list[str] = []
+
+    def hook(name):
+        def check(module, inputs, output):
+            if not found and any(t.is_floating_point() and has_non_finite(t.detach()) for t in _tensors(output)):
+                found.append(name or type(model).__name__)
+        return check
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules()]
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            rerun_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found[0] if found else None
+
+
+def _gathered(report, world_group) -> list[tuple[int, object]]:
+    """(global rank, report) of every rank whose report is not None."""
+    reports = comms.all_gather_object(report, world_group)
+    return [(rank, r) for rank, r in enumerate(reports) if r is not None]
+
+
+def locate_non_finite(model: nn.Module, state, world_group, *, loss_finite: bool,
+                      rerun_forward: Callable[[], None]) -> str:
+    """What went non-finite first, in words naming the parameter or module and the rank (see the module
+    docstring). Collective over ``world_group``: every rank calls it, with the same ``loss_finite``."""
+    values = _gathered(_first_non_finite_value(model), world_group)
+    if values:
+        rank, name = values[0]
+        return f"parameter {name!r} holds NaN or Inf (rank {rank})"
+    if loss_finite:
+        grads = _gathered((state.pp.rank, _last_non_finite_gradient(model)), world_group)
+        grads = [(rank, (stage, name)) for rank, (stage, name) in grads if name is not None]
+        if grads:
+            last_stage = max(stage for _, (stage, _) in grads)
+            rank, (_, name) = next(g for g in grads if g[1][0] == last_stage)
+            return f"the gradient of parameter {name!r} went non-finite first in the backward (rank {rank})"
+        return "the gradient norm is non-finite, but no gradient holds NaN or Inf (an overflow of the norm)"
+    modules = _gathered((state.pp.rank, _first_non_finite_module(model, rerun_forward)), world_group)
+    modules = [(rank, (stage, name)) for rank, (stage, name) in modules if name is not None]
+    if modules:
+        first_stage = min(stage for _, (stage, _) in modules)
+        rank, (_, name) = next(m for m in modules if m[1][0] == first_stage)
+        return f"the output of module {name!r} went non-finite first in the forward (rank {rank})"
+    return "the loss is non-finite, but no parameter, gradient or module output holds NaN or Inf"

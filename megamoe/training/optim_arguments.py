@@ -1,0 +1,82 @@
+"""Command-line flags of a training script for the LR schedule, the non-finite guard and fp16 loss scaling,
+named as Megatron-LM's where it has them (``--lr-decay-style``, ``--lr-wsd-decay-style``,
+``--override-opt-param-scheduler``, ``--initial-loss-scale``, ``--loss-scale-window``)::
+
+    add_optim_arguments(parser)
+    ...
+    config = TrainConfig(lr=args.lr, **train_config_kwargs(args, train_steps=args.steps))
+    load_training_checkpoint(..., override_lr_schedule=args.override_opt_param_scheduler)
+"""
+
+from __future__ import annotations
+
+import re
+
+from megamoe.launch import UsageError
+from megamoe.training.loss_scaling import LossScaleConfig
+from megamoe.training.lr_schedule import LR_SCHEDULE_STYLES, WSD_DECAY_STYLES, LRScheduleConfig
+
+__all__ = ["add_optim_arguments", "train_config_kwargs"]
+
+_FLAGS = {"style": "--lr-decay-style", "warmup_steps": "--lr-warmup-steps", "decay_steps": "--lr-decay-steps",
+          "min_lr_ratio": "--min-lr-ratio", "wsd_decay_style": "--lr-wsd-decay-style",
+          "wsd_decay_steps": "--lr-wsd-decay-steps", "wsd_decay_fraction": "--lr-wsd-decay-fraction",
+          "initial_scale": "--initial-loss-scale", "growth_interval": "--loss-scale-window"}
+
+
+def add_optim_arguments(parser) -> None:
+    """Add the flags (an argument group "LR schedule and guard rails")."""
+    g = parser.add_argument_group("LR schedule and guard rails")
+    g.add_argument("--lr-decay-style", choices=[s if s != "wsd" else "WSD" for s in LR_SCHEDULE_STYLES],
+                   default="constant", help="LR after the warmup: constant at --lr, or decaying to --min-lr-ratio "
+                                            "of it (WSD: warmup-stable-decay)")
+    g.add_argument("--lr-warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr")
+    g.add_argument("--lr-decay-steps", type=int, default=None,
+                   help="the step at which the decay ends (default: the run's last step)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="the LR the decay ends at, as a fraction of --lr")
+    g.add_argument("--lr-wsd-decay-style", choices=list(WSD_DECAY_STYLES), default="linear",
+                   help="shape of WSD's final decay")
+    g.add_argument("--lr-wsd-decay-steps", type=int, default=None, help="length of WSD's final decay, in steps")
+    g.add_argument("--lr-wsd-decay-fraction", type=float, default=None,
+                   help="length of WSD's final decay, as a fraction of --lr-decay-steps (default with WSD: 0.2)")
+    g.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="on resume, use these schedule flags even if the checkpoint was saved with others "
+                        "(otherwise a changed schedule is an error)")
+    g.add_argument("--max-skipped-steps", type=int, default=10,
+                   help="stop after this many consecutive non-finite (skipped) steps; 0: never")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: the initial loss scale")
+    g.add_argument("--loss-scale-window", type=int, default=2000,
+                   help="fp16: good steps in a row before the loss scale doubles")
+
+
+def _with_flag_names(message: str) -> str:
+    message = re.sub(r"\b(LRScheduleConfig|LossScaleConfig)(\.|: )", "", message)
+    for field in sorted(_FLAGS, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){field}\b", _FLAGS[field], message)
+    return message
+
+
+def train_config_kwargs(args, *, train_steps: int) -> dict:
+    """``TrainConfig`` keyword arguments (``lr_schedule``, ``max_skipped_steps``, ``loss_scale``) from the
+    flags of :func:`add_optim_arguments`; the decay ends at ``train_steps`` unless ``--lr-decay-steps``.
+    Raises :class:`~megamoe.launch.UsageError` naming the flag."""
+    style = args.lr_decay_style.lower()
+    wsd_fraction = args.lr_wsd_decay_fraction
+    if style == "wsd" and wsd_fraction is None and args.lr_wsd_decay_steps is None:
+        wsd_fraction = 0.2
+    if style != "wsd" and (args.lr_wsd_decay_steps is not None or args.lr_wsd_decay_fraction is not None):
+        raise UsageError(f"--lr-wsd-decay-steps / --lr-wsd-decay-fraction need --lr-decay-style WSD, "
+                         f"not {args.lr_decay_style}")
+    if args.max_skipped_steps < 0:
+        raise UsageError(f"--max-skipped-steps must be >= 0 (0: never stop), got {args.max_skipped_steps}")
+    decay_steps = train_steps if args.lr_decay_steps is None else args.lr_decay_steps
+    try:
+        schedule = LRScheduleConfig(
+            style=style, warmup_steps=args.lr_warmup_steps, decay_steps=None if style == "constant" else decay_steps,
+            min_lr_ratio=args.min_lr_ratio, wsd_decay_style=args.lr_wsd_decay_style,
+            wsd_decay_steps=args.lr_wsd_decay_steps if style == "wsd" else None,
+            wsd_decay_fraction=wsd_fraction if style == "wsd" else None)
+        loss_scale = LossScaleConfig(initial_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window)
+    except ValueError as e:
+        raise UsageError(_with_flag_names(str(e))) from None
+    return {"lr_schedule": schedule, "max_skipped_steps": args.max_skipped_steps, "loss_scale": loss_scale}
