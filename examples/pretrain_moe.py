@@ -369,9 +369,9 @@ def prepare_data(args, rank: int, world_group, tokenizer: Tokenizer | None = Non
     """--data: that token file, and ``tokenizer`` (the given one, if any). Otherwise rank 0 trains the
     tokenizer (unless ``tokenizer`` is given) and tokenizes the corpus, or reuses those of an earlier run
     with the same tokenizer and --corpus-bytes; the others wait and load them."""
+    args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.data is not None:
         return tokenizer, TokenDataset(args.data, args.seq_len)
-    args.work_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
         token_file = args.work_dir / f"tokens_{tokenizer.sha256[:12]}_{args.corpus_bytes}.bin"
         if rank == 0 and not token_file_matches(token_file, tokenizer):

@@ -161,3 +161,151 @@ def test_start_from_hf_on_two_ranks_with_ep2_and_replica_slots(hf_dir, tmp_path)
         assert read < total, "each rank reads only the HF tensors it holds a part of"
         held.append(set(experts))
     assert held[0] | held[1] == set(range(E)) and held[0] != held[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# --model-config files
+# ----------------------------------------------------------------------------------------------
+def test_model_config_file_reads_hf_configs_and_megamoe_fields(hf_dir, tmp_path):
+    from megamoe.models.families import config_from_hf
+    directory, _ = hf_dir
+    hf = read_model_config_file(os.path.join(directory, "config.json"), num_expert_slots=10, dispatcher="allgather")
+    assert hf.config == config_from_hf(hf_config("qwen3_moe"), num_expert_slots=10, dispatcher="allgather")
+    assert hf.hf_config["model_type"] == "qwen3_moe"
+    fields = hf.config.to_dict()
+    del fields["attention"]["kind"]                 # as training checkpoints store it
+    (tmp_path / "fields.json").write_text(json.dumps(fields))
+    own = read_model_config_file(tmp_path / "fields.json", expert_backend="torch")
+    assert own.hf_config is None and own.config.moe.expert_backend == "torch"
+    assert own.config.moe.num_expert_slots == 10 and own.config.moe.dispatcher == "allgather"   # the file's
+    fields["moe"]["router"]["top_k"] = 99
+    (tmp_path / "bad_field.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=r"bad_field.json.*top_k"):
+        read_model_config_file(tmp_path / "bad_field.json")
+    (tmp_path / "neither.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ValueError, match=r"neither.json is neither an HF config.json"):
+        read_model_config_file(tmp_path / "neither.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# examples/pretrain_moe.py
+# ----------------------------------------------------------------------------------------------
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def token_file(hf_dir, tmp_path_factory):
+    """400 sentences tokenized with the HF directory's tokenizer."""
+    path = tmp_path_factory.mktemp("data") / "tokens.bin"
+    build_token_file(sentences(400), Tokenizer.from_path(hf_dir[0]), path)
+    return path
+
+
+@pytest.fixture
+def demo(monkeypatch):
+    """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
+
+
+def _run(demo, argv, capsys):
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _train_args(tmp_path, data, steps):
+    return ["--data", data, "--steps", steps, "--lr", "1e-3", "--seq-len", SEQ, "--global-batch", 4,
+            "--micro-batch", 2, "--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt",
+            "--save-every", steps, "--sample-tokens", 0, "--expert-backend", "torch"]
+
+
+def _hf_loss(directory, data):
+    """transformers' mean next-token loss of the model in ``directory`` over every sample of ``data``."""
+    model = lazy_transformers().AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    dataset = TokenDataset(data, SEQ)
+    inputs, labels = dataset.batch(range(len(dataset)))
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+
+
+@pytest.mark.slow
+def test_fine_tune_an_hf_model_on_two_ranks_and_export_it(hf_dir, token_file, tmp_path):
+    directory, _ = hf_dir
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "examples/pretrain_moe.py"),
+           "--hf-model", directory, "--ep", "2", "--num-expert-slots", "10", "--export-hf", str(tmp_path / "out"),
+           *map(str, _train_args(tmp_path, token_file, 30))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = tmp_path / "out"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == Path(directory, name).read_bytes()
+    assert json.loads((out / "config.json").read_text()) == json.loads(Path(directory, "config.json").read_text())
+    before, after = _hf_loss(directory, token_file), _hf_loss(out, token_file)
+    assert after <= 0.9 * before, f"the exported model's loss {after:.3f} must be 10% below the original's {before:.3f}"
+
+
+def test_model_config_trains_a_deepseek_v3_from_scratch_and_exports_it(demo, hf_dir, token_file, tmp_path, capsys):
+    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.training.checkpoint import latest_checkpoint
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("deepseek_v3").to_dict()))
+    argv = ["--model-config", tmp_path / "config.json", "--tokenizer", hf_dir[0], "--export-hf", tmp_path / "out",
+            *_train_args(tmp_path, token_file, 3)]
+    code, _, err = _run(demo, argv, capsys)
+    assert code == 0, err[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "work" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records[1:]] == [1, 2, 3] and all(r["loss"] > 0 for r in records[1:])
+    final = latest_checkpoint(tmp_path / "ckpt")
+    ours = build_model_from_checkpoint(final, ParallelState.single_process(), expert_backend="torch").eval()
+    hf = lazy_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        diff = (ours(ids())[0] - hf.eval()(input_ids=ids()).logits).abs().max().item()
+    assert diff <= ATOL, f"the exported model's logits differ by {diff:.2e}"
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == Path(hf_dir[0], "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+def _bad_inputs(tmp_path, hf_dir):
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    (tmp_path / "cut.json").write_text('{"model_type": "qwen3_moe", "hidden_')
+    save_tokenizer(tmp_path / "big_tokenizer", extra_words=[f"w{i}" for i in range(V)])
+    fields = read_model_config_file(os.path.join(hf_dir, "config.json")).config.to_dict()
+    (tmp_path / "fields.json").write_text(json.dumps(fields))
+
+
+BAD = {   # name: (arguments, fragments of the error line)
+    "unknown family": (["--model-config", "{tmp}/llama.json"],
+                       ["--model-config", "llama.json", "model_type 'llama' is not supported", "qwen3_moe"]),
+    "bad JSON": (["--model-config", "{tmp}/cut.json"], ["cannot read model config", "cut.json"]),
+    "tokenizer too big": (["--hf-model", "{hf}", "--tokenizer", "{tmp}/big_tokenizer"],
+                          ["big_tokenizer/tokenizer.json has a vocabulary of 91 tokens", f"vocab_size {V}"]),
+    "both models": (["--hf-model", "{hf}", "--model-config", "{tmp}/fields.json"], ["give one of them"]),
+    "custom family export": (["--export-hf", "{tmp}/out"], ["family 'custom' has no HuggingFace equivalent"]),
+    "fields export": (["--model-config", "{tmp}/fields.json", "--tokenizer", "{hf}", "--export-hf", "{tmp}/out"],
+                      ["no HuggingFace config.json to export with"]),
+    "vocab vs tp": (["--hf-model", "{hf}", "--tp", "3"], [f"vocab_size {V} is not a multiple", "(--tp)"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_model_input_ends_in_one_error_line_before_any_work(demo, case, hf_dir, tmp_path, capsys, monkeypatch):
+    _bad_inputs(tmp_path, hf_dir[0])
+    extra, fragments = BAD[case]
+    if case == "vocab vs tp":
+        monkeypatch.setenv("WORLD_SIZE", "3")
+    argv = [a.format(tmp=tmp_path, hf=hf_dir[0]) for a in extra]
+    code, out, err = _run(demo, ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", *argv], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()

@@ -152,6 +152,6 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
                         layer_spec=layer_spec)
     if load_weights:
         read = load_hf_weights(model, hf, progress=progress)
-        logger.info("loaded %s (%s) into this rank's stage: %.1f MB of %.1f MB read", hf.directory,
-                    start.config.family, read / 1e6, hf.total_bytes / 1e6)
+        logger.info("loaded %s (%s) into this rank's part of the model: read %d of its %d bytes", hf.directory,
+                    start.config.family, read, hf.total_bytes)
     return model, start
