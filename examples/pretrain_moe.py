@@ -50,7 +50,7 @@ from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoint_run_id, latest_checkpoint,
                                          list_checkpoints, load_training_checkpoint, new_run_id, prune_checkpoints,
                                          save_training_checkpoint)
-from megamoe.training.hf_export import check_exportable, export_final_checkpoint, with_tokenizer
+from megamoe.training.hf_export import export_final_checkpoint, provenance_for_export, with_tokenizer
 from megamoe.training.hf_start import check_vocab_fits_tp, hf_start_config, start_from_hf
 from megamoe.training.model_config_file import read_model_config_file
 from megamoe.training.trainer import TrainConfig, Trainer
@@ -196,14 +196,14 @@ def model_source(args) -> ModelSource:
             tokenizer = Tokenizer.from_path(tokenizer_path)
         except (ValueError, OSError, ImportError) as e:
             raise UsageError(f"--tokenizer {tokenizer_path}: {e}") from None
-        if provenance is not None:
-            provenance = with_tokenizer(provenance, tokenizer)
     return ModelSource(config, provenance, tokenizer)
 
 
-def _check_model_source(args, source: ModelSource, grid_tp: int) -> GPTMoEConfig:
+def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoEConfig, HFProvenance | None]:
     """The checks of a model given by a file, of the tokenizer and the data against the model; returns
-    the model config (for the demo's own model: with the vocabulary the tokenizer will have)."""
+    the model config (for the demo's own model: with the vocabulary the tokenizer will have) and the
+    HF provenance its checkpoints carry (with --export-hf, written for a model that has none)."""
+    provenance = source.provenance
     config = source.config
     data_vocab = None
     if args.data is not None:
@@ -239,9 +239,10 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> GPTMoEConfig
         if args.export_hf.exists():
             raise UsageError(f"--export-hf {args.export_hf} already exists; remove it or choose another path")
         try:
-            check_exportable(config, source.provenance,
-                             "--hf-model" if args.hf_model else "--model-config" if args.model_config else
-                             "the demo's own model (no --hf-model or --model-config)")
+            provenance = provenance_for_export(
+                config, provenance, f"--hf-model {args.hf_model}" if args.hf_model else
+                f"--model-config {args.model_config}" if args.model_config else
+                "the demo's own model (no --hf-model or --model-config)")
         except ValueError as e:
             raise UsageError(str(e)) from None
     if args.expert_load is not None:
@@ -249,7 +250,7 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> GPTMoEConfig
             build_placements(config, args.ep, expert_load=args.expert_load)
         except ValueError as e:
             raise UsageError(f"--expert-load {args.expert_load}: {e}") from None
-    return config
+    return config, provenance
 
 
 def check_arguments(args, world_size: int) -> ModelSource:
@@ -293,7 +294,7 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(f"--global-batch {args.global_batch} must be a multiple of dp * --micro-batch = "
                          f"{dp}*{args.micro_batch} = {dp * args.micro_batch}")
     try:
-        config = _check_model_source(args, source, args.tp)
+        config, provenance = _check_model_source(args, source, args.tp)
     except ValueError as e:
         if isinstance(e, UsageError):
             raise
@@ -303,7 +304,7 @@ def check_arguments(args, world_size: int) -> ModelSource:
     except ValueError as e:
         raise UsageError(f"--dispatcher {args.dispatcher} with --tp {args.tp} --ep {args.ep} (etp {etp}): "
                          f"{e}") from None
-    return source
+    return dataclasses.replace(source, provenance=provenance)
 
 
 def log_path(args) -> Path:
@@ -473,8 +474,8 @@ def main(argv=None) -> int:
     tokenizer, dataset = prepare_data(args, rank, world_group, source.tokenizer)
     torch.manual_seed(args.seed)
     provenance = source.provenance
-    if provenance is not None and source.tokenizer is None and tokenizer is not None:
-        provenance = with_tokenizer(provenance, tokenizer)      # the sentencepiece model trained above
+    if provenance is not None and tokenizer is not None:
+        provenance = with_tokenizer(provenance, tokenizer)      # the HF directory's own, or the run's
     if args.hf_model is not None:
         # Resuming: the checkpoint overwrites every weight, so the HF tensors are not read.
         model, _ = start_from_hf(args.hf_model, state, dispatcher=args.dispatcher,

@@ -254,10 +254,21 @@ def test_fine_tune_an_hf_model_on_two_ranks_and_export_it(hf_dir, token_file, tm
     assert after <= 0.9 * before, f"the exported model's loss {after:.3f} must be 10% below the original's {before:.3f}"
 
 
-def test_model_config_trains_a_deepseek_v3_from_scratch_and_exports_it(demo, hf_dir, token_file, tmp_path, capsys):
+def _model_config_json(kind):
+    """An HF config.json of a DeepSeek-V3 shape, or the megamoe config fields of a Qwen3-MoE one."""
+    from megamoe.models.families import config_from_hf
+    if kind == "deepseek_v3 config.json":
+        return hf_config("deepseek_v3").to_dict()
+    return config_from_hf(hf_config("qwen3_moe")).to_dict()
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3 config.json", "qwen3_moe megamoe fields"])
+def test_model_config_trains_from_scratch_and_exports(demo, kind, hf_dir, token_file, tmp_path, capsys):
+    """The exported directory (a config.json written for the family, for megamoe fields) loads in
+    transformers and computes what the final checkpoint computes."""
     from checkpoint_tools.model_loading import build_model_from_checkpoint
     from megamoe.training.checkpoint import latest_checkpoint
-    (tmp_path / "config.json").write_text(json.dumps(hf_config("deepseek_v3").to_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(_model_config_json(kind)))
     argv = ["--model-config", tmp_path / "config.json", "--tokenizer", hf_dir[0], "--export-hf", tmp_path / "out",
             *_train_args(tmp_path, token_file, 3)]
     code, _, err = _run(demo, argv, capsys)
@@ -271,7 +282,7 @@ def test_model_config_trains_a_deepseek_v3_from_scratch_and_exports_it(demo, hf_
         diff = (ours(ids())[0] - hf.eval()(input_ids=ids()).logits).abs().max().item()
     assert diff <= ATOL, f"the exported model's logits differ by {diff:.2e}"
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == Path(hf_dir[0], "tokenizer.json").read_bytes()
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == kind.split()[0]
 
 
 def _bad_inputs(tmp_path, hf_dir):
@@ -280,6 +291,8 @@ def _bad_inputs(tmp_path, hf_dir):
     save_tokenizer(tmp_path / "big_tokenizer", extra_words=[f"w{i}" for i in range(V)])
     fields = read_model_config_file(os.path.join(hf_dir, "config.json")).config.to_dict()
     (tmp_path / "fields.json").write_text(json.dumps(fields))
+    fields["moe"]["router"]["score_func"] = "sigmoid"           # no qwen3_moe config.json says that
+    (tmp_path / "sigmoid.json").write_text(json.dumps(fields))
 
 
 BAD = {   # name: (arguments, fragments of the error line)
@@ -290,8 +303,9 @@ BAD = {   # name: (arguments, fragments of the error line)
                           ["big_tokenizer/tokenizer.json has a vocabulary of 91 tokens", f"vocab_size {V}"]),
     "both models": (["--hf-model", "{hf}", "--model-config", "{tmp}/fields.json"], ["give one of them"]),
     "custom family export": (["--export-hf", "{tmp}/out"], ["family 'custom' has no HuggingFace equivalent"]),
-    "fields export": (["--model-config", "{tmp}/fields.json", "--tokenizer", "{hf}", "--export-hf", "{tmp}/out"],
-                      ["no HuggingFace config.json to export with"]),
+    "inexpressible export": (["--model-config", "{tmp}/sigmoid.json", "--tokenizer", "{hf}", "--export-hf",
+                              "{tmp}/out"], ["sigmoid.json", "differing fields: moe.router.score_func"]),
+    "export exists": (["--hf-model", "{hf}", "--export-hf", "{hf}"], ["already exists"]),
     "vocab vs tp": (["--hf-model", "{hf}", "--tp", "3"], [f"vocab_size {V} is not a multiple", "(--tp)"]),
 }
 

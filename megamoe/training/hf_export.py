@@ -10,8 +10,11 @@ run passes it to). Where the provenance comes from:
   files as side files (:func:`tokenizer_side_files`);
 - a resumed run: the checkpoint it resumes (or the above, when that checkpoint has none).
 
-A model without any HF config (megamoe config fields, the demo's ``custom`` family) cannot be exported:
-:func:`check_exportable` says so when the run starts, not when it ends.
+- a run from scratch with megamoe config fields: a config.json written for its family
+  (:mod:`checkpoint_tools.hf_config_writer`), and the tokenizer files.
+
+A model of the demo's ``custom`` family, or one its family's config.json cannot express, cannot be
+exported: :func:`provenance_for_export` says so when the run starts, not when it ends.
 """
 
 from __future__ import annotations
@@ -23,26 +26,29 @@ from checkpoint_tools.adapters import ADAPTERS
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.export_hf import export_hf
 from checkpoint_tools.format import CheckpointError
+from checkpoint_tools.hf_config_writer import hf_config_for
 from megamoe import comms
 from megamoe.data.tokenizer import HFTokenizer, Tokenizer
 from megamoe.models import GPTMoEConfig
 from megamoe.training.checkpoint import HFProvenance
 
-__all__ = ["check_exportable", "tokenizer_side_files", "with_tokenizer", "export_final_checkpoint"]
+__all__ = ["provenance_for_export", "tokenizer_side_files", "with_tokenizer", "export_final_checkpoint"]
 
 # What transformers' AutoTokenizer reads beside tokenizer.json (tokenizer.json itself names no special tokens).
 _HF_TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")
 
 
-def check_exportable(config: GPTMoEConfig, provenance: HFProvenance | None, where: str) -> None:
-    """ValueError, before any training, when a run of ``config`` (described by ``where``, e.g. the flag
-    that chose the model) will not be able to write an HF directory at its end."""
+def provenance_for_export(config: GPTMoEConfig, provenance: HFProvenance | None, where: str) -> HFProvenance:
+    """The provenance a run of ``config`` exports with: ``provenance``, or for a model that has none (megamoe
+    config fields) a config.json written for its family (:func:`~checkpoint_tools.hf_config_writer.hf_config_for`).
+    ValueError naming ``where`` (e.g. the flag that chose the model), before any training, when the run
+    will not be able to write an HF directory at its end."""
     if config.family not in ADAPTERS:
         raise ConversionError(f"{where}: a model of family {config.family!r} has no HuggingFace equivalent and "
                               f"cannot be exported (exportable families: {', '.join(ADAPTERS)}); drop --export-hf")
-    if provenance is None:
-        raise ConversionError(f"{where}: the model has no HuggingFace config.json to export with (megamoe config "
-                              "fields); give --model-config an HF config.json of the same model, or drop --export-hf")
+    if provenance is not None:
+        return provenance
+    return HFProvenance(hf_config_for(config, where), {})
 
 
 def tokenizer_side_files(tokenizer: Tokenizer) -> dict[str, bytes]:
