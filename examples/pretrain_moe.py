@@ -174,12 +174,20 @@ class ModelSource:
     tokenizer: Tokenizer | None
 
 
+def _model_flag(args) -> str:
+    """What chose the model, as error messages name it."""
+    if args.hf_model is not None:
+        return f"--hf-model {args.hf_model}"
+    if args.model_config is not None:
+        return f"--model-config {args.model_config}"
+    return "the demo's own model (no --hf-model or --model-config)"
+
+
 def model_source(args) -> ModelSource:
     """Reads the model's config (no weights) and the tokenizer; raises UsageError naming the flag."""
     engine = dict(dispatcher=args.dispatcher, num_expert_slots=args.num_expert_slots,
                   expert_backend=args.expert_backend)
     config = provenance = tokenizer = None
-    flag = "--hf-model" if args.hf_model is not None else "--model-config"
     try:
         if args.hf_model is not None:
             start = hf_start_config(args.hf_model, **engine)
@@ -189,7 +197,7 @@ def model_source(args) -> ModelSource:
             config = file.config
             provenance = HFProvenance(file.hf_config, {}) if file.hf_config is not None else None
     except ValueError as e:
-        raise UsageError(f"{flag}: {e}") from None
+        raise UsageError(f"{_model_flag(args).split()[0]}: {e}") from None
     tokenizer_path = args.tokenizer if args.tokenizer is not None else args.hf_model
     if tokenizer_path is not None:
         try:
@@ -221,7 +229,7 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
         config = model_config(args, padded_vocab_size(vocab, grid_tp))
     else:
         try:
-            check_vocab_fits_tp(config, grid_tp, "--hf-model" if args.hf_model is not None else "--model-config")
+            check_vocab_fits_tp(config, grid_tp, _model_flag(args))
         except ValueError as e:
             raise UsageError(f"{e} (--tp)") from None
         if vocab > config.vocab_size:
@@ -239,10 +247,7 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
         if args.export_hf.exists():
             raise UsageError(f"--export-hf {args.export_hf} already exists; remove it or choose another path")
         try:
-            provenance = provenance_for_export(
-                config, provenance, f"--hf-model {args.hf_model}" if args.hf_model else
-                f"--model-config {args.model_config}" if args.model_config else
-                "the demo's own model (no --hf-model or --model-config)")
+            provenance = provenance_for_export(config, provenance, _model_flag(args))
         except ValueError as e:
             raise UsageError(str(e)) from None
     if args.expert_load is not None:
@@ -280,11 +285,14 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(f"the layout --tp {args.tp} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
                          f"{world_size} rank(s): {e}; change the flags or the number of ranks "
                          "(torchrun --nproc-per-node)") from None
-    layers = source.config.num_layers if source.config is not None else args.layers
+    if source.config is None:
+        layers, experts, layers_flag, experts_flag = args.layers, args.experts, "--layers", "--experts"
+    else:
+        moe = source.config.moe
+        layers, experts = source.config.num_layers, moe.num_experts if moe else 0
+        layers_flag, experts_flag = "the model's layers", "the model's experts"
     if args.pp > layers:
-        raise UsageError(f"--pp {args.pp} exceeds the model's {layers} layers: each stage needs a layer")
-    experts = args.experts if source.config is None else source.config.moe.num_experts if source.config.moe else 0
-    experts_flag = "--experts" if source.config is None else "the model's experts"
+        raise UsageError(f"--pp {args.pp} exceeds {layers_flag} ({layers}): each stage needs a layer")
     slots = args.num_expert_slots if args.num_expert_slots is not None else experts
     if experts and (slots < experts or slots % args.ep):
         raise UsageError(f"--num-expert-slots ({slots}) must be >= {experts_flag} ({experts}) and a multiple of "
@@ -506,7 +514,7 @@ def main(argv=None) -> int:
         logger.info("nothing to train: the run is at step %d and --steps is %d (raise --steps to train further)",
                     trainer.step, args.steps)
 
-    records = []
+    records, last_saved = [], plan.resume_from
     with open(log_path(args), "a") if rank == 0 else open(os.devnull, "w") as log:
         log.write(json.dumps({"run_start": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                               "run_id": run_id, "resumed_from": plan.resume_from,
@@ -530,12 +538,12 @@ def main(argv=None) -> int:
                 if rank == 0:
                     prune_checkpoints(args.save_dir, keep_last=KEEP_LAST_CHECKPOINTS, run_id=run_id)
                 logger.info("saved %s", path)
+                last_saved = path
 
     if args.export_hf is not None:
-        final = latest_checkpoint(args.save_dir) if records else plan.resume_from
-        summary = export_final_checkpoint(final, args.export_hf, world_group=world_group,
+        summary = export_final_checkpoint(last_saved, args.export_hf, world_group=world_group,
                                           verify_checksums=args.verify_checksums)
-        logger.info("exported %s (step %d) to %s: %d tensors, %s", final, trainer.step, summary["out_dir"],
+        logger.info("exported %s (step %d) to %s: %d tensors, %s", last_saved, trainer.step, summary["out_dir"],
                     summary["tensors"], ", ".join(summary["side_files"]) or "no side files")
     if args.sample_tokens:
         print_samples(model, state, tokenizer, args, rank)
