@@ -323,3 +323,33 @@ def test_bad_model_input_ends_in_one_error_line_before_any_work(demo, case, hf_d
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_resumed_hf_run_reads_no_hf_weights_and_still_exports(demo, hf_dir, token_file, tmp_path, capsys,
+                                                                 monkeypatch):
+    """The rerun resumes from its checkpoint (which carries the HF provenance): the HF tensors are not
+    read again, and the export is the checkpoint's model with the original config.json."""
+    import megamoe.training.hf_start as hf_start
+    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.training.checkpoint import latest_checkpoint
+    directory, _ = hf_dir
+    argv = ["--hf-model", directory, *_train_args(tmp_path, token_file, 2)]
+    code, _, err = _run(demo, argv, capsys)
+    assert code == 0, err[-3000:]
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a resumed run must not read the HF weights")
+
+    monkeypatch.setattr(hf_start, "load_hf_weights", must_not_run)
+    argv = ["--hf-model", directory, "--export-hf", tmp_path / "out", *_train_args(tmp_path, token_file, 3)]
+    code, _, err = _run(demo, argv, capsys)
+    assert code == 0, err[-3000:]
+    final = latest_checkpoint(tmp_path / "ckpt")
+    assert final.endswith("step_00000003")
+    ours = build_model_from_checkpoint(final, ParallelState.single_process(), expert_backend="torch").eval()
+    hf = lazy_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        diff = (ours(ids())[0] - hf.eval()(input_ids=ids()).logits).abs().max().item()
+    assert diff <= ATOL, f"the exported model's logits differ by {diff:.2e}"
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
+        Path(directory, "config.json").read_text())
