@@ -240,7 +240,8 @@ def _hf_loss(directory, data):
 @pytest.mark.slow
 def test_fine_tune_an_hf_model_on_two_ranks_and_export_it(hf_dir, token_file, tmp_path):
     directory, _ = hf_dir
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "examples/pretrain_moe.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(REPO / "examples/pretrain_moe.py"),
            "--hf-model", directory, "--ep", "2", "--num-expert-slots", "10", "--export-hf", str(tmp_path / "out"),
            *map(str, _train_args(tmp_path, token_file, 30))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
