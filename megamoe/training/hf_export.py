@@ -8,10 +8,11 @@ run passes it to). Where the provenance comes from:
   (:class:`megamoe.training.hf_start.HFStart`);
 - a run from scratch with an HF config.json as its model config: that file, and the run's tokenizer
   files as side files (:func:`tokenizer_side_files`);
+- a run from scratch with megamoe config fields: a config.json written for its family
+  (:mod:`checkpoint_tools.hf_config_writer`), and the tokenizer files;
 - a resumed run: the checkpoint it resumes (or the above, when that checkpoint has none).
 
-- a run from scratch with megamoe config fields: a config.json written for its family
-  (:mod:`checkpoint_tools.hf_config_writer`), and the tokenizer files.
+A run that trains with another tokenizer than its HF directory's exports its own (:func:`with_tokenizer`).
 
 A model of the demo's ``custom`` family, or one its family's config.json cannot express, cannot be
 exported: :func:`provenance_for_export` says so when the run starts, not when it ends.
