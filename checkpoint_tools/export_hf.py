@@ -45,7 +45,7 @@ from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf", "check_hf_config_describes"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +93,18 @@ def _hf_config(manifest: dict, config: GPTMoEConfig, checkpoint: str, hf_config_
                 f"{checkpoint} holds no HuggingFace config (it was not imported with import-hf, e.g. trained from "
                 "scratch, or saved by a training run without HFProvenance), so no config.json can be written for "
                 "it; pass --hf-config with the HF directory whose config.json describes this model")
+    check_hf_config_describes(hf_config, config, where, "the checkpoint's model")
+    return dict(hf_config)
+
+
+def check_hf_config_describes(hf_config: dict, config: GPTMoEConfig, where: str, what: str) -> None:
+    """ConversionError unless the HF config.json dict ``hf_config`` maps to ``config`` (engine choices and
+    training-only balancing coefficients aside); the message names the differing fields."""
     mapped = model_config_from_hf(hf_config, where)
     differing = _differences(_model_fields(mapped), _model_fields(config))
     if differing:
-        raise ConversionError(f"{where} does not describe the checkpoint's model (differing fields: "
+        raise ConversionError(f"{where} does not describe {what} (differing fields: "
                               f"{', '.join(differing[:6])}); cannot write a matching config.json")
-    return dict(hf_config)
 
 
 def _shard_names(count: int) -> list[str]:

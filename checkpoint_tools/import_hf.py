@@ -42,7 +42,7 @@ from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
 
-__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order"]
+__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,25 @@ def _as_conversion_error(e: AdapterError, where: str) -> ConversionError:
     return ConversionError(f"{where}: the weights do not match config.json: {e}")
 
 
+def plan_hf_conversion(hf: HFCheckpoint, adapter: HFAdapter,
+                       config: GPTMoEConfig) -> tuple[list[str], list[tuple[str, torch.dtype, tuple]], list[str]]:
+    """Dry run on meta tensors: every check on the HF keys, dtypes and shapes, nothing read. Returns the
+    HF keys in reading order, the logical ``(name, dtype, shape)`` they give in that order, and the HF
+    keys the model does not use (dropped, as transformers drops them)."""
+    for key, info in hf.tensors.items():
+        if not info.dtype.is_floating_point:
+            raise ConversionError(f"dtype mismatch: {key!r} in {info.file} is {info.dtype}; model weights are "
+                                  "floating point")
+    dropped = [k for k in hf.tensors if adapter.is_ignored(k, config)]
+    order = hf_key_order(adapter, config, [k for k in hf.tensors if not adapter.is_ignored(k, config)])
+    meta = ((k, torch.empty(hf.tensors[k].shape, dtype=hf.tensors[k].dtype, device="meta")) for k in order)
+    try:
+        produced = [(name, t.dtype, tuple(t.shape)) for name, t in adapter.iter_hf_to_megamoe(meta, config)]
+    except AdapterError as e:
+        raise _as_conversion_error(e, hf.directory) from None
+    return order, produced, dropped
+
+
 def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: ParallelLayout, *,
               num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
               dtype: str = "keep", dispatcher: str = "alltoall", overwrite: bool = False,
@@ -148,19 +167,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     placements = build_placements(config, layout.ep, expert_load=expert_load)
     plan = plan_layout(config, layout, placements)
     adapter = adapter_for(config.family)
-
-    # Dry run on meta tensors: every check on keys and shapes, and the order of the outputs.
-    for key, info in hf.tensors.items():
-        if not info.dtype.is_floating_point:
-            raise ConversionError(f"dtype mismatch: {key!r} in {info.file} is {info.dtype}; model weights are "
-                                  "floating point")
-    dropped = [k for k in hf.tensors if adapter.is_ignored(k, config)]
-    order = hf_key_order(adapter, config, [k for k in hf.tensors if not adapter.is_ignored(k, config)])
-    meta = ((k, torch.empty(hf.tensors[k].shape, dtype=hf.tensors[k].dtype, device="meta")) for k in order)
-    try:
-        produced = [(name, t.dtype, tuple(t.shape)) for name, t in adapter.iter_hf_to_megamoe(meta, config)]
-    except AdapterError as e:
-        raise _as_conversion_error(e, hf_dir) from None
+    order, produced, dropped = plan_hf_conversion(hf, adapter, config)
     names = {name for name, _, _ in produced}
     if names != set(plan.tensors):
         raise ConversionError(f"internal: the {config.family} adapter and the model disagree on the logical tensors: "

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools.format import read_manifest
+from checkpoint_tools.placements import build_placements
 from megamoe import comms
 from megamoe.data.corpus import stdlib_corpus_files
 from megamoe.data.resumable_sampler import ResumableSampler
@@ -46,9 +47,12 @@ from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.training.checkpoint import (checkpoint_path, checkpoint_run_id, latest_checkpoint, list_checkpoints,
-                                         load_training_checkpoint, new_run_id, prune_checkpoints,
+from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoint_run_id, latest_checkpoint,
+                                         list_checkpoints, load_training_checkpoint, new_run_id, prune_checkpoints,
                                          save_training_checkpoint)
+from megamoe.training.hf_export import export_final_checkpoint, provenance_for_export, with_tokenizer
+from megamoe.training.hf_start import check_vocab_fits_tp, hf_start_config, start_from_hf
+from megamoe.training.model_config_file import read_model_config_file
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
@@ -110,6 +114,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--layers", type=int, default=4, help="decoder layers (layer 0 dense, the rest MoE)")
     d.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
     d.add_argument("--top-k", type=int, default=2, help="experts per token")
+    d.add_argument("--hf-model", type=Path, default=None, metavar="DIR",
+                   help="start from this HuggingFace model directory (config, weights, tokenizer), loaded in "
+                        "process into the run's layout; the model flags (--hidden, --layers, --experts, --top-k, "
+                        "--vocab-size) do not apply")
+    d.add_argument("--model-config", type=Path, default=None, metavar="FILE",
+                   help="train from scratch a model sized by this JSON file: an HF config.json of a supported "
+                        "family, or megamoe config fields (GPTMoEConfig.to_dict, as checkpoints store it); "
+                        "--hidden, --layers, --experts and --top-k do not apply")
+    d.add_argument("--expert-load", type=Path, default=None, metavar="FILE",
+                   help="per-layer expert loads (megamoe.moe.expert_slots.save_expert_load): balanced expert "
+                        "placements over the slots, as megamoe-convert import-hf applies them")
+    d.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
+                   help="tokenizer file or directory (sentencepiece .model or HF tokenizer.json); default: the "
+                        "--hf-model directory's own, else a sentencepiece model trained on the corpus")
+    d.add_argument("--data", type=Path, default=None, metavar="TOKEN_FILE",
+                   help="train on this token file (megamoe.data.token_dataset.build_token_file) instead of the "
+                        "standard library's sources")
+    d.add_argument("--export-hf", type=Path, default=None, metavar="OUT",
+                   help="at the end, write the final checkpoint as a HuggingFace model directory (with the "
+                        "tokenizer and side files) that transformers loads; OUT must not exist")
     d.add_argument("--log-json", type=Path, default=None,
                    help="append one JSON object per step here, after a run_start record; default: "
                         "<work-dir>/log.jsonl")
@@ -139,8 +163,104 @@ def model_config(args, vocab_size: int) -> GPTMoEConfig:
 # ----------------------------------------------------------------------------------------------
 # Validation: everything a user can get wrong fails here, in one line, before any expensive work
 # ----------------------------------------------------------------------------------------------
-def check_arguments(args, world_size: int) -> None:
-    """Flag values and the layout against ``world_size`` ranks; raises UsageError naming the flag."""
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """The model of --hf-model or --model-config (``config``; None: the demo's own, sized by the model
+    flags and the tokenizer), the HF provenance its checkpoints carry (None: not exportable), and the
+    tokenizer given by --tokenizer or --hf-model (None: one is trained)."""
+
+    config: GPTMoEConfig | None
+    provenance: HFProvenance | None
+    tokenizer: Tokenizer | None
+
+
+def _model_flag(args) -> str:
+    """What chose the model, as error messages name it."""
+    if args.hf_model is not None:
+        return f"--hf-model {args.hf_model}"
+    if args.model_config is not None:
+        return f"--model-config {args.model_config}"
+    return "the demo's own model (no --hf-model or --model-config)"
+
+
+def model_source(args) -> ModelSource:
+    """Reads the model's config (no weights) and the tokenizer; raises UsageError naming the flag."""
+    engine = dict(dispatcher=args.dispatcher, num_expert_slots=args.num_expert_slots,
+                  expert_backend=args.expert_backend)
+    config = provenance = tokenizer = None
+    try:
+        if args.hf_model is not None:
+            start = hf_start_config(args.hf_model, **engine)
+            config, provenance = start.config, start.provenance
+        elif args.model_config is not None:
+            file = read_model_config_file(args.model_config, **engine)
+            config = file.config
+            provenance = HFProvenance(file.hf_config, {}) if file.hf_config is not None else None
+    except ValueError as e:
+        raise UsageError(f"{_model_flag(args).split()[0]}: {e}") from None
+    tokenizer_path = args.tokenizer if args.tokenizer is not None else args.hf_model
+    if tokenizer_path is not None:
+        try:
+            tokenizer = Tokenizer.from_path(tokenizer_path)
+        except (ValueError, OSError, ImportError) as e:
+            raise UsageError(f"--tokenizer {tokenizer_path}: {e}") from None
+    return ModelSource(config, provenance, tokenizer)
+
+
+def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoEConfig, HFProvenance | None]:
+    """The checks of a model given by a file, of the tokenizer and the data against the model; returns
+    the model config (for the demo's own model: with the vocabulary the tokenizer will have) and the
+    HF provenance its checkpoints carry (with --export-hf, written for a model that has none)."""
+    provenance = source.provenance
+    config = source.config
+    data_vocab = None
+    if args.data is not None:
+        try:
+            data_vocab = TokenDataset(args.data, args.seq_len).meta.vocab_size
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--data: {e}") from None
+    if source.tokenizer is not None:
+        vocab = source.tokenizer.vocab_size
+    else:
+        vocab = data_vocab if data_vocab is not None else args.vocab_size
+    what = (f"the tokenizer {source.tokenizer.path}" if source.tokenizer is not None else
+            f"--data {args.data} (its token ids)" if args.data is not None else f"--vocab-size {args.vocab_size}")
+    if config is None:
+        config = model_config(args, padded_vocab_size(vocab, grid_tp))
+    else:
+        try:
+            check_vocab_fits_tp(config, grid_tp, _model_flag(args))
+        except ValueError as e:
+            raise UsageError(f"{e} (--tp)") from None
+        if vocab > config.vocab_size:
+            raise UsageError(f"{what} has a vocabulary of {vocab} tokens, more than the model's vocab_size "
+                             f"{config.vocab_size}: its ids would index past the embedding; use a tokenizer of at "
+                             "most that many tokens (--tokenizer) or a model config with a larger vocab_size")
+    if data_vocab is not None and source.tokenizer is not None:
+        if data_vocab > config.vocab_size:
+            raise UsageError(f"--data {args.data} was tokenized with a vocabulary of {data_vocab} tokens, more than "
+                             f"the model's vocab_size {config.vocab_size}")
+    if args.data is not None and source.tokenizer is None and args.sample_tokens:
+        raise UsageError("--data without a tokenizer: give --tokenizer (or --hf-model) for the samples, or "
+                         "--sample-tokens 0")
+    if args.export_hf is not None:
+        if args.export_hf.exists():
+            raise UsageError(f"--export-hf {args.export_hf} already exists; remove it or choose another path")
+        try:
+            provenance = provenance_for_export(config, provenance, _model_flag(args))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.expert_load is not None:
+        try:
+            build_placements(config, args.ep, expert_load=args.expert_load)
+        except ValueError as e:
+            raise UsageError(f"--expert-load {args.expert_load}: {e}") from None
+    return config, provenance
+
+
+def check_arguments(args, world_size: int) -> ModelSource:
+    """Flag values and the layout against ``world_size`` ranks; raises UsageError naming the flag.
+    Returns the model source (read from --hf-model / --model-config / --tokenizer: configs, no weights)."""
     for flag in ("steps", "global_batch", "micro_batch", "seq_len", "save_every", "corpus_bytes", "hidden",
                  "layers", "experts", "top_k"):
         if getattr(args, flag) < 1:
@@ -151,8 +271,13 @@ def check_arguments(args, world_size: int) -> None:
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     if args.hidden % (2 * HEADS):
         raise UsageError(f"--hidden must be a multiple of {2 * HEADS} ({HEADS} heads of even size), got {args.hidden}")
+    if args.hf_model is not None and args.model_config is not None:
+        raise UsageError("--hf-model and --model-config both choose the model; give one of them")
+    if args.data is not None and not args.data.is_file():
+        raise UsageError(f"--data {args.data} is not a file (expected a token file with its .json sidecar)")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    source = model_source(args)
     etp = default_etp(args.tp, args.dispatcher, args.etp)
     try:
         grid = compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
@@ -160,25 +285,34 @@ def check_arguments(args, world_size: int) -> None:
         raise UsageError(f"the layout --tp {args.tp} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
                          f"{world_size} rank(s): {e}; change the flags or the number of ranks "
                          "(torchrun --nproc-per-node)") from None
-    if args.pp > args.layers:
-        raise UsageError(f"--pp {args.pp} exceeds --layers {args.layers}: each stage needs a layer")
-    slots = args.num_expert_slots if args.num_expert_slots is not None else args.experts
-    if slots < args.experts or slots % args.ep:
-        raise UsageError(f"--num-expert-slots ({slots}) must be >= --experts ({args.experts}) and a multiple of "
+    if source.config is None:
+        layers, experts, layers_flag, experts_flag = args.layers, args.experts, "--layers", "--experts"
+    else:
+        moe = source.config.moe
+        layers, experts = source.config.num_layers, moe.num_experts if moe else 0
+        layers_flag, experts_flag = "the model's layers", "the model's experts"
+    if args.pp > layers:
+        raise UsageError(f"--pp {args.pp} exceeds {layers_flag} ({layers}): each stage needs a layer")
+    slots = args.num_expert_slots if args.num_expert_slots is not None else experts
+    if experts and (slots < experts or slots % args.ep):
+        raise UsageError(f"--num-expert-slots ({slots}) must be >= {experts_flag} ({experts}) and a multiple of "
                          f"--ep ({args.ep})")
     dp = world_size // (args.tp * args.pp)
     if args.global_batch % (dp * args.micro_batch):
         raise UsageError(f"--global-batch {args.global_batch} must be a multiple of dp * --micro-batch = "
                          f"{dp}*{args.micro_batch} = {dp * args.micro_batch}")
     try:
-        config = model_config(args, padded_vocab_size(args.vocab_size, args.tp))
+        config, provenance = _check_model_source(args, source, args.tp)
     except ValueError as e:
+        if isinstance(e, UsageError):
+            raise
         raise UsageError(f"model flags: {e}") from None
     try:
         check_moe_layout_on_grid(config, grid)
     except ValueError as e:
         raise UsageError(f"--dispatcher {args.dispatcher} with --tp {args.tp} --ep {args.ep} (etp {etp}): "
                          f"{e}") from None
+    return dataclasses.replace(source, provenance=provenance)
 
 
 def log_path(args) -> Path:
@@ -239,10 +373,20 @@ def plan_start(args) -> StartPlan:
 # ----------------------------------------------------------------------------------------------
 # Data, checkpoints, samples
 # ----------------------------------------------------------------------------------------------
-def prepare_data(args, rank: int, world_group) -> tuple[Tokenizer, TokenDataset]:
-    """Rank 0 trains the tokenizer and tokenizes the corpus, or reuses those of an earlier run with the
-    same --vocab-size and --corpus-bytes; the others wait and load them."""
+def prepare_data(args, rank: int, world_group, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer | None,
+                                                                                             TokenDataset]:
+    """--data: that token file, and ``tokenizer`` (the given one, if any). Otherwise rank 0 trains the
+    tokenizer (unless ``tokenizer`` is given) and tokenizes the corpus, or reuses those of an earlier run
+    with the same tokenizer and --corpus-bytes; the others wait and load them."""
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.data is not None:
+        return tokenizer, TokenDataset(args.data, args.seq_len)
+    if tokenizer is not None:
+        token_file = args.work_dir / f"tokens_{tokenizer.sha256[:12]}_{args.corpus_bytes}.bin"
+        if rank == 0 and not token_file_matches(token_file, tokenizer):
+            build_token_file(stdlib_corpus_files(max_bytes=args.corpus_bytes), tokenizer, token_file)
+        comms.barrier(world_group)
+        return tokenizer, TokenDataset(token_file, args.seq_len)
     prefix = args.work_dir / f"tokenizer_{args.vocab_size}_{args.corpus_bytes}"
     model_path = prefix.with_suffix(".model")
     token_file = args.work_dir / f"tokens_{args.vocab_size}_{args.corpus_bytes}.bin"
@@ -315,7 +459,7 @@ def _json_args(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    check_arguments(args, launch_world_size())
+    source = check_arguments(args, launch_world_size())
     plan = plan_start(args)
     rank, world = init_distributed(comm_timeout_s=args.comm_timeout)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -335,11 +479,29 @@ def main(argv=None) -> int:
     if rank == 0 and plan.move_aside:
         move_aside(args.save_dir, run_id)
 
-    tokenizer, dataset = prepare_data(args, rank, world_group)
-    config = model_config(args, padded_vocab_size(tokenizer.vocab_size, args.tp))
+    tokenizer, dataset = prepare_data(args, rank, world_group, source.tokenizer)
     torch.manual_seed(args.seed)
-    model = GPTMoEModel(config, state)
-    initialize_parameters(model, args.seed)
+    provenance = source.provenance
+    if provenance is not None and tokenizer is not None:
+        provenance = with_tokenizer(provenance, tokenizer)      # the HF directory's own, or the run's
+    if args.hf_model is not None:
+        # Resuming: the checkpoint overwrites every weight, so the HF tensors are not read.
+        model, _ = start_from_hf(args.hf_model, state, dispatcher=args.dispatcher,
+                                 num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
+                                 expert_backend=args.expert_backend, load_weights=plan.resume_from is None)
+        logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
+                    "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
+    else:
+        config = source.config
+        if config is None:
+            config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None
+                                                          else dataset.meta.vocab_size, args.tp))
+        placements = build_placements(config, state.ep.size, expert_load=args.expert_load)
+        model = GPTMoEModel(config, state, placements=placements)
+        initialize_parameters(model, args.seed)
+    if plan.resume_from is not None:
+        # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
+        provenance = HFProvenance.of_checkpoint(plan.resume_from) or provenance
     trainer = Trainer(model, state, TrainConfig(lr=args.lr), world_group=world_group)
     sampler = ResumableSampler(len(dataset), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                                dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, seed=args.seed)
@@ -352,7 +514,7 @@ def main(argv=None) -> int:
         logger.info("nothing to train: the run is at step %d and --steps is %d (raise --steps to train further)",
                     trainer.step, args.steps)
 
-    records = []
+    records, last_saved = [], plan.resume_from
     with open(log_path(args), "a") if rank == 0 else open(os.devnull, "w") as log:
         log.write(json.dumps({"run_start": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                               "run_id": run_id, "resumed_from": plan.resume_from,
@@ -372,11 +534,17 @@ def main(argv=None) -> int:
             if m.step % args.save_every == 0 or m.step == args.steps:
                 path = checkpoint_path(args.save_dir, m.step)
                 save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group,
-                                         run_id=run_id)
+                                         run_id=run_id, hf_provenance=provenance)
                 if rank == 0:
                     prune_checkpoints(args.save_dir, keep_last=KEEP_LAST_CHECKPOINTS, run_id=run_id)
                 logger.info("saved %s", path)
+                last_saved = path
 
+    if args.export_hf is not None:
+        summary = export_final_checkpoint(last_saved, args.export_hf, world_group=world_group,
+                                          verify_checksums=args.verify_checksums)
+        logger.info("exported %s (step %d) to %s: %d tensors, %s", last_saved, trainer.step, summary["out_dir"],
+                    summary["tensors"], ", ".join(summary["side_files"]) or "no side files")
     if args.sample_tokens:
         print_samples(model, state, tokenizer, args, rank)
     if rank == 0 and records:

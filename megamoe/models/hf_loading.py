@@ -15,18 +15,11 @@ from torch import nn
 
 from megamoe.checkpoint_state import LogicalChunk, sharded_state_dict
 
-__all__ = ["load_logical_state", "gather_logical_state"]
+__all__ = ["load_logical_state", "gather_logical_state", "chunks_by_name", "copy_into_chunks"]
 
 
 def _region(chunk: LogicalChunk) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape))
-
-
-def _chunks_by_name(model: nn.Module) -> dict[str, list[LogicalChunk]]:
-    grouped: dict[str, list[LogicalChunk]] = {}
-    for chunk in sharded_state_dict(model):
-        grouped.setdefault(chunk.name, []).append(chunk)
-    return grouped
 
 
 @torch.no_grad()
@@ -38,19 +31,34 @@ def load_logical_state(model: nn.Module, logical: Mapping[str, torch.Tensor]) ->
     Values are converted to each chunk's dtype. Returns the names of ``logical`` this model does not
     hold (sorted): other stages' or ranks' tensors when the mapping covers the whole model.
     """
-    grouped = _chunks_by_name(model)
+    grouped = chunks_by_name(model)
     missing = sorted(name for name in grouped if name not in logical)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"{len(missing)} logical tensors the model holds are missing: {shown}")
     for name, chunks in grouped.items():
-        full = logical[name]
-        if tuple(full.shape) != chunks[0].global_shape:
-            raise ValueError(f"logical tensor {name!r} has shape {tuple(full.shape)}, the model expects "
-                             f"{chunks[0].global_shape}")
-        for chunk in chunks:
-            chunk.tensor.copy_(full[_region(chunk)])
+        copy_into_chunks(name, chunks, logical[name])
     return sorted(name for name in logical.keys() if name not in grouped)
+
+
+def chunks_by_name(model: nn.Module) -> dict[str, list[LogicalChunk]]:
+    """The chunks of ``sharded_state_dict(model)`` grouped by logical name (replicas and tied copies
+    together): what this rank holds of each logical tensor."""
+    grouped: dict[str, list[LogicalChunk]] = {}
+    for chunk in sharded_state_dict(model):
+        grouped.setdefault(chunk.name, []).append(chunk)
+    return grouped
+
+
+@torch.no_grad()
+def copy_into_chunks(name: str, chunks: list[LogicalChunk], full: torch.Tensor) -> None:
+    """Copy into each of ``chunks`` (of the logical tensor ``name``) its slice of the full tensor
+    ``full``, converted to the chunk's dtype; ValueError when ``full`` has another shape."""
+    if tuple(full.shape) != chunks[0].global_shape:
+        raise ValueError(f"logical tensor {name!r} has shape {tuple(full.shape)}, the model expects "
+                         f"{chunks[0].global_shape}")
+    for chunk in chunks:
+        chunk.tensor.copy_(full[_region(chunk)])
 
 
 @torch.no_grad()
@@ -61,7 +69,7 @@ def gather_logical_state(model: nn.Module) -> dict[str, torch.Tensor]:
     checkpoint save instead, see :mod:`checkpoint_tools.format`).
     """
     gathered = {}
-    for name, chunks in _chunks_by_name(model).items():
+    for name, chunks in chunks_by_name(model).items():
         first = chunks[0]
         full = torch.empty(first.global_shape, dtype=first.tensor.dtype, device=first.tensor.device)
         covered = torch.zeros(first.global_shape, dtype=torch.bool)

@@ -1,0 +1,91 @@
+"""The end of a training run: its final checkpoint as a HuggingFace model directory (``--export-hf OUT``).
+
+A run exports with :func:`checkpoint_tools.export_hf.export_hf`, which takes config.json and the side
+files from the checkpoint's :class:`~megamoe.training.checkpoint.HFProvenance` (stored by every save the
+run passes it to). Where the provenance comes from:
+
+- a run started from an HF directory: that directory's config.json and side files
+  (:class:`megamoe.training.hf_start.HFStart`);
+- a run from scratch with an HF config.json as its model config: that file, and the run's tokenizer
+  files as side files (:func:`tokenizer_side_files`);
+- a run from scratch with megamoe config fields: a config.json written for its family
+  (:mod:`checkpoint_tools.hf_config_writer`), and the tokenizer files;
+- a resumed run: the checkpoint it resumes (or the above, when that checkpoint has none).
+
+A run that trains with another tokenizer than its HF directory's exports its own (:func:`with_tokenizer`).
+
+A model of the demo's ``custom`` family, or one its family's config.json cannot express, cannot be
+exported: :func:`provenance_for_export` says so when the run starts, not when it ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from checkpoint_tools.adapters import ADAPTERS
+from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.export_hf import export_hf
+from checkpoint_tools.format import CheckpointError
+from checkpoint_tools.hf_config_writer import hf_config_for
+from megamoe import comms
+from megamoe.data.tokenizer import HFTokenizer, Tokenizer
+from megamoe.models import GPTMoEConfig
+from megamoe.training.checkpoint import HFProvenance
+
+__all__ = ["provenance_for_export", "tokenizer_side_files", "with_tokenizer", "export_final_checkpoint"]
+
+# What transformers' AutoTokenizer reads beside tokenizer.json (tokenizer.json itself names no special tokens).
+_HF_TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def provenance_for_export(config: GPTMoEConfig, provenance: HFProvenance | None, where: str) -> HFProvenance:
+    """The provenance a run of ``config`` exports with: ``provenance``, or for a model that has none (megamoe
+    config fields) a config.json written for its family (:func:`~checkpoint_tools.hf_config_writer.hf_config_for`).
+    ValueError naming ``where`` (e.g. the flag that chose the model), before any training, when the run
+    will not be able to write an HF directory at its end."""
+    if config.family not in ADAPTERS:
+        raise ConversionError(f"{where}: a model of family {config.family!r} has no HuggingFace equivalent and "
+                              f"cannot be exported (exportable families: {', '.join(ADAPTERS)}); drop --export-hf")
+    if provenance is not None:
+        return provenance
+    return HFProvenance(hf_config_for(config, where), {})
+
+
+def tokenizer_side_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """The files an HF directory needs for ``tokenizer``: ``tokenizer.json`` and its companions
+    (tokenizer_config.json, special_tokens_map.json, when beside it), or a sentencepiece ``tokenizer.model``."""
+    if isinstance(tokenizer, HFTokenizer):
+        files = {"tokenizer.json": tokenizer.path.read_bytes()}
+        for name in _HF_TOKENIZER_COMPANIONS:
+            companion = tokenizer.path.parent / name
+            if companion.is_file():
+                files[name] = companion.read_bytes()
+        return files
+    return {"tokenizer.model": tokenizer.path.read_bytes()}
+
+
+def with_tokenizer(provenance: HFProvenance, tokenizer: Tokenizer) -> HFProvenance:
+    """``provenance`` whose tokenizer files are ``tokenizer``'s (a run that trains with another tokenizer
+    than its HF directory's exports the one it trained with)."""
+    kept = {name: data for name, data in provenance.files.items()
+            if name not in ("tokenizer.json", "tokenizer.model", *_HF_TOKENIZER_COMPANIONS)}
+    return dataclasses.replace(provenance, files={**kept, **tokenizer_side_files(tokenizer)})
+
+
+def export_final_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, world_group,
+                            verify_checksums: bool = True) -> dict:
+    """Write the HF directory ``out_dir`` from the training checkpoint ``checkpoint`` (saved with an
+    HFProvenance). Collective over ``world_group`` (None: one process): rank 0 writes, every rank
+    returns its summary or raises its error (nothing is left at ``out_dir`` then)."""
+    rank = comms.group_rank(world_group)
+    summary, error = None, None
+    if rank == 0:
+        try:
+            summary = export_hf(checkpoint, out_dir, verify_checksums=verify_checksums)
+        except (ValueError, CheckpointError, OSError) as e:
+            error = f"--export-hf {out_dir}: {e}"
+    summary, error = comms.all_gather_object((summary, error), world_group)[0]
+    if error is not None:
+        raise ConversionError(error)
+    return summary

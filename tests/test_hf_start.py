@@ -1,0 +1,356 @@
+"""A training run's HF starting and end points: an HF Qwen3-MoE directory loaded in process (1 rank; 2 ranks
+with EP 2, replica slots and an expert-load file) gives transformers' logits and reads only each rank's
+tensors; --model-config takes an HF config.json or megamoe fields and names the file and field on error;
+pretrain_moe.py fine-tunes the HF model on a token file and exports a directory transformers loads, whose
+loss on that data has clearly fallen; bad input ends in one error line before any work.
+"""
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe.data.token_dataset import TokenDataset, build_token_file
+from megamoe.data.tokenizer import Tokenizer
+from megamoe.launch import run_script
+from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.testing import run_on_ranks
+from megamoe.training.model_config_file import read_model_config_file
+from parallel_state import ParallelState
+from test_hf_families import V, hf_config, lazy_transformers
+
+REPO = Path(__file__).resolve().parent.parent
+ATOL = 1e-4                                 # as the family tests
+E = 8                                       # experts of the tiny qwen3_moe (MoE layer 1 only)
+WORDS = ("the", "a", "cat", "dog", "bird", "fish", "sees", "likes", "eats", "finds", "big", "small", "red",
+         "blue", "old", "new", "on", "under", "mat", "tree", "box", "house", "and", "then", ".")
+
+
+def sentences(count, seed=0):
+    """Text with structure to learn: 'the <adj> <noun> <verb> a <noun> on the <place> .'"""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+    nouns, verbs, adjs, places = WORDS[2:6], WORDS[6:10], WORDS[10:16], WORDS[18:22]
+    return [f"the {pick(adjs)} {pick(nouns)} {pick(verbs)} a {pick(nouns)} {pick(('on', 'under'))} the "
+            f"{pick(places)} ." for _ in range(count)]
+
+
+def save_tokenizer(directory, extra_words=()):
+    """A WordLevel HF tokenizer trained on WORDS (+ ``extra_words``), eos ``</s>``, in ``directory``."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers, trainers
+    tok = HFTok(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = list(WORDS) + list(extra_words)
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"],
+                                                                        min_frequency=1))
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
+@functools.cache
+def _hf_model_dir(root):
+    """A random tiny HF Qwen3-MoE (norms around 1, weights N(0, 0.2^2)) saved with its tokenizer; its logits."""
+    t = lazy_transformers()
+    torch.manual_seed(0)
+    model = t.AutoModelForCausalLM.from_config(hf_config("qwen3_moe"), attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            noise = torch.randn(tensor.shape, generator=g) * 0.2
+            tensor.copy_(1.0 + noise if "norm" in name else noise)
+        logits = model(input_ids=ids()).logits
+    directory = os.path.join(root, "qwen3_moe")
+    model.save_pretrained(directory)
+    save_tokenizer(directory)
+    return directory, logits
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return _hf_model_dir(str(tmp_path_factory.mktemp("hf")))
+
+
+def ids(batch=2, seq=9):
+    return torch.randint(0, V, (batch, seq), generator=torch.Generator().manual_seed(7))
+
+
+# ----------------------------------------------------------------------------------------------
+# In process, one rank
+# ----------------------------------------------------------------------------------------------
+def test_start_from_hf_gives_transformers_logits_and_keeps_the_provenance(hf_dir):
+    from megamoe.training.hf_start import start_from_hf
+    directory, expected = hf_dir
+    model, start = start_from_hf(directory, ParallelState.single_process(), expert_backend="torch",
+                                 num_expert_slots=12)
+    with torch.no_grad():
+        logits, _ = model.eval()(ids())
+    assert (logits - expected).abs().max().item() <= ATOL
+    assert model.config.moe.num_expert_slots == 12 and model.config.family == "qwen3_moe"
+    assert model.config.moe.router.aux_loss_coeff > 0, "the training config: the family's balancing loss is on"
+    with open(os.path.join(directory, "config.json")) as f:
+        assert start.provenance.config == json.load(f)
+    assert set(start.provenance.files) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert Tokenizer.from_path(directory).vocab_size <= model.config.vocab_size
+
+
+def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
+    from checkpoint_tools.errors import ConversionError
+    from megamoe.training.hf_start import check_vocab_fits_tp, hf_start_config, start_from_hf
+    directory, _ = hf_dir
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(Path(directory, "config.json").read_text())
+    with pytest.raises(ConversionError, match="no safetensors weights"):
+        start_from_hf(tmp_path / "empty", ParallelState.single_process())
+    with pytest.raises(ConversionError, match=r"config.json: MoEConfig.num_expert_slots \(7\) must be >= num_experts"):
+        hf_start_config(directory, num_expert_slots=7)
+    config = hf_start_config(directory).config
+    with pytest.raises(ConversionError, match=f"vocab_size {V} is not a multiple of the tensor-parallel size 3"):
+        check_vocab_fits_tp(config, 3, "here")
+    check_vocab_fits_tp(config, 4, "here")
+
+
+# ----------------------------------------------------------------------------------------------
+# In process, two ranks: EP 2 with replica slots from an expert-load file
+# ----------------------------------------------------------------------------------------------
+LOADS = {1: [50, 1, 1, 1, 1, 1, 1, 30]}      # the only MoE layer of the tiny qwen3_moe
+
+
+def _ep2_worker(rank, world_size, directory, expert_load, input_ids, expected):
+    from checkpoint_tools.hf_checkpoint import HFCheckpoint
+    from megamoe.inference.pipeline_forward import pipeline_logits
+    from megamoe.training.hf_start import load_hf_weights, start_from_hf
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    state = initialize_model_parallel(ep=2)
+    try:
+        model, _ = start_from_hf(directory, state, num_expert_slots=10, expert_load=expert_load,
+                                 expert_backend="torch", load_weights=False)
+        hf = HFCheckpoint.open(directory)
+        read = load_hf_weights(model, hf)
+        diff = (pipeline_logits(model.eval(), state, input_ids) - expected).abs().max().item()
+        placement = model.moe_layers()[1].placement
+        experts = sorted({int(placement.slot_to_expert[s]) for s in placement.local_slots(state.ep.rank)})
+        return diff, placement.to_dict(), experts, read, hf.total_bytes
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_start_from_hf_on_two_ranks_with_ep2_and_replica_slots(hf_dir, tmp_path):
+    directory, expected = hf_dir
+    save_expert_load(tmp_path / "load.json", LOADS, num_experts=E)
+    results = run_on_ranks(_ep2_worker, 2, args=(directory, str(tmp_path / "load.json"), ids(), expected),
+                           timeout_s=300)
+    balanced = ExpertPlacement.balanced(LOADS[1], 10, 2)
+    assert balanced.replica_counts[0] > 1, "the load file must give the hot expert replicas"
+    held = []
+    for diff, placement, experts, read, total in results:
+        assert diff <= ATOL, f"logits differ by {diff:.2e}"
+        assert ExpertPlacement.from_dict(placement) == balanced
+        assert read < total, "each rank reads only the HF tensors it holds a part of"
+        held.append(set(experts))
+    assert held[0] | held[1] == set(range(E)) and held[0] != held[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# --model-config files
+# ----------------------------------------------------------------------------------------------
+def test_model_config_file_reads_hf_configs_and_megamoe_fields(hf_dir, tmp_path):
+    from megamoe.models.families import config_from_hf
+    directory, _ = hf_dir
+    hf = read_model_config_file(os.path.join(directory, "config.json"), num_expert_slots=10, dispatcher="allgather")
+    assert hf.config == config_from_hf(hf_config("qwen3_moe"), num_expert_slots=10, dispatcher="allgather")
+    assert hf.hf_config["model_type"] == "qwen3_moe"
+    fields = hf.config.to_dict()
+    del fields["attention"]["kind"]                 # as training checkpoints store it
+    (tmp_path / "fields.json").write_text(json.dumps(fields))
+    own = read_model_config_file(tmp_path / "fields.json", expert_backend="torch")
+    assert own.hf_config is None and own.config.moe.expert_backend == "torch"
+    assert own.config.moe.num_expert_slots == 10 and own.config.moe.dispatcher == "allgather"   # the file's
+    fields["moe"]["router"]["top_k"] = 99
+    (tmp_path / "bad_field.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=r"bad_field.json.*top_k"):
+        read_model_config_file(tmp_path / "bad_field.json")
+    (tmp_path / "neither.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ValueError, match=r"neither.json is neither an HF config.json"):
+        read_model_config_file(tmp_path / "neither.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# examples/pretrain_moe.py
+# ----------------------------------------------------------------------------------------------
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def token_file(hf_dir, tmp_path_factory):
+    """400 sentences tokenized with the HF directory's tokenizer."""
+    path = tmp_path_factory.mktemp("data") / "tokens.bin"
+    build_token_file(sentences(400), Tokenizer.from_path(hf_dir[0]), path)
+    return path
+
+
+@pytest.fixture
+def demo(monkeypatch):
+    """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
+
+
+def _run(demo, argv, capsys):
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _train_args(tmp_path, data, steps):
+    return ["--data", data, "--steps", steps, "--lr", "1e-3", "--seq-len", SEQ, "--global-batch", 4,
+            "--micro-batch", 2, "--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt",
+            "--save-every", steps, "--sample-tokens", 0, "--expert-backend", "torch"]
+
+
+def _hf_loss(directory, data):
+    """transformers' mean next-token loss of the model in ``directory`` over every sample of ``data``."""
+    model = lazy_transformers().AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    dataset = TokenDataset(data, SEQ)
+    inputs, labels = dataset.batch(range(len(dataset)))
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+
+
+@pytest.mark.slow
+def test_fine_tune_an_hf_model_on_two_ranks_and_export_it(hf_dir, token_file, tmp_path):
+    directory, _ = hf_dir
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(REPO / "examples/pretrain_moe.py"),
+           "--hf-model", directory, "--ep", "2", "--num-expert-slots", "10", "--export-hf", str(tmp_path / "out"),
+           *map(str, _train_args(tmp_path, token_file, 30))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = tmp_path / "out"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == Path(directory, name).read_bytes()
+    assert json.loads((out / "config.json").read_text()) == json.loads(Path(directory, "config.json").read_text())
+    before, after = _hf_loss(directory, token_file), _hf_loss(out, token_file)
+    assert after <= 0.9 * before, f"the exported model's loss {after:.3f} must be 10% below the original's {before:.3f}"
+
+
+def _model_config_json(kind):
+    """An HF config.json of a DeepSeek-V3 shape, or the megamoe config fields of a Qwen3-MoE one."""
+    from megamoe.models.families import config_from_hf
+    if kind == "deepseek_v3 config.json":
+        return hf_config("deepseek_v3").to_dict()
+    return config_from_hf(hf_config("qwen3_moe")).to_dict()
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3 config.json", "qwen3_moe megamoe fields"])
+def test_model_config_trains_from_scratch_and_exports(demo, kind, hf_dir, token_file, tmp_path, capsys):
+    """The exported directory (a config.json written for the family, for megamoe fields) loads in
+    transformers and computes what the final checkpoint computes."""
+    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.training.checkpoint import latest_checkpoint
+    (tmp_path / "config.json").write_text(json.dumps(_model_config_json(kind)))
+    argv = ["--model-config", tmp_path / "config.json", "--tokenizer", hf_dir[0], "--export-hf", tmp_path / "out",
+            *_train_args(tmp_path, token_file, 3)]
+    code, _, err = _run(demo, argv, capsys)
+    assert code == 0, err[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "work" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records[1:]] == [1, 2, 3] and all(r["loss"] > 0 for r in records[1:])
+    final = latest_checkpoint(tmp_path / "ckpt")
+    ours = build_model_from_checkpoint(final, ParallelState.single_process(), expert_backend="torch").eval()
+    hf = lazy_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        diff = (ours(ids())[0] - hf.eval()(input_ids=ids()).logits).abs().max().item()
+    assert diff <= ATOL, f"the exported model's logits differ by {diff:.2e}"
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == Path(hf_dir[0], "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == kind.split()[0]
+
+
+def _bad_inputs(tmp_path, hf_dir):
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    (tmp_path / "cut.json").write_text('{"model_type": "qwen3_moe", "hidden_')
+    save_tokenizer(tmp_path / "big_tokenizer", extra_words=[f"w{i}" for i in range(V)])
+    fields = read_model_config_file(os.path.join(hf_dir, "config.json")).config.to_dict()
+    (tmp_path / "fields.json").write_text(json.dumps(fields))
+    fields["moe"]["router"]["score_func"] = "sigmoid"           # no qwen3_moe config.json says that
+    (tmp_path / "sigmoid.json").write_text(json.dumps(fields))
+
+
+BAD = {   # name: (arguments, fragments of the error line)
+    "unknown family": (["--model-config", "{tmp}/llama.json"],
+                       ["--model-config", "llama.json", "model_type 'llama' is not supported", "qwen3_moe"]),
+    "bad JSON": (["--model-config", "{tmp}/cut.json"], ["cannot read model config", "cut.json"]),
+    "tokenizer too big": (["--hf-model", "{hf}", "--tokenizer", "{tmp}/big_tokenizer"],
+                          ["big_tokenizer/tokenizer.json has a vocabulary of 91 tokens", f"vocab_size {V}"]),
+    "both models": (["--hf-model", "{hf}", "--model-config", "{tmp}/fields.json"], ["give one of them"]),
+    "custom family export": (["--export-hf", "{tmp}/out"], ["family 'custom' has no HuggingFace equivalent"]),
+    "inexpressible export": (["--model-config", "{tmp}/sigmoid.json", "--tokenizer", "{hf}", "--export-hf",
+                              "{tmp}/out"], ["sigmoid.json", "differing fields: moe.router.score_func"]),
+    "export exists": (["--hf-model", "{hf}", "--export-hf", "{hf}"], ["already exists"]),
+    "vocab vs tp": (["--hf-model", "{hf}", "--tp", "3"], [f"vocab_size {V} is not a multiple", "(--tp)"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_model_input_ends_in_one_error_line_before_any_work(demo, case, hf_dir, tmp_path, capsys, monkeypatch):
+    _bad_inputs(tmp_path, hf_dir[0])
+    extra, fragments = BAD[case]
+    if case == "vocab vs tp":
+        monkeypatch.setenv("WORLD_SIZE", "3")
+    argv = [a.format(tmp=tmp_path, hf=hf_dir[0]) for a in extra]
+    code, out, err = _run(demo, ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", *argv], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_resumed_hf_run_reads_no_hf_weights_and_still_exports(demo, hf_dir, token_file, tmp_path, capsys,
+                                                                 monkeypatch):
+    """The rerun resumes from its checkpoint (which carries the HF provenance): the HF tensors are not
+    read again, and the export is the checkpoint's model with the original config.json."""
+    import megamoe.training.hf_start as hf_start
+    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.training.checkpoint import latest_checkpoint
+    directory, _ = hf_dir
+    argv = ["--hf-model", directory, *_train_args(tmp_path, token_file, 2)]
+    code, _, err = _run(demo, argv, capsys)
+    assert code == 0, err[-3000:]
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a resumed run must not read the HF weights")
+
+    monkeypatch.setattr(hf_start, "load_hf_weights", must_not_run)
+    argv = ["--hf-model", directory, "--export-hf", tmp_path / "out", *_train_args(tmp_path, token_file, 3)]
+    code, _, err = _run(demo, argv, capsys)
+    assert code == 0, err[-3000:]
+    final = latest_checkpoint(tmp_path / "ckpt")
+    assert final.endswith("step_00000003")
+    ours = build_model_from_checkpoint(final, ParallelState.single_process(), expert_backend="torch").eval()
+    hf = lazy_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        diff = (ours(ids())[0] - hf.eval()(input_ids=ids()).logits).abs().max().item()
+    assert diff <= ATOL, f"the exported model's logits differ by {diff:.2e}"
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
+        Path(directory, "config.json").read_text())
