@@ -87,7 +87,7 @@ def test_script_flags_build_the_schedule_and_bad_ones_name_the_flag():
     from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
     parser = argparse.ArgumentParser()
     add_optim_arguments(parser)
-    kwargs = train_config_kwargs(parser.parse_args(["--lr-decay-style", "WSD", "--lr-warmup-steps", "5",
+    kwargs = train_config_kwargs(parser.parse_args(["--lr-schedule", "wsd", "--warmup-steps", "5",
                                                     "--min-lr-ratio", "0.1", "--max-skipped-steps", "0"]),
                                  train_steps=100)
     assert kwargs["lr_schedule"] == LRScheduleConfig(style="wsd", warmup_steps=5, decay_steps=100, min_lr_ratio=0.1,
@@ -95,12 +95,12 @@ def test_script_flags_build_the_schedule_and_bad_ones_name_the_flag():
     assert kwargs["max_skipped_steps"] == 0 and kwargs["loss_scale"].initial_scale == 2.0 ** 16
     assert train_config_kwargs(parser.parse_args([]), train_steps=100)["lr_schedule"] == LRScheduleConfig()
     TrainConfig(lr=1e-3, **kwargs)
-    for argv, message in ((["--lr-decay-style", "cosine", "--lr-warmup-steps", "100"],
-                           r"^--lr-decay-steps must be an int > --lr-warmup-steps \(100\)"),
-                          (["--lr-decay-style", "WSD", "--lr-wsd-decay-steps", "2", "--lr-wsd-decay-fraction", "0.1"],
-                           "^--lr-decay-style 'wsd' needs exactly one of --lr-wsd-decay-steps and "
+    for argv, message in ((["--lr-schedule", "cosine", "--warmup-steps", "100"],
+                           r"^--lr-decay-steps must be an int > --warmup-steps \(100\)"),
+                          (["--lr-schedule", "wsd", "--lr-wsd-decay-steps", "2", "--lr-wsd-decay-fraction", "0.1"],
+                           "^--lr-schedule 'wsd' needs exactly one of --lr-wsd-decay-steps and "
                            "--lr-wsd-decay-fraction"),
-                          (["--lr-wsd-decay-steps", "3"], "need --lr-decay-style WSD"),
+                          (["--lr-wsd-decay-steps", "3"], "need --lr-schedule wsd"),
                           (["--loss-scale-window", "0"], "^--loss-scale-window must be"),
                           (["--max-skipped-steps", "-1"], "^--max-skipped-steps must be >= 0")):
         with pytest.raises(UsageError, match=message):

@@ -1,6 +1,7 @@
 """Command-line flags of a training script for the LR schedule, the non-finite guard and fp16 loss scaling,
-named as Megatron-LM's where it has them (``--lr-decay-style``, ``--lr-wsd-decay-style``,
-``--override-opt-param-scheduler``, ``--initial-loss-scale``, ``--loss-scale-window``)::
+``--lr-schedule {constant,linear,cosine,wsd}`` (Megatron-LM's ``--lr-decay-style``) and ``--warmup-steps``,
+the others named as Megatron-LM's (``--lr-wsd-decay-style``, ``--override-opt-param-scheduler``,
+``--initial-loss-scale``, ``--loss-scale-window``)::
 
     add_optim_arguments(parser)
     ...
@@ -18,7 +19,7 @@ from megamoe.training.lr_schedule import LR_SCHEDULE_STYLES, WSD_DECAY_STYLES, L
 
 __all__ = ["add_optim_arguments", "train_config_kwargs"]
 
-_FLAGS = {"style": "--lr-decay-style", "warmup_steps": "--lr-warmup-steps", "decay_steps": "--lr-decay-steps",
+_FLAGS = {"style": "--lr-schedule", "warmup_steps": "--warmup-steps", "decay_steps": "--lr-decay-steps",
           "min_lr_ratio": "--min-lr-ratio", "wsd_decay_style": "--lr-wsd-decay-style",
           "wsd_decay_steps": "--lr-wsd-decay-steps", "wsd_decay_fraction": "--lr-wsd-decay-fraction",
           "initial_scale": "--initial-loss-scale", "growth_interval": "--loss-scale-window"}
@@ -27,10 +28,9 @@ _FLAGS = {"style": "--lr-decay-style", "warmup_steps": "--lr-warmup-steps", "dec
 def add_optim_arguments(parser) -> None:
     """Add the flags (an argument group "LR schedule and guard rails")."""
     g = parser.add_argument_group("LR schedule and guard rails")
-    g.add_argument("--lr-decay-style", choices=[s if s != "wsd" else "WSD" for s in LR_SCHEDULE_STYLES],
-                   default="constant", help="LR after the warmup: constant at --lr, or decaying to --min-lr-ratio "
+    g.add_argument("--lr-schedule", choices=list(LR_SCHEDULE_STYLES), type=str.lower, default="constant", help="LR after the warmup: constant at --lr, or decaying to --min-lr-ratio "
                                             "of it (WSD: warmup-stable-decay)")
-    g.add_argument("--lr-warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr")
+    g.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr")
     g.add_argument("--lr-decay-steps", type=int, default=None,
                    help="the step at which the decay ends (default: the run's last step)")
     g.add_argument("--min-lr-ratio", type=float, default=0.0, help="the LR the decay ends at, as a fraction of --lr")
@@ -60,19 +60,19 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
     """``TrainConfig`` keyword arguments (``lr_schedule``, ``max_skipped_steps``, ``loss_scale``) from the
     flags of :func:`add_optim_arguments`; the decay ends at ``train_steps`` unless ``--lr-decay-steps``.
     Raises :class:`~megamoe.launch.UsageError` naming the flag."""
-    style = args.lr_decay_style.lower()
+    style = args.lr_schedule
     wsd_fraction = args.lr_wsd_decay_fraction
     if style == "wsd" and wsd_fraction is None and args.lr_wsd_decay_steps is None:
         wsd_fraction = 0.2
     if style != "wsd" and (args.lr_wsd_decay_steps is not None or args.lr_wsd_decay_fraction is not None):
-        raise UsageError(f"--lr-wsd-decay-steps / --lr-wsd-decay-fraction need --lr-decay-style WSD, "
-                         f"not {args.lr_decay_style}")
+        raise UsageError(f"--lr-wsd-decay-steps / --lr-wsd-decay-fraction need --lr-schedule wsd, "
+                         f"not {args.lr_schedule}")
     if args.max_skipped_steps < 0:
         raise UsageError(f"--max-skipped-steps must be >= 0 (0: never stop), got {args.max_skipped_steps}")
     decay_steps = train_steps if args.lr_decay_steps is None else args.lr_decay_steps
     try:
         schedule = LRScheduleConfig(
-            style=style, warmup_steps=args.lr_warmup_steps, decay_steps=None if style == "constant" else decay_steps,
+            style=style, warmup_steps=args.warmup_steps, decay_steps=None if style == "constant" else decay_steps,
             min_lr_ratio=args.min_lr_ratio, wsd_decay_style=args.lr_wsd_decay_style,
             wsd_decay_steps=args.lr_wsd_decay_steps if style == "wsd" else None,
             wsd_decay_fraction=wsd_fraction if style == "wsd" else None)
