@@ -367,3 +367,13 @@ def test_config_validation(kwargs, field):
     base = dict(hidden_size=HIDDEN, num_experts=8, top_k=2)
     with pytest.raises(ValueError, match=f"RouterConfig.{field}"):
         RouterConfig(**{**base, **kwargs})
+
+
+def test_gate_logits_stay_fp32_under_autocast():
+    # autocast runs eligible GEMMs in bf16/fp16 whatever their inputs: the router must opt out.
+    router = Router(RouterConfig(hidden_size=16, num_experts=4, top_k=2))
+    hidden = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = router.gate_logits(hidden.bfloat16())
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.bfloat16().float() @ router.weight.t(), rtol=1e-6, atol=1e-6)

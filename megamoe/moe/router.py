@@ -178,7 +178,10 @@ class Router(nn.Module):
         The hook for a custom router: a subclass overriding it (e.g. adding a learned per-expert offset)
         keeps everything else, the expert-bias update included."""
         dtype = compute_dtype(hidden.dtype, self.weight.dtype)
-        return F.linear(hidden.to(dtype), self.weight.to(dtype))
+        # autocast would run the GEMM in bf16/fp16 whatever its inputs' dtype: routing decisions and the
+        # router's gradient (which overflows fp16 under loss scaling) need the full precision.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.to(dtype), self.weight.to(dtype))
 
     def forward(self, hidden: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
         """Route ``hidden`` [T, H]: T = num_sequences * seq_len tokens, sequence-major.
