@@ -1,14 +1,19 @@
-"""Pretrain a small MoE language model with tensor, pipeline, data and expert parallelism.
+"""Pretrain or fine-tune a MoE language model with tensor, pipeline, data and expert parallelism.
 
-Runs anywhere with no download: by default it trains a sentencepiece tokenizer and the model on the
+Runs anywhere with no download: by default it trains a sentencepiece tokenizer and a small model on the
 Python standard library's own source files. Launch with torchrun, e.g. on 4 CPU ranks::
 
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --pp 2 --ep 2 --dispatcher alltoall
 
-It logs loss, tokens/s, aux loss and expert-load balancedness per step (and to --log-json), saves
-checkpoints, and prints a greedy sample and a few temperature samples. With matplotlib installed it
-also plots the run.
+Real runs: --data (text, JSON Lines, Parquet, token files, Megatron datasets; blended by --data-weights),
+--hf-model (start from a HuggingFace model) or --model-config (a model of that shape from scratch),
+--lr-schedule, --eval-fraction / --eval-data, --export-hf (end as a HuggingFace model).
+
+It logs loss, LR, grad norm, tokens/s, model TFLOP/s and MFU, aux loss and expert-load balancedness per
+step (to --log-json, and --tensorboard / --wandb-project), skips non-finite steps, saves checkpoints,
+and prints a greedy sample and a few temperature samples. With matplotlib installed it also plots the
+run.
 
 Rerunning in the same directories continues the run: a --save-dir that holds checkpoints is resumed
 from its newest one (with --steps reached, nothing is trained). --overwrite starts afresh instead,
@@ -20,11 +25,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,8 +37,12 @@ from checkpoint_tools.format import read_manifest
 from checkpoint_tools.placements import build_placements
 from megamoe import comms
 from megamoe.data.corpus import stdlib_corpus_files
+from megamoe.data.data_arguments import (add_data_arguments, check_data_arguments, data_vocab_size, on_rank_0,
+                                         prepare_training_data)
+from megamoe.data.eval_split import eval_batches
+from megamoe.data.packing import add_packing_arguments, packed_micro_batch, packing_config_from_args
 from megamoe.data.resumable_sampler import ResumableSampler
-from megamoe.data.token_dataset import TokenDataset, build_token_file, token_file_matches
+from megamoe.data.token_dataset import build_token_file, token_file_matches
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
@@ -53,6 +60,12 @@ from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoi
 from megamoe.training.hf_export import export_final_checkpoint, provenance_for_export, with_tokenizer
 from megamoe.training.hf_start import check_vocab_fits_tp, hf_start_config, start_from_hf
 from megamoe.training.model_config_file import read_model_config_file
+from megamoe.training.evaluation import evaluate_loss
+from megamoe.training.metric_sinks import step_record
+from megamoe.training.metrics_arguments import (add_metrics_arguments, check_metrics_arguments,
+                                                metric_sinks_from_arguments)
+from megamoe.training.mfu import resolve_peak_tflops
+from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
@@ -104,7 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--overwrite", action="store_true",
                    help="start afresh although --save-dir holds checkpoints: they are first moved aside into "
                         "<save-dir>/replaced_<run id>/ (nothing is deleted)")
-    d = p.add_argument_group("data and model")
+    add_packing_arguments(t)
+    add_optim_arguments(p)
+    add_data_arguments(p, default_data_help="; default: the Python standard library's sources")
+    add_metrics_arguments(p)
+    d = p.add_argument_group("model, tokenizer, outputs")
     d.add_argument("--work-dir", type=Path, default=Path("runs/pretrain_moe"),
                    help="tokenizer, token file, logs and plots go here (reused by later runs)")
     d.add_argument("--corpus-bytes", type=int, default=3_000_000,
@@ -128,9 +145,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
                    help="tokenizer file or directory (sentencepiece .model or HF tokenizer.json); default: the "
                         "--hf-model directory's own, else a sentencepiece model trained on the corpus")
-    d.add_argument("--data", type=Path, default=None, metavar="TOKEN_FILE",
-                   help="train on this token file (megamoe.data.token_dataset.build_token_file) instead of the "
-                        "standard library's sources")
     d.add_argument("--export-hf", type=Path, default=None, metavar="OUT",
                    help="at the end, write the final checkpoint as a HuggingFace model directory (with the "
                         "tokenizer and side files) that transformers loads; OUT must not exist")
@@ -213,12 +227,10 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
     HF provenance its checkpoints carry (with --export-hf, written for a model that has none)."""
     provenance = source.provenance
     config = source.config
-    data_vocab = None
-    if args.data is not None:
-        try:
-            data_vocab = TokenDataset(args.data, args.seq_len).meta.vocab_size
-        except (ValueError, OSError) as e:
-            raise UsageError(f"--data: {e}") from None
+    data_vocab = data_vocab_size(args, source.tokenizer)
+    if data_vocab is None and source.tokenizer is None and args.data is not None and config is None:
+        raise UsageError("--data names only Megatron datasets, which record no vocabulary: give the tokenizer that "
+                         "made them (--tokenizer), or the model (--hf-model / --model-config)")
     if source.tokenizer is not None:
         vocab = source.tokenizer.vocab_size
     else:
@@ -236,10 +248,9 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
             raise UsageError(f"{what} has a vocabulary of {vocab} tokens, more than the model's vocab_size "
                              f"{config.vocab_size}: its ids would index past the embedding; use a tokenizer of at "
                              "most that many tokens (--tokenizer) or a model config with a larger vocab_size")
-    if data_vocab is not None and source.tokenizer is not None:
-        if data_vocab > config.vocab_size:
-            raise UsageError(f"--data {args.data} was tokenized with a vocabulary of {data_vocab} tokens, more than "
-                             f"the model's vocab_size {config.vocab_size}")
+    if data_vocab is not None and data_vocab > config.vocab_size:
+        raise UsageError(f"--data was tokenized with a vocabulary of {data_vocab} tokens, more than the model's "
+                         f"vocab_size {config.vocab_size}: tokenize it with the model's tokenizer")
     if args.data is not None and source.tokenizer is None and args.sample_tokens:
         raise UsageError("--data without a tokenizer: give --tokenizer (or --hf-model) for the samples, or "
                          "--sample-tokens 0")
@@ -273,11 +284,20 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(f"--hidden must be a multiple of {2 * HEADS} ({HEADS} heads of even size), got {args.hidden}")
     if args.hf_model is not None and args.model_config is not None:
         raise UsageError("--hf-model and --model-config both choose the model; give one of them")
-    if args.data is not None and not args.data.is_file():
-        raise UsageError(f"--data {args.data} is not a file (expected a token file with its .json sidecar)")
+    check_data_arguments(args)
+    train_config_kwargs(args, train_steps=args.steps)            # the schedule flags: UsageError naming the flag
+    try:
+        check_metrics_arguments(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.top_k > args.experts:
         raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     source = model_source(args)
+    if source.tokenizer is not None:
+        try:
+            packing_config_from_args(args, source.tokenizer.eos_id)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     etp = default_etp(args.tp, args.dispatcher, args.etp)
     try:
         grid = compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
@@ -373,38 +393,35 @@ def plan_start(args) -> StartPlan:
 # ----------------------------------------------------------------------------------------------
 # Data, checkpoints, samples
 # ----------------------------------------------------------------------------------------------
-def prepare_data(args, rank: int, world_group, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer | None,
-                                                                                             TokenDataset]:
-    """--data: that token file, and ``tokenizer`` (the given one, if any). Otherwise rank 0 trains the
-    tokenizer (unless ``tokenizer`` is given) and tokenizes the corpus, or reuses those of an earlier run
-    with the same tokenizer and --corpus-bytes; the others wait and load them."""
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    if args.data is not None:
-        return tokenizer, TokenDataset(args.data, args.seq_len)
-    if tokenizer is not None:
-        token_file = args.work_dir / f"tokens_{tokenizer.sha256[:12]}_{args.corpus_bytes}.bin"
-        if rank == 0 and not token_file_matches(token_file, tokenizer):
-            build_token_file(stdlib_corpus_files(max_bytes=args.corpus_bytes), tokenizer, token_file)
-        comms.barrier(world_group)
-        return tokenizer, TokenDataset(token_file, args.seq_len)
-    prefix = args.work_dir / f"tokenizer_{args.vocab_size}_{args.corpus_bytes}"
-    model_path = prefix.with_suffix(".model")
-    token_file = args.work_dir / f"tokens_{args.vocab_size}_{args.corpus_bytes}.bin"
-    if rank == 0:
+def _stdlib_token_file(args, rank: int, world_group, tokenizer: Tokenizer | None) -> tuple[Tokenizer, Path]:
+    """The demo's data: rank 0 tokenizes --corpus-bytes of the standard library's sources (training a
+    sentencepiece model first unless ``tokenizer`` is given), or reuses what an earlier run made."""
+    def build() -> Path:
+        if tokenizer is not None:
+            token_file = args.work_dir / f"tokens_{tokenizer.sha256[:12]}_{args.corpus_bytes}.bin"
+            if not token_file_matches(token_file, tokenizer):
+                build_token_file(stdlib_corpus_files(max_bytes=args.corpus_bytes), tokenizer, token_file)
+            return token_file
+        prefix = args.work_dir / f"tokenizer_{args.vocab_size}_{args.corpus_bytes}"
+        token_file = args.work_dir / f"tokens_{args.vocab_size}_{args.corpus_bytes}.bin"
         files = None
-        if model_path.is_file():
-            logger.info("reusing tokenizer %s", model_path)
+        if prefix.with_suffix(".model").is_file():
+            logger.info("reusing tokenizer %s", prefix.with_suffix(".model"))
         else:
             files = stdlib_corpus_files(max_bytes=args.corpus_bytes)
             logger.info("training a %d-token sentencepiece model on %d stdlib files", args.vocab_size, len(files))
             train_sentencepiece(files, prefix, args.vocab_size)
-        tokenizer = Tokenizer.from_path(model_path)
-        if token_file_matches(token_file, tokenizer):
+        trained = Tokenizer.from_path(prefix.with_suffix(".model"))
+        if token_file_matches(token_file, trained):
             logger.info("reusing token file %s", token_file)
         else:
-            build_token_file(files or stdlib_corpus_files(max_bytes=args.corpus_bytes), tokenizer, token_file)
-    comms.barrier(world_group)
-    return Tokenizer.from_path(model_path), TokenDataset(token_file, args.seq_len)
+            build_token_file(files or stdlib_corpus_files(max_bytes=args.corpus_bytes), trained, token_file)
+        return token_file
+
+    token_file = Path(on_rank_0(build, rank, world_group))
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_path(args.work_dir / f"tokenizer_{args.vocab_size}_{args.corpus_bytes}.model")
+    return tokenizer, token_file
 
 
 def move_aside(save_dir: Path, run_id: str) -> None:
@@ -479,7 +496,18 @@ def main(argv=None) -> int:
     if rank == 0 and plan.move_aside:
         move_aside(args.save_dir, run_id)
 
-    tokenizer, dataset = prepare_data(args, rank, world_group, source.tokenizer)
+    known_vocab = (source.config.vocab_size if source.config is not None else
+                   padded_vocab_size(source.tokenizer.vocab_size, args.tp) if source.tokenizer is not None else None)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, default_paths = source.tokenizer, []
+    if args.data is None:
+        tokenizer, token_file = _stdlib_token_file(args, rank, world_group, tokenizer)
+        default_paths = [token_file]
+    data = prepare_training_data(args, rank, world_group, tokenizer, vocab_size=known_vocab, work_dir=args.work_dir,
+                                 default_train_paths=default_paths)
+    packing = packing_config_from_args(args, tokenizer.eos_id if tokenizer is not None else
+                                       data.sources[0].source.eos_id)
+    logger.info("packed documents: %s", packing or "off (plain causal rows)")
     torch.manual_seed(args.seed)
     provenance = source.provenance
     if provenance is not None and tokenizer is not None:
@@ -494,43 +522,58 @@ def main(argv=None) -> int:
     else:
         config = source.config
         if config is None:
-            config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None
-                                                          else dataset.meta.vocab_size, args.tp))
+            config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
+                dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load)
         model = GPTMoEModel(config, state, placements=placements)
         initialize_parameters(model, args.seed)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
         provenance = HFProvenance.of_checkpoint(plan.resume_from) or provenance
-    trainer = Trainer(model, state, TrainConfig(lr=args.lr), world_group=world_group)
-    sampler = ResumableSampler(len(dataset), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
+    peak = resolve_peak_tflops(next(model.parameters()).device, torch.float32, explicit_tflops=args.peak_tflops)
+    trainer = Trainer(model, state, TrainConfig(lr=args.lr, **train_config_kwargs(args, train_steps=args.steps)),
+                      world_group=world_group, peak_tflops=peak.tflops)
+    sampler = ResumableSampler(len(data.train), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                                dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, seed=args.seed)
     if plan.resume_from is not None:
         extra = load_training_checkpoint(plan.resume_from, trainer, world_group=world_group,
-                                         verify_checksums=args.verify_checksums)
+                                         verify_checksums=args.verify_checksums,
+                                         override_lr_schedule=args.override_opt_param_scheduler)
         sampler.load_state_dict(extra["sampler_state"])
         logger.info("resuming from %s at step %d (run %s)", plan.resume_from, trainer.step, run_id)
     if trainer.step >= args.steps:
         logger.info("nothing to train: the run is at step %d and --steps is %d (raise --steps to train further)",
                     trainer.step, args.steps)
 
+    def packed(micro_batches):
+        if packing is None:
+            return micro_batches
+        return [packed_micro_batch(inputs, labels, packing) for inputs, labels in micro_batches]
+
+    def evaluate() -> float:
+        """The loss of the first --eval-iters global batches of held-out data (all of it for 0)."""
+        num_samples = min(len(data.eval), args.eval_iters * args.global_batch) if args.eval_iters else None
+        batches = eval_batches(data.eval, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
+                               dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, num_samples=num_samples)
+        return evaluate_loss(model, state, packed([mb for step in batches for mb in step]), world_group=world_group)
+
     records, last_saved = [], plan.resume_from
-    with open(log_path(args), "a") if rank == 0 else open(os.devnull, "w") as log:
-        log.write(json.dumps({"run_start": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                              "run_id": run_id, "resumed_from": plan.resume_from,
-                              "resumed_from_step": trainer.step if plan.resume_from is not None else None,
-                              "args": _json_args(args)}) + "\n")
-        log.flush()
+    with metric_sinks_from_arguments(args, rank=rank, jsonl_path=log_path(args), run_config=_json_args(args)) as sinks:
+        sinks.start_run({"run_id": run_id, "resumed_from": plan.resume_from,
+                         "resumed_from_step": trainer.step if plan.resume_from is not None else None,
+                         "args": _json_args(args)})
         while trainer.step < args.steps:
-            micro_batches = [dataset.batch(indices) for indices in sampler.next_micro_batches()]
-            m = trainer.train_step(micro_batches)
-            record = dict(step=m.step, loss=m.loss, aux_loss=m.aux_loss, grad_norm=m.grad_norm,
-                          tokens_per_s=m.tokens_per_s, balancedness=m.balancedness, time=time.time())
+            m = trainer.train_step(packed([data.train.batch(indices) for indices in sampler.next_micro_batches()]))
+            record = step_record(m)
             records.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            logger.info("step %4d  loss %.4f  aux %.4f  grad-norm %.3f  %7.0f tok/s  balance %.3f",
-                        m.step, m.loss, m.aux_loss, m.grad_norm, m.tokens_per_s, m.balancedness)
+            sinks.write(record)
+            logger.info("step %4d  loss %.4f  lr %.3g  grad-norm %.3f  %7.0f tok/s  %.3g TFLOP/s  MFU %.1f%%  "
+                        "aux %.4f  balance %.3f%s", m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s, m.tflops,
+                        100 * m.mfu, m.aux_loss, m.balancedness, "  SKIPPED (non-finite)" if m.skipped else "")
+            if data.eval is not None and (m.step % args.eval_every == 0 or m.step == args.steps):
+                eval_loss = evaluate()
+                sinks.write({"step": m.step, "eval_loss": eval_loss})
+                logger.info("step %4d  eval loss %.4f", m.step, eval_loss)
             if m.step % args.save_every == 0 or m.step == args.steps:
                 path = checkpoint_path(args.save_dir, m.step)
                 save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group,
