@@ -393,7 +393,7 @@ def plan_start(args) -> StartPlan:
 # ----------------------------------------------------------------------------------------------
 # Data, checkpoints, samples
 # ----------------------------------------------------------------------------------------------
-def _stdlib_token_file(args, rank: int, world_group, tokenizer: Tokenizer | None) -> tuple[Tokenizer, Path]:
+def stdlib_token_file(args, rank: int, world_group, tokenizer: Tokenizer | None) -> tuple[Tokenizer, Path]:
     """The demo's data: rank 0 tokenizes --corpus-bytes of the standard library's sources (training a
     sentencepiece model first unless ``tokenizer`` is given), or reuses what an earlier run made."""
     def build() -> Path:
@@ -501,7 +501,7 @@ def main(argv=None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, default_paths = source.tokenizer, []
     if args.data is None:
-        tokenizer, token_file = _stdlib_token_file(args, rank, world_group, tokenizer)
+        tokenizer, token_file = stdlib_token_file(args, rank, world_group, tokenizer)
         default_paths = [token_file]
     data = prepare_training_data(args, rank, world_group, tokenizer, vocab_size=known_vocab, work_dir=args.work_dir,
                                  default_train_paths=default_paths)

@@ -129,9 +129,9 @@ def test_user_errors_end_in_one_line_before_any_work(demo, case, tmp_path, capsy
     assert not work.exists(), "the error must come before the tokenizer is trained"
 
 
-def test_a_second_prepare_data_reuses_the_tokenizer_and_the_token_file(demo, tmp_path, monkeypatch):
+def test_a_second_stdlib_token_file_reuses_the_tokenizer_and_the_token_file(demo, tmp_path, monkeypatch):
     args = demo.parse_args(["--work-dir", str(tmp_path), *TINY])
-    tokenizer, dataset = demo.prepare_data(args, 0, None)
+    tokenizer, token_file = demo.stdlib_token_file(args, 0, None, None)
     files = sorted(tmp_path.iterdir())
     stamps = {p.name: p.stat().st_mtime_ns for p in files}
     assert {p.name for p in files} == {"tokenizer_512_200000.model", "tokens_512_200000.bin",
@@ -142,15 +142,15 @@ def test_a_second_prepare_data_reuses_the_tokenizer_and_the_token_file(demo, tmp
 
     for name in ("train_sentencepiece", "build_token_file", "stdlib_corpus_files"):
         monkeypatch.setattr(demo, name, must_not_run)
-    again, again_dataset = demo.prepare_data(args, 0, None)
+    again, again_file = demo.stdlib_token_file(args, 0, None, None)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
-    assert again.sha256 == tokenizer.sha256 and len(again_dataset) == len(dataset)
+    assert again.sha256 == tokenizer.sha256 and again_file == token_file
 
     # A token file of another tokenizer (or a damaged one) is rebuilt, not reused.
     monkeypatch.undo()
     sidecar = tmp_path / "tokens_512_200000.bin.json"
     sidecar.write_text(sidecar.read_text().replace(tokenizer.sha256, "0" * 64))
-    demo.prepare_data(args, 0, None)
+    demo.stdlib_token_file(args, 0, None, None)
     assert tokenizer.sha256 in sidecar.read_text()
 
 
@@ -158,7 +158,7 @@ def test_a_second_prepare_data_reuses_the_tokenizer_and_the_token_file(demo, tmp
 def test_a_rerun_resumes_and_loses_nothing_and_overwrite_moves_aside(demo, tmp_path, capsys, caplog):
     """``make demo`` twice: the second run resumes the first one's newest checkpoint (at --steps: it
     trains nothing), deletes nothing, says where it starts in the log. Then --overwrite with a diverging
-    learning rate: the old checkpoints are moved aside, the NaN checkpoint is refused in one line."""
+    learning rate: the old checkpoints are moved aside, the run stops at its first non-finite step in one line."""
     caplog.set_level(logging.INFO, logger="pretrain_moe")
     work, ckpt = tmp_path / "work", tmp_path / "work" / "ckpt"
     argv = ["--work-dir", work, "--save-dir", ckpt, *TINY, "--steps", "2", "--save-every", "1"]
@@ -185,14 +185,17 @@ def test_a_rerun_resumes_and_loses_nothing_and_overwrite_moves_aside(demo, tmp_p
     assert records[0]["resumed_from"] is None and records[3]["resumed_from_step"] == 2
     assert records[3]["run_id"] == records[0]["run_id"] == run_id and records[3]["args"]["steps"] == 2
 
-    code, _, err = _run(demo, [*argv[:-4], "--steps", "4", "--save-every", "1", "--lr", "1e4", "--overwrite"], capsys)
-    _assert_one_error_line(code, err, "refusing to save", "holds NaN or Inf")
+    # A diverging run: its non-finite steps are skipped (the weights stay finite) until
+    # --max-skipped-steps in a row stop it, in one line; the checkpoints saved before remain.
+    code, _, err = _run(demo, [*argv[:-4], "--steps", "6", "--save-every", "1", "--lr", "1e4", "--max-skipped-steps",
+                               "1", "--overwrite"], capsys)
+    _assert_one_error_line(code, err, "training stopped at step", "1 consecutive steps were non-finite")
     replaced, = ckpt.glob("replaced_*")
     assert {p: (replaced / Path(p).name / "manifest.json").read_bytes() for p in manifests} == {
         p: data for p, data in manifests.items()}, "--overwrite moves the old checkpoints aside intact"
     new = list_checkpoints(ckpt)
     assert new and all(checkpoint_run_id(p) not in (None, run_id) for _, p in new)
-    refused_step = int(err.split(" at step ")[1].split(":")[0])
+    refused_step = int(err.split("training stopped at step ")[1].split(":")[0])
     assert [step for step, _ in new] == list(range(max(1, refused_step - 2), refused_step))
 
 
