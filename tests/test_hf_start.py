@@ -239,11 +239,17 @@ def _hf_loss(directory, data):
 
 @pytest.mark.slow
 def test_fine_tune_an_hf_model_on_two_ranks_and_export_it(hf_dir, token_file, tmp_path):
+    """The issue's end-to-end run: an HF Qwen3-MoE and its own tokenizer, a JSONL file, EP 2 with replica
+    slots, a cosine schedule with warmup, held-out eval, then transformers loads the export, and its loss
+    on the data is at least 10% below the original model's."""
     directory, _ = hf_dir
+    jsonl = tmp_path / "x.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in sentences(400)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(REPO / "examples/pretrain_moe.py"),
            "--hf-model", directory, "--ep", "2", "--num-expert-slots", "10", "--export-hf", str(tmp_path / "out"),
-           *map(str, _train_args(tmp_path, token_file, 30))]
+           "--lr-schedule", "cosine", "--warmup-steps", "3", "--eval-fraction", "0.05", "--eval-every", "10",
+           *map(str, _train_args(tmp_path, jsonl, 30))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -251,8 +257,23 @@ def test_fine_tune_an_hf_model_on_two_ranks_and_export_it(hf_dir, token_file, tm
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == Path(directory, name).read_bytes()
     assert json.loads((out / "config.json").read_text()) == json.loads(Path(directory, "config.json").read_text())
+    # The JSONL file was tokenized (once, into the work dir's cache) into the same ids as token_file.
+    cached, = (tmp_path / "work" / "data_cache").glob("x_*.bin")
+    assert cached.read_bytes() == token_file.read_bytes()
     before, after = _hf_loss(directory, token_file), _hf_loss(out, token_file)
     assert after <= 0.9 * before, f"the exported model's loss {after:.3f} must be 10% below the original's {before:.3f}"
+
+    records = [json.loads(line) for line in (tmp_path / "work" / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    for record in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "skipped"} <= record.keys()
+        assert record["skipped"] is False and record["tflops"] > 0 and 0 < record["mfu"]
+    lrs = [r["lr"] for r in steps]
+    assert lrs[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3]) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:])), "cosine decay after the warmup"
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
 
 
 def _model_config_json(kind):
