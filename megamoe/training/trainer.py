@@ -6,18 +6,35 @@ its tokens; a rank back-propagates ``loss / num_micro_batches`` (+ its stage's a
 divided by ``num_micro_batches``), and the reported loss is the mean over micro-batches and DP ranks.
 Micro-batches are the same token sets under every layout (see ``ResumableSampler``), so a layout
 change leaves the loss curve unchanged.
+
+Devices: every tensor a step creates lives on the device of the model's parameters (the inputs must be
+there too); ``tests/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
+step's host synchronisations, each a :mod:`megamoe.host_values` read:
+
+- per MoE layer and micro-batch: the number of (token, slot) pairs routed to this rank's experts
+  (``permute_by_slot``: it sizes the expert input) and, with the all-to-all dispatcher and EP > 1, the
+  split sizes of the exchange (they size the receive buffers); the all-gather dispatcher with sharded
+  input also reads every rank's token count;
+- the global gradient norm (``clip_grad_norm_``: the clipping decision, and a metric);
+- the reduced expert loads (the placements' balancedness, a metric; the expert-bias update stays on
+  the device);
+- the step's metrics: loss and aux loss (one read), balancedness (one read).
+
+On the meta device the metrics read as NaN (see :mod:`megamoe.host_values`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from megamoe import comms
+from megamoe.host_values import host_floats
 from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
@@ -114,6 +131,7 @@ class Trainer:
         self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
                                       expert_token_replicas=expert_token_replicas(model.config, state))
         self.step = 0
+        self.device = next(model.parameters()).device
 
     def _log_balancing(self) -> None:
         by_description: dict[str | None, list[int]] = {}
@@ -131,8 +149,7 @@ class Trainer:
         dtype = _AUTOCAST[self.config.autocast]
         if dtype is None:
             return contextlib.nullcontext()
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=dtype)
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepMetrics:
         """``micro_batches``: this DP rank's (inputs [mb, S], labels [mb, S]) of one global batch."""
@@ -143,7 +160,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for layer in model.moe_layers().values():
             layer.load_counter.reset()
-        aux_total = torch.zeros((), dtype=torch.float64)
+        aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
 
         def forward_step(input_tensor, index):
             nonlocal aux_total
@@ -157,7 +174,8 @@ class Trainer:
             return out, aux / num_mb
 
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
-        losses = forward_backward(forward_step, num_mb, state, (mb, seq, model.config.hidden_size), hidden_dtype)
+        losses = forward_backward(forward_step, num_mb, state, (mb, seq, model.config.hidden_size), hidden_dtype,
+                                  device=self.device)
         self.grad_sync.sync()
         grad_norm = clip_grad_norm_(model, self.config.grad_clip, state, self.world_group,
                                     tied_params=model.tied_parameters())
@@ -168,12 +186,15 @@ class Trainer:
         # Report the global means: the loss lives on the last stage (identical over TP), the aux
         # losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
         reporter = state.tp.rank == 0 and state.cp.rank == 0
-        loss = sum(float(l) for l in losses) if (model.is_last_stage and reporter) else 0.0
-        totals = torch.tensor([loss, aux_total.item() / num_mb if reporter else 0.0], dtype=torch.float64)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if reporter:
+            if model.is_last_stage:
+                totals[0] = torch.stack(losses).double().sum()
+            totals[1] = aux_total / num_mb
         comms.all_reduce_(totals, self.world_group)
-        totals /= state.dp_cp.size
+        loss, aux_loss = host_floats(totals / state.dp_cp.size)
         tokens = mb * seq * num_mb * state.dp_cp.size
-        return StepMetrics(step=self.step, loss=totals[0].item(), aux_loss=totals[1].item(),
+        return StepMetrics(step=self.step, loss=loss, aux_loss=aux_loss,
                            grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - start),
                            balancedness=balancedness)
 
@@ -184,20 +205,25 @@ class Trainer:
         config = self.model.config
         if config.moe is None:
             return 1.0
-        loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64)
+        loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64, device=self.device)
         moe_layers = self.model.moe_layers()
         for layer_id, layer in moe_layers.items():
             # Count each DP replica's tokens once (TP ranks route the same tokens).
             if self.state.tp.rank == 0:
                 loads[layer_id] = layer.load_counter.per_expert.double()
         comms.all_reduce_(loads, self.world_group)
+        host_loads = torch.tensor(host_floats(loads), dtype=torch.float64).view_as(loads)
         balance = []
         for layer_id, layer in moe_layers.items():
             if layer.router.config.use_expert_bias:
                 layer.router.update_expert_bias(loads[layer_id])
-            balance.append(layer.placement.balancedness(loads[layer_id]))
+            # NaN loads (a meta dry run measured nothing) have no balancedness.
+            balance.append(layer.placement.balancedness(host_loads[layer_id])
+                           if bool(host_loads[layer_id].isfinite().all()) else math.nan)
         # Each stage knows its own layers' placements: one (TP 0, DP 0) rank per stage reports.
         reporter = self.state.tp.rank == 0 and self.state.dp_cp.rank == 0
-        stats = torch.tensor([sum(balance), len(balance)] if reporter else [0.0, 0.0], dtype=torch.float64)
+        stats = torch.tensor([sum(balance), len(balance)] if reporter else [0.0, 0.0], dtype=torch.float64,
+                             device=self.device)
         comms.all_reduce_(stats, self.world_group)
-        return (stats[0] / stats[1]).item() if stats[1] > 0 else 1.0
+        balance_sum, num_layers = host_floats(stats)
+        return 1.0 if num_layers == 0 else balance_sum / num_layers

@@ -204,15 +204,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
 class RotaryEmbedding(nn.Module):
     """cos / sin for given positions, and their application in the configured layout.
 
-    ``inv_freq`` is a non-persistent buffer (derived from the config, never checkpointed); it follows
+    ``inv_freq`` is a non-persistent buffer (derived from the config, never checkpointed), computed on
+    the CPU and created on ``device`` (the model's, so no forward mixes devices); it follows
     ``module.to(device)``.
     """
 
-    def __init__(self, config: RopeConfig):
+    def __init__(self, config: RopeConfig, *, device=None):
         super().__init__()
         self.config = config
         self.attention_scaling = config.attention_scaling()
-        self.register_buffer("inv_freq", config.inv_freq(), persistent=False)
+        self.register_buffer("inv_freq", config.inv_freq().to(device), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` [B, S] -> ``(cos, sin)``, each [B, S, dim/2] in fp32."""
