@@ -14,7 +14,10 @@ step's host synchronisations, each a :mod:`megamoe.host_values` read:
 - per MoE layer and micro-batch: the number of (token, slot) pairs routed to this rank's experts
   (``permute_by_slot``: it sizes the expert input) and, with the all-to-all dispatcher and EP > 1, the
   split sizes of the exchange (they size the receive buffers); the all-gather dispatcher with sharded
-  input also reads every rank's token count;
+  input also reads every rank's token count; the experts' per-slot GEMMs (CPU, or rows not in bf16)
+  read the rows per slot (``torch._grouped_mm`` on accelerators takes them on the device);
+- per forward: the attention mask's padding flags when a mask is passed, and with ``dynamic`` RoPE the
+  longest position;
 - the global gradient norm (``clip_grad_norm_``: the clipping decision, and a metric);
 - the reduced expert loads (the placements' balancedness, a metric; the expert-bias update stays on
   the device);

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megamoe.host_values import host_ints
 __all__ = ["RopeConfig", "RotaryEmbedding", "apply_rotary"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -219,7 +220,8 @@ class RotaryEmbedding(nn.Module):
         """``position_ids`` [B, S] -> ``(cos, sin)``, each [B, S, dim/2] in fp32."""
         inv_freq = self.inv_freq
         if self.config.rope_type == "dynamic":
-            longest = int(position_ids.max()) + 1        # host sync, as in HF's dynamic update
+            # A host sync, as in HF's dynamic update; a meta dry run has positions 0 .. S - 1.
+            longest = host_ints(position_ids.max(), on_meta=[position_ids.shape[-1] - 1])[0] + 1
             if longest > self.config.max_position_embeddings:
                 inv_freq = self.config.inv_freq(longest).to(inv_freq.device)
         angles = position_ids[..., None].float() * inv_freq.float()
