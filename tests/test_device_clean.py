@@ -108,3 +108,14 @@ def test_generation_on_meta_creates_every_tensor_on_the_model_device():
             with _meta_run():
                 out = generate(model, state, [[1, 2, 3], [4, 5, 6]], config)
             assert out.token_ids == [[0, 0, 0], [0, 0, 0]] and out.decode_steps == 2, out
+
+
+def test_train_step_moves_host_micro_batches_to_the_model_device():
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config("alltoall", num_layers=2), state, device="meta")
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2))
+    batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64)           # as a data loader returns it
+    with _meta_run():
+        trainer.train_step([(batch[:, :-1], batch[:, 1:])])
+    assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)

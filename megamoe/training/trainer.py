@@ -155,9 +155,12 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepMetrics:
-        """``micro_batches``: this DP rank's (inputs [mb, S], labels [mb, S]) of one global batch."""
+        """``micro_batches``: this DP rank's (inputs [mb, S], labels [mb, S]) of one global batch, on any
+        device: they are moved to the model's (a no-op for those already there)."""
         start = time.perf_counter()
         model, state = self.model, self.state
+        micro_batches = [(inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+                         for inputs, labels in micro_batches]
         num_mb = len(micro_batches)
         mb, seq = micro_batches[0][0].shape
         self.optimizer.zero_grad(set_to_none=True)
