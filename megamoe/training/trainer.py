@@ -7,8 +7,8 @@ divided by ``num_micro_batches``), and the reported loss is the mean over micro-
 Micro-batches are the same token sets under every layout (see ``ResumableSampler``), so a layout
 change leaves the loss curve unchanged.
 
-Devices: every tensor a step creates lives on the device of the model's parameters (the inputs must be
-there too); ``tests/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
+Devices: every tensor a step creates lives on the device of the model's parameters, and the micro-batches
+are moved there; ``tests/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
 step's host synchronisations, each a :mod:`megamoe.host_values` read:
 
 - per MoE layer and micro-batch: the number of (token, slot) pairs routed to this rank's experts

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from megamoe.host_values import host_ints
+
 __all__ = ["RopeConfig", "RotaryEmbedding", "apply_rotary"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
