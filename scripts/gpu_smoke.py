@@ -133,7 +133,8 @@ def check_fp8(backend: str, recipe: str, tol: float, device: torch.device) -> Ro
 
 def check_compiled_generation(device: torch.device, hidden_size: int) -> Row:
     state = ParallelState.single_process()
-    model = GPTMoEModel(small_config(hidden_size), state, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    dtype = torch.bfloat16 if device.type == "cuda" else None      # bf16 rows: torch._grouped_mm on the GPU
+    model = GPTMoEModel(small_config(hidden_size), state, device=device, dtype=dtype)
     initialize_parameters(model, seed=0)
     model.eval()
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -150,11 +151,11 @@ def check_compiled_generation(device: torch.device, hidden_size: int) -> Row:
 
 
 def format_table(rows: list[Row]) -> str:
-    widths = [max(len(getattr(r, f)) for r in rows + [Row("check", "status", "detail")])
-              for f in ("check", "status", "detail")]
-    lines = [f"{'check':<{widths[0]}}  {'status':<{widths[1]}}  detail", f"{'-' * widths[0]}  {'-' * widths[1]}  ------"]
-    lines += [f"{r.check:<{widths[0]}}  {r.status:<{widths[1]}}  {r.detail}" for r in rows]
-    return "\n".join(lines)
+    header = Row("check", "status", "detail")
+    check_width, status_width = (max(len(getattr(r, f)) for r in [header, *rows]) for f in ("check", "status"))
+    rule = Row("-" * check_width, "-" * status_width, "------")
+    return "\n".join(f"{r.check:<{check_width}}  {r.status:<{status_width}}  {r.detail}"
+                     for r in [header, rule, *rows])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
