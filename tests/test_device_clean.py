@@ -36,7 +36,7 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.models import GPTMoEModel
 from megamoe.training.trainer import TrainConfig, Trainer
 from parallel_state import destroy_model_parallel, initialize_model_parallel
-from test_training import MICRO_BATCH, S, V, tiny_config
+from test_training import MICRO_BATCH, S, tiny_config
 
 WORLD_SIZE = 4
 _EXPLICIT_COPIES = {"aten::_to_copy", "aten::copy_"}
