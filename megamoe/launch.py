@@ -131,8 +131,8 @@ def resolve_device(requested: str) -> torch.device:
                          f"{built}); use --device cpu, or --device auto to take a GPU only where there is one")
     local_rank, count = launch_local_rank(), torch.cuda.device_count()
     if local_rank >= count:
-        raise UsageError(f"--device cuda: LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has {count}; "
-                         "start at most one process per GPU (torchrun --nproc-per-node)")
+        raise UsageError(f"--device {requested}: LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
+                         f"{count}; start at most one process per GPU (torchrun --nproc-per-node)")
     return torch.device("cuda", local_rank)
 
 
