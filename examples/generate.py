@@ -48,7 +48,7 @@ from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
-                           init_distributed, launch_rank, launch_world_size, run_script)
+                           init_distributed, launch_rank, launch_world_size, resolve_device, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
@@ -260,24 +260,21 @@ def engine_choices(args, saved: GPTMoEConfig, dispatcher: str | None) -> dict:
 # ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
-def join_layout(args, dispatcher: str | None, world: int) -> ParallelState:
+def join_layout(args, dispatcher: str | None, world: int, device: torch.device) -> ParallelState:
     """Join the process group (torchrun) and create the layout's groups."""
     if world == 1:
         return ParallelState.single_process()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_distributed(comm_timeout_s=args.comm_timeout, backend="nccl" if args.device == "cuda" else "gloo")
-    if args.device == "cpu":
+    init_distributed(comm_timeout_s=args.comm_timeout, device=device)   # on CUDA: this rank's GPU, NCCL
+    if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep,
                                      etp=default_etp(args.tp, dispatcher, args.etp),
                                      order=args.order, timeout=datetime.timedelta(seconds=args.comm_timeout))
 
 
-def load_model(args, engine: dict, state) -> tuple[GPTMoEModel, dict]:
+def load_model(args, engine: dict, state, device: torch.device) -> tuple[GPTMoEModel, dict]:
     """This rank's stage, resharded from the checkpoint, and the placement of every MoE layer (the
     saved one where it fits this layout, else the default)."""
-    device = torch.device("cuda") if args.device == "cuda" else None
     model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype],
                                         verify_checksums=args.verify_checksums,
                                         world_group=dist.group.WORLD if dist.is_initialized() else None, **engine)
@@ -364,6 +361,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     # Every check that needs no process group nor weights first: a mistake costs seconds, not a load.
     check_paths(args)
+    device = resolve_device(args.device)            # UsageError for --device cuda without a GPU
     prompt_ids = parse_prompt_ids(args.prompt_ids)
     saved = model_config_from_manifest(read_manifest(args.checkpoint))
     world = launch_world_size()
@@ -379,8 +377,8 @@ def main(argv=None) -> int:
                               sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
     engine = engine_choices(args, saved, dispatcher)
 
-    state = join_layout(args, dispatcher, world)
-    model, placements = load_model(args, engine, state)
+    state = join_layout(args, dispatcher, world, device)
+    model, placements = load_model(args, engine, state, device)
     logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s%s", state.world_size, state.tp.size,
                 state.pp.size, state.dp.size, state.ep.size, state.etp.size, dispatcher or "-",
                 ", data-parallel attention" if args.data_parallel_attention else "")

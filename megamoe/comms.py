@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megamoe.collective_timeout import CollectiveTimeout, is_timeout
+from megamoe.host_values import host_ints
 
 __all__ = [
     "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
@@ -198,7 +199,8 @@ def all_gather_sizes(num_rows: int, group: ProcessGroup | None, device=None) -> 
     that precedes a gather or reduce-scatter of uneven first dims."""
     if group_size(group) == 1:
         return [int(num_rows)]
-    return all_gather_into(torch.tensor([int(num_rows)], dtype=torch.int64, device=device), group).tolist()
+    sizes = all_gather_into(torch.tensor([int(num_rows)], dtype=torch.int64, device=device), group)
+    return host_ints(sizes, on_meta=[int(num_rows)] * group_size(group))    # meta: every rank as many as this one
 
 
 def _check_sizes(sizes: Sequence[int], num_rows: int, group: ProcessGroup) -> None:

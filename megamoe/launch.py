@@ -6,11 +6,16 @@ A script written with it::
     def main(argv=None) -> int:
         args = parse_args(argv)                 # parser built with add_launch_arguments(parser)
         validate(args)                          # raise UsageError("--prompt-file x: no such file") early
-        rank, world = init_distributed(comm_timeout_s=args.comm_timeout)
-        ...
+        device = resolve_device(args.device)    # add_device_argument(parser); UsageError without CUDA
+        rank, world = init_distributed(comm_timeout_s=args.comm_timeout, device=device)
+        ...                                     # model on `device`, TrainConfig(autocast=default_autocast(device))
 
     if __name__ == "__main__":
         sys.exit(run_script(main, prog="pretrain_moe.py"))
+
+Devices: ``--device auto|cpu|cuda`` (:func:`add_device_argument`, :func:`resolve_device`). On CUDA each
+process drives the GPU of its ``LOCAL_RANK`` (one GPU per local rank, as torchrun starts them), its CUDA
+tensors travel over NCCL and its CPU tensors (metadata) over gloo; on CPU everything is gloo.
 
 User errors are :class:`UsageError` and the library's own errors for bad input (``ValueError``, which
 covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
@@ -35,12 +40,15 @@ import sys
 import time
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from megamoe.collective_timeout import CollectiveTimeout
 
-__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "HelpFormatter", "add_launch_arguments",
-           "add_no_verify_checksums_argument", "launch_rank", "launch_world_size", "init_distributed", "run_script"]
+__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "add_launch_arguments",
+           "add_device_argument", "add_no_verify_checksums_argument", "launch_rank", "launch_world_size",
+           "launch_local_rank", "resolve_device", "default_autocast", "distributed_backend", "init_distributed",
+           "run_script"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +59,12 @@ DEFAULT_COMM_TIMEOUT_S = 600.0
 # the same error or timeout) prints the only line and the job ends during the wait. A rank still alive
 # afterwards had an error of its own (a file only it reads, say) and prints it.
 _QUIET_RANK_EXIT_DELAY_S = 10.0
+
+
+DEVICES = ("auto", "cpu", "cuda")
+# Per-device backends: NCCL for CUDA tensors, gloo for the CPU tensors a CUDA job still exchanges
+# (metadata, objects); parallel_state then needs no gloo twin of its groups.
+_CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 class UsageError(ValueError):
@@ -75,6 +89,13 @@ def add_launch_arguments(parser) -> None:
                              "operation (a stuck or dead rank ends the job instead of hanging it)")
 
 
+def add_device_argument(parser) -> None:
+    """Add ``--device auto|cpu|cuda`` (``args.device``; see :func:`resolve_device`)."""
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where the model runs: cuda (one GPU per local rank, NCCL), cpu (gloo), or auto: "
+                             "cuda when a GPU is available, else cpu (default: auto)")
+
+
 def add_no_verify_checksums_argument(parser) -> None:
     """Add ``--no-verify-checksums`` (``args.verify_checksums``, True by default): the opt-out of hashing a
     checkpoint's files before they are read (see :mod:`checkpoint_tools.integrity`)."""
@@ -94,16 +115,56 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, backend: str = "gloo") -> tuple[int, int]:
+def launch_local_rank() -> int:
+    """This process's rank on its node as torchrun announces it (``LOCAL_RANK``; 0 for a plain run)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def resolve_device(requested: str) -> torch.device:
+    """The device of ``--device requested``: ``cuda`` is this process's GPU, ``cuda:LOCAL_RANK``; ``auto``
+    is that GPU when CUDA is available, else ``cpu``. UsageError for ``cuda`` without a usable GPU."""
+    if requested not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
+        raise UsageError(f"--device cuda: no CUDA device is available (torch {torch.__version__}, built with "
+                         f"{built}); use --device cpu, or --device auto to take a GPU only where there is one")
+    local_rank, count = launch_local_rank(), torch.cuda.device_count()
+    if local_rank >= count:
+        raise UsageError(f"--device {requested}: LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
+                         f"{count}; start at most one process per GPU (torchrun --nproc-per-node)")
+    return torch.device("cuda", local_rank)
+
+
+def default_autocast(device: torch.device | str) -> str | None:
+    """The ``TrainConfig.autocast`` a script uses unless told otherwise: ``"bf16"`` on CUDA (fp32 master
+    weights, bf16 matmuls), None (fp32) elsewhere, where bf16 matmuls are slow or emulated."""
+    return "bf16" if torch.device(device).type == "cuda" else None
+
+
+def distributed_backend(device: torch.device | str) -> str:
+    """The process-group backend for ``device``: NCCL for CUDA tensors (with gloo for CPU ones), gloo on CPU."""
+    return _CUDA_BACKEND if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: torch.device | str = "cpu",
+                     backend: str | None = None) -> tuple[int, int]:
     """Join the torchrun job's process group with collectives timing out after ``comm_timeout_s``
-    seconds. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1
-    and creates no group."""
+    seconds. ``device`` (see :func:`resolve_device`): on CUDA it becomes this process's current device,
+    so that one process drives one GPU, and the backend (default: :func:`distributed_backend`) runs
+    NCCL. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1 and
+    creates no group."""
     if not comm_timeout_s > 0:
         raise UsageError(f"--comm-timeout must be positive, got {comm_timeout_s}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index if device.index is not None else launch_local_rank())
     world = launch_world_size()
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout_s))
+    dist.init_process_group(backend or distributed_backend(device), timeout=datetime.timedelta(seconds=comm_timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -131,9 +131,14 @@ def _world_timeout():
 def _backend_needs_cpu_twin(backend: str) -> bool:
     """True when groups of this backend cannot carry CPU tensors (e.g. "nccl"), so a gloo twin is needed.
 
-    Backend strings like "cpu:gloo,cuda:nccl" already route CPU tensors to gloo.
+    Backend strings like "cpu:gloo,cuda:nccl" name the CPU backend themselves; a plain name is looked up
+    in torch's table of the devices each backend serves ("gloo" and torch's "fake" test backend serve
+    CPU: no twin, and a fake world could not build a gloo group anyway). Unknown names get the twin.
     """
-    return "gloo" not in backend.lower()
+    backend = backend.lower()
+    if ":" in backend:
+        return not any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
+    return "cpu" not in dist.Backend.backend_capability.get(backend, [])
 
 
 def initialize_model_parallel(

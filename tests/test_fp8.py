@@ -426,6 +426,7 @@ def _gpu_capability():
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(_gpu_capability() < (9, 0) or not hasattr(torch, "_scaled_grouped_mm"),
                     reason="torch._scaled_grouped_mm FP8 needs a CUDA GPU of compute capability >= 9.0")
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -435,6 +436,7 @@ def test_torch_scaled_grouped_mm_matches_the_emulation(recipe):
     _check_gpu_backend_against_emulation("torch", FP8Config(recipe=recipe), tol=2e-2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(_gpu_capability() < (8, 9), reason="TransformerEngine FP8 needs compute capability >= 8.9")
 @pytest.mark.parametrize("recipe", ("delayed", "tensorwise"))
 def test_te_fp8_matches_the_emulation(recipe):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from checkpoint_tools.format import save_checkpoint
 from checkpoint_tools.model_loading import build_model_from_checkpoint
@@ -107,6 +108,9 @@ USER_ERRORS = {
     "damaged checkpoint": ("copy", [*_prompt_args(), "--output-json", "{tmp}/out.json"], _flip_a_weight_byte,
                            ["checksum"]),
 }
+if not torch.cuda.is_available():
+    USER_ERRORS["cuda without a GPU"] = ("ckpt", [*_prompt_args(), "--device", "cuda"], None,
+                                         ["--device cuda", "no CUDA device", "--device cpu"])
 
 
 @pytest.mark.parametrize("case", USER_ERRORS)

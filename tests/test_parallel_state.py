@@ -207,6 +207,26 @@ def test_cpu_twin_only_for_backends_without_gloo():
     assert not _backend_needs_cpu_twin("cpu:gloo,cuda:nccl")
 
 
+def test_cpu_twin_follows_the_devices_a_backend_serves():
+    assert not _backend_needs_cpu_twin("fake")          # torch's test backend serves CPU tensors itself
+    assert not _backend_needs_cpu_twin("cpu:fake,meta:fake")
+    assert _backend_needs_cpu_twin("cuda:nccl")         # per-device backends without a CPU one
+    assert _backend_needs_cpu_twin("some_plugin")       # unknown: assume it cannot carry CPU tensors
+
+
+def test_groups_take_the_default_backend_and_a_fake_world_needs_no_twin():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        state = initialize_model_parallel(tp=2, ep=2, pp=2)
+        assert state.dp_cp_cpu is state.dp_cp              # before: a gloo twin, which a fake store cannot build
+        for info in (state.tp, state.ep, state.pp, state.dp_cp):
+            assert dist.get_backend(info.group) == dist.get_backend(), info
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def _check_layouts(rank, world_size, layouts_to_check):
     """On each rank: build each layout in turn, compare with the pure grid, reduce over every group."""
     reductions = 0

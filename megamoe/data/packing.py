@@ -42,6 +42,10 @@ class MicroBatch(NamedTuple):
     position_ids: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
 
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The micro-batch on ``device`` (each tensor copied without blocking; a no-op where it is)."""
+        return MicroBatch(*(t.to(device, non_blocking=True) if t is not None else None for t in self))
+
     def packing_keywords(self) -> dict[str, torch.Tensor]:
         """The model keywords of the packed fields that are set: a model of one's own that knows
         nothing of packing is never passed them for a plain micro-batch."""

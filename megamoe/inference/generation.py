@@ -46,6 +46,7 @@ from typing import Sequence
 import torch
 
 from megamoe import comms
+from megamoe.host_values import host_ints
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models.gpt_moe import GPTMoEModel
@@ -191,7 +192,8 @@ def _frames_compiled() -> int:
 
 def _any_unfinished(finished: torch.Tensor, state, device) -> bool:
     remaining = (~finished).sum().reshape(1).to(device)
-    return int(comms.all_reduce_(remaining, state.dp.group)) > 0
+    # A meta dry run (see megamoe.host_values) runs every step: its rows never finish.
+    return host_ints(comms.all_reduce_(remaining, state.dp.group), on_meta=[1])[0] > 0
 
 
 @torch.no_grad()
@@ -233,7 +235,8 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         token_mask = torch.empty(len(rows), dtype=torch.bool, device=device)
     decode_steps, compile_seconds, compile_tokens = 0, 0.0, 0
     for step in range(config.max_new_tokens):
-        for row, token in enumerate(tokens.tolist()[:len(prompts)]):
+        # The step's one host read of the sampled tokens (token 0 everywhere in a meta dry run).
+        for row, token in enumerate(host_ints(tokens, on_meta=[0] * tokens.numel())[:len(prompts)]):
             if finished[row]:
                 continue
             new_ids[row].append(token)

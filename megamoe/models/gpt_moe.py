@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe import comms
+from megamoe.host_values import host_ints
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.layer_spec import LayerSpec
 from megamoe.moe.expert_slots import ExpertPlacement
@@ -200,7 +201,7 @@ class GPTMoEModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp,
                                                        **init, **factory)
         # The rotary angles of a forward's positions, computed once and shared by every layer.
-        self.rotary = RotaryEmbedding(config.attention.rope)
+        self.rotary = RotaryEmbedding(config.attention.rope, device=device)
         placements = placements or {}
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
@@ -248,9 +249,11 @@ class GPTMoEModel(nn.Module):
         mlp_token_index = None
         if attention_mask is not None:               # host syncs once per call, not per layer
             real = attention_mask[:, -seq:].reshape(-1).bool()
-            if not bool(real.all()):
+            # One read of both flags; a meta dry run has no padding (see megamoe.host_values).
+            all_real, no_padding = host_ints(torch.stack([real.all(), attention_mask.bool().all()]), on_meta=[1, 1])
+            if not all_real:
                 mlp_token_index = real.nonzero().squeeze(1)
-            elif bool(attention_mask.all()):
+            elif no_padding:
                 attention_mask = None                # no padding at all: the plain causal mask
         return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_index=mlp_token_index,
                                     document_ids=document_ids)

@@ -365,21 +365,22 @@ class ExpertPlacement:
 class ExpertLoadCounter:
     """Running per-expert and per-slot token counts for one layer (for rebalancing and benchmarks).
 
-    Counts live on the device of the ids they are fed (moved there on the first call) and are updated
+    Counts are created on ``device`` (the layer's), follow the ids they are fed (a model moved to
+    another device after construction moves them on the first call) and are updated
     with ``index_add_``, which, unlike ``bincount`` on CUDA, needs no device sync. Negative ids (the
     layer marks a pair dropped by the capacity limit with slot -1) are not counted. Ids past the end
     are not detected here (that would need a sync); on CPU they raise an IndexError.
     """
 
-    def __init__(self, num_experts: int, num_slots: int):
+    def __init__(self, num_experts: int, num_slots: int, device=None):
         self.num_experts = positive_int(num_experts, "num_experts")
         self.num_slots = positive_int(num_slots, "num_slots")
         if self.num_slots < self.num_experts:
             raise ValueError(
                 f"num_slots ({self.num_slots}) < num_experts ({self.num_experts}); use num_slots >= num_experts"
             )
-        self.per_expert = torch.zeros(self.num_experts, dtype=torch.int64)  # [E]
-        self.per_slot = torch.zeros(self.num_slots, dtype=torch.int64)  # [S]
+        self.per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)  # [E]
+        self.per_slot = torch.zeros(self.num_slots, dtype=torch.int64, device=device)  # [S]
 
     @torch.no_grad()
     def record(self, expert_ids: torch.Tensor, slot_ids: torch.Tensor | None = None) -> None:

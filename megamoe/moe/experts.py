@@ -12,7 +12,8 @@ Backends (one interface, see :class:`GroupedExperts`):
 
 - ``torch``: one fused autograd function for the whole expert MLP: one grouped GEMM per projection
   (gate and up fused), hand-written backward that writes each gradient once, straight into its
-  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` on accelerators. On CPU, where
+  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` on accelerators for bf16 rows (the dtype
+  its kernels and torch's meta checks accept; other dtypes take the per-slot loop below). On CPU, where
   ``torch._grouped_mm`` is a serial loop of GEMMs each split over all threads, it is one
   single-threaded ``torch.mm(..., out=slice)`` per slot with the slots spread over worker threads
   (see :func:`_for_each_slot`; ``benchmarks/moe_layer.py`` has both as rows).
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.host_values import host_ints
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 
 __all__ = ["ExpertsConfig", "GroupedExperts"]
@@ -203,7 +205,8 @@ class GroupedExperts(nn.Module):
             sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
                              cfg.activation)
-        groups = SlotGroups.from_counts(tokens_per_slot.to(tokens_sorted.device), tokens_sorted.shape[0])
+        groups = SlotGroups.from_counts(tokens_per_slot.to(tokens_sorted.device), tokens_sorted.shape[0],
+                                        dtype=tokens_sorted.dtype)
         if torch.is_grad_enabled():
             return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)
         return _grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)[0]  # inference
@@ -341,7 +344,10 @@ def _placeholder_init_(weight: torch.Tensor, generator: torch.Generator) -> None
 
 # ---- reference backend ------------------------------------------------------------------------
 def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int) -> list[int]:
-    sizes = tokens_per_slot.tolist()
+    # A meta dry run (see megamoe.host_values) spreads the rows evenly over the slots.
+    num_slots = tokens_per_slot.numel()
+    even = [num_rows // num_slots + (s < num_rows % num_slots) for s in range(num_slots)]
+    sizes = host_ints(tokens_per_slot, on_meta=even)
     if sum(sizes) != num_rows or min(sizes) < 0:
         raise ValueError(f"tokens_per_slot {sizes} must be >= 0 and sum to the number of rows ({num_rows})")
     return sizes
@@ -384,10 +390,12 @@ class SlotGroups:
     num_rows: int
 
     @classmethod
-    def from_counts(cls, tokens_per_slot: torch.Tensor, num_rows: int, use_grouped_mm: bool | None = None):
-        """``use_grouped_mm`` defaults to "not on CPU" (see the module docstring)."""
+    def from_counts(cls, tokens_per_slot: torch.Tensor, num_rows: int, use_grouped_mm: bool | None = None,
+                    dtype: torch.dtype | None = None):
+        """``use_grouped_mm`` defaults to "not on CPU, and the rows' ``dtype`` is bf16" (see the module
+        docstring)."""
         if use_grouped_mm is None:
-            use_grouped_mm = tokens_per_slot.device.type != "cpu"
+            use_grouped_mm = tokens_per_slot.device.type != "cpu" and dtype == torch.bfloat16
         offsets = torch.cumsum(tokens_per_slot, dim=0, dtype=torch.int32)
         if use_grouped_mm:
             if tokens_per_slot.device.type == "cpu":

@@ -148,7 +148,7 @@ class MoELayer(nn.Module):
         # megamoe.training.grad_sync.
         for param in self.experts.parameters():
             param.expert_parallel = True
-        self.load_counter = ExpertLoadCounter(config.num_experts, config.num_expert_slots)
+        self.load_counter = ExpertLoadCounter(config.num_experts, config.num_expert_slots, device=device)
         self.reset_parameters()
 
     # ---- components (override to customise) --------------------------------------------------

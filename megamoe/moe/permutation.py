@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe.host_values import host_ints
+
 __all__ = ["PermutationState", "sort_by_slot", "permute_by_slot", "unpermute_and_combine"]
 
 
@@ -57,7 +59,7 @@ def permute_by_slot(tokens: torch.Tensor, slot_ids: torch.Tensor, num_slots: int
         raise ValueError(f"slot_ids must be [T, K] with T = {tokens.shape[0]}, got {tuple(slot_ids.shape)}")
     top_k = slot_ids.shape[1]
     permutation, tokens_per_slot = sort_by_slot(slot_ids.reshape(-1), num_slots)
-    num_rows = int(tokens_per_slot.sum())
+    num_rows = host_ints(tokens_per_slot.sum(), on_meta=[slot_ids.numel()])[0]   # meta: every pair valid
     pair_index = permutation[:num_rows]
     token_index = torch.div(pair_index, top_k, rounding_mode="floor")
     # index_select's backward is exactly one index_add_ into a [T, H] buffer (the gradient's size).

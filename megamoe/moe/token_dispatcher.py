@@ -22,6 +22,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.host_values import host_ints
 from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
 
 __all__ = ["TokenDispatcher", "AllGatherDispatcher", "AllToAllDispatcher"]
@@ -170,7 +171,9 @@ class AllToAllDispatcher(TokenDispatcher):
         valid = dest_rank >= 0
         sends[dest_rank[valid], torch.nonzero(valid, as_tuple=True)[0]] = True
         send_rank, send_token = torch.nonzero(sends, as_tuple=True)       # sorted by rank, then token
-        send_counts = torch.bincount(send_rank, minlength=self.ep_size)
+        # index_add_ rather than bincount: no device sync for the output size (and a meta kernel).
+        send_counts = torch.zeros(self.ep_size, dtype=torch.int64, device=x.device).index_add_(
+            0, send_rank, torch.ones_like(send_rank))
         pair_dest = dest_rank[send_token]                                  # [n_send, K]
         on_dest = pair_dest == send_rank.unsqueeze(1)
         send_local_slots = torch.where(on_dest, slot_ids[send_token] - send_rank.unsqueeze(1) * self.slots_per_rank,
@@ -178,7 +181,10 @@ class AllToAllDispatcher(TokenDispatcher):
         send_weights = weights[send_token] * on_dest                       # [n_send, K]
 
         recv_counts = comms.all_to_all_counts(send_counts, self.ep_group)
-        self._send_splits, self._recv_splits = send_counts.tolist(), recv_counts.tolist()
+        # The one host read of the exchange: the split sizes, which size the receive buffers. A meta
+        # dry run sends every token to every rank (see megamoe.host_values).
+        counts = host_ints(torch.cat([send_counts, recv_counts]), on_meta=[num_tokens] * (2 * self.ep_size))
+        self._send_splits, self._recv_splits = counts[:self.ep_size], counts[self.ep_size:]
         self._send_token, self._num_tokens = send_token, num_tokens
         recv_tokens = comms.all_to_all(self.token_view[send_token], self._recv_splits, self._send_splits, self.ep_group)
         recv_local_slots = _all_to_all_no_grad(send_local_slots, self._recv_splits, self._send_splits, self.ep_group)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from megamoe import comms
+from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.sharding import get_shard_spec
 
@@ -109,7 +110,8 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
     params = [p for p in model.parameters() if p.grad is not None]
     # Per-tensor norms in the gradients' dtype (one fused kernel), squared and weighted in float64.
     norms = torch._foreach_norm([p.grad for p in params]) if params else []
-    total = torch.zeros((), dtype=torch.float64)
+    device = params[0].device if params else next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for param, norm in zip(params, norms):
         weight = 1.0 / _replication(param, state, id(param) in tied_ids)
         total += norm.double().pow(2) * weight
@@ -117,7 +119,7 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
         # Slots holding a replicated expert: their squares were counted once per replica.
         counts = layer.local_replica_counts().double()
         if bool((counts > 1).any()):
-            extra = torch.zeros((), dtype=torch.float64)
+            extra = torch.zeros((), dtype=torch.float64, device=device)
             for local_slot, count in enumerate(counts.tolist()):
                 if count > 1:
                     sq = sum(g.double().pow(2).sum() for g in
@@ -125,7 +127,8 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
                     extra += sq * (1.0 / count - 1.0)
             total += extra / state.edp.size
     comms.all_reduce_(total, world_group)
-    return math.sqrt(max(total.item(), 0.0))
+    total, = host_floats(total)       # the step's one host read of the norm (NaN on the meta device)
+    return math.sqrt(max(total, 0.0))
 
 
 @torch.no_grad()

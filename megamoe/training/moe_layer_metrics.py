@@ -26,8 +26,8 @@ class MoELayerMetrics:
 
 class PerLayerAuxLoss:
     """``with PerLayerAuxLoss(moe_layers) as recorder:`` sums each layer's aux loss over the forwards
-    run inside (detached, fp64); ``recorder.totals(num_layers)`` is a [num_layers] tensor of them (zero
-    for the layers of other stages or dense layers)."""
+    run inside (detached, fp64, on their device); ``recorder.totals(num_layers, device)`` is a
+    [num_layers] tensor of them on ``device`` (zero for the layers of other stages or dense layers)."""
 
     def __init__(self, moe_layers: dict[int, nn.Module]):
         self._layers = moe_layers
@@ -50,8 +50,8 @@ class PerLayerAuxLoss:
             self._sums[layer_id] = aux if layer_id not in self._sums else self._sums[layer_id] + aux
         return record
 
-    def totals(self, num_layers: int) -> torch.Tensor:
-        out = torch.zeros(num_layers, dtype=torch.float64)
+    def totals(self, num_layers: int, device: torch.device | str | None = None) -> torch.Tensor:
+        out = torch.zeros(num_layers, dtype=torch.float64, device=device)
         for layer_id, total in self._sums.items():
-            out[layer_id] = total.cpu()
+            out[layer_id] = total
         return out

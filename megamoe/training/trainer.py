@@ -23,6 +23,26 @@ runs only on such a step). After ``TrainConfig.max_skipped_steps`` consecutive s
 fp16 (``autocast="fp16"``): dynamic loss scaling (:mod:`megamoe.training.loss_scaling`). The backward
 starts from the loss times the scale; the synced gradients are unscaled before the norm, clipping and
 the optimizer step; an overflow is a non-finite step as above, and backs the scale off.
+
+Devices: every tensor a step creates lives on the device of the model's parameters, and the micro-batches
+are moved there; ``tests/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
+step's host synchronisations, each a :mod:`megamoe.host_values` read:
+
+- per MoE layer and micro-batch: the number of (token, slot) pairs routed to this rank's experts
+  (``permute_by_slot``: it sizes the expert input) and, with the all-to-all dispatcher and EP > 1, the
+  split sizes of the exchange (they size the receive buffers); the all-gather dispatcher with sharded
+  input also reads every rank's token count; the experts' per-slot GEMMs (CPU, or rows not in bf16)
+  read the rows per slot (``torch._grouped_mm`` on accelerators takes them on the device);
+- per forward: the attention mask's padding flags when a mask is passed, and with ``dynamic`` RoPE the
+  longest position;
+- the global gradient norm (``clip_grad_norm_``: the clipping decision, and a metric);
+- the reduced expert loads (the placements' balancedness, a metric; the expert-bias update stays on
+  the device);
+- the step's metrics: loss, aux loss and each layer's aux loss (one read), the per-layer balancedness
+  (one read).
+
+On the meta device the metrics read as NaN (see :mod:`megamoe.host_values`), and a step is never taken
+for non-finite there: a dry run has no values to judge.
 """
 
 from __future__ import annotations
@@ -37,6 +57,7 @@ import torch
 
 from megamoe import comms
 from megamoe.data.packing import MicroBatch
+from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.pipeline.schedule import forward_backward
@@ -164,6 +185,7 @@ class Trainer:
         self.consecutive_skips = 0      # saved in training checkpoints, so the limit holds across a resume
         self.skipped_steps = 0
         self.loss_scaler = DynamicLossScaler(config.loss_scale) if config.autocast == "fp16" else None
+        self.device = next(model.parameters()).device
 
     def _log_balancing(self) -> None:
         by_description: dict[str | None, list[int]] = {}
@@ -181,29 +203,29 @@ class Trainer:
         dtype = _AUTOCAST[self.config.autocast]
         if dtype is None:
             return contextlib.nullcontext()
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=dtype)
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor] | MicroBatch]) -> StepMetrics:
         """``micro_batches``: this DP rank's (inputs [mb, S], labels [mb, S]) of one global batch, or
         :class:`~megamoe.data.packing.MicroBatch` tuples that also carry packed documents' position
-        ids and document ids (passed to the model on every pipeline stage)."""
+        ids and document ids (passed to the model on every pipeline stage). On any device: they are
+        moved to the model's (a no-op for those already there)."""
         start = time.perf_counter()
         model, state = self.model, self.state
+        micro_batches = [MicroBatch(*batch).to(self.device) for batch in micro_batches]
         num_mb = len(micro_batches)
-        mb, seq = micro_batches[0][0].shape
-        device = next(model.parameters()).device
-        reset_peak_memory(device)
+        mb, seq = micro_batches[0].inputs.shape
+        reset_peak_memory(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         for layer in model.moe_layers().values():
             layer.load_counter.reset()
-        aux_total = torch.zeros((), dtype=torch.float64)
+        aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
         lr = self.config.lr_schedule.lr_at(self.step + 1, self.config.lr)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
 
         def forward_step(input_tensor, index):
             nonlocal aux_total
-            batch = MicroBatch(*micro_batches[index])
+            batch = micro_batches[index]
             with self._autocast():
                 out, aux = model(batch.inputs if model.is_first_stage else input_tensor,
                                  labels=batch.labels if model.is_last_stage else None, **batch.packing_keywords())
@@ -219,17 +241,19 @@ class Trainer:
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
         hidden_shape = (mb, seq, model.config.hidden_size)
         with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
-            losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype)
+            losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device)
         self.grad_sync.sync()
         loss, aux_loss, layer_aux_losses = self._global_losses(
-            losses, aux_total, layer_aux.totals(model.config.num_layers), num_mb, scale or 1.0)
+            losses, aux_total, layer_aux.totals(model.config.num_layers, self.device), num_mb, scale or 1.0)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if scale is not None and grads:
             torch._foreach_mul_(grads, 1.0 / scale)     # unscaled before the norm and clipping
         grad_norm = clip_grad_norm_(model, self.config.grad_clip, state, self.world_group,
                                     tied_params=model.tied_parameters())
-        # Identical on every rank (global norm, reduced losses): every rank skips, or none does.
-        finite = math.isfinite(loss) and math.isfinite(aux_loss) and math.isfinite(grad_norm)
+        # Identical on every rank (global norm, reduced losses): every rank skips, or none does. A dry run
+        # on the meta device has no values to judge.
+        finite = self.device.type == "meta" or (math.isfinite(loss) and math.isfinite(aux_loss)
+                                                and math.isfinite(grad_norm))
         if finite:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -242,7 +266,7 @@ class Trainer:
             self.consecutive_skips = 0
         else:
             self._skip(loss, aux_loss, grad_norm, scale, lambda: forward_backward(
-                forward_step, 1, state, hidden_shape, hidden_dtype))
+                forward_step, 1, state, hidden_shape, hidden_dtype, self.device))
         tokens = mb * seq * num_mb * state.dp_cp.size
         elapsed = time.perf_counter() - start
         tflops = mfu = None
@@ -250,31 +274,33 @@ class Trainer:
             tflops = model_tflops_per_rank(training_flops(model.config, seq, tokens), step_time_s=elapsed,
                                            world_size=comms.group_size(self.world_group))
             mfu = model_flops_utilization(tflops, self.peak_tflops)
-        moe_layers = {i: MoELayerMetrics(aux_loss=layer_aux_losses[i].item(), balancedness=b,
-                                         tokens_per_expert=[int(n) for n in loads[i].tolist()])
+        moe_layers = {i: MoELayerMetrics(aux_loss=layer_aux_losses[i], balancedness=b,
+                                         tokens_per_expert=[int(n) for n in loads[i].tolist()]
+                                         if bool(loads[i].isfinite().all()) else [])
                       for i, b in layer_balance.items()}
         return StepMetrics(step=self.step, loss=loss, aux_loss=aux_loss, grad_norm=grad_norm,
                            tokens_per_s=tokens / elapsed, balancedness=balancedness, lr=lr, skipped=not finite,
                            consecutive_skips=self.consecutive_skips, loss_scale=scale, tflops=tflops, mfu=mfu,
-                           moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(device))
+                           moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(self.device))
 
     def _global_losses(self, losses, aux_total, layer_aux_totals: torch.Tensor, num_mb: int,
-                       scale: float) -> tuple[float, float, torch.Tensor]:
+                       scale: float) -> tuple[float, float, list[float]]:
         """The global means of the loss, the aux loss and each layer's aux loss [num_layers] (identical on
         every rank), in one all-reduce: the loss lives on the last stage (identical over TP), the aux
         losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
         ``losses`` (what the backward started from) are divided by ``scale``."""
         state = self.state
         reporter = state.tp.rank == 0 and state.cp.rank == 0
-        loss = sum(float(l) for l in losses) / scale if (self.model.is_last_stage and reporter) else 0.0
         # [loss, aux loss, each layer's aux loss]; the returned losses were already divided by num_mb
-        totals = torch.cat([torch.tensor([loss, aux_total.item() / num_mb], dtype=torch.float64),
-                            layer_aux_totals.double() / num_mb])
-        if not reporter:
-            totals.zero_()
+        totals = torch.zeros(2 + layer_aux_totals.numel(), dtype=torch.float64, device=self.device)
+        if reporter:
+            if self.model.is_last_stage:
+                totals[0] = torch.stack(losses).double().sum() / scale
+            totals[1] = aux_total / num_mb
+            totals[2:] = layer_aux_totals / num_mb
         comms.all_reduce_(totals, self.world_group)
-        totals /= state.dp_cp.size
-        return totals[0].item(), totals[1].item(), totals[2:]
+        values = host_floats(totals / state.dp_cp.size)
+        return values[0], values[1], values[2:]
 
     def _skip(self, loss: float, aux_loss: float, grad_norm: float, scale: float | None, rerun_forward) -> None:
         """Count a skipped step, say what went non-finite (collective), raise after too many in a row."""
@@ -315,19 +341,20 @@ class Trainer:
     @torch.no_grad()
     def _update_expert_biases(self, update_biases: bool = True) -> tuple[float, dict[int, float], torch.Tensor | None]:
         """Reduce this step's per-layer expert loads over all ranks (one all-reduce), update the
-        aux-loss-free expert biases identically everywhere (unless ``update_biases`` is False: a
-        skipped step). Returns the mean balancedness, each MoE
-        layer's (of every stage) and the loads [num_layers, num_experts] summed over all ranks."""
+        aux-loss-free expert biases identically everywhere (on the device; not when ``update_biases`` is
+        False: a skipped step). Returns the mean balancedness, each MoE layer's (of every stage) and the
+        loads [num_layers, num_experts] summed over all ranks, on the host."""
         config = self.model.config
         if config.moe is None:
             return 1.0, {}, None
-        loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64)
+        loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64, device=self.device)
         moe_layers = self.model.moe_layers()
         for layer_id, layer in moe_layers.items():
             # Count each DP replica's tokens once (TP ranks route the same tokens).
             if self.state.tp.rank == 0:
                 loads[layer_id] = layer.load_counter.per_expert.double()
         comms.all_reduce_(loads, self.world_group)
+        host_loads = torch.tensor(host_floats(loads), dtype=torch.float64).view_as(loads)
         # Each stage knows its own layers' placements: one (TP 0, DP 0) rank per stage reports.
         # stats: [balancedness, 1 where reported] per layer.
         reporter = self.state.tp.rank == 0 and self.state.dp_cp.rank == 0
@@ -336,9 +363,14 @@ class Trainer:
             if update_biases and layer.router.config.use_expert_bias:
                 layer.router.update_expert_bias(loads[layer_id])
             if reporter:
-                stats[:, layer_id] = torch.tensor([layer.placement.balancedness(loads[layer_id]), 1.0])
+                # NaN loads (a meta dry run measured nothing) have no balancedness.
+                balance = (layer.placement.balancedness(host_loads[layer_id])
+                           if bool(host_loads[layer_id].isfinite().all()) else math.nan)
+                stats[:, layer_id] = torch.tensor([balance, 1.0])
+        stats = stats.to(self.device)
         comms.all_reduce_(stats, self.world_group)
+        stats = torch.tensor(host_floats(stats), dtype=torch.float64).view_as(stats)
         reported = stats[1] > 0
         per_layer = {i: stats[0, i].item() for i in reported.nonzero().flatten().tolist()}
         mean = (stats[0].sum() / stats[1].sum()).item() if reported.any() else 1.0
-        return mean, per_layer, loads
+        return mean, per_layer, host_loads

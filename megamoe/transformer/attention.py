@@ -266,7 +266,7 @@ class Attention(nn.Module):
                                   **factory)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(config.rope)
+        self.rotary = RotaryEmbedding(config.rope, device=device)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Redraw every parameter from full logical tensors (same values for every TP layout)."""

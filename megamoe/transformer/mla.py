@@ -146,7 +146,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, tp_group=tp_group,
                                         bias=config.attention_bias, input_is_parallel=True, init_method=init,
                                         **factory)
-        self.rotary = RotaryEmbedding(config.rope)
+        self.rotary = RotaryEmbedding(config.rope, device=device)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Redraw every parameter from full logical tensors (same values for every TP layout)."""

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megamoe.host_values import host_ints
+
 __all__ = ["RopeConfig", "RotaryEmbedding", "apply_rotary"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -204,21 +206,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
 class RotaryEmbedding(nn.Module):
     """cos / sin for given positions, and their application in the configured layout.
 
-    ``inv_freq`` is a non-persistent buffer (derived from the config, never checkpointed); it follows
+    ``inv_freq`` is a non-persistent buffer (derived from the config, never checkpointed), computed on
+    the CPU and created on ``device`` (the model's, so no forward mixes devices); it follows
     ``module.to(device)``.
     """
 
-    def __init__(self, config: RopeConfig):
+    def __init__(self, config: RopeConfig, *, device=None):
         super().__init__()
         self.config = config
         self.attention_scaling = config.attention_scaling()
-        self.register_buffer("inv_freq", config.inv_freq(), persistent=False)
+        self.register_buffer("inv_freq", config.inv_freq().to(device), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` [B, S] -> ``(cos, sin)``, each [B, S, dim/2] in fp32."""
         inv_freq = self.inv_freq
         if self.config.rope_type == "dynamic":
-            longest = int(position_ids.max()) + 1        # host sync, as in HF's dynamic update
+            # A host sync, as in HF's dynamic update; a meta dry run has positions 0 .. S - 1.
+            longest = host_ints(position_ids.max(), on_meta=[position_ids.shape[-1] - 1])[0] + 1
             if longest > self.config.max_position_embeddings:
                 inv_freq = self.config.inv_freq(longest).to(inv_freq.device)
         angles = position_ids[..., None].float() * inv_freq.float()

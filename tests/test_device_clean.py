@@ -1,0 +1,124 @@
+"""Device-cleanliness harness: whole training steps and a generation with every parameter and input on the
+``meta`` device, over torch's fake process group, so that a tensor the library creates on the CPU raises.
+
+Each case plays the ranks of a layout one after another in this process: ``dist.init_process_group`` with
+torch's ``fake`` backend (``torch.testing._internal.distributed.fake_pg.FakeStore``), registered for the
+``cpu`` and ``meta`` devices, makes every collective a no-op that still checks its tensors' devices and
+leaves receive buffers as the library allocated them (so their shapes must be right on their own).
+
+A stray CPU tensor is caught twice over: meta kernels refuse to combine a CPU and a meta tensor, and
+:class:`_StrayCpuTensors` (a dispatch mode) also refuses the mixes meta kernels let through (a 0-dim CPU
+tensor is a "scalar" to them) and any collective on a CPU tensor. Explicit copies (``.to(device)``,
+``copy_``) are allowed: they are deliberate transfers, e.g. the placement tables copied once per device.
+
+Values do not exist on meta: the library's host reads go through :mod:`megamoe.host_values`, whose
+documented meta assumptions keep the shapes consistent (every token sent to every EP rank, every pair
+dispatched, no padding, token 0 sampled), with torch's own
+``meta_nonzero_assume_all_nonzero`` so that ``nonzero`` agrees; the step's metrics read as NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megamoe import comms
+from megamoe.inference.generation import GenerationConfig, generate
+from megamoe.inference.sampling import SamplingConfig
+from megamoe.models import GPTMoEModel
+from megamoe.training.trainer import TrainConfig, Trainer
+from parallel_state import destroy_model_parallel, initialize_model_parallel
+from test_training import MICRO_BATCH, S, tiny_config
+
+WORLD_SIZE = 4
+_EXPLICIT_COPIES = {"aten::_to_copy", "aten::copy_"}
+
+
+class _StrayCpuTensors(TorchDispatchMode):
+    """Raise on an op that mixes CPU and meta tensors (other than an explicit copy) or on a collective
+    given a CPU tensor: where the library created a tensor without the model's device."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        name = func._schema.name
+        if "cpu" in devices and (("meta" in devices and name not in _EXPLICIT_COPIES) or func.namespace == "c10d"):
+            raise AssertionError(f"{name} got a CPU tensor in a meta run: a tensor created without device=")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _fake_rank(rank: int, **layout):
+    """This process as ``rank`` of a fake world of WORLD_SIZE ranks, with ``layout``'s groups."""
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=WORLD_SIZE)
+    try:
+        yield initialize_model_parallel(**layout)
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _meta_run():
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), _StrayCpuTensors(), comms.comm_counter() as counter:
+        yield counter
+
+
+# (dispatcher, layout, expert slots, parameter dtype): bf16 takes the experts' torch._grouped_mm path, fp32
+# their per-slot GEMMs (autocast has no meta device: the dtypes are the parameters'); 6 slots for 4
+# experts replicate two of them (the replica gradient sum and its share of the gradient norm).
+LAYOUTS = {
+    "alltoall-pp2-ep2-bf16": ("alltoall", dict(pp=2, ep=2), None, torch.bfloat16),
+    "allgather-tp2-ep2-pp2-fp32": ("allgather", dict(tp=2, ep=2, etp=1, pp=2), None, torch.float32),
+    "alltoall-ep2-dp2-replicas-fp32": ("alltoall", dict(ep=2), 6, torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    dispatcher, layout, num_slots, dtype = LAYOUTS[name]
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, **layout) as state:
+            model = GPTMoEModel(tiny_config(dispatcher, num_slots), state, device="meta", dtype=dtype)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]
+            with _meta_run() as counter:
+                metrics = trainer.train_step(micro_batches)
+            grads = [p.grad for p in model.parameters() if p.requires_grad]
+            assert all(g is not None and g.is_meta for g in grads), f"rank {rank}: a parameter got no meta gradient"
+            assert math.isnan(metrics.loss) and math.isnan(metrics.grad_norm), "meta metrics are not measured"
+            kinds = counter.kinds()
+            # The EP exchange really ran (not skipped), and so did the pipeline's point-to-point traffic.
+            assert kinds.get("all_to_all" if dispatcher == "alltoall" else "all_reduce", 0) > 0, kinds
+            if state.pp.size > 1:
+                assert kinds.get("send", 0) > 0 and kinds.get("recv", 0) > 0, kinds
+
+
+def test_generation_on_meta_creates_every_tensor_on_the_model_device():
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, pp=2, ep=2) as state:
+            model = GPTMoEModel(tiny_config("alltoall"), state, device="meta")
+            config = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, top_k=8, seed=0))
+            with _meta_run():
+                out = generate(model, state, [[1, 2, 3], [4, 5, 6]], config)
+            assert out.token_ids == [[0, 0, 0], [0, 0, 0]] and out.decode_steps == 2, out
+
+
+def test_train_step_moves_host_micro_batches_to_the_model_device():
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config("alltoall", num_layers=2), state, device="meta")
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2))
+    batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64)           # as a data loader returns it
+    with _meta_run():
+        trainer.train_step([(batch[:, :-1], batch[:, 1:])])
+    assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
