@@ -32,7 +32,7 @@ def test_step_record_nests_the_layers_and_scalar_tags_flatten_it():
     assert "moe_layers" not in record and record["lr"] == 1e-3 and record["time"] > 0
     tags = scalar_tags(record)
     assert tags == {"loss": 2.5, "aux_loss": 0.03, "grad_norm": 1.5, "tokens_per_s": 1000.0, "balancedness": 0.8,
-                    "tflops": 0.25, "peak_memory_bytes": float(1 << 30), "lr": 1e-3, "skipped": 1.0,
+                    "tflops": 0.25, "peak_memory_bytes": float(1 << 30), "lr": 1e-3, "skipped": 1.0, "consecutive_skips": 0.0,
                     "moe/layer_1/aux_loss": 0.02, "moe/layer_1/balancedness": 0.9,
                     "moe/layer_3/aux_loss": 0.01, "moe/layer_3/balancedness": 0.7}   # no step, time, lists, None
 

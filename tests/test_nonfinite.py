@@ -200,7 +200,7 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps():
 def test_fp16_training_backs_off_from_an_overflowing_scale_then_grows_and_checkpoints_its_scale(tmp_path):
     state, data = _single(), dataset()
     config = TrainConfig(lr=1e-2, autocast="fp16", max_skipped_steps=0,
-                         loss_scale=LossScaleConfig(initial_scale=2.0 ** 20, growth_interval=2))
+                         loss_scale=LossScaleConfig(initial_scale=2.0 ** 22, growth_interval=2))
     trainer, sampler = build_trainer(state, config=config), build_sampler(state)
     scales, skipped = [], []
     for _ in range(9):
@@ -210,7 +210,8 @@ def test_fp16_training_backs_off_from_an_overflowing_scale_then_grows_and_checkp
         skipped.append(m.skipped)
         if m.skipped:
             _assert_unchanged(trainer, snapshot)
-    # Measured: 2**20 and 2**19 overflow this model's fp16 backward, 2**18 sometimes, 2**17 not.
+    # Measured (router GEMM in fp32): 2**22 and 2**21 overflow this model's fp16 backward (first in
+    # lm_head's gradient), 2**20 sometimes, 2**19 not.
     assert skipped[0] and not all(skipped), (scales, skipped)
     good_in_a_row = 0
     for scale, next_scale, skip in zip(scales, scales[1:], skipped):

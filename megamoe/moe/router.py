@@ -180,6 +180,8 @@ class Router(nn.Module):
         dtype = compute_dtype(hidden.dtype, self.weight.dtype)
         # autocast would run the GEMM in bf16/fp16 whatever its inputs' dtype: routing decisions and the
         # router's gradient (which overflows fp16 under loss scaling) need the full precision.
+        if not torch.amp.is_autocast_available(hidden.device.type):      # e.g. meta: no autocast to leave
+            return F.linear(hidden.to(dtype), self.weight.to(dtype))
         with torch.autocast(hidden.device.type, enabled=False):
             return F.linear(hidden.to(dtype), self.weight.to(dtype))
 
