@@ -46,8 +46,9 @@ from megamoe.data.token_dataset import build_token_file, token_file_matches
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
-                           init_distributed, launch_world_size, run_script)
+from megamoe.launch import (HelpFormatter, UsageError, add_device_argument, add_launch_arguments,
+                           add_no_verify_checksums_argument, default_autocast, init_distributed, launch_world_size,
+                           resolve_device, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.moe_layer import MoEConfig
@@ -76,7 +77,6 @@ logger = logging.getLogger("pretrain_moe")
 PROG = "pretrain_moe.py"
 HEADS = 4
 KEEP_LAST_CHECKPOINTS = 2
-SAMPLE_PROMPT = "def "
 # A few samples at a moderate temperature show what the model learnt better than the greedy one alone,
 # which a small model soon locks into a loop (e.g. a run of digits).
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K, NUM_SAMPLES = 0.8, 40, 3
@@ -99,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="expert slots per MoE layer (>= experts, multiple of ep); extra slots replicate experts; "
                         "default: one per expert")
     add_launch_arguments(p)
+    add_device_argument(p)
+    p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
+                   help="mixed precision of the matmuls, with fp32 master weights: auto is bf16 on CUDA and none "
+                        "(fp32) on CPU; fp16 uses dynamic loss scaling")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=120, help="train until this optimizer step")
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step, over all DP ranks")
@@ -153,6 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "<work-dir>/log.jsonl")
     d.add_argument("--sample-tokens", type=int, default=32,
                    help="tokens of each sample printed at the end (0: no samples)")
+    d.add_argument("--sample-prompt", default="def ", help="the prompt of the samples")
     return p.parse_args(argv)
 
 
@@ -438,16 +443,16 @@ def move_aside(save_dir: Path, run_id: str) -> None:
 
 
 def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
-    """Greedy and temperature samples of SAMPLE_PROMPT: collective, every rank generates."""
-    prompt = tokenizer.encode(SAMPLE_PROMPT)
+    """Greedy and temperature samples of --sample-prompt: collective, every rank generates."""
+    prompt = tokenizer.encode(args.sample_prompt)
     greedy = generate(model, state, [prompt], GenerationConfig(max_new_tokens=args.sample_tokens))
     sampling = SamplingConfig(temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=args.seed)
     sampled = generate(model, state, [prompt] * NUM_SAMPLES,
                        GenerationConfig(max_new_tokens=args.sample_tokens, sampling=sampling))
     if rank == 0:
-        text = [f"--- greedy sample ---\n{SAMPLE_PROMPT}{tokenizer.decode(greedy.token_ids[0])}"]
+        text = [f"--- greedy sample ---\n{args.sample_prompt}{tokenizer.decode(greedy.token_ids[0])}"]
         text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed}) "
-                 f"---\n{SAMPLE_PROMPT}{tokenizer.decode(ids)}" for i, ids in enumerate(sampled.token_ids)]
+                 f"---\n{args.sample_prompt}{tokenizer.decode(ids)}" for i, ids in enumerate(sampled.token_ids)]
         print("\n" + "\n".join(text) + "\n---------------------", flush=True)
 
 
@@ -478,8 +483,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     source = check_arguments(args, launch_world_size())
     plan = plan_start(args)
-    rank, world = init_distributed(comm_timeout_s=args.comm_timeout)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = resolve_device(args.device)
+    autocast = default_autocast(device) if args.autocast == "auto" else None if args.autocast == "none" else args.autocast
+    rank, world = init_distributed(comm_timeout_s=args.comm_timeout, device=device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     world_group = dist.group.WORLD if world > 1 else None
@@ -487,8 +495,9 @@ def main(argv=None) -> int:
     state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp,
                                        timeout=datetime.timedelta(seconds=args.comm_timeout))
              if dist.is_initialized() else ParallelState.single_process())
-    logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s", world, args.tp, args.pp,
-                state.dp_cp.size, args.ep, etp, args.dispatcher)
+    logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s; device %s%s, autocast %s", world, args.tp,
+                args.pp, state.dp_cp.size, args.ep, etp, args.dispatcher, device,
+                f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "", autocast or "none (fp32)")
     # A run resumed from its own save directory continues that run's id, so it prunes the older
     # checkpoints of the run; a fresh start (or another --load-dir) is a new run.
     inherited = checkpoint_run_id(plan.resume_from) if plan.resumes_save_dir else None
@@ -516,7 +525,8 @@ def main(argv=None) -> int:
         # Resuming: the checkpoint overwrites every weight, so the HF tensors are not read.
         model, _ = start_from_hf(args.hf_model, state, dispatcher=args.dispatcher,
                                  num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
-                                 expert_backend=args.expert_backend, load_weights=plan.resume_from is None)
+                                 expert_backend=args.expert_backend, device=device,
+                                 load_weights=plan.resume_from is None)
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
     else:
@@ -525,13 +535,15 @@ def main(argv=None) -> int:
             config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
                 dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load)
-        model = GPTMoEModel(config, state, placements=placements)
+        model = GPTMoEModel(config, state, placements=placements, device=device)
         initialize_parameters(model, args.seed)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
         provenance = HFProvenance.of_checkpoint(plan.resume_from) or provenance
-    peak = resolve_peak_tflops(next(model.parameters()).device, torch.float32, explicit_tflops=args.peak_tflops)
-    trainer = Trainer(model, state, TrainConfig(lr=args.lr, **train_config_kwargs(args, train_steps=args.steps)),
+    matmul_dtype = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
+    peak = resolve_peak_tflops(device, matmul_dtype, explicit_tflops=args.peak_tflops)
+    trainer = Trainer(model, state, TrainConfig(lr=args.lr, autocast=autocast,
+                                                **train_config_kwargs(args, train_steps=args.steps)),
                       world_group=world_group, peak_tflops=peak.tflops)
     sampler = ResumableSampler(len(data.train), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                                dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, seed=args.seed)
