@@ -82,7 +82,7 @@ KEEP_LAST_CHECKPOINTS = 2
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K, NUM_SAMPLES = 0.8, 40, 3
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallel layout (world size = tp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
@@ -158,7 +158,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--sample-tokens", type=int, default=32,
                    help="tokens of each sample printed at the end (0: no samples)")
     d.add_argument("--sample-prompt", default="def ", help="the prompt of the samples")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
