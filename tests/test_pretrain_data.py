@@ -1,0 +1,129 @@
+"""examples/pretrain_moe.py on the user's data: documents, token files and Megatron datasets blended by
+weight, held-out eval, packing; and every bad-data case ends in one ``error:`` line naming the file
+(and line) before any training, with nothing half-written."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megamoe.data.token_dataset import build_token_file
+from megamoe.data.tokenizer import Tokenizer
+from megamoe.launch import run_script
+from test_hf_start import save_tokenizer, sentences
+from test_indexed_dataset import write_megatron
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--hidden", 16, "--layers", 2, "--experts", 4, "--top-k", 2, "--seq-len", 16, "--global-batch", 4,
+        "--micro-batch", 2, "--sample-tokens", 0, "--save-every", 100, "--expert-backend", "torch"]
+
+
+@pytest.fixture
+def demo(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tokenizer, and the same kind of text as JSONL, a directory of text files, a token file and a
+    Megatron dataset (its ids: the tokenizer's, with EOS after each document)."""
+    root = tmp_path_factory.mktemp("inputs")
+    save_tokenizer(root / "tok")
+    tokenizer = Tokenizer.from_path(root / "tok")
+    (root / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in sentences(120, seed=1)))
+    (root / "texts").mkdir()
+    for i, text in enumerate(sentences(60, seed=2)):
+        (root / "texts" / f"{i:03d}.txt").write_text(text)
+    build_token_file(sentences(80, seed=3), tokenizer, root / "c.bin")
+    docs = [[tokenizer.encode(t) + [tokenizer.eos_id]] for t in sentences(80, seed=4)]
+    write_megatron(root / "meg", docs, 4)                                # int32
+    return root, tokenizer
+
+
+def _run(demo, argv, capsys):
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _base(tmp_path, inputs):
+    root, _ = inputs
+    return ["--tokenizer", root / "tok", "--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", *TINY]
+
+
+def test_every_format_blended_with_eval_and_packing(demo, inputs, tmp_path, capsys, caplog):
+    root, tokenizer = inputs
+    caplog.set_level("INFO")
+    argv = [*_base(tmp_path, inputs), "--data", root / "a.jsonl", root / "texts", root / "c.bin", root / "meg",
+            "--data-weights", 4, 1, 1, 2, "--text-field", "body", "--eval-fraction", 0.1, "--eval-every", 2,
+            "--steps", 3, "--reset-position-ids", "--reset-attention-mask", "--lr-schedule", "linear",
+            "--warmup-steps", 1]
+    code, _, err = _run(demo, argv, capsys)
+    assert code == 0, err
+    blend = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("blend of"))
+    counts = [int(part.rsplit(": ", 1)[1]) for part in blend.split(": ", 1)[1].split(", ")]
+    assert sum(counts) > 0 and counts[0] > counts[3] > counts[1]             # weights 4 : 1 : 1 : 2
+    assert "packed documents: PackingConfig(" in caplog.text
+    # The documents were tokenized into the cache with the tokenizer: the same ids as build_token_file's.
+    cached_jsonl, = (tmp_path / "work" / "data_cache").glob("a_*.bin")
+    expected = [i for t in sentences(120, seed=1) for i in tokenizer.encode(t) + [tokenizer.eos_id]]
+    assert np.fromfile(cached_jsonl, dtype="<u2").tolist() == expected
+    records = [json.loads(line) for line in (tmp_path / "work" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
+    assert [r["lr"] for r in records if "loss" in r] == pytest.approx([5e-3, 2.5e-3, 0.0])
+
+
+def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, ...]]]:
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "the cat ."}\n{"text": "the dog"\n')
+    no_field = tmp_path / "nofield.jsonl"
+    no_field.write_text('{"text": "the cat ."}\n{"body": "the dog ."}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    bad_idx = tmp_path / "badidx"
+    for suffix in (".bin", ".idx"):
+        Path(f"{bad_idx}{suffix}").write_bytes(Path(f"{root / 'meg'}{suffix}").read_bytes())
+    Path(f"{bad_idx}.bin").write_bytes(Path(f"{bad_idx}.bin").read_bytes()[:-4])   # one token short
+    big = tmp_path / "bigtok"
+    save_tokenizer(big, extra_words=[f"w{i}" for i in range(200)])
+    return {
+        "not JSON": (["--data", bad_jsonl], (f"{bad_jsonl}:2",)),
+        "no text field": (["--data", no_field], (f"{no_field}:2", "'text'")),
+        "empty dataset": (["--data", empty], (f"{empty}",)),
+        "idx vs bin": (["--data", bad_idx], (f"{bad_idx}", ".bin")),
+        "weights": (["--data", root / "c.bin", root / "meg", "--data-weights", 1], ("--data-weights", "1 weight",
+                                                                                   "2 --data path")),
+        "missing": (["--data", tmp_path / "nowhere.jsonl"], ("nowhere.jsonl", "does not exist")),
+        "eval flags": (["--data", root / "c.bin", "--eval-data", root / "meg", "--eval-fraction", 0.1],
+                       ("--eval-fraction and --eval-data",)),
+        "other tokenizer's token file": (["--data", root / "c.bin", "--tokenizer", big], ("was tokenized with",)),
+    }
+
+
+@pytest.mark.parametrize("case", ["not JSON", "no text field", "empty dataset", "idx vs bin", "weights", "missing",
+                                  "eval flags", "other tokenizer's token file"])
+def test_bad_data_ends_in_one_error_line_and_leaves_no_token_file(demo, inputs, tmp_path, case, capsys):
+    root, _ = inputs
+    flags, fragments = _bad_cases(root, tmp_path)[case]
+    code, _, err = _run(demo, [*_base(tmp_path, inputs), "--steps", 1, *flags], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    cache = tmp_path / "work" / "data_cache"
+    assert not cache.exists() or not any(cache.iterdir()), "no partial token file"
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir()), "nothing trained"
