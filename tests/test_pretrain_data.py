@@ -127,3 +127,20 @@ def test_bad_data_ends_in_one_error_line_and_leaves_no_token_file(demo, inputs, 
     cache = tmp_path / "work" / "data_cache"
     assert not cache.exists() or not any(cache.iterdir()), "no partial token file"
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir()), "nothing trained"
+
+
+def test_a_megatron_dataset_gives_the_samples_of_the_same_documents_as_jsonl(inputs, tmp_path):
+    """Megatron's .bin/.idx (written from the format specification) and the same documents as JSON Lines,
+    tokenized by megamoe-preprocess, are the same training samples."""
+    from megamoe.data.preprocess import preprocess
+    from megamoe.data.token_dataset import TokenDataset
+
+    root, tokenizer = inputs
+    jsonl = tmp_path / "same.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in sentences(80, seed=4)))
+    preprocess([jsonl], tokenizer, tmp_path / "same.bin", workers=1)
+    megatron, from_jsonl = TokenDataset(root / "meg", 16, vocab_size=tokenizer.vocab_size), TokenDataset(
+        tmp_path / "same.bin", 16)
+    assert len(megatron) == len(from_jsonl) > 10
+    for got, expected in zip(megatron.batch(range(len(megatron))), from_jsonl.batch(range(len(from_jsonl)))):
+        assert torch.equal(got, expected)
