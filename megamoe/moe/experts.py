@@ -13,10 +13,10 @@ Backends (one interface, see :class:`GroupedExperts`):
 - ``torch``: one fused autograd function for the whole expert MLP: one grouped GEMM per projection
   (gate and up fused), hand-written backward that writes each gradient once, straight into its
   stacked buffer. The grouped GEMM is ``torch._grouped_mm`` on accelerators for bf16 rows (the dtype
-  its kernels and torch's meta checks accept; other dtypes take the per-slot loop below). On CPU, where
-  ``torch._grouped_mm`` is a serial loop of GEMMs each split over all threads, it is one
-  single-threaded ``torch.mm(..., out=slice)`` per slot with the slots spread over worker threads
-  (see :func:`_for_each_slot`; ``benchmarks/moe_layer.py`` has both as rows).
+  its kernels and torch's meta checks accept; other dtypes take the per-slot loop below). On CPU it is
+  one ``torch.mm(..., out=slice)`` per slot, each on all threads, the same serial loop as
+  ``torch._grouped_mm`` on CPU but for any dtype (see :func:`_for_each_slot`; ``benchmarks/moe_layer.py``
+  has both as rows).
 - ``loop``: the reference: plain autograd over ``F.linear`` per slot, on ``split`` / ``unbind`` views
   (never ``weight[slot]`` indexing, whose backward materialises a zero-filled full-size gradient per
   slot).
@@ -31,9 +31,6 @@ raises rather than fall back to the emulation. See :mod:`megamoe.moe.fp8_experts
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -407,79 +404,17 @@ class SlotGroups:
 
 
 def _for_each_slot(sizes: list[int], gemm: Callable[[int], object]) -> None:
-    """Run ``gemm(s)`` for every slot with rows, on CPU.
+    """Run ``gemm(s)`` for every slot with rows, on the calling thread, each GEMM on all of torch's
+    threads (what ``torch._grouped_mm`` does on CPU, for any dtype and into ``out=`` slices).
 
-    With T = ``torch.get_num_threads()`` > 1 threads and at least 2T slots to compute, the slots
-    are spread over T single-threaded worker threads (longest first onto the least loaded worker)
-    instead of splitting every small GEMM over all T threads: a few hundred rows per slot are too
-    few for MKL to scale (measured 1.3x the dense time with 2 threads), and each split GEMM ends in
-    a barrier that a descheduled thread stalls. ``torch.mm`` releases the GIL, so the workers' GEMMs
-    run in parallel; the calling thread only waits. With fewer slots (too few to balance the
-    workers) each GEMM gets all T threads.
+    Measured in the full training step of ``benchmarks/train_step.py`` (2 threads): spreading the
+    slots over single-threaded worker threads instead, which wins when the expert GEMMs run alone
+    (``benchmarks/moe_layer.py``), made the step about 10% slower: inside a step the workers wait on
+    and contend with the main thread's other work.
     """
-    slots = sorted((s for s, n in enumerate(sizes) if n > 0), key=lambda s: -sizes[s])
-    num_threads = torch.get_num_threads()
-    if num_threads <= 1 or len(slots) < 2 * num_threads:
-        for s in slots:
+    for s, n in enumerate(sizes):
+        if n > 0:
             gemm(s)
-        return
-    buckets: list[list[int]] = [[] for _ in range(num_threads)]
-    loads = [0] * len(buckets)
-    for s in slots:
-        least = loads.index(min(loads))
-        buckets[least].append(s)
-        loads[least] += sizes[s]
-
-    def run(bucket: list[int]) -> None:
-        with torch.no_grad():  # grad mode is per thread; these GEMMs run inside an autograd.Function
-            for s in bucket:
-                gemm(s)
-
-    pool = _single_threaded_workers(num_threads)
-    for future in [pool.submit(run, bucket) for bucket in buckets]:
-        future.result()
-
-
-_WORKERS: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, number of workers, pool)
-_WORKERS_LOCK = threading.Lock()
-
-
-def _single_threaded_workers(count: int) -> ThreadPoolExecutor:
-    """``count`` worker threads whose GEMMs run single-threaded.
-
-    MKL's and OpenMP's thread counts are per thread: each worker calls ``torch.set_num_threads(1)``
-    once when it starts, then the caller's count is set again (``torch.set_num_threads`` also writes
-    process-wide state, which ``torch.get_num_threads`` reports). Switching the count around every
-    call instead costs ~20 ms each time (the next parallel op rebuilds a thread pool). The pool is
-    rebuilt after a fork (a forked child has none of its parent's threads) or when ``count``
-    changes.
-    """
-    global _WORKERS
-    with _WORKERS_LOCK:
-        if _WORKERS is None or _WORKERS[:2] != (os.getpid(), count):
-            if _WORKERS is not None and _WORKERS[0] == os.getpid():
-                _WORKERS[2].shutdown(wait=False)  # the thread count changed
-            _WORKERS = (os.getpid(), count, _start_single_threaded_workers(count))
-        return _WORKERS[2]
-
-
-def _start_single_threaded_workers(count: int) -> ThreadPoolExecutor:
-    caller_threads = torch.get_num_threads()
-    started = threading.Barrier(count + 1)
-
-    def start_worker() -> None:
-        torch.set_num_threads(1)
-        started.wait()
-
-    pool = ThreadPoolExecutor(count, thread_name_prefix="megamoe-gemm")
-    # Tasks that block until all have started occupy one new thread each: every worker sets its
-    # count before the caller's is restored and before any GEMM runs.
-    starting = [pool.submit(start_worker) for _ in range(count)]
-    started.wait()
-    for future in starting:
-        future.result()
-    torch.set_num_threads(caller_threads)
-    return pool
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: SlotGroups) -> torch.Tensor:

@@ -33,11 +33,10 @@ Norms, activations, softmax, RoPE and the loss are elementwise and not counted (
 ``num_floating_point_operations``).
 
 Checking against :class:`FlopCounterMode` (tests/test_flops.py: equal on GQA and MLA configs): run
-the MoE experts on the ``loop`` backend (``MoEConfig.expert_backend="loop"``, one ``F.linear`` per slot
-in the calling thread) and SDPA on the math backend. The ``torch`` expert backend is invisible to it:
-on CPU its GEMMs run in worker threads, outside the counting thread's dispatch mode, and
-``torch._grouped_mm`` (accelerators) has no FlopCounterMode formula (torch 2.13); CPU's fused SDPA
-kernel has none either.
+the MoE experts on the ``loop`` backend (``MoEConfig.expert_backend="loop"``, one ``F.linear`` per slot)
+or the ``torch`` one on CPU (one ``torch.mm`` per slot, on the calling thread), and SDPA on the math
+backend. ``torch._grouped_mm`` (the ``torch`` backend on accelerators) has no FlopCounterMode formula
+(torch 2.13); CPU's fused SDPA kernel has none either.
 """
 
 from __future__ import annotations
