@@ -17,13 +17,16 @@ from typing import Callable
 
 from megamoe.launch import HelpFormatter
 
-__all__ = ["argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "keep_freed_memory_in_heap",
+__all__ = ["argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "NOISY_SPREAD", "keep_freed_memory_in_heap",
            "time_call", "write_results"]
 
 # transformers' experts implementations that need CUDA kernels, and why they are skipped here.
 HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
 # batched_mm gathers one [2F+F, H] weight copy per (token, expert) pair: skip it above this size.
 BATCHED_MM_MEMORY_LIMIT = 4 << 30
+# A row's median / min step time above this: the host was busy while it ran (other processes only add
+# time, so the minimum is the figure to judge by); the scripts warn.
+NOISY_SPREAD = 1.3
 
 
 def argument_parser(doc: str) -> argparse.ArgumentParser:

@@ -55,8 +55,8 @@ from typing import Callable
 import torch
 
 from checkpoint_tools.adapters import adapter_for
-from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, argument_parser,  # sibling module
-                    keep_freed_memory_in_heap, time_call, write_results)
+from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, NOISY_SPREAD,  # sibling module
+                    argument_parser, keep_freed_memory_in_heap, time_call, write_results)
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
 from megamoe.models.hf_loading import load_logical_state
@@ -72,7 +72,6 @@ MEGAMOE_BACKENDS = ("torch", "loop")
 TARGET_OVER_EXTENDED_BOUND = 1.3      # step time <= 1.3 x the extended bound
 TARGET_OVER_HF_GROUPED_MM = 1.2       # tokens/s >= 1.2 x hf/grouped_mm's
 TARGET_SLOWER_THAN_OTHER_BACKEND = 1.05   # never more than 5% slower than another megamoe backend
-NOISY_SPREAD = 1.3                    # median / min above this: the host was busy
 TRAIN = TrainConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0)
 LOSS_ATOL = 1e-4
 
@@ -384,7 +383,8 @@ def main(argv=None) -> int:
     print(f"model: {shape}; {tokens} tokens per step; {repeats} interleaved repeats; loss check passed "
           f"({', '.join(f'{r.name} {r.losses[0]:.4f}' for r in rows if r.losses)})")
     header = "".join(f" {'/ ' + name:>16s}" for name in hf_rows)
-    print(f"\n{'row':18s} {'min ms':>8s} {'median ms':>9s} {'spread':>6s} {'tokens/s':>9s} {'x ext bound':>11s}{header}")
+    print(f"\n{'row':18s} {'min ms':>8s} {'median ms':>9s} {'spread':>6s} {'tokens/s':>9s} "
+          f"{'x ext bound':>11s}{header}")
     noisy = []
     for row in rows:
         if row.skip_reason is not None:

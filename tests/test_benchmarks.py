@@ -65,9 +65,13 @@ def test_moe_layer_benchmark_on_a_small_shape(monkeypatch, tmp_path):
     assert entry["T_H_F_E_K"] == [64, 32, 16, 8, 2] and entry["target_megamoe_torch_train"] is None
     rows = {row["name"]: row for row in entry["rows"]}
     assert {"bound", "megamoe/torch", "megamoe/loop", "qwen3_moe/eager", "mixtral/grouped_mm"} <= set(rows)
-    assert rows["bound"]["train_step_ratio"] == 1.0
+    assert rows["bound"]["train_step_ratio"] == 1.0 and rows["bound"]["train_step_min_ratio"] == 1.0
     for name in ("megamoe/torch", "megamoe/loop"):
         assert rows[name]["forward"]["repeats"] == 3 and rows[name]["train_step_ratio"] > 0
+        train = rows[name]["train_step"]
+        assert rows[name]["train_step_spread"] == pytest.approx(train["median_s"] / train["min_s"])
+    assert set(entry["noisy_rows"]) == {n for n, r in rows.items()
+                                        if "train_step_spread" in r and r["train_step_spread"] > moe_layer.NOISY_SPREAD}
 
 
 @pytest.mark.slow      # ~65 s on an idle machine, two compilations of the decode step included
