@@ -407,10 +407,10 @@ def _for_each_slot(sizes: list[int], gemm: Callable[[int], object]) -> None:
     """Run ``gemm(s)`` for every slot with rows, on the calling thread, each GEMM on all of torch's
     threads (what ``torch._grouped_mm`` does on CPU, for any dtype and into ``out=`` slices).
 
-    Measured in the full training step of ``benchmarks/train_step.py`` (2 threads): spreading the
-    slots over single-threaded worker threads instead, which wins when the expert GEMMs run alone
-    (``benchmarks/moe_layer.py``), made the step about 10% slower: inside a step the workers wait on
-    and contend with the main thread's other work.
+    Measured in the full training step of ``benchmarks/train_step.py`` (2 threads, minima of 5
+    interleaved repeats): spreading the slots over single-threaded worker threads instead made the step
+    about 10% slower (1192 ms against 1063 ms), although the layer alone (``benchmarks/moe_layer.py``)
+    ran about 5% faster that way. The step is what counts.
     """
     for s, n in enumerate(sizes):
         if n > 0:
