@@ -486,3 +486,11 @@ def test_load_expert_load_rejects_nan(tmp_path):
     path.write_text(json.dumps(valid_document()).replace("2.5", "NaN"))
     with pytest.raises(ValueError, match="NaN or infinite"):
         load_expert_load(path)
+
+
+def test_balanced_packing_puts_balance_before_separating_replicas():
+    """Regression (issue #18): starting the packing from a replica-separating greedy trapped the swaps at
+    balancedness 0.987 for a Zipf(1.5) load over 64 experts, 72 slots, EP 8; 0.9999 is reachable."""
+    load = [1 / (i + 1) ** 1.5 for i in range(64)]
+    placement = ExpertPlacement.balanced(load, 72, 8)
+    assert placement.balancedness(load) >= 0.9995

@@ -203,9 +203,10 @@ class ExpertPlacement:
            replica (a replica is assumed to take an even share of its expert's tokens, which is what
            :meth:`choose_slots` does), at most one replica per rank while other experts can take one.
         2. Packing: replicas onto ranks, exactly ``slots_per_rank`` each, greedy heaviest-first onto the
-           lightest rank with room (avoiding a second replica of an expert on one rank where possible),
-           then swaps that lower the heaviest rank, then swaps that separate replicas of one expert
-           without raising it (balance wins over separation).
+           lightest rank with room (once avoiding a second replica of an expert on one rank where
+           possible, once not), each followed by swaps that lower the heaviest rank, then swaps that
+           separate replicas of one expert without raising it; the lighter result is kept (balance wins
+           over separation).
         3. If :meth:`default` has a lighter heaviest rank for this load (small, lumpy loads), it is
            returned instead, so the result is never worse than the default layout.
 
