@@ -494,3 +494,12 @@ def test_balanced_packing_puts_balance_before_separating_replicas():
     load = [1 / (i + 1) ** 1.5 for i in range(64)]
     placement = ExpertPlacement.balanced(load, 72, 8)
     assert placement.balancedness(load) >= 0.9995
+
+
+def test_balanced_replica_counts_follow_the_packing():
+    """Regression (issue #18): the one-replica-per-rank cap chose [2, 4, 2] replicas for loads [33, 68, 17]
+    on 8 slots over 4 ranks (balancedness 0.881); [2, 5, 1] packs to 0.964."""
+    load = [33.0, 68.0, 17.0]
+    placement = ExpertPlacement.balanced(load, 8, 4)
+    assert placement.replica_counts.tolist() == [2, 5, 1]
+    assert placement.balancedness(load) == pytest.approx((33 + 68 + 17) / 4 / (17 + 68 / 5))

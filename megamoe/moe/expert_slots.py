@@ -202,6 +202,8 @@ class ExpertPlacement:
         1. Replicas: one slot per expert, then each extra slot to the expert with the highest load per
            replica (a replica is assumed to take an even share of its expert's tokens, which is what
            :meth:`choose_slots` does), at most one replica per rank while other experts can take one.
+           After the packing (step 2), single replicas are moved from one expert to another while that
+           lowers the heaviest rank (with few slots per rank the packing, not the shares, decides).
         2. Packing: replicas onto ranks, exactly ``slots_per_rank`` each, greedy heaviest-first onto the
            lightest rank with room (once avoiding a second replica of an expert on one rank where
            possible, once not), each followed by swaps that lower the heaviest rank, then swaps that
