@@ -1,7 +1,28 @@
-"""Tests marked ``cuda`` (registered in pyproject.toml) need a CUDA GPU: skipped, saying so, without one."""
+"""Shared by the tests: the ``demo`` fixture (examples/pretrain_moe.py as a module), and the ``cuda``
+marker (registered in pyproject.toml): tests that need a CUDA GPU are skipped, saying so, without one."""
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def demo(monkeypatch):
+    """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,6 @@
 loses nothing and reuses the tokenizer and token file, user errors end in one line before any
 expensive work, and a failing rank ends a job promptly with its own error."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -13,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from megamoe.launch import run_script
 from megamoe.training.checkpoint import checkpoint_run_id, list_checkpoints
@@ -59,20 +57,6 @@ def _records(path):
 
 def _step_records(path):
     return [r for r in _records(path) if "step" in r]
-
-
-@pytest.fixture
-def demo(monkeypatch):
-    """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
-    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    yield module
-    torch.set_num_threads(threads)
 
 
 def _run(demo, argv, capsys):

@@ -6,7 +6,6 @@ loss on that data has clearly fallen; bad input ends in one error line before an
 """
 
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -199,20 +198,6 @@ def token_file(hf_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "tokens.bin"
     build_token_file(sentences(400), Tokenizer.from_path(hf_dir[0]), path)
     return path
-
-
-@pytest.fixture
-def demo(monkeypatch):
-    """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
-    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    yield module
-    torch.set_num_threads(threads)
 
 
 def _run(demo, argv, capsys):

@@ -2,9 +2,7 @@
 weight, held-out eval, packing; and every bad-data case ends in one ``error:`` line naming the file
 (and line) before any training, with nothing half-written."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,22 +15,8 @@ from megamoe.launch import run_script
 from test_hf_start import save_tokenizer, sentences
 from test_indexed_dataset import write_megatron
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = ["--hidden", 16, "--layers", 2, "--experts", 4, "--top-k", 2, "--seq-len", 16, "--global-batch", 4,
         "--micro-batch", 2, "--sample-tokens", 0, "--save-every", 100, "--expert-backend", "torch"]
-
-
-@pytest.fixture
-def demo(monkeypatch):
-    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    yield module
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
