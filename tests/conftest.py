@@ -1,4 +1,4 @@
-"""Shared by the tests: the ``demo`` fixture (examples/pretrain_moe.py as a module), and the ``cuda``
+"""Shared by the tests: the ``demo`` fixture (examples/pretrain_moe.py as a module), ``one_thread``, and the ``cuda``
 marker (registered in pyproject.toml): tests that need a CUDA GPU are skipped, saying so, without one."""
 
 import importlib.util
@@ -33,3 +33,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, as the example scripts run: GEMM rounding may depend on the
+    thread count where results are compared bitwise (and on a busy 2-core machine two threads make
+    tiny steps about ten times slower). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -6,7 +6,6 @@ import logging
 import math
 
 import pytest
-import torch
 
 from checkpoint_tools.format import CheckpointError
 from checkpointed_training import build_sampler, build_trainer, dataset
@@ -124,14 +123,7 @@ def _single():
     return ParallelState.single_process()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)        # bitwise comparisons between runs; and faster on a busy machine
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # bitwise comparisons between runs
 
 
 def _run(trainer, sampler, data, num_steps):

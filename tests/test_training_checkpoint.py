@@ -33,17 +33,7 @@ def _single():
     return ParallelState.single_process()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """As the script runs: GEMM rounding may depend on the thread count, and the comparisons with its
-    losses are bitwise. (Also: on a busy 2-core machine, two intra-op threads make these tiny steps
-    about ten times slower.)"""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reference_losses(num_steps):

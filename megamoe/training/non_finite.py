@@ -87,17 +87,24 @@ def locate_non_finite(model: nn.Module, state, world_group, *, loss_finite: bool
         rank, name = values[0]
         return f"parameter {name!r} holds NaN or Inf (rank {rank})"
     if loss_finite:
-        grads = _gathered((state.pp.rank, _last_non_finite_gradient(model)), world_group)
-        grads = [(rank, (stage, name)) for rank, (stage, name) in grads if name is not None]
-        if grads:
-            last_stage = max(stage for _, (stage, _) in grads)
-            rank, (_, name) = next(g for g in grads if g[1][0] == last_stage)
+        found = _on_stage(_gathered((state.pp.rank, _last_non_finite_gradient(model)), world_group), max)
+        if found is not None:
+            rank, name = found
             return f"the gradient of parameter {name!r} went non-finite first in the backward (rank {rank})"
         return "the gradient norm is non-finite, but no gradient holds NaN or Inf (an overflow of the norm)"
-    modules = _gathered((state.pp.rank, _first_non_finite_module(model, rerun_forward)), world_group)
-    modules = [(rank, (stage, name)) for rank, (stage, name) in modules if name is not None]
-    if modules:
-        first_stage = min(stage for _, (stage, _) in modules)
-        rank, (_, name) = next(m for m in modules if m[1][0] == first_stage)
+    found = _on_stage(_gathered((state.pp.rank, _first_non_finite_module(model, rerun_forward)), world_group), min)
+    if found is not None:
+        rank, name = found
         return f"the output of module {name!r} went non-finite first in the forward (rank {rank})"
     return "the loss is non-finite, but no parameter, gradient or module output holds NaN or Inf"
+
+
+def _on_stage(gathered: list, choose_stage) -> tuple[int, str] | None:
+    """``(rank, name)`` of the first rank reporting a name on the stage ``choose_stage`` (max: the last
+    stage, where the backward starts; min: the first, where the forward starts) among ranks' ``(stage,
+    name or None)``; None when no rank found one."""
+    found = [(rank, (stage, name)) for rank, (stage, name) in gathered if name is not None]
+    if not found:
+        return None
+    stage = choose_stage(stage for _, (stage, _) in found)
+    return next((rank, name) for rank, (s, name) in found if s == stage)
