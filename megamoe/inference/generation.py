@@ -50,6 +50,7 @@ from megamoe.host_values import host_ints
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 
 __all__ = ["GenerationConfig", "GenerationOutput", "generate", "left_padded_batch"]
 
@@ -81,6 +82,7 @@ class GenerationOutput:
     decode_steps: int                    # forward passes after the prefill (the same on every rank)
     compile_seconds: float = 0.0         # of decode_seconds, in steps during which torch.compile compiled
     compile_tokens: int = 0              # of decode_tokens, produced by those steps
+    eplb_reports: list[EPLBReport] = field(default_factory=list)   # generate(eplb=...): each rebalancing round
 
     @property
     def decode_tokens(self) -> int:
@@ -198,18 +200,36 @@ def _any_unfinished(finished: torch.Tensor, state, device) -> bool:
 
 @torch.no_grad()
 def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config: GenerationConfig, *,
-             request_ids: Sequence[int] | None = None, compiled: bool = False) -> GenerationOutput:
+             request_ids: Sequence[int] | None = None, compiled: bool = False, eplb: EPLBConfig | None = None,
+             data_parallel_attention: bool = False) -> GenerationOutput:
     """Generate continuations of ``prompts`` (lists of token ids) on this rank's pipeline stage
     ``model`` of the layout ``state`` (see the module docstring for who passes which prompts).
 
     ``request_ids`` (default ``0 .. len(prompts) - 1``) seed each request's sampling generator.
     ``compiled``: decode steps through ``torch.compile`` (see the module docstring; every rank must
     pass the same). Returns this rank's requests' new token ids, why each stopped, and timings.
+
+    ``eplb``: online expert rebalancing (:mod:`megamoe.moe.eplb`) between decode steps: the load window
+    and ``interval`` count forward passes (the prefill is the first); the KV caches are untouched, and
+    ``GenerationOutput.eplb_reports`` lists the rounds. The load counts each token once, as
+    :func:`~megamoe.inference.expert_load.gather_expert_load` does: pass ``data_parallel_attention=True``
+    when each data-parallel rank serves its own requests (their loads are then summed). Not with
+    ``compiled=True``: the compiled decode graph would keep the old placement's tables.
     """
     prompts = _check_prompts(prompts, model.config.vocab_size)
     request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
     if len(request_ids) != len(prompts):
         raise ValueError(f"request_ids has {len(request_ids)} entries for {len(prompts)} prompts")
+    if eplb is not None and compiled:
+        raise ValueError("generate(compiled=True) cannot rebalance experts (eplb): the compiled decode step captures "
+                         "the expert placement's tables, which a rebalance replaces; pass compiled=False to rebalance, "
+                         "or eplb=None to compile")
+    rebalancer = None
+    if eplb is not None:
+        rebalancer = ExpertRebalancer(
+            model, state, eplb, world_group=torch.distributed.group.WORLD if state.world_size > 1 else None,
+            counts_tokens=state.tp.rank == 0 and (data_parallel_attention or state.dp.rank == 0),
+            cumulative_counters=True)
     device = next(model.parameters()).device
     has_requests = bool(prompts)
     rows = prompts if has_requests else [[0]]                    # no request: one padding row
@@ -227,6 +247,9 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
     started = time.perf_counter()
     tokens = _step(model, state, ids, positions, caches, mask[:, :prompt_len], sampling, generators)
     prefill_done = time.perf_counter()
+    forward_passes = 1
+    if rebalancer is not None:
+        rebalancer.record()
     token_mask = None
     if compiled:                  # decode steps write every cache at one position held in a tensor
         write_index = torch.zeros(1, dtype=torch.int64, device=device)
@@ -245,6 +268,8 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
                 reasons[row] = "stop"
         if step + 1 == config.max_new_tokens or not _any_unfinished(finished, state, device):
             break
+        if rebalancer is not None and rebalancer.due(forward_passes):   # between decode steps
+            rebalancer.rebalance(forward_passes)
         column = prompt_len + step                              # cache index of the token fed now
         mask[:, column] = ~finished.to(device)                  # finished rows continue as padding
         positions = positions[:, -1:] + 1
@@ -261,7 +286,11 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
             compile_seconds += time.perf_counter() - step_started
             compile_tokens += int((~finished[:len(prompts)]).sum())   # one new token per unfinished request
         decode_steps += 1
+        forward_passes += 1
+        if rebalancer is not None:
+            rebalancer.record()
     return GenerationOutput(
         token_ids=new_ids, finish_reasons=reasons, prompt_tokens=sum(len(p) for p in prompts),
         prefill_seconds=prefill_done - started, decode_seconds=time.perf_counter() - prefill_done,
-        decode_steps=decode_steps, compile_seconds=compile_seconds, compile_tokens=compile_tokens)
+        decode_steps=decode_steps, compile_seconds=compile_seconds, compile_tokens=compile_tokens,
+        eplb_reports=rebalancer.reports if rebalancer is not None else [])

@@ -60,6 +60,7 @@ from megamoe.data.packing import MicroBatch
 from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import expert_token_replicas
+from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
 from megamoe.training.flops import training_flops
@@ -90,6 +91,7 @@ class TrainConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)   # around the peak ``lr``
     max_skipped_steps: int = 10         # consecutive non-finite steps before NonFiniteTrainingError; 0: never
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)      # used with autocast="fp16" only
+    eplb: EPLBConfig | None = None      # online expert rebalancing after the optimizer step; None: off
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -103,6 +105,8 @@ class TrainConfig:
                              f"got {self.max_skipped_steps!r}")
         if not isinstance(self.lr_schedule, LRScheduleConfig):
             raise ValueError(f"TrainConfig.lr_schedule must be an LRScheduleConfig, got {type(self.lr_schedule)}")
+        if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
+            raise ValueError(f"TrainConfig.eplb must be an EPLBConfig or None, got {type(self.eplb).__name__}")
 
 
 @dataclass
@@ -123,6 +127,7 @@ class StepMetrics:
     mfu: float | None = None    # tflops / the Trainer's peak_tflops; None without one
     moe_layers: dict[int, MoELayerMetrics] = field(default_factory=dict)   # by global layer id, all stages
     peak_memory_bytes: int | None = None   # this rank's; see megamoe.training.peak_memory (CUDA: the step's)
+    eplb: EPLBReport | None = None         # the expert rebalancing round run after this step (TrainConfig.eplb)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -186,6 +191,8 @@ class Trainer:
         self.skipped_steps = 0
         self.loss_scaler = DynamicLossScaler(config.loss_scale) if config.autocast == "fp16" else None
         self.device = next(model.parameters()).device
+        self.rebalancer = (ExpertRebalancer(model, state, config.eplb, world_group=world_group,
+                                            optimizer=self.optimizer) if config.eplb is not None else None)
 
     def _log_balancing(self) -> None:
         by_description: dict[str | None, list[int]] = {}
@@ -267,6 +274,7 @@ class Trainer:
         else:
             self._skip(loss, aux_loss, grad_norm, scale, lambda: forward_backward(
                 forward_step, 1, state, hidden_shape, hidden_dtype, self.device))
+        eplb_report = self._rebalance_experts(finite)
         tokens = mb * seq * num_mb * state.dp_cp.size
         elapsed = time.perf_counter() - start
         tflops = mfu = None
@@ -281,7 +289,17 @@ class Trainer:
         return StepMetrics(step=self.step, loss=loss, aux_loss=aux_loss, grad_norm=grad_norm,
                            tokens_per_s=tokens / elapsed, balancedness=balancedness, lr=lr, skipped=not finite,
                            consecutive_skips=self.consecutive_skips, loss_scale=scale, tflops=tflops, mfu=mfu,
-                           moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(self.device))
+                           moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(self.device), eplb=eplb_report)
+
+    def _rebalance_experts(self, finite: bool) -> EPLBReport | None:
+        """TrainConfig.eplb: record the step's expert loads and, every ``interval`` steps, rebalance (after
+        the optimizer step and the expert-bias update, so the next step trains under the new placement). A
+        skipped step records nothing (its routing may have run on NaN scores) and does not rebalance: its
+        weights did not change, and the next due step rebalances from the window as it stands."""
+        if self.rebalancer is None or not finite:
+            return None
+        self.rebalancer.record()
+        return self.rebalancer.rebalance(self.step) if self.rebalancer.due(self.step) else None
 
     def _global_losses(self, losses, aux_total, layer_aux_totals: torch.Tensor, num_mb: int,
                        scale: float) -> tuple[float, float, list[float]]:
