@@ -51,6 +51,7 @@ from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add
                            init_distributed, launch_rank, launch_world_size, resolve_device, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
+from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each prompt draws from its own generator, so results do not depend on "
                         "the layout or on the batch")
+    add_eplb_arguments(p, unit="forward passes (the prefill is the first)")
     o = p.add_argument_group("outputs (their folders must exist)")
     o.add_argument("--output-json", type=Path, default=None,
                    help="write prompts, prompt ids, generated ids and text, finish reasons and timings here")
@@ -327,7 +329,8 @@ def report(args, state, dispatcher: str | None, config: GenerationConfig, tokeni
                   "data_parallel_attention": args.data_parallel_attention,
                   "dispatcher": dispatcher}
         document = {"checkpoint": str(args.checkpoint), "layout": layout,
-                    "generation": dataclasses.asdict(config), "requests": requests, "timings": timings}
+                    "generation": dataclasses.asdict(config), "requests": requests, "timings": timings,
+                    "eplb": [dataclasses.asdict(r) for r in outs[0].eplb_reports]}   # the same on every rank
         with atomic_write(args.output_json, "w") as f:
             f.write(json.dumps(document, indent=1) + "\n")
         logger.info("wrote %s", args.output_json)
@@ -361,6 +364,10 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     # Every check that needs no process group nor weights first: a mistake costs seconds, not a load.
     check_paths(args)
+    eplb = eplb_config_from_args(args)
+    if eplb is not None and args.compile:
+        raise UsageError("--eplb-interval with --compile: the compiled decode step keeps the placement it was "
+                         "compiled with; drop one of them")
     device = resolve_device(args.device)            # UsageError for --device cuda without a GPU
     prompt_ids = parse_prompt_ids(args.prompt_ids)
     saved = model_config_from_manifest(read_manifest(args.checkpoint))
@@ -368,6 +375,8 @@ def main(argv=None) -> int:
     dispatcher = check_layout(args, saved, world)
     if args.record_expert_load is not None and saved.moe is None:
         raise UsageError("--record-expert-load: the checkpoint's model has no MoE layer")
+    if eplb is not None and saved.moe is None:
+        raise UsageError("--eplb-interval: the checkpoint's model has no MoE layer, so there is no expert to rebalance")
     tokenizer = load_tokenizer(args)
     texts, prompt_ids = read_prompts(args, tokenizer, prompt_ids, saved.vocab_size)
     stop_ids = args.stop_token_id
@@ -387,7 +396,8 @@ def main(argv=None) -> int:
         mine = mine[state.dp.rank::state.dp.size]
     if args.record_expert_load is not None:
         reset_expert_load(model)
-    output = generate(model, state, [prompt_ids[i] for i in mine], config, request_ids=mine, compiled=args.compile)
+    output = generate(model, state, [prompt_ids[i] for i in mine], config, request_ids=mine, compiled=args.compile,
+                      eplb=eplb, data_parallel_attention=args.data_parallel_attention)
     if args.record_expert_load is not None:
         record_expert_load(args, model, placements, state, len(prompt_ids))
 

@@ -51,6 +51,7 @@ from megamoe.launch import (HelpFormatter, UsageError, add_device_argument, add_
                            resolve_device, run_script)
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
+from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "<save-dir>/replaced_<run id>/ (nothing is deleted)")
     add_packing_arguments(t)
     add_optim_arguments(p)
+    add_eplb_arguments(p, unit="steps")
     add_data_arguments(p, default_data_help="; default: the Python standard library's sources")
     add_metrics_arguments(p)
     d = p.add_argument_group("model, tokenizer, outputs")
@@ -323,6 +325,9 @@ def check_arguments(args, world_size: int) -> ModelSource:
     if args.pp > layers:
         raise UsageError(f"--pp {args.pp} exceeds {layers_flag} ({layers}): each stage needs a layer")
     slots = args.num_expert_slots if args.num_expert_slots is not None else experts
+    if eplb_config_from_args(args) is not None and not experts:
+        raise UsageError(f"--eplb-interval: {_model_flag(args)} has no MoE layer, so there is no expert to "
+                         "rebalance")
     if experts and (slots < experts or slots % args.ep):
         raise UsageError(f"--num-expert-slots ({slots}) must be >= {experts_flag} ({experts}) and a multiple of "
                          f"--ep ({args.ep})")
@@ -546,7 +551,7 @@ def main(argv=None) -> int:
         provenance = HFProvenance.of_checkpoint(plan.resume_from) or provenance
     matmul_dtype = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
     peak = resolve_peak_tflops(device, matmul_dtype, explicit_tflops=args.peak_tflops)
-    trainer = Trainer(model, state, TrainConfig(lr=args.lr, autocast=autocast,
+    trainer = Trainer(model, state, TrainConfig(lr=args.lr, autocast=autocast, eplb=eplb_config_from_args(args),
                                                 **train_config_kwargs(args, train_steps=args.steps)),
                       world_group=world_group, peak_tflops=peak.tflops)
     sampler = ResumableSampler(len(data.train), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
@@ -581,8 +586,14 @@ def main(argv=None) -> int:
         while trainer.step < args.steps:
             m = trainer.train_step(packed([data.train.batch(indices) for indices in sampler.next_micro_batches()]))
             record = step_record(m)
+            record.pop("eplb")                  # a rebalance has its own line, below
             records.append(record)
             sinks.write(record)
+            if m.eplb is not None:
+                sinks.write({"step": m.step, "eplb_moved_slots": m.eplb.moved_slots,
+                             "eplb_moved_bytes": m.eplb.moved_bytes, "eplb_local_copies": m.eplb.local_copies,
+                             "eplb_layers": list(m.eplb.layers), "balancedness_before": m.eplb.balancedness_before,
+                             "balancedness_after": m.eplb.balancedness_after, "eplb_seconds": m.eplb.seconds})
             logger.info("step %4d  loss %.4f  lr %.3g  grad-norm %.3f  %7.0f tok/s  %.3g TFLOP/s  MFU %.1f%%  "
                         "aux %.4f  balance %.3f%s", m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s, m.tflops,
                         100 * m.mfu, m.aux_loss, m.balancedness, "  SKIPPED (non-finite)" if m.skipped else "")

@@ -98,20 +98,18 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
                 save_training_checkpoint(checkpoint_dir, trainer, sampler_state=None, world_group=dist.group.WORLD)
                 run["saved_placements"] = {str(i): l.placement.to_dict() for i, l in model.moe_layers().items()}
                 steps += train(trainer, state, STEPS - save_at)
-            trained_placements = {i: l.placement.to_dict() for i, l in model.moe_layers().items()}
-            identical = replicas_identical(model, trainer.optimizer)     # generation moves weights only
-            prompts = [[1, 2, 3, 4], [5, 6, 7]]
-            greedy = generate(model, state, prompts, GenerationConfig(max_new_tokens=8))
-            with_eplb = generate(model, state, prompts, GenerationConfig(max_new_tokens=8),
-                                 eplb=EPLBConfig(window=2, interval=2))
-            run["eplb" if eplb else "plain"] = {
-                "curve": [(loss, norm) for loss, norm, _ in steps],
-                "reports": [r for _, _, r in steps if r is not None],
-                "replicas_identical": identical,
-                "tokens": (greedy.token_ids, with_eplb.token_ids),
-                "generate_moved": sum(r.moved_slots + r.local_copies for r in with_eplb.eplb_reports),
-                "placements": trained_placements,
-            }
+            trained = {"curve": [(loss, norm) for loss, norm, _ in steps],
+                       "reports": [r for _, _, r in steps if r is not None],
+                       "replicas_identical": replicas_identical(model, trainer.optimizer),
+                       "placements": {i: l.placement.to_dict() for i, l in model.moe_layers().items()}}
+            if eplb is None:       # greedy generation of the trained model, without and with rebalancing
+                prompts = [[1, 2, 3, 4], [5, 6, 7]]
+                greedy = generate(model, state, prompts, GenerationConfig(max_new_tokens=8))
+                rebalanced = generate(model, state, prompts, GenerationConfig(max_new_tokens=8),
+                                      eplb=EPLBConfig(window=2, interval=2))
+                trained["tokens"] = (greedy.token_ids, rebalanced.token_ids)
+                trained["generate_moved"] = sum(r.moved_slots + r.local_copies for r in rebalanced.eplb_reports)
+            run["eplb" if eplb else "plain"] = trained
         if index == 0:      # the rebalanced checkpoint, resumed under another layout (EP 1, no EPLB)
             destroy_model_parallel()
             state = initialize_model_parallel(tp=1, ep=1, etp=1)
@@ -150,12 +148,10 @@ def _layout(tp, ep, etp, dispatcher, slots):
     return dict(tp=tp, ep=ep, etp=etp, dispatcher=dispatcher, slots=slots)
 
 
-# world 2: EP 2 with replicated slots (alltoall), EP 2 all-gather (inside TP 2) without replicas.
-LAYOUTS_2 = [_layout(1, 2, 1, "alltoall", 12), _layout(2, 2, 1, "allgather", E)]
-# world 4: EP 4 replicated (alltoall), EP 2 all-gather replicated (TP 2, DP 2), ETP 2 (TP 2, EP 2),
-# expert-DP 2 (EP 2, DP 4).
-LAYOUTS_4 = [_layout(1, 4, 1, "alltoall", 12), _layout(2, 2, 1, "allgather", 12),
-             _layout(2, 2, 2, "alltoall", 12), _layout(1, 2, 1, "alltoall", 10)]
+# On 4 ranks, in one spawn: EP 4 with replicated slots (all-to-all); EP 2 all-gather inside TP 2, which
+# makes expert-DP 2 (DP 2); ETP 2 (TP 2, EP 2, all-to-all), replicated too.
+LAYOUTS = [_layout(1, 4, 1, "alltoall", 12), _layout(2, 2, 1, "allgather", 12), _layout(2, 2, 2, "alltoall", 10)]
+WORLD = 4
 
 
 def _close(got, want, rel):
@@ -163,8 +159,8 @@ def _close(got, want, rel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["world2", "world4"])
-def test_rebalancing_keeps_the_loss_curve_and_the_tokens(world, layouts, tmp_path):
+def test_rebalancing_keeps_the_loss_curve_and_the_tokens(tmp_path):
+    world, layouts = WORLD, LAYOUTS
     per_rank = run_on_ranks(_layout_worker, world, args=(layouts, str(tmp_path / "ckpt")), timeout_s=600)
     results, divergence, unchanged = per_rank[0]
     for rank in range(world):     # every rank reports the same global metrics and rounds
@@ -175,7 +171,7 @@ def test_rebalancing_keeps_the_loss_curve_and_the_tokens(world, layouts, tmp_pat
     for layout, run in zip(layouts, results):
         plain, eplb = run["plain"], run["eplb"]
         assert [r.step for r in eplb["reports"]] == list(range(INTERVAL, STEPS + 1, INTERVAL)), layout
-        assert plain["reports"] == [] and not plain["tokens"][0] == []
+        assert plain["reports"] == []
         moved = sum(r.moved_slots + r.local_copies for r in eplb["reports"])
         assert moved > 0, f"{layout}: the skewed load must move slots, else this test cannot fail"
         assert eplb["reports"][0].balancedness_after > eplb["reports"][0].balancedness_before, layout
@@ -183,9 +179,8 @@ def test_rebalancing_keeps_the_loss_curve_and_the_tokens(world, layouts, tmp_pat
         for step, (got, want) in enumerate(zip(eplb["curve"], plain["curve"]), start=1):
             assert _close(got, want, REL_TOL), f"{layout} step {step}: {got} vs {want}"
         assert eplb["replicas_identical"] and plain["replicas_identical"], layout
-        for which in (plain, eplb):
-            greedy, rebalanced = which["tokens"]
-            assert rebalanced == greedy, f"{layout}: generation with rebalancing changed the tokens"
+        greedy, rebalanced = plain["tokens"]
+        assert rebalanced == greedy, f"{layout}: generation with rebalancing changed the tokens"
         assert plain["generate_moved"] > 0, f"{layout}: generation must move slots, else the check cannot fail"
     resumed = results[0]["resumed"]
     for step, (got, want) in enumerate(zip(resumed, results[0]["eplb"]["curve"][9:]), start=10):
@@ -194,3 +189,74 @@ def test_rebalancing_keeps_the_loss_curve_and_the_tokens(world, layouts, tmp_pat
     assert saved == results[0]["saved_placements"], "the checkpoint holds the placements of its step"
     assert saved != {str(i): p for i, p in results[0]["plain"]["placements"].items()}, \
         "the checkpoint after a rebalance holds the new placements"
+
+
+# ---- in-process checks -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, field", [
+    ({"window": 0}, "window"), ({"interval": 0}, "interval"), ({"interval": 2.5}, "interval"),
+    ({"balancedness_threshold": 0.0}, "balancedness_threshold"),
+    ({"balancedness_threshold": 1.5}, "balancedness_threshold"),
+    ({"max_layers_per_round": 0}, "max_layers_per_round"), ({"num_groups": 2}, "num_groups and num_nodes"),
+    ({"num_groups": 0, "num_nodes": 1}, "num_groups")])
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"EPLBConfig.{field}"):
+        EPLBConfig(**kwargs)
+
+
+def test_configs_that_do_not_fit_the_model_are_refused():
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = skewed_model(state, "alltoall", E)
+    with pytest.raises(ValueError, match="TrainConfig.eplb must be an EPLBConfig"):
+        TrainConfig(eplb={"interval": 3})
+    with pytest.raises(ValueError, match="num_groups=3, num_nodes=1 do not fit 8 experts"):
+        Trainer(model, state, TrainConfig(eplb=EPLBConfig(num_groups=3, num_nodes=1)))
+    with pytest.raises(ValueError, match=r"compiled=True\) cannot rebalance experts"):
+        generate(model, state, [[1, 2]], GenerationConfig(max_new_tokens=2), compiled=True, eplb=EPLBConfig())
+
+
+def test_load_window_sums_the_last_window_records_on_the_device():
+    window = ExpertLoadWindow(3, num_layers=2, num_experts=4)
+    records = [torch.randint(0, 100, (2, 4), generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    for count, record in enumerate(records, start=1):
+        window.record(record)
+        assert torch.equal(window.total(), torch.stack(records[max(0, count - 3):count]).sum(0))
+        assert window.filled == min(count, 3)
+    assert window.buffer.dtype == torch.int64 and window.buffer.shape == (3, 2, 4)
+    with pytest.raises(ValueError, match=r"\[num_layers, num_experts\] = \[2, 4\]"):
+        window.record(torch.zeros(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="integer token counts"):
+        window.record(torch.zeros(2, 4))
+    window.reset()
+    assert window.filled == 0 and not window.total().any()
+
+
+def _step_lines(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_pretrain_script_rebalances_and_logs_each_round(demo, tmp_path, capsys):
+    from megamoe.launch import run_script
+    argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", "--corpus-bytes", "100000",
+            "--vocab-size", "512", "--hidden", "32", "--layers", "2", "--sample-tokens", "0", "--steps", "4",
+            "--global-batch", "4", "--seq-len", "16",
+            "--save-every", "4", "--eplb-interval", "2", "--eplb-window", "3", "--eplb-threshold", "0.9",
+            "--eplb-max-layers", "1"]
+    assert run_script(demo.main, [str(a) for a in argv], prog=demo.PROG) == 0
+    lines = _step_lines(tmp_path / "work" / "log.jsonl")
+    rounds = [line for line in lines if "eplb_moved_slots" in line]
+    assert [line["step"] for line in rounds] == [2, 4]
+    for line in rounds:     # one EP rank: always balanced, nothing moves
+        assert line["eplb_moved_slots"] == 0 and line["eplb_moved_bytes"] == 0 and line["eplb_layers"] == []
+        assert line["balancedness_before"] == line["balancedness_after"] == 1.0
+    assert all("eplb" not in line for line in lines if "loss" in line), "a round has its own line"
+    bad = [(["--eplb-interval", "0"], "--eplb-interval must be an int >= 1"),
+           (["--eplb-interval", "2", "--eplb-threshold", "1.5"], "--eplb-threshold must be a number in (0, 1]"),
+           (["--eplb-window", "3"], "--eplb-window need --eplb-interval N")]
+    capsys.readouterr()
+    for extra, fragment in bad:
+        code = run_script(demo.main, [str(a) for a in [*argv[:4], "--work-dir", tmp_path / "w2", *extra]],
+                          prog=demo.PROG)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(err) == 1 and err[0].startswith("pretrain_moe.py: error: ") and fragment in err[0], err
+        assert not (tmp_path / "w2").exists(), "the error must come before any work"

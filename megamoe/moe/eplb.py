@@ -75,8 +75,8 @@ class EPLBConfig:
     num_nodes: int | None = None
 
     def __post_init__(self):
-        _positive_int_field(self.window, "window")
         _positive_int_field(self.interval, "interval")
+        _positive_int_field(self.window, "window")
         threshold = self.balancedness_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
             raise ValueError(f"EPLBConfig.balancedness_threshold must be a number in (0, 1] (1.0: every layer that "
@@ -148,6 +148,8 @@ class ExpertRebalancer:
         self._ep_groups_per_stage = state.world_size // (state.pp.size * state.ep.size)
         self._previous = self._counters().clone() if cumulative_counters else None
         self.reports: list[EPLBReport] = []
+        if state.ep.size == 1:
+            logger.info("EPLB with EP 1: a single EP rank is always balanced, so no expert will move")
 
     def _check_hierarchy(self, ep_size: int) -> None:
         groups, nodes = self.config.num_groups, self.config.num_nodes
