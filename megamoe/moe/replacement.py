@@ -8,6 +8,7 @@ EP rank computes the same update from the same reduced load, with no broadcast.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ import numpy as np
 from megamoe.moe.argument_checks import hierarchy, validated_load
 from megamoe.moe.assignment import min_cost_assignment
 from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement_policy import nodes_of_groups
+from megamoe.moe.replica_moves import ReplicaMoves
 
 __all__ = ["PlacementUpdate", "replace_experts"]
 
@@ -38,14 +41,27 @@ class PlacementUpdate:
 
 def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | None = None,
                     num_nodes: int | None = None, tolerance: float = 0.99) -> PlacementUpdate:
-    """A placement for ``expert_load`` that reaches ``tolerance`` x the from-scratch balancedness
-    (:meth:`ExpertPlacement.balanced`) while changing as few slots of ``current`` as possible.
+    """A placement for ``expert_load`` that reaches ``tolerance`` x the balancedness of the from-scratch
+    placement (:meth:`ExpertPlacement.balanced`) while changing as few slots of ``current`` as it can.
 
-    If ``current`` already serves the load that well, nothing changes. Otherwise the from-scratch
-    placement's ranks are matched to the current ranks (maximum number of experts kept on their rank),
-    and within a rank every expert that stays keeps its slot. ``num_groups`` / ``num_nodes``: the
-    hierarchical policy, as in :meth:`ExpertPlacement.balanced` (replicas stay inside the node holding
-    their group). Deterministic: ties go to lower indices.
+    1. If ``current`` already serves the load within ``tolerance`` of a bound on what the from-scratch
+       placement can reach (its heaviest rank carries at least the mean rank load, and at least the
+       smallest possible largest share of one replica), nothing changes.
+    2. Otherwise few-slot moves (:mod:`megamoe.moe.replica_moves`) lower the heaviest rank: a slot
+       changes to another expert (replica counts follow the load) or two slots swap experts, the move
+       lowering the peak most per slot moved first, until the bound of 1. is met.
+    3. Only if that stalls short of the bound is the from-scratch placement computed: if ``current``
+       or the result of 2. reaches ``tolerance`` x its balancedness, that placement is kept (nothing
+       changes for ``current``); otherwise the from-scratch placement is used, its ranks matched to the
+       current ones (most experts kept on their rank; :func:`matched_to`).
+
+    Every expert that is not moved keeps its slot, so ``changed_slots`` is exactly what must be
+    transferred. An unchanged load changes nothing: the result of a call is a fixed point of the next.
+    ``num_groups`` / ``num_nodes``: the hierarchical policy, as in :meth:`ExpertPlacement.balanced`:
+    moves stay inside a node, so each group's replicas stay in the node holding it; a ``current``
+    placement whose groups are not each inside one node, or whose node holds too heavy groups to reach
+    the bound, is re-packed (step 3). A pure, deterministic function of its arguments (ties go to lower
+    indices, no BLAS reductions): every rank computes the same update from the same load.
     """
     if not isinstance(current, ExpertPlacement):
         raise ValueError(f"current must be an ExpertPlacement, got {type(current).__name__}")
@@ -53,14 +69,78 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
     num_groups, num_nodes = hierarchy(current.num_experts, current.ep_size, num_groups, num_nodes)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance <= 1:
         raise ValueError(f"tolerance must be a number in (0, 1], got {tolerance!r}")
+    loads = load.numpy()
     before = current.balancedness(load)
+    table = np.asarray(current.slot_to_expert.tolist(), dtype=np.int64)
+    target_peak = peak_bound(loads, current.num_slots, current.ep_size, num_groups, num_nodes) / tolerance
+    in_nodes = _respects_nodes(current, num_groups, num_nodes)
+    searched = None
+    if in_nodes:
+        if _peak(table, loads, current.ep_size) <= target_peak:
+            return PlacementUpdate(current, (), before, before)
+        if _node_bound(table, loads, current.ep_size, num_nodes) <= target_peak:
+            search = ReplicaMoves(table, loads, current.ep_size, num_nodes)
+            search.lower_peak(target_peak, max_moves=current.num_slots)
+            searched = search.table
+            if _peak(searched, loads, current.ep_size) <= target_peak:
+                return _update(current, searched.tolist(), load, before)
+    # The bound was not reached: judge against the from-scratch placement itself.
     scratch = ExpertPlacement.balanced(load, current.num_slots, current.ep_size,
                                        num_groups=None if num_nodes == 1 else num_groups,
                                        num_nodes=None if num_nodes == 1 else num_nodes)
-    if before >= tolerance * scratch.balancedness(load) and _respects_nodes(current, num_groups, num_nodes):
+    good_enough = tolerance * scratch.balancedness(load)
+    if in_nodes and before >= good_enough:
         return PlacementUpdate(current, (), before, before)
-    new = matched_to(current, scratch, num_nodes)
-    return _update(current, new, load, before)
+    options = [_update(current, matched_to(current, scratch, num_nodes), load, before)]
+    if searched is not None:
+        update = _update(current, searched.tolist(), load, before)
+        if update.balancedness_after >= good_enough:
+            options.insert(0, update)
+    return min(options, key=lambda update: len(update.changed_slots))  # the first on a tie
+
+
+def peak_bound(loads: np.ndarray, num_slots: int, ep_size: int, num_groups: int = 1, num_nodes: int = 1) -> float:
+    """A lower bound on the heaviest rank's load under :meth:`ExpertPlacement.balanced` for ``loads``:
+    the mean rank load, and the largest share of one replica when replica counts are chosen to make it
+    smallest; with nodes, both per node, for the node assignment of groups that policy makes."""
+    flat = loads.tolist()
+    experts_per_group = len(flat) // num_groups
+    ranks_per_node, slots_per_node = ep_size // num_nodes, num_slots // num_nodes
+    bound = 0.0
+    for groups in nodes_of_groups(flat, num_groups, num_nodes) if num_nodes > 1 else [[0]]:
+        node_loads = [x for g in groups for x in flat[g * experts_per_group:(g + 1) * experts_per_group]]
+        bound = max(bound, sum(node_loads) / ranks_per_node, _smallest_largest_share(node_loads, slots_per_node))
+    return bound
+
+
+def _node_bound(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int) -> float:
+    """:func:`peak_bound` for the node assignment of groups in ``table`` (infinite-free; flat: the same)."""
+    if num_nodes == 1:
+        return 0.0  # no node constraint: the bound does not depend on the table
+    slots_per_node = table.shape[0] // num_nodes
+    bound = 0.0
+    for node in range(num_nodes):
+        experts = np.unique(table[node * slots_per_node:(node + 1) * slots_per_node]).tolist()
+        node_loads = [float(loads[e]) for e in experts]
+        bound = max(bound, sum(node_loads) / (ep_size // num_nodes),
+                    _smallest_largest_share(node_loads, slots_per_node))
+    return bound
+
+
+def _smallest_largest_share(loads: list[float], num_slots: int) -> float:
+    """min over replica counts (>= 1 each, ``num_slots`` in all) of max load / count: each extra replica
+    to the expert with the largest share (water-filling, optimal for this min-max)."""
+    heap = [(-load, 1, expert) for expert, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for _ in range(num_slots - len(loads)):
+        _, count, expert = heapq.heappop(heap)
+        heapq.heappush(heap, (-loads[expert] / (count + 1), count + 1, expert))
+    return -heap[0][0]
+
+
+def _peak(table: np.ndarray, loads: np.ndarray, ep_size: int) -> float:
+    counts = np.bincount(table, minlength=loads.shape[0])
+    return float((loads / np.maximum(counts, 1))[table].reshape(ep_size, -1).sum(axis=1).max())
 
 
 def _update(current: ExpertPlacement, new_table: list[int], load, before: float) -> PlacementUpdate:
