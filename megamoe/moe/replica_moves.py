@@ -7,10 +7,10 @@ changing the expert of one or two slots and nothing else, so every other expert 
   receiver): the replica counts change, so every replica of both experts changes weight (1 slot moved);
 - *swap* the experts of two slots on different ranks: counts stay, two ranks trade load (2 slots moved).
 
-Each round takes the move that lowers the peak (the heaviest rank's load) most per slot moved; a move
-is only taken if the heaviest rank drops below the peak and no rank rises to it, so (peak, number of
-ranks at the peak) strictly decreases and the search ends. It stops once the peak is at or below the
-target, or when no move lowers it. A move that puts a second replica of an expert on a rank (which adds
+Each round takes, among the moves that take the heaviest rank below the peak and no rank up to it, the
+one that lowers the ranks' summed excess over a target most per slot moved (or, when none does, the
+peak itself); it stops at the target or when no move is left (see :meth:`ReplicaMoves.lower_peak`).
+A move that puts a second replica of an expert on a rank (which adds
 no parallelism there) is only taken when no other move helps. All arithmetic is elementwise numpy on
 float64 (no BLAS), so every rank computes bit-identical loads; ties go to lower slot and expert ids.
 With nodes (the hierarchical policy) moves stay inside the heaviest rank's node.
@@ -52,10 +52,13 @@ class ReplicaMoves:
     def lower_peak(self, target_peak: float, max_moves: int) -> None:
         """Moves until the heaviest rank is at or below ``target_peak``, no move helps, or ``max_moves``.
 
-        First each move must lower the summed excess of the ranks over the target (many ranks are
-        usually over it, and a move that only shifts the excess from the heaviest rank to the next
-        gains nothing); when no such move is left, moves that lower the peak itself (the target may be
-        out of reach: it comes from a bound).
+        Every move takes the heaviest rank below the peak and no other rank up to it, so (peak, ranks at
+        the peak) strictly decreases: the search cannot cycle, and where it stops no move is left (a
+        second call from its result moves nothing). Among those moves it takes the one lowering the
+        summed excess of the ranks over the target most per slot moved (many ranks are usually over it,
+        and a move that only shifts the excess from the heaviest rank to the next gains nothing); when
+        none lowers it, the one lowering the peak most (the target comes from a bound and may be out of
+        reach), then back to the excess.
         """
         tiny = 1e-12 * float(self.load.sum())
         by_excess = True
@@ -73,6 +76,7 @@ class ReplicaMoves:
                 by_excess = False
                 continue
             self._apply(best)
+            by_excess = True
 
     # ------------------------------------------------------------------ candidates
 
@@ -94,14 +98,15 @@ class ReplicaMoves:
         other_rank = self.owner[others]
         new_heavy = goal.peak - delta
         new_other = loads[other_rank][None, :] + delta
-        if goal.target is None:  # lower the peak: both ranks end below it
-            valid = (delta > 0) & (new_heavy < goal.peak) & (new_other < goal.peak)
+        # Both ranks end below the peak; by excess, the summed excess over the target must drop too.
+        valid = (delta > 0) & (new_heavy < goal.peak) & (new_other < goal.peak)
+        if goal.target is None:
             rest = self._max_excluding(loads, heavy)[other_rank]  # [n] peak of the untouched ranks
             gain = goal.peak - np.maximum(np.maximum(new_heavy, new_other), rest[None, :])
-        else:  # lower the summed excess over the target
+        else:
             gain = (goal.excess(goal.peak) + goal.excess(loads[other_rank])[None, :]
                     - goal.excess(new_heavy) - goal.excess(new_other))
-            valid = gain > goal.tiny
+            valid &= gain > goal.tiny
         if not valid.any():
             return None
         a = self.table[mine][:, None]
@@ -149,12 +154,14 @@ class ReplicaMoves:
                    + self.presence[:, d].T * (new_d - weight[d])[:, None])  # [n, ep]
             rows = np.arange(a.size)
             new[rows, rank] += new_a - new_d
-            if goal.target is None:  # the heaviest rank drops below the peak, no rank rises to it
-                valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
+            # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed
+            # excess over the target must drop too.
+            valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
+            if goal.target is None:
                 gain = peak - new.max(axis=1)
             else:
                 gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
-                valid = gain > goal.tiny
+                valid &= gain > goal.tiny
             if not valid.any():
                 continue
             local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
