@@ -94,10 +94,9 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
         start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak)
     else:
         start = table
-    search = ReplicaMoves(start, loads, ep, num_nodes)
-    search.lower_peak(target_peak, max_moves=4 * num_slots)
-    result = _update(current, search.table, load, before)
-    if _peak(search.table, loads, ep) <= target_peak or not in_nodes:
+    searched = _searched(start, loads, ep, num_nodes, target_peak, repack=num_nodes > 1 or compare_to_scratch)
+    result = _update(current, searched, load, before)
+    if _peak(searched, loads, ep) <= target_peak or not in_nodes:
         return result
     # No move is left short of the target.
     if not compare_to_scratch:
@@ -109,6 +108,37 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
     if result.balancedness_after >= good_enough:
         return result
     return _update(current, matched_to(current, scratch, num_nodes), load, before)
+
+
+def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int, target_peak: float,
+              repack: bool) -> np.ndarray:
+    """``table`` after few-slot moves towards ``target_peak``; where they stall short of it and
+    ``repack``, the heaviest rank's node is re-packed from scratch if that lowers the peak (ranks matched
+    to the old ones), and the moves go on; the caller keeps the result only if it beats the current
+    placement by more than the tolerance. With one node that is the whole layer, which only
+    ``compare_to_scratch`` pays for; a node is re-packed at most once."""
+    slots_per_node, ranks_per_node = table.shape[0] // num_nodes, ep_size // num_nodes
+    repacked = set()
+    while True:
+        search = ReplicaMoves(table, loads, ep_size, num_nodes)
+        search.lower_peak(target_peak, max_moves=4 * table.shape[0])
+        table = search.table
+        rank_loads = search.rank_loads()
+        heavy = int(np.argmax(rank_loads))
+        peak = float(rank_loads[heavy])
+        node = heavy // ranks_per_node
+        if peak <= target_peak or not repack or node in repacked:
+            return table
+        repacked.add(node)
+        node_slots = slice(node * slots_per_node, (node + 1) * slots_per_node)
+        experts = np.unique(table[node_slots])
+        packed = ExpertPlacement.balanced(loads[experts].tolist(), slots_per_node, ranks_per_node)
+        if float(packed.rank_loads(loads[experts].tolist()).max()) >= peak:
+            return table
+        new_ranks = experts[np.asarray(packed.slot_to_expert.tolist())].reshape(ranks_per_node, -1)
+        table = table.copy()
+        table[node_slots] = _matched_ranks(table[node_slots].reshape(ranks_per_node, -1), new_ranks,
+                                           loads.shape[0], 1).ravel()
 
 
 def peak_bound(loads: np.ndarray, num_slots: int, ep_size: int, num_groups: int = 1, num_nodes: int = 1) -> float:
