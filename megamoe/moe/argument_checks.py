@@ -40,3 +40,25 @@ def validated_load(expert_load, num_experts: int | None, name: str) -> torch.Ten
         first = int((load < 0).nonzero()[0])
         raise ValueError(f"{name}[{first}] is negative ({load[first].item()}); loads must be >= 0")
     return load
+
+
+def hierarchy(num_experts: int, ep_size: int, num_groups, num_nodes) -> tuple[int, int]:
+    """(num_groups, num_nodes) of a hierarchical placement, validated; (1, 1) for a flat one (both None)."""
+    if (num_groups is None) != (num_nodes is None):
+        raise ValueError(
+            "num_groups and num_nodes go together (hierarchical placement); give both or neither"
+        )
+    if num_groups is None:
+        return 1, 1  # the flat policy is the one-group, one-node case
+    num_groups = positive_int(num_groups, "num_groups")
+    num_nodes = positive_int(num_nodes, "num_nodes")
+    if num_experts % num_groups != 0:
+        raise ValueError(f"num_experts ({num_experts}) is not a multiple of num_groups ({num_groups}); "
+                         f"expert groups must be equal-sized")
+    if num_groups % num_nodes != 0:
+        raise ValueError(f"num_groups ({num_groups}) is not a multiple of num_nodes ({num_nodes}); "
+                         f"each node must take the same number of whole groups")
+    if ep_size % num_nodes != 0:
+        raise ValueError(f"ep_size ({ep_size}) is not a multiple of num_nodes ({num_nodes}); "
+                         f"each node must hold the same number of EP ranks")
+    return num_groups, num_nodes

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megamoe.moe.argument_checks import positive_int, validated_load
+from megamoe.moe.argument_checks import hierarchy, positive_int, validated_load
 from megamoe.moe.expert_load_file import EXPERT_LOAD_FORMAT, EXPERT_LOAD_VERSION, load_expert_load, save_expert_load
 from megamoe.moe.placement_policy import balanced_slot_to_expert
 
@@ -224,23 +224,7 @@ class ExpertPlacement:
         num_slots = positive_int(num_slots, "num_slots")
         ep_size = positive_int(ep_size, "ep_size")
         _check_slot_layout(num_experts, num_slots, ep_size)
-        if (num_groups is None) != (num_nodes is None):
-            raise ValueError(
-                "num_groups and num_nodes go together (hierarchical placement); give both or neither"
-            )
-        if num_groups is None:
-            num_groups = num_nodes = 1  # the flat policy is the one-group, one-node case
-        num_groups = positive_int(num_groups, "num_groups")
-        num_nodes = positive_int(num_nodes, "num_nodes")
-        if num_experts % num_groups != 0:
-            raise ValueError(f"num_experts ({num_experts}) is not a multiple of num_groups ({num_groups}); "
-                             f"expert groups must be equal-sized")
-        if num_groups % num_nodes != 0:
-            raise ValueError(f"num_groups ({num_groups}) is not a multiple of num_nodes ({num_nodes}); "
-                             f"each node must take the same number of whole groups")
-        if ep_size % num_nodes != 0:
-            raise ValueError(f"ep_size ({ep_size}) is not a multiple of num_nodes ({num_nodes}); "
-                             f"each node must hold the same number of EP ranks")
+        num_groups, num_nodes = hierarchy(num_experts, ep_size, num_groups, num_nodes)
 
         slot_to_expert = balanced_slot_to_expert(load.tolist(), num_slots, ep_size, num_groups, num_nodes)
         placement = cls(slot_to_expert, num_experts, ep_size)

@@ -17,8 +17,7 @@ def balanced_slot_to_expert(loads: list[float], num_slots: int, ep_size: int, nu
     for ``loads`` (one per expert); the arguments are already validated there."""
     num_experts = len(loads)
     experts_per_group = num_experts // num_groups
-    group_loads = [sum(loads[g * experts_per_group:(g + 1) * experts_per_group]) for g in range(num_groups)]
-    groups_of_node = _pack(group_loads, list(range(num_groups)), num_nodes, num_groups // num_nodes)
+    groups_of_node = nodes_of_groups(loads, num_groups, num_nodes)
 
     slots_per_rank = num_slots // ep_size
     slot_to_expert: list[int] = []
@@ -32,6 +31,14 @@ def balanced_slot_to_expert(loads: list[float], num_slots: int, ep_size: int, nu
         ranks = _improved_by_moving_replicas(node_loads, counts, ep_size // num_nodes, slots_per_rank)
         slot_to_expert.extend(node_experts[e] for rank_experts in ranks for e in rank_experts)
     return slot_to_expert
+
+
+def nodes_of_groups(loads: list[float], num_groups: int, num_nodes: int) -> list[list[int]]:
+    """The groups each node takes in the hierarchical policy: whole groups of contiguous experts packed
+    onto ``num_nodes`` nodes by their summed load (step 0 of :func:`balanced_slot_to_expert`)."""
+    experts_per_group = len(loads) // num_groups
+    group_loads = [sum(loads[g * experts_per_group:(g + 1) * experts_per_group]) for g in range(num_groups)]
+    return _pack(group_loads, list(range(num_groups)), num_nodes, num_groups // num_nodes)
 
 
 # Replica moves tried per round, and rounds at most: (donors x receivers) packings per round.

@@ -1,0 +1,227 @@
+"""Local search over a slot -> expert table: few-slot moves that lower the heaviest EP rank.
+
+The movement-aware half of :func:`megamoe.moe.replacement.replace_experts`. Two kinds of move, each
+changing the expert of one or two slots and nothing else, so every other expert stays in its slot:
+
+- *reassign* one slot from an expert with several replicas (the donor) to another expert (the
+  receiver): the replica counts change, so every replica of both experts changes weight (1 slot moved);
+- *swap* the experts of two slots on different ranks: counts stay, two ranks trade load (2 slots moved).
+
+Each round takes, among the moves that take the heaviest rank below the peak and no rank up to it, the
+one that lowers the ranks' summed excess over a target most per slot moved (or, when none does, the
+peak itself); it stops at the target or when no move is left (see :meth:`ReplicaMoves.lower_peak`).
+A move that puts a second replica of an expert on a rank (which adds
+no parallelism there) is only taken when no other move helps. All arithmetic is elementwise numpy on
+float64 (no BLAS), so every rank computes bit-identical loads; ties go to lower slot and expert ids.
+With nodes (the hierarchical policy) moves stay inside the heaviest rank's node.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Reassign = 0, swap = 1: the move kinds, in the order a tie prefers them.
+_REASSIGN, _SWAP = 0, 1
+
+
+class ReplicaMoves:
+    """One layer's slot table under the search; ``table`` is updated in place."""
+
+    def __init__(self, table: np.ndarray, load: np.ndarray, ep_size: int, num_nodes: int = 1):
+        self.table = table.astype(np.int64)  # [S] expert of each slot
+        self.load = load.astype(np.float64)  # [E]
+        self.num_experts = load.shape[0]
+        self.ep_size = ep_size
+        self.slots_per_rank = table.shape[0] // ep_size
+        self.ranks_per_node = ep_size // num_nodes
+        self.owner = np.arange(table.shape[0]) // self.slots_per_rank  # [S] rank of each slot
+        # presence[r, e]: replicas of expert e on rank r
+        self.presence = np.zeros((ep_size, self.num_experts), dtype=np.int64)
+        np.add.at(self.presence, (self.owner, self.table), 1)
+        self.counts = self.presence.sum(axis=0)  # [E]
+        # The experts a node may hold: those it holds now (the caller checked groups lie in one node).
+        node_of_slot = self.owner // self.ranks_per_node
+        self.node_of_expert = np.zeros(self.num_experts, dtype=np.int64)
+        self.node_of_expert[self.table] = node_of_slot
+        self.moved = 0  # slot changes made (a slot changed twice counts twice)
+
+    def rank_loads(self) -> np.ndarray:
+        weight = self.load / self.counts  # [E] tokens per replica
+        return weight[self.table].reshape(self.ep_size, self.slots_per_rank).sum(axis=1)
+
+    def lower_peak(self, target_peak: float, max_moves: int) -> None:
+        """Moves until the heaviest rank is at or below ``target_peak``, no move helps, or ``max_moves``.
+
+        Every move takes the heaviest rank below the peak and no other rank up to it, so (peak, ranks at
+        the peak) strictly decreases: the search cannot cycle, and where it stops no move is left (a
+        second call from its result moves nothing). Among those moves it takes the one lowering the
+        summed excess of the ranks over the target most per slot moved (many ranks are usually over it,
+        and a move that only shifts the excess from the heaviest rank to the next gains nothing); when
+        none lowers it, the one lowering the peak most (the target comes from a bound and may be out of
+        reach), then back to the excess.
+        """
+        tiny = 1e-12 * float(self.load.sum())
+        by_excess = True
+        for _ in range(max_moves):
+            loads = self.rank_loads()
+            heavy = int(np.argmax(loads))
+            peak = float(loads[heavy])
+            if peak <= target_peak:
+                return
+            goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, tiny)
+            best = min((c for c in (self._best_reassign(goal), self._best_swap(goal)) if c), default=None)
+            if best is None:
+                if not by_excess:
+                    return
+                by_excess = False
+                continue
+            self._apply(best)
+            by_excess = True
+
+    # ------------------------------------------------------------------ candidates
+
+    def _node_slots(self, heavy: int) -> np.ndarray:
+        node = heavy // self.ranks_per_node
+        first = node * self.ranks_per_node * self.slots_per_rank
+        return np.arange(first, first + self.ranks_per_node * self.slots_per_rank)
+
+    def _best_swap(self, goal: "_Goal"):
+        """The best swap of a slot on the heaviest rank with a slot on another rank of its node, or None."""
+        spr, heavy, loads = self.slots_per_rank, goal.heavy, goal.loads
+        weight = self.load / self.counts
+        mine = np.arange(heavy * spr, (heavy + 1) * spr)
+        others = self._node_slots(heavy)
+        others = others[self.owner[others] != heavy]
+        if others.size == 0:
+            return None
+        delta = weight[self.table[mine]][:, None] - weight[self.table[others]][None, :]  # [spr, n]
+        other_rank = self.owner[others]
+        new_heavy = goal.peak - delta
+        new_other = loads[other_rank][None, :] + delta
+        # Both ranks end below the peak; by excess, the summed excess over the target must drop too.
+        valid = (delta > 0) & (new_heavy < goal.peak) & (new_other < goal.peak)
+        if goal.target is None:
+            rest = self._max_excluding(loads, heavy)[other_rank]  # [n] peak of the untouched ranks
+            gain = goal.peak - np.maximum(np.maximum(new_heavy, new_other), rest[None, :])
+        else:
+            gain = (goal.excess(goal.peak) + goal.excess(loads[other_rank])[None, :]
+                    - goal.excess(new_heavy) - goal.excess(new_other))
+            valid &= gain > goal.tiny
+        if not valid.any():
+            return None
+        a = self.table[mine][:, None]
+        b = self.table[others][None, :]
+        p = self.presence
+        added = ((p[other_rank[None, :], a] >= 1).astype(np.int64) + (p[heavy, b] >= 1)
+                 - (p[heavy, a] >= 2) - (p[other_rank[None, :], b] >= 2))
+        adds_pair = (added > 0) & (a != b)
+        local_peak = np.maximum(new_heavy, new_other)
+        i, j = self._argbest(valid, adds_pair, gain / 2, local_peak)
+        return (bool(adds_pair[i, j]), -float(gain[i, j]) / 2, float(local_peak[i, j]),
+                _SWAP, int(mine[i]), int(others[j]))
+
+    def _best_reassign(self, goal: "_Goal"):
+        """The best reassignment of one slot that lowers the heaviest rank, or None.
+
+        Receivers are the experts on the heaviest rank (their replicas there get lighter), with donor
+        slots anywhere in the node; or any expert of the node, with donor slots on the heaviest rank.
+        """
+        spr, heavy, loads, peak = self.slots_per_rank, goal.heavy, goal.loads, goal.peak
+        weight = self.load / self.counts
+        node_slots = self._node_slots(heavy)
+        mine = np.arange(heavy * spr, (heavy + 1) * spr)
+        node = heavy // self.ranks_per_node
+        node_experts = np.flatnonzero(self.node_of_expert == node)
+        best = None
+        pairs = [(np.array([a]), node_slots) for a in np.unique(self.table[mine])]
+        pairs += [(node_experts, np.array([s])) for s in mine]
+        for receivers, donor_slots in pairs:
+            donor_slots = donor_slots[self.counts[self.table[donor_slots]] >= 2]
+            if donor_slots.size == 0:
+                continue
+            # All (receiver, donor slot) combinations, flattened.
+            a = np.repeat(receivers, donor_slots.size)
+            slot = np.tile(donor_slots, receivers.size)
+            d = self.table[slot]
+            keep = a != d
+            a, slot, d = a[keep], slot[keep], d[keep]
+            if a.size == 0:
+                continue
+            rank = self.owner[slot]
+            new_a = self.load[a] / (self.counts[a] + 1)
+            new_d = self.load[d] / (self.counts[d] - 1)
+            new = (loads[None, :] + self.presence[:, a].T * (new_a - weight[a])[:, None]
+                   + self.presence[:, d].T * (new_d - weight[d])[:, None])  # [n, ep]
+            rows = np.arange(a.size)
+            new[rows, rank] += new_a - new_d
+            # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed
+            # excess over the target must drop too.
+            valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
+            if goal.target is None:
+                gain = peak - new.max(axis=1)
+            else:
+                gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
+                valid &= gain > goal.tiny
+            if not valid.any():
+                continue
+            local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
+            adds_pair = (self.presence[rank, a] >= 1) & ~(self.presence[rank, d] >= 2)
+            (k,) = self._argbest(valid, adds_pair, gain, local_peak)
+            candidate = (bool(adds_pair[k]), -float(gain[k]), float(local_peak[k]),
+                         _REASSIGN, int(slot[k]), int(a[k]))
+            best = candidate if best is None or candidate < best else best
+        return best
+
+    @staticmethod
+    def _argbest(valid, adds_pair, gain, local_peak):
+        """Index of the valid candidate with the best (no added pair, gain per slot moved, lowest load
+        of the ranks it changes); ties to the first in C order (lower slot / expert ids)."""
+        flat_valid = valid.ravel()
+        order = np.lexsort((np.arange(flat_valid.size), local_peak.ravel(), -gain.ravel(),
+                            adds_pair.ravel(), ~flat_valid))
+        return np.unravel_index(order[0], valid.shape)
+
+    @staticmethod
+    def _max_excluding(loads: np.ndarray, heavy: int) -> np.ndarray:
+        """[ep] for each rank o: the highest load among ranks other than ``heavy`` and o."""
+        masked = loads.copy()
+        masked[heavy] = -np.inf
+        first = int(np.argmax(masked))
+        top = masked[first]
+        masked[first] = -np.inf
+        second = masked.max() if masked.size > 2 else -np.inf
+        rest = np.full(loads.shape, top)
+        rest[first] = second
+        return rest
+
+    def _apply(self, move) -> None:
+        kind, slot, other = move[3], move[4], move[5]
+        if kind == _SWAP:
+            self._set(slot, int(self.table[other]), other, int(self.table[slot]))
+            self.moved += 2
+        else:
+            self._set(slot, other)
+            self.moved += 1
+
+    def _set(self, slot: int, expert: int, other_slot: int | None = None, other_expert: int | None = None):
+        for s, e in ((slot, expert), (other_slot, other_expert)):
+            if s is None:
+                continue
+            old = int(self.table[s])
+            rank = int(self.owner[s])
+            self.presence[rank, old] -= 1
+            self.presence[rank, e] += 1
+            self.counts[old] -= 1
+            self.counts[e] += 1
+            self.table[s] = e
+
+
+class _Goal:
+    """What one round of moves aims at: the rank loads, the heaviest rank and its load, and either a
+    target peak (lower the summed excess over it) or None (lower the peak)."""
+
+    def __init__(self, loads, heavy, peak, target, tiny):
+        self.loads, self.heavy, self.peak, self.target, self.tiny = loads, heavy, peak, target, tiny
+
+    def excess(self, loads):
+        return np.maximum(loads - self.target, 0.0)
