@@ -23,8 +23,9 @@ T, H, F, E, K = 16, 8, 8, 8, 2
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 
 # name: (layout, old placement, new placement, remote payloads, local copies). Together: swaps across
-# ranks (etp2 ep2: 2 <-> 7) and within one (ep4: 4 <-> 5), local copies, one rank receiving one expert into two slots (one payload),
-# replica counts changing (expert 3: 2 -> 1 and 7: 1 -> 2 at EP 4; 5: 1 -> 2 and 0: 2 -> 1 at EP 2).
+# ranks (etp2 ep2: 2 <-> 7) and within one (ep4: 4 <-> 5), local copies, a rank receiving one expert
+# into two slots (ep2: expert 5 into slots 0 and 1, one payload), replica counts changing (expert 3:
+# 2 -> 1 and 7: 1 -> 2 at EP 4; 5: 1 -> 2 and 0: 2 -> 1 at EP 2).
 LAYOUTS = {
     "ep4": (dict(ep=4), [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [3, 1, 2, 0, 5, 4, 6, 7, 7, 1, 2, 0], 3, 3),
     "ep2 edp2": (dict(ep=2), [0, 1, 2, 3, 4, 5, 6, 7, 0, 1], [5, 5, 2, 3, 4, 0, 6, 7, 1, 1], 1, 3),
