@@ -206,7 +206,7 @@ def migrate_layer(layer, new_placement: ExpertPlacement,
             send_sizes[transfer.dst_rank] += payload.numel()
         if transfer.dst_rank == my_rank:
             incoming.append(transfer)
-    slot_nbytes = _pack(_slot_state(layer, 0, optimizer), device).numel() if plan.transfers else 0
+    slot_nbytes = sum(v.numel() * v.element_size() for v in _slot_state(layer, 0, optimizer))
     for transfer in incoming:
         recv_sizes[current.slot_owner(transfer.src_slot)] += slot_nbytes
     local_fills = {dst: src for dst, src in plan.local_sources.items() if current.slot_owner(dst) == my_rank}
