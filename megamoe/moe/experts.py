@@ -125,7 +125,7 @@ class GroupedExperts(nn.Module):
 
     The ``te`` backend keeps TransformerEngine's own per-slot parameters (``te_gate_up.weight{s}``,
     ``te_down.weight{s}``) with the same per-slot shapes; use :meth:`load_expert_weights` /
-    :meth:`expert_weight_shards` to be layout-agnostic.
+    :meth:`expert_weight_shards` / :meth:`slot_parameters` to be layout-agnostic.
 
     Construction draws no numbers from the global RNG: the weights get a deterministic placeholder
     init, and the owner (the MoE layer) loads each expert's real, layout-invariant initial weights
@@ -282,7 +282,7 @@ class GroupedExperts(nn.Module):
 
     def slot_buffers(self, local_slot: int) -> tuple[torch.Tensor, ...]:
         """Per-slot state other than parameters that belongs to the slot's expert (views): the FP8
-        delayed-scaling amax histories and scales of the torch / emulated FP8 paths, else none.
+        scaling state (amax histories and scales) of the torch / emulated FP8 paths, else none.
         (TransformerEngine keeps its FP8 state inside its modules, per GEMM: not reachable here.)"""
         if self.fp8_state is None:
             return ()
