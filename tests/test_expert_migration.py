@@ -293,3 +293,7 @@ def test_bad_placements_and_optimizer_state_are_refused_naming_the_problem():
     with pytest.raises(ValueError, match="'row_scale' .* shape \\[8\\]"):
         migrate_layer(layer, ExpertPlacement([1, 0, 2, 3, 4, 5, 6, 7], E, 1), optimizer)
     assert layer.placement == ExpertPlacement.default(E, 8, 1)         # nothing changed
+    with pytest.raises(ValueError, match="1-D uint8"):
+        comms.exchange_expert_slots(torch.zeros(4), [16], [16], None)
+    with pytest.raises(ValueError, match="one byte count per rank"):
+        comms.exchange_expert_slots(torch.zeros(4, dtype=torch.uint8), [3], [4], None)
