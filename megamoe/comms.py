@@ -45,7 +45,7 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "all_to_all",
+    "reduce_scatter_to_sequence_parallel_region", "all_to_all", "exchange_expert_slots",
 ]
 
 
@@ -502,6 +502,40 @@ def all_to_all(
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert migration (online rebalancing)
+# ----------------------------------------------------------------------------------------------
+def exchange_expert_slots(send_buffer: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int],
+                          group: ProcessGroup | None) -> torch.Tensor:
+    """The one collective of an expert migration (:func:`megamoe.moe.expert_migration.migrate_layer`),
+    one per MoE layer: an all-to-all of raw bytes over the EP group.
+
+    ``send_buffer`` is a 1-D uint8 tensor holding, destination rank after destination rank
+    (``send_sizes[r]`` bytes for rank r), the packed payloads of the expert slots this rank sends: each
+    payload is one slot's weights, its optimizer state (Adam moments, master weights) and its FP8 scaling
+    rows, all in their own dtypes, as bytes (so that one collective carries them all). Returns the bytes
+    received, source rank after source rank (``recv_sizes[r]`` from rank r). Counted as kind
+    ``"expert_slot_exchange"`` (its own kind, to tell migration traffic from token dispatch) with the
+    bytes this rank sends: summed over the group, the migration's whole volume. No autograd.
+    """
+    world = group_size(group)
+    if send_buffer.dtype != torch.uint8 or send_buffer.dim() != 1:
+        raise ValueError(f"exchange_expert_slots: send_buffer must be a 1-D uint8 tensor (packed bytes), got "
+                         f"{send_buffer.dtype} of shape {tuple(send_buffer.shape)}")
+    if len(send_sizes) != world or len(recv_sizes) != world or sum(send_sizes) != send_buffer.numel():
+        raise ValueError(f"exchange_expert_slots: send_sizes {list(send_sizes)} and recv_sizes {list(recv_sizes)} "
+                         f"must give one byte count per rank of the group ({world}), send_sizes summing to the "
+                         f"buffer's {send_buffer.numel()} bytes")
+    if world == 1:
+        return send_buffer
+    out = send_buffer.new_empty(sum(int(n) for n in recv_sizes))
+    _record("expert_slot_exchange", group, send_buffer)
+    with _timeout_named("expert_slot_exchange", group):
+        dist.all_to_all_single(out, send_buffer.contiguous(), output_split_sizes=[int(n) for n in recv_sizes],
+                               input_split_sizes=[int(n) for n in send_sizes], group=group)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

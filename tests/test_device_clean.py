@@ -34,9 +34,11 @@ from megamoe import comms
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.models import GPTMoEModel
+from megamoe.moe.expert_migration import migrate_layer
+from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.training.trainer import TrainConfig, Trainer
 from parallel_state import destroy_model_parallel, initialize_model_parallel
-from test_training import MICRO_BATCH, S, tiny_config
+from test_training import E, MICRO_BATCH, S, tiny_config
 
 WORLD_SIZE = 4
 _EXPLICIT_COPIES = {"aten::_to_copy", "aten::copy_"}
@@ -101,6 +103,27 @@ def test_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
             assert kinds.get("all_to_all" if dispatcher == "alltoall" else "all_reduce", 0) > 0, kinds
             if state.pp.size > 1:
                 assert kinds.get("send", 0) > 0 and kinds.get("recv", 0) > 0, kinds
+
+
+def test_expert_migration_on_meta_creates_every_tensor_on_the_model_device():
+    """After a meta training step (AdamW state on meta), migrate every MoE layer: weights, moments and the
+    byte exchange stay on the model's device."""
+    for rank in (0, 1):                                          # the two EP ranks (2 and 3 repeat them)
+        with _fake_rank(rank, ep=2) as state:
+            model = GPTMoEModel(tiny_config("alltoall", 6), state, device="meta")
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run():
+                trainer.train_step([(batch[:, :-1], batch[:, 1:])])
+            new = ExpertPlacement([3, 1, 0, 2, 2, 1], E, 2)      # both ranks receive an expert
+            with _meta_run() as counter:
+                for layer in model.moe_layers().values():
+                    migrate_layer(layer, new, trainer.optimizer)
+            assert counter.kinds() == {"expert_slot_exchange": len(model.moe_layers())}
+            assert all(layer.placement == new for layer in model.moe_layers().values())
+            moments = [v for s in trainer.optimizer.state.values() for v in s.values()
+                       if torch.is_tensor(v) and v.dim()]                # (AdamW keeps its `step` on CPU)
+            assert moments and all(t.is_meta for t in [*model.parameters(), *moments])
 
 
 def test_generation_on_meta_creates_every_tensor_on_the_model_device():

@@ -125,7 +125,7 @@ class GroupedExperts(nn.Module):
 
     The ``te`` backend keeps TransformerEngine's own per-slot parameters (``te_gate_up.weight{s}``,
     ``te_down.weight{s}``) with the same per-slot shapes; use :meth:`load_expert_weights` /
-    :meth:`expert_weight_shards` to be layout-agnostic.
+    :meth:`expert_weight_shards` / :meth:`slot_parameters` to be layout-agnostic.
 
     Construction draws no numbers from the global RNG: the weights get a deterministic placeholder
     init, and the owner (the MoE layer) loads each expert's real, layout-invariant initial weights
@@ -266,24 +266,37 @@ class GroupedExperts(nn.Module):
     def _te_weights(self, module: nn.Module) -> list[torch.Tensor]:
         return [getattr(module, f"weight{s}") for s in range(self.config.num_local_slots)]
 
-    # ---- per-slot weight access (checkpoints, tests, layout-invariant init) -------------------
-    def _slot_weights(self, local_slot: int, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [G * F_shard, H], down [H, F_shard]) of one slot: the parameters, or their
-        gradients with ``grad=True``."""
+    # ---- per-slot weight access (checkpoints, migration, tests, layout-invariant init) --------
+    def slot_parameters(self, local_slot: int) -> tuple[tuple[nn.Parameter, int | slice], ...]:
+        """Every parameter holding part of ``local_slot``, with the index selecting that part:
+        ``param[index]`` is the slot's tensor, and so is ``state[index]`` for any tensor shaped like
+        ``param`` (its gradient, its optimizer moments). Stacked backends: ``(w_gate_up, s)``,
+        ``(w_down, s)``; ``te``: the slot's own ``weight{s}`` parameters with ``slice(None)``. Layout
+        agnostic: what :func:`megamoe.moe.expert_migration.migrate_layer` moves."""
         if not 0 <= local_slot < self.config.num_local_slots:
             raise ValueError(f"local_slot must be in [0, {self.config.num_local_slots}), got {local_slot}")
         if self.backend == "te":
-            params = (getattr(self.te_gate_up, f"weight{local_slot}"),
-                      getattr(self.te_down, f"weight{local_slot}"))
-            slot = slice(None)
-        else:
-            params = (self.w_gate_up, self.w_down)
-            slot = local_slot
+            return ((getattr(self.te_gate_up, f"weight{local_slot}"), slice(None)),
+                    (getattr(self.te_down, f"weight{local_slot}"), slice(None)))
+        return ((self.w_gate_up, local_slot), (self.w_down, local_slot))
+
+    def slot_buffers(self, local_slot: int) -> tuple[torch.Tensor, ...]:
+        """Per-slot state other than parameters that belongs to the slot's expert (views): the FP8
+        scaling state (amax histories and scales) of the torch / emulated FP8 paths, else none.
+        (TransformerEngine keeps its FP8 state inside its modules, per GEMM: not reachable here.)"""
+        if self.fp8_state is None:
+            return ()
+        return self.fp8_state.slot_state(local_slot)
+
+    def _slot_weights(self, local_slot: int, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [G * F_shard, H], down [H, F_shard]) of one slot: the parameters, or their
+        gradients with ``grad=True``."""
+        params = self.slot_parameters(local_slot)
         if not grad:
-            return tuple(p.detach()[slot] for p in params)
-        if any(p.grad is None for p in params):
+            return tuple(p.detach()[index] for p, index in params)
+        if any(p.grad is None for p, _ in params):
             raise ValueError("the expert weights have no gradient yet: run a backward pass first")
-        return tuple(p.grad[slot] for p in params)
+        return tuple(p.grad[index] for p, index in params)
 
     @torch.no_grad()
     def load_expert_weights(self, local_slot: int, gate: torch.Tensor, up: torch.Tensor | None,

@@ -151,6 +151,11 @@ class FP8ScalingState(nn.Module):
                                                           device=device), persistent=False)
         self.register_buffer("scale", torch.ones(len(FP8_ROLES), num_slots, device=device), persistent=False)
 
+    def slot_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one slot's state: (amax_history [roles, L], scale [roles]). Expert migration
+        moves them with the slot's weights (see megamoe.moe.expert_migration)."""
+        return self.amax_history[:, slot], self.scale[:, slot]
+
     def current_scale(self, role: str) -> torch.Tensor:
         """[S] scales for quantising ``role`` now (from the history up to the previous step)."""
         return self.scale[FP8_ROLES.index(role)]

@@ -21,7 +21,11 @@ reads ``load_counter`` every step, calls ``router.update_expert_bias(load)`` aft
 when ``router.config.use_expert_bias``, and reports ``placement.balancedness``; the gradient sync and
 the gradient norm call :meth:`reduce_replica_grads` and :meth:`local_replica_counts` and read the
 experts' ``expert_weight_shards``; checkpoints call :meth:`sharded_state_dict` and store
-``placement.to_dict()``.
+``placement.to_dict()``. Online rebalancing (:func:`megamoe.moe.expert_migration.migrate_layer`) reads
+``placement``, ``local_slots``, ``ep_group`` / ``ep_rank`` / ``ep_size`` and the experts'
+``slot_parameters`` / ``slot_buffers``, and REPLACES ``placement`` (``local_slots`` never change): a
+subclass must read whatever it derives from the placement from ``self.placement`` when it runs, never
+cache it at construction.
 
 Compiled decoding: under ``torch.compile`` without gradients, when no communication is needed (EP
 and the dispatcher's reduction group of size 1) and the step has at most one (token, expert) pair
@@ -181,7 +185,10 @@ class MoELayer(nn.Module):
         ``expert_weight_shards(local_slot, grad=False) -> {"gate", "up", "down"}`` (views of this
         rank's shards in HF layout: used by checkpoints, the replica gradient sum and the gradient
         norm). Optional: ``supports_per_pair`` and ``forward_per_pair`` (compiled decoding, see the
-        module docstring). Every parameter is tagged ``expert_parallel`` after this returns."""
+        module docstring); ``slot_parameters(local_slot)`` and ``slot_buffers(local_slot)`` (what moves
+        with a slot: needed by :func:`megamoe.moe.expert_migration.migrate_layer`, see
+        :meth:`GroupedExperts.slot_parameters`). Every parameter is tagged ``expert_parallel`` after this
+        returns."""
         return GroupedExperts(ExpertsConfig(
             num_local_slots=len(self.local_slots), hidden_size=config.hidden_size,
             ffn_hidden_size=config.ffn_hidden_size, activation=config.activation,
