@@ -31,6 +31,7 @@ RESUME_REL_TOL = 1e-5           # another layout sums in another order (as tests
 # Selection bias of the skewed router: experts 3-5 take more tokens (each layer its own, rolled by the
 # layer id); they share an EP rank under the default placement (experts in slot order) of every layout
 # below, so the rebalancer has work to do.
+EXPERT_BYTES = 3 * 16 * H * 4     # gate, up [F, H] and down [H, F] in fp32, F = 16
 SKEW = (0.0, 0.0, 0.0, 0.02, 0.06, 0.04, 0.0, 0.0)
 
 
@@ -98,6 +99,9 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
                 save_training_checkpoint(checkpoint_dir, trainer, sampler_state=None, world_group=dist.group.WORLD)
                 run["saved_placements"] = {str(i): l.placement.to_dict() for i, l in model.moe_layers().items()}
                 steps += train(trainer, state, STEPS - save_at)
+            if eplb is not None:   # the same load again: the placement is a fixed point, nothing moves
+                trainer.rebalancer.rebalance(STEPS)
+                run["again"] = trainer.rebalancer.rebalance(STEPS)
             trained = {"curve": [(loss, norm) for loss, norm, _ in steps],
                        "reports": [r for _, _, r in steps if r is not None],
                        "replicas_identical": replicas_identical(model, trainer.optimizer),
@@ -108,7 +112,7 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
                 rebalanced = generate(model, state, prompts, GenerationConfig(max_new_tokens=8),
                                       eplb=EPLBConfig(window=2, interval=2))
                 trained["tokens"] = (greedy.token_ids, rebalanced.token_ids)
-                trained["generate_moved"] = sum(r.moved_slots + r.local_copies for r in rebalanced.eplb_reports)
+                trained["generate_reports"] = rebalanced.eplb_reports
             run["eplb" if eplb else "plain"] = trained
         if index == 0:      # the rebalanced checkpoint, resumed under another layout (EP 1, no EPLB)
             destroy_model_parallel()
@@ -181,7 +185,16 @@ def test_rebalancing_keeps_the_loss_curve_and_the_tokens(tmp_path):
         assert eplb["replicas_identical"] and plain["replicas_identical"], layout
         greedy, rebalanced = plain["tokens"]
         assert rebalanced == greedy, f"{layout}: generation with rebalancing changed the tokens"
-        assert plain["generate_moved"] > 0, f"{layout}: generation must move slots, else the check cannot fail"
+        generated = plain["generate_reports"]
+        assert sum(r.moved_slots for r in generated) > 0, f"{layout}: generation must move slots, else the check cannot fail"
+        # Bytes sent = slots moved x an expert's bytes (weights; in training + Adam's two moments), once per
+        # expert-DP replica of the EP group (ETP ranks each send their shard).
+        edp = world // (layout["ep"] * layout["etp"])
+        for report in eplb["reports"]:
+            assert report.moved_bytes == report.moved_slots * 3 * EXPERT_BYTES * edp, (layout, report)
+        for report in generated:
+            assert report.moved_bytes == report.moved_slots * EXPERT_BYTES * edp, (layout, report)
+        assert run["again"].moved_slots == run["again"].local_copies == run["again"].moved_bytes == 0, layout
     resumed = results[0]["resumed"]
     for step, (got, want) in enumerate(zip(resumed, results[0]["eplb"]["curve"][9:]), start=10):
         assert _close(got, want, RESUME_REL_TOL), f"resumed under EP 1, step {step}: {got} vs {want}"
