@@ -105,10 +105,7 @@ def _worker(rank, world_size, steps, interval, window, drift_every):
 def _summary(name: str, series: list[dict], interval: int) -> dict:
     rounds = [s["eplb"] for s in series if s["eplb"] is not None]
     rebalancing = [s["seconds"] for s in series if s["eplb"] is not None]
-    # Normal steps: neither a rebalancing step nor the step after it (whose routing meets new slots), nor
-    # the first step (warm-up).
-    after = {s["step"] + 1 for s in series if s["eplb"] is not None}
-    normal = [s["seconds"] for s in series[1:] if s["eplb"] is None and s["step"] not in after]
+    normal = [s["seconds"] for s in series[1:] if s["eplb"] is None]     # the first step warms up
     settled = [s["balancedness"] for s in series if s["step"] > interval]
     row = {
         "run": name,

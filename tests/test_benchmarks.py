@@ -152,3 +152,17 @@ def test_benchmark_help_shows_its_whole_description_and_every_default(name, monk
         # Shown unless there is nothing to show: no default, an on/off flag, a help naming its default.
         if action.default is not None and not isinstance(action.default, bool) and "default" not in action.help:
             assert f"(default:{action.default})".replace(" ", "") in shown, action.option_strings
+
+
+@pytest.mark.slow      # ~10 s: 2 gloo ranks, 4 steps per run
+def test_eplb_real_benchmark_rebalances_and_writes_its_table(monkeypatch, tmp_path, capsys):
+    eplb_real = _benchmark("eplb_real", monkeypatch)
+    out = tmp_path / "eplb_real.json"
+    assert eplb_real.main(["--real-ranks", "2", "--real-steps", "4", "--real-interval", "2", "--real-window", "2",
+                           "--json", str(out)]) == 0
+    rows = {row["run"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"static", "eplb"} and rows["static"]["rebalances"] == 0
+    eplb = rows["eplb"]
+    assert eplb["rebalances"] == 2 and eplb["moved_slots"] > 0 and eplb["moved_bytes"] > 0
+    assert eplb["rebalancing_over_normal"] == pytest.approx(eplb["rebalancing_step_s"] / eplb["normal_step_s"])
+    assert len(eplb["balancedness_by_step"]) == 4 and "balancedness over time" in capsys.readouterr().out

@@ -273,3 +273,20 @@ def test_pretrain_script_rebalances_and_logs_each_round(demo, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 1 and len(err) == 1 and err[0].startswith("pretrain_moe.py: error: ") and fragment in err[0], err
         assert not (tmp_path / "w2").exists(), "the error must come before any work"
+
+
+def test_a_skipped_step_records_no_load_and_does_not_rebalance():
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = skewed_model(state, "alltoall", E)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2, eplb=EPLBConfig(window=2, interval=1)))
+    weight = next(model.parameters())
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.fill_(float("nan"))
+    skipped = train(trainer, state, 1)[0]
+    assert trainer.consecutive_skips == 1 and skipped[2] is None and trainer.rebalancer.window.recorded == 0
+    with torch.no_grad():
+        weight.copy_(saved)
+    report = train(trainer, state, 1)[0][2]
+    assert report is not None and report.step == 2 and trainer.rebalancer.window.recorded == 1

@@ -107,6 +107,10 @@ USER_ERRORS = {
     "a layout for more ranks": ("ckpt", [*_prompt_args(), "--tp", "2"], None, ["--tp 2", "torchrun"]),
     "damaged checkpoint": ("copy", [*_prompt_args(), "--output-json", "{tmp}/out.json"], _flip_a_weight_byte,
                            ["checksum"]),
+    "eplb with --compile": ("ckpt", [*_prompt_args(), "--eplb-interval", "2", "--compile"], None,
+                            ["--eplb-interval with --compile"]),
+    "eplb flag without an interval": ("ckpt", [*_prompt_args(), "--eplb-max-layers", "1"], None,
+                                      ["--eplb-max-layers need --eplb-interval"]),
 }
 if not torch.cuda.is_available():
     USER_ERRORS["cuda without a GPU"] = ("ckpt", [*_prompt_args(), "--device", "cuda"], None,
@@ -137,6 +141,17 @@ def test_damaged_checkpoint_loads_with_no_verify_checksums(checkpoint, tmp_path,
     code, stderr = _run_main([path, *_prompt_args(), "--max-new-tokens", 2, "--no-verify-checksums"],
                              monkeypatch, capsys)
     assert code == 0, stderr[-3000:]
+
+
+def test_eplb_rounds_are_in_the_output_json(checkpoint, tmp_path, monkeypatch, capsys):
+    """--eplb-interval 2: a round after forward passes 2 and 4 (of 1 prefill + 4 decode steps), each in the
+    JSON (one EP rank here: nothing moves; tests/test_eplb.py moves slots over 4 ranks)."""
+    out = tmp_path / "out.json"
+    code, stderr = _run_main([checkpoint, *_prompt_args(), "--max-new-tokens", NEW, "--eplb-interval", 2,
+                              "--output-json", out], monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    rounds = json.loads(out.read_text())["eplb"]
+    assert [r["step"] for r in rounds] == [2, 4] and all(r["moved_slots"] == 0 for r in rounds)
 
 
 # world size, layout arguments -> what the error line holds
