@@ -56,7 +56,8 @@ from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoint_run_id, latest_checkpoint,
+from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoint_run_id,
+                                         expert_placements_from_checkpoint, latest_checkpoint,
                                          list_checkpoints, load_training_checkpoint, new_run_id, prune_checkpoints,
                                          save_training_checkpoint)
 from megamoe.training.hf_export import export_final_checkpoint, provenance_for_export, with_tokenizer
@@ -274,7 +275,7 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
             raise UsageError(str(e)) from None
     if args.expert_load is not None:
         try:
-            build_placements(config, args.ep, expert_load=args.expert_load)
+            build_placements(config, args.ep, expert_load=args.expert_load, saved=saved)
         except ValueError as e:
             raise UsageError(f"--expert-load {args.expert_load}: {e}") from None
     return config, provenance
@@ -543,7 +544,10 @@ def main(argv=None) -> int:
         if config is None:
             config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
                 dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
-        placements = build_placements(config, state.ep.size, expert_load=args.expert_load)
+        # A resumed run keeps the placements its checkpoint reached (e.g. by --eplb-interval) where the slots
+        # and the EP size are the same.
+        saved = expert_placements_from_checkpoint(plan.resume_from) if plan.resume_from is not None else None
+        placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
         model = GPTMoEModel(config, state, placements=placements, device=device)
         initialize_parameters(model, args.seed)
     if plan.resume_from is not None:

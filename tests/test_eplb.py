@@ -248,17 +248,29 @@ def _step_lines(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_pretrain_script_rebalances_and_logs_each_round(demo, tmp_path, capsys):
+def test_pretrain_script_rebalances_logs_each_round_and_resumes_with_the_placement(demo, tmp_path, capsys,
+                                                                                   monkeypatch):
     from megamoe.launch import run_script
+    from megamoe.moe.expert_slots import ExpertPlacement
+    from megamoe.training.checkpoint import expert_placements_from_checkpoint, latest_checkpoint
     argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", "--corpus-bytes", "100000",
             "--vocab-size", "512", "--hidden", "32", "--layers", "2", "--sample-tokens", "0", "--steps", "4",
-            "--global-batch", "4", "--seq-len", "16",
+            "--global-batch", "4", "--seq-len", "16", "--num-expert-slots", "12",
             "--save-every", "4", "--eplb-interval", "2", "--eplb-window", "3", "--eplb-threshold", "0.9",
             "--eplb-max-layers", "1"]
+    # The first run starts from a placement of its own (as one a rebalance reached on more EP ranks):
+    # the resumed run must keep it, not fall back to the default one.
+    reached = ExpertPlacement([7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4], 8, 1)
+    build_placements = demo.build_placements
+    monkeypatch.setattr(demo, "build_placements", lambda config, ep, **kw: {i: reached for i in config.moe_layer_ids})
     assert run_script(demo.main, [str(a) for a in argv], prog=demo.PROG) == 0
+    monkeypatch.setattr(demo, "build_placements", build_placements)
+    assert run_script(demo.main, [str(a) for a in [*argv, "--steps", "6", "--save-every", "6"]], prog=demo.PROG) == 0
+    resumed = expert_placements_from_checkpoint(latest_checkpoint(tmp_path / "ckpt"))
+    assert set(resumed.values()) == {reached} and len(resumed) == 1
     lines = _step_lines(tmp_path / "work" / "log.jsonl")
     rounds = [line for line in lines if "eplb_moved_slots" in line]
-    assert [line["step"] for line in rounds] == [2, 4]
+    assert [line["step"] for line in rounds] == [2, 4, 6]
     for line in rounds:     # one EP rank: always balanced, nothing moves
         assert line["eplb_moved_slots"] == 0 and line["eplb_moved_bytes"] == 0 and line["eplb_layers"] == []
         assert line["balancedness_before"] == line["balancedness_after"] == 1.0

@@ -4,12 +4,13 @@ from megamoe.moe.expert_slots import ExpertLoadCounter, ExpertPlacement, load_ex
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.moe_layer import MoEConfig, MoELayer
 from megamoe.moe.replacement import PlacementUpdate, replace_experts
+from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.moe.router import Router, RouterConfig, RouterOutput
 from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
 from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
 
 __all__ = [
     "ExpertLoadCounter", "ExpertPlacement", "load_expert_load", "save_expert_load", "ExpertsConfig", "GroupedExperts",
-    "MoEConfig", "MoELayer", "PlacementUpdate", "replace_experts", "Router", "RouterConfig", "RouterOutput", "SharedExperts", "SharedExpertsConfig",
+    "MoEConfig", "MoELayer", "PlacementUpdate", "replace_experts", "EPLBConfig", "EPLBReport", "ExpertRebalancer", "Router", "RouterConfig", "RouterOutput", "SharedExperts", "SharedExpertsConfig",
     "AllGatherDispatcher", "AllToAllDispatcher", "TokenDispatcher",
 ]

@@ -24,6 +24,14 @@ fp16 (``autocast="fp16"``): dynamic loss scaling (:mod:`megamoe.training.loss_sc
 starts from the loss times the scale; the synced gradients are unscaled before the norm, clipping and
 the optimizer step; an overflow is a non-finite step as above, and backs the scale off.
 
+Online expert rebalancing (``TrainConfig.eplb``, :mod:`megamoe.moe.eplb`): after the optimizer step and
+the expert-bias update, each finite step's expert loads go into a window on the device (no collective, no
+host sync); every ``interval`` steps the window is reduced and experts are re-placed, their weights and
+Adam state moved with them, so the next step trains under the new placement (``StepMetrics.eplb``
+reports the round). A skipped step records nothing and does not rebalance. The placement is part of the
+model's state: the next checkpoint stores it, and a resume under any layout loads by expert. The window
+is not checkpointed: a resumed run refills it.
+
 Devices: every tensor a step creates lives on the device of the model's parameters, and the micro-batches
 are moved there; ``tests/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
 step's host synchronisations, each a :mod:`megamoe.host_values` read:
@@ -39,7 +47,9 @@ step's host synchronisations, each a :mod:`megamoe.host_values` read:
 - the reduced expert loads (the placements' balancedness, a metric; the expert-bias update stays on
   the device);
 - the step's metrics: loss, aux loss and each layer's aux loss (one read), the per-layer balancedness
-  (one read).
+  (one read);
+- on a rebalancing step only (``TrainConfig.eplb``): the reduced window with every layer's placement,
+  the placement digests, the migration's split sizes and the round's report (see :mod:`megamoe.moe.eplb`).
 
 On the meta device the metrics read as NaN (see :mod:`megamoe.host_values`), and a step is never taken
 for non-finite there: a dry run has no values to judge.
