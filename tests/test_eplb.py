@@ -88,7 +88,7 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     results = []
     for index, layout in enumerate(layouts):
-        state = initialize_model_parallel(tp=layout["tp"], ep=layout["ep"], etp=layout["etp"])
+        state = initialize_model_parallel(tp=layout["tp"], pp=layout.get("pp", 1), ep=layout["ep"], etp=layout["etp"])
         run = {}
         for eplb in (None, EPLBConfig(window=4, interval=INTERVAL)):
             model = skewed_model(state, layout["dispatcher"], layout["slots"])
@@ -153,8 +153,10 @@ def _layout(tp, ep, etp, dispatcher, slots):
 
 
 # On 4 ranks, in one spawn: EP 4 with replicated slots (all-to-all); EP 2 all-gather inside TP 2, which
-# makes expert-DP 2 (DP 2); ETP 2 (TP 2, EP 2, all-to-all), replicated too.
-LAYOUTS = [_layout(1, 4, 1, "alltoall", 12), _layout(2, 2, 1, "allgather", 12), _layout(2, 2, 2, "alltoall", 10)]
+# makes expert-DP 2 (DP 2); ETP 2 (TP 2, EP 2, all-to-all), replicated too; 2 pipeline stages of EP 2
+# (each stage re-places its own layer, from the loads and placements of both).
+LAYOUTS = [_layout(1, 4, 1, "alltoall", 12), _layout(2, 2, 1, "allgather", 12), _layout(2, 2, 2, "alltoall", 10),
+           {**_layout(1, 2, 1, "alltoall", 12), "pp": 2}]
 WORLD = 4
 
 
@@ -189,7 +191,7 @@ def test_rebalancing_keeps_the_loss_curve_and_the_tokens(tmp_path):
         assert sum(r.moved_slots for r in generated) > 0, f"{layout}: generation must move slots, else the check cannot fail"
         # Bytes sent = slots moved x an expert's bytes (weights; in training + Adam's two moments), once per
         # expert-DP replica of the EP group (ETP ranks each send their shard).
-        edp = world // (layout["ep"] * layout["etp"])
+        edp = world // (layout["ep"] * layout["etp"] * layout.get("pp", 1))
         for report in eplb["reports"]:
             assert report.moved_bytes == report.moved_slots * 3 * EXPERT_BYTES * edp, (layout, report)
         for report in generated:
