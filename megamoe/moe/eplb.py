@@ -14,8 +14,8 @@ One round, every ``EPLBConfig.interval`` steps (training) or forward passes (gen
 3. :func:`~megamoe.moe.replacement.replace_experts` for each chosen layer of this stage: a
    deterministic function of (current placement, load), so every rank computes the same placement
    without a broadcast. That is checked, not assumed: one tiny all-reduce (MAX) of a digest of each new
-   placement and its negation; if two ranks disagree, :class:`PlacementDivergenceError` is raised on
-   every rank before any weight moves.
+   placement (and of every other layer's current one) and its negation; if two ranks disagree,
+   :class:`PlacementDivergenceError` is raised on every rank before any weight moves.
 4. :func:`~megamoe.moe.expert_migration.migrate_layer` for each chosen layer whose placement changed:
    only the changed slots receive weights (and, in training, their optimizer state).
 5. One tiny all-reduce of what moved, for the :class:`EPLBReport`, which is logged.
@@ -190,12 +190,9 @@ class ExpertRebalancer:
             self.layers[layer_id].placement, loads[layer_id],
             num_groups=self.config.num_groups, num_nodes=self.config.num_nodes)
             for layer_id in chosen if layer_id in self.layers}
-        moved = {}
-        if chosen:
-            self._check_agreement(updates)
-            for layer_id, update in updates.items():
-                if update.changed_slots:
-                    moved[layer_id] = migrate_layer(self.layers[layer_id], update.placement, self.optimizer)
+        self._check_agreement(updates)
+        moved = {layer_id: migrate_layer(self.layers[layer_id], update.placement, self.optimizer)
+                 for layer_id, update in updates.items() if update.changed_slots}
         report = self._report(step, chosen, before, updates, moved, loads, started)
         self.reports.append(report)
         logger.info("EPLB after step %d: re-placed MoE layers %s (of %d below the threshold %g): %d slots moved, %d "
@@ -222,12 +219,6 @@ class ExpertRebalancer:
         ep_size = self.state.ep.size
         loads = {layer_id: host[row[layer_id], :E] for layer_id in self.layer_ids}
         placements = {layer_id: ExpertPlacement(host[row[layer_id], E:] - 1, E, ep_size) for layer_id in self.layer_ids}
-        for layer_id, layer in self.layers.items():
-            if placements[layer_id] != layer.placement:
-                raise PlacementDivergenceError(
-                    f"EPLB: MoE layer {layer_id} has another expert placement on this rank (global rank "
-                    f"{self.state.rank}) than on its pipeline stage's first rank: the ranks have already diverged "
-                    "(a placement set on some ranks only?); every rank of a stage must hold the same placements")
         return loads, placements
 
     def _choose_layers(self, loads: dict[int, torch.Tensor], before: dict[int, float]) -> list[int]:
@@ -238,12 +229,13 @@ class ExpertRebalancer:
         return sorted(layer_id for _, layer_id in below[:limit])
 
     def _check_agreement(self, updates: dict) -> None:
-        """One all-reduce (MAX) of [digest, -digest] per layer: every rank holding a layer must have computed
-        the same new placement (max == min); raises PlacementDivergenceError on every rank otherwise."""
+        """One all-reduce (MAX) of [digest, -digest] per layer of the placement each rank is about to hold
+        (the new one of a chosen layer, else the current one): every rank holding a layer must agree (max ==
+        min); raises PlacementDivergenceError on every rank otherwise, before anything moves."""
         row = {layer_id: i for i, layer_id in enumerate(self.layer_ids)}
         digests = torch.full((2, len(self.layer_ids)), _NOT_HELD, dtype=torch.int64)
-        for layer_id, update in updates.items():
-            digest = _digest(layer_id, update.placement)
+        for layer_id, layer in self.layers.items():
+            digest = _digest(layer_id, updates[layer_id].placement if layer_id in updates else layer.placement)
             digests[:, row[layer_id]] = torch.tensor([digest, -digest])
         digests = digests.to(self.device)
         comms.all_reduce_(digests, self.world_group, op=torch.distributed.ReduceOp.MAX)
@@ -253,10 +245,11 @@ class ExpertRebalancer:
                     if highest[i] != _NOT_HELD and highest[i] != -negated_lowest[i]]
         if diverged:
             raise PlacementDivergenceError(
-                f"EPLB: the ranks computed different new expert placements for MoE layer(s) {diverged} from the same "
-                "reduced load, so nothing was migrated. replace_experts must be a deterministic function of (current "
-                "placement, load): run the same megamoe version and EPLBConfig on every rank, and keep any custom "
-                "policy free of rank-local state (random numbers, timing)")
+                f"EPLB: the ranks hold or computed different expert placements for MoE layer(s) {diverged} (from the "
+                "same reduced load), so nothing was migrated. replace_experts must be a deterministic function of "
+                "(current placement, load): run the same megamoe version and EPLBConfig on every rank, keep any "
+                "custom policy free of rank-local state (random numbers, timing), and set a layer's placement on "
+                "every rank alike")
 
     def _report(self, step, chosen, before, updates, moved, loads, started) -> EPLBReport:
         """Sum what moved over the world (one small all-reduce, only when layers were chosen)."""
