@@ -57,7 +57,7 @@ def add_real_arguments(parser) -> None:
     g.add_argument("--real-steps", type=int, default=40, help="training steps per run")
     g.add_argument("--real-interval", type=int, default=5, help="EPLB: rebalance every N steps")
     g.add_argument("--real-window", type=int, default=5, help="EPLB: steps of load statistics")
-    g.add_argument("--real-drift-every", type=int, default=8, help="the hot experts move on every N steps")
+    g.add_argument("--real-drift-every", type=int, default=20, help="the hot experts move on every N steps")
 
 
 def _config() -> GPTMoEConfig:

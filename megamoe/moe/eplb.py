@@ -93,7 +93,7 @@ class EPLBConfig:
 
 @dataclass(frozen=True)
 class EPLBReport:
-    """One rebalancing round, identical on every rank."""
+    """One rebalancing round, identical on every rank (but ``seconds``)."""
 
     step: int                       # the training step / forward pass it ran after
     layers: tuple[int, ...]         # global ids of the MoE layers whose placement changed
