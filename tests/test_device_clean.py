@@ -145,3 +145,18 @@ def test_train_step_moves_host_micro_batches_to_the_model_device():
     with _meta_run():
         trainer.train_step([(batch[:, :-1], batch[:, 1:])])
     assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
+
+
+def test_expert_rebalancing_round_on_meta_creates_every_tensor_on_the_model_device():
+    """TrainConfig.eplb: the step records its loads into the window and the round reduces them and checks the
+    placements over the world, all on the model's device (a meta run reads no load: nothing moves)."""
+    from megamoe.moe.eplb import EPLBConfig
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, pp=2, ep=2) as state:
+            model = GPTMoEModel(tiny_config("alltoall", 6), state, device="meta")
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2, eplb=EPLBConfig(window=2, interval=1)),
+                              world_group=dist.group.WORLD)
+            batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run():
+                report = trainer.train_step([(batch[:, :-1], batch[:, 1:])]).eplb
+            assert trainer.rebalancer.window.buffer.is_meta and report is not None and report.moved_slots == 0

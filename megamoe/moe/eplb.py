@@ -177,11 +177,10 @@ class ExpertRebalancer:
         return step % self.config.interval == 0
 
     @torch.no_grad()
-    def rebalance(self, step: int) -> EPLBReport | None:
-        """One round (module docstring); collective over ``world_group``. None on the meta device
-        (nothing was measured)."""
-        if self.device.type == "meta":
-            return None
+    def rebalance(self, step: int) -> EPLBReport:
+        """One round (module docstring); collective over ``world_group``. On the meta device (a dry run,
+        see :mod:`megamoe.host_values`) the loads read as zero: the round reduces and checks, and moves
+        nothing."""
         started = time.perf_counter()
         loads, placements = self._reduced_loads_and_placements()
         before = {layer_id: placements[layer_id].balancedness(loads[layer_id]) for layer_id in self.layer_ids}
@@ -215,11 +214,23 @@ class ExpertRebalancer:
             if self.reports_placement:
                 table[row[layer_id], E:] = layer.placement.slot_to_expert.to(self.device) + 1
         comms.all_reduce_(table, self.world_group)
-        host = torch.tensor(host_ints(table, on_meta=[0] * table.numel()), dtype=torch.int64).view_as(table)
+        on_meta = self._assumed_table().flatten().tolist() if table.is_meta else None
+        host = torch.tensor(host_ints(table, on_meta=on_meta), dtype=torch.int64).view_as(table)
         ep_size = self.state.ep.size
         loads = {layer_id: host[row[layer_id], :E] for layer_id in self.layer_ids}
         placements = {layer_id: ExpertPlacement(host[row[layer_id], E:] - 1, E, ep_size) for layer_id in self.layer_ids}
         return loads, placements
+
+    def _assumed_table(self) -> torch.Tensor:
+        """What a meta dry run reads as the reduced table: no load, this stage's placements and the default
+        one for the other stages' layers."""
+        E, S = self.num_experts, self.num_slots
+        table = torch.zeros(len(self.layer_ids), E + S, dtype=torch.int64)
+        default = ExpertPlacement.default(E, S, self.state.ep.size)
+        for row, layer_id in enumerate(self.layer_ids):
+            placement = self.layers[layer_id].placement if layer_id in self.layers else default
+            table[row, E:] = placement.slot_to_expert + 1
+        return table
 
     def _choose_layers(self, loads: dict[int, torch.Tensor], before: dict[int, float]) -> list[int]:
         """The layers to re-place, worst first (ties: lower layer id): below the threshold, with load."""
@@ -237,9 +248,10 @@ class ExpertRebalancer:
         for layer_id, layer in self.layers.items():
             digest = _digest(layer_id, updates[layer_id].placement if layer_id in updates else layer.placement)
             digests[:, row[layer_id]] = torch.tensor([digest, -digest])
+        mine = digests.flatten().tolist()          # a meta dry run: every rank agrees with this one
         digests = digests.to(self.device)
         comms.all_reduce_(digests, self.world_group, op=torch.distributed.ReduceOp.MAX)
-        values = host_ints(digests, on_meta=[0] * digests.numel())
+        values = host_ints(digests, on_meta=mine)
         highest, negated_lowest = values[:len(row)], values[len(row):]
         diverged = [layer_id for layer_id, i in row.items()
                     if highest[i] != _NOT_HELD and highest[i] != -negated_lowest[i]]
