@@ -132,54 +132,46 @@ class ReplicaMoves:
         mine = np.arange(heavy * spr, (heavy + 1) * spr)
         node = heavy // self.ranks_per_node
         node_experts = np.flatnonzero(self.node_of_expert == node)
-        best = None
-        pairs = [(np.array([a]), node_slots) for a in np.unique(self.table[mine])]
-        pairs += [(node_experts, np.array([s])) for s in mine]
-        for receivers, donor_slots in pairs:
-            donor_slots = donor_slots[self.counts[self.table[donor_slots]] >= 2]
-            if donor_slots.size == 0:
-                continue
-            # All (receiver, donor slot) combinations, flattened.
-            a = np.repeat(receivers, donor_slots.size)
-            slot = np.tile(donor_slots, receivers.size)
-            d = self.table[slot]
-            keep = a != d
-            a, slot, d = a[keep], slot[keep], d[keep]
-            if a.size == 0:
-                continue
-            rank = self.owner[slot]
-            new_a = self.load[a] / (self.counts[a] + 1)
-            new_d = self.load[d] / (self.counts[d] - 1)
-            new = (loads[None, :] + self.presence[:, a].T * (new_a - weight[a])[:, None]
-                   + self.presence[:, d].T * (new_d - weight[d])[:, None])  # [n, ep]
-            rows = np.arange(a.size)
-            new[rows, rank] += new_a - new_d
-            # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed
-            # excess over the target must drop too.
-            valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
-            if goal.target is None:
-                gain = peak - new.max(axis=1)
-            else:
-                gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
-                valid &= gain > goal.tiny
-            if not valid.any():
-                continue
-            local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
-            adds_pair = (self.presence[rank, a] >= 1) & ~(self.presence[rank, d] >= 2)
-            (k,) = self._argbest(valid, adds_pair, gain, local_peak)
-            candidate = (bool(adds_pair[k]), -float(gain[k]), float(local_peak[k]),
-                         _REASSIGN, int(slot[k]), int(a[k]))
-            best = candidate if best is None or candidate < best else best
-        return best
+        replicated = node_slots[self.counts[self.table[node_slots]] >= 2]
+        mine_replicated = mine[self.counts[self.table[mine]] >= 2]
+        receivers = np.unique(self.table[mine])
+        # All (receiver, donor slot) combinations of both kinds, flattened.
+        a = np.concatenate([np.repeat(receivers, replicated.size), np.repeat(node_experts, mine_replicated.size)])
+        slot = np.concatenate([np.tile(replicated, receivers.size), np.tile(mine_replicated, node_experts.size)])
+        d = self.table[slot]
+        keep = a != d
+        a, slot, d = a[keep], slot[keep], d[keep]
+        if a.size == 0:
+            return None
+        rank = self.owner[slot]
+        new_a = self.load[a] / (self.counts[a] + 1)
+        new_d = self.load[d] / (self.counts[d] - 1)
+        new = (loads[None, :] + self.presence[:, a].T * (new_a - weight[a])[:, None]
+               + self.presence[:, d].T * (new_d - weight[d])[:, None])  # [n, ep]
+        new[np.arange(a.size), rank] += new_a - new_d
+        # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed excess
+        # over the target must drop too.
+        valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
+        if goal.target is None:
+            gain = peak - new.max(axis=1)
+        else:
+            gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
+            valid &= gain > goal.tiny
+        if not valid.any():
+            return None
+        local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
+        adds_pair = (self.presence[rank, a] >= 1) & ~(self.presence[rank, d] >= 2)
+        (k,) = self._argbest(valid, adds_pair, gain, local_peak, order_key=slot * self.num_experts + a)
+        return (bool(adds_pair[k]), -float(gain[k]), float(local_peak[k]), _REASSIGN, int(slot[k]), int(a[k]))
 
     @staticmethod
-    def _argbest(valid, adds_pair, gain, local_peak):
+    def _argbest(valid, adds_pair, gain, local_peak, order_key=None):
         """Index of the valid candidate with the best (no added pair, gain per slot moved, lowest load
-        of the ranks it changes); ties to the first in C order (lower slot / expert ids)."""
-        flat_valid = valid.ravel()
-        order = np.lexsort((np.arange(flat_valid.size), local_peak.ravel(), -gain.ravel(),
-                            adds_pair.ravel(), ~flat_valid))
-        return np.unravel_index(order[0], valid.shape)
+        of the ranks it changes); ties to the lowest ``order_key`` (default: the first in C order)."""
+        index = np.flatnonzero(valid.ravel())
+        key = index if order_key is None else order_key.ravel()[index]
+        best = np.lexsort((key, local_peak.ravel()[index], -gain.ravel()[index], adds_pair.ravel()[index]))[0]
+        return np.unravel_index(index[best], valid.shape)
 
     @staticmethod
     def _max_excluding(loads: np.ndarray, heavy: int) -> np.ndarray:
