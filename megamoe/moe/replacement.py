@@ -94,47 +94,51 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
         start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak)
     else:
         start = table
-    searched = _searched(start, loads, ep, num_nodes, target_peak, repack=num_nodes > 1 or compare_to_scratch)
-    result = _update(current, searched, load, before)
-    if _peak(searched, loads, ep) <= target_peak or not in_nodes:
-        return result
-    # No move is left short of the target.
-    if not compare_to_scratch:
-        return result if result.balancedness_after * tolerance > before else unchanged
-    scratch = ExpertPlacement.balanced(load, num_slots, ep, **hierarchical)
-    good_enough = tolerance * scratch.balancedness(load)
-    if before >= good_enough:
-        return unchanged
-    if result.balancedness_after >= good_enough:
-        return result
+    states = _searched(start, loads, ep, num_nodes, target_peak, repack=num_nodes > 1 or compare_to_scratch)
+    final_peak = states[-1][0]
+    scratch = None
+    if final_peak <= target_peak:
+        good_enough = target_peak
+    elif compare_to_scratch:
+        scratch = ExpertPlacement.balanced(load, num_slots, ep, **hierarchical)
+        good_enough = float(scratch.rank_loads(load).max()) / tolerance
+    else:  # the moves' best estimates what can be reached
+        good_enough = final_peak / tolerance
+    # The first placement on the way that is good enough: the current one, if it may stay, or the
+    # fewest moves.
+    candidates = ([(_peak(table, loads, ep), table)] if in_nodes else []) + states
+    for peak, candidate in candidates:
+        if peak <= good_enough:
+            return _update(current, candidate, load, before)
     return _update(current, matched_to(current, scratch, num_nodes), load, before)
 
 
 def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int, target_peak: float,
-              repack: bool) -> np.ndarray:
-    """``table`` after few-slot moves towards ``target_peak``; where they stall short of it and
-    ``repack``, the heaviest rank's node is re-packed from scratch if that lowers the peak (ranks matched
-    to the old ones), and the moves go on; the caller keeps the result only if it beats the current
-    placement by more than the tolerance. With one node that is the whole layer, which only
-    ``compare_to_scratch`` pays for; a node is re-packed at most once."""
+              repack: bool) -> list[tuple[float, np.ndarray]]:
+    """(peak, table) at each step of few-slot moves from ``table`` towards ``target_peak``, the last the
+    best. Where the moves stall short of it and ``repack``, the heaviest rank's node is re-packed from
+    scratch if that lowers the peak (ranks matched to the old ones), and the moves go on. With one node
+    that is the whole layer, which only ``compare_to_scratch`` pays for; a node is re-packed at most once."""
     slots_per_node, ranks_per_node = table.shape[0] // num_nodes, ep_size // num_nodes
     repacked = set()
+    states = []
     while True:
         search = ReplicaMoves(table, loads, ep_size, num_nodes)
         search.lower_peak(target_peak, max_moves=4 * table.shape[0])
+        states += search.states
         table = search.table
         rank_loads = search.rank_loads()
         heavy = int(np.argmax(rank_loads))
         peak = float(rank_loads[heavy])
         node = heavy // ranks_per_node
         if peak <= target_peak or not repack or node in repacked:
-            return table
+            return states
         repacked.add(node)
         node_slots = slice(node * slots_per_node, (node + 1) * slots_per_node)
         experts = np.unique(table[node_slots])
         packed = ExpertPlacement.balanced(loads[experts].tolist(), slots_per_node, ranks_per_node)
         if float(packed.rank_loads(loads[experts].tolist()).max()) >= peak:
-            return table
+            return states
         new_ranks = experts[np.asarray(packed.slot_to_expert.tolist())].reshape(ranks_per_node, -1)
         table = table.copy()
         table[node_slots] = _matched_ranks(table[node_slots].reshape(ranks_per_node, -1), new_ranks,

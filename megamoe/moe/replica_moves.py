@@ -44,6 +44,7 @@ class ReplicaMoves:
         self.node_of_expert = np.zeros(self.num_experts, dtype=np.int64)
         self.node_of_expert[self.table] = node_of_slot
         self.moved = 0  # slot changes made (a slot changed twice counts twice)
+        self.states: list[tuple[float, np.ndarray]] = []  # (peak, table) at the start and after each move
 
     def rank_loads(self) -> np.ndarray:
         weight = self.load / self.counts  # [E] tokens per replica
@@ -62,8 +63,8 @@ class ReplicaMoves:
         """
         tiny = 1e-12 * float(self.load.sum())
         by_excess = True
+        loads = self._recorded(self.rank_loads())
         for _ in range(max_moves):
-            loads = self.rank_loads()
             heavy = int(np.argmax(loads))
             peak = float(loads[heavy])
             if peak <= target_peak:
@@ -77,6 +78,11 @@ class ReplicaMoves:
                 continue
             self._apply(best)
             by_excess = True
+            loads = self._recorded(self.rank_loads())
+
+    def _recorded(self, loads: np.ndarray) -> np.ndarray:
+        self.states.append((float(loads.max()), self.table.copy()))
+        return loads
 
     # ------------------------------------------------------------------ candidates
 
