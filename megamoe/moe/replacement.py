@@ -17,7 +17,7 @@ import numpy as np
 from megamoe.moe.argument_checks import hierarchy, validated_load
 from megamoe.moe.assignment import min_cost_assignment
 from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe.placement_policy import nodes_of_groups
+from megamoe.moe.placement_policy import nodes_of_groups, replica_counts
 from megamoe.moe.replica_moves import ReplicaMoves
 
 __all__ = ["PlacementUpdate", "replace_experts", "peak_bound", "matched_to"]
@@ -94,7 +94,8 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
         start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak)
     else:
         start = table
-    states = _searched(start, loads, ep, num_nodes, target_peak, repack=num_nodes > 1 or compare_to_scratch)
+    states = _searched(start, loads, ep, num_nodes, target_peak, tolerance,
+                       repack=num_nodes > 1 or compare_to_scratch)
     final_peak = states[-1][0]
     scratch = None
     if final_peak <= target_peak:
@@ -114,20 +115,28 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
 
 
 def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int, target_peak: float,
-              repack: bool) -> list[tuple[float, np.ndarray]]:
+              tolerance: float, repack: bool) -> list[tuple[float, np.ndarray]]:
     """(peak, table) at each step of few-slot moves from ``table`` towards ``target_peak``, the last the
     best. Where the moves stall short of it and ``repack``, the heaviest rank's node is re-packed from
     scratch if that lowers the peak (ranks matched to the old ones), and the moves go on. With one node
     that is the whole layer, which only ``compare_to_scratch`` pays for; a node is re-packed at most once."""
     slots_per_node, ranks_per_node = table.shape[0] // num_nodes, ep_size // num_nodes
+    max_moves = 4 * table.shape[0]
+    search = ReplicaMoves(table, loads, ep_size, num_nodes)
+    search.lower_peak(target_peak, max_moves)
+    states = search.states
+    if states[-1][0] > target_peak:
+        # Stalled: the replica counts may be far from what the load wants (the hot experts changed).
+        # Setting them first moves more slots at once, so it is taken only if it ends lighter.
+        recounted = ReplicaMoves(table, loads, ep_size, num_nodes)
+        recounted.adjust_counts(_wanted_counts(table, loads, ep_size, num_nodes))
+        recounted.lower_peak(target_peak, max_moves)
+        if recounted.states[-1][0] < states[-1][0] * tolerance:
+            states = states[:1] + recounted.states
     repacked = set()
-    states = []
     while True:
-        search = ReplicaMoves(table, loads, ep_size, num_nodes)
-        search.lower_peak(target_peak, max_moves=4 * table.shape[0])
-        states += search.states
-        table = search.table
-        rank_loads = search.rank_loads()
+        table = states[-1][1]
+        rank_loads = ReplicaMoves(table, loads, ep_size, num_nodes).rank_loads()
         heavy = int(np.argmax(rank_loads))
         peak = float(rank_loads[heavy])
         node = heavy // ranks_per_node
@@ -143,6 +152,19 @@ def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int
         table = table.copy()
         table[node_slots] = _matched_ranks(table[node_slots].reshape(ranks_per_node, -1), new_ranks,
                                            loads.shape[0], 1).ravel()
+        search = ReplicaMoves(table, loads, ep_size, num_nodes)
+        search.lower_peak(target_peak, max_moves)
+        states += search.states
+
+
+def _wanted_counts(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int) -> np.ndarray:
+    """[E] the replica counts the from-scratch policy gives each expert for ``loads``, per node of
+    ``table`` (:func:`~megamoe.moe.placement_policy.replica_counts`)."""
+    counts = np.zeros(loads.shape[0], dtype=np.int64)
+    for part in np.split(table, num_nodes):
+        experts = np.unique(part)
+        counts[experts] = replica_counts(loads[experts].tolist(), part.shape[0], ep_size // num_nodes)
+    return counts
 
 
 def peak_bound(loads: np.ndarray, num_slots: int, ep_size: int, num_groups: int = 1, num_nodes: int = 1) -> float:

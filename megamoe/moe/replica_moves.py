@@ -80,6 +80,53 @@ class ReplicaMoves:
             by_excess = True
             loads = self._recorded(self.rank_loads())
 
+    def adjust_counts(self, target_counts: np.ndarray) -> None:
+        """Give each expert ``target_counts`` replicas by reassigning only the surplus slots: an expert
+        with too many gives up those on the heaviest ranks; the freed slots go, heaviest new replica
+        first, to the lightest rank with a freed slot (one not holding the expert if possible). A big
+        change of load (the hot experts are others now) needs this: one slot at a time, the moves
+        would stall with the replicas where the old load wanted them. Counts must sum per node as now."""
+        weight = self.load / self.counts
+        loads = weight[self.table].reshape(self.ep_size, self.slots_per_rank).sum(axis=1)
+        surplus = self.counts - target_counts
+        freed = []
+        for expert in np.flatnonzero(surplus > 0).tolist():
+            slots = np.flatnonzero(self.table == expert)
+            order = np.lexsort((slots, -loads[self.owner[slots]]))
+            freed += slots[order[:surplus[expert]]].tolist()
+        if not freed:
+            return
+        for slot in freed:
+            self._reassign(slot, -1)
+        new_weight = self.load / np.maximum(target_counts, 1)
+        kept = np.where(self.table >= 0, new_weight[np.maximum(self.table, 0)], 0.0)
+        rank_loads = kept.reshape(self.ep_size, self.slots_per_rank).sum(axis=1).tolist()
+        arriving = sorted(((-new_weight[e], e) for e in np.flatnonzero(surplus < 0).tolist()
+                           for _ in range(-surplus[e])))
+        free_slots = sorted(freed)
+        for _, expert in arriving:
+            node = self.node_of_expert[expert]
+            choices = [s for s in free_slots if self.owner[s] // self.ranks_per_node == node]
+            slot = min(choices, key=lambda s: (self.presence[self.owner[s], expert] > 0,
+                                               rank_loads[self.owner[s]], s))
+            free_slots.remove(slot)
+            self._reassign(slot, expert)
+            rank_loads[self.owner[slot]] += new_weight[expert]
+        self.moved += len(freed)
+        self._recorded(self.rank_loads())
+
+    def _reassign(self, slot: int, expert: int) -> None:
+        """Slot ``slot`` to ``expert`` (-1: empty, only inside :meth:`adjust_counts`)."""
+        old = int(self.table[slot])
+        rank = int(self.owner[slot])
+        if old >= 0:
+            self.presence[rank, old] -= 1
+            self.counts[old] -= 1
+        if expert >= 0:
+            self.presence[rank, expert] += 1
+            self.counts[expert] += 1
+        self.table[slot] = expert
+
     def _recorded(self, loads: np.ndarray) -> np.ndarray:
         self.states.append((float(loads.max()), self.table.copy()))
         return loads
@@ -195,23 +242,13 @@ class ReplicaMoves:
     def _apply(self, move) -> None:
         kind, slot, other = move[3], move[4], move[5]
         if kind == _SWAP:
-            self._set(slot, int(self.table[other]), other, int(self.table[slot]))
+            expert, other_expert = int(self.table[slot]), int(self.table[other])
+            self._reassign(slot, other_expert)
+            self._reassign(other, expert)
             self.moved += 2
         else:
-            self._set(slot, other)
+            self._reassign(slot, other)
             self.moved += 1
-
-    def _set(self, slot: int, expert: int, other_slot: int | None = None, other_expert: int | None = None):
-        for s, e in ((slot, expert), (other_slot, other_expert)):
-            if s is None:
-                continue
-            old = int(self.table[s])
-            rank = int(self.owner[s])
-            self.presence[rank, old] -= 1
-            self.presence[rank, e] += 1
-            self.counts[old] -= 1
-            self.counts[e] += 1
-            self.table[s] = e
 
 
 class _Goal:
