@@ -122,17 +122,23 @@ def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int
     that is the whole layer, which only ``compare_to_scratch`` pays for; a node is re-packed at most once."""
     slots_per_node, ranks_per_node = table.shape[0] // num_nodes, ep_size // num_nodes
     max_moves = 4 * table.shape[0]
-    search = ReplicaMoves(table, loads, ep_size, num_nodes)
-    search.lower_peak(target_peak, max_moves)
-    states = search.states
-    if states[-1][0] > target_peak:
-        # Stalled: the replica counts may be far from what the load wants (the hot experts changed).
-        # Setting them first moves more slots at once, so it is taken only if it ends lighter.
-        recounted = ReplicaMoves(table, loads, ep_size, num_nodes)
-        recounted.adjust_counts(_wanted_counts(table, loads, ep_size, num_nodes))
-        recounted.lower_peak(target_peak, max_moves)
-        if recounted.states[-1][0] < states[-1][0] * tolerance:
-            states = states[:1] + recounted.states
+    counts = np.bincount(table, minlength=loads.shape[0])
+    recounted = ReplicaMoves(table, loads, ep_size, num_nodes)
+    if float((loads / counts).max()) > target_peak:
+        # One replica alone is over the target: the replica counts are far from what the load wants
+        # (the hot experts changed). Setting them all first is cheaper than one slot at a time, which
+        # would stall with the replicas where the old load wanted them.
+        _recount(recounted, table, loads, ep_size, num_nodes, target_peak, max_moves)
+        states = recounted.states
+    else:
+        search = ReplicaMoves(table, loads, ep_size, num_nodes)
+        search.lower_peak(target_peak, max_moves)
+        states = search.states
+        if states[-1][0] > target_peak:
+            # Stalled: setting the counts first moves more slots at once, so only if it ends lighter.
+            _recount(recounted, table, loads, ep_size, num_nodes, target_peak, max_moves)
+            if recounted.states[-1][0] < states[-1][0] * tolerance:
+                states = states[:1] + recounted.states
     repacked = set()
     while True:
         table = states[-1][1]
@@ -155,6 +161,14 @@ def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int
         search = ReplicaMoves(table, loads, ep_size, num_nodes)
         search.lower_peak(target_peak, max_moves)
         states += search.states
+
+
+def _recount(search: ReplicaMoves, table, loads, ep_size, num_nodes, target_peak, max_moves) -> None:
+    """The counts the load wants, then swaps only (for those counts the packing is what is off), then
+    all moves."""
+    search.adjust_counts(_wanted_counts(table, loads, ep_size, num_nodes))
+    search.lower_peak(target_peak, max_moves, swaps_only=True)
+    search.lower_peak(target_peak, max_moves)
 
 
 def _wanted_counts(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int) -> np.ndarray:

@@ -50,7 +50,7 @@ class ReplicaMoves:
         weight = self.load / self.counts  # [E] tokens per replica
         return weight[self.table].reshape(self.ep_size, self.slots_per_rank).sum(axis=1)
 
-    def lower_peak(self, target_peak: float, max_moves: int) -> None:
+    def lower_peak(self, target_peak: float, max_moves: int, swaps_only: bool = False) -> None:
         """Moves until the heaviest rank is at or below ``target_peak``, no move helps, or ``max_moves``.
 
         Every move takes the heaviest rank below the peak and no other rank up to it, so (peak, ranks at
@@ -59,7 +59,7 @@ class ReplicaMoves:
         summed excess of the ranks over the target most per slot moved (many ranks are usually over it,
         and a move that only shifts the excess from the heaviest rank to the next gains nothing); when
         none lowers it, the one lowering the peak most (the target comes from a bound and may be out of
-        reach), then back to the excess.
+        reach), then back to the excess. ``swaps_only``: keep the replica counts.
         """
         tiny = 1e-12 * float(self.load.sum())
         by_excess = True
@@ -70,7 +70,8 @@ class ReplicaMoves:
             if peak <= target_peak:
                 return
             goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, tiny)
-            best = min((c for c in (self._best_reassign(goal), self._best_swap(goal)) if c), default=None)
+            candidates = (self._best_swap(goal),) if swaps_only else (self._best_reassign(goal), self._best_swap(goal))
+            best = min((c for c in candidates if c), default=None)
             if best is None:
                 if not by_excess:
                     return
