@@ -27,7 +27,7 @@ def balanced_slot_to_expert(loads: list[float], num_slots: int, ep_size: int, nu
             for expert in range(group * experts_per_group, (group + 1) * experts_per_group)
         )
         node_loads = [loads[e] for e in node_experts]
-        counts = _replica_counts(node_loads, num_slots // num_nodes, ep_size // num_nodes)
+        counts = replica_counts(node_loads, num_slots // num_nodes, ep_size // num_nodes)
         ranks = _improved_by_moving_replicas(node_loads, counts, ep_size // num_nodes, slots_per_rank)
         slot_to_expert.extend(node_experts[e] for rank_experts in ranks for e in rank_experts)
     return slot_to_expert
@@ -94,7 +94,7 @@ def _same_label_pairs(bins_of_labels: list[list[int]]) -> int:
     return sum(len(labels) - len(set(labels)) for labels in bins_of_labels)
 
 
-def _replica_counts(loads: list[float], num_replicas: int, num_ranks: int) -> list[int]:
+def replica_counts(loads: list[float], num_replicas: int, num_ranks: int) -> list[int]:
     """One replica per expert, then each extra one to the expert with the highest load per replica.
 
     An expert gets at most ``num_ranks`` replicas while any other expert can still take one: a replica

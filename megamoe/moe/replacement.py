@@ -17,7 +17,7 @@ import numpy as np
 from megamoe.moe.argument_checks import hierarchy, validated_load
 from megamoe.moe.assignment import min_cost_assignment
 from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe.placement_policy import nodes_of_groups
+from megamoe.moe.placement_policy import nodes_of_groups, replica_counts
 from megamoe.moe.replica_moves import ReplicaMoves
 
 __all__ = ["PlacementUpdate", "replace_experts", "peak_bound", "matched_to"]
@@ -52,21 +52,24 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
     2. Few-slot moves from ``current`` (:mod:`megamoe.moe.replica_moves`): one slot changes to another
        expert (replica counts follow the load) or two slots on different ranks swap experts; the move
        lowering the ranks' excess over the target most per slot moved first, until the target is met.
-    3. If no move is left short of the target (the bound is not always reachable), the result is kept
-       only if its balancedness beats ``current``'s by more than the tolerance; else nothing changes.
-       With ``compare_to_scratch`` the from-scratch placement is computed instead (~0.3 s a layer at 256
-       experts) and the result is guaranteed to reach ``tolerance`` x its balancedness: nothing changes if
-       ``current`` does, else the moves' result if it does, else the from-scratch placement with its
-       ranks matched to the current ones (:func:`matched_to`).
+       Where one replica alone is over the target (the hot experts changed), the replica counts are set
+       to the from-scratch policy's first (surplus slots to the experts short of replicas).
+    3. The bound is not always reachable: where no move is left short of it, the moves stop at their
+       first step within ``tolerance`` of the best they reached; if ``current`` is, nothing changes.
+    With ``compare_to_scratch``, the from-scratch placement itself is the reference wherever the bound
+    does not settle it (~0.3 s a layer at 256 experts): nothing changes if ``current`` is within
+    ``tolerance`` of its balancedness, the moves stop as soon as they are, and if they cannot get there
+    the from-scratch placement is used, its ranks matched to the current ones (:func:`matched_to`).
 
     The result is a fixed point: a second call with the same load changes nothing. ``num_groups`` /
     ``num_nodes``: the hierarchical policy, as in :meth:`ExpertPlacement.balanced`; moves stay inside
     a node, so each group's replicas stay in the node holding it. When the current node assignment of
     groups cannot reach the target, groups are swapped between nodes (fewest first) and only the nodes
-    whose groups changed are re-packed, their ranks matched to the old ones; a ``current`` placement
-    whose groups do not each lie in one node is re-packed from scratch (matched), then moved.
-    Deterministic, a pure function of its arguments (ties go to lower indices; no BLAS reductions):
-    every rank computes the same update from the same load.
+    whose groups changed are re-packed, their ranks matched to the old ones; where the moves stall, the
+    heaviest node is re-packed from scratch if that is lighter. A ``current`` placement whose groups do
+    not each lie in one node is re-packed from scratch (matched), then moved. Deterministic, a pure
+    function of its arguments (ties go to lower indices; no BLAS reductions): every rank computes the
+    same update from the same load.
     """
     if not isinstance(current, ExpertPlacement):
         raise ValueError(f"current must be an ExpertPlacement, got {type(current).__name__}")
@@ -77,7 +80,6 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
     if not isinstance(compare_to_scratch, bool):
         raise ValueError(f"compare_to_scratch must be True or False, got {compare_to_scratch!r}")
     ep, num_slots = current.ep_size, current.num_slots
-    hierarchical = {} if num_nodes == 1 else {"num_groups": num_groups, "num_nodes": num_nodes}
     loads = load.numpy()
     before = current.balancedness(load)
     unchanged = PlacementUpdate(current, (), before, before)
@@ -86,59 +88,132 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
     in_nodes = _groups_in_nodes(table, current.num_experts, num_groups, num_nodes)
     if in_nodes and _peak(table, loads, ep) <= target_peak:
         return unchanged
+    scratch = _Scratch(loads, num_slots, ep, num_groups, num_nodes)
+    if compare_to_scratch:  # the reference is the from-scratch placement: a looser target than the bound
+        target_peak = _peak(scratch.table(), loads, ep) / tolerance
+        if in_nodes and _peak(table, loads, ep) <= target_peak:
+            return unchanged
 
     if not in_nodes:
-        scratch = ExpertPlacement.balanced(load, num_slots, ep, **hierarchical)
-        start = matched_to(current, scratch, num_nodes)
+        start = _matched_ranks(table.reshape(ep, -1), scratch.table().reshape(ep, -1), len(loads), num_nodes).ravel()
     elif num_nodes > 1 and _node_bound(table, loads, ep, num_nodes) > target_peak:
-        start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak)
+        start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak, scratch)
     else:
         start = table
-    searched = _searched(start, loads, ep, num_nodes, target_peak, repack=num_nodes > 1 or compare_to_scratch)
-    result = _update(current, searched, load, before)
-    if _peak(searched, loads, ep) <= target_peak or not in_nodes:
-        return result
-    # No move is left short of the target.
-    if not compare_to_scratch:
-        return result if result.balancedness_after * tolerance > before else unchanged
-    scratch = ExpertPlacement.balanced(load, num_slots, ep, **hierarchical)
-    good_enough = tolerance * scratch.balancedness(load)
-    if before >= good_enough:
-        return unchanged
-    if result.balancedness_after >= good_enough:
-        return result
-    return _update(current, matched_to(current, scratch, num_nodes), load, before)
+    states = _searched(start, loads, ep, num_nodes, target_peak, tolerance, scratch,
+                       repack=num_nodes > 1 or compare_to_scratch)
+    final_peak = states[-1][0]
+    # The moves' best estimates what can be reached where the bound cannot.
+    good_enough = target_peak if final_peak <= target_peak or compare_to_scratch else final_peak / tolerance
+    # The first placement on the way that is good enough: the current one, if it may stay, or the
+    # fewest moves.
+    candidates = ([(_peak(table, loads, ep), table)] if in_nodes else []) + states
+    for peak, candidate in candidates:
+        if peak <= good_enough:
+            return _update(current, candidate, load, before)
+    matched = _matched_ranks(table.reshape(ep, -1), scratch.table().reshape(ep, -1), len(loads), num_nodes)
+    return _update(current, matched.ravel(), load, before)
+
+
+class _Scratch:
+    """From-scratch placements (:meth:`ExpertPlacement.balanced`) of one call, each computed once: of
+    the whole layer, and of single nodes (a node's experts on its slots and ranks)."""
+
+    def __init__(self, loads: np.ndarray, num_slots: int, ep_size: int, num_groups: int, num_nodes: int):
+        self.loads, self.num_slots, self.ep_size = loads, num_slots, ep_size
+        self.hierarchy = {} if num_nodes == 1 else {"num_groups": num_groups, "num_nodes": num_nodes}
+        self.cache: dict = {}
+
+    def table(self) -> np.ndarray:
+        """[S] the whole layer's slot -> expert table."""
+        if "layer" not in self.cache:
+            placement = ExpertPlacement.balanced(self.loads.tolist(), self.num_slots, self.ep_size, **self.hierarchy)
+            self.cache["layer"] = np.asarray(placement.slot_to_expert.tolist(), dtype=np.int64)
+        return self.cache["layer"]
+
+    def node_ranks(self, experts: np.ndarray, num_slots: int, num_ranks: int) -> tuple[np.ndarray, float]:
+        """([ranks, slots per rank] expert ids, heaviest rank's load) of ``experts`` packed alone."""
+        key = (tuple(experts.tolist()), num_slots, num_ranks)
+        if key not in self.cache:
+            node_loads = self.loads[experts].tolist()
+            placement = ExpertPlacement.balanced(node_loads, num_slots, num_ranks)
+            ranks = experts[np.asarray(placement.slot_to_expert.tolist())].reshape(num_ranks, -1)
+            self.cache[key] = (ranks, float(placement.rank_loads(node_loads).max()))
+        return self.cache[key]
 
 
 def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int, target_peak: float,
-              repack: bool) -> np.ndarray:
-    """``table`` after few-slot moves towards ``target_peak``; where they stall short of it and
-    ``repack``, the heaviest rank's node is re-packed from scratch if that lowers the peak (ranks matched
-    to the old ones), and the moves go on; the caller keeps the result only if it beats the current
-    placement by more than the tolerance. With one node that is the whole layer, which only
-    ``compare_to_scratch`` pays for; a node is re-packed at most once."""
+              tolerance: float, scratch: _Scratch, repack: bool) -> list[tuple[float, np.ndarray]]:
+    """(peak, table) at each step of few-slot moves from ``table`` towards ``target_peak``, the last the
+    best. Where the moves stall short of it and ``repack``, the heaviest rank's node is re-packed from
+    scratch if that lowers the peak (ranks matched to the old ones), and the moves go on. With one node
+    that is the whole layer, which only ``compare_to_scratch`` pays for; a node is re-packed at most once."""
     slots_per_node, ranks_per_node = table.shape[0] // num_nodes, ep_size // num_nodes
+    max_moves = 4 * table.shape[0]
+    counts = np.bincount(table, minlength=loads.shape[0])
+    states = [(_peak(table, loads, ep_size), table)]
+    if float((loads / counts).max()) > target_peak:
+        # One replica alone is over the target: the replica counts are far from what the load wants
+        # (the hot experts changed). Setting them all first is cheaper than one slot at a time, which
+        # would stall with the replicas where the old load wanted them.
+        recounted = _recounted(table, loads, ep_size, num_nodes, target_peak, max_moves)
+        states += recounted.states
+        if states[-1][0] > target_peak and num_nodes == 1:
+            # Still short: so far off, the from-scratch packing (ranks matched) may be the better start.
+            search = ReplicaMoves(_matched_ranks(table.reshape(ep_size, -1), scratch.table().reshape(ep_size, -1),
+                                                 loads.shape[0], 1).ravel(), loads, ep_size)
+            search.lower_peak(target_peak, max_moves)
+            if search.states[-1][0] < states[-1][0]:
+                states = states[:1] + search.states
+    else:
+        search = ReplicaMoves(table, loads, ep_size, num_nodes)
+        search.lower_peak(target_peak, max_moves)
+        states += search.states
+        if states[-1][0] > target_peak:
+            # Stalled: setting the counts first moves more slots at once, so only if it ends lighter.
+            recounted = _recounted(table, loads, ep_size, num_nodes, target_peak, max_moves)
+            if recounted.states[-1][0] < states[-1][0] * tolerance:
+                states = states[:1] + recounted.states
     repacked = set()
     while True:
-        search = ReplicaMoves(table, loads, ep_size, num_nodes)
-        search.lower_peak(target_peak, max_moves=4 * table.shape[0])
-        table = search.table
-        rank_loads = search.rank_loads()
+        table = states[-1][1]
+        rank_loads = ReplicaMoves(table, loads, ep_size, num_nodes).rank_loads()
         heavy = int(np.argmax(rank_loads))
         peak = float(rank_loads[heavy])
         node = heavy // ranks_per_node
         if peak <= target_peak or not repack or node in repacked:
-            return table
+            return states
         repacked.add(node)
         node_slots = slice(node * slots_per_node, (node + 1) * slots_per_node)
-        experts = np.unique(table[node_slots])
-        packed = ExpertPlacement.balanced(loads[experts].tolist(), slots_per_node, ranks_per_node)
-        if float(packed.rank_loads(loads[experts].tolist()).max()) >= peak:
-            return table
-        new_ranks = experts[np.asarray(packed.slot_to_expert.tolist())].reshape(ranks_per_node, -1)
+        new_ranks, packed_peak = scratch.node_ranks(np.unique(table[node_slots]), slots_per_node, ranks_per_node)
+        if packed_peak >= peak:
+            return states
         table = table.copy()
         table[node_slots] = _matched_ranks(table[node_slots].reshape(ranks_per_node, -1), new_ranks,
                                            loads.shape[0], 1).ravel()
+        search = ReplicaMoves(table, loads, ep_size, num_nodes)
+        search.lower_peak(target_peak, max_moves)
+        states += search.states
+
+
+def _recounted(table, loads, ep_size, num_nodes, target_peak, max_moves) -> ReplicaMoves:
+    """The counts the load wants, then swaps only (for those counts the packing is what is off), then
+    all moves."""
+    search = ReplicaMoves(table, loads, ep_size, num_nodes)
+    search.adjust_counts(_wanted_counts(table, loads, ep_size, num_nodes))
+    search.lower_peak(target_peak, max_moves, swaps_only=True)
+    search.lower_peak(target_peak, max_moves)
+    return search
+
+
+def _wanted_counts(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int) -> np.ndarray:
+    """[E] the replica counts the from-scratch policy gives each expert for ``loads``, per node of
+    ``table`` (:func:`~megamoe.moe.placement_policy.replica_counts`)."""
+    counts = np.zeros(loads.shape[0], dtype=np.int64)
+    for part in np.split(table, num_nodes):
+        experts = np.unique(part)
+        counts[experts] = replica_counts(loads[experts].tolist(), part.shape[0], ep_size // num_nodes)
+    return counts
 
 
 def peak_bound(loads: np.ndarray, num_slots: int, ep_size: int, num_groups: int = 1, num_nodes: int = 1) -> float:
@@ -211,7 +286,7 @@ def _node_bound(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: i
 
 
 def _regrouped(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: int, num_nodes: int,
-               target_peak: float) -> np.ndarray:
+               target_peak: float, scratch: _Scratch) -> np.ndarray:
     """``table`` with whole groups swapped between nodes until the node bound meets ``target_peak``
     (or no swap lowers the heaviest node); nodes whose groups changed are re-packed from scratch, ranks
     matched to the old ones, and the other nodes keep every slot.
@@ -255,9 +330,8 @@ def _regrouped(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: i
         if set(node_groups) == old[node]:
             continue
         experts = np.array([e for g in node_groups for e in range(g * per_group, (g + 1) * per_group)])
-        packed = ExpertPlacement.balanced(loads[experts].tolist(), slots_per_node, ranks_per_node)
+        new_ranks, _ = scratch.node_ranks(experts, slots_per_node, ranks_per_node)
         node_slots = slice(node * slots_per_node, (node + 1) * slots_per_node)
-        new_ranks = experts[np.asarray(packed.slot_to_expert.tolist())].reshape(ranks_per_node, -1)
         old_ranks = table[node_slots].reshape(ranks_per_node, -1)
         new_table[node_slots] = _matched_ranks(old_ranks, new_ranks, num_experts, 1).ravel()
     return new_table

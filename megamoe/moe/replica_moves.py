@@ -44,12 +44,13 @@ class ReplicaMoves:
         self.node_of_expert = np.zeros(self.num_experts, dtype=np.int64)
         self.node_of_expert[self.table] = node_of_slot
         self.moved = 0  # slot changes made (a slot changed twice counts twice)
+        self.states: list[tuple[float, np.ndarray]] = []  # (peak, table) at the start and after each move
 
     def rank_loads(self) -> np.ndarray:
         weight = self.load / self.counts  # [E] tokens per replica
         return weight[self.table].reshape(self.ep_size, self.slots_per_rank).sum(axis=1)
 
-    def lower_peak(self, target_peak: float, max_moves: int) -> None:
+    def lower_peak(self, target_peak: float, max_moves: int, swaps_only: bool = False) -> None:
         """Moves until the heaviest rank is at or below ``target_peak``, no move helps, or ``max_moves``.
 
         Every move takes the heaviest rank below the peak and no other rank up to it, so (peak, ranks at
@@ -58,18 +59,19 @@ class ReplicaMoves:
         summed excess of the ranks over the target most per slot moved (many ranks are usually over it,
         and a move that only shifts the excess from the heaviest rank to the next gains nothing); when
         none lowers it, the one lowering the peak most (the target comes from a bound and may be out of
-        reach), then back to the excess.
+        reach), then back to the excess. ``swaps_only``: keep the replica counts.
         """
         tiny = 1e-12 * float(self.load.sum())
         by_excess = True
+        loads = self._recorded(self.rank_loads())
         for _ in range(max_moves):
-            loads = self.rank_loads()
             heavy = int(np.argmax(loads))
             peak = float(loads[heavy])
             if peak <= target_peak:
                 return
             goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, tiny)
-            best = min((c for c in (self._best_reassign(goal), self._best_swap(goal)) if c), default=None)
+            candidates = (self._best_swap(goal),) if swaps_only else (self._best_reassign(goal), self._best_swap(goal))
+            best = min((c for c in candidates if c), default=None)
             if best is None:
                 if not by_excess:
                     return
@@ -77,6 +79,58 @@ class ReplicaMoves:
                 continue
             self._apply(best)
             by_excess = True
+            loads = self._recorded(self.rank_loads())
+
+    def adjust_counts(self, target_counts: np.ndarray) -> None:
+        """Give each expert ``target_counts`` replicas by reassigning only the surplus slots: an expert
+        with too many gives up those on the heaviest ranks; the freed slots go, heaviest new replica
+        first, to the lightest rank with a freed slot (one not holding the expert if possible). A big
+        change of load (the hot experts are others now) needs this: one slot at a time, the moves
+        would stall with the replicas where the old load wanted them. Counts must sum per node as now."""
+        weight = self.load / self.counts
+        loads = weight[self.table].reshape(self.ep_size, self.slots_per_rank).sum(axis=1)
+        surplus = self.counts - target_counts
+        freed = []
+        for expert in np.flatnonzero(surplus > 0).tolist():
+            slots = np.flatnonzero(self.table == expert)
+            order = np.lexsort((slots, -loads[self.owner[slots]]))
+            freed += slots[order[:surplus[expert]]].tolist()
+        if not freed:
+            return
+        for slot in freed:
+            self._reassign(slot, -1)
+        new_weight = self.load / np.maximum(target_counts, 1)
+        kept = np.where(self.table >= 0, new_weight[np.maximum(self.table, 0)], 0.0)
+        rank_loads = kept.reshape(self.ep_size, self.slots_per_rank).sum(axis=1).tolist()
+        arriving = sorted(((-new_weight[e], e) for e in np.flatnonzero(surplus < 0).tolist()
+                           for _ in range(-surplus[e])))
+        free_slots = sorted(freed)
+        for _, expert in arriving:
+            node = self.node_of_expert[expert]
+            choices = [s for s in free_slots if self.owner[s] // self.ranks_per_node == node]
+            slot = min(choices, key=lambda s: (self.presence[self.owner[s], expert] > 0,
+                                               rank_loads[self.owner[s]], s))
+            free_slots.remove(slot)
+            self._reassign(slot, expert)
+            rank_loads[self.owner[slot]] += new_weight[expert]
+        self.moved += len(freed)
+        self._recorded(self.rank_loads())
+
+    def _reassign(self, slot: int, expert: int) -> None:
+        """Slot ``slot`` to ``expert`` (-1: empty, only inside :meth:`adjust_counts`)."""
+        old = int(self.table[slot])
+        rank = int(self.owner[slot])
+        if old >= 0:
+            self.presence[rank, old] -= 1
+            self.counts[old] -= 1
+        if expert >= 0:
+            self.presence[rank, expert] += 1
+            self.counts[expert] += 1
+        self.table[slot] = expert
+
+    def _recorded(self, loads: np.ndarray) -> np.ndarray:
+        self.states.append((float(loads.max()), self.table.copy()))
+        return loads
 
     # ------------------------------------------------------------------ candidates
 
@@ -132,54 +186,46 @@ class ReplicaMoves:
         mine = np.arange(heavy * spr, (heavy + 1) * spr)
         node = heavy // self.ranks_per_node
         node_experts = np.flatnonzero(self.node_of_expert == node)
-        best = None
-        pairs = [(np.array([a]), node_slots) for a in np.unique(self.table[mine])]
-        pairs += [(node_experts, np.array([s])) for s in mine]
-        for receivers, donor_slots in pairs:
-            donor_slots = donor_slots[self.counts[self.table[donor_slots]] >= 2]
-            if donor_slots.size == 0:
-                continue
-            # All (receiver, donor slot) combinations, flattened.
-            a = np.repeat(receivers, donor_slots.size)
-            slot = np.tile(donor_slots, receivers.size)
-            d = self.table[slot]
-            keep = a != d
-            a, slot, d = a[keep], slot[keep], d[keep]
-            if a.size == 0:
-                continue
-            rank = self.owner[slot]
-            new_a = self.load[a] / (self.counts[a] + 1)
-            new_d = self.load[d] / (self.counts[d] - 1)
-            new = (loads[None, :] + self.presence[:, a].T * (new_a - weight[a])[:, None]
-                   + self.presence[:, d].T * (new_d - weight[d])[:, None])  # [n, ep]
-            rows = np.arange(a.size)
-            new[rows, rank] += new_a - new_d
-            # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed
-            # excess over the target must drop too.
-            valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
-            if goal.target is None:
-                gain = peak - new.max(axis=1)
-            else:
-                gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
-                valid &= gain > goal.tiny
-            if not valid.any():
-                continue
-            local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
-            adds_pair = (self.presence[rank, a] >= 1) & ~(self.presence[rank, d] >= 2)
-            (k,) = self._argbest(valid, adds_pair, gain, local_peak)
-            candidate = (bool(adds_pair[k]), -float(gain[k]), float(local_peak[k]),
-                         _REASSIGN, int(slot[k]), int(a[k]))
-            best = candidate if best is None or candidate < best else best
-        return best
+        replicated = node_slots[self.counts[self.table[node_slots]] >= 2]
+        mine_replicated = mine[self.counts[self.table[mine]] >= 2]
+        receivers = np.unique(self.table[mine])
+        # All (receiver, donor slot) combinations of both kinds, flattened.
+        a = np.concatenate([np.repeat(receivers, replicated.size), np.repeat(node_experts, mine_replicated.size)])
+        slot = np.concatenate([np.tile(replicated, receivers.size), np.tile(mine_replicated, node_experts.size)])
+        d = self.table[slot]
+        keep = a != d
+        a, slot, d = a[keep], slot[keep], d[keep]
+        if a.size == 0:
+            return None
+        rank = self.owner[slot]
+        new_a = self.load[a] / (self.counts[a] + 1)
+        new_d = self.load[d] / (self.counts[d] - 1)
+        new = (loads[None, :] + self.presence[:, a].T * (new_a - weight[a])[:, None]
+               + self.presence[:, d].T * (new_d - weight[d])[:, None])  # [n, ep]
+        new[np.arange(a.size), rank] += new_a - new_d
+        # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed excess
+        # over the target must drop too.
+        valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
+        if goal.target is None:
+            gain = peak - new.max(axis=1)
+        else:
+            gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
+            valid &= gain > goal.tiny
+        if not valid.any():
+            return None
+        local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
+        adds_pair = (self.presence[rank, a] >= 1) & ~(self.presence[rank, d] >= 2)
+        (k,) = self._argbest(valid, adds_pair, gain, local_peak, order_key=slot * self.num_experts + a)
+        return (bool(adds_pair[k]), -float(gain[k]), float(local_peak[k]), _REASSIGN, int(slot[k]), int(a[k]))
 
     @staticmethod
-    def _argbest(valid, adds_pair, gain, local_peak):
+    def _argbest(valid, adds_pair, gain, local_peak, order_key=None):
         """Index of the valid candidate with the best (no added pair, gain per slot moved, lowest load
-        of the ranks it changes); ties to the first in C order (lower slot / expert ids)."""
-        flat_valid = valid.ravel()
-        order = np.lexsort((np.arange(flat_valid.size), local_peak.ravel(), -gain.ravel(),
-                            adds_pair.ravel(), ~flat_valid))
-        return np.unravel_index(order[0], valid.shape)
+        of the ranks it changes); ties to the lowest ``order_key`` (default: the first in C order)."""
+        index = np.flatnonzero(valid.ravel())
+        key = index if order_key is None else order_key.ravel()[index]
+        best = np.lexsort((key, local_peak.ravel()[index], -gain.ravel()[index], adds_pair.ravel()[index]))[0]
+        return np.unravel_index(index[best], valid.shape)
 
     @staticmethod
     def _max_excluding(loads: np.ndarray, heavy: int) -> np.ndarray:
@@ -197,23 +243,13 @@ class ReplicaMoves:
     def _apply(self, move) -> None:
         kind, slot, other = move[3], move[4], move[5]
         if kind == _SWAP:
-            self._set(slot, int(self.table[other]), other, int(self.table[slot]))
+            expert, other_expert = int(self.table[slot]), int(self.table[other])
+            self._reassign(slot, other_expert)
+            self._reassign(other, expert)
             self.moved += 2
         else:
-            self._set(slot, other)
+            self._reassign(slot, other)
             self.moved += 1
-
-    def _set(self, slot: int, expert: int, other_slot: int | None = None, other_expert: int | None = None):
-        for s, e in ((slot, expert), (other_slot, other_expert)):
-            if s is None:
-                continue
-            old = int(self.table[s])
-            rank = int(self.owner[s])
-            self.presence[rank, old] -= 1
-            self.presence[rank, e] += 1
-            self.counts[old] -= 1
-            self.counts[e] += 1
-            self.table[s] = e
 
 
 class _Goal:
