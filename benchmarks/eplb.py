@@ -239,6 +239,7 @@ def _real_part():
         return None
     spec = importlib.util.spec_from_file_location("eplb_real", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module         # its rank worker is pickled by name for the spawned ranks
     spec.loader.exec_module(module)
     return module
 

@@ -166,3 +166,7 @@ def test_eplb_real_benchmark_rebalances_and_writes_its_table(monkeypatch, tmp_pa
     assert eplb["rebalances"] == 2 and eplb["moved_slots"] > 0 and eplb["moved_bytes"] > 0
     assert eplb["rebalancing_over_normal"] == pytest.approx(eplb["rebalancing_step_s"] / eplb["normal_step_s"])
     assert len(eplb["balancedness_by_step"]) == 4 and "balancedness over time" in capsys.readouterr().out
+    # benchmarks/eplb.py --part real passes its own arguments: the real half's options take their defaults.
+    import argparse
+    options = eplb_real._with_defaults(argparse.Namespace(part="real", real_steps=3))
+    assert (options.real_steps, options.real_ranks, options.part) == (3, 4, "real")
