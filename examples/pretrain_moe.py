@@ -275,7 +275,7 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
             raise UsageError(str(e)) from None
     if args.expert_load is not None:
         try:
-            build_placements(config, args.ep, expert_load=args.expert_load, saved=saved)
+            build_placements(config, args.ep, expert_load=args.expert_load)
         except ValueError as e:
             raise UsageError(f"--expert-load {args.expert_load}: {e}") from None
     return config, provenance
