@@ -28,10 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 H, V, E, SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS, INTERVAL = 32, 64, 8, 8, 8, 2, 15, 3
 REL_TOL = 1e-6                  # fp32, over STEPS steps (the bound)
 RESUME_REL_TOL = 1e-5           # another layout sums in another order (as tests/test_training.py)
+EXPERT_BYTES = 3 * 16 * H * 4     # gate, up [F, H] and down [H, F] in fp32, F = 16
 # Selection bias of the skewed router: experts 3-5 take more tokens (each layer its own, rolled by the
 # layer id); they share an EP rank under the default placement (experts in slot order) of every layout
 # below, so the rebalancer has work to do.
-EXPERT_BYTES = 3 * 16 * H * 4     # gate, up [F, H] and down [H, F] in fp32, F = 16
 SKEW = (0.0, 0.0, 0.0, 0.02, 0.06, 0.04, 0.0, 0.0)
 
 
@@ -88,7 +88,7 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     results = []
     for index, layout in enumerate(layouts):
-        state = initialize_model_parallel(tp=layout["tp"], pp=layout.get("pp", 1), ep=layout["ep"], etp=layout["etp"])
+        state = initialize_model_parallel(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], etp=layout["etp"])
         run = {}
         for eplb in (None, EPLBConfig(window=4, interval=INTERVAL)):
             model = skewed_model(state, layout["dispatcher"], layout["slots"])
@@ -159,15 +159,15 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
     return results, divergence, unchanged
 
 
-def _layout(tp, ep, etp, dispatcher, slots):
-    return dict(tp=tp, ep=ep, etp=etp, dispatcher=dispatcher, slots=slots)
+def _layout(tp, ep, etp, dispatcher, slots, pp=1):
+    return dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=dispatcher, slots=slots)
 
 
 # On 4 ranks, in one spawn: EP 4 with replicated slots (all-to-all); EP 2 all-gather inside TP 2, which
 # makes expert-DP 2 (DP 2); ETP 2 (TP 2, EP 2, all-to-all), replicated too; 2 pipeline stages of EP 2
 # (each stage re-places its own layer, from the loads and placements of both).
 LAYOUTS = [_layout(1, 4, 1, "alltoall", 12), _layout(2, 2, 1, "allgather", 12), _layout(2, 2, 2, "alltoall", 10),
-           {**_layout(1, 2, 1, "alltoall", 12), "pp": 2}]
+           _layout(1, 2, 1, "alltoall", 12, pp=2)]
 WORLD = 4
 
 
@@ -200,10 +200,10 @@ def test_rebalancing_keeps_the_loss_curve_and_the_tokens(tmp_path):
         greedy, rebalanced = plain["tokens"]
         assert rebalanced == greedy, f"{layout}: generation with rebalancing changed the tokens"
         generated = plain["generate_reports"]
-        assert sum(r.moved_slots for r in generated) > 0, f"{layout}: generation must move slots, else the check cannot fail"
+        assert sum(r.moved_slots for r in generated) > 0, f"{layout}: generation must move slots, else this cannot fail"
         # Bytes sent = slots moved x an expert's bytes (weights; in training + Adam's two moments), once per
         # expert-DP replica of the EP group (ETP ranks each send their shard).
-        edp = world // (layout["ep"] * layout["etp"] * layout.get("pp", 1))
+        edp = world // (layout["ep"] * layout["etp"] * layout["pp"])
         for report in eplb["reports"]:
             assert report.moved_bytes == report.moved_slots * 3 * EXPERT_BYTES * edp, (layout, report)
         for report in generated:
