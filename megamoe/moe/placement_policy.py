@@ -8,7 +8,8 @@ EP ranks, optionally inside nodes holding whole expert groups (DeepSeek EPLB's h
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+
+import numpy as np
 
 
 def balanced_slot_to_expert(loads: list[float], num_slots: int, ep_size: int, num_groups: int,
@@ -133,25 +134,33 @@ def _pack(weights: list[float], labels: list[int], num_bins: int, capacity: int)
     same-label pair is kept when separating it would cost balance. Returns the item indices of each bin.
     """
     results = []  # (peak, same-label pairs, bins) of the label-aware start, then of the plain one
+    weight = np.asarray(weights, dtype=np.float64)
+    label_of = np.asarray(labels, dtype=np.int64)
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], labels[i], i))
     # The label-aware greedy start can trap the swaps at a worse peak than plain LPT (a Zipf(1.5) load over
     # 64 experts, 72 slots, 8 ranks: balancedness 0.987 against 0.9999): search from both, keep the lighter.
     for label_aware in (True, False):
-        bins: list[list[int]] = [[] for _ in range(num_bins)]
-        bin_loads = [0.0] * num_bins
-        bin_labels = [Counter() for _ in range(num_bins)]
-        for item in sorted(range(len(weights)), key=lambda i: (-weights[i], labels[i], i)):
+        bins = np.zeros((num_bins, capacity), dtype=np.int64)
+        sizes = np.zeros(num_bins, dtype=np.int64)
+        bin_loads = np.zeros(num_bins)
+        bin_labels = np.zeros((num_bins, int(label_of.max()) + 1), dtype=np.int64)
+        for item in order:
             label = labels[item]
-            target = min(
-                (b for b in range(num_bins) if len(bins[b]) < capacity),
-                key=lambda b: (label_aware and bin_labels[b][label] > 0, bin_loads[b], b),
-            )
-            bins[target].append(item)
-            bin_loads[target] += weights[item]
-            bin_labels[target][label] += 1
-        packing = _Packing(bins, bin_loads, bin_labels, weights, labels)
+            room = sizes < capacity
+            pool = room & (bin_labels[:, label] == 0) if label_aware else room
+            if not pool.any():
+                pool = room
+            target = int(np.argmin(np.where(pool, bin_loads, np.inf)))  # the lowest index on a tie
+            bins[target, sizes[target]] = item
+            sizes[target] += 1
+            bin_loads[target] += weight[item]
+            bin_labels[target, label] += 1
+        packing = _Packing(bins, bin_loads, bin_labels, weight, label_of)
         packing.lower_peak()
         packing.separate_labels()
-        results.append((max(bin_loads), _same_label_pairs([[labels[i] for i in b] for b in bins]), bins))
+        bin_lists = bins.tolist()
+        results.append((float(bin_loads.max()), _same_label_pairs([[labels[i] for i in b] for b in bin_lists]),
+                        bin_lists))
     (aware_peak, aware_pairs, aware_bins), (plain_peak, plain_pairs, plain_bins) = results
     # A peak lower only by rounding is no gain: then the fewer same-label pairs win, and the label-aware
     # start on a tie.
@@ -161,7 +170,12 @@ def _pack(weights: list[float], labels: list[int], num_bins: int, capacity: int)
 
 
 class _Packing:
-    """Bins of items under local search by pairwise swaps (one item of one bin for one of another)."""
+    """Bins of items under local search by pairwise swaps (one item of one bin for one of another).
+
+    ``bins`` [bins, capacity] item ids (a swap keeps positions), ``loads`` [bins], ``bin_labels`` [bins,
+    labels] item counts per label; updated in place. Every candidate swap of a round is scored at once
+    (numpy, elementwise: the same float64 operations in the same order as one swap at a time).
+    """
 
     def __init__(self, bins, bin_loads, bin_labels, weights, labels):
         self.bins, self.loads, self.bin_labels = bins, bin_loads, bin_labels
@@ -173,75 +187,70 @@ class _Packing:
 
         Each swap leaves both bins strictly below the old peak, so (peak, number of bins at the peak)
         strictly decreases. A swap that puts two same-label items together is taken only when no other
-        swap lowers the heaviest bin; among the rest, the lowest resulting peak wins.
+        swap lowers the heaviest bin; among the rest, the lowest resulting peak wins (then the fewest
+        added pairs, then the lowest other bin and positions).
         """
+        num_bins, capacity = self.bins.shape
         for _ in range(self.max_swaps):
-            heavy = max(range(len(self.bins)), key=lambda b: (self.loads[b], -b))
+            heavy = int(np.argmax(self.loads))  # the lowest index on a tie
             peak = self.loads[heavy]
-            best = None  # (adds a pair?, new peak of the two bins, added pairs, other bin, pos in heavy, pos in other)
-            for other in range(len(self.bins)):
-                if other == heavy:
-                    continue
-                for pos_heavy, item_heavy in enumerate(self.bins[heavy]):
-                    for pos_other, item_other in enumerate(self.bins[other]):
-                        delta = self.weights[item_heavy] - self.weights[item_other]
-                        if delta <= 0:
-                            continue
-                        new_peak = max(peak - delta, self.loads[other] + delta)
-                        if new_peak >= peak:
-                            continue
-                        added = self._added_pairs(heavy, item_heavy, other, item_other)
-                        candidate = (added > 0, new_peak, added, other, pos_heavy, pos_other)
-                        best = candidate if best is None else min(best, candidate)
-            if best is None:
+            delta = self.weights[self.bins[heavy]][:, None, None] - self.weights[self.bins][None, :, :]
+            new_peak = np.maximum(peak - delta, self.loads[None, :, None] + delta)  # [pos in heavy, other, pos]
+            valid = (delta > 0) & (new_peak < peak)
+            valid[:, heavy, :] = False
+            if not valid.any():
                 return
-            self._swap(heavy, best[4], best[3], best[5])
+            added = self._added_pairs(heavy)
+            pos_heavy, other, pos_other = np.nonzero(valid)
+            chosen = np.lexsort((pos_other, pos_heavy, other, added[valid], new_peak[valid], added[valid] > 0))[0]
+            self._swap(heavy, int(pos_heavy[chosen]), int(other[chosen]), int(pos_other[chosen]))
 
     def separate_labels(self) -> None:
         """Swaps that remove same-label pairs while keeping both bins at or below the current peak."""
         for _ in range(self.max_swaps):
-            peak = max(self.loads)
+            peak = self.loads.max()
+            crowded, pos = np.nonzero(np.take_along_axis(self.bin_labels, self.labels[self.bins], axis=1) >= 2)
+            if crowded.size == 0:
+                return
             best = None  # (added same-label pairs (< 0), new peak of the two bins, bin, pos, other bin, pos)
-            for crowded in range(len(self.bins)):
-                for pos, item in enumerate(self.bins[crowded]):
-                    if self.bin_labels[crowded][self.labels[item]] < 2:
-                        continue
-                    for other in range(len(self.bins)):
-                        if other == crowded:
-                            continue
-                        for pos_other, item_other in enumerate(self.bins[other]):
-                            delta = self.weights[item] - self.weights[item_other]
-                            new_peak = max(self.loads[crowded] - delta, self.loads[other] + delta)
-                            added = self._added_pairs(crowded, item, other, item_other)
-                            if added >= 0 or new_peak > peak:
-                                continue
-                            candidate = (added, new_peak, crowded, pos, other, pos_other)
-                            best = candidate if best is None else min(best, candidate)
+            for c, p in zip(crowded.tolist(), pos.tolist()):  # few: only items sharing a bin with a sibling
+                delta = self.weights[self.bins[c, p]] - self.weights[self.bins]  # [other, pos]
+                new_peak = np.maximum(self.loads[c] - delta, self.loads[:, None] + delta)
+                added = self._added_pairs(c, p)[0]
+                valid = (added < 0) & (new_peak <= peak)
+                valid[c, :] = False
+                if not valid.any():
+                    continue
+                other, pos_other = np.nonzero(valid)
+                k = np.lexsort((pos_other, other, new_peak[valid], added[valid]))[0]
+                candidate = (int(added[other[k], pos_other[k]]), float(new_peak[other[k], pos_other[k]]), c, p,
+                             int(other[k]), int(pos_other[k]))
+                best = candidate if best is None or candidate < best else best
             if best is None:
                 return
             self._swap(best[2], best[3], best[4], best[5])
 
-    def _added_pairs(self, bin_a: int, item_a: int, bin_b: int, item_b: int) -> int:
-        """Change in the number of same-label pairs if item_a (in bin_a) and item_b (in bin_b) swap."""
-        label_a, label_b = self.labels[item_a], self.labels[item_b]
-        if label_a == label_b:
-            return 0
-        # Pairs are counted as (count - 1) per label present in a bin.
-        change = 0
-        change -= 1 if self.bin_labels[bin_a][label_a] >= 2 else 0  # label_a leaves bin_a
-        change += 1 if self.bin_labels[bin_a][label_b] >= 1 else 0  # label_b joins bin_a
-        change -= 1 if self.bin_labels[bin_b][label_b] >= 2 else 0
-        change += 1 if self.bin_labels[bin_b][label_a] >= 1 else 0
-        return change
+    def _added_pairs(self, bin_a: int, pos: int | None = None) -> np.ndarray:
+        """[positions of bin_a (or just ``pos``), other bin, position]: the change in the number of
+        same-label pairs if that item of ``bin_a`` and the other bin's item swap (0 for equal labels).
+        Pairs are counted as (count - 1) per label present in a bin."""
+        counts = self.bin_labels
+        label_a = self.labels[self.bins[bin_a] if pos is None else self.bins[bin_a, pos:pos + 1]]  # [k]
+        label_b = self.labels[self.bins]  # [other, pos]
+        rows = np.arange(counts.shape[0])[:, None]
+        change = (-(counts[bin_a, label_a] >= 2).astype(np.int64)[:, None, None]  # label_a leaves bin_a
+                  + (counts[bin_a, label_b] >= 1)[None]  # label_b joins bin_a
+                  - (counts[rows, label_b] >= 2)[None]  # label_b leaves the other bin
+                  + (counts[:, label_a] >= 1).T[:, :, None])  # label_a joins it
+        return np.where(label_a[:, None, None] == label_b[None], 0, change)
 
     def _swap(self, bin_a: int, pos_a: int, bin_b: int, pos_b: int) -> None:
-        item_a, item_b = self.bins[bin_a][pos_a], self.bins[bin_b][pos_b]
-        self.bins[bin_a][pos_a], self.bins[bin_b][pos_b] = item_b, item_a
+        item_a, item_b = int(self.bins[bin_a, pos_a]), int(self.bins[bin_b, pos_b])
+        self.bins[bin_a, pos_a], self.bins[bin_b, pos_b] = item_b, item_a
         delta = self.weights[item_a] - self.weights[item_b]
         self.loads[bin_a] -= delta
         self.loads[bin_b] += delta
-        self.bin_labels[bin_a][self.labels[item_a]] -= 1
-        self.bin_labels[bin_a][self.labels[item_b]] += 1
-        self.bin_labels[bin_b][self.labels[item_b]] -= 1
-        self.bin_labels[bin_b][self.labels[item_a]] += 1
-
+        self.bin_labels[bin_a, self.labels[item_a]] -= 1
+        self.bin_labels[bin_a, self.labels[item_b]] += 1
+        self.bin_labels[bin_b, self.labels[item_b]] -= 1
+        self.bin_labels[bin_b, self.labels[item_a]] += 1

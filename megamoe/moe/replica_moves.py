@@ -22,6 +22,9 @@ import numpy as np
 
 # Reassign = 0, swap = 1: the move kinds, in the order a tie prefers them.
 _REASSIGN, _SWAP = 0, 1
+# A donor slot on the heaviest rank is offered to this many lightest-replica experts, and to the experts
+# on this many heaviest ranks.
+_LIGHT_RECEIVERS, _HEAVY_RANKS = 16, 8
 
 
 class ReplicaMoves:
@@ -39,6 +42,7 @@ class ReplicaMoves:
         self.presence = np.zeros((ep_size, self.num_experts), dtype=np.int64)
         np.add.at(self.presence, (self.owner, self.table), 1)
         self.counts = self.presence.sum(axis=0)  # [E]
+        self.by_expert = np.ascontiguousarray(self.presence.T)  # [E, ep] the same counts, rows per expert
         # The experts a node may hold: those it holds now (the caller checked groups lie in one node).
         node_of_slot = self.owner // self.ranks_per_node
         self.node_of_expert = np.zeros(self.num_experts, dtype=np.int64)
@@ -122,9 +126,11 @@ class ReplicaMoves:
         rank = int(self.owner[slot])
         if old >= 0:
             self.presence[rank, old] -= 1
+            self.by_expert[old, rank] -= 1
             self.counts[old] -= 1
         if expert >= 0:
             self.presence[rank, expert] += 1
+            self.by_expert[expert, rank] += 1
             self.counts[expert] += 1
         self.table[slot] = expert
 
@@ -178,20 +184,30 @@ class ReplicaMoves:
         """The best reassignment of one slot that lowers the heaviest rank, or None.
 
         Receivers are the experts on the heaviest rank (their replicas there get lighter), with donor
-        slots anywhere in the node; or any expert of the node, with donor slots on the heaviest rank.
+        slots anywhere in the node; or, with donor slots on the heaviest rank, the experts of the node
+        that can help most.
         """
         spr, heavy, loads, peak = self.slots_per_rank, goal.heavy, goal.loads, goal.peak
         weight = self.load / self.counts
         node_slots = self._node_slots(heavy)
         mine = np.arange(heavy * spr, (heavy + 1) * spr)
         node = heavy // self.ranks_per_node
-        node_experts = np.flatnonzero(self.node_of_expert == node)
         replicated = node_slots[self.counts[self.table[node_slots]] >= 2]
         mine_replicated = mine[self.counts[self.table[mine]] >= 2]
         receivers = np.unique(self.table[mine])
+        # Receivers for the donor slots on the heaviest rank: the experts whose new replica would be
+        # lightest (the heaviest rank drops most), and those on the heaviest ranks of the node (their
+        # replicas there get lighter too); any other expert only helps less.
+        node_experts = np.flatnonzero(self.node_of_expert == node)
+        lightest = node_experts[np.argsort(self.load[node_experts] / (self.counts[node_experts] + 1),
+                                           kind="stable")[:_LIGHT_RECEIVERS]]
+        node_ranks = np.arange(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+        heavy_ranks = node_ranks[np.argsort(-loads[node_ranks], kind="stable")[:_HEAVY_RANKS]]
+        on_heavy_ranks = self.table[(heavy_ranks[:, None] * spr + np.arange(spr)[None, :]).ravel()]
+        other_receivers = np.union1d(lightest, on_heavy_ranks)
         # All (receiver, donor slot) combinations of both kinds, flattened.
-        a = np.concatenate([np.repeat(receivers, replicated.size), np.repeat(node_experts, mine_replicated.size)])
-        slot = np.concatenate([np.tile(replicated, receivers.size), np.tile(mine_replicated, node_experts.size)])
+        a = np.concatenate([np.repeat(receivers, replicated.size), np.repeat(other_receivers, mine_replicated.size)])
+        slot = np.concatenate([np.tile(replicated, receivers.size), np.tile(mine_replicated, other_receivers.size)])
         d = self.table[slot]
         keep = a != d
         a, slot, d = a[keep], slot[keep], d[keep]
@@ -200,8 +216,19 @@ class ReplicaMoves:
         rank = self.owner[slot]
         new_a = self.load[a] / (self.counts[a] + 1)
         new_d = self.load[d] / (self.counts[d] - 1)
-        new = (loads[None, :] + self.presence[:, a].T * (new_a - weight[a])[:, None]
-               + self.presence[:, d].T * (new_d - weight[d])[:, None])  # [n, ep]
+        # Cheap filters first, on the two ranks every candidate must not raise: the heaviest rank and
+        # the donor slot's rank.
+        p = self.presence
+        for on_heavy in (True, False):
+            r = np.full(a.size, heavy) if on_heavy else rank
+            new_r = (loads[r] + p[r, a] * (new_a - weight[a]) + p[r, d] * (new_d - weight[d])
+                     + np.where(r == rank, new_a - new_d, 0.0))
+            fine = (new_r < peak) if on_heavy else (new_r < peak) | (new_r <= loads[r])
+            a, slot, d, rank, new_a, new_d = a[fine], slot[fine], d[fine], rank[fine], new_a[fine], new_d[fine]
+        if a.size == 0:
+            return None
+        new = (loads[None, :] + self.by_expert[a] * (new_a - weight[a])[:, None]
+               + self.by_expert[d] * (new_d - weight[d])[:, None])  # [n, ep]
         new[np.arange(a.size), rank] += new_a - new_d
         # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed excess
         # over the target must drop too.
