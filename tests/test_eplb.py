@@ -112,6 +112,13 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
                 rebalanced = generate(model, state, prompts, GenerationConfig(max_new_tokens=8),
                                       eplb=EPLBConfig(window=2, interval=2))
                 trained["tokens"] = (greedy.token_ids, rebalanced.token_ids)
+                if index == 0:     # data-parallel attention: each rank its own requests, their loads summed
+                    mine = [[1 + rank, 2, 3], [4, 5 + 2 * rank]]
+                    ids = [2 * rank, 2 * rank + 1]
+                    alone = generate(model, state, mine, GenerationConfig(max_new_tokens=6), request_ids=ids)
+                    shared = generate(model, state, mine, GenerationConfig(max_new_tokens=6), request_ids=ids,
+                                      eplb=EPLBConfig(window=2, interval=2), data_parallel_attention=True)
+                    trained["dp_attention"] = (alone.token_ids, shared.token_ids, shared.eplb_reports)
                 trained["generate_reports"] = rebalanced.eplb_reports
             run["eplb" if eplb else "plain"] = trained
         if index == 0:      # the rebalanced checkpoint, resumed under another layout (EP 1, no EPLB)
@@ -209,6 +216,10 @@ def test_rebalancing_keeps_the_loss_curve_and_the_tokens(tmp_path):
         for report in generated:
             assert report.moved_bytes == report.moved_slots * EXPERT_BYTES * edp, (layout, report)
         assert run["again"].moved_slots == run["again"].local_copies == run["again"].moved_bytes == 0, layout
+    for rank in range(world):
+        alone, shared, reports = per_rank[rank][0][0]["plain"]["dp_attention"]
+        assert shared == alone and len(reports) == 2, f"rank {rank}: data-parallel attention with rebalancing"
+        assert sum(r.moved_slots for r in reports) > 0, "data-parallel attention: slots must move"
     resumed = results[0]["resumed"]
     for step, (got, want) in enumerate(zip(resumed, results[0]["eplb"]["curve"][9:]), start=10):
         assert _close(got, want, RESUME_REL_TOL), f"resumed under EP 1, step {step}: {got} vs {want}"
