@@ -531,12 +531,15 @@ def main(argv=None) -> int:
     provenance = source.provenance
     if provenance is not None and tokenizer is not None:
         provenance = with_tokenizer(provenance, tokenizer)      # the HF directory's own, or the run's
+    # A resumed run keeps the placements its checkpoint reached (e.g. by --eplb-interval) where the slots and
+    # the EP size are the same.
+    saved = expert_placements_from_checkpoint(plan.resume_from) if plan.resume_from is not None else None
     if args.hf_model is not None:
         # Resuming: the checkpoint overwrites every weight, so the HF tensors are not read.
         model, _ = start_from_hf(args.hf_model, state, dispatcher=args.dispatcher,
                                  num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
                                  expert_backend=args.expert_backend, device=device,
-                                 load_weights=plan.resume_from is None)
+                                 load_weights=plan.resume_from is None, saved_placements=saved)
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
     else:
@@ -544,9 +547,6 @@ def main(argv=None) -> int:
         if config is None:
             config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
                 dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
-        # A resumed run keeps the placements its checkpoint reached (e.g. by --eplb-interval) where the slots
-        # and the EP size are the same.
-        saved = expert_placements_from_checkpoint(plan.resume_from) if plan.resume_from is not None else None
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
         model = GPTMoEModel(config, state, placements=placements, device=device)
         initialize_parameters(model, args.seed)

@@ -102,6 +102,20 @@ def test_start_from_hf_gives_transformers_logits_and_keeps_the_provenance(hf_dir
     assert set(start.provenance.files) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
     assert Tokenizer.from_path(directory).vocab_size <= model.config.vocab_size
 
+    # A run resuming with --hf-model keeps the placements its checkpoint reached (e.g. by rebalancing), where
+    # the slots and the EP size match; else it takes the default. Replicas are one expert: the same logits.
+    layer_id = model.config.moe_layer_ids[0]
+    num_experts = model.config.moe.num_experts
+    rebalanced = ExpertPlacement(list(range(num_experts))[::-1] + [0] * (12 - num_experts), num_experts, 1)
+    for saved, expected_placement in (({layer_id: rebalanced}, rebalanced),
+                                      ({layer_id: ExpertPlacement.default(num_experts, 16, 1)},
+                                       ExpertPlacement.default(num_experts, 12, 1))):
+        kept, _ = start_from_hf(directory, ParallelState.single_process(), expert_backend="torch",
+                                num_expert_slots=12, saved_placements=saved)
+        assert kept.moe_layers()[layer_id].placement == expected_placement
+        with torch.no_grad():
+            assert (kept.eval()(ids())[0] - expected).abs().max().item() <= ATOL
+
 
 def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
     from checkpoint_tools.errors import ConversionError
