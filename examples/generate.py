@@ -274,25 +274,30 @@ def join_layout(args, dispatcher: str | None, world: int, device: torch.device) 
                                      order=args.order, timeout=datetime.timedelta(seconds=args.comm_timeout))
 
 
-def load_model(args, engine: dict, state, device: torch.device) -> tuple[GPTMoEModel, dict]:
-    """This rank's stage, resharded from the checkpoint, and the placement of every MoE layer (the
-    saved one where it fits this layout, else the default)."""
+def load_model(args, engine: dict, state, device: torch.device) -> GPTMoEModel:
+    """This rank's stage, resharded from the checkpoint (each MoE layer with the saved placement where it
+    fits this layout, else the default)."""
     model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype],
                                         verify_checksums=args.verify_checksums,
                                         world_group=dist.group.WORLD if dist.is_initialized() else None, **engine)
-    return model.eval(), {layer_id: layer.placement for layer_id, layer in model.moe_layers().items()}
+    return model.eval()
 
 
-def record_expert_load(args, model: GPTMoEModel, placements: dict, state, num_requests: int) -> None:
-    """Gather this run's expert load, log each layer's balancedness under this run's placement and
-    under a balanced one, and write the expert-load file (rank 0)."""
+def record_expert_load(args, model: GPTMoEModel, state, num_requests: int) -> None:
+    """Gather this run's expert load, log each layer's balancedness under the placement the run ended with
+    (the checkpoint's, or the last one --eplb-interval reached) and under a balanced one, and write the
+    expert-load file (rank 0). Collective over the pipeline (and data-parallel) groups."""
     loads = gather_expert_load(model, state, data_parallel_attention=args.data_parallel_attention)
+    placements = {}                    # every stage's layers: each stage knows only its own
+    for stage in comms.all_gather_object({i: layer.placement.to_dict() for i, layer in model.moe_layers().items()},
+                                         state.pp.group):
+        placements.update({layer_id: ExpertPlacement.from_dict(d) for layer_id, d in stage.items()})
     if state.rank != 0:
         return
     moe = model.config.moe
     for layer_id, load in loads.items():
         balanced = ExpertPlacement.balanced(load, moe.num_expert_slots, state.ep.size)
-        logger.info("layer %d: %d routed pairs; balancedness %.3f with this run's placement, %.3f balanced "
+        logger.info("layer %d: %d routed pairs; balancedness %.3f with this run's (final) placement, %.3f balanced "
                     "(EP %d, %d slots)", layer_id, int(load.sum()), placements[layer_id].balancedness(load),
                     balanced.balancedness(load), state.ep.size, moe.num_expert_slots)
     save_expert_load(args.record_expert_load, loads, num_experts=moe.num_experts, metadata={
@@ -387,7 +392,7 @@ def main(argv=None) -> int:
     engine = engine_choices(args, saved, dispatcher)
 
     state = join_layout(args, dispatcher, world, device)
-    model, placements = load_model(args, engine, state, device)
+    model = load_model(args, engine, state, device)
     logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s%s", state.world_size, state.tp.size,
                 state.pp.size, state.dp.size, state.ep.size, state.etp.size, dispatcher or "-",
                 ", data-parallel attention" if args.data_parallel_attention else "")
@@ -399,7 +404,7 @@ def main(argv=None) -> int:
     output = generate(model, state, [prompt_ids[i] for i in mine], config, request_ids=mine, compiled=args.compile,
                       eplb=eplb, data_parallel_attention=args.data_parallel_attention)
     if args.record_expert_load is not None:
-        record_expert_load(args, model, placements, state, len(prompt_ids))
+        record_expert_load(args, model, state, len(prompt_ids))
 
     # Every request's result (and the timings) onto rank 0.
     shares = comms.all_gather_object((mine, output), state.dp.group) if args.data_parallel_attention else [

@@ -49,7 +49,7 @@ import torch
 from checkpoint_tools import checksums, integrity
 from checkpoint_tools.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
                                     planned_files, read_manifest, resolve_checkpoint, save_checkpoint)
-from checkpoint_tools.manifest_fields import HF_FILES_DIR
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manifest
 from checkpoint_tools.side_files import verify_side_files
 from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
@@ -294,8 +294,7 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
 def expert_placements_from_checkpoint(path: str | os.PathLike) -> dict[int, ExpertPlacement]:
     """The saved expert placement of every MoE layer, to rebuild the model with the placement a run had
     reached (e.g. after rebalancing) when it resumes with the same number of slots and EP size."""
-    saved = read_manifest(path)["expert_placement"]
-    return {int(layer_id): ExpertPlacement.from_dict(d) for layer_id, d in saved.items()}
+    return placements_from_manifest(read_manifest(path))
 
 
 # ----------------------------------------------------------------------------------------------
