@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# The least a move by the peak must lower the heaviest rank, as a fraction of the peak: without it a
+# search short of an unreachable target ends in hundreds of moves gaining 1e-5 each.
+_MIN_GAIN = 1e-3
 # Reassign = 0, swap = 1: the move kinds, in the order a tie prefers them.
 _REASSIGN, _SWAP = 0, 1
 # A donor slot on the heaviest rank is offered to this many lightest-replica experts, and to the experts
@@ -65,7 +68,6 @@ class ReplicaMoves:
         none lowers it, the one lowering the peak most (the target comes from a bound and may be out of
         reach), then back to the excess. ``swaps_only``: keep the replica counts.
         """
-        tiny = 1e-12 * float(self.load.sum())
         by_excess = True
         loads = self._recorded(self.rank_loads())
         for _ in range(max_moves):
@@ -73,7 +75,9 @@ class ReplicaMoves:
             peak = float(loads[heavy])
             if peak <= target_peak:
                 return
-            goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, tiny)
+            # By excess any gain counts (the excess ends at the target); by the peak, at least _MIN_GAIN.
+            min_gain = 1e-12 * peak if by_excess else _MIN_GAIN * peak
+            goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, min_gain)
             candidates = (self._best_swap(goal),) if swaps_only else (self._best_reassign(goal), self._best_swap(goal))
             best = min((c for c in candidates if c), default=None)
             if best is None:
@@ -159,14 +163,14 @@ class ReplicaMoves:
         new_heavy = goal.peak - delta
         new_other = loads[other_rank][None, :] + delta
         # Both ranks end below the peak; by excess, the summed excess over the target must drop too.
-        valid = (delta > 0) & (new_heavy < goal.peak) & (new_other < goal.peak)
+        valid = (delta >= goal.min_gain) & (new_other < goal.peak)
         if goal.target is None:
             rest = self._max_excluding(loads, heavy)[other_rank]  # [n] peak of the untouched ranks
             gain = goal.peak - np.maximum(np.maximum(new_heavy, new_other), rest[None, :])
         else:
             gain = (goal.excess(goal.peak) + goal.excess(loads[other_rank])[None, :]
                     - goal.excess(new_heavy) - goal.excess(new_other))
-            valid &= gain > goal.tiny
+            valid &= gain >= goal.min_gain
         if not valid.any():
             return None
         a = self.table[mine][:, None]
@@ -223,7 +227,7 @@ class ReplicaMoves:
             r = np.full(a.size, heavy) if on_heavy else rank
             new_r = (loads[r] + p[r, a] * (new_a - weight[a]) + p[r, d] * (new_d - weight[d])
                      + np.where(r == rank, new_a - new_d, 0.0))
-            fine = (new_r < peak) if on_heavy else (new_r < peak) | (new_r <= loads[r])
+            fine = (new_r <= peak - goal.min_gain) if on_heavy else (new_r < peak) | (new_r <= loads[r])
             a, slot, d, rank, new_a, new_d = a[fine], slot[fine], d[fine], rank[fine], new_a[fine], new_d[fine]
         if a.size == 0:
             return None
@@ -232,12 +236,12 @@ class ReplicaMoves:
         new[np.arange(a.size), rank] += new_a - new_d
         # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed excess
         # over the target must drop too.
-        valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
+        valid = (new[:, heavy] <= peak - goal.min_gain) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
         if goal.target is None:
             gain = peak - new.max(axis=1)
         else:
             gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
-            valid &= gain > goal.tiny
+            valid &= gain >= goal.min_gain
         if not valid.any():
             return None
         local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
@@ -280,11 +284,12 @@ class ReplicaMoves:
 
 
 class _Goal:
-    """What one round of moves aims at: the rank loads, the heaviest rank and its load, and either a
-    target peak (lower the summed excess over it) or None (lower the peak)."""
+    """What one round of moves aims at: the rank loads, the heaviest rank and its load, either a target
+    peak (lower the summed excess over it) or None (lower the peak), and the least gain a move must make
+    (on the heaviest rank, and in the excess)."""
 
-    def __init__(self, loads, heavy, peak, target, tiny):
-        self.loads, self.heavy, self.peak, self.target, self.tiny = loads, heavy, peak, target, tiny
+    def __init__(self, loads, heavy, peak, target, min_gain):
+        self.loads, self.heavy, self.peak, self.target, self.min_gain = loads, heavy, peak, target, min_gain
 
     def excess(self, loads):
         return np.maximum(loads - self.target, 0.0)
