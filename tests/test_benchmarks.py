@@ -146,8 +146,7 @@ def test_eplb_benchmark_simulated_quick(monkeypatch, tmp_path, capsys):
     assert all(row["own_balancedness"] <= flat["bound"] + 1e-9 for row in flat["rows"].values())
     verdicts = simulated["verdicts"]
     assert verdicts["noise"]["met"] == all(e["met"] for e in simulated["noise"])
-    slowest = max(e["rows"]["movement-aware"]["slowest_rebalance_61_layers_s"] for e in simulated["drift"])
-    assert verdicts["time"]["met"] == (slowest < 1.0)
+    assert not verdicts["time"]["met"]  # quick mode runs no 256-expert configuration: nothing to judge
     shown = capsys.readouterr().out
     assert all(f"target {v['target']}: {'met' if v['met'] else 'NOT met'}" in shown for v in verdicts.values())
 
