@@ -194,7 +194,8 @@ def noise_check(config: Config, layers: int) -> dict:
 def run_simulated(configs: list[Config], layers: int, windows: int, repeats: int) -> dict:
     torch.set_num_threads(1)  # the target is for one core; the placement code is single-threaded
     print(f"simulated: {layers} layers x {windows} windows per configuration; balancedness on the window's "
-          f"observed load (own) and the next window's expected load (next); time: one rebalance of {MODEL_LAYERS} layers (mean / slowest window)")
+          f"observed load (own) and the next window's expected load (next); time: one rebalance of "
+          f"{MODEL_LAYERS} layers (mean / slowest window)")
     drift = [simulate(c, layers, windows, repeats) for c in configs]
     for entry in drift:
         print(f"\n{entry['config']}   bound {entry['bound']:.4f}")

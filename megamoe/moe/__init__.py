@@ -10,6 +10,7 @@ from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 
 __all__ = [
     "ExpertLoadCounter", "ExpertPlacement", "load_expert_load", "save_expert_load", "ExpertsConfig", "GroupedExperts",
-    "MoEConfig", "MoELayer", "PlacementUpdate", "replace_experts", "Router", "RouterConfig", "RouterOutput", "SharedExperts", "SharedExpertsConfig",
+    "MoEConfig", "MoELayer", "PlacementUpdate", "replace_experts", "Router", "RouterConfig", "RouterOutput",
+    "SharedExperts", "SharedExpertsConfig",
     "AllGatherDispatcher", "AllToAllDispatcher", "TokenDispatcher",
 ]

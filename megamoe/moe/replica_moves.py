@@ -10,8 +10,8 @@ changing the expert of one or two slots and nothing else, so every other expert 
 Each round takes, among the moves that take the heaviest rank below the peak and no rank up to it, the
 one that lowers the ranks' summed excess over a target most per slot moved (or, when none does, the
 peak itself); it stops at the target or when no move is left (see :meth:`ReplicaMoves.lower_peak`).
-A move that puts a second replica of an expert on a rank (which adds
-no parallelism there) is only taken when no other move helps. All arithmetic is elementwise numpy on
+A move that puts a second replica of an expert on a rank (which adds no parallelism there) is only
+taken when no other move helps. All arithmetic is elementwise numpy on
 float64 (no BLAS), so every rank computes bit-identical loads; ties go to lower slot and expert ids.
 With nodes (the hierarchical policy) moves stay inside the heaviest rank's node.
 """
@@ -50,7 +50,6 @@ class ReplicaMoves:
         node_of_slot = self.owner // self.ranks_per_node
         self.node_of_expert = np.zeros(self.num_experts, dtype=np.int64)
         self.node_of_expert[self.table] = node_of_slot
-        self.moved = 0  # slot changes made (a slot changed twice counts twice)
         self.states: list[tuple[float, np.ndarray]] = []  # (peak, table) at the start and after each move
 
     def rank_loads(self) -> np.ndarray:
@@ -78,7 +77,7 @@ class ReplicaMoves:
             # By excess any gain counts (the excess ends at the target); by the peak, at least _MIN_GAIN.
             min_gain = 1e-12 * peak if by_excess else _MIN_GAIN * peak
             goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, min_gain)
-            candidates = (self._best_swap(goal),) if swaps_only else (self._best_reassign(goal), self._best_swap(goal))
+            candidates = [self._best_swap(goal)] + ([] if swaps_only else [self._best_reassign(goal)])
             best = min((c for c in candidates if c), default=None)
             if best is None:
                 if not by_excess:
@@ -121,7 +120,6 @@ class ReplicaMoves:
             free_slots.remove(slot)
             self._reassign(slot, expert)
             rank_loads[self.owner[slot]] += new_weight[expert]
-        self.moved += len(freed)
         self._recorded(self.rank_loads())
 
     def _reassign(self, slot: int, expert: int) -> None:
@@ -277,10 +275,8 @@ class ReplicaMoves:
             expert, other_expert = int(self.table[slot]), int(self.table[other])
             self._reassign(slot, other_expert)
             self._reassign(other, expert)
-            self.moved += 2
         else:
             self._reassign(slot, other)
-            self.moved += 1
 
 
 class _Goal:
