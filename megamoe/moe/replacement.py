@@ -18,7 +18,7 @@ from megamoe.moe.argument_checks import hierarchy, validated_load
 from megamoe.moe.assignment import min_cost_assignment
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.placement_policy import nodes_of_groups, replica_counts
-from megamoe.moe.replica_moves import ReplicaMoves
+from megamoe.moe.replica_moves import ReplicaMoves, filled_slots
 
 __all__ = ["PlacementUpdate", "replace_experts", "peak_bound", "matched_to"]
 
@@ -65,9 +65,9 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
     slot table, so it resumes where the first call stopped (the tests check it). ``num_groups`` /
     ``num_nodes``: the hierarchical policy, as in :meth:`ExpertPlacement.balanced`; moves stay inside
     a node, so each group's replicas stay in the node holding it. When the current node assignment of
-    groups cannot reach the target, groups are swapped between nodes (fewest first) and only the nodes
-    whose groups changed are re-packed, their ranks matched to the old ones; where the moves stall, the
-    heaviest node is re-packed from scratch if that is lighter. A ``current`` placement whose groups do
+    groups cannot reach the target, groups are swapped between nodes (fewest first): the arriving
+    groups take the leaving groups' slots, every other slot stays; where the moves stall, the heaviest
+    node is re-packed from scratch (ranks matched) if that is lighter. A ``current`` placement whose groups do
     not each lie in one node is re-packed from scratch (matched), then moved. Deterministic, a pure
     function of its arguments (ties go to lower indices; no BLAS reductions): every rank computes the
     same update from the same load.
@@ -99,7 +99,7 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
         start = _matched_ranks(table.reshape(ep, -1), scratch.table().reshape(ep, -1), len(loads), num_nodes)
         start = start.ravel()
     elif num_nodes > 1 and _node_bound(table, loads, ep, num_groups, num_nodes) > target_peak:
-        start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak, scratch)
+        start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak)
     else:
         start = table
     states = _searched(start, loads, ep, num_nodes, target_peak, tolerance, scratch,
@@ -288,10 +288,11 @@ def _node_bound(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: 
 
 
 def _regrouped(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: int, num_nodes: int,
-               target_peak: float, scratch: _Scratch) -> np.ndarray:
+               target_peak: float) -> np.ndarray:
     """``table`` with whole groups swapped between nodes until the node bound meets ``target_peak``
-    (or no swap lowers the heaviest node); nodes whose groups changed are re-packed from scratch, ranks
-    matched to the old ones, and the other nodes keep every slot.
+    (or no swap lowers the heaviest node). In a node whose groups changed, the experts that stay keep
+    their slots and the arriving ones fill the rest (:func:`~megamoe.moe.replica_moves.filled_slots`);
+    the other nodes keep every slot.
 
     Each swap trades one group of the node with the highest bound for one group of another node, the
     pair lowering the higher of the two nodes' bounds most (ties to lower ids).
@@ -331,11 +332,23 @@ def _regrouped(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: i
     for node, node_groups in enumerate(groups):
         if set(node_groups) == old[node]:
             continue
-        experts = np.array([e for g in node_groups for e in range(g * per_group, (g + 1) * per_group)])
-        new_ranks, _ = scratch.node_ranks(experts, slots_per_node, ranks_per_node)
+        # The staying experts keep their slots (up to the replicas the load wants); the rest of the node's
+        # slots go to the arriving group's replicas and the staying experts short of replicas.
+        experts = [e for g in node_groups for e in range(g * per_group, (g + 1) * per_group)]
+        wanted = np.zeros(num_experts, dtype=np.int64)
+        wanted[experts] = replica_counts(loads[experts].tolist(), slots_per_node, ranks_per_node)
         node_slots = slice(node * slots_per_node, (node + 1) * slots_per_node)
-        old_ranks = table[node_slots].reshape(ranks_per_node, -1)
-        new_table[node_slots] = _matched_ranks(old_ranks, new_ranks, num_experts, 1).ravel()
+        kept = np.zeros(num_experts, dtype=np.int64)
+        node_table = table[node_slots].copy()
+        for slot, expert in enumerate(node_table.tolist()):
+            if kept[expert] < wanted[expert]:
+                kept[expert] += 1
+            else:
+                node_table[slot] = -1
+        arriving = [e for e in experts for _ in range(wanted[e] - kept[e])]
+        new_table[node_slots] = filled_slots(node_table, loads / np.maximum(wanted, 1), arriving,
+                                             table.shape[0] // ep_size, ranks_per_node,
+                                             np.zeros(num_experts, dtype=np.int64))
     return new_table
 
 

@@ -106,20 +106,11 @@ class ReplicaMoves:
             return
         for slot in freed:
             self._reassign(slot, -1)
-        new_weight = self.load / np.maximum(target_counts, 1)
-        kept = np.where(self.table >= 0, new_weight[np.maximum(self.table, 0)], 0.0)
-        rank_loads = kept.reshape(self.ep_size, self.slots_per_rank).sum(axis=1).tolist()
-        arriving = sorted(((-new_weight[e], e) for e in np.flatnonzero(surplus < 0).tolist()
-                           for _ in range(-surplus[e])))
-        free_slots = sorted(freed)
-        for _, expert in arriving:
-            node = self.node_of_expert[expert]
-            choices = [s for s in free_slots if self.owner[s] // self.ranks_per_node == node]
-            slot = min(choices, key=lambda s: (self.presence[self.owner[s], expert] > 0,
-                                               rank_loads[self.owner[s]], s))
-            free_slots.remove(slot)
-            self._reassign(slot, expert)
-            rank_loads[self.owner[slot]] += new_weight[expert]
+        arriving = [e for e in np.flatnonzero(surplus < 0).tolist() for _ in range(-surplus[e])]
+        filled = filled_slots(self.table, self.load / np.maximum(target_counts, 1), arriving, self.slots_per_rank,
+                              self.ranks_per_node, self.node_of_expert)
+        for slot in freed:
+            self._reassign(slot, int(filled[slot]))
         self._recorded(self.rank_loads())
 
     def _reassign(self, slot: int, expert: int) -> None:
@@ -277,6 +268,27 @@ class ReplicaMoves:
             self._reassign(other, expert)
         else:
             self._reassign(slot, other)
+
+
+def filled_slots(table: np.ndarray, weight: np.ndarray, arriving: list[int], slots_per_rank: int,
+                 ranks_per_node: int, node_of_expert: np.ndarray) -> np.ndarray:
+    """``table`` (-1: a free slot) with the ``arriving`` replicas placed, heaviest (by ``weight``, the
+    load per replica each expert will have) first, each in a free slot of its node's lightest rank, a
+    rank not holding the expert if there is one; ties to lower slots."""
+    table = table.copy()
+    owner = np.arange(table.shape[0]) // slots_per_rank
+    kept = np.where(table >= 0, weight[np.maximum(table, 0)], 0.0)
+    rank_loads = kept.reshape(-1, slots_per_rank).sum(axis=1).tolist()
+    free = np.flatnonzero(table < 0).tolist()
+    for expert in sorted(arriving, key=lambda e: (-weight[e], e)):
+        node = node_of_expert[expert]
+        choices = [s for s in free if owner[s] // ranks_per_node == node]
+        slot = min(choices, key=lambda s: (bool((table[owner[s] * slots_per_rank:(owner[s] + 1) * slots_per_rank]
+                                                  == expert).any()), rank_loads[owner[s]], s))
+        free.remove(slot)
+        table[slot] = expert
+        rank_loads[owner[slot]] += weight[expert]
+    return table
 
 
 class _Goal:
