@@ -146,10 +146,15 @@ class _Scratch:
 
 def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int, target_peak: float,
               tolerance: float, scratch: _Scratch, repack: bool) -> list[tuple[float, np.ndarray]]:
-    """(peak, table) at each step of few-slot moves from ``table`` towards ``target_peak``, the last the
-    best. Where the moves stall short of it and ``repack``, the heaviest rank's node is re-packed from
-    scratch if that lowers the peak (ranks matched to the old ones), and the moves go on. With one node
-    that is the whole layer, which only ``compare_to_scratch`` pays for; a node is re-packed at most once."""
+    """(peak, table) at the start and after each step towards ``target_peak``, the last the best.
+
+    Few-slot moves from ``table``; if they stall short of the target, the same after setting the replica
+    counts to the from-scratch policy's, kept if that ends lighter by more than the tolerance. Where one
+    replica alone is over the target, the counts are set first, and (flat) the matched from-scratch
+    placement is tried as the start too. Where the moves still stall and ``repack``, the heaviest
+    rank's node is re-packed from scratch if that lowers the peak (ranks matched to the old ones), and
+    the moves go on; with one node that is the whole layer, which only ``compare_to_scratch`` pays for.
+    A node is re-packed at most once."""
     slots_per_node, ranks_per_node = table.shape[0] // num_nodes, ep_size // num_nodes
     max_moves = 4 * table.shape[0]
     counts = np.bincount(table, minlength=loads.shape[0])
