@@ -172,6 +172,10 @@ def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int
             search.lower_peak(target_peak, max_moves)
             if search.states[-1][0] < states[-1][0]:
                 states = states[:1] + search.states
+        # Then the moves from where that ended, as a second call would make them.
+        search = ReplicaMoves(states[-1][1], loads, ep_size, num_nodes)
+        search.lower_peak(target_peak, max_moves)
+        states += search.states[1:]
     else:
         search = ReplicaMoves(table, loads, ep_size, num_nodes)
         search.lower_peak(target_peak, max_moves)
