@@ -147,7 +147,8 @@ def test_eplb_benchmark_simulated_quick(monkeypatch, tmp_path, capsys):
     assert all(row["own_balancedness"] <= flat["bound"] + 1e-9 for row in flat["rows"].values())
     verdicts = simulated["verdicts"]
     assert verdicts["noise"]["met"] == all(e["met"] for e in simulated["noise"])
-    assert not verdicts["time"]["met"]  # quick mode runs no 256-expert configuration: nothing to judge
+    # Quick mode runs no configuration at EP 32, which the drift and time targets are for.
+    assert not verdicts["drift"]["met"] and not verdicts["time"]["met"]
     shown = capsys.readouterr().out
     assert all(f"target {v['target']}: {'met' if v['met'] else 'NOT met'}" in shown for v in verdicts.values())
 
