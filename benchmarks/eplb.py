@@ -48,7 +48,7 @@ from common import argument_parser, write_results  # sibling module
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.replacement import matched_to, peak_bound, replace_experts
 
-MODEL_LAYERS = 61  # the layer count the time per rebalance is given for (DeepSeek-V3's MoE layers + 3)
+MODEL_LAYERS = 61  # the layer count the time per rebalance is given for (the issue's, DeepSeek-V3's)
 NOISE = 0.05
 DRIFT_KEEP = 0.998  # of an expert's latent popularity score per window
 SOFT_RANK = 0.5  # width of the score difference over which two experts trade ranks
