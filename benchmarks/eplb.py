@@ -16,15 +16,18 @@ window's observed load; it is judged on that load (``own``) and on the NEXT wind
 - ``from scratch, ranks matched``: the same, its ranks relabelled to keep most experts on their rank;
 - ``movement-aware``: :func:`megamoe.moe.replace_experts` from the previous placement.
 
-Columns: time-averaged balancedness (mean rank load / max; ``min``: the lowest ``next``), the fraction of slots moved
-per window, and the time of one rebalance of a 61-layer model (placement computation only: the mean
-time per layer and window x 61, and the slowest window's). ``bound`` is the best balancedness any
-placement could reach (:func:`megamoe.moe.replacement.peak_bound` of the from-scratch policy), which
-explains where a row stays low. The 5% noise check starts each layer from the movement-aware
-placement of its load (a fixed point) and perturbs that load by 5%: slots moved, and balancedness
-against a from-scratch placement for the perturbed load (``moved at scratch stop`` is what stopping at
-0.99x that from-scratch balancedness, instead of at the runtime bound, would move). Verdicts for the
-issue's three targets follow the tables.
+Columns: time-averaged balancedness (mean rank load / max; ``min``: the lowest ``next``), the
+fraction of slots moved per window, and the time of one rebalance of a 61-layer model (placement
+computation only, the least of ``--repeats`` calls: the mean time per layer and window x 61, and the
+slowest window's). ``bound`` bounds the ``own`` balancedness
+(:func:`megamoe.moe.replacement.peak_bound`: flat, of any placement; hierarchical, of the
+from-scratch policy's assignment of groups to nodes), which explains where a row stays low.
+
+The 5% noise check starts each layer from the movement-aware placement of its load (a fixed point)
+and perturbs that load by 5%: slots moved, and balancedness against a from-scratch placement for the
+perturbed load (``at scratch stop``: the slots moved with ``compare_to_scratch=True``, which stops at
+0.99x that from-scratch balancedness instead of at the runtime bound). Verdicts for the issue's
+three targets follow the tables.
 
 ``--part real`` (4 gloo ranks training a small model) lives in ``benchmarks/eplb_real.py``; ``all``
 runs both. Writes JSON (default benchmarks/results/eplb.json).
@@ -45,7 +48,7 @@ from common import argument_parser, write_results  # sibling module
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.replacement import matched_to, peak_bound, replace_experts
 
-MODEL_LAYERS = 61  # the layer count the time per rebalance is given for (DeepSeek-V3's MoE layers + 3)
+MODEL_LAYERS = 61  # the layer count the time per rebalance is given for (the issue's, DeepSeek-V3's)
 NOISE = 0.05
 DRIFT_KEEP = 0.998  # of an expert's latent popularity score per window
 SOFT_RANK = 0.5  # width of the score difference over which two experts trade ranks
@@ -107,8 +110,20 @@ def _changed(old: ExpertPlacement, new: ExpertPlacement) -> int:
     return int((old.slot_to_expert != new.slot_to_expert).sum())
 
 
-def simulate(config: Config, layers: int, windows: int) -> dict:
-    """Every row over ``windows`` windows of ``layers`` layers."""
+def _timed(fn, repeats: int):
+    """(result of ``fn()``, the least seconds of ``repeats`` calls): other processes only add time, and
+    the placement functions are deterministic, so every call returns the same."""
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - start)
+    return result, min(seconds)
+
+
+def simulate(config: Config, layers: int, windows: int, repeats: int) -> dict:
+    """Every row over ``windows`` windows of ``layers`` layers; the movement-aware and matching times are
+    the least of ``repeats`` calls (the from-scratch placement is timed once: it is the slow one)."""
     c = config
     rows = {name: {"balancedness": [], "own": [], "moved": [], "seconds": np.zeros(windows)}
             for name in ("static", "from scratch", "from scratch, ranks matched", "movement-aware")}
@@ -119,18 +134,17 @@ def simulate(config: Config, layers: int, windows: int) -> dict:
         placements = {name: first for name in rows}
         for window in range(windows):
             load, next_load = loads[window][0], loads[window + 1][1]
-            bounds.append(next_load.sum() / c.ep_size / peak_bound(next_load, c.num_slots, c.ep_size,
-                                                                     c.num_groups or 1, c.num_nodes or 1))
-            start = time.perf_counter()
-            scratch = ExpertPlacement.balanced(load, c.num_slots, c.ep_size, **c.hierarchy)
-            rows["from scratch"]["seconds"][window] += time.perf_counter() - start
-            start = time.perf_counter()
-            matched = ExpertPlacement(matched_to(placements["from scratch, ranks matched"], scratch,
-                                                 c.num_nodes or 1).tolist(), c.num_experts, c.ep_size)
-            rows["from scratch, ranks matched"]["seconds"][window] += time.perf_counter() - start
-            start = time.perf_counter()
-            update = replace_experts(placements["movement-aware"], load, **c.hierarchy)
-            rows["movement-aware"]["seconds"][window] += time.perf_counter() - start
+            bounds.append(load.sum() / c.ep_size / peak_bound(load, c.num_slots, c.ep_size,
+                                                           c.num_groups or 1, c.num_nodes or 1))
+            scratch, seconds = _timed(lambda: ExpertPlacement.balanced(load, c.num_slots, c.ep_size, **c.hierarchy), 1)
+            rows["from scratch"]["seconds"][window] += seconds
+            table, seconds = _timed(lambda: matched_to(placements["from scratch, ranks matched"], scratch,
+                                                       c.num_nodes or 1), repeats)
+            matched = ExpertPlacement(table.tolist(), c.num_experts, c.ep_size)
+            rows["from scratch, ranks matched"]["seconds"][window] += seconds
+            update, seconds = _timed(lambda: replace_experts(placements["movement-aware"], load, **c.hierarchy),
+                                     repeats)
+            rows["movement-aware"]["seconds"][window] += seconds
             new = {"static": first, "from scratch": scratch, "from scratch, ranks matched": matched,
                    "movement-aware": update.placement}
             for name, placement in new.items():
@@ -168,11 +182,8 @@ def noise_check(config: Config, layers: int) -> dict:
         scratch = ExpertPlacement.balanced(noisy, c.num_slots, c.ep_size, **c.hierarchy).balancedness(noisy)
         moved.append(len(update.changed_slots) / c.num_slots)
         ratios.append(update.balancedness_after / scratch)
-        # The tolerance that stops at 0.99x this from-scratch balancedness instead of at the bound.
-        bound = noisy.sum() / c.ep_size / peak_bound(noisy, c.num_slots, c.ep_size, c.num_groups or 1,
-                                                       c.num_nodes or 1)
-        tolerance = min(1.0, SCRATCH_RATIO_TARGET * scratch / bound)
-        at_stop = replace_experts(settled, noisy, tolerance=tolerance, **c.hierarchy)
+        # Stopping at 0.99x this from-scratch balancedness instead of at the runtime bound.
+        at_stop = replace_experts(settled, noisy, compare_to_scratch=True, **c.hierarchy)
         moved_at_scratch_stop.append(len(at_stop.changed_slots) / c.num_slots)
     return {"config": c.name, "moved": float(np.mean(moved)), "max_moved": float(np.max(moved)),
             "min_ratio_to_scratch": float(np.min(ratios)), "mean_ratio_to_scratch": float(np.mean(ratios)),
@@ -180,11 +191,12 @@ def noise_check(config: Config, layers: int) -> dict:
             "met": bool(np.max(moved) <= MOVED_TARGET and np.min(ratios) >= SCRATCH_RATIO_TARGET)}
 
 
-def run_simulated(configs: list[Config], layers: int, windows: int) -> dict:
+def run_simulated(configs: list[Config], layers: int, windows: int, repeats: int) -> dict:
     torch.set_num_threads(1)  # the target is for one core; the placement code is single-threaded
     print(f"simulated: {layers} layers x {windows} windows per configuration; balancedness on the window's "
-          f"observed load (own) and the next window's expected load (next); time: one rebalance of {MODEL_LAYERS} layers (mean / slowest window)")
-    drift = [simulate(c, layers, windows) for c in configs]
+          f"observed load (own) and the next window's expected load (next); time: one rebalance of "
+          f"{MODEL_LAYERS} layers (mean / slowest window)")
+    drift = [simulate(c, layers, windows, repeats) for c in configs]
     for entry in drift:
         print(f"\n{entry['config']}   bound {entry['bound']:.4f}")
         print(f"{'row':28s} {'own':>6s} {'next':>6s} {'min':>6s} {'moved':>6s} {'max':>6s} {'time s':>7s} "
@@ -206,7 +218,8 @@ def run_simulated(configs: list[Config], layers: int, windows: int) -> dict:
     print()
     for verdict in verdicts.values():
         print(f"target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'} ({verdict['detail']})")
-    return {"layers": layers, "windows": windows, "drift": drift, "noise": noise, "verdicts": verdicts}
+    return {"layers": layers, "windows": windows, "timing_repeats": repeats, "drift": drift, "noise": noise,
+            "verdicts": verdicts}
 
 
 def _verdicts(configs: list[Config], drift: list[dict], noise: list[dict]) -> dict:
@@ -214,21 +227,29 @@ def _verdicts(configs: list[Config], drift: list[dict], noise: list[dict]) -> di
     # The drift target is for 12.5% extra slots at EP 32, flat (the hierarchical bound is far lower), on
     # the load each placement was computed from: on the next window's, 5% noise in the statistics alone
     # costs every row ~4% (see the from-scratch row's ``next``).
-    judged = [e for c, e in zip(configs, drift) if c.num_nodes is None and c.num_slots * 8 == c.num_experts * 9]
+    judged = [e for c, e in zip(configs, drift)
+              if c.num_nodes is None and c.num_slots * 8 == c.num_experts * 9 and c.ep_size == 32]
     drift_values = [e["rows"]["movement-aware"]["own_balancedness"] for e in judged]
-    slowest = max(e["rows"]["movement-aware"]["slowest_rebalance_61_layers_s"] for e in drift)
+    # The time target is for 256 experts on 288 slots, EP 32 (flat and hierarchical); the others are shown.
+    timed = [e for c, e in zip(configs, drift) if c.num_slots * 8 == c.num_experts * 9 and c.ep_size == 32]
+    slowest = max((e["rows"]["movement-aware"]["slowest_rebalance_61_layers_s"] for e in timed), default=None)
+    times = "; ".join(f"{e['config']}: {e['rows']['movement-aware']['rebalance_61_layers_s']:.3f} mean, "
+                      f"{e['rows']['movement-aware']['slowest_rebalance_61_layers_s']:.3f} slowest" for e in drift)
     return {
         "noise": {"target": f"at {NOISE:.0%} noise, <= {MOVED_TARGET:.0%} of slots moved and >= "
                             f"{SCRATCH_RATIO_TARGET}x the from-scratch balancedness",
                   "met": not failed_noise,
                   "detail": "every configuration" if not failed_noise else "not for " + "; ".join(failed_noise)},
         "drift": {"target": f"drifting load, time-averaged balancedness >= {DRIFT_TARGET} with 12.5% extra "
-                            f"slots (flat)",
+                            f"slots at EP 32 (flat)",
                   "met": bool(judged) and min(drift_values) >= DRIFT_TARGET,
                   "detail": ", ".join(f"{e['config']}: {v:.4f} (bound {e['bound']:.4f})"
                                       for e, v in zip(judged, drift_values)) or "no such configuration run"},
-        "time": {"target": f"< {TIME_TARGET_S} s per rebalance of {MODEL_LAYERS} layers on one core",
-                 "met": slowest < TIME_TARGET_S, "detail": f"slowest window over all configurations {slowest:.3f} s"},
+        "time": {"target": f"< {TIME_TARGET_S} s per rebalance of {MODEL_LAYERS} layers x 256 experts (288 slots, "
+                           f"EP 32) on one core, every window",
+                 "met": slowest is not None and slowest < TIME_TARGET_S,
+                 "detail": (f"seconds per {MODEL_LAYERS}-layer rebalance: {times}" if timed
+                            else "no configuration with 288 slots / EP 32 was run")},
     }
 
 
@@ -249,14 +270,17 @@ def main(argv=None) -> int:
     parser.add_argument("--part", choices=("simulated", "real", "all"), default="simulated",
                         help="which half to run")
     parser.add_argument("--quick", action="store_true",
-                        help="simulated: 64 experts on EP 8 (flat, and 8 groups on 2 nodes), 2 layers, 3 windows")
+                        help="simulated: 64 experts on EP 8 (flat, and 8 groups on 2 nodes), 2 layers, 3 windows, "
+                             "1 repeat")
     parser.add_argument("--layers", type=int, default=8, help="simulated layers per configuration")
     parser.add_argument("--windows", type=int, default=12, help="load windows (rebalances) per layer")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timing: the least of this many calls of each movement-aware and matching step")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "eplb.json"),
                         help="where to write the results")
     args = parser.parse_args(argv)
-    if args.layers < 1 or args.windows < 1:
-        print("error: --layers and --windows must be >= 1", file=sys.stderr)
+    if min(args.layers, args.windows, args.repeats) < 1:
+        print("error: --layers, --windows and --repeats must be >= 1", file=sys.stderr)
         return 1
     real = None
     if args.part in ("real", "all"):
@@ -268,8 +292,8 @@ def main(argv=None) -> int:
     results = {}
     if args.part in ("simulated", "all"):
         configs = QUICK_CONFIGS if args.quick else CONFIGS
-        layers, windows = (2, 3) if args.quick else (args.layers, args.windows)
-        results["simulated"] = run_simulated(configs, layers, windows)
+        layers, windows, repeats = (2, 3, 1) if args.quick else (args.layers, args.windows, args.repeats)
+        results["simulated"] = run_simulated(configs, layers, windows, repeats)
     if real is not None:
         results["real"] = real.run(args)
     write_results(args.json, results)

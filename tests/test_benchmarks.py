@@ -126,7 +126,48 @@ def test_checkpoint_load_benchmark_hashes_in_the_verified_load_only(monkeypatch,
     assert [p.name for p in tmp_path.iterdir()] == ["load.json"]      # the checkpoint is gone
 
 
-@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "fp8_experts", "moe_layer",
+def test_eplb_benchmark_simulated_quick(monkeypatch, tmp_path, capsys):
+    eplb = _benchmark("eplb", monkeypatch)
+    out = tmp_path / "eplb.json"
+    assert eplb.main(["--quick", "--json", str(out)]) == 0
+    simulated = json.loads(out.read_text())["simulated"]
+    assert [e["config"] for e in simulated["drift"]] == [c.name for c in eplb.QUICK_CONFIGS]
+    for entry in simulated["drift"]:
+        rows = entry["rows"]
+        assert list(rows) == ["static", "from scratch", "from scratch, ranks matched", "movement-aware"]
+        assert rows["static"]["moved"] == 0 and rows["static"]["rebalance_61_layers_s"] == 0
+        # Relabelling ranks never changes the balancedness.
+        matched, scratch = rows["from scratch, ranks matched"], rows["from scratch"]
+        assert matched["balancedness"] == pytest.approx(scratch["balancedness"])
+        for row in rows.values():
+            assert 0 <= row["moved"] <= row["max_moved"] <= 1
+            assert 0 < row["min_balancedness"] <= row["balancedness"] <= 1
+            assert row["rebalance_61_layers_s"] <= row["slowest_rebalance_61_layers_s"]
+    flat = simulated["drift"][0]  # the bound holds for any flat placement
+    assert all(row["own_balancedness"] <= flat["bound"] + 1e-9 for row in flat["rows"].values())
+    verdicts = simulated["verdicts"]
+    assert verdicts["noise"]["met"] == all(e["met"] for e in simulated["noise"])
+    # Quick mode runs no configuration at EP 32, which the drift and time targets are for.
+    assert not verdicts["drift"]["met"] and not verdicts["time"]["met"]
+    shown = capsys.readouterr().out
+    assert all(f"target {v['target']}: {'met' if v['met'] else 'NOT met'}" in shown for v in verdicts.values())
+
+
+def test_eplb_benchmark_real_part_is_a_clear_error_without_its_module(monkeypatch, tmp_path, capsys):
+    eplb = _benchmark("eplb", monkeypatch)
+    monkeypatch.setattr(eplb, "_real_part", lambda: None)
+    out = tmp_path / "eplb.json"
+    assert eplb.main(["--part", "real", "--json", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --part real needs benchmarks/eplb_real.py")
+    assert not out.exists()
+    # With the module there, its results go into the same JSON.
+    monkeypatch.setattr(eplb, "_real_part", lambda: type("Real", (), {"run": staticmethod(lambda args: {"ok": 1})}))
+    assert eplb.main(["--part", "real", "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"real": {"ok": 1}}
+
+
+@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "moe_layer",
                                   "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse

@@ -224,3 +224,33 @@ def test_peak_bound_is_below_every_placement():
 def test_argument_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call(ExpertPlacement.default(8, 12, 4))
+
+
+def test_random_small_layouts_keep_the_invariants():
+    """Random layouts, loads (ties and zeros included) and starting tables: the changed slots are exact,
+    groups stay in their nodes, and compare_to_scratch reaches 0.99x the from-scratch balancedness."""
+    rng = random.Random(0)
+    for _ in range(60):
+        hierarchy = {}
+        if rng.random() < 0.3:
+            num_nodes, ranks_per_node = rng.choice([2, 4]), rng.choice([1, 2])
+            num_groups = num_nodes * rng.choice([1, 2])
+            num_experts, ep_size = num_groups * rng.choice([2, 4]), num_nodes * ranks_per_node
+            hierarchy = {"num_groups": num_groups, "num_nodes": num_nodes}
+        else:
+            num_experts, ep_size = rng.choice([3, 5, 8, 16]), rng.choice([1, 2, 4])
+        num_slots = num_experts + ep_size * rng.randint(0, 3)
+        num_slots += -num_slots % ep_size
+        load = [float(rng.randint(0, 3)) if rng.random() < 0.3 else rng.random() ** 4 for _ in range(num_experts)]
+        table = list(range(num_experts)) + [rng.randrange(num_experts) for _ in range(num_slots - num_experts)]
+        rng.shuffle(table)
+        current = ExpertPlacement(table, num_experts, ep_size)
+        scratch = ExpertPlacement.balanced(load, num_slots, ep_size, **hierarchy).balancedness(load)
+        for compare_to_scratch in (False, True):
+            update = replace_experts(current, load, compare_to_scratch=compare_to_scratch, **hierarchy)
+            differs = (update.placement.slot_to_expert != current.slot_to_expert).nonzero().flatten().tolist()
+            assert list(update.changed_slots) == differs
+            if hierarchy:
+                assert groups_in_nodes(update.placement, hierarchy["num_groups"], hierarchy["num_nodes"])
+            if compare_to_scratch:
+                assert update.balancedness_after >= 0.99 * scratch - 1e-12

@@ -18,7 +18,7 @@ from megamoe.moe.argument_checks import hierarchy, validated_load
 from megamoe.moe.assignment import min_cost_assignment
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.placement_policy import nodes_of_groups, replica_counts
-from megamoe.moe.replica_moves import ReplicaMoves
+from megamoe.moe.replica_moves import ReplicaMoves, filled_slots
 
 __all__ = ["PlacementUpdate", "replace_experts", "peak_bound", "matched_to"]
 
@@ -45,7 +45,7 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
     """A placement for ``expert_load`` close to the best balance, changing as few slots of ``current``
     as it can. Every expert not moved keeps its slot, so ``changed_slots`` is exactly what to transfer.
 
-    1. Target: ``tolerance`` x a bound on the balancedness any placement from scratch
+    1. Target: ``tolerance`` x a bound on the balancedness a placement from scratch
        (:meth:`ExpertPlacement.balanced`) can reach (:func:`peak_bound`: its heaviest rank carries at
        least the mean rank load, and at least the smallest possible largest share of one replica). If
        ``current`` meets it, nothing changes.
@@ -56,20 +56,24 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
        to the from-scratch policy's first (surplus slots to the experts short of replicas).
     3. The bound is not always reachable: where no move is left short of it, the moves stop at their
        first step within ``tolerance`` of the best they reached; if ``current`` is, nothing changes.
-    With ``compare_to_scratch``, the from-scratch placement itself is the reference wherever the bound
-    does not settle it (~0.3 s a layer at 256 experts): nothing changes if ``current`` is within
-    ``tolerance`` of its balancedness, the moves stop as soon as they are, and if they cannot get there
-    the from-scratch placement is used, its ranks matched to the current ones (:func:`matched_to`).
 
-    The result is a fixed point: a second call with the same load changes nothing. ``num_groups`` /
-    ``num_nodes``: the hierarchical policy, as in :meth:`ExpertPlacement.balanced`; moves stay inside
-    a node, so each group's replicas stay in the node holding it. When the current node assignment of
-    groups cannot reach the target, groups are swapped between nodes (fewest first) and only the nodes
-    whose groups changed are re-packed, their ranks matched to the old ones; where the moves stall, the
-    heaviest node is re-packed from scratch if that is lighter. A ``current`` placement whose groups do
-    not each lie in one node is re-packed from scratch (matched), then moved. Deterministic, a pure
-    function of its arguments (ties go to lower indices; no BLAS reductions): every rank computes the
-    same update from the same load.
+    With ``compare_to_scratch``, the from-scratch placement itself is the reference wherever the bound
+    does not settle it (~0.1 s a layer at 256 experts, 288 slots, EP 32): nothing changes if ``current``
+    is within ``tolerance`` of its balancedness, the moves stop as soon as they are, and if they cannot
+    get there the from-scratch placement is used, its ranks matched to the current ones
+    (:func:`matched_to`).
+
+    ``num_groups`` / ``num_nodes``: the hierarchical policy, as in :meth:`ExpertPlacement.balanced`;
+    moves stay inside a node, so each group's replicas stay in the node holding it. When the current
+    node assignment of groups cannot reach the target, groups are swapped between nodes (fewest
+    first): the arriving groups take the leaving groups' slots, every other slot stays; where the
+    moves stall, the heaviest node is re-packed from scratch (ranks matched) if that is lighter. A
+    ``current`` placement whose groups do not each lie in one node is re-packed from scratch (matched).
+
+    A pure, deterministic function of its arguments (ties go to lower indices; elementwise numpy, no
+    BLAS): every rank computes the same update from the same load. A second call with the same load
+    changes nothing, as the search resumes where the first stopped (tested; a rare result of the
+    re-counting paths can still improve by more than the tolerance).
     """
     if not isinstance(current, ExpertPlacement):
         raise ValueError(f"current must be an ExpertPlacement, got {type(current).__name__}")
@@ -95,9 +99,10 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
             return unchanged
 
     if not in_nodes:
-        start = _matched_ranks(table.reshape(ep, -1), scratch.table().reshape(ep, -1), len(loads), num_nodes).ravel()
-    elif num_nodes > 1 and _node_bound(table, loads, ep, num_nodes) > target_peak:
-        start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak, scratch)
+        start = _matched_ranks(table.reshape(ep, -1), scratch.table().reshape(ep, -1), len(loads), num_nodes)
+        start = start.ravel()
+    elif num_nodes > 1 and _node_bound(table, loads, ep, num_groups, num_nodes) > target_peak:
+        start = _regrouped(table, loads, ep, num_groups, num_nodes, target_peak)
     else:
         start = table
     states = _searched(start, loads, ep, num_nodes, target_peak, tolerance, scratch,
@@ -144,10 +149,15 @@ class _Scratch:
 
 def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int, target_peak: float,
               tolerance: float, scratch: _Scratch, repack: bool) -> list[tuple[float, np.ndarray]]:
-    """(peak, table) at each step of few-slot moves from ``table`` towards ``target_peak``, the last the
-    best. Where the moves stall short of it and ``repack``, the heaviest rank's node is re-packed from
-    scratch if that lowers the peak (ranks matched to the old ones), and the moves go on. With one node
-    that is the whole layer, which only ``compare_to_scratch`` pays for; a node is re-packed at most once."""
+    """(peak, table) at the start and after each step towards ``target_peak``, the last the best.
+
+    Few-slot moves from ``table``; if they stall short of the target, the same after setting the replica
+    counts to the from-scratch policy's, kept if that ends lighter by more than the tolerance. Where one
+    replica alone is over the target, the counts are set first, and (flat) the matched from-scratch
+    placement is tried as the start too. Where the moves still stall and ``repack``, the heaviest
+    rank's node is re-packed from scratch if that lowers the peak (ranks matched to the old ones), and
+    the moves go on; with one node that is the whole layer, which only ``compare_to_scratch`` pays for.
+    A node is re-packed at most once."""
     slots_per_node, ranks_per_node = table.shape[0] // num_nodes, ep_size // num_nodes
     max_moves = 4 * table.shape[0]
     counts = np.bincount(table, minlength=loads.shape[0])
@@ -165,6 +175,10 @@ def _searched(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int
             search.lower_peak(target_peak, max_moves)
             if search.states[-1][0] < states[-1][0]:
                 states = states[:1] + search.states
+        # Then the moves from where that ended, as a second call would make them.
+        search = ReplicaMoves(states[-1][1], loads, ep_size, num_nodes)
+        search.lower_peak(target_peak, max_moves)
+        states += search.states[1:]
     else:
         search = ReplicaMoves(table, loads, ep_size, num_nodes)
         search.lower_peak(target_peak, max_moves)
@@ -254,7 +268,10 @@ def _update(current: ExpertPlacement, new_table: np.ndarray, load, before: float
     if not changed:
         return PlacementUpdate(current, (), before, before)
     placement = ExpertPlacement(new_table.tolist(), current.num_experts, current.ep_size)
-    return PlacementUpdate(placement, changed, before, placement.balancedness(load))
+    after = placement.balancedness(load)
+    logger.debug("re-placement: %d of %d slots changed, balancedness %.4f -> %.4f", len(changed),
+                 current.num_slots, before, after)
+    return PlacementUpdate(placement, changed, before, after)
 
 
 # ---------------------------------------------------------------------------- nodes and groups
@@ -275,21 +292,19 @@ def _groups_in_nodes(table: np.ndarray, num_experts: int, num_groups: int, num_n
             and len(set().union(*groups)) == sum(len(g) for g in groups))
 
 
-def _node_bound(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int) -> float:
-    """:func:`peak_bound` for the node assignment of groups in ``table``."""
-    slots_per_node = table.shape[0] // num_nodes
-    bound = 0.0
-    for part in np.split(table, num_nodes):
-        node_loads = [float(loads[e]) for e in np.unique(part).tolist()]
-        bound = max(bound, sum(node_loads) / (ep_size // num_nodes), _smallest_largest_share(node_loads, slots_per_node))
-    return bound
+def _node_bound(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: int, num_nodes: int) -> float:
+    """:func:`peak_bound` for the node assignment of groups in ``table`` (whose groups lie in one node each)."""
+    slots, ranks = table.shape[0] // num_nodes, ep_size // num_nodes
+    return max(_groups_bound(loads, groups, num_groups, slots, ranks)
+               for groups in _groups_of_nodes(table, loads.shape[0], num_groups, num_nodes))
 
 
 def _regrouped(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: int, num_nodes: int,
-               target_peak: float, scratch: _Scratch) -> np.ndarray:
+               target_peak: float) -> np.ndarray:
     """``table`` with whole groups swapped between nodes until the node bound meets ``target_peak``
-    (or no swap lowers the heaviest node); nodes whose groups changed are re-packed from scratch, ranks
-    matched to the old ones, and the other nodes keep every slot.
+    (or no swap lowers the heaviest node). In a node whose groups changed, the experts that stay keep
+    their slots and the arriving ones fill the rest (:func:`~megamoe.moe.replica_moves.filled_slots`);
+    the other nodes keep every slot.
 
     Each swap trades one group of the node with the highest bound for one group of another node, the
     pair lowering the higher of the two nodes' bounds most (ties to lower ids).
@@ -329,11 +344,23 @@ def _regrouped(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: i
     for node, node_groups in enumerate(groups):
         if set(node_groups) == old[node]:
             continue
-        experts = np.array([e for g in node_groups for e in range(g * per_group, (g + 1) * per_group)])
-        new_ranks, _ = scratch.node_ranks(experts, slots_per_node, ranks_per_node)
+        # The staying experts keep their slots (up to the replicas the load wants); the rest of the node's
+        # slots go to the arriving group's replicas and the staying experts short of replicas.
+        experts = [e for g in node_groups for e in range(g * per_group, (g + 1) * per_group)]
+        wanted = np.zeros(num_experts, dtype=np.int64)
+        wanted[experts] = replica_counts(loads[experts].tolist(), slots_per_node, ranks_per_node)
         node_slots = slice(node * slots_per_node, (node + 1) * slots_per_node)
-        old_ranks = table[node_slots].reshape(ranks_per_node, -1)
-        new_table[node_slots] = _matched_ranks(old_ranks, new_ranks, num_experts, 1).ravel()
+        kept = np.zeros(num_experts, dtype=np.int64)
+        node_table = table[node_slots].copy()
+        for slot, expert in enumerate(node_table.tolist()):
+            if kept[expert] < wanted[expert]:
+                kept[expert] += 1
+            else:
+                node_table[slot] = -1
+        arriving = [e for e in experts for _ in range(wanted[e] - kept[e])]
+        new_table[node_slots] = filled_slots(node_table, loads / np.maximum(wanted, 1), arriving,
+                                             table.shape[0] // ep_size, ranks_per_node,
+                                             np.zeros(num_experts, dtype=np.int64))
     return new_table
 
 

@@ -10,8 +10,8 @@ changing the expert of one or two slots and nothing else, so every other expert 
 Each round takes, among the moves that take the heaviest rank below the peak and no rank up to it, the
 one that lowers the ranks' summed excess over a target most per slot moved (or, when none does, the
 peak itself); it stops at the target or when no move is left (see :meth:`ReplicaMoves.lower_peak`).
-A move that puts a second replica of an expert on a rank (which adds
-no parallelism there) is only taken when no other move helps. All arithmetic is elementwise numpy on
+A move that puts a second replica of an expert on a rank (which adds no parallelism there) is only
+taken when no other move helps. All arithmetic is elementwise numpy on
 float64 (no BLAS), so every rank computes bit-identical loads; ties go to lower slot and expert ids.
 With nodes (the hierarchical policy) moves stay inside the heaviest rank's node.
 """
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# The least a move by the peak must lower the heaviest rank, as a fraction of the peak: without it a
+# search short of an unreachable target ends in hundreds of moves gaining 1e-5 each.
+_MIN_GAIN = 1e-3
 # Reassign = 0, swap = 1: the move kinds, in the order a tie prefers them.
 _REASSIGN, _SWAP = 0, 1
 # A donor slot on the heaviest rank is offered to this many lightest-replica experts, and to the experts
@@ -47,7 +50,6 @@ class ReplicaMoves:
         node_of_slot = self.owner // self.ranks_per_node
         self.node_of_expert = np.zeros(self.num_experts, dtype=np.int64)
         self.node_of_expert[self.table] = node_of_slot
-        self.moved = 0  # slot changes made (a slot changed twice counts twice)
         self.states: list[tuple[float, np.ndarray]] = []  # (peak, table) at the start and after each move
 
     def rank_loads(self) -> np.ndarray:
@@ -65,7 +67,6 @@ class ReplicaMoves:
         none lowers it, the one lowering the peak most (the target comes from a bound and may be out of
         reach), then back to the excess. ``swaps_only``: keep the replica counts.
         """
-        tiny = 1e-12 * float(self.load.sum())
         by_excess = True
         loads = self._recorded(self.rank_loads())
         for _ in range(max_moves):
@@ -73,8 +74,10 @@ class ReplicaMoves:
             peak = float(loads[heavy])
             if peak <= target_peak:
                 return
-            goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, tiny)
-            candidates = (self._best_swap(goal),) if swaps_only else (self._best_reassign(goal), self._best_swap(goal))
+            # By excess any gain counts (the excess ends at the target); by the peak, at least _MIN_GAIN.
+            min_gain = 1e-12 * peak if by_excess else _MIN_GAIN * peak
+            goal = _Goal(loads, heavy, peak, target_peak if by_excess else None, min_gain)
+            candidates = [self._best_swap(goal)] + ([] if swaps_only else [self._best_reassign(goal)])
             best = min((c for c in candidates if c), default=None)
             if best is None:
                 if not by_excess:
@@ -103,21 +106,11 @@ class ReplicaMoves:
             return
         for slot in freed:
             self._reassign(slot, -1)
-        new_weight = self.load / np.maximum(target_counts, 1)
-        kept = np.where(self.table >= 0, new_weight[np.maximum(self.table, 0)], 0.0)
-        rank_loads = kept.reshape(self.ep_size, self.slots_per_rank).sum(axis=1).tolist()
-        arriving = sorted(((-new_weight[e], e) for e in np.flatnonzero(surplus < 0).tolist()
-                           for _ in range(-surplus[e])))
-        free_slots = sorted(freed)
-        for _, expert in arriving:
-            node = self.node_of_expert[expert]
-            choices = [s for s in free_slots if self.owner[s] // self.ranks_per_node == node]
-            slot = min(choices, key=lambda s: (self.presence[self.owner[s], expert] > 0,
-                                               rank_loads[self.owner[s]], s))
-            free_slots.remove(slot)
-            self._reassign(slot, expert)
-            rank_loads[self.owner[slot]] += new_weight[expert]
-        self.moved += len(freed)
+        arriving = [e for e in np.flatnonzero(surplus < 0).tolist() for _ in range(-surplus[e])]
+        filled = filled_slots(self.table, self.load / np.maximum(target_counts, 1), arriving, self.slots_per_rank,
+                              self.ranks_per_node, self.node_of_expert)
+        for slot in freed:
+            self._reassign(slot, int(filled[slot]))
         self._recorded(self.rank_loads())
 
     def _reassign(self, slot: int, expert: int) -> None:
@@ -159,14 +152,14 @@ class ReplicaMoves:
         new_heavy = goal.peak - delta
         new_other = loads[other_rank][None, :] + delta
         # Both ranks end below the peak; by excess, the summed excess over the target must drop too.
-        valid = (delta > 0) & (new_heavy < goal.peak) & (new_other < goal.peak)
+        valid = (delta >= goal.min_gain) & (new_other < goal.peak)
         if goal.target is None:
             rest = self._max_excluding(loads, heavy)[other_rank]  # [n] peak of the untouched ranks
             gain = goal.peak - np.maximum(np.maximum(new_heavy, new_other), rest[None, :])
         else:
             gain = (goal.excess(goal.peak) + goal.excess(loads[other_rank])[None, :]
                     - goal.excess(new_heavy) - goal.excess(new_other))
-            valid &= gain > goal.tiny
+            valid &= gain >= goal.min_gain
         if not valid.any():
             return None
         a = self.table[mine][:, None]
@@ -223,7 +216,7 @@ class ReplicaMoves:
             r = np.full(a.size, heavy) if on_heavy else rank
             new_r = (loads[r] + p[r, a] * (new_a - weight[a]) + p[r, d] * (new_d - weight[d])
                      + np.where(r == rank, new_a - new_d, 0.0))
-            fine = (new_r < peak) if on_heavy else (new_r < peak) | (new_r <= loads[r])
+            fine = (new_r <= peak - goal.min_gain) if on_heavy else (new_r < peak) | (new_r <= loads[r])
             a, slot, d, rank, new_a, new_d = a[fine], slot[fine], d[fine], rank[fine], new_a[fine], new_d[fine]
         if a.size == 0:
             return None
@@ -232,12 +225,12 @@ class ReplicaMoves:
         new[np.arange(a.size), rank] += new_a - new_d
         # The heaviest rank drops below the peak and no rank rises to it; by excess, the summed excess
         # over the target must drop too.
-        valid = (new[:, heavy] < peak) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
+        valid = (new[:, heavy] <= peak - goal.min_gain) & ((new < peak) | (new <= loads[None, :])).all(axis=1)
         if goal.target is None:
             gain = peak - new.max(axis=1)
         else:
             gain = goal.excess(loads).sum() - goal.excess(new).sum(axis=1)
-            valid &= gain > goal.tiny
+            valid &= gain >= goal.min_gain
         if not valid.any():
             return None
         local_peak = np.where(new != loads[None, :], new, -np.inf).max(axis=1)  # of the changed ranks
@@ -273,18 +266,38 @@ class ReplicaMoves:
             expert, other_expert = int(self.table[slot]), int(self.table[other])
             self._reassign(slot, other_expert)
             self._reassign(other, expert)
-            self.moved += 2
         else:
             self._reassign(slot, other)
-            self.moved += 1
+
+
+def filled_slots(table: np.ndarray, weight: np.ndarray, arriving: list[int], slots_per_rank: int,
+                 ranks_per_node: int, node_of_expert: np.ndarray) -> np.ndarray:
+    """``table`` (-1: a free slot) with the ``arriving`` replicas placed, heaviest (by ``weight``, the
+    load per replica each expert will have) first, each in a free slot of its node's lightest rank, a
+    rank not holding the expert if there is one; ties to lower slots."""
+    table = table.copy()
+    owner = np.arange(table.shape[0]) // slots_per_rank
+    kept = np.where(table >= 0, weight[np.maximum(table, 0)], 0.0)
+    rank_loads = kept.reshape(-1, slots_per_rank).sum(axis=1).tolist()
+    free = np.flatnonzero(table < 0).tolist()
+    for expert in sorted(arriving, key=lambda e: (-weight[e], e)):
+        node = node_of_expert[expert]
+        choices = [s for s in free if owner[s] // ranks_per_node == node]
+        slot = min(choices, key=lambda s: (bool((table[owner[s] * slots_per_rank:(owner[s] + 1) * slots_per_rank]
+                                                  == expert).any()), rank_loads[owner[s]], s))
+        free.remove(slot)
+        table[slot] = expert
+        rank_loads[owner[slot]] += weight[expert]
+    return table
 
 
 class _Goal:
-    """What one round of moves aims at: the rank loads, the heaviest rank and its load, and either a
-    target peak (lower the summed excess over it) or None (lower the peak)."""
+    """What one round of moves aims at: the rank loads, the heaviest rank and its load, either a target
+    peak (lower the summed excess over it) or None (lower the peak), and the least gain a move must make
+    (on the heaviest rank, and in the excess)."""
 
-    def __init__(self, loads, heavy, peak, target, tiny):
-        self.loads, self.heavy, self.peak, self.target, self.tiny = loads, heavy, peak, target, tiny
+    def __init__(self, loads, heavy, peak, target, min_gain):
+        self.loads, self.heavy, self.peak, self.target, self.min_gain = loads, heavy, peak, target, min_gain
 
     def excess(self, loads):
         return np.maximum(loads - self.target, 0.0)
