@@ -35,7 +35,6 @@ runs both. Writes JSON (default benchmarks/results/eplb.json).
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import eplb_real  # sibling module: the real-ranks half
 from common import argument_parser, write_results  # sibling module
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.replacement import matched_to, peak_bound, replace_experts
@@ -253,18 +253,6 @@ def _verdicts(configs: list[Config], drift: list[dict], noise: list[dict]) -> di
     }
 
 
-def _real_part():
-    """benchmarks/eplb_real.py, the real-ranks half, or None where it is not there."""
-    path = Path(__file__).with_name("eplb_real.py")
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("eplb_real", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module         # its rank worker is pickled by name for the spawned ranks
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(argv=None) -> int:
     parser = argument_parser(__doc__)
     parser.add_argument("--part", choices=("simulated", "real", "all"), default="simulated",
@@ -278,24 +266,24 @@ def main(argv=None) -> int:
                         help="timing: the least of this many calls of each movement-aware and matching step")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "eplb.json"),
                         help="where to write the results")
+    eplb_real.add_real_arguments(parser)
     args = parser.parse_args(argv)
     if min(args.layers, args.windows, args.repeats) < 1:
         print("error: --layers, --windows and --repeats must be >= 1", file=sys.stderr)
         return 1
-    real = None
-    if args.part in ("real", "all"):
-        real = _real_part()
-        if real is None:
-            print("error: --part real needs benchmarks/eplb_real.py (the real-ranks half), which is not there; "
-                  "use --part simulated", file=sys.stderr)
-            return 1
     results = {}
+    if args.part in ("real", "all"):
+        try:
+            rows = eplb_real.run(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        eplb_real.print_table(rows)
+        results["real"] = rows
     if args.part in ("simulated", "all"):
         configs = QUICK_CONFIGS if args.quick else CONFIGS
         layers, windows, repeats = (2, 3, 1) if args.quick else (args.layers, args.windows, args.repeats)
         results["simulated"] = run_simulated(configs, layers, windows, repeats)
-    if real is not None:
-        results["real"] = real.run(args)
     write_results(args.json, results)
     return 0
 

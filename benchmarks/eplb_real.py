@@ -25,7 +25,6 @@ the script prints a table and writes JSON (default ``benchmarks/results/eplb_rea
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -129,17 +128,8 @@ def _summary(name: str, series: list[dict], interval: int) -> dict:
     return row
 
 
-def _with_defaults(args):
-    """``args`` with the defaults of :func:`add_real_arguments` for the options it lacks (a caller's own
-    parser, e.g. ``benchmarks/eplb.py``'s, need not add them)."""
-    parser = argument_parser(__doc__)
-    add_real_arguments(parser)
-    return argparse.Namespace(**{**vars(parser.parse_args([])), **vars(args)})
-
-
 def run(args) -> list[dict]:
     """Train both runs on ``args.real_ranks`` spawned gloo ranks; one row per run (see the module docstring)."""
-    args = _with_defaults(args)
     for flag in ("real_ranks", "real_steps", "real_interval", "real_window", "real_drift_every"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

@@ -153,18 +153,19 @@ def test_eplb_benchmark_simulated_quick(monkeypatch, tmp_path, capsys):
     assert all(f"target {v['target']}: {'met' if v['met'] else 'NOT met'}" in shown for v in verdicts.values())
 
 
-def test_eplb_benchmark_real_part_is_a_clear_error_without_its_module(monkeypatch, tmp_path, capsys):
+def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypatch, tmp_path, capsys):
     eplb = _benchmark("eplb", monkeypatch)
-    monkeypatch.setattr(eplb, "_real_part", lambda: None)
     out = tmp_path / "eplb.json"
-    assert eplb.main(["--part", "real", "--json", str(out)]) == 1
+    assert eplb.main(["--part", "real", "--real-ranks", "3", "--json", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --part real needs benchmarks/eplb_real.py")
-    assert not out.exists()
-    # With the module there, its results go into the same JSON.
-    monkeypatch.setattr(eplb, "_real_part", lambda: type("Real", (), {"run": staticmethod(lambda args: {"ok": 1})}))
-    assert eplb.main(["--part", "real", "--json", str(out)]) == 0
-    assert json.loads(out.read_text()) == {"real": {"ok": 1}}
+    assert err == ["error: --real-ranks 3 must divide the model's 20 expert slots"] and not out.exists()
+    # The real half's own flags reach it, and its rows go into the same JSON (the run itself is
+    # test_eplb_real_benchmark_rebalances_and_writes_its_table's).
+    calls = []
+    monkeypatch.setattr(eplb.eplb_real, "run", lambda args: calls.append(args.real_steps) or [{"run": "static"}])
+    monkeypatch.setattr(eplb.eplb_real, "print_table", lambda rows: calls.append(rows))
+    assert eplb.main(["--part", "real", "--real-steps", "7", "--json", str(out)]) == 0
+    assert calls == [7, [{"run": "static"}]] and json.loads(out.read_text()) == {"real": [{"run": "static"}]}
 
 
 @pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "moe_layer",
@@ -207,7 +208,3 @@ def test_eplb_real_benchmark_rebalances_and_writes_its_table(monkeypatch, tmp_pa
     assert eplb["rebalances"] == 2 and eplb["moved_slots"] > 0 and eplb["moved_bytes"] > 0
     assert eplb["rebalancing_over_normal"] == pytest.approx(eplb["rebalancing_step_s"] / eplb["normal_step_s"])
     assert len(eplb["balancedness_by_step"]) == 4 and "balancedness over time" in capsys.readouterr().out
-    # benchmarks/eplb.py --part real passes its own arguments: the real half's options take their defaults.
-    import argparse
-    options = eplb_real._with_defaults(argparse.Namespace(part="real", real_steps=3))
-    assert (options.real_steps, options.real_ranks, options.part) == (3, 4, "real")
