@@ -36,6 +36,7 @@ import torch
 
 from megamoe import comms
 from megamoe.host_values import host_floats, host_ints
+from megamoe.moe.argument_checks import hierarchy
 from megamoe.moe.expert_load_window import ExpertLoadWindow
 from megamoe.moe.expert_migration import migrate_layer
 from megamoe.moe.expert_slots import ExpertPlacement
@@ -153,12 +154,11 @@ class ExpertRebalancer:
 
     def _check_hierarchy(self, ep_size: int) -> None:
         groups, nodes = self.config.num_groups, self.config.num_nodes
-        if groups is None:
-            return
-        if self.num_experts % groups or groups % nodes or ep_size % nodes:
-            raise ValueError(f"EPLBConfig.num_groups={groups}, num_nodes={nodes} do not fit {self.num_experts} experts "
-                             f"on EP {ep_size}: num_experts must be a multiple of num_groups, num_groups of num_nodes "
-                             f"and the EP size of num_nodes")
+        try:
+            hierarchy(self.num_experts, ep_size, groups, nodes)
+        except ValueError as error:
+            raise ValueError(f"EPLBConfig.num_groups={groups}, num_nodes={nodes} do not fit {self.num_experts} "
+                             f"experts on EP {ep_size}: {error}") from None
 
     def _counters(self) -> torch.Tensor:
         if not self.layers:
