@@ -146,6 +146,22 @@ def test_atomic_write_keeps_old_file_on_error(tmp_path):
     assert target.read_text() == "new" and os.listdir(tmp_path) == ["f.bin"]
 
 
+def test_atomic_write_leaves_the_permissions_of_a_plain_write(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        with atomic_write(tmp_path / "new.bin") as file:      # a new file: 0o666 less the umask, not 0o600
+            file.write(b"x")
+        (tmp_path / "plain.bin").write_bytes(b"x")
+        assert os.stat(tmp_path / "new.bin").st_mode & 0o777 == os.stat(tmp_path / "plain.bin").st_mode & 0o777 == 0o640
+        os.chmod(tmp_path / "plain.bin", 0o604)                 # an existing file keeps its own
+        with atomic_write(tmp_path / "plain.bin", "w") as file:
+            file.write("y")
+        assert os.stat(tmp_path / "plain.bin").st_mode & 0o777 == 0o604
+        assert os.umask(0o027) == 0o027, "atomic_write must leave the umask as it was"
+    finally:
+        os.umask(previous)
+
+
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megamoe.data.tokenizer", *args],
                           capture_output=True, text=True, timeout=120)
