@@ -170,19 +170,23 @@ def forward_value(compute: Callable[[], T]) -> T:
 
     For forward code that reads state it then updates (FP8 delayed scaling reads the scale of earlier
     steps, then records this step's amax): the recomputation must see what the forward saw, not the
-    updated state. Calls are matched by order within a region. Outside any region: ``compute()``."""
-    if not _STACK.frames:
-        return compute()
-    region, recomputing = _STACK.frames[-1]
-    if not recomputing:
+    updated state. Calls are matched by order within a region; outside any region, ``compute()``.
+    Nested regions (a ``moe_act`` region inside a recomputed ``moe`` layer): the value comes from the
+    outermost region being recomputed, and every region running its forward keeps it for its own
+    recomputation."""
+    frames = _STACK.frames
+    source = next((region for region, recomputing in frames if recomputing), None)
+    if source is None:
         value = compute()
-        region.values.append(value)
-        return value
-    if region.replayed >= len(region.values):
+    elif source.replayed < len(source.values):
+        value = source.values[source.replayed]
+        source.replayed += 1
+    else:
         raise RuntimeError("recomputation asked for more forward values than its forward computed: the "
                            "recomputed region took another path than the original forward")
-    value = region.values[region.replayed]
-    region.replayed += 1
+    for region, recomputing in frames:
+        if not recomputing:
+            region.values.append(value)
     return value
 
 
