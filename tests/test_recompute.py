@@ -4,6 +4,8 @@ emulated expert backends too), records expert loads, aux-loss metrics and FP8 am
 fewer activations for backward (measured with saved-tensor hooks), leaves generation alone, and re-issues
 the MoE dispatcher's collectives in backward exactly once (2 ranks, EP 2, counted)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -275,3 +277,43 @@ def test_recomputed_moe_layers_reissue_their_dispatch_collectives_once_in_backwa
                     assert b == want and bb == bwd_bytes + fwd_bytes, (layout, mode, b, want)
                 else:
                     assert b == bwd and bb == bwd_bytes, (layout, mode, b, bwd)   # nothing re-issued
+
+
+# ---- the training script: --recompute / --recompute-modules -------------------------------------------
+def _train(demo, tmp_path, capsys, config_file, data, tokenizer, steps, *flags):
+    from megamoe.launch import run_script
+    argv = ["--model-config", config_file, "--tokenizer", tokenizer, "--data", data, "--steps", steps,
+            "--seq-len", S, "--global-batch", 4, "--micro-batch", 2, "--lr", "1e-2", "--work-dir", tmp_path / "work",
+            "--save-dir", tmp_path / "ckpt", "--save-every", 2, "--sample-tokens", 0, "--expert-backend", "torch",
+            *flags]
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "work" / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "step" in r]
+
+
+@pytest.mark.slow
+def test_pretrain_script_recomputes_and_resumes_under_another_choice(demo, tmp_path, capsys):
+    """A run with selective recompute resumed under full recompute has the loss curve of a run without."""
+    from megamoe.data.token_dataset import build_token_file
+    from megamoe.data.tokenizer import Tokenizer
+    from test_hf_start import save_tokenizer, sentences
+    save_tokenizer(tmp_path / "tokenizer")
+    build_token_file(sentences(40), Tokenizer.from_path(tmp_path / "tokenizer"), tmp_path / "tokens.bin")
+    (tmp_path / "model.json").write_text(json.dumps(model_config("mla").to_dict()))
+    common = (tmp_path / "model.json", tmp_path / "tokens.bin", tmp_path / "tokenizer")
+    want = _train(demo, tmp_path / "plain", capsys, *common, 3)
+    first = _train(demo, tmp_path / "re", capsys, *common, 2, "--recompute", "selective", "--recompute-modules",
+                   "core_attn", "moe_act", "layernorm")
+    again = _train(demo, tmp_path / "re", capsys, *common, 3, "--recompute", "full")
+    assert len(want) == 3 and first + again[2:] == want, (first, again, want)
+
+
+def test_pretrain_script_recompute_flag_errors_are_one_line(demo, tmp_path, capsys):
+    from megamoe.launch import run_script
+    code = run_script(demo.main, ["--work-dir", str(tmp_path / "work"), "--recompute", "full", "--recompute-modules",
+                                  "moe"], prog=demo.PROG)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "--recompute-modules applies to --recompute selective" in err[0], err
+    assert not (tmp_path / "work").exists()
