@@ -4,6 +4,7 @@ emulated expert backends too), records expert loads, aux-loss metrics and FP8 am
 fewer activations for backward (measured with saved-tensor hooks), leaves generation alone, and re-issues
 the MoE dispatcher's collectives in backward exactly once (2 ranks, EP 2, counted)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -230,6 +231,9 @@ def test_config_defaults_round_trip_and_resume_with_another_choice():
     assert _config_differences(model_config("mla", RecomputeConfig("full")).to_dict(), config.to_dict()) == []
     with pytest.raises(ValueError, match="recompute"):
         GPTMoEConfig.from_dict({**config.to_dict(), "recompute": {"granularity": "full", "layers": 1}})
+    # Export to HF compares the model's fields with the HF config's: recomputation is not one of them.
+    from checkpoint_tools.export_hf import _model_fields
+    assert _model_fields(config) == _model_fields(dataclasses.replace(config, recompute=NONE))
 
 
 # ---- 2 ranks, EP 2: the dispatcher's collectives are re-issued in backward ----------------------------
