@@ -236,21 +236,49 @@ def test_config_defaults_round_trip_and_resume_with_another_choice():
     assert _model_fields(config) == _model_fields(dataclasses.replace(config, recompute=NONE))
 
 
-# ---- 2 ranks, EP 2: the dispatcher's collectives are re-issued in backward ----------------------------
-LAYOUTS = [dict(dispatcher="alltoall"), dict(dispatcher="allgather", input_sharded=True)]
+# ---- 2 ranks: recomputed regions re-issue their forward collectives in backward, once --------------------
+SETUPS = [(dict(ep=2), dict(dispatcher="alltoall")), (dict(ep=2), dict(dispatcher="allgather", input_sharded=True)),
+          (dict(tp=2, ep=2, etp=1), dict(dispatcher="allgather"))]       # EP inside TP: attention and MLPs talk too
 COUNTED = [NONE, RecomputeConfig("full"), RecomputeConfig("selective", ("moe",)),
-           RecomputeConfig("selective", ("core_attn", "moe_act", "mlp", "layernorm"))]
+           RecomputeConfig("selective", ("core_attn", "mla_up_proj", "moe_act", "mlp", "layernorm"))]
+
+
+class _ForwardCounts:
+    """Collectives issued inside the forwards of ``modules``, summed: (calls per kind, bytes)."""
+
+    def __init__(self, modules):
+        self.kinds, self.bytes, self._open = {}, 0, []
+        for module in modules:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+
+    def _enter(self, module, args):
+        context = comms.comm_counter()
+        self._open.append((context, context.__enter__()))
+
+    def _exit(self, module, args, output):
+        context, counter = self._open.pop()
+        context.__exit__(None, None, None)
+        for kind, calls in counter.kinds().items():
+            self.kinds[kind] = self.kinds.get(kind, 0) + calls
+        self.bytes += counter.bytes()
 
 
 def _comm_worker(rank, world_size):
+    from megamoe.moe.moe_layer import MoELayer
     from parallel_state import destroy_model_parallel, initialize_model_parallel
-    state = initialize_model_parallel(ep=2)
     results = []
-    for layout in LAYOUTS:
-        per_mode = []
+    for sizes, layout in SETUPS:
+        state = initialize_model_parallel(**sizes)
+        per_mode, regions = [], None
         for mode in COUNTED:
-            model = build(model_config(recompute=mode, **layout), state)
-            inputs = tokens(seed=rank)
+            model = build(model_config("mla", mode, **layout), state)
+            if mode == NONE:        # what each kind of region issues in its forward
+                layers = list(model.layers.values())
+                regions = {"full": _ForwardCounts(layers),
+                           "moe": _ForwardCounts([l.mlp for l in layers if isinstance(l.mlp, MoELayer)]),
+                           "mlp": _ForwardCounts([l.mlp for l in layers if not isinstance(l.mlp, MoELayer)])}
+            inputs = tokens(seed=state.dp.rank)
             with comms.comm_counter() as forward:
                 loss, aux = model(inputs, labels=inputs)
             with comms.comm_counter() as backward:
@@ -260,27 +288,40 @@ def _comm_worker(rank, world_size):
             same_grads = all(torch.equal(g, r) for g, r in zip(grads, reference))
             per_mode.append((forward.kinds(), backward.kinds(), forward.bytes(), backward.bytes(), loss.item(),
                              same_grads))
-        results.append(per_mode)
-    destroy_model_parallel()
+        results.append((per_mode, {name: (r.kinds, r.bytes) for name, r in regions.items()}))
+        destroy_model_parallel()
     return results
 
 
+def test_nested_comm_counters_close_by_identity():
+    """The per-region counters above nest inside a step's: closing one that saw the same calls as its
+    parent (equal dataclasses) must close that one, not the parent."""
+    with comms.comm_counter() as outer:
+        with comms.comm_counter() as inner:
+            pass
+        comms._record("all_reduce", None, torch.zeros(4))
+    assert (outer.calls(), inner.calls()) == (1, 0) and not comms._active_counters
+
+
 @pytest.mark.slow
-def test_recomputed_moe_layers_reissue_their_dispatch_collectives_once_in_backward():
+def test_recomputed_regions_reissue_their_forward_collectives_once_in_backward():
     for rank_results in run_on_ranks(_comm_worker, 2, timeout_s=300):
-        for layout, per_mode in zip(LAYOUTS, rank_results):
-            (fwd, bwd, fwd_bytes, bwd_bytes, loss, _) = per_mode[0]
-            # At EP 2 without TP every forward collective is a MoE layer's dispatch (2 layers).
-            assert fwd and sum(fwd.values()) % 2 == 0, (layout, fwd)
+        for (sizes, layout), (per_mode, regions) in zip(SETUPS, rank_results):
+            fwd, bwd, fwd_bytes, bwd_bytes, loss, _ = per_mode[0]
+            assert regions["moe"][0], (sizes, layout, regions)                 # the MoE dispatch does talk
             for mode, (f, b, fb, bb, l, same_grads) in zip(COUNTED[1:], per_mode[1:]):
-                assert f == fwd and fb == fwd_bytes, (layout, mode)            # the forward is the same
-                assert l == loss and same_grads, (layout, mode)                # and so are the results
-                if mode.full or mode.recomputes("moe"):
-                    # backward = none's backward + the layers' whole forward dispatch again
-                    want = {k: bwd.get(k, 0) + fwd.get(k, 0) for k in bwd.keys() | fwd.keys()}
-                    assert b == want and bb == bwd_bytes + fwd_bytes, (layout, mode, b, want)
+                assert f == fwd and fb == fwd_bytes, (sizes, layout, mode)     # the forward is the same
+                assert l == loss and same_grads, (sizes, layout, mode)         # and so are the results
+                if mode.full:
+                    reissued = [regions["full"]]
                 else:
-                    assert b == bwd and bb == bwd_bytes, (layout, mode, b, bwd)   # nothing re-issued
+                    reissued = [regions[m] for m in ("moe", "mlp") if mode.recomputes(m)]
+                want = dict(bwd)
+                for kinds, _ in reissued:
+                    for kind, calls in kinds.items():
+                        want[kind] = want.get(kind, 0) + calls
+                assert b == want, (sizes, layout, mode, b, want)
+                assert bb == bwd_bytes + sum(nbytes for _, nbytes in reissued), (sizes, layout, mode)
 
 
 # ---- the training script: --recompute / --recompute-modules -------------------------------------------
