@@ -95,12 +95,13 @@ def test_every_mode_gives_the_losses_gradients_and_loads_of_none(attention):
         assert_identical(forward_backward(build(model_config(attention, mode)), inputs), want, mode)
 
 
-@pytest.mark.parametrize("backend,fp8", [("loop", None), ("fp8_emulated", FP8Config(recipe="delayed", amax_history_len=4))])
+@pytest.mark.parametrize("backend,fp8", [("loop", None),
+                                         ("fp8_emulated", FP8Config(recipe="delayed", amax_history_len=4))])
 def test_other_expert_backends_match_none_and_advance_fp8_histories_once(backend, fp8):
     """Two steps, so that the delayed recipe's second forward quantises with the scale its first recorded:
     a recomputed forward must quantise like its original and push no amax of its own."""
-    modes = [RecomputeConfig("full"), RecomputeConfig("selective", ("moe",)), RecomputeConfig("selective", ("moe_act",)),
-             RecomputeConfig("selective", ("moe", "moe_act"))]
+    modes = [RecomputeConfig("full"), RecomputeConfig("selective", ("moe",)),
+             RecomputeConfig("selective", ("moe_act",)), RecomputeConfig("selective", ("moe", "moe_act"))]
 
     def two_steps(mode):
         model = build(model_config(recompute=mode, backend=backend, fp8=fp8))
