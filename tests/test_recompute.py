@@ -179,6 +179,29 @@ def test_recomputation_keeps_fewer_activations(attention):
                                                                                                        "moe_act"))]
 
 
+def test_a_custom_attention_without_the_flag_is_named_in_a_warning(caplog):
+    from megamoe.models import LayerSpec
+    from megamoe.transformer import Attention
+
+    class WrappedAttention(torch.nn.Module):        # no recompute_core_attn flag of its own
+        def __init__(self, config, *, tp_group=None, device=None, dtype=None):
+            super().__init__()
+            self.inner = Attention(config, tp_group=tp_group, device=device, dtype=dtype)
+
+        def forward(self, hidden, position_ids, kv_cache=None, attention_mask=None, position_embeddings=None,
+                    document_ids=None):
+            return self.inner(hidden, position_ids, kv_cache, attention_mask, position_embeddings,
+                              document_ids=document_ids)
+
+    with caplog.at_level("WARNING", logger="megamoe.transformer.recompute"):
+        GPTMoEModel(model_config(recompute=RecomputeConfig("selective", ("core_attn", "moe"))),
+                    ParallelState.single_process(), layer_spec=LayerSpec(attention=WrappedAttention))
+    messages = [r.getMessage() for r in caplog.records]
+    # One per layer, for core_attn only: moe is recomputed by the decoder layer itself.
+    assert len(messages) == 3 and all(m.startswith("core_attn: WrappedAttention has no 'recompute_core_attn' flag")
+                                      for m in messages), messages
+
+
 def test_generation_is_unaffected():
     prompts, config = [[1, 2, 3], [4, 5, 6, 7]], GenerationConfig(max_new_tokens=4)
     state = ParallelState.single_process()
