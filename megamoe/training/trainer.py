@@ -102,6 +102,12 @@ class TrainConfig:
     max_skipped_steps: int = 10         # consecutive non-finite steps before NonFiniteTrainingError; 0: never
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)      # used with autocast="fp16" only
     eplb: EPLBConfig | None = None      # online expert rebalancing after the optimizer step; None: off
+    # ZeRO: shard the Adam moments (and fp32 master weights of non-fp32 parameters) over DP x CP (dense)
+    # and expert-DP (experts); gradients are reduce-scattered, parameters all-gathered
+    # (megamoe.training.distributed_optimizer). zero_stage 2 also frees the full gradients after the
+    # reduce-scatter (needs distributed_optimizer).
+    distributed_optimizer: bool = False
+    zero_stage: int = 1
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -115,6 +121,13 @@ class TrainConfig:
                              f"got {self.max_skipped_steps!r}")
         if not isinstance(self.lr_schedule, LRScheduleConfig):
             raise ValueError(f"TrainConfig.lr_schedule must be an LRScheduleConfig, got {type(self.lr_schedule)}")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(f"TrainConfig.distributed_optimizer must be a bool, got {self.distributed_optimizer!r}")
+        if self.zero_stage not in (1, 2) or isinstance(self.zero_stage, bool):
+            raise ValueError(f"TrainConfig.zero_stage must be 1 or 2, got {self.zero_stage!r}")
+        if self.zero_stage == 2 and not self.distributed_optimizer:
+            raise ValueError("TrainConfig.zero_stage=2 needs distributed_optimizer=True (ZeRO-2 frees gradients "
+                             "outside the shards the distributed optimizer keeps)")
         if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
             raise ValueError(f"TrainConfig.eplb must be an EPLBConfig or None, got {type(self.eplb).__name__}")
 
