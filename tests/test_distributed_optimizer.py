@@ -374,3 +374,21 @@ def test_config_errors_name_the_field():
     from megamoe.training.trainer import build_optimizer
     with pytest.raises(ValueError, match="torch.bfloat16 need fp32 master weights"):
         build_optimizer(build_model(state, dtype=torch.bfloat16), TrainConfig())
+
+
+def test_pretrain_script_flags_reach_the_train_config_and_bad_combinations_are_refused(demo, tmp_path, capsys):
+    """The flags -> TrainConfig and the model dtype (a whole run of the script costs ~15 s: the flags' wiring
+    into main is two keyword arguments); the refused combination: one error line, no work done."""
+    from megamoe.launch import run_script
+    from megamoe.training.optim_arguments import param_dtype, train_config_kwargs
+    args = demo.build_parser().parse_args(["--distributed-optimizer", "--zero-stage", "2", "--param-dtype", "bf16"])
+    config = TrainConfig(**train_config_kwargs(args, train_steps=2))
+    assert config.distributed_optimizer and config.zero_stage == 2 and param_dtype(args) == torch.bfloat16
+    plain = TrainConfig(**train_config_kwargs(demo.build_parser().parse_args([]), train_steps=2))
+    assert not plain.distributed_optimizer and plain.zero_stage == 1
+    assert param_dtype(demo.build_parser().parse_args([])) == torch.float32
+    code = run_script(demo.main, ["--work-dir", str(tmp_path / "w"), "--zero-stage", "2"], prog=demo.PROG)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("pretrain_moe.py: error: ") and \
+        "--zero-stage 2 needs --distributed-optimizer" in err[0], err
+    assert not (tmp_path / "w").exists(), "the error must come before any work"
