@@ -357,6 +357,27 @@ def test_bf16_trainer_builds_unsharded_masters_and_its_checkpoint_holds_the_mast
         assert torch.equal(p, q)
 
 
+def test_fp16_loss_scaling_and_skipped_steps_match_the_plain_optimizer():
+    """fp16 with a loss scale that first overflows: the skipped steps (found non-finite from the shards) leave
+    everything unchanged, then the unscaled, clipped steps train as the plain optimizer's (ZeRO-2)."""
+    from megamoe.training.loss_scaling import LossScaleConfig
+    curves = []
+    for kwargs in ({}, dict(distributed_optimizer=True, zero_stage=2)):
+        trainer = _single_process_trainer(autocast="fp16", loss_scale=LossScaleConfig(initial_scale=2.0 ** 21),
+                                          **kwargs)
+        curve = []
+        for _ in range(8):
+            m = trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in global_batch().split(MICRO_BATCH)])
+            curve.append((m.skipped, m.loss_scale, m.loss, m.grad_norm if not m.skipped else 0.0))
+            if m.skipped and not curve[:-1]:
+                assert not trainer.optimizer.state, "a skipped first step creates no optimizer state"
+        curves.append(curve)
+    plain, sharded = curves
+    assert plain[0][0] and not plain[-1][0], f"the test needs skipped steps, then finite ones: {plain}"
+    for got, want in zip(sharded, plain):
+        assert got[:2] == want[:2] and _close(got[2:], want[2:], REL_TOL), (got, want)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="TrainConfig.zero_stage must be 1 or 2"):
         TrainConfig(distributed_optimizer=True, zero_stage=3)
