@@ -68,7 +68,7 @@ from megamoe.training.metric_sinks import step_record
 from megamoe.training.metrics_arguments import (add_metrics_arguments, check_metrics_arguments,
                                                 metric_sinks_from_arguments)
 from megamoe.training.mfu import resolve_peak_tflops
-from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
+from megamoe.training.optim_arguments import add_optim_arguments, param_dtype, train_config_kwargs
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
 from megamoe.transformer.recompute_arguments import add_recompute_arguments, recompute_config_from_args
@@ -541,7 +541,7 @@ def main(argv=None) -> int:
         # Resuming: the checkpoint overwrites every weight, so the HF tensors are not read.
         model, _ = start_from_hf(args.hf_model, state, dispatcher=args.dispatcher,
                                  num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
-                                 expert_backend=args.expert_backend, device=device,
+                                 expert_backend=args.expert_backend, device=device, dtype=param_dtype(args),
                                  load_weights=plan.resume_from is None, saved_placements=saved,
                                  recompute=recompute_config_from_args(args))
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
@@ -554,7 +554,7 @@ def main(argv=None) -> int:
         # Recomputation is the engine's choice, whatever the model source (a checkpoint resumes under any).
         config = dataclasses.replace(config, recompute=recompute_config_from_args(args))
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
-        model = GPTMoEModel(config, state, placements=placements, device=device)
+        model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args))
         initialize_parameters(model, args.seed)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
