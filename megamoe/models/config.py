@@ -38,8 +38,13 @@ class GPTMoEConfig:
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    # Under tensor parallelism: norms, residuals and dropout run on sequence shards [B, S / tp, H]
+    # (see megamoe.models.sequence_parallel). An engine field: a checkpoint resumes with either choice.
+    sequence_parallel: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"GPTMoEConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         for name in ("vocab_size", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTMoEConfig.{name} must be >= 1, got {getattr(self, name)}")
