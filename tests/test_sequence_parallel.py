@@ -44,12 +44,12 @@ def mla(q_lora_rank: int | None) -> MLAConfig:
                      attention_bias=True)
 
 
-def config(attention, dispatcher: str, *, shared: bool = True, moe_layers=(1, 2), sp: bool = False,
+def config(attention, dispatcher: str, *, shared: bool = True, moe_layers=(1,), sp: bool = False,
            tie: bool = False) -> GPTMoEConfig:
     router = RouterConfig(hidden_size=H, num_experts=E, top_k=2, norm_topk_prob=True, aux_loss_coeff=0.01,
                           seq_aux_loss_coeff=0.01, z_loss_coeff=0.001)
     return GPTMoEConfig(
-        family="custom", vocab_size=V, hidden_size=H, num_layers=3, attention=attention,
+        family="custom", vocab_size=V, hidden_size=H, num_layers=2, attention=attention,
         moe=MoEConfig(router=router, ffn_hidden_size=16, dispatcher=dispatcher, expert_backend="torch",
                       shared_experts=SharedExpertsConfig(hidden_size=H, ffn_hidden_size=16, gate=True)
                       if shared else None),
@@ -61,11 +61,9 @@ def config(attention, dispatcher: str, *, shared: bool = True, moe_layers=(1, 2)
 # the TP ranks (etp 1) exists only with SP (TP ranks then hold different tokens): its oracle is etp 2.
 CASES = {
     "gqa_allgather_ep2": (lambda sp: config(gqa(), "allgather", sp=sp), (2, 1), (2, 1)),
-    "gqa_allgather_ep1": (lambda sp: config(gqa(), "allgather", sp=sp, tie=True), (1, 1), (1, 1)),
-    "gqa_alltoall_etp2": (lambda sp: config(gqa(), "alltoall", sp=sp), (1, 2), (1, 2)),
     "gqa_alltoall_ep2": (lambda sp: config(gqa(), "alltoall", sp=sp, shared=False), (2, 1), (1, 2)),
     "mla_alltoall_etp2": (lambda sp: config(mla(12), "alltoall", sp=sp), (1, 2), (1, 2)),
-    "mla_allgather_ep2": (lambda sp: config(mla(None), "allgather", sp=sp), (2, 1), (2, 1)),
+    "mla_allgather_ep1": (lambda sp: config(mla(None), "allgather", sp=sp, tie=True), (1, 1), (1, 1)),
 }
 
 
@@ -159,6 +157,17 @@ def _equivalence_worker(rank, world_size):
         errors.append(str(e))
     out["errors"] = errors
     destroy_model_parallel()
+
+    # Generation's model: a copy without SP holding the same weights computes the same logits.
+    state = initialize_model_parallel(tp=2, ep=2)
+    model = GPTMoEModel(CASES["gqa_allgather_ep2"][0](True), state)
+    initialize_parameters(model, seed=1)
+    inputs = data[0]
+    plain = model.without_sequence_parallel()
+    with torch.no_grad():
+        out["plain_copy"] = (_rel(plain(inputs)[0], model(inputs)[0]), plain.sequence_group is None,
+                             model.without_sequence_parallel() is not model)
+    destroy_model_parallel()
     return out
 
 
@@ -176,7 +185,7 @@ def test_sequence_parallel_matches_plain_tp_on_two_ranks():
     # entry grad). On: each is a reduce-scatter of the same bytes plus an all-gather of 1/tp of them.
     replaced_bytes = off["all_reduce"][1] - on["all_reduce"][1]
     replaced_calls = off["all_reduce"][0] - on["all_reduce"][0]
-    blocks = 3 * 2                                  # 3 layers x (attention, MLP)
+    blocks = 2 * 2                                  # 2 layers x (attention, MLP)
     assert replaced_calls == 2 * blocks + 2         # forward + backward per block, embedding, output layer
     assert replaced_bytes == replaced_calls * result["hidden_bytes"]
     assert on["reduce_scatter"] == (replaced_calls, replaced_bytes)
@@ -185,13 +194,16 @@ def test_sequence_parallel_matches_plain_tp_on_two_ranks():
     too_long, generation = result["errors"]
     assert "7" in too_long and "tp=2" in too_long
     assert "sequence_parallel=False" in generation
+    rel, plain_has_no_sp, is_copy = result["plain_copy"]
+    assert rel <= REL_TOL and plain_has_no_sp and is_copy
 
 
 # ----------------------------------------------------------------------------------------------
 # Training on 4 ranks
 # ----------------------------------------------------------------------------------------------
-STEPS, GLOBAL_BATCH, MICRO = 10, 8, 2
-TRAIN_LAYOUTS = {"tp2_ep2": dict(tp=2, ep=2, pp=1), "pp2_tp2": dict(tp=2, ep=1, pp=2)}
+STEPS, GLOBAL_BATCH, MICRO = 10, 4, 1
+# One layout for both of the issue's: tp 2 + sp with ep 2, and pp 2 x tp 2 (stages send [B, S / tp, H]).
+TRAIN_LAYOUTS = {"pp2_tp2_ep2": dict(tp=2, ep=2, pp=2)}
 
 
 def _train_worker(rank, world_size):
@@ -261,3 +273,23 @@ def test_one_rank_ignores_sequence_parallel():
         losses.append(loss)
         assert not any(getattr(p, "sequence_parallel", False) for p in model.parameters())
     assert torch.equal(*losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# The script's flag
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, world, fragments", [
+    (["--sequence-parallel"], None, ["--sequence-parallel", "needs --tp > 1", "--tp 1"]),
+    (["--sequence-parallel", "--tp", "2", "--seq-len", "63"], "2", ["--seq-len 63", "divisible by --tp 2"]),
+])
+def test_script_refuses_bad_sequence_parallel_flags(demo, extra, world, fragments, tmp_path, capsys, monkeypatch):
+    from megamoe.launch import run_script
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", *extra]
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), err
+    assert all(f in lines[0] for f in fragments), lines[0]
+    assert not out and not (tmp_path / "work").exists()

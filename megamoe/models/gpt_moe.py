@@ -26,6 +26,7 @@ document run alone. Every pipeline stage needs both (they are not sent with the 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -203,7 +204,7 @@ class GPTMoEModel(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         check_moe_layout(config, state)
-        self.config, self.state = config, state
+        self.config, self.state, self.pp_split = config, state, pp_split
         self.layer_spec = layer_spec or LayerSpec()
         factory = {"device": device, "dtype": dtype}
         tp = state.tp.group
@@ -228,6 +229,20 @@ class GPTMoEModel(nn.Module):
             if not config.tie_word_embeddings:
                 self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, tp_group=tp, bias=False,
                                                     **init, **factory)
+
+    def without_sequence_parallel(self) -> GPTMoEModel:
+        """This model, or under sequence parallelism a copy built without it holding the same weights
+        (SP changes no parameter's shape, only the communication): the model generation needs, as the
+        KV cache and single-token decoding cannot split the sequence. Every TP rank must call it."""
+        if self.sequence_group is None:
+            return self
+        placements = {i: layer.placement for i, layer in self.moe_layers().items()}
+        param = next(self.parameters())
+        plain = GPTMoEModel(dataclasses.replace(self.config, sequence_parallel=False), self.state,
+                            pp_split=self.pp_split, placements=placements, layer_spec=self.layer_spec,
+                            device=param.device, dtype=param.dtype)
+        plain.load_state_dict(self.state_dict())
+        return plain.train(self.training)
 
     def tied_parameters(self) -> tuple[nn.Parameter, ...]:
         """Parameters whose copies on the first and last stage must stay identical."""

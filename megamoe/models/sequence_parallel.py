@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from torch.distributed import ProcessGroup
 
-__all__ = ["sequence_parallel_group", "check_sequence_length", "counts_own_tokens"]
+__all__ = ["sequence_parallel_group", "check_sequence_length", "counts_own_tokens", "stage_hidden_shape"]
 
 
 def sequence_parallel_group(config, state) -> ProcessGroup | None:
@@ -57,3 +57,13 @@ def counts_own_tokens(model, state) -> bool:
     sequence parallelism (each routes its own chunk), TP rank 0 otherwise (TP ranks route the same
     tokens)."""
     return state.tp.rank == 0 or sequence_parallel_group(getattr(model, "config", None), state) is not None
+
+
+def stage_hidden_shape(model, state, batch: int, seq_len: int) -> tuple[int, int, int]:
+    """The hidden states pipeline stages exchange: [batch, seq_len, H], or this rank's sequence chunk
+    [batch, seq_len / tp, H] under sequence parallelism."""
+    config = getattr(model, "config", None)
+    chunks = state.tp.size if sequence_parallel_group(config, state) is not None else 1
+    if chunks > 1:
+        check_sequence_length(seq_len, chunks)
+    return batch, seq_len // chunks, config.hidden_size
