@@ -1,11 +1,11 @@
 """Sequence parallelism in the model (megamoe.models.sequence_parallel): the oracle is the same layout
-without it. Under TP 2, logits, losses and every parameter's synchronised gradient match for GQA and MLA
-models with MoE layers (both dispatchers, every layout check_moe_layout allows on 2 ranks), a dense layer,
+without it. Under TP 2 (x DP 2), logits, losses and every parameter's synchronised gradient match for GQA and MLA
+models with MoE layers (both dispatchers, every layout check_moe_layout allows in a TP group of 2), a dense layer,
 shared experts (with a gate), every balancing loss and packed documents; the comm counter shows the
 attention / MLP / embedding / output all-reduces replaced by reduce-scatters (same bytes) and
 all-gathers (1/tp of them); training loss curves over 10 steps match on 4 ranks for (tp 2, ep 2) and
 (pp 2 x tp 2); bad sequence lengths, generation under sequence parallelism and bad script flags are
-refused. One spawn per world size."""
+refused. One spawn of 4 ranks for all of it."""
 
 import dataclasses
 
@@ -171,9 +171,20 @@ def _equivalence_worker(rank, world_size):
     return out
 
 
+def _worker(rank, world_size):
+    return {"equivalence": _equivalence_worker(rank, world_size), "training": _train_worker(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Both checks in ONE spawn of 4 ranks (tp 2 x dp 2 for the equivalence: both DP replicas get the same
+    batch, so the averaged gradients are the batch's)."""
+    return run_on_ranks(_worker, 4, timeout_s=400)[0]
+
+
 @pytest.mark.slow
-def test_sequence_parallel_matches_plain_tp_on_two_ranks():
-    result = run_on_ranks(_equivalence_worker, 2, timeout_s=300)[0]
+def test_sequence_parallel_matches_plain_tp(four_ranks):
+    result = four_ranks["equivalence"]
     for name in CASES:
         case = result[name]
         assert case["logits"] <= REL_TOL and case["loss"] <= REL_TOL, (name, case["logits"], case["loss"])
@@ -201,7 +212,7 @@ def test_sequence_parallel_matches_plain_tp_on_two_ranks():
 # ----------------------------------------------------------------------------------------------
 # Training on 4 ranks
 # ----------------------------------------------------------------------------------------------
-STEPS, GLOBAL_BATCH, MICRO = 10, 4, 1
+STEPS, GLOBAL_BATCH, MICRO = 10, 2, 1
 # One layout for both of the issue's: tp 2 + sp with ep 2, and pp 2 x tp 2 (stages send [B, S / tp, H]).
 TRAIN_LAYOUTS = {"pp2_tp2_ep2": dict(tp=2, ep=2, pp=2)}
 
@@ -234,8 +245,8 @@ def _train_worker(rank, world_size):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_training_curve_on_four_ranks():
-    result = run_on_ranks(_train_worker, 4, timeout_s=400)[0]
+def test_sequence_parallel_training_curve(four_ranks):
+    result = four_ranks["training"]
     tokens = GLOBAL_BATCH * SEQ * 2               # every token counted once per MoE layer, top 2
     for name in TRAIN_LAYOUTS:
         off, on = result[name][False], result[name][True]
