@@ -324,8 +324,9 @@ class GPTMoEModel(nn.Module):
             return
         if kv_caches is not None or attention_mask is not None:
             raise ValueError("sequence parallelism is a training feature: a forward with a KV cache or an "
-                             "attention_mask (generation) cannot split the sequence; build the model with "
-                             "sequence_parallel=False for generation (it computes the same function)")
+                             "attention_mask (generation) cannot split the sequence; generate with "
+                             "model.without_sequence_parallel(), or build the model with sequence_parallel=False "
+                             "(it computes the same function)")
         if self.is_first_stage:
             check_sequence_length(inputs.shape[1], self.state.tp.size)
 
