@@ -188,7 +188,10 @@ class GPTMoEModel(nn.Module):
     document_ids=None) -> (output, aux_loss)``: ``inputs`` are token ids [B, S] on the first stage and
     hidden states [B, S, H] elsewhere; the output is the hidden states for the next stage, or on the
     last stage the mean token loss (with ``labels``; -100 ignored) or this rank's vocab shard of the
-    logits [B, S, V / tp]. ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask``
+    logits [B, S, V / tp]. Under sequence parallelism (``config.sequence_parallel``, tp > 1; see
+    :mod:`megamoe.models.sequence_parallel`) the hidden states in and out of a stage are this TP rank's
+    chunk [B, S / tp, H], while ids, labels, ``position_ids`` and ``document_ids`` stay [B, S].
+    ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask``
     [B, S_past + S] marks real tokens; ``document_ids`` [B, S] packs documents (see the module
     docstring). :meth:`run_layers` stops before the final norm, so that generation computes logits
     for the last position only.
