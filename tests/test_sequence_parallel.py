@@ -307,3 +307,25 @@ def test_script_refuses_bad_sequence_parallel_flags(demo, extra, world, fragment
     assert code == 1 and len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), err
     assert all(f in lines[0] for f in fragments), lines[0]
     assert not out and not (tmp_path / "work").exists()
+
+
+def test_checkpoint_resumes_with_the_other_sequence_parallel_choice(tmp_path, caplog):
+    """An engine field: a run saved with sequence parallelism resumes without it (and the reverse)."""
+    from parallel_state import ParallelState
+    from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megamoe.training.trainer import TrainConfig, Trainer
+    state = ParallelState.single_process()
+    inputs, labels, _, _ = batch()
+    trainers = []
+    for sp in (True, False):
+        model = GPTMoEModel(config(gqa(), "allgather", sp=sp, shared=False), state)
+        initialize_parameters(model, seed=sp)         # different weights: the load must overwrite them
+        trainers.append(Trainer(model, state, TrainConfig(lr=1e-2)))
+    saved, resumed = trainers
+    saved.train_step([(inputs, labels)])
+    save_training_checkpoint(tmp_path / "ckpt", saved, sampler_state=None, world_group=None)
+    with caplog.at_level("WARNING"):
+        load_training_checkpoint(tmp_path / "ckpt", resumed, world_group=None)
+    assert "another model config" not in caplog.text     # sequence_parallel is an engine field
+    assert resumed.model.config.sequence_parallel is False and resumed.step == 1
+    assert saved.train_step([(inputs, labels)]).loss == resumed.train_step([(inputs, labels)]).loss
