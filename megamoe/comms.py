@@ -34,6 +34,7 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from megamoe.collective_timeout import CollectiveTimeout, is_timeout
@@ -47,7 +48,8 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "all_to_all", "exchange_expert_slots",
+    "reduce_scatter_to_sequence_parallel_region", "gather_linears_from_sequence_parallel_region", "all_to_all",
+    "exchange_expert_slots",
 ]
 
 
@@ -482,6 +484,58 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGr
         return x
     return _ReduceScatterToSP.apply(x, group, None if sizes is None else tuple(int(n) for n in sizes),
                                     dim % x.dim())
+
+
+class _GatherLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, num, *weights_and_biases):
+        weights, biases = weights_and_biases[:num], weights_and_biases[num:]
+        full = all_gather_into(x, group, dim=dim)
+        ctx.save_for_backward(x, *weights)             # the chunk, not the gathered input
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, [b is not None for b in biases]
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = all_gather_into(x, ctx.group, dim=ctx.dim)        # gathered again rather than kept
+        flat = full.reshape(-1, full.shape[-1])
+        grad_full, grad_weights, grad_biases = None, [], []
+        for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
+            if grad is None:
+                grad_weights.append(None)
+                grad_biases.append(None)
+                continue
+            grad = grad.reshape(-1, grad.shape[-1])
+            part = grad @ weight.to(grad.dtype)                  # [N, in]
+            grad_full = part if grad_full is None else grad_full + part
+            grad_weights.append((grad.t() @ flat.to(grad.dtype)).to(weight.dtype))
+            grad_biases.append(grad.sum(0).to(weight.dtype) if has_bias else None)
+        grad_x = None
+        if grad_full is not None:
+            grad_x = _reduce_scatter_seq(grad_full.view(*full.shape[:-1], -1).to(x.dtype), ctx.group, ctx.dim, None)
+        return (grad_x, None, None, None, *grad_weights, *grad_biases)
+
+
+def gather_linears_from_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None, weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None], dim: int = 0,
+) -> list[torch.Tensor]:
+    """``[F.linear(full, w, b) for w, b in zip(weights, biases)]`` where ``full`` is ``x`` all-gathered
+    along ``dim``: the column-parallel projections entering a sequence-parallel block (q, k, v; gate, up).
+
+    Forward: one all-gather of ``x`` along ``dim``. Backward: the input gradient (the sum of every
+    projection's) is reduce-scattered along ``dim``, as :func:`gather_from_sequence_parallel_region`
+    does; but only the chunk ``x`` is kept for backward, and the weight gradients need the gathered
+    input, so backward all-gathers ``x`` once more (Megatron-LM's sequence-parallel linear does the
+    same): 1/tp of the block input's activation memory, for one more all-gather of ``x`` per block.
+    Weight and bias gradients are complete locally. One rank (``group=None``): plain ``F.linear``.
+    """
+    if group_size(group) == 1:
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    if len(weights) != len(biases):
+        raise ValueError(f"gather_linears: {len(weights)} weights but {len(biases)} biases (None for none)")
+    return list(_GatherLinears.apply(x, group, dim % x.dim(), len(weights), *weights, *biases))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -193,14 +193,16 @@ def test_sequence_parallel_matches_plain_tp(four_ranks):
         assert not bad, (name, bad)
     off, on = result["comms"][False], result["comms"][True]
     # Off: the activation all-reduces (embedding, each block's entry grad and exit, the output layer's
-    # entry grad). On: each is a reduce-scatter of the same bytes plus an all-gather of 1/tp of them.
+    # entry grad). On: each is a reduce-scatter of the same bytes plus an all-gather of 1/tp of them ...
     replaced_bytes = off["all_reduce"][1] - on["all_reduce"][1]
     replaced_calls = off["all_reduce"][0] - on["all_reduce"][0]
     blocks = 2 * 2                                  # 2 layers x (attention, MLP)
     assert replaced_calls == 2 * blocks + 2         # forward + backward per block, embedding, output layer
     assert replaced_bytes == replaced_calls * result["hidden_bytes"]
     assert on["reduce_scatter"] == (replaced_calls, replaced_bytes)
-    assert on["all_gather"] == (replaced_calls, replaced_bytes // 2)
+    # ... plus one all-gather per block in backward: the block keeps only its input's chunk for the
+    # weight gradients and gathers it again.
+    assert on["all_gather"] == (replaced_calls + blocks, (replaced_calls + blocks) * result["hidden_bytes"] // 2)
     assert off["reduce_scatter"] == (0, 0) and off["all_gather"][0] == 0
     too_long, generation = result["errors"]
     assert "7" in too_long and "tp=2" in too_long

@@ -46,7 +46,8 @@ None: plain causal attention, the ``is_causal`` SDPA kernel.
 
 Sequence parallelism (``sequence_parallel=True``, under TP, training): the input is this rank's
 contiguous chunk [B, S / tp, H] of the sequence dim. The block all-gathers it once before q, k and v
-(backward: one reduce-scatter of the input gradient, instead of the all-reduce) and ``o_proj``
+(backward: one reduce-scatter of the input gradient, instead of the all-reduce; only the chunk is kept
+for backward, gathered again there for the weight gradients) and ``o_proj``
 reduce-scatters its output back to [B, S / tp, H] (instead of all-reducing; its bias, replicated and
 added to this rank's chunk only, is tagged ``sequence_parallel`` so its gradient is summed over TP).
 Attention itself sees the whole gathered sequence, so ``position_ids`` and ``document_ids`` stay the
@@ -68,7 +69,8 @@ from megamoe import comms
 from megamoe.sharding import set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
-from megamoe.tensor_parallel.sequence import SEQUENCE_DIM, enter_tensor_parallel_region
+from megamoe.comms import gather_linears_from_sequence_parallel_region
+from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer.head_sharding import HeadShard, head_shard, sum_grad_over_replicas
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
@@ -218,11 +220,15 @@ class _ReplicatedHeadLinear(nn.Module):
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` is already inside the TP region (its gradient is all-reduced by the caller)."""
+        return F.linear(x, *self.local_weight_and_bias())
+
+    def local_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias, their gradients summed over the replicas in backward."""
         replicas = self.shard.replicas
         weight = sum_grad_over_replicas(self.weight, self.weight.shard_spec, self.tp_group, replicas)
         bias = None if self.bias is None else sum_grad_over_replicas(
             self.bias, self.bias.shard_spec, self.tp_group, replicas)
-        return F.linear(x, weight, bias)
+        return weight, bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local head "
@@ -234,6 +240,13 @@ def _local_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(layer, _ReplicatedHeadLinear):
         return layer.local_linear(x)
     return F.linear(x, layer.weight, layer.bias)
+
+
+def _local_weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What :func:`_local_linear` multiplies by (a replicated KV head's, with its replica gradient sum)."""
+    if isinstance(layer, _ReplicatedHeadLinear):
+        return layer.local_weight_and_bias()
+    return layer.weight, layer.bias
 
 
 class Attention(nn.Module):
@@ -309,11 +322,16 @@ class Attention(nn.Module):
         if self.sequence_parallel and kv_cache is not None:
             raise ValueError("sequence-parallel attention takes no KV cache (decoding cannot split the sequence); "
                              "build the model with sequence_parallel=False for generation")
-        # One grad all-reduce (sequence parallel: one all-gather forward, one grad reduce-scatter) for q, k, v.
-        x = enter_tensor_parallel_region(hidden, self.tp_group, self.sequence_parallel)
-        q = self._qk_norm(self.q_norm, _local_linear(self.q_proj, x), self.num_heads_local)
-        k = self._qk_norm(self.k_norm, _local_linear(self.k_proj, x), self.num_kv_heads_local)
-        v = _local_linear(self.v_proj, x).unflatten(-1, (self.num_kv_heads_local, self.config.head_dim))
+        if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for q, k and v
+            q, k, v = gather_linears_from_sequence_parallel_region(
+                hidden, self.tp_group, *zip(*map(_local_weight_and_bias, (self.q_proj, self.k_proj, self.v_proj))),
+                dim=SEQUENCE_DIM)
+        else:                        # one grad all-reduce for q, k and v
+            x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)
+            q, k, v = (_local_linear(layer, x) for layer in (self.q_proj, self.k_proj, self.v_proj))
+        q = self._qk_norm(self.q_norm, q, self.num_heads_local)
+        k = self._qk_norm(self.k_norm, k, self.num_kv_heads_local)
+        v = v.unflatten(-1, (self.num_kv_heads_local, self.config.head_dim))
         if self.config.clip_qkv is not None:
             clip = self.config.clip_qkv
             q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)

@@ -8,7 +8,8 @@ all-reduces the output once (``down_proj``). Weight gradients are complete local
 
 Sequence parallelism (``sequence_parallel=True``, under TP): the input [B, S / tp, H] is this rank's
 chunk of the sequence dim: one all-gather before gate/up (backward: a reduce-scatter of the input
-gradient) and a reduce-scatter after ``down_proj`` (its bias is tagged ``sequence_parallel``).
+gradient, and the chunk gathered again for the weight gradients: only the chunk is kept) and a
+reduce-scatter after ``down_proj`` (its bias is tagged ``sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed import ProcessGroup
 from megamoe import comms
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import normal_init
-from megamoe.tensor_parallel.sequence import SEQUENCE_DIM, enter_tensor_parallel_region
+from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 
 __all__ = ["MLPConfig", "MLP"]
 
@@ -79,11 +80,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., H] (complete on every rank)."""
-        # One grad all-reduce (sequence parallel: all-gather forward, grad reduce-scatter) for gate and up.
-        x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)
-        up = F.linear(x, self.up_proj.weight, self.up_proj.bias)
-        if self.gate_proj is not None:
-            hidden = self.act(F.linear(x, self.gate_proj.weight, self.gate_proj.bias)) * up
-        else:
-            hidden = self.act(up)
+        layers = (self.up_proj,) if self.gate_proj is None else (self.up_proj, self.gate_proj)
+        if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for gate and up
+            outputs = comms.gather_linears_from_sequence_parallel_region(
+                x, self.tp_group, [l.weight for l in layers], [l.bias for l in layers], dim=SEQUENCE_DIM)
+        else:                        # one grad all-reduce for gate and up
+            x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
+            outputs = [F.linear(x, l.weight, l.bias) for l in layers]
+        up = outputs[0]
+        hidden = self.act(up) if self.gate_proj is None else self.act(outputs[1]) * up
         return self.down_proj(hidden)
