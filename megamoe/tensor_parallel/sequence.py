@@ -10,6 +10,11 @@ them and hands each rank its own chunk). The block's row-parallel exit then redu
 output along the same dim instead of all-reducing it. Same bytes as the all-reduce pair (a ring
 all-reduce IS a reduce-scatter plus an all-gather), but norms, residuals and dropout between blocks
 touch 1/tp of the activations.
+
+Blocks whose entry feeds column-parallel projections directly (GQA's q/k/v, the dense MLP's gate/up)
+use :func:`megamoe.comms.gather_linears_from_sequence_parallel_region` instead, which keeps only the
+chunk for backward (gathering it again there); this entry keeps the gathered tensor (MLA's latents,
+consumed by more than projections).
 """
 
 from __future__ import annotations
