@@ -217,7 +217,9 @@ class MoELayer(nn.Module):
         back (see :mod:`megamoe.moe.token_dispatcher` for the interface: ``dispatch``, ``combine``,
         ``token_positions``, ``to_token_view``, ``token_view``, ``ep_size``, ``reduce_group``). Called
         after the router, the experts and the shared experts exist; the shared experts are sharded
-        over :meth:`dispatcher_reduce_group`, which a custom dispatcher's ``reduce_group`` must equal."""
+        over :meth:`dispatcher_reduce_group`, which a custom dispatcher's ``reduce_group`` must equal.
+        With a ``sequence_group`` (sequence parallelism) every rank's tokens differ: the dispatcher must
+        take sharded input (the shipped ones do: ``input_sharded``)."""
         sharded = self.sequence_group is not None
         if config.dispatcher == "allgather":
             return AllGatherDispatcher(config.num_expert_slots, ep_group=self.ep_group,
@@ -235,16 +237,17 @@ class MoELayer(nn.Module):
             if self.shared_experts.gate_weight is not None:         # computed on this rank's tokens
                 tagged.append(self.shared_experts.gate_weight)
             # The shared experts run on the dispatcher's token view (gathered over its reduce group):
-            # complete when that group holds the whole TP group, one TP rank's share when it holds one
-            # rank of it (shards alike across TP: sum over TP). Anything between is refused.
+            # their gradients are complete when that group is the TP group, this rank's share when it is
+            # this rank alone (then summed over TP). A group reaching other TP groups would shard these
+            # dense parameters across data-parallel ranks, which average them: refused.
             tp_ranks = set(comms.group_ranks(self.sequence_group))
-            common = tp_ranks & set(comms.group_ranks(self.dispatcher_reduce_group()))
-            if len(common) == 1:
+            reduce_ranks = set(comms.group_ranks(self.dispatcher_reduce_group()))
+            if len(reduce_ranks) == 1:
                 tagged += [p for name, p in self.shared_experts.named_parameters() if name != "gate_weight"]
-            elif common != tp_ranks:
-                raise ValueError(f"sequence parallelism: the shared experts are sharded over ranks "
-                                 f"{comms.group_ranks(self.dispatcher_reduce_group())}, which hold part of the TP "
-                                 f"group {sorted(tp_ranks)}; their group must hold all of it or one rank of it")
+            elif reduce_ranks != tp_ranks:
+                raise ValueError(f"sequence parallelism: the shared experts are sharded over the dispatcher's group "
+                                 f"{sorted(reduce_ranks)}, which must be the TP group {sorted(tp_ranks)} or one rank "
+                                 f"(they are dense parameters, averaged over data parallel); change ep / etp")
         for param in tagged:
             param.sequence_parallel = True
 
