@@ -34,7 +34,7 @@ WORLD = 4
 SKEW = (0.0, 0.05, 0.0, 0.03)     # router bias: experts 1 and 3 hot, so a rebalancing round moves slots
 
 
-def config(num_slots=None, dispatcher="alltoall") -> GPTMoEConfig:
+def config(num_slots=None, dispatcher="alltoall", sequence_parallel=False) -> GPTMoEConfig:
     return GPTMoEConfig(
         family="custom", vocab_size=V, hidden_size=H, num_layers=2, tie_word_embeddings=True,
         attention=AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -43,11 +43,11 @@ def config(num_slots=None, dispatcher="alltoall") -> GPTMoEConfig:
                                           aux_loss_coeff=0.01, use_expert_bias=True, expert_bias_update_rate=0.01),
                       ffn_hidden_size=F, num_expert_slots=num_slots, dispatcher=dispatcher,
                       expert_backend="torch"),
-        moe_layer_ids=(0, 1))
+        moe_layer_ids=(0, 1), sequence_parallel=sequence_parallel)
 
 
-def build_model(state, num_slots=None, dtype=None, dispatcher="alltoall") -> GPTMoEModel:
-    model = GPTMoEModel(config(num_slots, dispatcher), state, dtype=dtype)
+def build_model(state, num_slots=None, dtype=None, dispatcher="alltoall", sequence_parallel=False) -> GPTMoEModel:
+    model = GPTMoEModel(config(num_slots, dispatcher, sequence_parallel), state, dtype=dtype)
     initialize_parameters(model, seed=0)
     for layer_id, layer in model.moe_layers().items():
         layer.router.expert_bias.copy_(torch.tensor(SKEW).roll(layer_id))
@@ -114,15 +114,16 @@ def traffic(counter, groups) -> dict:
 # every 3 steps; traffic: also run the plain optimizer for TRAFFIC_STEPS steps and compare the counted bytes;
 # save: save the run at SAVE_AT (the checkpoint checks resume from it).
 def layout(name, tp=1, pp=1, ep=1, slots=None, zero=1, eplb=False, dispatcher="alltoall", traffic=False,
-           save=False):
+           save=False, sp=False):
     return dict(name=name, tp=tp, pp=pp, ep=ep, slots=slots, zero=zero, eplb=eplb, dispatcher=dispatcher,
-                traffic=traffic, save=save)
+                traffic=traffic, save=save, sp=sp)
 
 
 LAYOUTS = [
     layout("dp4", traffic=True),
     layout("ep2-dp2", ep=2, traffic=True, save=True),
     layout("tp2-ep2", tp=2, ep=2, dispatcher="allgather", zero=2),     # EP 2 inside TP 2: expert-DP 2
+    layout("tp2-sp-ep2", tp=2, ep=2, dispatcher="allgather", sp=True),  # sequence parallel: tagged grads over TP
     layout("pp2-dp2-ep2", pp=2, ep=2),
     layout("ep2-dp4-replicated-slots-eplb", ep=2, slots=6, zero=2, eplb=True),
 ]
@@ -173,7 +174,7 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
         eplb = EPLBConfig(window=3, interval=3) if row["eplb"] else None
 
         def trainer_for(**kwargs):
-            return Trainer(build_model(state, row["slots"], dispatcher=row["dispatcher"]), state,
+            return Trainer(build_model(state, row["slots"], dispatcher=row["dispatcher"], sequence_parallel=row["sp"]), state,
                            train_config(eplb=eplb, **kwargs),
                            world_group=dist.group.WORLD)
 
@@ -181,7 +182,7 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
                           "groups": [state.dp_cp.ranks, state.edp.ranks]}}
         # The plain optimizer's per-element state: Adam's two fp32 moments shaped like every local parameter.
         runs["plain_bytes"] = {"dense": 0, "expert": 0}
-        for param in build_model(state, row["slots"], dispatcher=row["dispatcher"]).parameters():
+        for param in build_model(state, row["slots"], dispatcher=row["dispatcher"], sequence_parallel=row["sp"]).parameters():
             runs["plain_bytes"]["expert" if getattr(param, "expert_parallel", False) else "dense"] += 8 * param.numel()
         if row["traffic"]:
             with comms.comm_counter() as counter:
