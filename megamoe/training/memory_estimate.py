@@ -1,27 +1,87 @@
 """The closed-form per-rank memory of training a :class:`~megamoe.models.GPTMoEConfig` under a layout.
 
-(API draft; the formulas follow.)
+In the spirit of Megatron-LM's ``theoretical_memory_usage.py``, but counting what THIS library's
+modules hold, so that the figures can be checked against the measurement
+(:mod:`megamoe.training.memory_measure`, ``benchmarks/memory.py``, ``tests/test_memory.py``). No model is
+built: a DeepSeek-V3-shaped config at EP 64, PP 16 takes milliseconds.
+
+State (exact: the same shard rules as the modules):
+
+- parameters: every parameter tensor of the stage's modules, at its local shape: vocabulary, heads,
+  dense FFN and the output layer split over TP (KV heads over ``min(tp, kv_heads)`` shards, replicated
+  beyond), expert slots ``num_expert_slots / ep`` per rank with their FFN split over ETP, shared
+  experts' FFN over the MoE layer's reduction group (EP x ETP for the all-gather dispatcher, ETP for
+  all-to-all), norms, the router and MLA's low-rank projections replicated. The tied embedding's copy
+  on the last stage when ``tie_word_embeddings`` and PP > 1.
+- gradients: one per parameter, of its dtype (``p.grad``), plus what the distributed optimizer keeps.
+- optimizer state: plain AdamW: both moments in the parameter dtype and one 4-byte ``step`` tensor per
+  parameter tensor (torch's fused AdamW keeps it as a tensor).
+
+Activations (estimated): the bytes autograd saves for backward during one micro-batch's forward,
+per op of the modules as implemented (``T`` = this rank's tokens ``micro_batch * seq_len / cp``,
+``e`` = the activation element size, which is the parameter dtype's; norms and routers compute in
+fp32, 4 bytes):
+
+- RMSNorm over width ``w`` (rows ``r``): its fp32 input ``4 T w`` (the input itself in fp32, an fp32
+  copy in bf16), ``rsqrt`` ``4 r`` and the normalised output ``e T w`` (``weight * normed`` saves it).
+- GQA attention: its input ``e T H`` (the norm's output, saved by the q projection), q/k norms as
+  above on the q/k projection outputs (without them the projections' outputs are not saved: RoPE
+  saves only cos/sin), SDPA's rotated q and k, v, its output and log-sum-exp ``4 B heads S``, and the
+  o-projection's input (a contiguous copy of the output) ``e T heads d``. RoPE's cos/sin
+  ``2 * 4 B S d/2`` once per forward (shared by the layers).
+- dense MLP: input ``e T H`` and four ``e T F/tp`` (gate and up outputs, the activation, the product).
+- MoE layer with ``N`` (token, slot) pairs on this rank (balanced routing: ``T k`` for all-to-all,
+  ``T k / ep`` for the all-gather dispatcher): router input ``4 T H`` (fp32), scores ``4 T E``, top-k
+  ids ``8 T k``, the renormalisation ``4 T (k + 1)``, the aux loss ``4 E``; per pair the permutation
+  indices ``2 * 8 N``, combine weights ``4 N``, the experts' input and output ``2 e N H``, their
+  gate/up output and activation ``3 e N F/etp``. With EP > 1 (all-to-all) the exchange adds its send
+  index (``8 n_send``; ``n_send`` = token-rank pairs, ``T ep (1 - (1 - 1/ep)^k)`` for uniform routing),
+  its pair mask, and the received tokens are held instead of an input view.
+- first stage: the token ids ``8 T``; last stage: the final norm, the output layer's input ``e T H``,
+  the fp32 logits ``4 T V/tp`` and the labels / masks ``10 T``.
+
+Recomputation (``RecomputeConfig``): ``full`` keeps each layer's input ``e T H`` (the checkpoint's
+saved inputs) instead of the layer's tensors; ``selective`` drops the named modules' internals and
+keeps their inputs instead (see :func:`_layer_activations`). Pipeline: with 1F1B, stage ``s`` of ``pp``
+holds ``min(pp - s, num_micro_batches)`` micro-batches' activations at its peak; without pipelining one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from megamoe.models.config import GPTMoEConfig
+from megamoe.pipeline.partition import partition_layers
+from megamoe.transformer.attention import AttentionConfig
+from megamoe.transformer.mla import MLAConfig
 
 if TYPE_CHECKING:
     from megamoe.transformer.recompute import RecomputeConfig
 
-__all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor"]
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+_ADAM_STEP_BYTES = 4      # torch's (fused) AdamW keeps ``step`` as a 0-d fp32 tensor per parameter
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of a rank: its local element count, whether it is an expert parameter
+    (reduced over expert-DP), and its name (for reports)."""
+
+    name: str
+    numel: int
+    expert: bool = False
 
 
 @dataclass(frozen=True)
 class StageEstimate:
-    """One pipeline stage's per-rank bytes (the most loaded rank of the stage's EP group is the mean one:
-    slots split evenly)."""
+    """One pipeline stage's per-rank bytes (expert slots split evenly: every rank of the stage alike)."""
 
     stage: int
     layer_ids: tuple[int, ...]
@@ -30,10 +90,13 @@ class StageEstimate:
     optimizer_bytes: int
     activation_bytes: int                 # saved for backward, all micro-batches in flight at the peak
     activation_bytes_per_micro_batch: int
+    micro_batches_in_flight: int
     dense_param_count: int = 0
     expert_param_count: int = 0
-    norm_activation_bytes: int = 0        # of activation_bytes_per_micro_batch: decoder norms (what SP splits)
-    breakdown: dict[str, int] = field(default_factory=dict)
+    dense_optimizer_bytes: int = 0
+    expert_optimizer_bytes: int = 0
+    norm_activation_bytes: int = 0        # of one micro-batch: the decoder norms' (what SP splits over TP)
+    breakdown: dict[str, int] = field(default_factory=dict)   # one micro-batch's activations by category
 
     @property
     def total(self) -> int:
@@ -42,7 +105,8 @@ class StageEstimate:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank estimate: ``stages`` (one per pipeline stage) and the most loaded one's fields."""
+    """Per-rank estimate: ``stages`` (one per pipeline stage); the scalar fields are the most loaded
+    stage's (the largest total)."""
 
     stages: tuple[StageEstimate, ...]
 
@@ -71,6 +135,212 @@ class MemoryEstimate:
         return self.worst.total
 
 
+# ---- parameters -----------------------------------------------------------------------------------
+def _linear(name: str, out_local: int, in_local: int, bias: int | None = None, expert: bool = False):
+    out = [ParamTensor(f"{name}.weight", out_local * in_local, expert)]
+    if bias:
+        out.append(ParamTensor(f"{name}.bias", bias, expert))
+    return out
+
+
+def _attention_params(cfg: AttentionConfig | MLAConfig, tp: int, prefix: str) -> list[ParamTensor]:
+    H, heads = cfg.hidden_size, cfg.num_attention_heads
+    if heads % tp:
+        raise ValueError(f"num_attention_heads ({heads}) must be divisible by tp ({tp})")
+    if isinstance(cfg, MLAConfig):
+        out: list[ParamTensor] = []
+        q_out = heads * cfg.qk_head_dim
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            out += _linear(f"{prefix}.q_proj", q_out // tp, H)
+        else:
+            out += _linear(f"{prefix}.q_a_proj", cfg.q_lora_rank, H, cfg.q_lora_rank if bias else None)
+            out += [ParamTensor(f"{prefix}.q_a_layernorm.weight", cfg.q_lora_rank)]
+            out += _linear(f"{prefix}.q_b_proj", q_out // tp, cfg.q_lora_rank)
+        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        out += _linear(f"{prefix}.kv_a_proj_with_mqa", kv_a, H, kv_a if bias else None)
+        out += [ParamTensor(f"{prefix}.kv_a_layernorm.weight", cfg.kv_lora_rank)]
+        out += _linear(f"{prefix}.kv_b_proj", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // tp, cfg.kv_lora_rank)
+        out += _linear(f"{prefix}.o_proj", H, heads * cfg.v_head_dim // tp, H if bias else None)
+        return out
+    d, kv = cfg.head_dim, cfg.num_key_value_heads
+    kv_count = min(tp, kv)            # KV heads: min(tp, kv) shards, replicated beyond (head_sharding)
+    if kv % kv_count or (tp > kv and tp % kv):
+        raise ValueError(f"num_key_value_heads ({kv}) and tp ({tp}): one must divide the other")
+    q_local, kv_local = heads * d // tp, kv * d // kv_count
+    out = _linear(f"{prefix}.q_proj", q_local, H, q_local if cfg.qkv_bias else None)
+    out += _linear(f"{prefix}.k_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
+    out += _linear(f"{prefix}.v_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
+    out += _linear(f"{prefix}.o_proj", H, q_local, H if cfg.o_proj_bias else None)
+    if cfg.qk_norm == "per_head":
+        out += [ParamTensor(f"{prefix}.q_norm.weight", d), ParamTensor(f"{prefix}.k_norm.weight", d)]
+    elif cfg.qk_norm == "full_width":
+        out += [ParamTensor(f"{prefix}.q_norm.weight", heads * d // min(tp, heads)),
+                ParamTensor(f"{prefix}.k_norm.weight", kv_local)]
+    return out
+
+
+def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int, slots: int) -> list[ParamTensor]:
+    moe = config.moe
+    H, F = moe.hidden_size, moe.ffn_hidden_size
+    if slots % ep:
+        raise ValueError(f"num_expert_slots ({slots}) must be divisible by ep ({ep})")
+    if F % etp:
+        raise ValueError(f"moe.ffn_hidden_size ({F}) must be divisible by etp ({etp})")
+    local = slots // ep
+    gated = 2 if moe.activation == "swiglu" else 1
+    out = [ParamTensor(f"{prefix}.router.weight", moe.num_experts * H),
+           ParamTensor(f"{prefix}.experts.w_gate_up", local * gated * (F // etp) * H, True),
+           ParamTensor(f"{prefix}.experts.w_down", local * H * (F // etp), True)]
+    if moe.shared_experts is not None:
+        se = moe.shared_experts
+        n = ep * etp if moe.dispatcher == "allgather" else etp      # the dispatcher's reduction group
+        if se.ffn_hidden_size % n:
+            raise ValueError(f"shared_experts.ffn_hidden_size ({se.ffn_hidden_size}) must be divisible by {n}")
+        fs = se.ffn_hidden_size // n
+        names = ("gate_proj", "up_proj") if se.activation == "swiglu" else ("up_proj",)
+        out += [ParamTensor(f"{prefix}.shared_experts.{name}", fs * H) for name in names]
+        out += [ParamTensor(f"{prefix}.shared_experts.down_proj", H * fs)]
+        if se.gate:
+            out += [ParamTensor(f"{prefix}.shared_experts.gate_weight", H)]
+    return out
+
+
+def stage_parameters(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
+                     etp: int = 1, num_expert_slots: int | None = None, pp_split=None) -> list[ParamTensor]:
+    """Every parameter tensor a rank of pipeline stage ``pp_rank`` holds, at its local size."""
+    if config.vocab_size % tp:
+        raise ValueError(f"vocab_size ({config.vocab_size}) must be divisible by tp ({tp})")
+    slots = num_expert_slots or (config.moe.num_expert_slots if config.moe is not None else 0)
+    layer_ids = partition_layers(config.num_layers, pp, pp_split)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    H, V = config.hidden_size, config.vocab_size
+    out: list[ParamTensor] = []
+    if first or (last and config.tie_word_embeddings):
+        out.append(ParamTensor("embed_tokens.weight", V // tp * H))
+    for i in layer_ids:
+        p = f"layers.{i}"
+        out += [ParamTensor(f"{p}.input_layernorm.weight", H), ParamTensor(f"{p}.post_attention_layernorm.weight", H)]
+        out += _attention_params(config.attention, tp, f"{p}.self_attn")
+        if config.is_moe_layer(i):
+            out += _moe_params(config, f"{p}.mlp", tp=tp, ep=ep, etp=etp, slots=slots)
+        else:
+            mlp = config.dense_mlp
+            if mlp.intermediate_size % tp:
+                raise ValueError(f"dense_mlp.intermediate_size ({mlp.intermediate_size}) must be divisible by tp")
+            f_local = mlp.intermediate_size // tp
+            bias = f_local if mlp.bias else None
+            if mlp.gated:
+                out += _linear(f"{p}.mlp.gate_proj", f_local, H, bias)
+            out += _linear(f"{p}.mlp.up_proj", f_local, H, bias)
+            out += _linear(f"{p}.mlp.down_proj", H, f_local, H if mlp.bias else None)
+    if last:
+        out.append(ParamTensor("norm.weight", H))
+        if not config.tie_word_embeddings:
+            out.append(ParamTensor("lm_head.weight", V // tp * H))
+    return out
+
+
+# ---- activations ----------------------------------------------------------------------------------
+def _norm_bytes(tokens: int, width: int, rows: int, e: int) -> int:
+    """RMSNorm: fp32 input (or copy), rsqrt per row, normalised output."""
+    return 4 * tokens * width + 4 * rows + e * tokens * width
+
+
+def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, recompute_core: bool) -> dict[str, int]:
+    H = cfg.hidden_size
+    heads_l = cfg.num_attention_heads // tp
+    if isinstance(cfg, MLAConfig):
+        # MLA (estimate): input, the latents and their norms, q, k (nope + rope), v, SDPA out + lse,
+        # o-projection input.
+        dqk, dv = cfg.qk_head_dim, cfg.v_head_dim
+        b = e * T * H
+        b += 4 * T * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)                     # kv_a output (norm input)
+        b += _norm_bytes(T, cfg.kv_lora_rank, T, e) - 4 * T * cfg.kv_lora_rank       # input counted above
+        if cfg.q_lora_rank is not None:
+            b += _norm_bytes(T, cfg.q_lora_rank, T, e) + e * T * cfg.q_lora_rank      # q_a output + q_b input
+        core = e * T * heads_l * (2 * dqk + dv) + e * T * heads_l * dv + 4 * B * heads_l * S
+        b += e * T * heads_l * (cfg.qk_nope_head_dim + dv)                          # kv_b output
+        b += e * T * heads_l * dv                                                   # o_proj input
+        return {"attention": b + (e * T * heads_l * (2 * dqk + dv) if recompute_core else core)}
+    d, kv = cfg.head_dim, cfg.num_key_value_heads
+    kv_l = kv // min(tp, kv)
+    b = e * T * H                                                            # q/k/v projections' input
+    if cfg.qk_norm == "per_head":
+        b += _norm_bytes(T, heads_l * d, T * heads_l, e) + _norm_bytes(T, kv_l * d, T * kv_l, e)
+    elif cfg.qk_norm == "full_width":
+        b += _norm_bytes(T, heads_l * d, T, e) + _norm_bytes(T, kv_l * d, T, e)
+    qkv = e * T * (heads_l + 2 * kv_l) * d                                   # rotated q, k; v
+    core_only = e * T * heads_l * d + 4 * B * heads_l * S                    # SDPA output, log-sum-exp
+    b += qkv + (0 if recompute_core else core_only)
+    b += e * T * heads_l * d                                                 # o_proj input
+    return {"attention": b}
+
+
+def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int, e: int,
+                     recompute_act: bool) -> dict[str, int]:
+    moe = config.moe
+    H, E, k = moe.hidden_size, moe.num_experts, moe.router.top_k
+    F_l = moe.ffn_hidden_size // etp
+    gated = 2 if moe.activation == "swiglu" else 1
+    if moe.dispatcher == "allgather":
+        N = T * k * (etp if moe.input_sharded else 1) / (1 if moe.input_sharded else ep)
+        n_send = 0.0
+    else:
+        N = T * k
+        n_send = T * ep * (1 - (1 - 1 / ep) ** k) if ep > 1 else 0.0
+    router = 4 * T * H + (4 * E * H if e != 4 else 0) + 4 * T * E + 8 * T * k + 4 * T * (k + 1) + 4 * E
+    pairs = 2 * 8 * N + 4 * N + 2 * e * N * H + e * N * gated * F_l + (0 if recompute_act else e * N * F_l)
+    if n_send:
+        # the send index (token_view[send_token] and the combine's index_add), the pair mask, the
+        # received routing weights; the received tokens are a new tensor (the input view is not saved)
+        pairs += 2 * 8 * n_send + n_send * k + 4 * n_send * k
+    shared = 0
+    if moe.shared_experts is not None:
+        se = moe.shared_experts
+        n = ep * etp if moe.dispatcher == "allgather" else etp
+        fs = se.ffn_hidden_size // n
+        shared = (4 if se.activation == "swiglu" else 2) * e * T * fs + (4 * T if se.gate else 0)
+    return {"mlp": int(router + pairs + shared)}
+
+
+def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S: int, tp: int, ep: int, etp: int,
+                       e: int, sp: bool, recompute) -> dict[str, int]:
+    granularity = getattr(recompute, "granularity", "none") if recompute is not None else "none"
+    modules = set(getattr(recompute, "modules", ()) or ()) if granularity == "selective" else set()
+    T_norm = T // tp if sp else T
+    if granularity == "full":
+        return {"other": e * T_norm * config.hidden_size}          # the checkpoint's saved layer input
+    H = config.hidden_size
+    out = {"norm": 2 * _norm_bytes(T_norm, H, T_norm, e)}
+    if "layernorm" in modules:
+        out["norm"] = 2 * e * T_norm * H                           # only the norms' inputs stay
+    if "mla_up_proj" in modules and isinstance(config.attention, MLAConfig):
+        pass                                                       # estimated like the plain path
+    out.update(_attention_activations(config.attention, T=T, B=B, S=S, tp=tp, e=e,
+                                      recompute_core="core_attn" in modules))
+    if config.is_moe_layer(layer_id):
+        if "moe" in modules:
+            out["mlp"] = e * T_norm * H
+        else:
+            out.update(_moe_activations(config, T=T, tp=tp, ep=ep, etp=etp, e=e, recompute_act="moe_act" in modules))
+    else:
+        mlp = config.dense_mlp
+        f_l = mlp.intermediate_size // tp
+        out["mlp"] = e * T * H + (4 if mlp.gated else 2) * e * T * f_l
+        if "mlp" in modules:
+            out["mlp"] = e * T_norm * H
+    return out
+
+
+def _resolve_dtype(param_dtype) -> torch.dtype:
+    if isinstance(param_dtype, str):
+        if param_dtype not in _DTYPES:
+            raise ValueError(f"param_dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {param_dtype!r}")
+        return _DTYPES[param_dtype]
+    return param_dtype
+
+
 def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
                     dp: int = 1, cp: int = 1, micro_batch: int = 1, seq_len: int = 2048,
                     num_micro_batches: int = 1, num_micro_batches_in_flight: int | None = None,
@@ -78,5 +348,86 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
                     recompute: "RecomputeConfig | None" = None, sequence_parallel: bool = False,
                     param_dtype: torch.dtype | str = torch.float32, num_expert_slots: int | None = None,
                     pp_split=None) -> MemoryEstimate:
-    """The per-rank memory of a training step of ``config`` under the layout (see the module docstring)."""
-    raise NotImplementedError
+    """The per-rank memory of a training step of ``config`` under the layout (see the module docstring).
+
+    ``dp`` is the data-parallel size of the dense grid (``world = tp * cp * dp * pp``); the expert-DP
+    size is ``dp * cp * tp / (ep * etp)``. ``etp``: default ``tp`` for the all-to-all dispatcher, 1
+    for all-gather. ``num_micro_batches_in_flight`` overrides the schedule's count (1F1B: stage ``s``
+    holds ``min(pp - s, num_micro_batches)``). ``num_expert_slots`` overrides the config's.
+    ``distributed_optimizer`` shards optimizer state (and with ``zero_stage=2`` the gradients) over DP
+    x CP for dense and expert-DP for expert parameters. ``param_dtype`` "fp32" or "bf16" (bf16 params
+    keep fp32 master weights in the optimizer). Returns a :class:`MemoryEstimate`."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp), ("cp", cp), ("micro_batch", micro_batch),
+                        ("seq_len", seq_len), ("num_micro_batches", num_micro_batches)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"estimate_memory: {name} must be an int >= 1, got {value!r}")
+    if zero_stage not in (1, 2):
+        raise ValueError(f"estimate_memory: zero_stage must be 1 or 2, got {zero_stage!r}")
+    if zero_stage == 2 and not distributed_optimizer:
+        raise ValueError("estimate_memory: zero_stage=2 requires distributed_optimizer=True")
+    dispatcher = config.moe.dispatcher if config.moe is not None else None
+    if etp is None:
+        etp = tp if dispatcher == "alltoall" else 1
+    if (tp * cp * dp) % (ep * etp):
+        raise ValueError(f"estimate_memory: ep * etp ({ep} * {etp}) must divide tp * cp * dp ({tp * cp * dp})")
+    edp = tp * cp * dp // (ep * etp)
+    if seq_len % cp or (sequence_parallel and seq_len % (cp * tp)):
+        raise ValueError(f"estimate_memory: seq_len ({seq_len}) must be divisible by cp ({cp})"
+                         + (f" * tp ({tp}) under sequence parallelism" if sequence_parallel else ""))
+    dtype = _resolve_dtype(param_dtype)
+    e = torch.empty((), dtype=dtype).element_size()
+    S = seq_len // cp
+    B, T = micro_batch, micro_batch * seq_len // cp
+    stages = []
+    for stage, layer_ids in enumerate(partition_layers(config.num_layers, pp, pp_split)):
+        params = stage_parameters(config, tp=tp, pp=pp, pp_rank=stage, ep=ep, etp=etp,
+                                  num_expert_slots=num_expert_slots, pp_split=pp_split)
+        dense = sum(p.numel for p in params if not p.expert)
+        expert = sum(p.numel for p in params if p.expert)
+        param_bytes = (dense + expert) * e
+        grad_bytes, opt_dense, opt_expert = _grad_and_optimizer_bytes(
+            params, e=e, distributed=distributed_optimizer, zero_stage=zero_stage, dp=dp * cp, edp=edp,
+            master=dtype != torch.float32)
+        acts = _stage_activations(config, layer_ids, first=stage == 0, last=stage == pp - 1, T=T, B=B, S=S,
+                                  tp=tp, ep=ep, etp=etp, e=e, sp=sequence_parallel, recompute=recompute)
+        per_mb = sum(acts.values())
+        in_flight = (num_micro_batches_in_flight if num_micro_batches_in_flight is not None
+                     else (min(pp - stage, num_micro_batches) if pp > 1 else 1))
+        stages.append(StageEstimate(
+            stage=stage, layer_ids=tuple(layer_ids), param_bytes=param_bytes, grad_bytes=grad_bytes,
+            optimizer_bytes=opt_dense + opt_expert, activation_bytes=per_mb * in_flight,
+            activation_bytes_per_micro_batch=per_mb, micro_batches_in_flight=in_flight,
+            dense_param_count=dense, expert_param_count=expert, dense_optimizer_bytes=opt_dense,
+            expert_optimizer_bytes=opt_expert, norm_activation_bytes=acts.get("norm", 0), breakdown=acts))
+    return MemoryEstimate(tuple(stages))
+
+
+def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, e, sp, recompute) -> dict[str, int]:
+    out = dict.fromkeys(("embedding", "norm", "attention", "mlp", "lm_head", "other"), 0)
+    if first:
+        out["embedding"] += 8 * T
+    if layer_ids:
+        rope_dim = (config.attention.qk_rope_head_dim if isinstance(config.attention, MLAConfig)
+                    else config.attention.head_dim)
+        out["attention"] += 2 * 4 * B * S * (rope_dim // 2)      # cos / sin, shared by the layers
+    for i in layer_ids:
+        for category, nbytes in _layer_activations(config, i, T=T, B=B, S=S, tp=tp, ep=ep, etp=etp, e=e, sp=sp,
+                                                   recompute=recompute).items():
+            out[category] += nbytes
+    if last:
+        H, V = config.hidden_size, config.vocab_size
+        T_norm = T // tp if sp else T
+        out["norm"] += _norm_bytes(T_norm, H, T_norm, e)
+        out["lm_head"] += e * T * H + 4 * T * (V // tp) + 10 * T
+    return out
+
+
+def _grad_and_optimizer_bytes(params: list[ParamTensor], *, e: int, distributed: bool, zero_stage: int, dp: int,
+                              edp: int, master: bool) -> tuple[int, int, int]:
+    """(gradient bytes, dense optimizer bytes, expert optimizer bytes) of one rank."""
+    numel = sum(p.numel for p in params)
+    if not distributed:
+        def adam(ps):
+            return sum(2 * p.numel * e + _ADAM_STEP_BYTES for p in ps)
+        return numel * e, adam([p for p in params if not p.expert]), adam([p for p in params if p.expert])
+    raise NotImplementedError("the distributed optimizer's shard rules come with its branch")

@@ -32,7 +32,8 @@ when a tensor was saved, by its qualified name in the model:
   ``norm``): the norm / residual activations, the part sequence parallelism splits over TP (the
   residual adds themselves save nothing: an add's backward needs no tensor);
 - ``"attention"``, ``"mlp"`` (dense MLP or MoE layer), ``"embedding"``, ``"lm_head"`` (the output
-  layer and the loss), and ``"other"`` (anything else, e.g. a checkpoint's saved inputs at layer level).
+  layer and the loss: the ops of the root module itself), and ``"other"`` (anything else, e.g. the
+  rotary cos/sin, a checkpoint's saved inputs at layer level, or ops outside the model).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["StateBytes", "measure_state_bytes", "unique_storage_bytes", "SavedActivations", "LiveMemory",
-           "CATEGORIES"]
+           "StepMemory", "measure_train_step", "CATEGORIES"]
 
 CATEGORIES = ("embedding", "norm", "attention", "mlp", "lm_head", "other")
 _DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -114,8 +115,10 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | Non
 
 def _category(name: str) -> str:
     """The category of a saved tensor from the qualified name of the innermost running module."""
+    if name == "":
+        return "lm_head"           # the root module's own ops: the output layer and the loss
     parts = name.split(".")
-    leaf = parts[-1] if parts else ""
+    leaf = parts[-1]
     if name == "norm" or (leaf in _DECODER_NORMS and "self_attn" not in parts and "mlp" not in parts):
         return "norm"
     if "self_attn" in parts:
@@ -140,8 +143,8 @@ class SavedActivations:
     - ``peak_bytes``: the most held at any moment while the context was active (over a whole step
       with several micro-batches in flight, the step's peak);
     - ``packed_bytes``: every distinct storage ever saved, alive or not;
-    - ``by_category``: ``{category: bytes}`` of the storages alive at the moment ``peak_bytes`` was
-      reached... no: of every distinct storage saved (``packed_bytes`` split by category).
+    - ``by_category``: ``{category: bytes}``, ``packed_bytes`` split by the category of the module
+      that first saved each storage.
 
     The context can be entered once. Tensors saved outside a module of ``model`` (e.g. the loss
     scaling in a trainer) count as ``"other"``.
@@ -196,7 +199,7 @@ class SavedActivations:
             self._seen[key] = (nbytes, _category(self._stack[-1]) if self._stack else "other")
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        weakref.finalize(storage, self._freed, key)
+        weakref.finalize(storage, self._freed, key).atexit = False
         return t
 
     def _freed(self, key: int) -> None:
@@ -251,7 +254,7 @@ class LiveMemory(TorchDispatchMode):
         nbytes = storage.nbytes()
         self._live[key] = nbytes
         self.current_bytes += nbytes
-        weakref.finalize(storage, self._freed, key)
+        weakref.finalize(storage, self._freed, key).atexit = False
 
     def _freed(self, key: int) -> None:
         nbytes = self._live.pop(key, None)
@@ -297,8 +300,19 @@ class StepMemory:
     peak_live_bytes: int = 0             # LiveMemory's peak over the step, state included
 
 
-def measure_train_step(trainer, micro_batches) -> StepMemory:
+def measure_train_step(trainer, micro_batches):
     """Run ``trainer.train_step(micro_batches)`` under :class:`SavedActivations` and
-    :class:`LiveMemory` and return the step's figures. The state is measured after the step, the
-    gradients while they are alive (at the optimizer step, see :func:`measure_state_bytes`)."""
-    raise NotImplementedError
+    :class:`LiveMemory` (which starts from the parameters, buffers, gradients and optimizer state alive
+    before the step) and return ``(StepMemory, StepMetrics)``. The state is measured after the step,
+    when the step's gradients are still held (the next step's ``zero_grad`` frees them)."""
+    model, optimizer = trainer.model, trainer.optimizer
+    live = LiveMemory()
+    with live, SavedActivations(model) as saved:
+        live.track(list(model.parameters()), list(model.buffers()),
+                   [p.grad for p in model.parameters() if p.grad is not None],
+                   [list(s.values()) for s in optimizer.state.values()],
+                   list(optimizer.gradient_shards()) if hasattr(optimizer, "gradient_shards") else [])
+        metrics = trainer.train_step(micro_batches)
+    memory = StepMemory(state=measure_state_bytes(model, optimizer), saved_activation_bytes=saved.peak_bytes,
+                        saved_by_category=saved.by_category, peak_live_bytes=live.peak_bytes)
+    return memory, metrics
