@@ -13,9 +13,17 @@ State (exact: the same shard rules as the modules):
   experts' FFN over the MoE layer's reduction group (EP x ETP for the all-gather dispatcher, ETP for
   all-to-all), norms, the router and MLA's low-rank projections replicated. The tied embedding's copy
   on the last stage when ``tie_word_embeddings`` and PP > 1.
-- gradients: one per parameter, of its dtype (``p.grad``), plus what the distributed optimizer keeps.
+- gradients, as held at the optimizer step: one per parameter, of its dtype (``p.grad``); with the
+  distributed optimizer also its fp32 reduced-gradient shards (1/N of each parameter, padded), and
+  under ZeRO-2 only those (``p.grad`` is freed after the reduce-scatter; during backward the full
+  gradients exist, which the peak shows).
 - optimizer state: plain AdamW: both moments in the parameter dtype and one 4-byte ``step`` tensor per
-  parameter tensor (torch's fused AdamW keeps it as a tensor).
+  parameter tensor (torch's fused AdamW keeps it as a tensor). Distributed optimizer
+  (:mod:`megamoe.training.distributed_optimizer`): each parameter viewed as ``[rows, n]`` (rows = local
+  slots for stacked expert weights, else 1), each row cut into ``N`` padded shards (``N`` = DP x CP for
+  dense, expert-DP for expert parameters; 1 for the unsharded bf16 case): fp32 ``exp_avg`` and
+  ``exp_avg_sq`` (and ``master`` for non-fp32 parameters) of ``rows * ceil(n / N)`` elements and a
+  4-byte ``step``.
 
 Activations (estimated): the bytes autograd saves for backward during one micro-batch's forward,
 per op of the modules as implemented (``T`` = this rank's tokens ``micro_batch * seq_len / cp``,
@@ -32,11 +40,13 @@ fp32, 4 bytes):
 - dense MLP: input ``e T H`` and four ``e T F/tp`` (gate and up outputs, the activation, the product).
 - MoE layer with ``N`` (token, slot) pairs on this rank (balanced routing: ``T k`` for all-to-all,
   ``T k / ep`` for the all-gather dispatcher): router input ``4 T H`` (fp32), scores ``4 T E``, top-k
-  ids ``8 T k``, the renormalisation ``4 T (k + 1)``, the aux loss ``4 E``; per pair the permutation
-  indices ``2 * 8 N``, combine weights ``4 N``, the experts' input and output ``2 e N H``, their
-  gate/up output and activation ``3 e N F/etp``. With EP > 1 (all-to-all) the exchange adds its send
-  index (``8 n_send``; ``n_send`` = token-rank pairs, ``T ep (1 - (1 - 1/ep)^k)`` for uniform routing),
-  its pair mask, and the received tokens are held instead of an input view.
+  ids ``8 T k``, the renormalisation ``4 T (k + 1)``, the aux loss ``4 E``; per pair the row -> token index
+  ``8 N``, combine weights ``4 N``, the experts' input and output ``2 e N H``, their gate/up output and
+  activation ``3 e N F/etp``; the pair permutation ``8 k n_recv`` (it spans all k pairs of each token
+  received). With EP > 1 (all-to-all) ``n_recv = n_send``, the token-rank pairs, ``T ep (1 - C(E - E/ep,
+  k) / C(E, k))`` for uniform routing over distinct experts (``n_recv = T`` otherwise), and the
+  exchange adds the send index ``8 n_send``, the pair mask ``k n_send`` and the tokens the second
+  exchange returns, ``e n_send H``.
 - first stage: the token ids ``8 T``; last stage: the final norm, the output layer's input ``e T H``,
   the fp32 logits ``4 T V/tp`` and the labels / masks ``10 T``.
 
@@ -77,6 +87,7 @@ class ParamTensor:
     name: str
     numel: int
     expert: bool = False
+    rows: int = 1           # expert parameters stacked by slot: one row per local slot, each sharded alone
 
 
 @dataclass(frozen=True)
@@ -190,8 +201,8 @@ def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int
     local = slots // ep
     gated = 2 if moe.activation == "swiglu" else 1
     out = [ParamTensor(f"{prefix}.router.weight", moe.num_experts * H),
-           ParamTensor(f"{prefix}.experts.w_gate_up", local * gated * (F // etp) * H, True),
-           ParamTensor(f"{prefix}.experts.w_down", local * H * (F // etp), True)]
+           ParamTensor(f"{prefix}.experts.w_gate_up", local * gated * (F // etp) * H, True, local),
+           ParamTensor(f"{prefix}.experts.w_down", local * H * (F // etp), True, local)]
     if moe.shared_experts is not None:
         se = moe.shared_experts
         n = ep * etp if moe.dispatcher == "allgather" else etp      # the dispatcher's reduction group
@@ -277,6 +288,12 @@ def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, reco
     return {"attention": b}
 
 
+def _none_on_rank(num_experts: int, ep: int, k: int) -> float:
+    """The probability that none of a token's k distinct experts (uniform) is on a given one of ep ranks."""
+    per_rank = num_experts // ep
+    return math.comb(num_experts - per_rank, k) / math.comb(num_experts, k)
+
+
 def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int, e: int,
                      recompute_act: bool) -> dict[str, int]:
     moe = config.moe
@@ -285,16 +302,20 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
     gated = 2 if moe.activation == "swiglu" else 1
     if moe.dispatcher == "allgather":
         N = T * k * (etp if moe.input_sharded else 1) / (1 if moe.input_sharded else ep)
-        n_send = 0.0
+        n_send = n_recv = float(T)
     else:
         N = T * k
-        n_send = T * ep * (1 - (1 - 1 / ep) ** k) if ep > 1 else 0.0
+        # token-rank pairs: a token is sent once to each rank holding one of its k (distinct) experts
+        n_send = n_recv = T * ep * (1 - _none_on_rank(E, ep, k)) if ep > 1 else float(T)
     router = 4 * T * H + (4 * E * H if e != 4 else 0) + 4 * T * E + 8 * T * k + 4 * T * (k + 1) + 4 * E
-    pairs = 2 * 8 * N + 4 * N + 2 * e * N * H + e * N * gated * F_l + (0 if recompute_act else e * N * F_l)
-    if n_send:
-        # the send index (token_view[send_token] and the combine's index_add), the pair mask, the
-        # received routing weights; the received tokens are a new tensor (the input view is not saved)
-        pairs += 2 * 8 * n_send + n_send * k + 4 * n_send * k
+    # per pair: the row -> token index, the combine weights (fp32), the experts' input, gate/up output,
+    # activation and output; the permutation (the pair index) spans the received tokens' k pairs each
+    pairs = 8 * N + 4 * N + 2 * e * N * H + e * N * gated * F_l + (0 if recompute_act else e * N * F_l)
+    pairs += 8 * k * n_recv
+    if moe.dispatcher == "alltoall" and ep > 1:
+        # the send index (held by the gather of the sent tokens and the combine's index_add), the pair
+        # mask, and the tokens returned by the second exchange (the index_add saves them)
+        pairs += 8 * n_send + k * n_send + e * n_send * H
     shared = 0
     if moe.shared_experts is not None:
         se = moe.shared_experts
@@ -426,8 +447,21 @@ def _grad_and_optimizer_bytes(params: list[ParamTensor], *, e: int, distributed:
                               edp: int, master: bool) -> tuple[int, int, int]:
     """(gradient bytes, dense optimizer bytes, expert optimizer bytes) of one rank."""
     numel = sum(p.numel for p in params)
-    if not distributed:
+    if not distributed and not master:
         def adam(ps):
             return sum(2 * p.numel * e + _ADAM_STEP_BYTES for p in ps)
         return numel * e, adam([p for p in params if not p.expert]), adam([p for p in params if p.expert])
-    raise NotImplementedError("the distributed optimizer's shard rules come with its branch")
+    # DistributedOptimizer (also unsharded, groups of one rank, for non-fp32 parameters): each parameter
+    # viewed as [rows, n], every row padded to a multiple of its group's size N and cut in N; this rank
+    # keeps fp32 [rows, ceil(n / N)] moments (and master weights for non-fp32 parameters) plus a 4-byte
+    # step, and an fp32 reduced-gradient shard of the same size until the step.
+    def shard_numel(p: ParamTensor) -> int:
+        n = (edp if p.expert else dp) if distributed else 1
+        return p.rows * math.ceil(p.numel // p.rows / n)
+
+    per_element = 4 * (3 if master else 2)
+    opt = {flag: sum(per_element * shard_numel(p) + _ADAM_STEP_BYTES for p in params if p.expert == flag)
+           for flag in (False, True)}
+    grad_shards = sum(4 * shard_numel(p) for p in params)
+    grads = grad_shards + (0 if zero_stage == 2 else numel * e)   # ZeRO-2 frees p.grad after the reduce-scatter
+    return grads, opt[False], opt[True]

@@ -38,6 +38,7 @@ when a tensor was saved, by its qualified name in the model:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -99,9 +100,7 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     params = [p for p in model.parameters()]
     dense = [p for p in params if not getattr(p, "expert_parallel", False)]
     expert = [p for p in params if getattr(p, "expert_parallel", False)]
-    grads = [p.grad for p in params if p.grad is not None]
-    if optimizer is not None and hasattr(optimizer, "gradient_shards"):
-        grads += list(optimizer.gradient_shards())
+    grads = _grad_tensors(model, optimizer)
     opt_dense = _optimizer_state_tensors(optimizer, dense) if optimizer is not None else []
     opt_expert = _optimizer_state_tensors(optimizer, expert) if optimizer is not None else []
     # A step counter shared by several parameters (a 0-d tensor per param in torch's AdamW) counts
@@ -143,8 +142,9 @@ class SavedActivations:
     - ``peak_bytes``: the most held at any moment while the context was active (over a whole step
       with several micro-batches in flight, the step's peak);
     - ``packed_bytes``: every distinct storage ever saved, alive or not;
-    - ``by_category``: ``{category: bytes}``, ``packed_bytes`` split by the category of the module
-      that first saved each storage.
+    - ``peak_by_category``: ``{category: bytes}`` held at the moment of ``peak_bytes`` (it sums to it);
+    - ``by_category``: ``packed_bytes`` split likewise (the category of the module that first saved
+      each storage).
 
     The context can be entered once. Tensors saved outside a module of ``model`` (e.g. the loss
     scaling in a trainer) count as ``"other"``.
@@ -158,10 +158,12 @@ class SavedActivations:
             self._excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
             self._names = {m: n for n, m in model.named_modules()}
         self._stack: list[str] = []
-        self._live: dict[int, int] = {}          # storage key -> nbytes, while alive
+        self._live: dict[int, tuple[int, str]] = {}    # storage key -> (nbytes, category), while alive
         self._seen: dict[int, tuple[int, str]] = {}
+        self._held_by_category = dict.fromkeys(CATEGORIES, 0)
         self.held_bytes = 0
         self.peak_bytes = 0
+        self.peak_by_category = dict.fromkeys(CATEGORIES, 0)
         self._handles = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -194,18 +196,22 @@ class SavedActivations:
         if key in self._excluded or key in self._live:
             return t
         nbytes = storage.nbytes()
-        self._live[key] = nbytes
-        if key not in self._seen:
-            self._seen[key] = (nbytes, _category(self._stack[-1]) if self._stack else "other")
+        category = _category(self._stack[-1]) if self._stack else "other"
+        self._live[key] = (nbytes, category)
+        self._seen.setdefault(key, (nbytes, category))
         self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        self._held_by_category[category] += nbytes
+        if self.held_bytes > self.peak_bytes:
+            self.peak_bytes = self.held_bytes
+            self.peak_by_category = dict(self._held_by_category)
         weakref.finalize(storage, self._freed, key).atexit = False
         return t
 
     def _freed(self, key: int) -> None:
-        nbytes = self._live.pop(key, None)
-        if nbytes is not None:
-            self.held_bytes -= nbytes
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.held_bytes -= entry[0]
+            self._held_by_category[entry[1]] -= entry[0]
 
     @property
     def packed_bytes(self) -> int:
@@ -296,23 +302,43 @@ class StepMemory:
 
     state: StateBytes
     saved_activation_bytes: int          # the most saved-for-backward bytes held at once over the step
-    saved_by_category: dict[str, int] = field(default_factory=dict)   # every distinct saved storage
+    saved_by_category: dict[str, int] = field(default_factory=dict)   # held at the peak, by category
     peak_live_bytes: int = 0             # LiveMemory's peak over the step, state included
+
+
+def _grad_tensors(model: nn.Module, optimizer) -> list[torch.Tensor]:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None and hasattr(optimizer, "gradient_shards"):
+        grads += list(optimizer.gradient_shards())
+    return grads
 
 
 def measure_train_step(trainer, micro_batches):
     """Run ``trainer.train_step(micro_batches)`` under :class:`SavedActivations` and
     :class:`LiveMemory` (which starts from the parameters, buffers, gradients and optimizer state alive
-    before the step) and return ``(StepMemory, StepMetrics)``. The state is measured after the step,
-    when the step's gradients are still held (the next step's ``zero_grad`` frees them)."""
+    before the step) and return ``(StepMemory, StepMetrics)``.
+
+    Gradient bytes are those held when the optimizer step starts (a step pre-hook): ``p.grad`` and the
+    distributed optimizer's reduced shards (ZeRO-2 has freed ``p.grad`` by then); parameters and
+    optimizer state are measured after the step (the state exists from the first step on)."""
     model, optimizer = trainer.model, trainer.optimizer
+    at_step: dict[str, int] = {}
+
+    def before_step(opt, args, kwargs):
+        at_step["grad_bytes"] = unique_storage_bytes(_grad_tensors(model, opt))
+
+    handle = optimizer.register_step_pre_hook(before_step)
     live = LiveMemory()
-    with live, SavedActivations(model) as saved:
-        live.track(list(model.parameters()), list(model.buffers()),
-                   [p.grad for p in model.parameters() if p.grad is not None],
-                   [list(s.values()) for s in optimizer.state.values()],
-                   list(optimizer.gradient_shards()) if hasattr(optimizer, "gradient_shards") else [])
-        metrics = trainer.train_step(micro_batches)
-    memory = StepMemory(state=measure_state_bytes(model, optimizer), saved_activation_bytes=saved.peak_bytes,
-                        saved_by_category=saved.by_category, peak_live_bytes=live.peak_bytes)
+    try:
+        with live, SavedActivations(model) as saved:
+            live.track(list(model.parameters()), list(model.buffers()), _grad_tensors(model, optimizer),
+                       [list(s.values()) for s in optimizer.state.values()])
+            metrics = trainer.train_step(micro_batches)
+    finally:
+        handle.remove()
+    state = measure_state_bytes(model, optimizer)
+    if "grad_bytes" in at_step:
+        state = dataclasses.replace(state, grad_bytes=at_step["grad_bytes"])
+    memory = StepMemory(state=state, saved_activation_bytes=saved.peak_bytes, saved_by_category=saved.peak_by_category,
+                        peak_live_bytes=live.peak_bytes)
     return memory, metrics
