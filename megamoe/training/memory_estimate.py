@@ -76,6 +76,7 @@ __all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
+_SDPA_BACKENDS = ("flash", "math")
 _ADAM_STEP_BYTES = 4      # torch's (fused) AdamW keeps ``step`` as a 0-d fp32 tensor per parameter
 
 
@@ -258,33 +259,53 @@ def _norm_bytes(tokens: int, width: int, rows: int, e: int) -> int:
     return 4 * tokens * width + 4 * rows + e * tokens * width
 
 
-def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, recompute_core: bool) -> dict[str, int]:
+def _sdpa_bytes(*, T: int, B: int, S: int, heads: int, dqk: int, dv: int, e: int, backend: str,
+                v_storage: int, recompute_core: bool) -> int:
+    """What the attention kernel saves: ``flash`` (fused kernels: CUDA's flash / memory-efficient / cuDNN,
+    CPU's flash for equal q/k and v head dims) q, k, v, the output and the fp32 log-sum-exp; ``math``
+    (CPU when the head dims differ, e.g. MLA) q, k, the probabilities ``[B, heads, S, S]`` and a
+    contiguous v. ``v_storage``: the bytes of the storage v is a view of (flash). Under ``core_attn``
+    recomputation only the kernel's inputs stay (the checkpoint saves them)."""
+    qk = 2 * e * T * heads * dqk
+    if recompute_core:
+        return qk + e * T * heads * dv
+    if backend == "math":
+        return qk + e * B * heads * S * S + e * T * heads * dv
+    return qk + v_storage + e * T * heads * dv + 4 * B * heads * S
+
+
+def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, recompute_core: bool,
+                           sdpa_backend: str) -> dict[str, int]:
     H = cfg.hidden_size
     heads_l = cfg.num_attention_heads // tp
+    b = e * T * H                                  # the projections' input
     if isinstance(cfg, MLAConfig):
-        # MLA (estimate): input, the latents and their norms, q, k (nope + rope), v, SDPA out + lse,
-        # o-projection input.
-        dqk, dv = cfg.qk_head_dim, cfg.v_head_dim
-        b = e * T * H
-        b += 4 * T * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)                     # kv_a output (norm input)
-        b += _norm_bytes(T, cfg.kv_lora_rank, T, e) - 4 * T * cfg.kv_lora_rank       # input counted above
-        if cfg.q_lora_rank is not None:
-            b += _norm_bytes(T, cfg.q_lora_rank, T, e) + e * T * cfg.q_lora_rank      # q_a output + q_b input
-        core = e * T * heads_l * (2 * dqk + dv) + e * T * heads_l * dv + 4 * B * heads_l * S
-        b += e * T * heads_l * (cfg.qk_nope_head_dim + dv)                          # kv_b output
-        b += e * T * heads_l * dv                                                   # o_proj input
-        return {"attention": b + (e * T * heads_l * (2 * dqk + dv) if recompute_core else core)}
+        dqk, dv, kv_rank, rope = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        b += 4 * T * (kv_rank + rope) + 4 * T + e * T * kv_rank            # kv_a output, kv_a_layernorm
+        q_rank = cfg.q_lora_rank or 0
+        if q_rank:
+            b += _norm_bytes(T, q_rank, T, e)                                # q_a output, q_a_layernorm
+        b += e * T * (q_rank + kv_rank + rope)                              # the latents entering the TP region
+        kv_b = e * T * heads_l * (cfg.qk_nope_head_dim + dv)                # v is a view of kv_b's output
+        b += _sdpa_bytes(T=T, B=B, S=S, heads=heads_l, dqk=dqk, dv=dv, e=e, backend=sdpa_backend, v_storage=kv_b,
+                         recompute_core=recompute_core)
+        b += e * T * heads_l * dv                                           # o_proj input
+        return {"attention": b}
     d, kv = cfg.head_dim, cfg.num_key_value_heads
     kv_l = kv // min(tp, kv)
-    b = e * T * H                                                            # q/k/v projections' input
     if cfg.qk_norm == "per_head":
         b += _norm_bytes(T, heads_l * d, T * heads_l, e) + _norm_bytes(T, kv_l * d, T * kv_l, e)
     elif cfg.qk_norm == "full_width":
         b += _norm_bytes(T, heads_l * d, T, e) + _norm_bytes(T, kv_l * d, T, e)
-    qkv = e * T * (heads_l + 2 * kv_l) * d                                   # rotated q, k; v
-    core_only = e * T * heads_l * d + 4 * B * heads_l * S                    # SDPA output, log-sum-exp
-    b += qkv + (0 if recompute_core else core_only)
-    b += e * T * heads_l * d                                                 # o_proj input
+    # GQA: SDPA's k and v hold the KV heads only (enable_gqa), each its own storage
+    qk_v = e * T * (heads_l + 2 * kv_l) * d
+    if recompute_core:
+        b += qk_v
+    elif sdpa_backend == "math":
+        b += qk_v + e * B * heads_l * S * S
+    else:
+        b += qk_v + e * T * heads_l * d + 4 * B * heads_l * S               # + output, log-sum-exp
+    b += e * T * heads_l * d                                                # o_proj input
     return {"attention": b}
 
 
@@ -326,7 +347,7 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
 
 
 def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S: int, tp: int, ep: int, etp: int,
-                       e: int, sp: bool, recompute) -> dict[str, int]:
+                       e: int, sp: bool, recompute, sdpa_backend: str) -> dict[str, int]:
     granularity = getattr(recompute, "granularity", "none") if recompute is not None else "none"
     modules = set(getattr(recompute, "modules", ()) or ()) if granularity == "selective" else set()
     T_norm = T // tp if sp else T
@@ -339,7 +360,7 @@ def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S
     if "mla_up_proj" in modules and isinstance(config.attention, MLAConfig):
         pass                                                       # estimated like the plain path
     out.update(_attention_activations(config.attention, T=T, B=B, S=S, tp=tp, e=e,
-                                      recompute_core="core_attn" in modules))
+                                      recompute_core="core_attn" in modules, sdpa_backend=sdpa_backend))
     if config.is_moe_layer(layer_id):
         if "moe" in modules:
             out["mlp"] = e * T_norm * H
@@ -368,7 +389,7 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
                     distributed_optimizer: bool = False, zero_stage: int = 1,
                     recompute: "RecomputeConfig | None" = None, sequence_parallel: bool = False,
                     param_dtype: torch.dtype | str = torch.float32, num_expert_slots: int | None = None,
-                    pp_split=None) -> MemoryEstimate:
+                    pp_split=None, sdpa_backend: str | None = None) -> MemoryEstimate:
     """The per-rank memory of a training step of ``config`` under the layout (see the module docstring).
 
     ``dp`` is the data-parallel size of the dense grid (``world = tp * cp * dp * pp``); the expert-DP
@@ -395,6 +416,10 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
     if seq_len % cp or (sequence_parallel and seq_len % (cp * tp)):
         raise ValueError(f"estimate_memory: seq_len ({seq_len}) must be divisible by cp ({cp})"
                          + (f" * tp ({tp}) under sequence parallelism" if sequence_parallel else ""))
+    if sdpa_backend is None:
+        sdpa_backend = "flash"
+    if sdpa_backend not in _SDPA_BACKENDS:
+        raise ValueError(f"estimate_memory: sdpa_backend must be one of {_SDPA_BACKENDS}, got {sdpa_backend!r}")
     dtype = _resolve_dtype(param_dtype)
     e = torch.empty((), dtype=dtype).element_size()
     S = seq_len // cp
@@ -410,7 +435,8 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
             params, e=e, distributed=distributed_optimizer, zero_stage=zero_stage, dp=dp * cp, edp=edp,
             master=dtype != torch.float32)
         acts = _stage_activations(config, layer_ids, first=stage == 0, last=stage == pp - 1, T=T, B=B, S=S,
-                                  tp=tp, ep=ep, etp=etp, e=e, sp=sequence_parallel, recompute=recompute)
+                                  tp=tp, ep=ep, etp=etp, e=e, sp=sequence_parallel, recompute=recompute,
+                                  sdpa_backend=sdpa_backend)
         per_mb = sum(acts.values())
         in_flight = (num_micro_batches_in_flight if num_micro_batches_in_flight is not None
                      else (min(pp - stage, num_micro_batches) if pp > 1 else 1))
@@ -423,7 +449,8 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
     return MemoryEstimate(tuple(stages))
 
 
-def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, e, sp, recompute) -> dict[str, int]:
+def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, e, sp, recompute,
+                       sdpa_backend) -> dict[str, int]:
     out = dict.fromkeys(("embedding", "norm", "attention", "mlp", "lm_head", "other"), 0)
     if first:
         out["embedding"] += 8 * T
@@ -433,7 +460,7 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
         out["attention"] += 2 * 4 * B * S * (rope_dim // 2)      # cos / sin, shared by the layers
     for i in layer_ids:
         for category, nbytes in _layer_activations(config, i, T=T, B=B, S=S, tp=tp, ep=ep, etp=etp, e=e, sp=sp,
-                                                   recompute=recompute).items():
+                                                   recompute=recompute, sdpa_backend=sdpa_backend).items():
             out[category] += nbytes
     if last:
         H, V = config.hidden_size, config.vocab_size
