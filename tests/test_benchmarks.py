@@ -168,7 +168,7 @@ def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypa
     assert calls == [7, [{"run": "static"}]] and json.loads(out.read_text()) == {"real": [{"run": "static"}]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "moe_layer",
+@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "memory", "moe_layer",
                                   "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
@@ -208,3 +208,27 @@ def test_eplb_real_benchmark_rebalances_and_writes_its_table(monkeypatch, tmp_pa
     assert eplb["rebalances"] == 2 and eplb["moved_slots"] > 0 and eplb["moved_bytes"] > 0
     assert eplb["rebalancing_over_normal"] == pytest.approx(eplb["rebalancing_step_s"] / eplb["normal_step_s"])
     assert len(eplb["balancedness_by_step"]) == 4 and "balancedness over time" in capsys.readouterr().out
+
+
+@pytest.mark.slow      # ~25 s: one spawn of 4 gloo ranks running every layout of a tiny model
+def test_memory_benchmark_quick_measures_every_layout_beside_the_estimate(monkeypatch, tmp_path, capsys):
+    memory = _benchmark("memory", monkeypatch)
+    out = tmp_path / "memory.json"
+    assert memory.main(["--quick", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    runs = {(r["layout"], r["recompute"], r["optimizer"]) for r in rows}
+    assert runs == set(memory._runs(memory.LAYOUTS, memory.RECOMPUTE, memory.OPTIMIZERS))
+    assert {r["stage"] for r in rows if r["layout"] == "pp2_ep2"} == {0, 1}
+    for r in rows:
+        # State bytes are exact; every measured column is there, beside its estimate and the ratio.
+        assert r["param"] == r["estimate"]["param"] and r["opt"] == r["estimate"]["opt"], r
+        assert r["grad"] == r["estimate"]["grad"], r
+        assert 0 < r["act"] <= r["act_max"] and r["act"] < r["peak"] <= r["peak_max"], r
+        assert r["ratio"]["act"] == pytest.approx(r["act"] / r["estimate"]["act"])
+    verdicts = results["verdicts"]
+    shown = capsys.readouterr().out
+    assert all(("PASS: " if v["met"] else "FAIL: ") + v["target"] in shown for v in verdicts)
+    targets = " ".join(v["target"] for v in verdicts)
+    assert "full recompute" in targets and "selective recompute" in targets and "halves" in targets
+    assert "distributed optimizer state" in targets
