@@ -68,7 +68,7 @@ from megamoe.training.metric_sinks import step_record
 from megamoe.training.metrics_arguments import (add_metrics_arguments, check_metrics_arguments,
                                                 metric_sinks_from_arguments)
 from megamoe.training.mfu import resolve_peak_tflops
-from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
+from megamoe.training.optim_arguments import add_optim_arguments, param_dtype, train_config_kwargs
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
@@ -538,7 +538,7 @@ def main(argv=None) -> int:
         # Resuming: the checkpoint overwrites every weight, so the HF tensors are not read.
         model, _ = start_from_hf(args.hf_model, state, dispatcher=args.dispatcher,
                                  num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
-                                 expert_backend=args.expert_backend, device=device,
+                                 expert_backend=args.expert_backend, device=device, dtype=param_dtype(args),
                                  load_weights=plan.resume_from is None, saved_placements=saved)
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
@@ -548,7 +548,7 @@ def main(argv=None) -> int:
             config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
                 dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
-        model = GPTMoEModel(config, state, placements=placements, device=device)
+        model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args))
         initialize_parameters(model, args.seed)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).

@@ -32,7 +32,7 @@ from megamoe.sharding import get_shard_spec
 
 __all__ = [
     "LogicalChunk", "chunk_from_shard_spec", "sharded_state_dict", "default_sharded_state_dict",
-    "chunks_by_parameter", "optimizer_chunks", "materialize_optimizer_state",
+    "chunks_by_parameter", "optimizer_chunks", "materialize_optimizer_state", "same_view_of",
 ]
 
 
@@ -136,7 +136,7 @@ def chunks_by_parameter(parameters: Iterable[torch.Tensor],
     return grouped
 
 
-def _same_view_of(state: torch.Tensor, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+def same_view_of(state: torch.Tensor, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """The view of ``state`` (shaped and strided like ``param``) that ``view`` is of ``param``."""
     if view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
         raise ValueError("a parameter's chunk tensor is not a view of the parameter; optimizer state can only be "
@@ -178,7 +178,7 @@ def optimizer_chunks(optimizer: torch.optim.Optimizer,
                     raise ValueError(f"optimizer state {key!r} of {chunks[0].name!r} is a {type(value).__name__}, "
                                      "not a tensor; only tensor state can be checkpointed")
                 if value.shape == param.shape:
-                    out.extend(LogicalChunk(f"optim.{key}.{c.name}", _same_view_of(value, param, c.tensor),
+                    out.extend(LogicalChunk(f"optim.{key}.{c.name}", same_view_of(value, param, c.tensor),
                                             c.global_shape, c.offsets) for c in chunks)
                 elif value.dim() == 0:
                     for name in dict.fromkeys(c.name for c in chunks):
@@ -197,6 +197,10 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     gradients. No-op when every parameter already has state; refuses a partly initialised optimizer
     (the step would alter the existing state).
     """
+    materialize_state = getattr(optimizer, "materialize_state", None)
+    if materialize_state is not None:      # an optimizer that creates its state itself (no step)
+        materialize_state()
+        return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.numel()]
     with_state = [p for p in params if optimizer.state.get(p)]
     if len(with_state) == len(params):

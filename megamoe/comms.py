@@ -40,7 +40,7 @@ from megamoe.host_values import host_ints
 __all__ = [
     "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
     "all_reduce_", "all_gather_into", "all_gather_sizes", "all_gather_object", "all_to_all_counts", "broadcast_",
-    "send", "recv",
+    "reduce_scatter_flat", "all_gather_flat", "send", "recv",
     "batch_send_recv", "barrier",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
@@ -243,6 +243,31 @@ def _reduce_scatter_dim0(tensor: torch.Tensor, group: ProcessGroup) -> torch.Ten
     with _timeout_named("reduce_scatter", group):
         _reduce_scatter_single(out, src, group=group)
     return out
+
+
+def reduce_scatter_flat(buffer: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum a 1-D buffer [N * k] over the group's N ranks; rank r gets the sum of elements
+    [r * k, (r + 1) * k) (a new [k] tensor). The distributed optimizer's gradient reduction, one call
+    per bucket (:mod:`megamoe.training.distributed_optimizer`); no autograd. Counted as
+    ``"reduce_scatter"`` with the whole input buffer's bytes (N * k elements): as many as an all-reduce of
+    the same buffer counts. One rank: the buffer itself."""
+    if buffer.dim() != 1:
+        raise ValueError(f"reduce_scatter_flat: the buffer must be 1-D, got shape {tuple(buffer.shape)}")
+    if group_size(group) == 1:
+        return buffer
+    return _reduce_scatter_dim0(buffer, group)
+
+
+def all_gather_flat(shard: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's 1-D ``shard`` [k] in rank order: a new [N * k] tensor. The distributed
+    optimizer's parameter all-gather after its step, one call per bucket; no autograd. Counted as
+    ``"all_gather"`` with this rank's input bytes (k elements): N times that is the gathered buffer, the
+    bytes an all-reduce of it counts. One rank: the shard itself."""
+    if shard.dim() != 1:
+        raise ValueError(f"all_gather_flat: the shard must be 1-D, got shape {tuple(shard.shape)}")
+    if group_size(group) == 1:
+        return shard
+    return _all_gather_dim0(shard, group)
 
 
 def all_gather_object(obj, group: ProcessGroup | None) -> list:

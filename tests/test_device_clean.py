@@ -126,6 +126,36 @@ def test_expert_migration_on_meta_creates_every_tensor_on_the_model_device():
             assert moments and all(t.is_meta for t in [*model.parameters(), *moments])
 
 
+# The distributed optimizer (ZeRO-1 / ZeRO-2): reduce-scatter into shards, the step and the all-gather, then
+# a migration moving the slots' shard rows. (zero_stage, layout, parameter dtype): bf16 keeps fp32 masters.
+DISTRIBUTED = {"zero1-pp2-ep2-bf16": (1, dict(pp=2, ep=2), torch.bfloat16),
+               "zero2-ep2-dp4-replicas-fp32": (2, dict(ep=2), torch.float32)}
+
+
+@pytest.mark.parametrize("name", list(DISTRIBUTED))
+def test_distributed_optimizer_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    zero_stage, layout, dtype = DISTRIBUTED[name]
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, **layout) as state:
+            model = GPTMoEModel(tiny_config("alltoall", 6), state, device="meta", dtype=dtype)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2, distributed_optimizer=True, zero_stage=zero_stage),
+                              world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run() as counter:
+                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+            kinds = counter.kinds()
+            assert kinds.get("reduce_scatter", 0) > 0 and kinds.get("all_gather", 0) > 0, kinds
+            shards = trainer.optimizer.gradient_shards()
+            state_tensors = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
+            assert shards and state_tensors and all(t.is_meta for t in [*shards, *state_tensors])
+            assert all((p.grad is None) == (zero_stage == 2) for p in model.parameters()), "ZeRO-2 frees p.grad"
+            moved = ExpertPlacement([3, 1, 0, 2, 2, 1], E, 2)
+            with _meta_run() as counter:
+                for layer in model.moe_layers().values():
+                    migrate_layer(layer, moved, trainer.optimizer)
+            assert counter.kinds() == {"expert_slot_exchange": len(model.moe_layers())}
+
+
 def test_generation_on_meta_creates_every_tensor_on_the_model_device():
     for rank in range(WORLD_SIZE):
         with _fake_rank(rank, pp=2, ep=2) as state:

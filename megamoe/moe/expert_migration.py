@@ -21,7 +21,9 @@ What moves with a slot (its "payload", the same size for every slot of a layer):
 - with ``optimizer``: every per-parameter state tensor shaped like the parameter (Adam's ``exp_avg``,
   ``exp_avg_sq``, ``max_exp_avg_sq``; fp32 master weights kept in the state), cut like the parameter.
   0-dim state (Adam's ``step``) is the same for every slot of a parameter (one optimizer step updates
-  the whole stacked tensor), so it stays. Other shapes are refused (ValueError): not splittable by slot;
+  the whole stacked tensor), so it stays. Other shapes are refused (ValueError): not splittable by slot.
+  An optimizer with ``slot_state_views(param, index)`` (the distributed optimizer, whose state is this
+  edp rank's shard rows) names the slot's state itself;
 - FP8 delayed-scaling state (:meth:`GroupedExperts.slot_buffers`: the slot's amax histories and scales),
   moved rather than reset: the weight history belongs to the expert's weights, the activation histories
   to the tokens the expert attracts, so the slot goes on quantising exactly as its source slot did (and
@@ -145,6 +147,12 @@ def _slot_state(layer, local_slot: int, optimizer: torch.optim.Optimizer | None)
     for param, index in slot_parameters(local_slot):
         views.append(param.detach()[index])
         if optimizer is None:
+            continue
+        slot_state_views = getattr(optimizer, "slot_state_views", None)
+        if slot_state_views is not None:
+            # A sharded optimizer (megamoe.training.distributed_optimizer): its state is [S, n / N] per
+            # stacked parameter, one shard row per slot, on the same edp rank in every EP rank.
+            views.extend(slot_state_views(param, index))
             continue
         state = optimizer.state.get(param, {})
         for key in sorted(state):

@@ -53,7 +53,7 @@ from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manif
 from checkpoint_tools.side_files import verify_side_files
 from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
-                                      sharded_state_dict)
+                                      same_view_of, sharded_state_dict)
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.precision import has_non_finite
 
@@ -125,11 +125,25 @@ def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"])
 
 
-def _training_chunks(trainer, with_optimizer: bool):
+def _training_chunks(trainer, with_optimizer: bool, *, loading: bool = False):
+    """The chunks of the model and (``with_optimizer``) its optimizer state, and the distributed
+    optimizer's logical state they view (None for a plain optimizer).
+
+    Distributed optimizer (:mod:`megamoe.training.distributed_optimizer`): its shards are gathered into
+    full-shape tensors (collective; zeros when ``loading``) and cut like a plain optimizer's state, so the
+    checkpoint is the same either way. Where it keeps fp32 master weights (bf16 parameters), the chunks of
+    those parameters view the masters instead: the checkpoint's weights are the master, in fp32."""
     chunks = sharded_state_dict(trainer.model)
-    if with_optimizer:
-        chunks += optimizer_chunks(trainer.optimizer, chunks_by_parameter(trainer.model.parameters(), chunks))
-    return chunks
+    if not with_optimizer:
+        return chunks, None
+    by_param = chunks_by_parameter(trainer.model.parameters(), chunks)
+    logical_state = getattr(trainer.optimizer, "logical_state", None)
+    logical = logical_state(gather=not loading) if logical_state is not None else None
+    chunks += optimizer_chunks(logical if logical is not None else trainer.optimizer, by_param)
+    for param, master in (logical.masters.items() if logical is not None else ()):
+        for chunk in by_param.get(param, ()):
+            chunk.tensor = same_view_of(master, param, chunk.tensor)
+    return chunks, logical
 
 
 def _first_non_finite(chunks) -> tuple[str, int]:
@@ -172,7 +186,7 @@ def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state:
     """
     model, state = trainer.model, trainer.state
     with_optimizer = _optimizer_has_state(trainer.optimizer)
-    chunks = _training_chunks(trainer, with_optimizer)
+    chunks, _ = _training_chunks(trainer, with_optimizer)
     _refuse_non_finite(path, chunks, trainer.step, world_group)
     fields = {
         "model_config": model.config.to_dict(),
@@ -261,7 +275,7 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
         materialize_optimizer_state(optimizer)
     else:
         optimizer.state.clear()  # saved before the first step: a fresh optimizer is the exact state
-    chunks = _training_chunks(trainer, extra["has_optimizer_state"])
+    chunks, logical = _training_chunks(trainer, extra["has_optimizer_state"], loading=True)
     layout = _parallel_layout(trainer.state)
     rank = comms.group_rank(world_group)
     restore_rng = manifest["parallel_layout"] == layout and str(rank) in manifest.get("rank_state", {})
@@ -276,6 +290,8 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     integrity.verify_files(root, manifest, files, verify_checksums=verify_checksums, group=world_group,
                            local_error=error)
     load_checkpoint(root, chunks, verify_checksums=verify_checksums)
+    if logical is not None:      # the distributed optimizer takes its shards (and masters) of the loaded state
+        optimizer.load_logical_state(logical)
     trainer.step = extra["step"]
     trainer.load_training_state(extra.get("training_state") or {})
 

@@ -17,7 +17,9 @@ gradient of that global loss for its local parameters:
 - tied embedding / output weights on the first and last pipeline stages: summed over the
   embedding group.
 
-Each reduction is one coalesced all-reduce per (group, dtype).
+Each reduction is one coalesced all-reduce per (group, dtype). With ``data_parallel=False`` (the
+distributed optimizer, :mod:`megamoe.training.distributed_optimizer`) the DP x CP and expert-DP
+all-reduces are left out (the optimizer reduce-scatters them) and the replica sum comes first.
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ class GradientSync:
     """
 
     def __init__(self, model: nn.Module, state, *, tied_params: tuple[nn.Parameter, ...] = (),
-                 expert_token_replicas: int = 1):
+                 expert_token_replicas: int = 1, data_parallel: bool = True):
         self.state = state
+        # False under the distributed optimizer: it reduce-scatters the dense and expert gradients itself
+        # (megamoe.training.distributed_optimizer); this sync then does only the sums that must come first.
+        self.data_parallel = data_parallel
         self.expert_scale = 1.0 / (state.dp_cp.size * expert_token_replicas)
         params = [p for p in model.parameters() if p.requires_grad]
         self.expert_params = [p for p in params if getattr(p, "expert_parallel", False)]
@@ -80,6 +85,12 @@ class GradientSync:
         _all_reduce_coalesced([p.grad for p in self.sequence_parallel_params], state.tp.group)
         if state.embedding is not None and self.tied_params:
             _all_reduce_coalesced([p.grad for p in self.tied_params], state.embedding.group)
+        if not self.data_parallel:
+            # The replica sum (a sum over slots, on this rank and across EP) before the optimizer's shard
+            # reduction: every replica slot then holds the same summed gradient and gets the same update.
+            for layer in self.moe_layers:
+                layer.reduce_replica_grads()
+            return
         _all_reduce_coalesced([p.grad for p in self.dense_params], state.dp_cp.group, 1.0 / state.dp_cp.size)
         _all_reduce_coalesced([p.grad for p in self.expert_params], state.edp.group, self.expert_scale)
         for layer in self.moe_layers:

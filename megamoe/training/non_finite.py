@@ -36,8 +36,9 @@ def _first_non_finite_value(model: nn.Module) -> str | None:
     return next((name for name, p in model.named_parameters() if has_non_finite(p.detach())), None)
 
 
-def _last_non_finite_gradient(model: nn.Module) -> str | None:
-    bad = [name for name, p in model.named_parameters() if p.grad is not None and has_non_finite(p.grad)]
+def _last_non_finite_gradient(model: nn.Module, gradients=None) -> str | None:
+    named = gradients() if gradients is not None else [(n, p.grad) for n, p in model.named_parameters()]
+    bad = [name for name, g in named if g is not None and has_non_finite(g)]
     return bad[-1] if bad else None
 
 
@@ -79,15 +80,17 @@ def _gathered(report, world_group) -> list[tuple[int, object]]:
 
 
 def locate_non_finite(model: nn.Module, state, world_group, *, loss_finite: bool,
-                      rerun_forward: Callable[[], None]) -> str:
+                      rerun_forward: Callable[[], None], gradients: Callable[[], list] | None = None) -> str:
     """What went non-finite first, in words naming the parameter or module and the rank (see the module
-    docstring). Collective over ``world_group``: every rank calls it, with the same ``loss_finite``."""
+    docstring). Collective over ``world_group``: every rank calls it, with the same ``loss_finite``.
+    ``gradients``: returns the (parameter name, reduced gradient) pairs to search, in registration order,
+    where they are not ``p.grad`` (the distributed optimizer's shards); default: every ``p.grad``."""
     values = _gathered(_first_non_finite_value(model), world_group)
     if values:
         rank, name = values[0]
         return f"parameter {name!r} holds NaN or Inf (rank {rank})"
     if loss_finite:
-        found = _on_stage(_gathered((state.pp.rank, _last_non_finite_gradient(model)), world_group), max)
+        found = _on_stage(_gathered((state.pp.rank, _last_non_finite_gradient(model, gradients)), world_group), max)
         if found is not None:
             rank, name = found
             return f"the gradient of parameter {name!r} went non-finite first in the backward (rank {rank})"

@@ -1,4 +1,6 @@
-"""Command-line flags of a training script for the LR schedule, the non-finite guard and fp16 loss scaling,
+"""Command-line flags of a training script for the LR schedule, the non-finite guard, fp16 loss scaling and the
+optimizer's memory layout (``--distributed-optimizer``, ``--zero-stage``, ``--param-dtype``, as Megatron-LM's
+``--use-distributed-optimizer`` and ``--bf16``),
 ``--lr-schedule {constant,linear,cosine,wsd}`` (Megatron-LM's ``--lr-decay-style``) and ``--warmup-steps``,
 the others named as Megatron-LM's (``--lr-wsd-decay-style``, ``--override-opt-param-scheduler``,
 ``--initial-loss-scale``, ``--loss-scale-window``)::
@@ -13,11 +15,15 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from megamoe.launch import UsageError
 from megamoe.training.loss_scaling import LossScaleConfig
 from megamoe.training.lr_schedule import LR_SCHEDULE_STYLES, WSD_DECAY_STYLES, LRScheduleConfig
 
-__all__ = ["add_optim_arguments", "train_config_kwargs"]
+__all__ = ["add_optim_arguments", "train_config_kwargs", "param_dtype", "PARAM_DTYPES"]
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 _FLAGS = {"style": "--lr-schedule", "warmup_steps": "--warmup-steps", "decay_steps": "--lr-decay-steps",
           "min_lr_ratio": "--min-lr-ratio", "wsd_decay_style": "--lr-wsd-decay-style",
@@ -47,6 +53,15 @@ def add_optim_arguments(parser) -> None:
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: the initial loss scale")
     g.add_argument("--loss-scale-window", type=int, default=2000,
                    help="fp16: good steps in a row before the loss scale doubles")
+    m = parser.add_argument_group("optimizer memory")
+    m.add_argument("--distributed-optimizer", action="store_true",
+                   help="shard the Adam moments (and the fp32 master weights of bf16 parameters) over the data-"
+                        "parallel ranks (experts: over expert-DP); gradients are reduce-scattered, parameters "
+                        "all-gathered (ZeRO-1)")
+    m.add_argument("--zero-stage", type=int, choices=(1, 2), default=1,
+                   help="2: also free the full gradients after the reduce-scatter (needs --distributed-optimizer)")
+    m.add_argument("--param-dtype", choices=list(PARAM_DTYPES), default="fp32",
+                   help="dtype of the model's parameters; bf16 keeps fp32 master weights in the optimizer")
 
 
 def _with_flag_names(message: str) -> str:
@@ -59,7 +74,8 @@ def _with_flag_names(message: str) -> str:
 def train_config_kwargs(args, *, train_steps: int) -> dict:
     """``TrainConfig`` keyword arguments (``lr_schedule``, ``max_skipped_steps``, ``loss_scale``) from the
     flags of :func:`add_optim_arguments`; the decay ends at ``train_steps`` unless ``--lr-decay-steps``.
-    Raises :class:`~megamoe.launch.UsageError` naming the flag."""
+    Also ``distributed_optimizer`` and ``zero_stage``. Raises :class:`~megamoe.launch.UsageError` naming the
+    flag."""
     style = args.lr_schedule
     wsd_fraction = args.lr_wsd_decay_fraction
     if style == "wsd" and wsd_fraction is None and args.lr_wsd_decay_steps is None:
@@ -69,6 +85,9 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
                          f"not {args.lr_schedule}")
     if args.max_skipped_steps < 0:
         raise UsageError(f"--max-skipped-steps must be >= 0 (0: never stop), got {args.max_skipped_steps}")
+    if args.zero_stage == 2 and not args.distributed_optimizer:
+        raise UsageError("--zero-stage 2 needs --distributed-optimizer (ZeRO-2 frees the gradients outside the "
+                         "shards the distributed optimizer keeps)")
     decay_steps = train_steps if args.lr_decay_steps is None else args.lr_decay_steps
     try:
         schedule = LRScheduleConfig(
@@ -79,4 +98,10 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
         loss_scale = LossScaleConfig(initial_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window)
     except ValueError as e:
         raise UsageError(_with_flag_names(str(e))) from None
-    return {"lr_schedule": schedule, "max_skipped_steps": args.max_skipped_steps, "loss_scale": loss_scale}
+    return {"lr_schedule": schedule, "max_skipped_steps": args.max_skipped_steps, "loss_scale": loss_scale,
+            "distributed_optimizer": args.distributed_optimizer, "zero_stage": args.zero_stage}
+
+
+def param_dtype(args) -> torch.dtype:
+    """The model's parameter dtype from ``--param-dtype``."""
+    return PARAM_DTYPES[args.param_dtype]

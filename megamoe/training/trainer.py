@@ -73,6 +73,7 @@ from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
+from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.flops import training_flops
 from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
 from megamoe.training.loss_scaling import DynamicLossScaler, LossScaleConfig
@@ -102,6 +103,12 @@ class TrainConfig:
     max_skipped_steps: int = 10         # consecutive non-finite steps before NonFiniteTrainingError; 0: never
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)      # used with autocast="fp16" only
     eplb: EPLBConfig | None = None      # online expert rebalancing after the optimizer step; None: off
+    # ZeRO: shard the Adam moments (and fp32 master weights of non-fp32 parameters) over DP x CP (dense)
+    # and expert-DP (experts); gradients are reduce-scattered, parameters all-gathered
+    # (megamoe.training.distributed_optimizer). zero_stage 2 also frees the full gradients after the
+    # reduce-scatter (needs distributed_optimizer).
+    distributed_optimizer: bool = False
+    zero_stage: int = 1
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -115,6 +122,13 @@ class TrainConfig:
                              f"got {self.max_skipped_steps!r}")
         if not isinstance(self.lr_schedule, LRScheduleConfig):
             raise ValueError(f"TrainConfig.lr_schedule must be an LRScheduleConfig, got {type(self.lr_schedule)}")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(f"TrainConfig.distributed_optimizer must be a bool, got {self.distributed_optimizer!r}")
+        if self.zero_stage not in (1, 2) or isinstance(self.zero_stage, bool):
+            raise ValueError(f"TrainConfig.zero_stage must be 1 or 2, got {self.zero_stage!r}")
+        if self.zero_stage == 2 and not self.distributed_optimizer:
+            raise ValueError("TrainConfig.zero_stage=2 needs distributed_optimizer=True (ZeRO-2 frees gradients "
+                             "outside the shards the distributed optimizer keeps)")
         if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
             raise ValueError(f"TrainConfig.eplb must be an EPLBConfig or None, got {type(self.eplb).__name__}")
 
@@ -142,7 +156,14 @@ class StepMetrics:
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay only on matrices. NVIDIA apex's FusedAdam when importable on CUDA, else
-    torch's fused AdamW kernel where it exists (CPU, CUDA)."""
+    torch's fused AdamW kernel where it exists (CPU, CUDA). The parameters are the master weights, so they
+    must be fp32 (others: :class:`~megamoe.training.distributed_optimizer.DistributedOptimizer`, which the
+    Trainer builds for them)."""
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if dtypes:
+        raise ValueError(f"build_optimizer: parameters in {', '.join(dtypes)} need fp32 master weights; use "
+                         "megamoe.training.distributed_optimizer.DistributedOptimizer (the Trainer builds it for "
+                         "non-fp32 parameters, unsharded unless TrainConfig.distributed_optimizer)")
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -193,9 +214,21 @@ class Trainer:
         self.model, self.state, self.config, self.world_group = model, state, config, world_group
         self.peak_tflops = peak_tflops
         self._log_balancing()
+        replicas = expert_token_replicas(model.config, state)
+        if optimizer is not None and config.distributed_optimizer:
+            raise ValueError("Trainer(optimizer=...) with TrainConfig.distributed_optimizer=True: the distributed "
+                             "optimizer is built by the Trainer; pass one or the other")
+        fp32 = all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+        if optimizer is None and (config.distributed_optimizer or not fp32):
+            # Non-fp32 parameters need fp32 master weights: the same class, unsharded (groups of one rank).
+            optimizer = DistributedOptimizer.from_config(model, state, config, shard=config.distributed_optimizer,
+                                                         tied_params=model.tied_parameters(),
+                                                         expert_token_replicas=replicas)
         self.optimizer = optimizer or build_optimizer(model, config)
+        self.distributed = isinstance(self.optimizer, DistributedOptimizer)
         self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
-                                      expert_token_replicas=expert_token_replicas(model.config, state))
+                                      expert_token_replicas=replicas,
+                                      data_parallel=not (self.distributed and self.optimizer.shard))
         self.step = 0
         self.consecutive_skips = 0      # saved in training checkpoints, so the limit holds across a resume
         self.skipped_steps = 0
@@ -260,13 +293,19 @@ class Trainer:
         with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
             losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device)
         self.grad_sync.sync()
+        if self.distributed:      # reduce-scatter into the optimizer's shards (ZeRO-2: frees p.grad)
+            self.optimizer.reduce_gradients()
         loss, aux_loss, layer_aux_losses = self._global_losses(
             losses, aux_total, layer_aux.totals(model.config.num_layers, self.device), num_mb, scale or 1.0)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads = (self.optimizer.gradient_shards() if self.distributed
+                 else [p.grad for p in model.parameters() if p.grad is not None])
         if scale is not None and grads:
             torch._foreach_mul_(grads, 1.0 / scale)     # unscaled before the norm and clipping
-        grad_norm = clip_grad_norm_(model, self.config.grad_clip, state, self.world_group,
-                                    tied_params=model.tied_parameters())
+        if self.distributed:
+            grad_norm = self.optimizer.clip_grad_norm_(self.config.grad_clip, self.world_group)
+        else:
+            grad_norm = clip_grad_norm_(model, self.config.grad_clip, state, self.world_group,
+                                        tied_params=model.tied_parameters())
         # Identical on every rank (global norm, reduced losses): every rank skips, or none does. A dry run
         # on the meta device has no values to judge.
         finite = self.device.type == "meta" or (math.isfinite(loss) and math.isfinite(aux_loss)
@@ -336,7 +375,8 @@ class Trainer:
         self.skipped_steps += 1
         culprit = locate_non_finite(self.model, self.state, self.world_group,
                                     loss_finite=math.isfinite(loss) and math.isfinite(aux_loss),
-                                    rerun_forward=rerun_forward)
+                                    rerun_forward=rerun_forward,
+                                    gradients=self.optimizer.named_gradient_shards if self.distributed else None)
         self.optimizer.zero_grad(set_to_none=True)   # the re-run's, if any
         scaling = "" if scale is None else f"; fp16 loss scale {scale:g} -> {self.loss_scaler.scale:g}"
         limit = self.config.max_skipped_steps

@@ -1,0 +1,451 @@
+"""The distributed optimizer (ZeRO-1 / ZeRO-2): AdamW whose state is sharded over data-parallel ranks.
+
+Layout. Every parameter is sharded on its own. A parameter is viewed as ``[S, n]``: ``S`` = its number of
+expert slots for a stacked expert parameter ``[S, ...]`` (each slot row sharded separately), 1 for everything
+else. ``n`` is padded to ``n_pad``, a multiple of its group's size ``N``, and rank ``r`` of the group owns
+columns ``[r * c, (r + 1) * c)`` of every row, ``c = n_pad / N``: its state tensors are ``[S, c]``. Dense
+parameters are sharded over DP x CP (``state.dp_cp``), expert parameters (tagged ``expert_parallel``) over
+expert-DP (``state.edp``). Slot ``k``'s state therefore sits on the same edp rank in every EP rank, so an
+expert migration (:mod:`megamoe.moe.expert_migration`, an exchange over the EP group between ranks of one edp
+index) moves a slot's shard rows exactly like a stacked parameter's rows (:meth:`slot_state_views`).
+
+Buckets. Parameters of one (group, dtype) are packed into buckets of at most ``bucket_numel`` padded
+elements, laid out ``[N, shard_numel]``: rank ``r``'s pieces of every parameter of the bucket are contiguous
+(parameter after parameter, each ``[S, c]``), so one :func:`~megamoe.comms.reduce_scatter_flat` per bucket
+leaves rank ``r`` the sum of exactly its pieces, and one :func:`~megamoe.comms.all_gather_flat` of the
+updated pieces rebuilds every parameter. The bound keeps the transient buffer of a big model small.
+
+Gradient reduction (the order of :mod:`megamoe.training.grad_sync`): :class:`GradientSync` built with
+``data_parallel=False`` first sums sequence-parallel grads over TP, tied embedding grads over the embedding
+group and the expert replicas across their slots (``MoELayer.reduce_replica_grads``: every replica slot then
+holds the same summed gradient; with the same starting state, each gets the same update). Then
+:meth:`reduce_gradients` reduce-scatters each bucket and scales it: dense by 1 / |dp_cp| (the mean over DP
+ranks), experts by GradientSync's ``expert_scale`` (1 / (|dp_cp| x expert token replicas)). The reduction
+runs in fp32 whatever the parameters' dtype. ZeRO-1 leaves ``p.grad`` as it was (this rank's own, unreduced
+contribution: the reduced values live only in the shards); ZeRO-2 frees it (``p.grad = None``). Either way
+the reduced shards (:meth:`gradient_shards`) live until the step.
+
+Master weights. fp32 parameters ARE the master: the step copies the owned shard out into the bucket's
+all-gather buffer, updates it there, and gathers; persistent state is the two fp32 moments only (8 bytes
+per parameter / N) plus Adam's step count. Other dtypes (bf16, fp16) keep a persistent fp32 ``master``
+shard, updated and then gathered in the model's dtype. Gradients of such parameters accumulate over
+micro-batches in the parameter dtype (autograd's own accumulation): GradientSync's TP, tied and replica
+sums read ``p.grad`` in place, so an fp32 side buffer would have to be threaded through all of them; the
+cross-rank sum, the largest reduction, is done in fp32 in the bucket.
+
+``shard=False`` (what the Trainer builds for bf16 parameters without ``distributed_optimizer``): groups of
+one rank, so ``N = 1``; GradientSync then does its usual DP all-reduces and :meth:`reduce_gradients` only
+copies the reduced gradients into fp32 shards (no communication).
+
+The norm (:meth:`clip_grad_norm_`) is computed on the shards: each element of a sharded parameter is held by
+one rank of its group, so only the remaining replication counts (TP-replicated parameters, tied copies on
+two stages, expert replicas in several slots, and the DP replicas of an unsharded optimizer), as in
+:func:`~megamoe.training.grad_sync.global_grad_norm`; it equals the plain norm.
+
+Checkpoints (:mod:`megamoe.training.checkpoint`) store LOGICAL state, the plain optimizer's: :meth:`logical_state`
+gathers every parameter's shards into full-shape tensors (one bucket and state key at a time), and
+:meth:`load_logical_state` slices this rank's shards back out. The fp32 master weights are saved AS the
+model's weights (the checkpoint's parameter tensors hold the master in fp32, not the rounded bf16 copy), so
+there is no separate ``master`` key: a plain fp32 run resuming loads the master as its weights, and a bf16
+run resuming from any checkpoint takes its master from the stored weights.
+
+Parameters without a gradient on a step are treated as having a zero gradient (unlike torch's AdamW, which
+skips them): the models here give every trainable parameter a gradient on every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.adam import adam as _adam
+from torch import nn
+
+from megamoe import comms
+from megamoe.host_values import host_floats
+from megamoe.moe.moe_layer import MoELayer
+from megamoe.training.grad_sync import _replication
+
+__all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_NUMEL"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_NUMEL = 40_000_000     # padded elements per reduce-scatter bucket
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The group a parameter is sharded over (``group`` None for one rank)."""
+    group: object
+    size: int
+    rank: int
+
+
+@dataclass
+class _Entry:
+    """Where one parameter lives: viewed as [rows, row_numel], this rank owns columns
+    [rank * cols, rank * cols + valid) of every row, at ``offset`` in its bucket's chunk."""
+    param: nn.Parameter
+    rows: int
+    row_numel: int
+    cols: int
+    rank: int
+    expert: bool
+    bucket: int = -1
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def valid(self) -> int:
+        return max(0, min(self.cols, self.row_numel - self.rank * self.cols))
+
+    def owned(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of ``tensor`` (shaped like the parameter): a [rows, valid] view."""
+        start = self.rank * self.cols
+        return tensor.view(self.rows, self.row_numel)[:, start:start + self.valid]
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's [rows, cols] piece of a bucket's [shard_numel] buffer."""
+        return flat[self.offset:self.offset + self.numel].view(self.rows, self.cols)
+
+    def full_from(self, gathered: torch.Tensor, size: int, shard_numel: int) -> torch.Tensor:
+        """The parameter-shaped tensor from a bucket's gathered [size * shard_numel] buffer."""
+        pieces = gathered.view(size, shard_numel)[:, self.offset:self.offset + self.numel]
+        rows = pieces.reshape(size, self.rows, self.cols).transpose(0, 1).reshape(self.rows, size * self.cols)
+        return rows[:, :self.row_numel].reshape(self.param.shape)
+
+
+@dataclass
+class _Bucket:
+    group: _Group
+    dtype: torch.dtype
+    expert: bool
+    entries: list[_Entry] = field(default_factory=list)
+    shard_numel: int = 0
+    grad_shard: torch.Tensor | None = None     # [shard_numel] fp32, reduced; from reduce_gradients to the step
+
+
+@dataclass
+class _LogicalState:
+    """Full-shape (logical) optimizer state, the stand-in for the plain optimizer that
+    :func:`megamoe.checkpoint_state.optimizer_chunks` reads: ``param_groups`` and ``state[param] =
+    {"exp_avg", "exp_avg_sq": fp32 shaped like param, "step": 0-dim}``. ``masters[param]``: the fp32
+    master weights shaped like the parameter (non-fp32 parameters only), saved as the weights."""
+    param_groups: list
+    state: dict
+    masters: dict
+
+
+def _stacked_rows(model: nn.Module) -> dict[int, int]:
+    """id(param) -> number of slot rows, for expert parameters stacked by slot ([S, ...])."""
+    rows: dict[int, int] = {}
+    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+        slot_parameters = getattr(layer.experts, "slot_parameters", None)
+        if slot_parameters is None:
+            continue
+        for param, index in slot_parameters(0):
+            if isinstance(index, int):
+                rows[id(param)] = param.shape[0]
+    return rows
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """AdamW (the hyper-parameters and weight-decay rule of ``build_optimizer``: decay on matrices only)
+    with its state sharded (see the module docstring).
+
+    ``model``: one pipeline stage; ``state``: its ParallelState. ``shard=False``: groups of one rank
+    (fp32 master weights for non-fp32 parameters, no sharding). ``zero_stage`` 1 or 2. ``bucket_numel``:
+    the most padded elements of one reduce-scatter bucket (a parameter bigger than that gets a bucket of
+    its own). ``tied_params`` and ``expert_token_replicas`` as for
+    :class:`~megamoe.training.grad_sync.GradientSync`. ``state[param]`` holds this rank's shard tensors
+    ``exp_avg``, ``exp_avg_sq``, ``master`` (non-fp32 parameters), each [S, ceil(n / N)], and ``step``.
+
+    Per step the Trainer calls :meth:`reduce_gradients` (after GradientSync), :meth:`clip_grad_norm_`, then
+    :meth:`step` (the update and the all-gather of the parameters).
+    """
+
+    def __init__(self, model: nn.Module, state, *, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, shard: bool = True, zero_stage: int = 1,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, tied_params=(), expert_token_replicas: int = 1):
+        if zero_stage not in (1, 2):
+            raise ValueError(f"DistributedOptimizer zero_stage must be 1 or 2, got {zero_stage!r}")
+        if not (isinstance(bucket_numel, int) and bucket_numel >= 1):
+            raise ValueError(f"DistributedOptimizer bucket_numel must be an int >= 1, got {bucket_numel!r}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        super().__init__([g for g in groups if g["params"]],
+                         dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.model, self.parallel_state, self.shard, self.zero_stage = model, state, shard, zero_stage
+        self.tied_ids = {id(p) for p in tied_params}
+        self.dense_scale = 1.0 / state.dp_cp.size if shard else 1.0
+        self.expert_scale = 1.0 / (state.dp_cp.size * expert_token_replicas) if shard else 1.0
+        solo = _Group(None, 1, 0)
+        dense = _Group(state.dp_cp.group, state.dp_cp.size, state.dp_cp.rank) if shard else solo
+        expert = _Group(state.edp.group, state.edp.size, state.edp.rank) if shard else solo
+        stacked = _stacked_rows(model)
+        self.device = params[0].device
+        self._entries: dict[nn.Parameter, _Entry] = {}
+        self._buckets: list[_Bucket] = []
+        open_bucket: dict[tuple, int] = {}
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(f"DistributedOptimizer needs contiguous parameters; one of shape {tuple(p.shape)} "
+                                 "is not (its shards are column ranges of its flat view)")
+            is_expert = bool(getattr(p, "expert_parallel", False))
+            group = expert if is_expert else dense
+            rows = stacked.get(id(p), 1) if p.numel() else 1
+            row_numel = p.numel() // rows
+            entry = _Entry(p, rows, row_numel, math.ceil(row_numel / group.size), group.rank, is_expert)
+            key = (is_expert, p.dtype)
+            index = open_bucket.get(key)
+            if index is not None:
+                bucket = self._buckets[index]
+                if bucket.entries and (bucket.shard_numel + entry.numel) * group.size > bucket_numel:
+                    index = None
+            if index is None:
+                index = open_bucket[key] = len(self._buckets)
+                self._buckets.append(_Bucket(group, p.dtype, is_expert))
+            bucket = self._buckets[index]
+            entry.bucket, entry.offset = index, bucket.shard_numel
+            bucket.entries.append(entry)
+            bucket.shard_numel += entry.numel
+            self._entries[p] = entry
+        # torch's fused AdamW kernel where it exists (as build_optimizer), else the single-tensor loop.
+        self._fused = self.device.type in ("cpu", "cuda")
+        self._names = {id(p): name for name, p in model.named_parameters()}
+
+    @classmethod
+    def from_config(cls, model: nn.Module, state, config, *, shard: bool, tied_params=(),
+                    expert_token_replicas: int = 1, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+        """From a :class:`~megamoe.training.trainer.TrainConfig` (lr, betas, eps, weight_decay, zero_stage)."""
+        return cls(model, state, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                   shard=shard, zero_stage=config.zero_stage, bucket_numel=bucket_numel, tied_params=tied_params,
+                   expert_token_replicas=expert_token_replicas)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def _state_of(self, entry: _Entry) -> dict:
+        """This parameter's state, created on first use (zeros, step 0; the master from the parameter)."""
+        s = self.state[entry.param]
+        if not s:
+            shape = (entry.rows, entry.cols)
+            p = entry.param
+            s["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            s["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            if p.dtype != torch.float32:
+                master = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                master[:, :entry.valid].copy_(entry.owned(p.detach()))
+                s["master"] = master
+            # As torch's AdamW: the fused kernel wants the step on the device; the single-tensor loop reads
+            # it on the host (a 0-dim CPU scalar, the meta device's case).
+            s["step"] = (torch.zeros((), dtype=torch.float32, device=self.device) if self._fused
+                         else torch.tensor(0.0, dtype=torch.float32))
+        return s
+
+    def materialize_state(self) -> None:
+        """Create every parameter's state (zeros, step 0) without a step: what a checkpoint loads into."""
+        for entry in self._entries.values():
+            self._state_of(entry)
+
+    # ---- gradients -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the gradients into this rank's fp32 shards (one collective per bucket), scaled to
+        the mean over DP (see the module docstring); ZeRO-2 then frees ``p.grad``. Call after
+        ``GradientSync(data_parallel=False).sync()`` (sharded) or the full sync (``shard=False``)."""
+        for bucket in self._buckets:
+            size = bucket.group.size
+            flat = torch.zeros(size * bucket.shard_numel, dtype=torch.float32, device=self.device)
+            chunks = flat.view(size, bucket.shard_numel)
+            for e in bucket.entries:
+                grad = e.param.grad
+                if grad is None or not e.numel:
+                    continue
+                rows = grad.reshape(e.rows, e.row_numel)
+                if size * e.cols != e.row_numel:
+                    rows = torch.nn.functional.pad(rows, (0, size * e.cols - e.row_numel))
+                # [N, S, c] view of the bucket <- [S, N, c] of the padded gradient: rank r's columns land
+                # in rank r's chunk.
+                chunks[:, e.offset:e.offset + e.numel].view(size, e.rows, e.cols).copy_(
+                    rows.view(e.rows, size, e.cols).transpose(0, 1))
+            shard = comms.reduce_scatter_flat(flat, bucket.group.group)
+            scale = self.expert_scale if bucket.expert else self.dense_scale
+            if scale != 1.0:
+                shard.mul_(scale)
+            bucket.grad_shard = shard
+            if self.zero_stage == 2:
+                for e in bucket.entries:
+                    e.param.grad = None
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """The reduced-gradient shard tensors this rank keeps ([shard_numel] fp32 per bucket), from
+        :meth:`reduce_gradients` to the next :meth:`zero_grad`; [] when none are kept."""
+        return [b.grad_shard for b in self._buckets if b.grad_shard is not None]
+
+    def named_gradient_shards(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, its [S, c] reduced-gradient shard) in registration order (non-finite search)."""
+        out = []
+        for p, e in self._entries.items():
+            shard = self._buckets[e.bucket].grad_shard
+            if shard is not None:
+                out.append((self._names.get(id(p), "?"), e.shard_of(shard)))
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for bucket in self._buckets:
+            bucket.grad_shard = None
+
+    def _row_weights(self) -> dict[int, torch.Tensor | float]:
+        """id(expert param) -> weight of each slot row in the norm (1 / replicas of its expert): [S] for
+        stacked parameters, a float for per-slot ones (te backend). Read from the current placements."""
+        weights: dict[int, torch.Tensor | float] = {}
+        for layer in (m for m in self.model.modules() if isinstance(m, MoELayer)):
+            counts = layer.local_replica_counts()
+            if not bool((counts > 1).any()):
+                continue
+            per_slot = (1.0 / counts.double()).to(self.device)
+            for local_slot in range(counts.numel()):
+                for param, index in layer.experts.slot_parameters(local_slot):
+                    if isinstance(index, int):
+                        weights[id(param)] = per_slot
+                    else:
+                        weights[id(param)] = 1.0 / float(counts[local_slot])
+        return weights
+
+    @torch.no_grad()
+    def grad_norm(self, world_group) -> float:
+        """The global L2 norm of the reduced gradients, from the shards: equal to the plain optimizer's
+        :func:`~megamoe.training.grad_sync.global_grad_norm` (same weighting of replicated values; the
+        sharding group's replication is gone, each element has one owner in it). One all-reduce."""
+        state = self.parallel_state
+        row_weights = self._row_weights()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for bucket in self._buckets:
+            if bucket.grad_shard is None:
+                continue
+            for e in bucket.entries:
+                copies = _replication(e.param, state, id(e.param) in self.tied_ids)
+                copies /= (state.edp.size if e.expert else state.dp_cp.size) if self.shard else 1
+                sq = e.shard_of(bucket.grad_shard).double().pow(2).sum(dim=1)     # [S]
+                rows = row_weights.get(id(e.param))
+                if rows is not None:
+                    sq = sq * rows
+                total += sq.sum() / copies
+        comms.all_reduce_(total, world_group)
+        total, = host_floats(total)      # the step's one host read of the norm (NaN on the meta device)
+        return math.sqrt(max(total, 0.0))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, world_group) -> float:
+        """Scale the gradient shards so the global norm is at most ``max_norm`` (as
+        :func:`~megamoe.training.grad_sync.clip_grad_norm_`); returns the norm before clipping."""
+        norm = self.grad_norm(world_group)
+        if max_norm > 0 and norm > max_norm:
+            shards = self.gradient_shards()
+            if shards:
+                torch._foreach_mul_(shards, max_norm / (norm + 1e-6))
+        return norm
+
+    # ---- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """AdamW on this rank's shards (with the reduced gradient shards of :meth:`reduce_gradients`; none:
+        zero gradients), then one all-gather per bucket, in the parameters' dtype, copied back into them."""
+        loss = closure() if closure is not None else None
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for bucket in self._buckets:
+            size = bucket.group.size
+            updated = torch.zeros(bucket.shard_numel, dtype=bucket.dtype, device=self.device)
+            grads = (bucket.grad_shard if bucket.grad_shard is not None
+                     else torch.zeros(bucket.shard_numel, dtype=torch.float32, device=self.device))
+            work: dict[int, tuple[dict, list]] = {}        # param group -> (group, [targets, grads, m, v, steps])
+            for e in bucket.entries:
+                s = self._state_of(e)
+                if "master" in s:
+                    target = s["master"]
+                else:     # fp32: the parameter is the master; update its owned piece in the gather buffer
+                    target = e.shard_of(updated)
+                    target[:, :e.valid].copy_(e.owned(e.param.detach()))
+                group = group_of[id(e.param)]
+                lists = work.setdefault(id(group), (group, [[], [], [], [], []]))[1]
+                for lst, t in zip(lists, (target, e.shard_of(grads), s["exp_avg"], s["exp_avg_sq"], s["step"])):
+                    lst.append(t)
+            for group, (targets, gs, ms, vs, steps) in work.values():
+                beta1, beta2 = group["betas"]
+                _adam(targets, gs, ms, vs, [], steps, foreach=False, fused=self._fused or None,
+                      decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            for e in bucket.entries:
+                if "master" in self.state[e.param]:
+                    e.shard_of(updated).copy_(self.state[e.param]["master"])
+            gathered = comms.all_gather_flat(updated, bucket.group.group)
+            for e in bucket.entries:
+                if e.numel:
+                    e.param.detach().copy_(e.full_from(gathered, size, bucket.shard_numel))
+        return loss
+
+    # ---- expert migration ----------------------------------------------------------------------
+    def slot_state_views(self, param: nn.Parameter, index) -> list[torch.Tensor]:
+        """This rank's state rows of one expert slot of ``param`` (``index``: the slot's row of a stacked
+        parameter, or ``slice(None)`` for a per-slot one): master (if any) and moments, sorted by key; [] before
+        the first step. What :func:`megamoe.moe.expert_migration.migrate_layer` moves with the slot."""
+        s = self.state.get(param)
+        if not s:
+            return []
+        return [s[key][index] for key in sorted(s) if s[key].dim() > 0]
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def logical_state(self, gather: bool = True) -> _LogicalState:
+        """Full-shape state of every parameter (see :class:`_LogicalState`). ``gather``: the values, by one
+        all-gather per bucket and state key over the bucket's group (collective); else zeros (step 0) to load
+        a checkpoint into, then :meth:`load_logical_state`."""
+        self.materialize_state()
+        full: dict = {}
+        masters: dict = {}
+        for bucket in self._buckets:
+            size = bucket.group.size
+            keys = sorted(k for k in self.state[bucket.entries[0].param] if k != "step")
+            for key in keys:
+                if gather:
+                    flat = torch.cat([self.state[e.param][key].reshape(-1) for e in bucket.entries])
+                    gathered = comms.all_gather_flat(flat, bucket.group.group)
+                for e in bucket.entries:
+                    value = (e.full_from(gathered, size, bucket.shard_numel).contiguous() if gather else
+                             torch.zeros(e.param.shape, dtype=torch.float32, device=self.device))
+                    if key == "master":
+                        masters[e.param] = value
+                    else:
+                        full.setdefault(e.param, {})[key] = value
+            for e in bucket.entries:
+                step = self.state[e.param]["step"]
+                full.setdefault(e.param, {})["step"] = step.clone() if gather else torch.zeros_like(step)
+        return _LogicalState(self.param_groups, full, masters)
+
+    @torch.no_grad()
+    def load_logical_state(self, logical: _LogicalState) -> None:
+        """Take this rank's shards of the loaded full-shape state (and the parameters from the masters)."""
+        for p, e in self._entries.items():
+            s = self._state_of(e)
+            for key, value in logical.state[p].items():
+                if key == "step":
+                    s["step"].copy_(value)
+                else:
+                    s[key].zero_()
+                    s[key][:, :e.valid].copy_(e.owned(value))
+            if p in logical.masters:
+                s["master"].zero_()
+                s["master"][:, :e.valid].copy_(e.owned(logical.masters[p]))
+                p.detach().copy_(logical.masters[p])
+
+    # ---- memory --------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """This rank's optimizer-state bytes (moments, masters, steps)."""
+        return sum(t.nbytes for s in self.state.values() for t in s.values())
