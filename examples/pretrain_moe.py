@@ -71,6 +71,7 @@ from megamoe.training.mfu import resolve_peak_tflops
 from megamoe.training.optim_arguments import add_optim_arguments, param_dtype, train_config_kwargs
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
+from megamoe.transformer.recompute_arguments import add_recompute_arguments, recompute_config_from_args
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_packing_arguments(t)
     add_optim_arguments(p)
     add_eplb_arguments(p, unit="steps")
+    add_recompute_arguments(p)
     add_data_arguments(p, default_data_help="; default: the Python standard library's sources")
     add_metrics_arguments(p)
     d = p.add_argument_group("model, tokenizer, outputs")
@@ -298,6 +300,7 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError("--hf-model and --model-config both choose the model; give one of them")
     check_data_arguments(args)
     train_config_kwargs(args, train_steps=args.steps)            # the schedule flags: UsageError naming the flag
+    recompute_config_from_args(args)                             # the recompute flags: the same
     try:
         check_metrics_arguments(args)
     except ValueError as e:
@@ -539,7 +542,8 @@ def main(argv=None) -> int:
         model, _ = start_from_hf(args.hf_model, state, dispatcher=args.dispatcher,
                                  num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
                                  expert_backend=args.expert_backend, device=device, dtype=param_dtype(args),
-                                 load_weights=plan.resume_from is None, saved_placements=saved)
+                                 load_weights=plan.resume_from is None, saved_placements=saved,
+                                 recompute=recompute_config_from_args(args))
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
     else:
@@ -547,6 +551,8 @@ def main(argv=None) -> int:
         if config is None:
             config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
                 dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
+        # Recomputation is the engine's choice, whatever the model source (a checkpoint resumes under any).
+        config = dataclasses.replace(config, recompute=recompute_config_from_args(args))
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
         model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args))
         initialize_parameters(model, args.seed)

@@ -20,6 +20,7 @@ dispatched, no padding, token 0 sampled), with torch's own
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -37,6 +38,7 @@ from megamoe.models import GPTMoEModel
 from megamoe.moe.expert_migration import migrate_layer
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.training.trainer import TrainConfig, Trainer
+from megamoe.transformer.recompute import RECOMPUTE_MODULES, RecomputeConfig
 from parallel_state import destroy_model_parallel, initialize_model_parallel
 from test_training import E, MICRO_BATCH, S, tiny_config
 
@@ -103,6 +105,23 @@ def test_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
             assert kinds.get("all_to_all" if dispatcher == "alltoall" else "all_reduce", 0) > 0, kinds
             if state.pp.size > 1:
                 assert kinds.get("send", 0) > 0 and kinds.get("recv", 0) > 0, kinds
+
+
+def test_recomputed_training_step_on_meta_creates_every_tensor_on_the_model_device():
+    """Activation recomputation (megamoe.transformer.recompute): the checkpointed regions, their RNG
+    stash and their recomputation in backward stay on the model's device (pp 2, ep 2, bf16). Ranks 0 and
+    2 (both stages) recompute full layers, ranks 1 and 3 every selective module."""
+    modes = {0: RecomputeConfig("full"), 1: RecomputeConfig("selective", RECOMPUTE_MODULES)}
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, pp=2, ep=2) as state:
+            config = dataclasses.replace(tiny_config("alltoall"), recompute=modes[rank % 2])
+            model = GPTMoEModel(config, state, device="meta", dtype=torch.bfloat16)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run() as counter:
+                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+            assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
+            assert counter.kinds().get("all_to_all", 0) > 0
 
 
 def test_expert_migration_on_meta_creates_every_tensor_on_the_model_device():

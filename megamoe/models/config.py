@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from megamoe.moe.fp8 import FP8Config
@@ -13,6 +13,7 @@ from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.transformer.attention import AttentionConfig
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.mlp import MLPConfig
+from megamoe.transformer.recompute import RecomputeConfig, recompute_from_dict
 from megamoe.transformer.rope import RopeConfig
 
 __all__ = ["GPTMoEConfig"]
@@ -38,8 +39,13 @@ class GPTMoEConfig:
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    # How the engine trades compute for activation memory (megamoe.transformer.recompute); not part of
+    # what the model is: a checkpoint resumes under another choice.
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self):
+        if not isinstance(self.recompute, RecomputeConfig):
+            raise ValueError(f"GPTMoEConfig.recompute must be a RecomputeConfig, got {type(self.recompute).__name__}")
         for name in ("vocab_size", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTMoEConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +92,8 @@ class GPTMoEConfig:
             fields["moe"] = _build(MoEConfig, moe, "moe")
         if fields.get("dense_mlp") is not None:
             fields["dense_mlp"] = _build(MLPConfig, fields["dense_mlp"], "dense_mlp")
+        if "recompute" in fields:
+            fields["recompute"] = recompute_from_dict(fields["recompute"])
         fields["moe_layer_ids"] = tuple(_required(fields, "moe_layer_ids", "GPTMoEConfig"))
         return _build(cls, fields, "GPTMoEConfig")
 

@@ -20,6 +20,12 @@ neither computed by the experts nor counted in the expert load.
 Packed documents (training): ``document_ids`` [B, S] (:mod:`megamoe.data.packing`) makes every layer's
 attention document-causal; with per-document ``position_ids`` each document's logits are those of the
 document run alone. Every pipeline stage needs both (they are not sent with the hidden states).
+
+Activation recomputation (``config.recompute``, :mod:`megamoe.transformer.recompute`), chosen at
+construction: ``full`` checkpoints each decoder layer whole (:meth:`GPTMoEModel._decoder_layers`);
+selective ``layernorm``, ``moe`` and ``mlp`` wrap the decoder layer's calls of its norms and MLP;
+``core_attn``, ``mla_up_proj`` and ``moe_act`` are flags of the attention and experts modules.
+Calls with a KV cache are never recomputed.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.transformer import RMSNorm
 from megamoe.transformer.attention import check_no_cache_with_documents
+from megamoe.transformer.mla import MLAConfig
+from megamoe.transformer.recompute import checkpointed, set_module_flag
 from megamoe.transformer.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "expert_token_replicas"]
@@ -101,7 +109,9 @@ def expert_token_replicas(config: GPTMoEConfig, state) -> int:
 
 class DecoderLayer(nn.Module):
     """pre-norm attention + pre-norm (MoE or dense) MLP, both residual. HF module names. The attention,
-    dense MLP and MoE layer are built by ``layer_spec`` (:class:`LayerSpec`; default: the shipped classes)."""
+    dense MLP and MoE layer are built by ``layer_spec`` (:class:`LayerSpec`; default: the shipped classes).
+    ``config.recompute``'s selective modules apply here (see the module docstring); a custom module
+    without the matching flag logs a warning and is not recomputed inside."""
 
     def __init__(self, config: GPTMoEConfig, layer_id: int, state, *, placement: ExpertPlacement | None = None,
                  layer_spec: LayerSpec | None = None, device=None, dtype=None):
@@ -123,6 +133,15 @@ class DecoderLayer(nn.Module):
         parameters = inspect.signature(self.self_attn.forward).parameters.values()
         self.attention_takes_document_ids = any(p.name == "document_ids" or p.kind is p.VAR_KEYWORD
                                                 for p in parameters)
+        recompute = config.recompute
+        self.recompute_layernorm = recompute.recomputes("layernorm")
+        self.recompute_mlp = recompute.recomputes("moe" if config.is_moe_layer(layer_id) else "mlp")
+        set_module_flag(self.self_attn, "recompute_core_attn", recompute.recomputes("core_attn"), "core_attn")
+        if isinstance(config.attention, MLAConfig):       # GQA has no up projections: nothing to recompute
+            set_module_flag(self.self_attn, "recompute_up_proj", recompute.recomputes("mla_up_proj"), "mla_up_proj")
+        if config.is_moe_layer(layer_id):
+            set_module_flag(getattr(self.mlp, "experts", self.mlp), "recompute_activation",
+                            recompute.recomputes("moe_act"), "moe_act")
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None,
                 attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None,
@@ -144,15 +163,15 @@ class DecoderLayer(nn.Module):
                                  "`document_ids=None` to its forward and pass it to causal_attention, or train "
                                  "without reset_attention_mask")
             packing["document_ids"] = document_ids
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, kv_cache, attention_mask,
-                                         position_embeddings, **packing)
-        normed = self.post_attention_layernorm(hidden)
+        normed = checkpointed(self.input_layernorm, hidden, enabled=self.recompute_layernorm)
+        hidden = hidden + self.self_attn(normed, position_ids, kv_cache, attention_mask, position_embeddings, **packing)
+        normed = checkpointed(self.post_attention_layernorm, hidden, enabled=self.recompute_layernorm)
         if mlp_token_index is not None:
             normed = normed.reshape(-1, normed.shape[-1]).index_select(0, mlp_token_index)   # [T, H]
         if mlp_token_mask is not None and isinstance(self.mlp, MoELayer):
-            mlp_out = self.mlp(normed, token_mask=mlp_token_mask)
+            mlp_out = checkpointed(self.mlp, normed, token_mask=mlp_token_mask, enabled=self.recompute_mlp)
         else:
-            mlp_out = self.mlp(normed)
+            mlp_out = checkpointed(self.mlp, normed, enabled=self.recompute_mlp)
         if isinstance(mlp_out, tuple):
             mlp_out, aux_loss = mlp_out
         else:
@@ -281,10 +300,13 @@ class GPTMoEModel(nn.Module):
                         mlp_token_mask=None, document_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         aux_loss = hidden.new_zeros((), dtype=torch.float32)
         position_embeddings = self.rotary(position_ids)
+        full = self.config.recompute.full
         for key, layer in self.layers.items():
             cache = None if kv_caches is None else kv_caches[int(key)]
-            hidden, layer_aux = layer(hidden, position_ids, cache, attention_mask, mlp_token_index,
-                                      position_embeddings, mlp_token_mask, document_ids)
+            # Full recomputation keeps only each layer's inputs (never with a cache: it updates once).
+            hidden, layer_aux = checkpointed(layer, hidden, position_ids, cache, attention_mask, mlp_token_index,
+                                             position_embeddings, mlp_token_mask, document_ids,
+                                             enabled=full and cache is None)
             aux_loss = aux_loss + layer_aux
         return hidden, aux_loss
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from megamoe.host_values import host_ints
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
+from megamoe.transformer.recompute import checkpointed
 
 __all__ = ["ExpertsConfig", "GroupedExperts"]
 
@@ -133,7 +134,14 @@ class GroupedExperts(nn.Module):
 
     ``fp8_amax_reduction``: the ETP and ETP x expert-DP groups over which the FP8 paths reduce amaxes
     (:class:`megamoe.moe.fp8.FP8AmaxReduction`); the MoE layer passes its own groups.
+
+    ``recompute_activation`` (selective ``moe_act``, set by the decoder layer; see
+    :mod:`megamoe.transformer.recompute`): the activation between the two GEMMs keeps nothing for
+    backward. The fused ``torch`` backend then saves ``h`` but not ``act(h)`` and recomputes it in its
+    backward; the other backends run the activation under :func:`~megamoe.transformer.recompute.checkpointed`.
     """
+
+    recompute_activation: bool = False
 
     def __init__(self, config: ExpertsConfig, *, fp8_amax_reduction: FP8AmaxReduction = FP8AmaxReduction(),
                  device=None, dtype=None) -> None:
@@ -201,11 +209,12 @@ class GroupedExperts(nn.Module):
         if self.backend == "loop":
             sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
-                             cfg.activation)
+                             cfg.activation, recompute_activation=self.recompute_activation)
         groups = SlotGroups.from_counts(tokens_per_slot.to(tokens_sorted.device), tokens_sorted.shape[0],
                                         dtype=tokens_sorted.dtype)
         if torch.is_grad_enabled():
-            return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)
+            return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation,
+                                            self.recompute_activation)
         return _grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)[0]  # inference
 
     @property
@@ -252,7 +261,7 @@ class GroupedExperts(nn.Module):
             return te_fp8_grouped_mlp(self.te_gate_up, self.te_down, tokens_sorted, tokens_per_slot,
                                       self._activate, self._te_fp8_recipe, self.fp8_amax_reduction.slot_group)
         hidden = self.te_gate_up(tokens_sorted, sizes)
-        return self.te_down(_activate(hidden, self.config.activation), sizes)
+        return self.te_down(self._activate(hidden), sizes)
 
     def _forward_fp8(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
         from megamoe.moe.fp8_experts import fp8_grouped_mlp  # imports this module
@@ -261,7 +270,7 @@ class GroupedExperts(nn.Module):
                                self.config.fp8, self.fp8_state, kernel=kernel, reduction=self.fp8_amax_reduction)
 
     def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _activate(hidden, self.config.activation)
+        return checkpointed(_activate, hidden, self.config.activation, enabled=self.recompute_activation)
 
     def _te_weights(self, module: nn.Module) -> list[torch.Tensor]:
         return [getattr(module, f"weight{s}") for s in range(self.config.num_local_slots)]
@@ -376,10 +385,13 @@ def _activate(hidden: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def _loop_mlp(tokens: torch.Tensor, gate_up_weights: Sequence[torch.Tensor],
-              down_weights: Sequence[torch.Tensor], sizes: list[int], activation: str) -> torch.Tensor:
-    """Per-slot ``F.linear`` on ``split`` views, plain autograd (the reference)."""
+              down_weights: Sequence[torch.Tensor], sizes: list[int], activation: str,
+              recompute_activation: bool = False) -> torch.Tensor:
+    """Per-slot ``F.linear`` on ``split`` views, plain autograd (the reference); the activation
+    recomputed in backward with ``recompute_activation``."""
     outputs = [
-        F.linear(_activate(F.linear(rows, w_gate_up), activation), w_down)
+        F.linear(checkpointed(_activate, F.linear(rows, w_gate_up), activation, enabled=recompute_activation),
+                 w_down)
         for rows, w_gate_up, w_down in zip(tokens.split(sizes), gate_up_weights, down_weights)
     ]
     return torch.cat(outputs)
@@ -517,20 +529,31 @@ class GroupedMLPFunction(torch.autograd.Function):
     zero-filled full-size gradient, no transpose copy): ``da = dY W2``, ``dW2 = dY^T a``,
     ``dh = act'(h) da`` (gate and up halves written in place), ``dX = dh W1``, ``dW1 = dh^T X``.
     Saving ``a`` instead of recomputing it trades N * F_shard of activation memory for one
-    elementwise pass and one allocation in backward (measured faster on CPU).
+    elementwise pass and one allocation in backward (measured faster on CPU); ``recompute_activation``
+    (selective ``moe_act``) makes the other choice: ``a`` is not saved and backward recomputes it from
+    ``h`` with the same kernel, so every gradient is bit-identical.
     """
 
     @staticmethod
-    def forward(ctx, tokens, w_gate_up, w_down, groups: SlotGroups, activation: str):
+    def forward(ctx, tokens, w_gate_up, w_down, groups: SlotGroups, activation: str,
+                recompute_activation: bool = False):
         out, hidden, act = _grouped_mlp(tokens, w_gate_up, w_down, groups, activation)
-        ctx.save_for_backward(tokens, w_gate_up, w_down, hidden, act)
+        ctx.recompute_activation = recompute_activation
+        if recompute_activation:
+            ctx.save_for_backward(tokens, w_gate_up, w_down, hidden)
+        else:
+            ctx.save_for_backward(tokens, w_gate_up, w_down, hidden, act)
         ctx.groups, ctx.activation = groups, activation
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        tokens, w_gate_up, w_down, hidden, act = ctx.saved_tensors
+        if ctx.recompute_activation:
+            tokens, w_gate_up, w_down, hidden = ctx.saved_tensors
+            act = _activation_forward(hidden, ctx.activation) if ctx.needs_input_grad[2] else None
+        else:
+            tokens, w_gate_up, w_down, hidden, act = ctx.saved_tensors
         groups = ctx.groups
         # A broadcast (stride-0) gradient, e.g. from `out.sum().backward()`, breaks the GEMMs' stride
         # checks and their speed: make it a dense matrix first.
@@ -542,4 +565,4 @@ class GroupedMLPFunction(torch.autograd.Function):
                           if ctx.needs_input_grad[1] else None)
         grad_tokens = (grouped_linear_input_grad(grad_hidden, w_gate_up, groups)
                        if ctx.needs_input_grad[0] else None)
-        return grad_tokens, grad_w_gate_up, grad_w_down, None, None
+        return grad_tokens, grad_w_gate_up, grad_w_down, None, None, None

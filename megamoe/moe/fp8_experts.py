@@ -33,6 +33,7 @@ from megamoe.moe.experts import (SlotGroups, grouped_linear, grouped_linear_inpu
                                  grouped_linear_weight_grad)
 from megamoe.moe.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, amax_rows, compute_scale, dequantize,
                              quantize)
+from megamoe.transformer.recompute import forward_value, is_recomputing
 
 __all__ = ["FP8_ROW_ALIGNMENT", "PaddedRows", "fp8_grouped_mlp", "te_fp8_grouped_mlp"]
 
@@ -126,8 +127,10 @@ def _slot_scales(slot_amax: torch.Tensor, role: str, config: FP8Config, state: F
     if config.recipe == "tensorwise":
         return compute_scale(reduction.slot_amax(role, slot_amax, delayed=False), config.dtype_for(role),
                              config.margin)
-    slot_scale = state.current_scale(role).clone()  # from the history up to the previous step
-    if state.training:
+    # From the history up to the previous step; a recomputed forward (activation recomputation) gets the
+    # scale its original forward used, and records nothing: the step's amax is pushed once.
+    slot_scale = forward_value(lambda: state.current_scale(role).clone())
+    if state.training and not is_recomputing():
         state.record(role, reduction.slot_amax(role, slot_amax, delayed=True))
     return slot_scale
 

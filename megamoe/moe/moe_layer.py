@@ -52,6 +52,7 @@ from megamoe.moe.router import Router, RouterConfig
 from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
 from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
 from megamoe.tensor_parallel.init import normal_init, seeded_generator
+from megamoe.transformer.recompute import is_recomputing
 
 __all__ = ["MoEConfig", "MoELayer"]
 
@@ -316,8 +317,9 @@ class MoELayer(nn.Module):
             padding = ~token_mask.reshape(-1, 1)
             slot_ids = slot_ids.masked_fill(padding, -1)
             counted_expert_ids = counted_expert_ids.masked_fill(padding, -1)
-        with torch.no_grad():
-            self.load_counter.record(counted_expert_ids, slot_ids)
+        if not is_recomputing():                 # activation recomputation re-runs this forward: count once
+            with torch.no_grad():
+                self.load_counter.record(counted_expert_ids, slot_ids)
         if self._computes_per_pair(slot_ids):                               # compiled decoding
             output = self.experts.forward_per_pair(x, slot_ids, routing.weights)
             if self.shared_experts is not None:

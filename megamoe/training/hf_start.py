@@ -25,6 +25,7 @@ mass), so a ``vocab_size`` TP does not divide is refused, naming the TP sizes th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -134,13 +135,13 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
                   num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
                   expert_backend: str = "auto", device=None, dtype=None, layer_spec: LayerSpec | None = None,
                   load_weights: bool = True, saved_placements: dict | None = None,
-                  progress: bool | None = None) -> tuple[GPTMoEModel, HFStart]:
+                  progress: bool | None = None, recompute: RecomputeConfig | None = None) -> tuple[GPTMoEModel, HFStart]:
     """This rank's stage of the HF model in ``hf_dir`` under ``state`` (a ParallelState), filled from its
     safetensors, and the :class:`HFStart` the run keeps (pass ``start.provenance`` to every save).
 
     ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
     placements) choose the expert slots as ``import-hf`` does; ``dispatcher`` and ``expert_backend`` are
-    the engine's. ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
+    the engine's, and so is ``recompute`` (activation recomputation; default: none). ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
     overwrites every weight); such a run passes the checkpoint's ``saved_placements`` ({layer id:
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
     (:func:`checkpoint_tools.placements.build_placements`). Every rank must call it (no collective is used: each reads its own part).
@@ -151,8 +152,8 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
     start = _start_of(hf, dispatcher=dispatcher, num_expert_slots=num_expert_slots, expert_backend=expert_backend)
     check_vocab_fits_tp(start.config, state.tp.size, os.path.join(hf.directory, CONFIG_FILE))
     placements = build_placements(start.config, state.ep.size, expert_load=expert_load, saved=saved_placements)
-    model = GPTMoEModel(start.config, state, placements=placements, device=device, dtype=dtype,
-                        layer_spec=layer_spec)
+    config = start.config if recompute is None else dataclasses.replace(start.config, recompute=recompute)
+    model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype, layer_spec=layer_spec)
     if load_weights:
         read = load_hf_weights(model, hf, progress=progress)
         logger.info("loaded %s (%s) into this rank's part of the model: read %d of its %d bytes", hf.directory,

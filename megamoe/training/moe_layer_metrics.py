@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megamoe.transformer.recompute import is_recomputing
+
 __all__ = ["MoELayerMetrics", "PerLayerAuxLoss"]
 
 
@@ -46,6 +48,8 @@ class PerLayerAuxLoss:
 
     def _hook(self, layer_id: int):
         def record(module, inputs, output) -> None:
+            if is_recomputing():     # a recomputed layer (activation recomputation) ran this forward already
+                return
             aux = output[1].detach().double()         # stays on its device: no sync per layer
             self._sums[layer_id] = aux if layer_id not in self._sums else self._sums[layer_id] + aux
         return record

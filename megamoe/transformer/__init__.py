@@ -1,4 +1,4 @@
-"""Transformer building blocks (non-MoE): norms, RoPE, GQA attention, MLA, dense MLP.
+"""Transformer building blocks (non-MoE): norms, RoPE, GQA attention, MLA, dense MLP, activation recomputation.
 
 Each block is a plain nn.Module taking its tensor-parallel group explicitly (``None``: one rank),
 with HuggingFace parameter names so checkpoint conversion is a key map.
@@ -8,9 +8,10 @@ from megamoe.transformer.attention import Attention, AttentionConfig, KVCache, c
 from megamoe.transformer.mla import MLAConfig, MultiHeadLatentAttention
 from megamoe.transformer.mlp import MLP, MLPConfig
 from megamoe.transformer.norm import RMSNorm
+from megamoe.transformer.recompute import RecomputeConfig
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 __all__ = [
     "Attention", "AttentionConfig", "KVCache", "causal_attention", "MLAConfig", "MultiHeadLatentAttention",
-    "MLP", "MLPConfig", "RMSNorm", "RopeConfig", "RotaryEmbedding", "apply_rotary",
+    "MLP", "MLPConfig", "RMSNorm", "RecomputeConfig", "RopeConfig", "RotaryEmbedding", "apply_rotary",
 ]

@@ -61,6 +61,7 @@ from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.transformer.head_sharding import HeadShard, head_shard, sum_grad_over_replicas
 from megamoe.transformer.norm import RMSNorm
+from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention",
@@ -228,7 +229,12 @@ def _local_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """GQA self-attention, heads split over ``tp_group`` (``None``: one rank). Parameter names follow
-    HuggingFace (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``)."""
+    HuggingFace (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``).
+
+    ``recompute_core_attn`` (set by the decoder layer from ``RecomputeConfig``, selective ``core_attn``):
+    the SDPA is recomputed in backward (:mod:`megamoe.transformer.recompute`)."""
+
+    recompute_core_attn: bool = False
 
     def __init__(self, config: AttentionConfig, *, tp_group: ProcessGroup | None = None, device=None, dtype=None):
         super().__init__()
@@ -306,6 +312,6 @@ class Attention(nn.Module):
         query_positions = None
         if kv_cache is not None:
             k, v, query_positions = cached_keys(kv_cache, k, v, attention_mask)
-        out = causal_attention(q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window, attention_mask,
-                               query_positions, document_ids)
+        out = checkpointed(causal_attention, q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window,
+                           attention_mask, query_positions, document_ids, enabled=self.recompute_core_attn)
         return self.o_proj(out.transpose(1, 2).flatten(2))                     # [B, S, heads_local * D] in

@@ -46,6 +46,7 @@ from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.transformer.attention import KVCache, cached_keys, causal_attention, check_no_cache_with_documents
 from megamoe.transformer.norm import RMSNorm
+from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["MLAConfig", "MultiHeadLatentAttention"]
@@ -113,7 +114,18 @@ class _ReplicatedLinear(nn.Module):
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """DeepSeek MLA, heads split over ``tp_group`` (``None``: one rank); HF parameter names."""
+    """DeepSeek MLA, heads split over ``tp_group`` (``None``: one rank); HF parameter names.
+
+    Selective recomputation flags (set by the decoder layer from ``RecomputeConfig``, see
+    :mod:`megamoe.transformer.recompute`): ``recompute_up_proj`` (``mla_up_proj``: the up projections
+    ``q_b_proj`` / ``kv_b_proj``, the head split, RoPE and concatenations, and the core attention they
+    feed (see :meth:`_attend`): only the latents are kept; the direct ``q_proj`` of a model without
+    ``q_lora_rank`` is a down projection and stays outside); ``recompute_core_attn`` (``core_attn``:
+    the SDPA alone).
+    """
+
+    recompute_up_proj: bool = False
+    recompute_core_attn: bool = False
 
     def __init__(self, config: MLAConfig, *, tp_group: ProcessGroup | None = None, device=None, dtype=None):
         super().__init__()
@@ -166,7 +178,6 @@ class MultiHeadLatentAttention(nn.Module):
         ``document_ids`` [B, S]: document-causal attention over packed documents (no KV cache)."""
         check_no_cache_with_documents(kv_cache, document_ids)
         cfg = self.config
-        batch, seq = hidden.shape[:2]
         kv_latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
         kv_latent = self.kv_a_layernorm(kv_latent)
         if self.q_proj is not None:
@@ -177,12 +188,40 @@ class MultiHeadLatentAttention(nn.Module):
             q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
             latents = comms.copy_to_tensor_parallel_region(torch.cat([q_latent, kv_latent, k_pe], -1), self.tp_group)
             q_latent, kv_latent, k_pe = latents.split([cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
-            q = F.linear(q_latent, self.q_b_proj.weight)              # already inside the TP region
+            q = q_latent                                              # projected up below
+        cos, sin = self.rotary(position_ids) if position_embeddings is None else position_embeddings
+        if self.recompute_up_proj and kv_cache is None:      # a KV cache update must happen once
+            out = checkpointed(self._attend, q, kv_latent, k_pe, cos, sin, None, attention_mask, document_ids)
+        else:
+            out = self._attend(q, kv_latent, k_pe, cos, sin, kv_cache, attention_mask, document_ids,
+                               recompute_core_attn=self.recompute_core_attn)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def _attend(self, q: torch.Tensor, kv_latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache | None, attention_mask: torch.Tensor | None,
+                document_ids: torch.Tensor | None, recompute_core_attn: bool = False) -> torch.Tensor:
+        """The up projections, RoPE and core attention: [B, heads, S, v_head_dim].
+
+        Why ``mla_up_proj`` recomputes core attention too: the up projections' outputs (q, k, v) are
+        exactly what core attention keeps for its backward, so they can be dropped only if core
+        attention is recomputed with them; a region ending before it would free nothing."""
+        q, k, v, query_positions = self._up_projections(q, kv_latent, k_pe, cos, sin, kv_cache, attention_mask)
+        return checkpointed(causal_attention, q, k, v, self.config.softmax_scale, attention_mask=attention_mask,
+                            query_positions=query_positions, document_ids=document_ids, enabled=recompute_core_attn)
+
+    def _up_projections(self, q: torch.Tensor, kv_latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, kv_cache: KVCache | None, attention_mask: torch.Tensor | None):
+        """``q`` [B, S, heads_local * qk] (or the q latent [B, S, q_lora_rank], projected here by
+        ``q_b_proj``), ``kv_latent`` [B, S, kv_lora_rank], ``k_pe`` [B, S, rope], all inside the TP
+        region -> (q [B, heads, S, qk], k [B, heads, Sk, qk], v [B, heads, Sk, v], query_positions)."""
+        cfg = self.config
+        batch, seq = q.shape[:2]
+        if self.q_proj is None:
+            q = F.linear(q, self.q_b_proj.weight)                     # already inside the TP region
         q = q.unflatten(-1, (self.num_heads_local, cfg.qk_head_dim)).transpose(1, 2)   # [B, heads, S, qk]
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         kv_latent = kv_latent.view(batch, 1, seq, cfg.kv_lora_rank)
         k_pe = k_pe.view(batch, 1, seq, cfg.qk_rope_head_dim)
-        cos, sin = self.rotary(position_ids) if position_embeddings is None else position_embeddings
         q_pe, k_pe = self.rotary.rotate(q_pe, cos, sin), self.rotary.rotate(k_pe, cos, sin)
         query_positions = None
         if kv_cache is not None:
@@ -192,6 +231,4 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads_local, -1, -1)], -1)
         q = torch.cat([q_nope, q_pe], -1)
-        out = causal_attention(q, k, v, cfg.softmax_scale, attention_mask=attention_mask,
-                               query_positions=query_positions, document_ids=document_ids)   # [B, heads, S, v]
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return q, k, v, query_positions
