@@ -457,7 +457,13 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
     if layer_ids:
         rope_dim = (config.attention.qk_rope_head_dim if isinstance(config.attention, MLAConfig)
                     else config.attention.head_dim)
-        out["attention"] += 2 * 4 * B * S * (rope_dim // 2)      # cos / sin, shared by the layers
+        rope = 2 * 4 * B * S * (rope_dim // 2)                   # cos / sin, shared by the layers
+        if getattr(recompute, "granularity", "none") == "full":
+            # The layers' checkpoints hold the cos / sin (by reference: a tuple argument, which the
+            # measurement's hooks do not see) and save the position ids.
+            out["other"] += rope + 8 * B * S
+        else:
+            out["attention"] += rope
     for i in layer_ids:
         for category, nbytes in _layer_activations(config, i, T=T, B=B, S=S, tp=tp, ep=ep, etp=etp, e=e, sp=sp,
                                                    recompute=recompute, sdpa_backend=sdpa_backend).items():

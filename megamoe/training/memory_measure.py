@@ -32,8 +32,9 @@ when a tensor was saved, by its qualified name in the model:
   ``norm``): the norm / residual activations, the part sequence parallelism splits over TP (the
   residual adds themselves save nothing: an add's backward needs no tensor);
 - ``"attention"``, ``"mlp"`` (dense MLP or MoE layer), ``"embedding"``, ``"lm_head"`` (the output
-  layer and the loss: the ops of the root module itself), and ``"other"`` (anything else, e.g. the
-  rotary cos/sin, a checkpoint's saved inputs at layer level, or ops outside the model).
+  layer and the loss: the root module's own ops after the final norm), and ``"other"`` (anything else:
+  the root module's ops before it, e.g. the saved inputs of fully recomputed layers, and ops outside
+  the model).
 """
 
 from __future__ import annotations
@@ -114,8 +115,6 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | Non
 
 def _category(name: str) -> str:
     """The category of a saved tensor from the qualified name of the innermost running module."""
-    if name == "":
-        return "lm_head"           # the root module's own ops: the output layer and the loss
     parts = name.split(".")
     leaf = parts[-1]
     if name == "norm" or (leaf in _DECODER_NORMS and "self_attn" not in parts and "mlp" not in parts):
@@ -158,6 +157,7 @@ class SavedActivations:
             self._excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
             self._names = {m: n for n, m in model.named_modules()}
         self._stack: list[str] = []
+        self._after_final_norm = False
         self._live: dict[int, tuple[int, str]] = {}    # storage key -> (nbytes, category), while alive
         self._seen: dict[int, tuple[int, str]] = {}
         self._held_by_category = dict.fromkeys(CATEGORIES, 0)
@@ -169,7 +169,22 @@ class SavedActivations:
 
     # ---- module tracking -------------------------------------------------------------------------
     def _push(self, module, args):
-        self._stack.append(self._names.get(module, ""))
+        name = self._names.get(module, "")
+        if name == "":
+            self._after_final_norm = False       # a new forward of the model (a stage) starts
+        elif name == "norm":
+            self._after_final_norm = True
+        self._stack.append(name)
+
+    def _category_now(self) -> str:
+        if not self._stack:
+            return "other"
+        name = self._stack[-1]
+        if name == "":
+            # The root module's own ops: after the final norm, the output layer and the loss; before it,
+            # e.g. the saved inputs of checkpointed (fully recomputed) layers.
+            return "lm_head" if self._after_final_norm else "other"
+        return _category(name)
 
     def _pop(self, module, args, output):
         if self._stack:
@@ -196,7 +211,7 @@ class SavedActivations:
         if key in self._excluded or key in self._live:
             return t
         nbytes = storage.nbytes()
-        category = _category(self._stack[-1]) if self._stack else "other"
+        category = self._category_now()
         self._live[key] = (nbytes, category)
         self._seen.setdefault(key, (nbytes, category))
         self.held_bytes += nbytes
