@@ -50,10 +50,26 @@ fp32, 4 bytes):
 - first stage: the token ids ``8 T``; last stage: the final norm, the output layer's input ``e T H``,
   the fp32 logits ``4 T V/tp`` and the labels / masks ``10 T``.
 
-Recomputation (``RecomputeConfig``): ``full`` keeps each layer's input ``e T H`` (the checkpoint's
-saved inputs) instead of the layer's tensors; ``selective`` drops the named modules' internals and
-keeps their inputs instead (see :func:`_layer_activations`). Pipeline: with 1F1B, stage ``s`` of ``pp``
-holds ``min(pp - s, num_micro_batches)`` micro-batches' activations at its peak; without pipelining one.
+Sequence parallelism (``sequence_parallel``): the decoder norms (and a fully recomputed layer's saved
+input) hold ``T / tp`` tokens; the q / k / v projections each save their own contiguous ``e T H`` copy
+of the gathered input (the sequence all-gather returns a non-contiguous tensor), a gated dense MLP's
+gate and up two; MLA's down projections and their norms run on ``T / tp`` tokens, the latents are
+gathered. Everything after the gathers (attention, experts, output layer) holds ``T`` tokens.
+
+Recomputation (``RecomputeConfig``, :mod:`megamoe.transformer.recompute`): ``full`` keeps each layer's
+input ``e T H`` (``T / tp`` under SP; the checkpoint's saved inputs), the position ids, and the cos /
+sin (held by the checkpoints by reference: ``breakdown["held_by_reference"]``, which the measurement's
+hooks do not see). ``selective``: ``core_attn`` keeps the kernel's inputs (q, k, v) instead of its
+output and log-sum-exp (or probabilities); ``moe_act`` drops the experts' activation ``e N F/etp``;
+``mla_up_proj`` keeps MLA's latents only (no q, k, v, kernel state); ``layernorm``, ``moe`` and ``mlp``
+keep their input only (category ``"other"``: saved at layer level). Pipeline: with 1F1B, stage ``s`` of
+``pp`` holds ``min(pp - s, num_micro_batches)`` micro-batches' activations at its peak; without
+pipelining one.
+
+Not modelled: temporaries (gradients of activations, a recomputed layer's tensors during its backward,
+the distributed optimizer's bucket buffers, kernels' workspaces), so ``total`` (state + saved
+activations) is not the peak a device reports; ``benchmarks/memory.py`` shows both. Routing is taken as
+balanced (EP ranks' token counts vary around it), attention as the kernel ``sdpa_backend`` names.
 """
 
 from __future__ import annotations
@@ -77,6 +93,9 @@ __all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor"]
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 _SDPA_BACKENDS = ("flash", "math")
+# Under sequence parallelism, how many [T, H] copies of the gathered input the projections save (one per
+# F.linear, since the gathered tensor is not contiguous): q, k, v; a gated dense MLP's gate and up.
+_SP_INPUT_COPIES_ATTENTION, _SP_INPUT_COPIES_GATED_MLP = 3, 2
 _ADAM_STEP_BYTES = 4      # torch's (fused) AdamW keeps ``step`` as a 0-d fp32 tensor per parameter
 
 
@@ -108,7 +127,9 @@ class StageEstimate:
     dense_optimizer_bytes: int = 0
     expert_optimizer_bytes: int = 0
     norm_activation_bytes: int = 0        # of one micro-batch: the decoder norms' (what SP splits over TP)
-    breakdown: dict[str, int] = field(default_factory=dict)   # one micro-batch's activations by category
+    # One micro-batch's activations by category (those of memory_measure, plus "held_by_reference": what
+    # checkpoints hold inside non-tensor arguments, which the measurement's hooks cannot see).
+    breakdown: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -275,22 +296,29 @@ def _sdpa_bytes(*, T: int, B: int, S: int, heads: int, dqk: int, dv: int, e: int
 
 
 def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, recompute_core: bool,
-                           sdpa_backend: str) -> dict[str, int]:
+                           sdpa_backend: str, sp: bool = False, recompute_up_proj: bool = False) -> dict[str, int]:
     H = cfg.hidden_size
     heads_l = cfg.num_attention_heads // tp
-    b = e * T * H                                  # the projections' input
     if isinstance(cfg, MLAConfig):
+        # Under SP the down projections and their norms run on this rank's T / tp tokens; the latents
+        # are gathered to all T on entering the TP region.
+        T_down = T // tp if sp else T
         dqk, dv, kv_rank, rope = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        b += 4 * T * (kv_rank + rope) + 4 * T + e * T * kv_rank            # kv_a output, kv_a_layernorm
+        b = e * T_down * H                                                   # the down projections' input
+        b += 4 * T_down * (kv_rank + rope) + 4 * T_down + e * T_down * kv_rank   # kv_a output, kv_a_layernorm
         q_rank = cfg.q_lora_rank or 0
         if q_rank:
-            b += _norm_bytes(T, q_rank, T, e)                                # q_a output, q_a_layernorm
-        b += e * T * (q_rank + kv_rank + rope)                              # the latents entering the TP region
-        kv_b = e * T * heads_l * (cfg.qk_nope_head_dim + dv)                # v is a view of kv_b's output
-        b += _sdpa_bytes(T=T, B=B, S=S, heads=heads_l, dqk=dqk, dv=dv, e=e, backend=sdpa_backend, v_storage=kv_b,
-                         recompute_core=recompute_core)
+            b += _norm_bytes(T_down, q_rank, T_down, e)                      # q_a output, q_a_layernorm
+        b += e * T * (q_rank + kv_rank + rope)                              # the latents inside the TP region
+        if not recompute_up_proj:                                           # mla_up_proj keeps the latents only
+            kv_b = e * T * heads_l * (cfg.qk_nope_head_dim + dv)            # v is a view of kv_b's output
+            b += _sdpa_bytes(T=T, B=B, S=S, heads=heads_l, dqk=dqk, dv=dv, e=e, backend=sdpa_backend,
+                             v_storage=kv_b, recompute_core=recompute_core)
         b += e * T * heads_l * dv                                           # o_proj input
         return {"attention": b}
+    # The q / k / v projections' input; under SP each of the three saves its own contiguous copy of the
+    # gathered input (the all-gather along the sequence dim returns a non-contiguous view).
+    b = e * T * H * (_SP_INPUT_COPIES_ATTENTION if sp else 1)
     d, kv = cfg.head_dim, cfg.num_key_value_heads
     kv_l = kv // min(tp, kv)
     if cfg.qk_norm == "per_head":
@@ -354,24 +382,29 @@ def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S
     if granularity == "full":
         return {"other": e * T_norm * config.hidden_size}          # the checkpoint's saved layer input
     H = config.hidden_size
-    out = {"norm": 2 * _norm_bytes(T_norm, H, T_norm, e)}
+    # Regions checkpointed by the decoder layer itself (layernorm, moe, mlp) keep their input as the
+    # checkpoint's saved input, at layer level: category "other".
+    out = {"norm": 2 * _norm_bytes(T_norm, H, T_norm, e), "other": 0}
     if "layernorm" in modules:
-        out["norm"] = 2 * e * T_norm * H                           # only the norms' inputs stay
-    if "mla_up_proj" in modules and isinstance(config.attention, MLAConfig):
-        pass                                                       # estimated like the plain path
+        out["norm"] = 0
+        out["other"] += 2 * e * T_norm * H                         # only the norms' inputs stay
     out.update(_attention_activations(config.attention, T=T, B=B, S=S, tp=tp, e=e,
-                                      recompute_core="core_attn" in modules, sdpa_backend=sdpa_backend))
+                                      recompute_core="core_attn" in modules, sdpa_backend=sdpa_backend, sp=sp,
+                                      recompute_up_proj="mla_up_proj" in modules))
     if config.is_moe_layer(layer_id):
         if "moe" in modules:
-            out["mlp"] = e * T_norm * H
+            out["mlp"] = 0
+            out["other"] += e * T_norm * H
         else:
             out.update(_moe_activations(config, T=T, tp=tp, ep=ep, etp=etp, e=e, recompute_act="moe_act" in modules))
     else:
         mlp = config.dense_mlp
         f_l = mlp.intermediate_size // tp
-        out["mlp"] = e * T * H + (4 if mlp.gated else 2) * e * T * f_l
+        copies = (_SP_INPUT_COPIES_GATED_MLP if mlp.gated else 1) if sp else 1
+        out["mlp"] = copies * e * T * H + (4 if mlp.gated else 2) * e * T * f_l
         if "mlp" in modules:
-            out["mlp"] = e * T_norm * H
+            out["mlp"] = 0
+            out["other"] += e * T_norm * H
     return out
 
 
@@ -452,6 +485,7 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
 def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, e, sp, recompute,
                        sdpa_backend) -> dict[str, int]:
     out = dict.fromkeys(("embedding", "norm", "attention", "mlp", "lm_head", "other"), 0)
+    out["held_by_reference"] = 0
     if first:
         out["embedding"] += 8 * T
     if layer_ids:
@@ -460,8 +494,9 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
         rope = 2 * 4 * B * S * (rope_dim // 2)                   # cos / sin, shared by the layers
         if getattr(recompute, "granularity", "none") == "full":
             # The layers' checkpoints hold the cos / sin (by reference: a tuple argument, which the
-            # measurement's hooks do not see) and save the position ids.
-            out["other"] += rope + 8 * B * S
+            # measurement's hooks do not see) and save the position ids (an expanded [S] arange).
+            out["held_by_reference"] = rope
+            out["other"] += 8 * S
         else:
             out["attention"] += rope
     for i in layer_ids:
