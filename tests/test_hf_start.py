@@ -117,6 +117,23 @@ def test_start_from_hf_gives_transformers_logits_and_keeps_the_provenance(hf_dir
             assert (kept.eval()(ids())[0] - expected).abs().max().item() <= ATOL
 
 
+def test_start_from_hf_takes_the_recompute_choice(hf_dir):
+    """--hf-model with --recompute: the engine's choice reaches the model, whose loss and gradients stay
+    those of the plain model."""
+    from megamoe.training.hf_start import start_from_hf
+    from megamoe.transformer.recompute import RecomputeConfig
+    results = []
+    for recompute in (None, RecomputeConfig("full"), RecomputeConfig("selective", ("core_attn", "moe", "layernorm"))):
+        model, _ = start_from_hf(hf_dir[0], ParallelState.single_process(), expert_backend="torch",
+                                 recompute=recompute)
+        assert model.config.recompute == (recompute or RecomputeConfig())
+        loss, aux = model(ids(), labels=ids())
+        (loss + aux).backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0]) and all(torch.equal(g, r) for g, r in zip(grads, results[0][1]))
+
+
 def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
     from checkpoint_tools.errors import ConversionError
     from megamoe.training.hf_start import check_vocab_fits_tp, hf_start_config, start_from_hf

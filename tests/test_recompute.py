@@ -95,12 +95,13 @@ def test_every_mode_gives_the_losses_gradients_and_loads_of_none(attention):
         assert_identical(forward_backward(build(model_config(attention, mode)), inputs), want, mode)
 
 
-@pytest.mark.parametrize("backend,fp8", [("loop", None), ("fp8_emulated", FP8Config(recipe="delayed", amax_history_len=4))])
+@pytest.mark.parametrize("backend,fp8", [("loop", None),
+                                         ("fp8_emulated", FP8Config(recipe="delayed", amax_history_len=4))])
 def test_other_expert_backends_match_none_and_advance_fp8_histories_once(backend, fp8):
     """Two steps, so that the delayed recipe's second forward quantises with the scale its first recorded:
     a recomputed forward must quantise like its original and push no amax of its own."""
-    modes = [RecomputeConfig("full"), RecomputeConfig("selective", ("moe",)), RecomputeConfig("selective", ("moe_act",)),
-             RecomputeConfig("selective", ("moe", "moe_act"))]
+    modes = [RecomputeConfig("full"), RecomputeConfig("selective", ("moe",)),
+             RecomputeConfig("selective", ("moe_act",)), RecomputeConfig("selective", ("moe", "moe_act"))]
 
     def two_steps(mode):
         model = build(model_config(recompute=mode, backend=backend, fp8=fp8))
@@ -178,6 +179,29 @@ def test_recomputation_keeps_fewer_activations(attention):
                                                                                                        "moe_act"))]
 
 
+def test_a_custom_attention_without_the_flag_is_named_in_a_warning(caplog):
+    from megamoe.models import LayerSpec
+    from megamoe.transformer import Attention
+
+    class WrappedAttention(torch.nn.Module):        # no recompute_core_attn flag of its own
+        def __init__(self, config, *, tp_group=None, device=None, dtype=None):
+            super().__init__()
+            self.inner = Attention(config, tp_group=tp_group, device=device, dtype=dtype)
+
+        def forward(self, hidden, position_ids, kv_cache=None, attention_mask=None, position_embeddings=None,
+                    document_ids=None):
+            return self.inner(hidden, position_ids, kv_cache, attention_mask, position_embeddings,
+                              document_ids=document_ids)
+
+    with caplog.at_level("WARNING", logger="megamoe.transformer.recompute"):
+        GPTMoEModel(model_config(recompute=RecomputeConfig("selective", ("core_attn", "moe"))),
+                    ParallelState.single_process(), layer_spec=LayerSpec(attention=WrappedAttention))
+    messages = [r.getMessage() for r in caplog.records]
+    # One per layer, for core_attn only: moe is recomputed by the decoder layer itself.
+    assert len(messages) == 3 and all(m.startswith("core_attn: WrappedAttention has no 'recompute_core_attn' flag")
+                                      for m in messages), messages
+
+
 def test_generation_is_unaffected():
     prompts, config = [[1, 2, 3], [4, 5, 6, 7]], GenerationConfig(max_new_tokens=4)
     state = ParallelState.single_process()
@@ -236,21 +260,49 @@ def test_config_defaults_round_trip_and_resume_with_another_choice():
     assert _model_fields(config) == _model_fields(dataclasses.replace(config, recompute=NONE))
 
 
-# ---- 2 ranks, EP 2: the dispatcher's collectives are re-issued in backward ----------------------------
-LAYOUTS = [dict(dispatcher="alltoall"), dict(dispatcher="allgather", input_sharded=True)]
+# ---- 2 ranks: recomputed regions re-issue their forward collectives in backward, once --------------------
+SETUPS = [(dict(ep=2), dict(dispatcher="alltoall")), (dict(ep=2), dict(dispatcher="allgather", input_sharded=True)),
+          (dict(tp=2, ep=2, etp=1), dict(dispatcher="allgather"))]       # EP inside TP: attention and MLPs talk too
 COUNTED = [NONE, RecomputeConfig("full"), RecomputeConfig("selective", ("moe",)),
-           RecomputeConfig("selective", ("core_attn", "moe_act", "mlp", "layernorm"))]
+           RecomputeConfig("selective", ("core_attn", "mla_up_proj", "moe_act", "mlp", "layernorm"))]
+
+
+class _ForwardCounts:
+    """Collectives issued inside the forwards of ``modules``, summed: (calls per kind, bytes)."""
+
+    def __init__(self, modules):
+        self.kinds, self.bytes, self._open = {}, 0, []
+        for module in modules:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+
+    def _enter(self, module, args):
+        context = comms.comm_counter()
+        self._open.append((context, context.__enter__()))
+
+    def _exit(self, module, args, output):
+        context, counter = self._open.pop()
+        context.__exit__(None, None, None)
+        for kind, calls in counter.kinds().items():
+            self.kinds[kind] = self.kinds.get(kind, 0) + calls
+        self.bytes += counter.bytes()
 
 
 def _comm_worker(rank, world_size):
+    from megamoe.moe.moe_layer import MoELayer
     from parallel_state import destroy_model_parallel, initialize_model_parallel
-    state = initialize_model_parallel(ep=2)
     results = []
-    for layout in LAYOUTS:
-        per_mode = []
+    for sizes, layout in SETUPS:
+        state = initialize_model_parallel(**sizes)
+        per_mode, regions = [], None
         for mode in COUNTED:
-            model = build(model_config(recompute=mode, **layout), state)
-            inputs = tokens(seed=rank)
+            model = build(model_config("mla", mode, **layout), state)
+            if mode == NONE:        # what each kind of region issues in its forward
+                layers = list(model.layers.values())
+                regions = {"full": _ForwardCounts(layers),
+                           "moe": _ForwardCounts([l.mlp for l in layers if isinstance(l.mlp, MoELayer)]),
+                           "mlp": _ForwardCounts([l.mlp for l in layers if not isinstance(l.mlp, MoELayer)])}
+            inputs = tokens(seed=state.dp.rank)
             with comms.comm_counter() as forward:
                 loss, aux = model(inputs, labels=inputs)
             with comms.comm_counter() as backward:
@@ -260,27 +312,40 @@ def _comm_worker(rank, world_size):
             same_grads = all(torch.equal(g, r) for g, r in zip(grads, reference))
             per_mode.append((forward.kinds(), backward.kinds(), forward.bytes(), backward.bytes(), loss.item(),
                              same_grads))
-        results.append(per_mode)
-    destroy_model_parallel()
+        results.append((per_mode, {name: (r.kinds, r.bytes) for name, r in regions.items()}))
+        destroy_model_parallel()
     return results
 
 
+def test_nested_comm_counters_close_by_identity():
+    """The per-region counters above nest inside a step's: closing one that saw the same calls as its
+    parent (equal dataclasses) must close that one, not the parent."""
+    with comms.comm_counter() as outer:
+        with comms.comm_counter() as inner:
+            pass
+        comms._record("all_reduce", None, torch.zeros(4))
+    assert (outer.calls(), inner.calls()) == (1, 0) and not comms._active_counters
+
+
 @pytest.mark.slow
-def test_recomputed_moe_layers_reissue_their_dispatch_collectives_once_in_backward():
+def test_recomputed_regions_reissue_their_forward_collectives_once_in_backward():
     for rank_results in run_on_ranks(_comm_worker, 2, timeout_s=300):
-        for layout, per_mode in zip(LAYOUTS, rank_results):
-            (fwd, bwd, fwd_bytes, bwd_bytes, loss, _) = per_mode[0]
-            # At EP 2 without TP every forward collective is a MoE layer's dispatch (2 layers).
-            assert fwd and sum(fwd.values()) % 2 == 0, (layout, fwd)
+        for (sizes, layout), (per_mode, regions) in zip(SETUPS, rank_results):
+            fwd, bwd, fwd_bytes, bwd_bytes, loss, _ = per_mode[0]
+            assert regions["moe"][0], (sizes, layout, regions)                 # the MoE dispatch does talk
             for mode, (f, b, fb, bb, l, same_grads) in zip(COUNTED[1:], per_mode[1:]):
-                assert f == fwd and fb == fwd_bytes, (layout, mode)            # the forward is the same
-                assert l == loss and same_grads, (layout, mode)                # and so are the results
-                if mode.full or mode.recomputes("moe"):
-                    # backward = none's backward + the layers' whole forward dispatch again
-                    want = {k: bwd.get(k, 0) + fwd.get(k, 0) for k in bwd.keys() | fwd.keys()}
-                    assert b == want and bb == bwd_bytes + fwd_bytes, (layout, mode, b, want)
+                assert f == fwd and fb == fwd_bytes, (sizes, layout, mode)     # the forward is the same
+                assert l == loss and same_grads, (sizes, layout, mode)         # and so are the results
+                if mode.full:
+                    reissued = [regions["full"]]
                 else:
-                    assert b == bwd and bb == bwd_bytes, (layout, mode, b, bwd)   # nothing re-issued
+                    reissued = [regions[m] for m in ("moe", "mlp") if mode.recomputes(m)]
+                want = dict(bwd)
+                for kinds, _ in reissued:
+                    for kind, calls in kinds.items():
+                        want[kind] = want.get(kind, 0) + calls
+                assert b == want, (sizes, layout, mode, b, want)
+                assert bb == bwd_bytes + sum(nbytes for _, nbytes in reissued), (sizes, layout, mode)
 
 
 # ---- the training script: --recompute / --recompute-modules -------------------------------------------

@@ -26,6 +26,9 @@ class GPTMoEConfig:
     Build one by hand, or from a HuggingFace config with :func:`megamoe.models.families.config_from_hf`.
     :meth:`to_dict` / :meth:`from_dict` convert to and from plain JSON values (the checkpoint manifest
     stores the config that way); the attention dict carries ``kind``: ``"gqa"`` or ``"mla"``.
+    ``recompute`` (:class:`~megamoe.transformer.recompute.RecomputeConfig`) chooses what backward
+    recomputes instead of storing; an engine field, like the MoE dispatcher: a checkpoint resumes
+    under any choice.
     """
 
     family: str                          # HF model_type this config reproduces ("custom" otherwise)

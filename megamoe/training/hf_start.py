@@ -135,13 +135,15 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
                   num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
                   expert_backend: str = "auto", device=None, dtype=None, layer_spec: LayerSpec | None = None,
                   load_weights: bool = True, saved_placements: dict | None = None,
-                  progress: bool | None = None, recompute: RecomputeConfig | None = None) -> tuple[GPTMoEModel, HFStart]:
+                  progress: bool | None = None,
+                  recompute: RecomputeConfig | None = None) -> tuple[GPTMoEModel, HFStart]:
     """This rank's stage of the HF model in ``hf_dir`` under ``state`` (a ParallelState), filled from its
     safetensors, and the :class:`HFStart` the run keeps (pass ``start.provenance`` to every save).
 
     ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
     placements) choose the expert slots as ``import-hf`` does; ``dispatcher`` and ``expert_backend`` are
-    the engine's, and so is ``recompute`` (activation recomputation; default: none). ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
+    the engine's, and so is ``recompute`` (activation recomputation; default: none).
+    ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
     overwrites every weight); such a run passes the checkpoint's ``saved_placements`` ({layer id:
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
     (:func:`checkpoint_tools.placements.build_placements`). Every rank must call it (no collective is used: each reads its own part).

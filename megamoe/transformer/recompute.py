@@ -9,8 +9,10 @@ Megatron-Core names them:
 - ``"selective"`` with ``modules`` (default ``("core_attn",)``), each recomputed on its own:
 
   - ``core_attn``: softmax(QK^T)V, the scaled-dot-product attention after RoPE (GQA and MLA);
-  - ``mla_up_proj``: MLA's q / kv up projections and what follows up to core attention (the
-    split into heads, RoPE, the concatenation of the nope and rope parts);
+  - ``mla_up_proj``: MLA's q / kv up projections, what follows (the split into heads, RoPE, the
+    concatenation of the nope and rope parts) and the core attention they feed: its inputs q, k, v
+    are the up projections' outputs, which only a region ending after it can drop (only the
+    latents are kept);
   - ``moe``: the whole MoE layer (router, dispatch, experts, combine, shared experts);
   - ``moe_act``: the routed experts' activation between their two GEMMs (every expert backend);
   - ``mlp``: the dense MLP of the non-MoE layers;
@@ -60,8 +62,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["RECOMPUTE_GRANULARITIES", "RECOMPUTE_MODULES", "RecomputeConfig", "checkpointed", "forward_value",
-           "is_recomputing"]
+__all__ = ["DEFAULT_SELECTIVE_MODULES", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_MODULES", "RecomputeConfig",
+           "checkpointed", "forward_value", "is_recomputing", "recompute_from_dict", "set_module_flag"]
 
 logger = logging.getLogger(__name__)
 
