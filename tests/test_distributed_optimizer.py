@@ -110,21 +110,21 @@ def traffic(counter, groups) -> dict:
 
 # The layouts on 4 ranks (extend the table: a row per layout). Oracle: the plain optimizer's single-process
 # curve (the loss curve does not depend on the layout, the number of expert slots or rebalancing: see
-# tests/test_training.py and tests/test_eplb.py). zero2: also train under ZeRO-2; eplb: rebalance every 3
-# steps; traffic: also run the plain optimizer for TRAFFIC_STEPS steps and compare the counted bytes; save:
-# save the ZeRO-1 run at SAVE_AT (the checkpoint checks resume from it).
-def layout(name, tp=1, pp=1, ep=1, slots=None, zero2=False, eplb=False, dispatcher="alltoall", traffic=False,
+# tests/test_training.py and tests/test_eplb.py). zero: the ZeRO stage the row trains with; eplb: rebalance
+# every 3 steps; traffic: also run the plain optimizer for TRAFFIC_STEPS steps and compare the counted bytes;
+# save: save the run at SAVE_AT (the checkpoint checks resume from it).
+def layout(name, tp=1, pp=1, ep=1, slots=None, zero=1, eplb=False, dispatcher="alltoall", traffic=False,
            save=False):
-    return dict(name=name, tp=tp, pp=pp, ep=ep, slots=slots, zero2=zero2, eplb=eplb, dispatcher=dispatcher,
+    return dict(name=name, tp=tp, pp=pp, ep=ep, slots=slots, zero=zero, eplb=eplb, dispatcher=dispatcher,
                 traffic=traffic, save=save)
 
 
 LAYOUTS = [
-    layout("dp4", zero2=True, traffic=True),
+    layout("dp4", traffic=True),
     layout("ep2-dp2", ep=2, traffic=True, save=True),
-    layout("tp2-ep2", tp=2, ep=2, dispatcher="allgather"),     # EP 2 inside TP 2: expert-DP 2
+    layout("tp2-ep2", tp=2, ep=2, dispatcher="allgather", zero=2),     # EP 2 inside TP 2: expert-DP 2
     layout("pp2-dp2-ep2", pp=2, ep=2),
-    layout("ep2-dp4-replicated-slots-eplb", ep=2, slots=6, zero2=True, eplb=True),
+    layout("ep2-dp4-replicated-slots-eplb", ep=2, slots=6, zero=2, eplb=True),
 ]
 TRAFFIC_STEPS = 2
 
@@ -187,8 +187,8 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
             with comms.comm_counter() as counter:
                 train(trainer_for(), TRAFFIC_STEPS)
             runs["plain_traffic"] = traffic(counter, groups)
-        for name in ("zero1", "zero2") if row["zero2"] else ("zero1",):
-            trainer = trainer_for(distributed_optimizer=True, zero_stage=int(name[-1]))
+        for name in (f"zero{row['zero']}",):
+            trainer = trainer_for(distributed_optimizer=True, zero_stage=row["zero"])
             with comms.comm_counter() as counter:
                 curve = train(trainer, TRAFFIC_STEPS)
             if row["save"]:
@@ -246,6 +246,7 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     results, odd, from_plain = run_on_ranks(_worker, WORLD, args=(LAYOUTS, plain_ckpt, dist_ckpt), timeout_s=600)[0]
 
     assert all(norm > CLIP for _, norm in single), "the steps must be clipped, else the clipping is not tested"
+    assert {row["zero"] for row in LAYOUTS} == {1, 2}
     for row, runs in zip(LAYOUTS, results):
         for name in ("zero1", "zero2"):
             if name not in runs:
@@ -284,7 +285,8 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     assert odd["buckets"] == 3 and odd["rs_calls"] == odd["ag_calls"] == 3 * 3, odd
 
     # Checkpoints across optimizers and DP sizes.
-    uninterrupted = results[[row["save"] for row in LAYOUTS].index(True)]["zero1"]["curve"]
+    saved = [row["save"] for row in LAYOUTS].index(True)
+    uninterrupted = results[saved][f"zero{LAYOUTS[saved]['zero']}"]["curve"]
     for step, (got, want) in enumerate(zip(from_plain, single[SAVE_AT:]), start=SAVE_AT + 1):
         assert _close(got, want, REL_TOL), f"plain DP 1 -> distributed DP 4, step {step}: {got} vs {want}"
     info = inspect_checkpoint(dist_ckpt)

@@ -6,7 +6,11 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
   under per-EXPERT names, so replicas are stored once and loading fills every slot of an expert);
 - the optimizer state: ``optim.<key>.<logical name>``, cut exactly like its parameter
   (:func:`megamoe.checkpoint_state.optimizer_chunks`), so it follows the parameter into any layout: a
-  slot that replicates an expert gets that expert's state, whether or not it was replicated before;
+  slot that replicates an expert gets that expert's state, whether or not it was replicated before. The
+  distributed optimizer's shards are gathered into these same logical tensors at save (all of a rank's state
+  at once, in full shape: a transient of the plain optimizer's size) and sliced back at load, so either
+  optimizer resumes the other's checkpoints at any DP size; its fp32 master weights (bf16 parameters) are
+  stored as the weights themselves, in fp32 (no ``master`` key);
 - manifest fields: ``model_config`` (:meth:`GPTMoEConfig.to_dict`), ``parallel_layout`` (world
   size, tp, pp, dp, cp, ep, etp, order), ``expert_placement`` (``{"<layer id>": ExpertPlacement.to_dict()}``,
   each pipeline stage contributing its own layers) and ``extra`` (``step``, ``sampler_state``,

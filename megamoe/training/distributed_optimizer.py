@@ -220,6 +220,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # torch's fused AdamW kernel where it exists (as build_optimizer), else the single-tensor loop.
         self._fused = self.device.type in ("cpu", "cuda")
         self._names = {id(p): name for name, p in model.named_parameters()}
+        logger.info("distributed optimizer (ZeRO-%d%s): %d parameters in %d buckets, dense over %d ranks, experts "
+                    "over %d; %s", zero_stage, "" if shard else ", unsharded", len(params), len(self._buckets),
+                    dense.size, expert.size, "fp32 master weights" if any(p.dtype != torch.float32 for p in params)
+                    else "the fp32 parameters are the master weights")
 
     @classmethod
     def from_config(cls, model: nn.Module, state, config, *, shard: bool, tied_params=(),

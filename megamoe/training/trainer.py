@@ -24,6 +24,13 @@ fp16 (``autocast="fp16"``): dynamic loss scaling (:mod:`megamoe.training.loss_sc
 starts from the loss times the scale; the synced gradients are unscaled before the norm, clipping and
 the optimizer step; an overflow is a non-finite step as above, and backs the scale off.
 
+Optimizer. fp32 parameters train with :func:`build_optimizer` (AdamW; the parameters are the master weights)
+unless ``TrainConfig.distributed_optimizer``: then :class:`~megamoe.training.distributed_optimizer.DistributedOptimizer`
+shards the Adam moments over DP x CP (dense) and expert-DP (experts), the gradient sync leaves the DP
+reductions to its reduce-scatter, the norm and clipping run on its gradient shards, and its step all-gathers
+the parameters (``zero_stage=2``: the full gradients are freed after the reduce-scatter). Non-fp32 (bf16)
+parameters always get that class, unsharded without ``distributed_optimizer``, for its fp32 master weights.
+
 Online expert rebalancing (``TrainConfig.eplb``, :mod:`megamoe.moe.eplb`): after the optimizer step and
 the expert-bias update, each finite step's expert loads go into a window on the device (no collective, no
 host sync); every ``interval`` steps the window is reduced and experts are re-placed, their weights and
