@@ -62,9 +62,9 @@ def _batches(steps: int = 2):
     return [[(d[:, :-1].contiguous(), d[:, 1:].contiguous())] for d in data]
 
 
-def _measured_step(config: GPTMoEConfig):
+def _measured_step(config: GPTMoEConfig, dtype=torch.float32):
     state = ParallelState.single_process()
-    model = GPTMoEModel(config, state)
+    model = GPTMoEModel(config, state, dtype=dtype)
     initialize_parameters(model, seed=0)
     trainer = Trainer(model, state, TrainConfig(lr=1e-3))
     first, second = _batches()
@@ -159,6 +159,11 @@ RECOMPUTE_CASES = [
     ("deepseek-like MLA", deepseek_like, "math", RecomputeConfig()),
     ("deepseek-like MLA", deepseek_like, "math", RecomputeConfig("full")),
     ("deepseek-like MLA", deepseek_like, "math", RecomputeConfig("selective", ("mla_up_proj", "mlp", "moe_act"))),
+    # bf16 parameters: fp32 master weights, moments and gradient shards in the (unsharded) distributed
+    # optimizer; the norms', router's and CPU math attention's fp32 copies
+    ("qwen3-like GQA bf16", qwen3_like, "flash", RecomputeConfig()),
+    ("deepseek-like MLA bf16", deepseek_like, "math", RecomputeConfig()),
+    ("deepseek-like MLA bf16", deepseek_like, "math", RecomputeConfig("full")),
 ]
 
 
@@ -166,15 +171,17 @@ RECOMPUTE_CASES = [
                          ids=[f"{c[0]}-{c[3].granularity}-{'+'.join(c[3].modules)}" for c in RECOMPUTE_CASES])
 def test_estimate_matches_the_measured_step_on_one_process(name, make_config, sdpa, recompute):
     config = make_config(recompute=recompute)
-    memory, model = _measured_step(config)
-    estimate = estimate_memory(config, micro_batch=MICRO, seq_len=SEQ, sdpa_backend=sdpa, recompute=recompute)
+    dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
+    memory, model = _measured_step(config, dtype)
+    estimate = estimate_memory(config, micro_batch=MICRO, seq_len=SEQ, sdpa_backend=sdpa, recompute=recompute,
+                               param_dtype=dtype)
     (stage,) = estimate.stages
     state = memory.state
     assert (state.param_bytes, state.grad_bytes, state.optimizer_bytes) == (
         stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), name
     assert (state.dense_optimizer_bytes, state.expert_optimizer_bytes) == (
         stage.dense_optimizer_bytes, stage.expert_optimizer_bytes)
-    assert stage.dense_param_count * 4 == state.dense_param_bytes
+    assert stage.dense_param_count * dtype.itemsize == state.dense_param_bytes
     assert stage.activation_bytes == pytest.approx(memory.saved_activation_bytes, rel=0.10)
     for category, nbytes in memory.saved_by_category.items():
         assert stage.breakdown[category] == pytest.approx(nbytes, rel=0.10, abs=64), category
@@ -241,3 +248,49 @@ def test_deepseek_v3_at_ep64_pp16_without_building_a_model():
 def test_estimate_rejects_impossible_layouts_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         estimate_memory(qwen3_like(), **kwargs)
+
+
+# ---- two ranks ----------------------------------------------------------------------------------------
+TWO_RANK_RUNS = [  # (layout, TrainConfig keywords)
+    (dict(), dict(distributed_optimizer=True)),                   # DP 2, ZeRO-1
+    (dict(), dict(distributed_optimizer=True, zero_stage=2)),     # DP 2, ZeRO-2: gradient shards only
+    (dict(ep=2), dict()),                                         # EP 2 (all-to-all), plain AdamW
+    (dict(pp=2), dict(distributed_optimizer=True)),               # PP 2, 1F1B over two micro-batches
+]
+
+
+def _two_rank_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    out = []
+    for layout, train in TWO_RANK_RUNS:
+        state = initialize_model_parallel(**layout)
+        model = GPTMoEModel(qwen3_like(), state)
+        initialize_parameters(model, seed=0)
+        trainer = Trainer(model, state, TrainConfig(lr=1e-3, **train), world_group=dist.group.WORLD)
+        # two micro-batches of one sequence each
+        steps = [[(inputs[j:j + 1], labels[j:j + 1]) for j in range(MICRO)] for ((inputs, labels),) in _batches()]
+        trainer.train_step(steps[0])
+        memory, _ = measure_train_step(trainer, steps[1])
+        s = memory.state
+        out.append((state.pp.rank, s.param_bytes, s.grad_bytes, s.optimizer_bytes, memory.saved_activation_bytes))
+        destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow      # ~10-20 s: one spawn of 2 gloo ranks, four layouts
+def test_estimate_matches_the_measurement_on_two_ranks():
+    from megamoe.testing import run_on_ranks
+    per_rank = run_on_ranks(_two_rank_worker, 2)
+    for i, (layout, train) in enumerate(TWO_RANK_RUNS):
+        pp, ep = layout.get("pp", 1), layout.get("ep", 1)
+        estimate = estimate_memory(qwen3_like(), pp=pp, ep=ep, dp=2 // pp, micro_batch=1, seq_len=SEQ,
+                                   num_micro_batches=2, distributed_optimizer=train.get("distributed_optimizer", False),
+                                   zero_stage=train.get("zero_stage", 1))
+        for rank in range(2):
+            stage_id, params, grads, optimizer, activations = per_rank[rank][i]
+            stage = estimate.stages[stage_id]
+            assert (params, grads, optimizer) == (stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), (
+                layout, train, rank)
+            assert activations == pytest.approx(stage.activation_bytes, rel=0.10), (layout, train, rank)

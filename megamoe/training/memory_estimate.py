@@ -291,7 +291,8 @@ def _sdpa_bytes(*, T: int, B: int, S: int, heads: int, dqk: int, dv: int, e: int
     if recompute_core:
         return qk + e * T * heads * dv
     if backend == "math":
-        return qk + e * B * heads * S * S + e * T * heads * dv
+        # CPU's math kernel computes reduced precision in fp32: its saved q, k, probabilities, v are fp32
+        return 4 * (2 * T * heads * dqk + B * heads * S * S + T * heads * dv)
     return qk + v_storage + e * T * heads * dv + 4 * B * heads * S
 
 
@@ -305,7 +306,9 @@ def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, reco
         T_down = T // tp if sp else T
         dqk, dv, kv_rank, rope = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         b = e * T_down * H                                                   # the down projections' input
-        b += 4 * T_down * (kv_rank + rope) + 4 * T_down + e * T_down * kv_rank   # kv_a output, kv_a_layernorm
+        # kv_a_layernorm: its fp32 input is a view of the whole kv_a output in fp32, a copy of the
+        # latent part otherwise; rsqrt; output
+        b += 4 * T_down * (kv_rank + (rope if e == 4 else 0)) + 4 * T_down + e * T_down * kv_rank
         q_rank = cfg.q_lora_rank or 0
         if q_rank:
             b += _norm_bytes(T_down, q_rank, T_down, e)                      # q_a output, q_a_layernorm
@@ -371,6 +374,8 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
         n = ep * etp if moe.dispatcher == "allgather" else etp
         fs = se.ffn_hidden_size // n
         shared = (4 if se.activation == "swiglu" else 2) * e * T * fs + (4 * T if se.gate else 0)
+        if e != 4:
+            shared += e * T * H        # their input, which the router saved as an fp32 copy instead
     return {"mlp": int(router + pairs + shared)}
 
 
@@ -491,8 +496,13 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
     if layer_ids:
         rope_dim = (config.attention.qk_rope_head_dim if isinstance(config.attention, MLAConfig)
                     else config.attention.head_dim)
-        rope = 2 * 4 * B * S * (rope_dim // 2)                   # cos / sin, shared by the layers
-        if getattr(recompute, "granularity", "none") == "full":
+        rope = 2 * 4 * B * S * (rope_dim // 2)                   # fp32 cos / sin, shared by the layers
+        full = getattr(recompute, "granularity", "none") == "full"
+        if e != 4 and not full:
+            # In reduced precision each rotation (q and k) saves its own cos / sin cast to the input's
+            # dtype, per layer; the fp32 ones are not saved.
+            rope = len(layer_ids) * 2 * 2 * e * B * S * (rope_dim // 2)
+        if full:
             # The layers' checkpoints hold the cos / sin (by reference: a tuple argument, which the
             # measurement's hooks do not see) and save the position ids (an expanded [S] arange).
             out["held_by_reference"] = rope
