@@ -50,11 +50,10 @@ fp32, 4 bytes):
 - first stage: the token ids ``8 T``; last stage: the final norm, the output layer's input ``e T H``,
   the fp32 logits ``4 T V/tp`` and the labels / masks ``10 T``.
 
-Sequence parallelism (``sequence_parallel``): the decoder norms (and a fully recomputed layer's saved
-input) hold ``T / tp`` tokens; the q / k / v projections each save their own contiguous ``e T H`` copy
-of the gathered input (the sequence all-gather returns a non-contiguous tensor), a gated dense MLP's
-gate and up two; MLA's down projections and their norms run on ``T / tp`` tokens, the latents are
-gathered. Everything after the gathers (attention, experts, output layer) holds ``T`` tokens.
+Sequence parallelism (``sequence_parallel``): the decoder norms, the q / k / v and dense gate / up
+projections' saved input (the chunk: their weight gradients gather it again) and a fully recomputed
+layer's saved input hold ``T / tp`` tokens; so do MLA's down projections and their norms (the latents
+are gathered). Everything after the gathers (attention, experts, output layer) holds ``T`` tokens.
 
 Recomputation (``RecomputeConfig``, :mod:`megamoe.transformer.recompute`): ``full`` keeps each layer's
 input ``e T H`` (``T / tp`` under SP; the checkpoint's saved inputs), the position ids, and the cos /
@@ -93,9 +92,6 @@ __all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor"]
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 _SDPA_BACKENDS = ("flash", "math")
-# Under sequence parallelism, how many [T, H] copies of the gathered input the projections save (one per
-# F.linear, since the gathered tensor is not contiguous): q, k, v; a gated dense MLP's gate and up.
-_SP_INPUT_COPIES_ATTENTION, _SP_INPUT_COPIES_GATED_MLP = 3, 2
 _ADAM_STEP_BYTES = 4      # torch's (fused) AdamW keeps ``step`` as a 0-d fp32 tensor per parameter
 
 
@@ -319,9 +315,9 @@ def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, reco
                              v_storage=kv_b, recompute_core=recompute_core)
         b += e * T * heads_l * dv                                           # o_proj input
         return {"attention": b}
-    # The q / k / v projections' input; under SP each of the three saves its own contiguous copy of the
-    # gathered input (the all-gather along the sequence dim returns a non-contiguous view).
-    b = e * T * H * (_SP_INPUT_COPIES_ATTENTION if sp else 1)
+    # The q / k / v projections' input: under SP only this rank's chunk (the weight gradients gather it
+    # again in backward: comms.gather_linears_from_sequence_parallel_region)
+    b = e * (T // tp if sp else T) * H
     d, kv = cfg.head_dim, cfg.num_key_value_heads
     kv_l = kv // min(tp, kv)
     if cfg.qk_norm == "per_head":
@@ -405,8 +401,7 @@ def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S
     else:
         mlp = config.dense_mlp
         f_l = mlp.intermediate_size // tp
-        copies = (_SP_INPUT_COPIES_GATED_MLP if mlp.gated else 1) if sp else 1
-        out["mlp"] = copies * e * T * H + (4 if mlp.gated else 2) * e * T * f_l
+        out["mlp"] = e * T_norm * H + (4 if mlp.gated else 2) * e * T * f_l     # input: the chunk under SP
         if "mlp" in modules:
             out["mlp"] = 0
             out["other"] += e * T_norm * H
