@@ -34,6 +34,10 @@ largest too). The issue's targets follow as PASS / FAIL lines with their figures
 - sequence parallelism at TP 2 halves the norm/residual activation bytes (``tp2_sp_ep2`` against
   ``tp2_ep2``).
 
+After them, estimates only (no model is built): DeepSeek-V3 (its config.json values through
+``config_from_hf``) at EP 64, PP 16, DP 64 (1024 ranks), bf16 parameters, sequences of 4096, micro-batch
+1, 16 micro-batches, flash attention, for each recompute mode and optimizer: the most loaded stage.
+
 Writes JSON (default ``benchmarks/results/memory.json``).
 """
 
@@ -196,6 +200,49 @@ def run(m: dict, layouts, recomputes, optimizers, param_dtype: str = "fp32") -> 
     return rows
 
 
+# DeepSeek-V3's config.json (the values the estimate reads), built here: nothing is downloaded.
+DEEPSEEK_V3_HF = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=163840,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000, initializer_range=0.02,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "type": "yarn"})
+DEEPSEEK_V3_LAYOUT = dict(tp=1, pp=16, ep=64, dp=64, micro_batch=1, seq_len=4096, num_micro_batches=16,
+                          param_dtype="bf16")
+
+
+def deepseek_v3_estimates() -> list[dict]:
+    """The most loaded stage of DeepSeek-V3 under :data:`DEEPSEEK_V3_LAYOUT`, per recompute mode and optimizer."""
+    from transformers import DeepseekV3Config
+
+    from megamoe.models.families import config_from_hf
+    config = config_from_hf(DeepseekV3Config(**DEEPSEEK_V3_HF))
+    rows = []
+    for recompute in RECOMPUTE:
+        for optimizer in OPTIMIZER_CHOICES:
+            worst = estimate_memory(
+                config, **DEEPSEEK_V3_LAYOUT, distributed_optimizer=optimizer != "plain",
+                zero_stage=2 if optimizer == "zero2" else 1,
+                recompute=_recompute_config(recompute) if recompute != "none" else None).worst
+            rows.append({"recompute": recompute, "optimizer": optimizer, "stage": worst.stage,
+                         "param": worst.param_bytes, "grad": worst.grad_bytes, "opt": worst.optimizer_bytes,
+                         "act": worst.activation_bytes, "in_flight": worst.micro_batches_in_flight,
+                         "total": worst.total})
+    return rows
+
+
+def print_deepseek_v3(rows: list[dict]) -> None:
+    print(f"\nDeepSeek-V3 estimate (no model built): {DEEPSEEK_V3_LAYOUT}; the most loaded stage, GiB per rank")
+    print(f"{'recompute':9s} {'optimizer':11s} {'stage':>5s} {'param':>7s} {'grad':>7s} {'opt':>7s} {'act':>7s} "
+          f"{'total':>7s}")
+    for r in rows:
+        print(f"{r['recompute']:9s} {r['optimizer']:11s} {r['stage']:5d}"
+              + "".join(f" {r[k] / 2**30:7.1f}" for k in ("param", "grad", "opt", "act", "total")))
+
+
 def _find(rows, layout, recompute, optimizer):
     return [r for r in rows if (r["layout"], r["recompute"], r["optimizer"]) == (layout, recompute, optimizer)]
 
@@ -268,8 +315,11 @@ def main(argv=None) -> int:
     for v in checks:
         figures = ", ".join(f"{k} {v_:.4g}" if isinstance(v_, float) else f"{k} {v_}" for k, v_ in v["figures"].items())
         print(f"{'PASS' if v['met'] else 'FAIL'}: {v['target']} ({figures})")
+    deepseek = deepseek_v3_estimates()
+    print_deepseek_v3(deepseek)
     write_results(args.json, {"model": m, "world_size": WORLD_SIZE, "param_dtype": args.param_dtype,
-                              "layouts": {k: LAYOUTS[k] for k in args.layouts}, "rows": rows, "verdicts": checks})
+                              "layouts": {k: LAYOUTS[k] for k in args.layouts}, "rows": rows, "verdicts": checks,
+                              "deepseek_v3": {"layout": DEEPSEEK_V3_LAYOUT, "rows": deepseek}})
     return 0
 
 
