@@ -60,6 +60,7 @@ _TRAINING_ROUTER_FIELDS = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff
 def _model_fields(config: GPTMoEConfig) -> dict:
     data = config.to_dict()
     data.pop("recompute", None)             # activation recomputation: how it was trained, not what it is
+    data.pop("sequence_parallel", None)         # an engine choice too (how TP ranks split the work)
     moe = data.get("moe") or {}
     for name in _ENGINE_FIELDS:
         moe.pop(name, None)

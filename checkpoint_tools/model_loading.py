@@ -24,9 +24,12 @@ __all__ = ["config_for_engine", "build_model_from_checkpoint"]
 
 def config_for_engine(config: GPTMoEConfig, *, dispatcher: str | None = None,
                       num_expert_slots: int | None = None, expert_backend: str | None = None,
-                      input_sharded: bool | None = None) -> GPTMoEConfig:
+                      input_sharded: bool | None = None, sequence_parallel: bool | None = None) -> GPTMoEConfig:
     """``config`` with the engine choices of its MoE layers replaced where given (None keeps the saved
-    one): how tokens reach the experts, how many slots hold them and which GEMM backend runs them."""
+    one): how tokens reach the experts, how many slots hold them and which GEMM backend runs them; and
+    ``sequence_parallel`` (generation passes False: a run trained with it decodes without it)."""
+    if sequence_parallel is not None:
+        config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
     engine = {"dispatcher": dispatcher, "num_expert_slots": num_expert_slots, "expert_backend": expert_backend,
               "input_sharded": input_sharded}
     engine = {name: value for name, value in engine.items() if value is not None}
@@ -37,7 +40,8 @@ def config_for_engine(config: GPTMoEConfig, *, dispatcher: str | None = None,
 
 def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: str | None = None,
                                 num_expert_slots: int | None = None, expert_backend: str | None = None,
-                                input_sharded: bool | None = None, device=None, dtype=None,
+                                input_sharded: bool | None = None, sequence_parallel: bool | None = None,
+                                device=None, dtype=None,
                                 verify_checksums: bool = True, world_group=None,
                                 layer_spec: LayerSpec | None = None) -> GPTMoEModel:
     """This rank's stage of the checkpoint's model under ``state`` (a ParallelState), weights loaded
@@ -56,7 +60,7 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
     manifest = read_manifest(path)
     config = config_for_engine(model_config_from_manifest(manifest), dispatcher=dispatcher,
                                num_expert_slots=num_expert_slots, expert_backend=expert_backend,
-                               input_sharded=input_sharded)
+                               input_sharded=input_sharded, sequence_parallel=sequence_parallel)
     placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))
     model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype,
                         layer_spec=layer_spec)

@@ -276,8 +276,10 @@ def join_layout(args, dispatcher: str | None, world: int, device: torch.device) 
 
 def load_model(args, engine: dict, state, device: torch.device) -> GPTMoEModel:
     """This rank's stage, resharded from the checkpoint (each MoE layer with the saved placement where it
-    fits this layout, else the default)."""
+    fits this layout, else the default), without sequence parallelism (decoding cannot split the sequence;
+    a run trained with it computes the same function without it)."""
     model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype],
+                                        sequence_parallel=False,
                                         verify_checksums=args.verify_checksums,
                                         world_group=dist.group.WORLD if dist.is_initialized() else None, **engine)
     return model.eval()

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-expert-slots", type=int, default=None,
                    help="expert slots per MoE layer (>= experts, multiple of ep); extra slots replicate experts; "
                         "default: one per expert")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism (needs --tp > 1): norms and residuals on [B, S/tp, H] chunks, an "
+                        "all-gather and a reduce-scatter around each TP block instead of all-reduces; --seq-len "
+                        "must be a multiple of --tp")
     add_launch_arguments(p)
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
@@ -185,7 +189,8 @@ def model_config(args, vocab_size: int) -> GPTMoEConfig:
                                 aux_loss_coeff=1e-2, use_expert_bias=True),
             ffn_hidden_size=H, num_expert_slots=args.num_expert_slots, dispatcher=args.dispatcher,
             expert_backend=args.expert_backend, shared_experts=SharedExpertsConfig(H, H, gate=True)),
-        moe_layer_ids=tuple(range(1, args.layers)), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=4 * H))
+        moe_layer_ids=tuple(range(1, args.layers)), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=4 * H),
+        sequence_parallel=args.sequence_parallel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,6 +312,11 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(str(e)) from None
     if args.top_k > args.experts:
         raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    if args.sequence_parallel and args.tp < 2:
+        raise UsageError(f"--sequence-parallel splits the sequence over the TP group: it needs --tp > 1, got --tp "
+                         f"{args.tp}")
+    if args.sequence_parallel and args.seq_len % args.tp:
+        raise UsageError(f"--sequence-parallel: --seq-len {args.seq_len} must be divisible by --tp {args.tp}")
     source = model_source(args)
     if source.tokenizer is not None:
         try:
@@ -345,6 +355,7 @@ def check_arguments(args, world_size: int) -> ModelSource:
         if isinstance(e, UsageError):
             raise
         raise UsageError(f"model flags: {e}") from None
+    config = dataclasses.replace(config, sequence_parallel=args.sequence_parallel)
     try:
         check_moe_layout_on_grid(config, grid)
     except ValueError as e:
@@ -456,7 +467,9 @@ def move_aside(save_dir: Path, run_id: str) -> None:
 
 
 def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
-    """Greedy and temperature samples of --sample-prompt: collective, every rank generates."""
+    """Greedy and temperature samples of --sample-prompt: collective, every rank generates (under
+    --sequence-parallel with a copy of the model built without it: decoding cannot split the sequence)."""
+    model = model.without_sequence_parallel()
     prompt = tokenizer.encode(args.sample_prompt)
     greedy = generate(model, state, [prompt], GenerationConfig(max_new_tokens=args.sample_tokens))
     sampling = SamplingConfig(temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=args.seed)
@@ -543,7 +556,7 @@ def main(argv=None) -> int:
                                  num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
                                  expert_backend=args.expert_backend, device=device, dtype=param_dtype(args),
                                  load_weights=plan.resume_from is None, saved_placements=saved,
-                                 recompute=recompute_config_from_args(args))
+                                 recompute=recompute_config_from_args(args), sequence_parallel=args.sequence_parallel)
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
     else:
@@ -551,8 +564,10 @@ def main(argv=None) -> int:
         if config is None:
             config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
                 dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
-        # Recomputation is the engine's choice, whatever the model source (a checkpoint resumes under any).
-        config = dataclasses.replace(config, recompute=recompute_config_from_args(args))
+        # Recomputation and sequence parallelism are the engine's choices, whatever the model source (a
+        # checkpoint resumes under any).
+        config = dataclasses.replace(config, recompute=recompute_config_from_args(args),
+                                     sequence_parallel=args.sequence_parallel)
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
         model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args))
         initialize_parameters(model, args.seed)

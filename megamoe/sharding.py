@@ -15,9 +15,10 @@ Otherwise a checkpoint stores it as one replicated tensor, and the save refuses 
 copies.
 
 A second tag, ``param.sequence_parallel = True``, marks parameters that are replicated over the TP
-group but see only this rank's tokens under sequence parallelism (row-parallel biases, norms): their
-gradients must be all-reduced over TP (see
-:func:`megamoe.tensor_parallel.allreduce_sequence_parallel_grads`).
+group but see only this rank's tokens under sequence parallelism (row-parallel biases, norms, routers;
+the full list in :mod:`megamoe.models.sequence_parallel`): their gradients must be all-reduced over TP
+(the gradient sync does; :func:`megamoe.tensor_parallel.allreduce_sequence_parallel_grads` for a module
+of one's own).
 """
 
 from __future__ import annotations

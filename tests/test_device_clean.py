@@ -235,3 +235,27 @@ def test_memory_measurement_on_meta_matches_the_estimated_state(name):
             assert (measured.param_bytes, measured.grad_bytes, measured.optimizer_bytes) == (
                 stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), f"rank {rank}"
             assert 0 < memory.saved_activation_bytes < memory.peak_live_bytes
+
+
+# Sequence parallelism under tp 2 (with pp 2: the stages send [B, S / tp, H]): both dispatchers on sharded tokens.
+SP_LAYOUTS = {
+    "sp-allgather-tp2-ep2-pp2": ("allgather", dict(tp=2, ep=2, etp=1, pp=2)),
+    "sp-alltoall-tp2-etp2-pp2": ("alltoall", dict(tp=2, etp=2, pp=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(SP_LAYOUTS))
+def test_sequence_parallel_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    import dataclasses
+    dispatcher, layout = SP_LAYOUTS[name]
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, **layout) as state:
+            config = dataclasses.replace(tiny_config(dispatcher), sequence_parallel=True)
+            model = GPTMoEModel(config, state, device="meta")
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run() as counter:
+                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+            assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
+            tp = state.tp.group
+            assert counter.calls("reduce_scatter", tp) > 0 and counter.calls("all_gather", tp) > 0, counter.kinds()

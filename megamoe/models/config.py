@@ -45,10 +45,15 @@ class GPTMoEConfig:
     # How the engine trades compute for activation memory (megamoe.transformer.recompute); not part of
     # what the model is: a checkpoint resumes under another choice.
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    # Under tensor parallelism: norms, residuals and dropout run on sequence shards [B, S / tp, H]
+    # (see megamoe.models.sequence_parallel). An engine field: a checkpoint resumes with either choice.
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if not isinstance(self.recompute, RecomputeConfig):
             raise ValueError(f"GPTMoEConfig.recompute must be a RecomputeConfig, got {type(self.recompute).__name__}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"GPTMoEConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         for name in ("vocab_size", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTMoEConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -11,7 +11,9 @@ replicated over the rest of the TP group). The all-to-all dispatcher needs ``etp
 share their tokens, and EP then spans data-parallel ranks, which hold different tokens. The all-gather
 dispatcher with ``input_sharded`` gathers the tokens of the whole EP x ETP group, which must then
 span data-parallel ranks only (no two of its ranks in one TP group): data-parallel attention, each
-DP rank running attention on its own tokens, in any number.
+DP rank running attention on its own tokens, in any number. Under sequence parallelism
+(:mod:`megamoe.models.sequence_parallel`) every rank holds its own tokens: both dispatchers take
+them sharded, in any layout the groups allow.
 
 Padding (inference): ``attention_mask`` [B, S_past + S] (True where a position holds a real token)
 hides padding keys from attention, and this call's padding tokens skip the MLP / MoE layers: they are
@@ -30,6 +32,7 @@ Calls with a KV cache are never recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -41,11 +44,13 @@ from megamoe import comms
 from megamoe.host_values import host_ints
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.layer_spec import LayerSpec
+from megamoe.models.sequence_parallel import check_sequence_length, sequence_parallel_group
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.pipeline.partition import partition_layers
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
+from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer import RMSNorm
 from megamoe.transformer.attention import check_no_cache_with_documents
 from megamoe.transformer.mla import MLAConfig
@@ -69,6 +74,8 @@ def check_moe_layout(config: GPTMoEConfig, state) -> None:
     if config.moe is None:
         return
     tp, ep, etp = state.tp.size, state.ep.size, state.etp.size
+    if getattr(config, "sequence_parallel", False) and tp > 1:
+        return       # every rank holds its own tokens: the dispatchers gather what they need
     if config.moe.dispatcher == "allgather" and config.moe.input_sharded:
         shared = sorted(set(state.ep_etp.ranks) & set(state.tp.ranks))
         if shared != [state.rank]:
@@ -99,8 +106,9 @@ def expert_token_replicas(config: GPTMoEConfig, state) -> int:
     """How many ranks of an expert-DP group compute the SAME tokens with the same expert shards:
     tp / (ep * etp) for the all-gather dispatcher (TP ranks outside the expert group hold the same
     tokens), tp with sharded input (each TP rank gathers the same tokens in its own expert group), 1
-    for all-to-all. The expert gradient reduction divides by it."""
-    if config.moe is None or config.moe.dispatcher == "alltoall":
+    for all-to-all, and 1 under sequence parallelism (every rank routes its own tokens). The expert
+    gradient reduction divides by it."""
+    if config.moe is None or config.moe.dispatcher == "alltoall" or sequence_parallel_group(config, state) is not None:
         return 1
     if config.moe.input_sharded:
         return state.tp.size
@@ -119,16 +127,22 @@ class DecoderLayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         spec = layer_spec or LayerSpec()
         tp = state.tp.group
+        sequence_group = sequence_parallel_group(config, state)
+        sp = sequence_group is not None
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
-        self.self_attn = spec.build_attention(config.attention, tp_group=tp, **factory)
+        self.self_attn = spec.build_attention(config.attention, tp_group=tp, sequence_parallel=sp, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         if config.is_moe_layer(layer_id):
+            extra = {"sequence_group": sequence_group} if sp else {}
             self.mlp = spec.build_moe(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
                                       expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
-                                      placement=placement, **factory)
+                                      placement=placement, **extra, **factory)
         else:
-            self.mlp = spec.build_mlp(config.dense_mlp, tp_group=tp, **factory)
+            self.mlp = spec.build_mlp(config.dense_mlp, tp_group=tp, sequence_parallel=sp, **factory)
+        if sp:      # the norms see this rank's sequence chunk only: gradients summed over TP
+            for param in (*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters()):
+                param.sequence_parallel = True
         # A custom attention module written before packed documents existed keeps working without them.
         parameters = inspect.signature(self.self_attn.forward).parameters.values()
         self.attention_takes_document_ids = any(p.name == "document_ids" or p.kind is p.VAR_KEYWORD
@@ -193,7 +207,10 @@ class GPTMoEModel(nn.Module):
     document_ids=None) -> (output, aux_loss)``: ``inputs`` are token ids [B, S] on the first stage and
     hidden states [B, S, H] elsewhere; the output is the hidden states for the next stage, or on the
     last stage the mean token loss (with ``labels``; -100 ignored) or this rank's vocab shard of the
-    logits [B, S, V / tp]. ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask``
+    logits [B, S, V / tp]. Under sequence parallelism (``config.sequence_parallel``, tp > 1; see
+    :mod:`megamoe.models.sequence_parallel`) the hidden states in and out of a stage are this TP rank's
+    chunk [B, S / tp, H], while ids, labels, ``position_ids`` and ``document_ids`` stay [B, S].
+    ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask``
     [B, S_past + S] marks real tokens; ``document_ids`` [B, S] packs documents (see the module
     docstring). :meth:`run_layers` stops before the final norm, so that generation computes logits
     for the last position only.
@@ -209,16 +226,18 @@ class GPTMoEModel(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         check_moe_layout(config, state)
-        self.config, self.state = config, state
+        self.config, self.state, self.pp_split = config, state, pp_split
         self.layer_spec = layer_spec or LayerSpec()
         factory = {"device": device, "dtype": dtype}
         tp = state.tp.group
+        self.sequence_group = sequence_parallel_group(config, state)   # None: no sequence parallelism
+        sp = {"sequence_parallel": True, "sequence_dim": SEQUENCE_DIM} if self.sequence_group is not None else {}
         self.layer_ids = partition_layers(config.num_layers, state.pp.size, pp_split)[state.pp.rank]
         self.is_first_stage, self.is_last_stage = state.is_first_pp_stage, state.is_last_pp_stage
         init = dict(init_method=normal_init(config.init_std))
         if self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp,
-                                                       **init, **factory)
+                                                       **sp, **init, **factory)
         # The rotary angles of a forward's positions, computed once and shared by every layer.
         self.rotary = RotaryEmbedding(config.attention.rope, device=device)
         placements = placements or {}
@@ -227,9 +246,25 @@ class GPTMoEModel(nn.Module):
             for i in self.layer_ids})
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
+            if self.sequence_group is not None:
+                self.norm.weight.sequence_parallel = True
             if not config.tie_word_embeddings:
                 self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, tp_group=tp, bias=False,
                                                     **init, **factory)
+
+    def without_sequence_parallel(self) -> GPTMoEModel:
+        """This model, or under sequence parallelism a copy built without it holding the same weights
+        (SP changes no parameter's shape, only the communication): the model generation needs, as the
+        KV cache and single-token decoding cannot split the sequence. Every TP rank must call it."""
+        if self.sequence_group is None:
+            return self
+        placements = {i: layer.placement for i, layer in self.moe_layers().items()}
+        param = next(self.parameters())
+        plain = GPTMoEModel(dataclasses.replace(self.config, sequence_parallel=False), self.state,
+                            pp_split=self.pp_split, placements=placements, layer_spec=self.layer_spec,
+                            device=param.device, dtype=param.dtype)
+        plain.load_state_dict(self.state_dict())
+        return plain.train(self.training)
 
     def tied_parameters(self) -> tuple[nn.Parameter, ...]:
         """Parameters whose copies on the first and last stage must stay identical."""
@@ -258,12 +293,15 @@ class GPTMoEModel(nn.Module):
     def run_layers(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, kv_caches=None,
                    attention_mask: torch.Tensor | None = None,
                    document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embedding (first stage) and this stage's decoder layers: ``(hidden [B, S, H], aux_loss)``."""
+        """The embedding (first stage) and this stage's decoder layers: ``(hidden [B, S, H], aux_loss)``
+        (under sequence parallelism this rank's chunk [B, S / tp, H]; see
+        :mod:`megamoe.models.sequence_parallel`)."""
+        self._check_sequence_parallel_call(inputs, kv_caches, attention_mask)
         hidden, position_ids = self._embed(inputs, position_ids)
         check_no_cache_with_documents(kv_caches, document_ids)
-        if document_ids is not None and document_ids.shape != hidden.shape[:2]:
-            raise ValueError(f"document_ids must be [batch, seq] = {list(hidden.shape[:2])} like the inputs, got "
-                             f"{list(document_ids.shape)}")
+        if document_ids is not None and document_ids.shape != self._full_shape(hidden):
+            raise ValueError(f"document_ids must be [batch, seq] = {list(self._full_shape(hidden))} like the inputs, "
+                             f"got {list(document_ids.shape)}")
         seq = hidden.shape[1]
         mlp_token_index = None
         if attention_mask is not None:               # host syncs once per call, not per layer
@@ -284,6 +322,7 @@ class GPTMoEModel(nn.Module):
         ``attention_mask`` [B, S_past + S] spans the filled positions; ``token_mask`` [B * S] marks
         this call's real tokens: padding tokens go through every layer (their outputs are unused)
         but reach no expert and are not counted in the expert load."""
+        self._check_sequence_parallel_call(inputs, kv_caches, attention_mask)
         hidden, position_ids = self._embed(inputs, position_ids)
         return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_mask=token_mask)
 
@@ -292,9 +331,26 @@ class GPTMoEModel(nn.Module):
         hidden states elsewhere."""
         hidden = self.embed_tokens(inputs) if self.is_first_stage else inputs
         if position_ids is None:
-            batch, seq = hidden.shape[:2]
+            batch, seq = self._full_shape(hidden)
             position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
         return hidden, position_ids
+
+    def _full_shape(self, hidden: torch.Tensor) -> tuple[int, int]:
+        """(batch, the whole sequence length) of ``hidden`` (a sequence chunk under sequence parallelism)."""
+        chunks = 1 if self.sequence_group is None else self.state.tp.size
+        return hidden.shape[0], hidden.shape[1] * chunks
+
+    def _check_sequence_parallel_call(self, inputs: torch.Tensor, kv_caches, attention_mask) -> None:
+        """Sequence parallelism: the ids split into equal chunks; no generation (KV cache, padding)."""
+        if self.sequence_group is None:
+            return
+        if kv_caches is not None or attention_mask is not None:
+            raise ValueError("sequence parallelism is a training feature: a forward with a KV cache or an "
+                             "attention_mask (generation) cannot split the sequence; generate with "
+                             "model.without_sequence_parallel(), or build the model with sequence_parallel=False "
+                             "(it computes the same function)")
+        if self.is_first_stage:
+            check_sequence_length(inputs.shape[1], self.state.tp.size)
 
     def _decoder_layers(self, hidden, position_ids, kv_caches, attention_mask, *, mlp_token_index=None,
                         mlp_token_mask=None, document_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,7 +368,13 @@ class GPTMoEModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + output layer: this rank's vocab shard of the logits (fp32 for the loss)."""
-        hidden = comms.copy_to_tensor_parallel_region(self.norm(hidden), self.state.tp.group)
+        if self.sequence_group is not None:
+            # The final norm ran on this rank's chunk; the output layer needs the whole sequence (the
+            # backward reduce-scatter sums the vocab shards' partial gradients of every position).
+            hidden = comms.gather_from_sequence_parallel_region(self.norm(hidden), self.sequence_group,
+                                                                dim=SEQUENCE_DIM)
+        else:
+            hidden = comms.copy_to_tensor_parallel_region(self.norm(hidden), self.state.tp.group)
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if hidden.device.type == "cpu" and hidden.dim() == 2 and 2 <= hidden.shape[0] <= _FEW_ROWS:
             # Decoding a batch: a few rows against the whole vocabulary shard. MKL runs the GEMM with

@@ -21,6 +21,10 @@ callable with that class's constructor signature, called once per decoder layer 
   the trainer, the gradient sync, checkpoints and the expert-load tools use its API (see its
   docstring). Default ``MoELayer``.
 
+Under sequence parallelism (``GPTMoEConfig.sequence_parallel`` with TP > 1) attention and mlp also
+receive ``sequence_parallel=True`` (their input and output are this rank's sequence chunk
+[B, S / tp, H]) and moe ``sequence_group=`` the TP group; without it they receive neither keyword.
+
 A part's parameters are saved under their module names (``layers.<i>.mlp.<name>``); a parameter a
 rank holds only a piece of must carry its sharding (:func:`megamoe.sharding.shard_parameter`). The
 spec is code, not config: a checkpoint does not record it, so whoever loads a checkpoint of a
@@ -59,14 +63,18 @@ class LayerSpec:
                              "trainer, gradient sync and checkpoints rely on MoELayer's API; subclass MoELayer "
                              "and override build_router / build_experts / build_dispatcher")
 
-    def build_attention(self, config, *, tp_group, device=None, dtype=None) -> nn.Module:
+    def build_attention(self, config, *, tp_group, sequence_parallel: bool = False, device=None,
+                        dtype=None) -> nn.Module:
         builder = self.attention
         if builder is None:
             builder = Attention if isinstance(config, AttentionConfig) else MultiHeadLatentAttention
-        return builder(config, tp_group=tp_group, device=device, dtype=dtype)
+        # ``sequence_parallel`` reaches the builder only when on, so custom modules need not know it.
+        extra = {"sequence_parallel": True} if sequence_parallel else {}
+        return builder(config, tp_group=tp_group, device=device, dtype=dtype, **extra)
 
-    def build_mlp(self, config, *, tp_group, device=None, dtype=None) -> nn.Module:
-        return self.mlp(config, tp_group=tp_group, device=device, dtype=dtype)
+    def build_mlp(self, config, *, tp_group, sequence_parallel: bool = False, device=None, dtype=None) -> nn.Module:
+        extra = {"sequence_parallel": True} if sequence_parallel else {}
+        return self.mlp(config, tp_group=tp_group, device=device, dtype=dtype, **extra)
 
     def build_moe(self, config, *, device=None, dtype=None, **groups) -> MoELayer:
         layer = self.moe(config, device=device, dtype=dtype, **groups)

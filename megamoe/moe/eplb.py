@@ -122,7 +122,8 @@ class ExpertRebalancer:
     ``model``: this rank's pipeline stage (a :class:`~megamoe.models.GPTMoEModel` or anything with
     ``config`` and ``moe_layers()``); ``world_group``: all ranks (None for one process). ``optimizer``:
     training, its state moves with the weights. ``counts_tokens``: whether this rank's counts enter the
-    load (default: TP rank 0, the training rule; see :func:`megamoe.inference.generation.generate` for
+    load (default: TP rank 0; the trainer passes :func:`megamoe.models.sequence_parallel.counts_own_tokens`,
+    every rank under sequence parallelism; see :func:`megamoe.inference.generation.generate` for
     inference's). ``cumulative_counters``: the layers' ``load_counter`` is not reset between steps (as in
     generation), so each record is the difference from the previous one.
     """

@@ -113,6 +113,14 @@ class MoELayer(nn.Module):
             replicas of this rank's slots. Used only by FP8 experts, whose delayed-scaling amaxes are
             reduced over it so that every shard and replica quantises alike (see megamoe.moe.fp8).
         placement: slot -> expert table; default: experts in order, extra slots round-robin replicas.
+        sequence_group: under sequence parallelism, the group whose ranks hold the other chunks of this
+            layer's sequences (the TP group; None otherwise). Every rank then routes its own tokens:
+            the dispatcher takes sharded input (all-gather: ``input_sharded`` over EP x ETP; all-to-all:
+            gathered over ETP first), the router's balancing losses are those of the whole sequences
+            (``Router.sequence_group``), and the parameters fed only this rank's tokens (the router,
+            the shared-expert gate, and the shared experts unless they are sharded over a group that
+            holds the whole TP group's tokens) are tagged ``sequence_parallel``: their gradients are
+            summed over TP by the gradient sync.
 
     ``forward(hidden [..., H]) -> (output [..., H], aux_loss [])``; a 3-D input is [batch, seq, H]
     (the sequence-level aux loss uses the batch dim).
@@ -121,11 +129,12 @@ class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, *, ep_group: ProcessGroup | None = None,
                  etp_group: ProcessGroup | None = None, expert_group: ProcessGroup | None = None,
                  etp_edp_group: ProcessGroup | None = None, placement: ExpertPlacement | None = None,
-                 device=None, dtype=None):
+                 sequence_group: ProcessGroup | None = None, device=None, dtype=None):
         super().__init__()
         self.config = config
         self.ep_group, self.etp_group, self.expert_group = ep_group, etp_group, expert_group
         self.etp_edp_group = etp_edp_group
+        self.sequence_group = sequence_group if comms.group_size(sequence_group) > 1 else None
         self.ep_size, self.ep_rank = comms.group_size(ep_group), comms.group_rank(ep_group)
         self.etp_size, self.etp_rank = comms.group_size(etp_group), comms.group_rank(etp_group)
         if config.dispatcher == "allgather" and comms.group_size(expert_group) != self.ep_size * self.etp_size:
@@ -149,6 +158,8 @@ class MoELayer(nn.Module):
             SharedExperts(config.shared_experts, shard_group=self.dispatcher_reduce_group(), **factory)
             if config.shared_experts is not None else None)
         self.dispatcher = self.build_dispatcher(config)
+        if self.sequence_group is not None:
+            self._tag_sequence_parallel()
         # Expert parameters are reduced over expert-DP (not DP) and summed across replicas; see
         # megamoe.training.grad_sync.
         for param in self.experts.parameters():
@@ -207,11 +218,39 @@ class MoELayer(nn.Module):
         back (see :mod:`megamoe.moe.token_dispatcher` for the interface: ``dispatch``, ``combine``,
         ``token_positions``, ``to_token_view``, ``token_view``, ``ep_size``, ``reduce_group``). Called
         after the router, the experts and the shared experts exist; the shared experts are sharded
-        over :meth:`dispatcher_reduce_group`, which a custom dispatcher's ``reduce_group`` must equal."""
+        over :meth:`dispatcher_reduce_group`, which a custom dispatcher's ``reduce_group`` must equal.
+        With a ``sequence_group`` (sequence parallelism) every rank's tokens differ: the dispatcher must
+        take sharded input (the shipped ones do: ``input_sharded``)."""
+        sharded = self.sequence_group is not None
         if config.dispatcher == "allgather":
             return AllGatherDispatcher(config.num_expert_slots, ep_group=self.ep_group,
-                                       expert_group=self.expert_group, input_sharded=config.input_sharded)
-        return AllToAllDispatcher(config.num_expert_slots, ep_group=self.ep_group, etp_group=self.etp_group)
+                                       expert_group=self.expert_group, input_sharded=config.input_sharded or sharded)
+        return AllToAllDispatcher(config.num_expert_slots, ep_group=self.ep_group, etp_group=self.etp_group,
+                                  input_sharded=sharded)
+
+    def _tag_sequence_parallel(self) -> None:
+        """Sequence parallelism: tag the parameters whose gradient each TP rank gets from its own tokens
+        only (see ``sequence_group`` in the class docstring); the router learns the sequence group."""
+        if isinstance(self.router, Router):
+            self.router.sequence_group = self.sequence_group
+        tagged = list(self.router.parameters())
+        if self.shared_experts is not None:
+            if self.shared_experts.gate_weight is not None:         # computed on this rank's tokens
+                tagged.append(self.shared_experts.gate_weight)
+            # The shared experts run on the dispatcher's token view (gathered over its reduce group):
+            # their gradients are complete when that group is the TP group, this rank's share when it is
+            # this rank alone (then summed over TP). A group reaching other TP groups would shard these
+            # dense parameters across data-parallel ranks, which average them: refused.
+            tp_ranks = set(comms.group_ranks(self.sequence_group))
+            reduce_ranks = set(comms.group_ranks(self.dispatcher_reduce_group()))
+            if len(reduce_ranks) == 1:
+                tagged += [p for name, p in self.shared_experts.named_parameters() if name != "gate_weight"]
+            elif reduce_ranks != tp_ranks:
+                raise ValueError(f"sequence parallelism: the shared experts are sharded over the dispatcher's group "
+                                 f"{sorted(reduce_ranks)}, which must be the TP group {sorted(tp_ranks)} or one rank "
+                                 f"(they are dense parameters, averaged over data parallel); change ep / etp")
+        for param in tagged:
+            param.sequence_parallel = True
 
     # ---- parameters ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -27,6 +27,15 @@ expert counts by the number of *tokens*, so its value is ``top_k`` times the swi
 balanced router score 1 for any top_k). Reproducing an HF training loss therefore needs
 ``aux_loss_coeff = router_aux_loss_coef * top_k``; HF also pools the counts of all layers before the
 product, whereas each Router here reports its own layer's loss.
+
+Sequence parallelism: ``Router.sequence_group`` (set by the MoE layer; None by default) is the group
+whose ranks hold the other chunks of the same sequences (the TP group). The losses are then those of
+the whole sequences: the selection counts (per expert, and per sequence and expert) are summed over
+the group (one all-reduce, no gradient), the probability and z-loss sums are divided by the whole
+token count, and each rank's loss is its own tokens' share of the sum. Its gradient is that share's
+(the router weight, tagged ``sequence_parallel``, gets its gradient summed over the group), while its
+VALUE is the whole loss (the shares summed, one all-reduce of a scalar), identical on every rank as
+without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
+from megamoe import comms
 from megamoe.precision import compute_dtype
 
 __all__ = ["RouterConfig", "RouterOutput", "Router"]
@@ -143,6 +154,9 @@ class Router(nn.Module):
     All router arithmetic runs in fp32 whatever the dtype of ``weight`` and of the input (in fp64
     when either is fp64, see :mod:`megamoe.precision`).
     """
+
+    # The group holding the other sequence chunks of this router's tokens (see the module docstring).
+    sequence_group: ProcessGroup | None = None
 
     def __init__(self, config: RouterConfig, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -254,33 +268,62 @@ class Router(nn.Module):
         Means divide by max(count, 1) so a rank that received no tokens contributes a finite zero.
         """
         cfg = self.config
-        num_tokens = logits.shape[0]
-        total = logits.new_zeros(())
+        shards = comms.group_size(self.sequence_group)
+        if shards > 1 and (cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0 or cfg.z_loss_coeff > 0):
+            return self._sequence_parallel_losses(logits, scores, expert_ids, tokens_per_expert, num_sequences, shards)
         # P_e needs per-token distributions: sigmoid scores are normalised to sum to 1 per token
         # (DeepSeek-V3's s'), softmax probabilities already do.
         if cfg.score_func == "sigmoid":
             probs = scores / (scores.sum(dim=-1, keepdim=True) + _NORM_EPS)  # [T, E]
         else:
             probs = scores
+        return self._loss_terms(logits, probs, expert_ids, tokens_per_expert, num_sequences, logits.shape[0], None)
+
+    def _sequence_parallel_losses(self, logits, scores, expert_ids, tokens_per_expert, num_sequences: int,
+                                  shards: int) -> torch.Tensor:
+        """The losses of the whole sequences, split over ``sequence_group`` (see the module docstring)."""
+        cfg = self.config
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + _NORM_EPS) if cfg.score_func == "sigmoid" else scores
+        counts = [tokens_per_expert.to(logits.dtype)]
+        if cfg.seq_aux_loss_coeff > 0:
+            counts.append(self._sequence_counts(logits, expert_ids, num_sequences))
+        counts = comms.all_reduce_(torch.cat(counts), self.sequence_group)      # no grad: selection counts
+        seq_counts = counts[cfg.num_experts:] if cfg.seq_aux_loss_coeff > 0 else None
+        share = self._loss_terms(logits, probs, expert_ids, counts[:cfg.num_experts], num_sequences,
+                                 logits.shape[0] * shards, seq_counts)
+        whole = comms.all_reduce_(share.detach().clone(), self.sequence_group)
+        return share + (whole - share.detach())     # value: the whole loss; gradient: this rank's share
+
+    def _sequence_counts(self, logits, expert_ids, num_sequences: int) -> torch.Tensor:
+        """[num_sequences * E] selections per (sequence, expert) of these tokens (sequence-major)."""
+        cfg = self.config
+        num_tokens = logits.shape[0]
+        seq_len = num_tokens // num_sequences
+        # One scatter over the flattened [S * E] grid; the [T, K] slots are sequence-major like the tokens.
+        seq_of_slot = torch.arange(num_sequences, device=logits.device).repeat_interleave(seq_len * cfg.top_k)
+        seq_counts = logits.new_zeros(num_sequences * cfg.num_experts)  # [S * E]
+        seq_counts.index_add_(0, seq_of_slot * cfg.num_experts + expert_ids.flatten(),
+                              logits.new_ones(num_tokens * cfg.top_k))
+        return seq_counts
+
+    def _loss_terms(self, logits, probs, expert_ids, tokens_per_expert, num_sequences: int, total_tokens: int,
+                    seq_counts: torch.Tensor | None) -> torch.Tensor:
+        """The enabled losses over ``total_tokens`` tokens of which these are ``logits.shape[0]`` (all of
+        them, or this rank's chunk of every sequence): the counts are the whole tokens' (``seq_counts``
+        None: counted here), the probability and logsumexp sums these tokens'."""
+        cfg = self.config
+        num_tokens = total_tokens
+        total = logits.new_zeros(())
         if cfg.aux_loss_coeff > 0:
             slot_fraction = tokens_per_expert.to(logits.dtype) / max(num_tokens * cfg.top_k, 1)  # [E]
             mean_prob = probs.sum(dim=0) / max(num_tokens, 1)  # [E]
             total = total + cfg.aux_loss_coeff * cfg.num_experts * (slot_fraction * mean_prob).sum()
         if cfg.seq_aux_loss_coeff > 0:
-            seq_len = num_tokens // num_sequences
-            # Count selections per (sequence, expert) with one scatter over the flattened [S * E] grid;
-            # the [T, K] slots are sequence-major like the tokens.
-            seq_of_slot = torch.arange(num_sequences, device=logits.device).repeat_interleave(
-                seq_len * cfg.top_k
-            )  # [T * K]
-            seq_counts = logits.new_zeros(num_sequences * cfg.num_experts)  # [S * E]
-            seq_counts.index_add_(
-                0,
-                seq_of_slot * cfg.num_experts + expert_ids.flatten(),
-                logits.new_ones(num_tokens * cfg.top_k),
-            )
+            seq_len = num_tokens // num_sequences                    # of the whole sequences
+            if seq_counts is None:
+                seq_counts = self._sequence_counts(logits, expert_ids, num_sequences)
             seq_slot_fraction = seq_counts.view(num_sequences, cfg.num_experts) / max(seq_len * cfg.top_k, 1)
-            seq_mean_prob = probs.view(num_sequences, seq_len, cfg.num_experts).sum(dim=1) / max(seq_len, 1)
+            seq_mean_prob = probs.view(num_sequences, -1, cfg.num_experts).sum(dim=1) / max(seq_len, 1)
             per_sequence = cfg.num_experts * (seq_slot_fraction * seq_mean_prob).sum(dim=-1)  # [S]
             total = total + cfg.seq_aux_loss_coeff * per_sequence.mean()
         if cfg.z_loss_coeff > 0:

@@ -135,27 +135,41 @@ class AllToAllDispatcher(TokenDispatcher):
     groups; each computes its FFN shard, and one all-reduce over ``etp_group`` sums the shards (the
     shared expert's partial included).
 
+    ``input_sharded`` (sequence parallelism: every rank holds its own chunk of the sequence): the ETP
+    ranks' tokens differ, so ``dispatch`` first all-gathers them (and their slot ids and routing
+    weights) over ``etp_group``, making the ETP ranks share tokens as above, and ``combine`` sums the
+    shards with ONE reduce-scatter back to each rank's own tokens instead of the all-reduce. Every
+    rank's token count must be the same (the sequence chunks are equal).
+
     Gradients: the all-to-alls' backward is the reverse exchange, which returns each token's gradient
     to its owner; expert-weight gradients are complete locally; the token view and routing weights
     carry an ETP all-reduce in backward (copy-to-TP region) so they are complete on every ETP rank.
     """
 
     def __init__(self, num_slots: int, *, ep_group: ProcessGroup | None = None,
-                 etp_group: ProcessGroup | None = None):
+                 etp_group: ProcessGroup | None = None, input_sharded: bool = False):
         super().__init__(num_slots, ep_group)
         self.reduce_group = etp_group
+        self.input_sharded = input_sharded and comms.group_size(etp_group) > 1
 
     def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
-        offset = self.ep_rank * num_tokens
+        owner = self.ep_rank
+        if self.input_sharded:          # every rank's own tokens: a distinct range per (EP, ETP) rank
+            owner = owner * comms.group_size(self.reduce_group) + comms.group_rank(self.reduce_group)
+        offset = owner * num_tokens
         return torch.arange(offset, offset + num_tokens, device=device)
 
     def to_token_view(self, values: torch.Tensor) -> torch.Tensor:
+        if self.input_sharded:
+            return comms.gather_from_sequence_parallel_region(values, self.reduce_group)
         return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
 
     def dispatch(self, x, slot_ids, weights):
-        num_tokens, top_k = slot_ids.shape
         self.token_view = self.to_token_view(x)
         weights = self.to_token_view(weights)
+        if self.input_sharded:                                           # no grad: integer ids
+            slot_ids = comms.all_gather_into(slot_ids, self.reduce_group)
+        num_tokens, top_k = slot_ids.shape
         if self.ep_size == 1:
             # Every slot is local: the exchange is the identity, so skip its bookkeeping (which
             # dominates small batches, e.g. decoding).
@@ -204,6 +218,8 @@ class AllToAllDispatcher(TokenDispatcher):
         if shared_output is not None:
             out = out + shared_output
         self._permutation = self._recv_weights = self.token_view = self._send_token = None
+        if self.input_sharded:
+            return comms.reduce_scatter_to_sequence_parallel_region(out, self.reduce_group)
         return comms.reduce_from_tensor_parallel_region(out, self.reduce_group)
 
 

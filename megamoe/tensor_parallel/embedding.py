@@ -2,7 +2,9 @@
 
 Rank r holds rows ``r*V/tp : (r+1)*V/tp`` of the [V, H] table. Each rank looks up the ids in its
 range (zeros elsewhere) and the partial embeddings are summed: all-reduce, or reduce-scatter along
-the first dim under sequence parallelism. Weight gradients are complete locally.
+the sequence dim under sequence parallelism (``sequence_dim``: 0, or 1 for [B, S] ids), each rank
+keeping its chunk of the sequence. Weight gradients are complete locally (the reduce-scatter's
+backward all-gathers the output gradient).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None = None,
-                 sequence_parallel: bool = False, init_method: InitMethod | None = None,
+                 sequence_parallel: bool = False, sequence_dim: int = 0, init_method: InitMethod | None = None,
                  device=None, dtype=None):
         super().__init__()
+        self.sequence_dim = sequence_dim
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = comms.group_size(tp_group), comms.group_rank(tp_group)
         if num_embeddings % self.tp_size:
@@ -58,7 +61,7 @@ class VocabParallelEmbedding(nn.Module):
             local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return comms.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+            return comms.reduce_scatter_to_sequence_parallel_region(out, self.tp_group, dim=self.sequence_dim)
         return comms.reduce_from_tensor_parallel_region(out, self.tp_group)
 
     def extra_repr(self) -> str:

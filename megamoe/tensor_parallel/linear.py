@@ -43,16 +43,18 @@ class ColumnParallelLinear(nn.Module):
     Args:
         gather_output: all-gather the output's last dim so every rank gets the full ``y``.
         skip_bias_add: return ``(y_without_bias, bias)`` so the caller can fuse the bias add.
-        sequence_parallel: the input is this rank's chunk of the first (sequence) dim; it is
-            all-gathered forward and the input gradient reduce-scattered backward.
+        sequence_parallel: the input is this rank's chunk of the sequence dim ``sequence_dim``
+            (default the first; 1 for batch-first [B, S, H]); it is all-gathered forward and the
+            input gradient reduce-scattered backward.
         init_method: draws the FULL weight, ``init(tensor, generator)``; default N(0, 0.02).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup | None = None,
                  bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, init_method: InitMethod | None = None,
+                 sequence_parallel: bool = False, sequence_dim: int = 0, init_method: InitMethod | None = None,
                  device=None, dtype=None):
         super().__init__()
+        self.sequence_dim = sequence_dim
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
                              "(a sequence-parallel column layer feeds a row-parallel layer)")
@@ -79,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         if self.sequence_parallel:
-            x = comms.gather_from_sequence_parallel_region(x, self.tp_group)
+            x = comms.gather_from_sequence_parallel_region(x, self.tp_group, dim=self.sequence_dim)
         else:
             x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
@@ -101,14 +103,16 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: the input already is this rank's chunk of the last dim (the output of a
             ColumnParallelLinear); otherwise the full input is split here.
         skip_bias_add: return ``(y_without_bias, bias)``.
-        sequence_parallel: reduce-scatter the output along the first dim instead of all-reducing.
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` (default the first; 1 for
+            batch-first [B, S, H]) instead of all-reducing.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup | None = None,
                  bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, init_method: InitMethod | None = None,
+                 sequence_parallel: bool = False, sequence_dim: int = 0, init_method: InitMethod | None = None,
                  device=None, dtype=None):
         super().__init__()
+        self.sequence_dim = sequence_dim
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
         self.tp_group = tp_group
@@ -138,7 +142,7 @@ class RowParallelLinear(nn.Module):
             x = comms.scatter_to_tensor_parallel_region(x, self.tp_group)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = comms.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+            y = comms.reduce_scatter_to_sequence_parallel_region(y, self.tp_group, dim=self.sequence_dim)
         else:
             y = comms.reduce_from_tensor_parallel_region(y, self.tp_group)
         if self.skip_bias_add:

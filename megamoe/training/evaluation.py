@@ -20,6 +20,7 @@ import torch
 from megamoe import comms
 from megamoe.data.eval_split import IGNORE_INDEX
 from megamoe.data.packing import MicroBatch
+from megamoe.models.sequence_parallel import stage_hidden_shape
 from megamoe.pipeline.schedule import forward_only
 from megamoe.precision import upcast
 
@@ -49,7 +50,7 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
     model.eval()
     try:
         hidden_dtype = autocast_dtype or next(model.parameters()).dtype
-        losses = forward_only(forward_step, len(micro_batches), state, (mb, seq, model.config.hidden_size),
+        losses = forward_only(forward_step, len(micro_batches), state, stage_hidden_shape(model, state, mb, seq),
                               hidden_dtype, device)
     finally:
         model.train(was_training)

@@ -4,9 +4,10 @@ Loss convention: each data-parallel rank back-propagates the mean loss of its ow
 the global loss is the mean over DP ranks. After :meth:`GradientSync.sync` every rank holds the
 gradient of that global loss for its local parameters:
 
-- parameters tagged ``sequence_parallel`` (replicated over TP but fed only this rank's tokens:
-  norms and biases under sequence parallelism, routers and shared experts when the model splits
-  tokens over TP for all-to-all EP): summed over TP;
+- parameters tagged ``sequence_parallel`` (replicated over TP but fed only this rank's tokens under
+  sequence parallelism: norms, row-parallel biases, MLA's down projections, routers, shared-expert
+  gates and shared experts not sharded over the TP group; see :mod:`megamoe.models.sequence_parallel`):
+  summed over TP;
 - dense parameters: averaged over DP x CP (``state.dp_cp``);
 - expert parameters (tagged ``expert_parallel``): summed over expert-DP, then divided by the DP x
   CP size times ``expert_token_replicas``. (Each expert already saw the tokens of every DP rank in

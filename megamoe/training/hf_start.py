@@ -135,14 +135,15 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
                   num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
                   expert_backend: str = "auto", device=None, dtype=None, layer_spec: LayerSpec | None = None,
                   load_weights: bool = True, saved_placements: dict | None = None,
-                  progress: bool | None = None,
+                  progress: bool | None = None, sequence_parallel: bool = False,
                   recompute: RecomputeConfig | None = None) -> tuple[GPTMoEModel, HFStart]:
     """This rank's stage of the HF model in ``hf_dir`` under ``state`` (a ParallelState), filled from its
     safetensors, and the :class:`HFStart` the run keeps (pass ``start.provenance`` to every save).
 
     ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
     placements) choose the expert slots as ``import-hf`` does; ``dispatcher`` and ``expert_backend`` are
-    the engine's, and so is ``recompute`` (activation recomputation; default: none).
+    the engine's, and so are ``sequence_parallel`` (``GPTMoEConfig.sequence_parallel``) and ``recompute``
+    (activation recomputation; default: none).
     ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
     overwrites every weight); such a run passes the checkpoint's ``saved_placements`` ({layer id:
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
@@ -154,7 +155,9 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
     start = _start_of(hf, dispatcher=dispatcher, num_expert_slots=num_expert_slots, expert_backend=expert_backend)
     check_vocab_fits_tp(start.config, state.tp.size, os.path.join(hf.directory, CONFIG_FILE))
     placements = build_placements(start.config, state.ep.size, expert_load=expert_load, saved=saved_placements)
-    config = start.config if recompute is None else dataclasses.replace(start.config, recompute=recompute)
+    config = dataclasses.replace(start.config, sequence_parallel=sequence_parallel)
+    if recompute is not None:
+        config = dataclasses.replace(config, recompute=recompute)
     model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype, layer_spec=layer_spec)
     if load_weights:
         read = load_hf_weights(model, hf, progress=progress)

@@ -77,6 +77,7 @@ from megamoe.data.packing import MicroBatch
 from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import expert_token_replicas
+from megamoe.models.sequence_parallel import counts_own_tokens, stage_hidden_shape
 from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
@@ -242,7 +243,8 @@ class Trainer:
         self.loss_scaler = DynamicLossScaler(config.loss_scale) if config.autocast == "fp16" else None
         self.device = next(model.parameters()).device
         self.rebalancer = (ExpertRebalancer(model, state, config.eplb, world_group=world_group,
-                                            optimizer=self.optimizer) if config.eplb is not None else None)
+                                            optimizer=self.optimizer, counts_tokens=counts_own_tokens(model, state))
+                           if config.eplb is not None else None)
 
     def _log_balancing(self) -> None:
         by_description: dict[str | None, list[int]] = {}
@@ -296,7 +298,9 @@ class Trainer:
             return out, aux
 
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
-        hidden_shape = (mb, seq, model.config.hidden_size)
+        # Between pipeline stages: [mb, S, H], or this rank's sequence chunk [mb, S / tp, H] under sequence
+        # parallelism (megamoe.models.sequence_parallel).
+        hidden_shape = stage_hidden_shape(model, state, mb, seq)
         with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
             losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device)
         self.grad_sync.sync()
@@ -425,8 +429,9 @@ class Trainer:
         loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64, device=self.device)
         moe_layers = self.model.moe_layers()
         for layer_id, layer in moe_layers.items():
-            # Count each DP replica's tokens once (TP ranks route the same tokens).
-            if self.state.tp.rank == 0:
+            # Count each token once: TP ranks route the same tokens (TP rank 0 counts them), or under
+            # sequence parallelism each its own chunk (every rank counts).
+            if counts_own_tokens(self.model, self.state):
                 loads[layer_id] = layer.load_counter.per_expert.double()
         comms.all_reduce_(loads, self.world_group)
         host_loads = torch.tensor(host_floats(loads), dtype=torch.float64).view_as(loads)

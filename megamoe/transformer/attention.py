@@ -42,7 +42,17 @@ Packed documents (training, :mod:`megamoe.data.packing`): ``document_ids`` [B, S
 same document id (and lie in its sliding window, when configured). Pair it with per-document
 ``position_ids`` (restarting at 0) for every document to be computed as if alone. It describes one
 full-sequence call: with a KV cache it raises ValueError (the cache does not keep past document ids).
-None: plain causal attention, the ``is_causal`` SDPA kernel. Sequence parallelism is not supported.
+None: plain causal attention, the ``is_causal`` SDPA kernel.
+
+Sequence parallelism (``sequence_parallel=True``, under TP, training): the input is this rank's
+contiguous chunk [B, S / tp, H] of the sequence dim. The block all-gathers it once before q, k and v
+(backward: one reduce-scatter of the input gradient, instead of the all-reduce; only the chunk is kept
+for backward, gathered again there for the weight gradients) and ``o_proj``
+reduce-scatters its output back to [B, S / tp, H] (instead of all-reducing; its bias, replicated and
+added to this rank's chunk only, is tagged ``sequence_parallel`` so its gradient is summed over TP).
+Attention itself sees the whole gathered sequence, so ``position_ids`` and ``document_ids`` stay the
+full [B, S]. No KV cache: decoding single tokens cannot be split (build the model with
+``sequence_parallel=False`` for generation; it computes the same function).
 """
 
 from __future__ import annotations
@@ -59,6 +69,8 @@ from megamoe import comms
 from megamoe.sharding import set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
+from megamoe.comms import gather_linears_from_sequence_parallel_region
+from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer.head_sharding import HeadShard, head_shard, sum_grad_over_replicas
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
@@ -209,11 +221,15 @@ class _ReplicatedHeadLinear(nn.Module):
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` is already inside the TP region (its gradient is all-reduced by the caller)."""
+        return F.linear(x, *self.local_weight_and_bias())
+
+    def local_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias, their gradients summed over the replicas in backward."""
         replicas = self.shard.replicas
         weight = sum_grad_over_replicas(self.weight, self.weight.shard_spec, self.tp_group, replicas)
         bias = None if self.bias is None else sum_grad_over_replicas(
             self.bias, self.bias.shard_spec, self.tp_group, replicas)
-        return F.linear(x, weight, bias)
+        return weight, bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local head "
@@ -227,6 +243,13 @@ def _local_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+def _local_weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What :func:`_local_linear` multiplies by (a replicated KV head's, with its replica gradient sum)."""
+    if isinstance(layer, _ReplicatedHeadLinear):
+        return layer.local_weight_and_bias()
+    return layer.weight, layer.bias
+
+
 class Attention(nn.Module):
     """GQA self-attention, heads split over ``tp_group`` (``None``: one rank). Parameter names follow
     HuggingFace (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``).
@@ -236,10 +259,12 @@ class Attention(nn.Module):
 
     recompute_core_attn: bool = False
 
-    def __init__(self, config: AttentionConfig, *, tp_group: ProcessGroup | None = None, device=None, dtype=None):
+    def __init__(self, config: AttentionConfig, *, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.config, self.tp_group = config, tp_group
         tp = comms.group_size(tp_group)
+        self.sequence_parallel = sequence_parallel and tp > 1
         heads, kv_heads, head_dim, hidden = (config.num_attention_heads, config.num_key_value_heads,
                                              config.head_dim, config.hidden_size)
         if heads % tp:
@@ -261,7 +286,8 @@ class Attention(nn.Module):
                                               init, **factory)
             self.add_module(name, layer)
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, tp_group=tp_group, bias=config.o_proj_bias,
-                                        input_is_parallel=True, init_method=init, **factory)
+                                        input_is_parallel=True, sequence_parallel=self.sequence_parallel,
+                                        sequence_dim=SEQUENCE_DIM, init_method=init, **factory)
         if config.qk_norm == "per_head":
             # One [head_dim] weight shared by all heads; each rank normalises its own heads.
             self.q_norm = RMSNorm(head_dim, config.norm_eps, weight_grad_group=tp_group, **factory)
@@ -299,10 +325,19 @@ class Attention(nn.Module):
         computes it once for all its layers); computed here when None.
         ``document_ids`` [B, S]: document-causal attention over packed documents (no KV cache)."""
         check_no_cache_with_documents(kv_cache, document_ids)
-        x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)      # one grad all-reduce for q, k, v
-        q = self._qk_norm(self.q_norm, _local_linear(self.q_proj, x), self.num_heads_local)
-        k = self._qk_norm(self.k_norm, _local_linear(self.k_proj, x), self.num_kv_heads_local)
-        v = _local_linear(self.v_proj, x).unflatten(-1, (self.num_kv_heads_local, self.config.head_dim))
+        if self.sequence_parallel and kv_cache is not None:
+            raise ValueError("sequence-parallel attention takes no KV cache (decoding cannot split the sequence); "
+                             "build the model with sequence_parallel=False for generation")
+        if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for q, k and v
+            q, k, v = gather_linears_from_sequence_parallel_region(
+                hidden, self.tp_group, *zip(*map(_local_weight_and_bias, (self.q_proj, self.k_proj, self.v_proj))),
+                dim=SEQUENCE_DIM)
+        else:                        # one grad all-reduce for q, k and v
+            x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)
+            q, k, v = (_local_linear(layer, x) for layer in (self.q_proj, self.k_proj, self.v_proj))
+        q = self._qk_norm(self.q_norm, q, self.num_heads_local)
+        k = self._qk_norm(self.k_norm, k, self.num_kv_heads_local)
+        v = v.unflatten(-1, (self.num_kv_heads_local, self.config.head_dim))
         if self.config.clip_qkv is not None:
             clip = self.config.clip_qkv
             q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)

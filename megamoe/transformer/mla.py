@@ -24,6 +24,15 @@ all-reduce of (q_lora_rank + kv_lora_rank + qk_rope_head_dim) per token instead 
 Without ``q_lora_rank``, ``q_proj`` (a ColumnParallelLinear) all-reduces its own input gradient
 and the kv latents get theirs: two all-reduces.
 
+Sequence parallelism (``sequence_parallel=True``, under TP, training): the input is this rank's
+chunk [B, S / tp, H] of the sequence dim. The replicated down projections and their norms run on
+that chunk; ONE all-gather (dim 1) of ``[q_latent, kv_latent, k_pe]`` replaces the copy above (its
+backward reduce-scatter sums the heads' partial latent gradients and keeps this rank's positions),
+so the gathered bytes per token are the latent width, not the hidden size. The replicated weights
+then see only this rank's tokens: they are tagged ``sequence_parallel`` (gradients summed over TP by
+the gradient sync). Without ``q_lora_rank``, ``q_proj`` gathers the hidden chunk itself. ``o_proj``
+reduce-scatters its output back to the chunk. No KV cache (see the attention module).
+
 KV cache seam (as HF, on the compressed latents): ``kv_cache.update(kv_latent, k_pe)`` receives
 [B, 1, S, kv_lora_rank] (after ``kv_a_layernorm``) and [B, 1, S, qk_rope_head_dim] (rotated) and
 returns every cached position; queries are the last S positions. ``attention_mask`` [B, S_past + S]
@@ -44,6 +53,7 @@ from megamoe import comms
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
+from megamoe.tensor_parallel.sequence import SEQUENCE_DIM, enter_tensor_parallel_region
 from megamoe.transformer.attention import KVCache, cached_keys, causal_attention, check_no_cache_with_documents
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
@@ -127,10 +137,13 @@ class MultiHeadLatentAttention(nn.Module):
     recompute_up_proj: bool = False
     recompute_core_attn: bool = False
 
-    def __init__(self, config: MLAConfig, *, tp_group: ProcessGroup | None = None, device=None, dtype=None):
+    def __init__(self, config: MLAConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         self.config, self.tp_group = config, tp_group
         tp = comms.group_size(tp_group)
+        self.sequence_parallel = sp = sequence_parallel and tp > 1
+        seq = {"sequence_parallel": sp, "sequence_dim": SEQUENCE_DIM}
         heads, hidden = config.num_attention_heads, config.hidden_size
         if heads % tp:
             raise ValueError(f"MLAConfig.num_attention_heads ({heads}) must be divisible by the "
@@ -141,7 +154,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_out = heads * config.qk_head_dim
         if config.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, q_out, tp_group=tp_group, bias=False, init_method=init,
-                                               **factory)
+                                               **seq, **factory)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         else:
             self.q_proj = None
@@ -157,8 +170,12 @@ class MultiHeadLatentAttention(nn.Module):
                                               init_method=init, **factory)
         self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, tp_group=tp_group,
                                         bias=config.attention_bias, input_is_parallel=True, init_method=init,
-                                        **factory)
+                                        **seq, **factory)
         self.rotary = RotaryEmbedding(config.rope, device=device)
+        if sp:      # replicated, fed this rank's tokens only: gradients summed over TP (grad sync)
+            for module in (self.q_a_proj, self.q_a_layernorm, self.kv_a_proj_with_mqa, self.kv_a_layernorm):
+                for param in module.parameters() if module is not None else ():
+                    param.sequence_parallel = True
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Redraw every parameter from full logical tensors (same values for every TP layout)."""
@@ -177,16 +194,21 @@ class MultiHeadLatentAttention(nn.Module):
         computes it once for all its layers); computed here when None.
         ``document_ids`` [B, S]: document-causal attention over packed documents (no KV cache)."""
         check_no_cache_with_documents(kv_cache, document_ids)
+        if self.sequence_parallel and kv_cache is not None:
+            raise ValueError("sequence-parallel attention takes no KV cache (decoding cannot split the sequence); "
+                             "build the model with sequence_parallel=False for generation")
         cfg = self.config
         kv_latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
         kv_latent = self.kv_a_layernorm(kv_latent)
         if self.q_proj is not None:
             q = self.q_proj(hidden)                                   # all-reduces its own input grad
-            latents = comms.copy_to_tensor_parallel_region(torch.cat([kv_latent, k_pe], -1), self.tp_group)
+            latents = enter_tensor_parallel_region(torch.cat([kv_latent, k_pe], -1), self.tp_group,
+                                                   self.sequence_parallel)
             kv_latent, k_pe = latents.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
-            latents = comms.copy_to_tensor_parallel_region(torch.cat([q_latent, kv_latent, k_pe], -1), self.tp_group)
+            latents = enter_tensor_parallel_region(torch.cat([q_latent, kv_latent, k_pe], -1), self.tp_group,
+                                                   self.sequence_parallel)
             q_latent, kv_latent, k_pe = latents.split([cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
             q = q_latent                                              # projected up below
         cos, sin = self.rotary(position_ids) if position_embeddings is None else position_embeddings

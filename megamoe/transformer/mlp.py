@@ -5,6 +5,11 @@ rows ``r*F/tp:(r+1)*F/tp`` of each, so a shard is a plain slice of the HF tensor
 is row-parallel (the matching columns). The input enters the TP region once for both column
 shards, so backward all-reduces the input gradient once (not once per projection); forward
 all-reduces the output once (``down_proj``). Weight gradients are complete locally.
+
+Sequence parallelism (``sequence_parallel=True``, under TP): the input [B, S / tp, H] is this rank's
+chunk of the sequence dim: one all-gather before gate/up (backward: a reduce-scatter of the input
+gradient, and the chunk gathered again for the weight gradients: only the chunk is kept) and a
+reduce-scatter after ``down_proj`` (its bias is tagged ``sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch.distributed import ProcessGroup
 from megamoe import comms
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import normal_init
+from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 
 __all__ = ["MLPConfig", "MLP"]
 
@@ -51,9 +57,11 @@ class MLPConfig:
 class MLP(nn.Module):
     """Dense (gated) MLP with the intermediate dim split over ``tp_group`` (``None``: one rank)."""
 
-    def __init__(self, config: MLPConfig, *, tp_group: ProcessGroup | None = None, device=None, dtype=None):
+    def __init__(self, config: MLPConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         self.config, self.tp_group = config, tp_group
+        self.sequence_parallel = sequence_parallel and comms.group_size(tp_group) > 1
         self.act = ACTIVATIONS[config.activation]
         init = normal_init(config.init_std)
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -61,6 +69,7 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, **column) if config.gated else None
         self.up_proj = ColumnParallelLinear(hidden, inter, **column)
         self.down_proj = RowParallelLinear(inter, hidden, tp_group=tp_group, bias=config.bias, input_is_parallel=True,
+                                           sequence_parallel=self.sequence_parallel, sequence_dim=SEQUENCE_DIM,
                                            init_method=init, device=device, dtype=dtype)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -71,10 +80,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., H] (complete on every rank)."""
-        x = comms.copy_to_tensor_parallel_region(x, self.tp_group)   # one grad all-reduce for gate and up
-        up = F.linear(x, self.up_proj.weight, self.up_proj.bias)
-        if self.gate_proj is not None:
-            hidden = self.act(F.linear(x, self.gate_proj.weight, self.gate_proj.bias)) * up
-        else:
-            hidden = self.act(up)
+        layers = (self.up_proj,) if self.gate_proj is None else (self.up_proj, self.gate_proj)
+        if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for gate and up
+            outputs = comms.gather_linears_from_sequence_parallel_region(
+                x, self.tp_group, [l.weight for l in layers], [l.bias for l in layers], dim=SEQUENCE_DIM)
+        else:                        # one grad all-reduce for gate and up
+            x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
+            outputs = [F.linear(x, l.weight, l.bias) for l in layers]
+        up = outputs[0]
+        hidden = self.act(up) if self.gate_proj is None else self.act(outputs[1]) * up
         return self.down_proj(hidden)
