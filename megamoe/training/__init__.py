@@ -9,6 +9,7 @@ from megamoe.training.non_finite import NonFiniteTrainingError
 from megamoe.training.trainable_model import TrainableModel, check_trainable_model
 from megamoe.training.trainer import StepMetrics, TrainConfig, Trainer, build_optimizer
 
-__all__ = ["DistributedOptimizer", "evaluate_loss", "GradientSync", "clip_grad_norm_", "global_grad_norm", "DynamicLossScaler", "LossScaleConfig",
+__all__ = ["DistributedOptimizer",
+           "evaluate_loss", "GradientSync", "clip_grad_norm_", "global_grad_norm", "DynamicLossScaler", "LossScaleConfig",
            "LRScheduleConfig", "NonFiniteTrainingError", "StepMetrics", "TrainConfig", "Trainer",
            "TrainableModel", "build_optimizer", "check_trainable_model"]
