@@ -23,10 +23,10 @@ one training step (:func:`megamoe.training.memory_measure.measure_train_step`), 
   activations and temporaries.
 
 Beside each, the estimate (:func:`megamoe.training.memory_estimate.estimate_memory`) and the ratio
-measured / estimated (the ``act`` estimate without the rotary cos / sin that fully recomputed layers hold
-by reference, which the hooks cannot see; the JSON has that part). Rows are per pipeline stage: the mean over the stage's ranks (EP ranks differ
-in their routed tokens; the mean is the balanced routing the estimate assumes; the JSON has the
-largest too). The issue's targets follow as PASS / FAIL lines with their figures:
+measured / estimated (the ``act`` estimate without the rotary cos / sin that fully recomputed layers
+hold by reference, which the hooks cannot see; the JSON has that part). Rows are per pipeline stage:
+the mean over the stage's ranks (EP ranks differ in their routed tokens; the mean is the balanced
+routing the estimate assumes; the JSON has the largest too). The issue's targets follow as PASS / FAIL lines with their figures:
 
 - optimizer state per rank with the distributed optimizer <= 1/DP of the plain optimizer's (dense
   parameters) and 1/EDP (expert parameters), plus 1% for padding (recompute none);
@@ -44,7 +44,6 @@ Writes JSON (default ``benchmarks/results/memory.json``).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch

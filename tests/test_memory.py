@@ -7,8 +7,6 @@ routing is the whole batch's)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint

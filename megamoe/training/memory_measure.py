@@ -16,7 +16,11 @@ have sizes but no data):
   them. Under ``torch.utils.checkpoint`` (non-reentrant) what autograd holds is what passes through
   these hooks: the checkpoint saves its inputs through them (``_CheckpointFrame.save_inputs``), while
   the recomputed region's own tensors go to the checkpoint's inner hooks (a handle, no tensor) in
-  forward and exist only during its backward recomputation. So the count is what autograd holds.
+  forward and exist only during its backward recomputation. So the count is what autograd holds, with
+  two gaps: tensors a checkpoint keeps inside a non-tensor argument (a tuple, e.g. the rotary cos / sin
+  of fully recomputed layers) are held by reference and never pass the hooks; and a saved storage
+  counts until it is freed, so one the caller still references after the graph released it (the
+  token ids of a micro-batch) stays counted.
 - :class:`LiveMemory`: a ``TorchDispatchMode`` that sees every op run under it (forward, the autograd
   engine's backward on this thread, the optimizer step, and c10d collectives such as gloo's, which
   are dispatcher ops), registers every storage its inputs and outputs use, and removes it when the
@@ -33,8 +37,12 @@ when a tensor was saved, by its qualified name in the model:
   residual adds themselves save nothing: an add's backward needs no tensor);
 - ``"attention"``, ``"mlp"`` (dense MLP or MoE layer), ``"embedding"``, ``"lm_head"`` (the output
   layer and the loss: the root module's own ops after the final norm), and ``"other"`` (anything else:
-  the root module's ops before it, e.g. the saved inputs of fully recomputed layers, and ops outside
-  the model).
+  the root module's ops before it, e.g. the saved inputs of fully recomputed layers, a decoder layer's
+  own ops, e.g. the saved inputs of the norms / MLP / MoE layer it recomputes, and ops outside the
+  model).
+
+:func:`measure_train_step` runs a whole training step under all three: saved activations are the most
+held at once over the step (with 1F1B, several micro-batches' worth), the peak is the step's.
 """
 
 from __future__ import annotations
