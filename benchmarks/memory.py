@@ -35,6 +35,11 @@ routing the estimate assumes; the JSON has the largest too). The issue's targets
 - sequence parallelism at TP 2 halves the norm/residual activation bytes (``tp2_sp_ep2`` against
   ``tp2_ep2``).
 
+The recompute lines say where the bytes went (``freed_<category>``). Selective ``core_attn`` frees only
+the attention kernel's output and log-sum-exp here: fused (flash) attention keeps no ``S x S``
+probabilities, which is what Megatron's selective recomputation was designed to drop; ``moe_act`` the
+experts' activation ``N x F``.
+
 After them, estimates only (no model is built): DeepSeek-V3 (its config.json values through
 ``config_from_hf``) at EP 64, PP 16, DP 64 (1024 ranks), bf16 parameters, sequences of 4096, micro-batch
 1, 16 micro-batches, flash attention, for each recompute mode and optimizer: the most loaded stage.
@@ -273,9 +278,13 @@ def verdicts(rows: list[dict]) -> list[dict]:
             if none and other:
                 base, got = max(r["act"] for r in none), max(r["act"] for r in other)
                 saved = 1 - got / base
+                # where the bytes went: the change of each category (of the largest stage)
+                b, o = max(none, key=lambda r: r["act"]), max(other, key=lambda r: r["act"])
+                freed = {f"freed_{k}": b["act_by_category"][k] - o["act_by_category"][k] for k in b["act_by_category"]
+                         if b["act_by_category"][k] != o["act_by_category"][k]}
                 out.append({"target": f"{layout}: {mode} recompute saves >= {target:.0%} of the saved-activation "
                                       "bytes of none", "met": saved >= target,
-                            "figures": {"none": base, mode: got, "saved_fraction": saved}})
+                            "figures": {"none": base, mode: got, "saved_fraction": saved, **freed}})
     sp, no_sp = _find(rows, "tp2_sp_ep2", "none", "plain"), _find(rows, "tp2_ep2", "none", "plain")
     if sp and no_sp:
         ratio = sp[0]["norm"] / no_sp[0]["norm"]
