@@ -168,7 +168,7 @@ def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypa
     assert calls == [7, [{"run": "static"}]] and json.loads(out.read_text()) == {"real": [{"run": "static"}]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "moe_layer",
+@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "memory", "moe_layer",
                                   "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
@@ -208,3 +208,32 @@ def test_eplb_real_benchmark_rebalances_and_writes_its_table(monkeypatch, tmp_pa
     assert eplb["rebalances"] == 2 and eplb["moved_slots"] > 0 and eplb["moved_bytes"] > 0
     assert eplb["rebalancing_over_normal"] == pytest.approx(eplb["rebalancing_step_s"] / eplb["normal_step_s"])
     assert len(eplb["balancedness_by_step"]) == 4 and "balancedness over time" in capsys.readouterr().out
+
+
+@pytest.mark.slow      # ~20 s: one spawn of 4 gloo ranks, 13 runs of a tiny model
+def test_memory_benchmark_quick_measures_every_layout_beside_the_estimate(monkeypatch, tmp_path, capsys):
+    memory = _benchmark("memory", monkeypatch)
+    out = tmp_path / "memory.json"
+    layouts = ["tp2_sp_ep2", "pp2_ep2", "tp2_ep2"]       # sequence and pipeline parallelism, the SP baseline
+    assert memory.main(["--quick", "--layouts", *layouts, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    runs = {(r["layout"], r["recompute"], r["optimizer"]) for r in rows}
+    assert runs == set(memory._runs(layouts, memory.RECOMPUTE, memory.OPTIMIZERS))
+    assert {r["stage"] for r in rows if r["layout"] == "pp2_ep2"} == {0, 1}
+    for r in rows:
+        # State bytes are exact; every measured column is there, beside its estimate and the ratio.
+        assert (r["param"], r["grad"], r["opt"]) == (r["estimate"]["param"], r["estimate"]["grad"],
+                                                    r["estimate"]["opt"]), r
+        assert 0 < r["act"] <= r["act_max"] and r["act"] < r["peak"] <= r["peak_max"], r
+        assert r["ratio"]["act"] == pytest.approx(r["act"] / r["estimate"]["act"])
+        assert 0.85 < r["ratio"]["act"] < 1.15, r
+    verdicts = {v["target"]: v for v in results["verdicts"]}
+    shown = capsys.readouterr().out
+    assert all(("PASS: " if v["met"] else "FAIL: ") + target in shown for target, v in verdicts.items())
+    sp = verdicts["sequence parallelism at TP 2 halves the norm/residual activation bytes"]
+    assert sp["met"] and sp["figures"]["ratio"] == pytest.approx(0.5)
+    assert verdicts["pp2_ep2: full recompute saves >= 70% of the saved-activation bytes of none"]["met"]
+    assert "pp2_ep2: selective recompute saves >= 25% of the saved-activation bytes of none" in verdicts
+    assert all(v["met"] for t, v in verdicts.items() if "optimizer state" in t)
+    assert [r["recompute"] for r in results["deepseek_v3"]["rows"]].count("full") == len(memory.OPTIMIZER_CHOICES)

@@ -211,6 +211,32 @@ def test_expert_rebalancing_round_on_meta_creates_every_tensor_on_the_model_devi
             assert trainer.rebalancer.window.buffer.is_meta and report is not None and report.moved_slots == 0
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_memory_measurement_on_meta_matches_the_estimated_state(name):
+    """measure_train_step on meta (its dispatch mode and saved-tensor hooks create no tensor; storages
+    have sizes there): a dry run measures the state of a layout exactly as the estimate computes it."""
+    from megamoe.training.memory_estimate import estimate_memory
+    from megamoe.training.memory_measure import measure_train_step
+    dispatcher, layout, num_slots, dtype = LAYOUTS[name]
+    config = tiny_config(dispatcher, num_slots)
+    tp, pp, ep = layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1)
+    estimate = estimate_memory(config, tp=tp, pp=pp, ep=ep, etp=layout.get("etp"), dp=WORLD_SIZE // (tp * pp),
+                               micro_batch=MICRO_BATCH, seq_len=S, param_dtype=dtype)
+    for rank in (0, WORLD_SIZE - 1):                   # a first and a last pipeline stage
+        with _fake_rank(rank, **layout) as state:
+            model = GPTMoEModel(config, state, device="meta", dtype=dtype)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run():
+                trainer.train_step([(batch[:, :-1], batch[:, 1:])])
+                memory, _ = measure_train_step(trainer, [(batch[:, :-1], batch[:, 1:])])
+            stage = estimate.stages[state.pp.rank]
+            measured = memory.state
+            assert (measured.param_bytes, measured.grad_bytes, measured.optimizer_bytes) == (
+                stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), f"rank {rank}"
+            assert 0 < memory.saved_activation_bytes < memory.peak_live_bytes
+
+
 # Sequence parallelism under tp 2 (with pp 2: the stages send [B, S / tp, H]): both dispatchers on sharded tokens.
 SP_LAYOUTS = {
     "sp-allgather-tp2-ep2-pp2": ("allgather", dict(tp=2, ep=2, etp=1, pp=2)),

@@ -1,0 +1,540 @@
+"""The closed-form per-rank memory of training a :class:`~megamoe.models.GPTMoEConfig` under a layout.
+
+In the spirit of Megatron-LM's ``theoretical_memory_usage.py``, but counting what THIS library's
+modules hold, so that the figures can be checked against the measurement
+(:mod:`megamoe.training.memory_measure`, ``benchmarks/memory.py``, ``tests/test_memory.py``). No model is
+built: a DeepSeek-V3-shaped config at EP 64, PP 16 takes milliseconds.
+
+State (exact: the same shard rules as the modules):
+
+- parameters: every parameter tensor of the stage's modules, at its local shape: vocabulary, heads,
+  dense FFN and the output layer split over TP (KV heads over ``min(tp, kv_heads)`` shards, replicated
+  beyond), expert slots ``num_expert_slots / ep`` per rank with their FFN split over ETP, shared
+  experts' FFN over the MoE layer's reduction group (EP x ETP for the all-gather dispatcher, ETP for
+  all-to-all), norms, the router and MLA's low-rank projections replicated. The tied embedding's copy
+  on the last stage when ``tie_word_embeddings`` and PP > 1.
+- gradients, as held at the optimizer step: one per parameter, of its dtype (``p.grad``); with the
+  distributed optimizer also its fp32 reduced-gradient shards (1/N of each parameter, padded), and
+  under ZeRO-2 only those (``p.grad`` is freed after the reduce-scatter; during backward the full
+  gradients exist, which the peak shows).
+- optimizer state: plain AdamW: both moments in the parameter dtype and one 4-byte ``step`` tensor per
+  parameter tensor (torch's fused AdamW keeps it as a tensor). Distributed optimizer
+  (:mod:`megamoe.training.distributed_optimizer`): each parameter viewed as ``[rows, n]`` (rows = local
+  slots for stacked expert weights, else 1), each row cut into ``N`` padded shards (``N`` = DP x CP for
+  dense, expert-DP for expert parameters; 1 for the unsharded bf16 case): fp32 ``exp_avg`` and
+  ``exp_avg_sq`` (and ``master`` for non-fp32 parameters) of ``rows * ceil(n / N)`` elements and a
+  4-byte ``step``.
+
+Activations (estimated): the bytes autograd saves for backward during one micro-batch's forward,
+per op of the modules as implemented (``T`` = this rank's tokens ``micro_batch * seq_len / cp``,
+``e`` = the activation element size, which is the parameter dtype's; norms and routers compute in
+fp32, 4 bytes):
+
+- RMSNorm over width ``w`` (rows ``r``): its fp32 input ``4 T w`` (the input itself in fp32, an fp32
+  copy in bf16), ``rsqrt`` ``4 r`` and the normalised output ``e T w`` (``weight * normed`` saves it).
+- GQA attention: its input ``e T H`` (the norm's output, saved by the q projection), q/k norms as
+  above on the q/k projection outputs (without them the projections' outputs are not saved: RoPE
+  saves only cos/sin), SDPA's rotated q and k, v, its output and log-sum-exp ``4 B heads S``, and the
+  o-projection's input (a contiguous copy of the output) ``e T heads d``. RoPE's cos/sin
+  ``2 * 4 B S d/2`` once per forward (shared by the layers).
+- dense MLP: input ``e T H`` and four ``e T F/tp`` (gate and up outputs, the activation, the product).
+- MoE layer with ``N`` (token, slot) pairs on this rank (balanced routing: ``T k`` for all-to-all,
+  ``T k / ep`` for the all-gather dispatcher): router input ``4 T H`` (fp32), scores ``4 T E``, top-k
+  ids ``8 T k``, the renormalisation ``4 T (k + 1)``, the aux loss ``4 E``; per pair the row -> token index
+  ``8 N``, combine weights ``4 N``, the experts' input and output ``2 e N H``, their gate/up output and
+  activation ``3 e N F/etp``; the pair permutation ``8 k n_recv`` (it spans all k pairs of each token
+  received). With EP > 1 (all-to-all) ``n_recv = n_send``, the token-rank pairs, ``T ep (1 - C(E - E/ep,
+  k) / C(E, k))`` for uniform routing over distinct experts (``n_recv = T`` otherwise), and the
+  exchange adds the send index ``8 n_send``, the pair mask ``k n_send`` and the tokens the second
+  exchange returns, ``e n_send H``.
+- first stage: the token ids ``8 T``; last stage: the final norm, the output layer's input ``e T H``,
+  the fp32 logits ``4 T V/tp`` and the labels / masks ``10 T``.
+
+Sequence parallelism (``sequence_parallel``): the decoder norms, the q / k / v and dense gate / up
+projections' saved input (the chunk: their weight gradients gather it again) and a fully recomputed
+layer's saved input hold ``T / tp`` tokens; so do MLA's down projections and their norms (the latents
+are gathered). Everything after the gathers (attention, experts, output layer) holds ``T`` tokens.
+
+Recomputation (``RecomputeConfig``, :mod:`megamoe.transformer.recompute`): ``full`` keeps each layer's
+input ``e T H`` (``T / tp`` under SP; the checkpoint's saved inputs), the position ids, and the cos /
+sin (held by the checkpoints by reference: ``breakdown["held_by_reference"]``, which the measurement's
+hooks do not see). ``selective``: ``core_attn`` keeps the kernel's inputs (q, k, v) instead of its
+output and log-sum-exp (or probabilities); ``moe_act`` drops the experts' activation ``e N F/etp``;
+``mla_up_proj`` keeps MLA's latents only (no q, k, v, kernel state); ``layernorm``, ``moe`` and ``mlp``
+keep their input only (category ``"other"``: saved at layer level). Pipeline: with 1F1B, stage ``s`` of
+``pp`` holds ``min(pp - s, num_micro_batches)`` micro-batches' activations at its peak; without
+pipelining one.
+
+Not modelled: temporaries (gradients of activations, a recomputed layer's tensors during its backward,
+the distributed optimizer's bucket buffers, kernels' workspaces), so ``total`` (state + saved
+activations) is not the peak a device reports; ``benchmarks/memory.py`` shows both. Routing is taken as
+balanced (EP ranks' token counts vary around it), attention as the kernel ``sdpa_backend`` names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from megamoe.models.config import GPTMoEConfig
+from megamoe.pipeline.partition import partition_layers
+from megamoe.transformer.attention import AttentionConfig
+from megamoe.transformer.mla import MLAConfig
+
+if TYPE_CHECKING:
+    from megamoe.transformer.recompute import RecomputeConfig
+
+__all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor"]
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+_SDPA_BACKENDS = ("flash", "math")
+_ADAM_STEP_BYTES = 4      # torch's (fused) AdamW keeps ``step`` as a 0-d fp32 tensor per parameter
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of a rank: its local element count, whether it is an expert parameter
+    (reduced over expert-DP), and its name (for reports)."""
+
+    name: str
+    numel: int
+    expert: bool = False
+    rows: int = 1           # expert parameters stacked by slot: one row per local slot, each sharded alone
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage's per-rank bytes (expert slots split evenly: every rank of the stage alike)."""
+
+    stage: int
+    layer_ids: tuple[int, ...]
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int                 # saved for backward, all micro-batches in flight at the peak
+    activation_bytes_per_micro_batch: int
+    micro_batches_in_flight: int
+    dense_param_count: int = 0
+    expert_param_count: int = 0
+    dense_optimizer_bytes: int = 0
+    expert_optimizer_bytes: int = 0
+    norm_activation_bytes: int = 0        # of one micro-batch: the decoder norms' (what SP splits over TP)
+    # One micro-batch's activations by category (those of memory_measure, plus "held_by_reference": what
+    # checkpoints hold inside non-tensor arguments, which the measurement's hooks cannot see).
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank estimate: ``stages`` (one per pipeline stage); the scalar fields are the most loaded
+    stage's (the largest total)."""
+
+    stages: tuple[StageEstimate, ...]
+
+    @property
+    def worst(self) -> StageEstimate:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.worst.param_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.worst.grad_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.worst.optimizer_bytes
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.worst.activation_bytes
+
+    @property
+    def total(self) -> int:
+        return self.worst.total
+
+
+# ---- parameters -----------------------------------------------------------------------------------
+def _linear(name: str, out_local: int, in_local: int, bias: int | None = None, expert: bool = False):
+    out = [ParamTensor(f"{name}.weight", out_local * in_local, expert)]
+    if bias:
+        out.append(ParamTensor(f"{name}.bias", bias, expert))
+    return out
+
+
+def _attention_params(cfg: AttentionConfig | MLAConfig, tp: int, prefix: str) -> list[ParamTensor]:
+    H, heads = cfg.hidden_size, cfg.num_attention_heads
+    if heads % tp:
+        raise ValueError(f"num_attention_heads ({heads}) must be divisible by tp ({tp})")
+    if isinstance(cfg, MLAConfig):
+        out: list[ParamTensor] = []
+        q_out = heads * cfg.qk_head_dim
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            out += _linear(f"{prefix}.q_proj", q_out // tp, H)
+        else:
+            out += _linear(f"{prefix}.q_a_proj", cfg.q_lora_rank, H, cfg.q_lora_rank if bias else None)
+            out += [ParamTensor(f"{prefix}.q_a_layernorm.weight", cfg.q_lora_rank)]
+            out += _linear(f"{prefix}.q_b_proj", q_out // tp, cfg.q_lora_rank)
+        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        out += _linear(f"{prefix}.kv_a_proj_with_mqa", kv_a, H, kv_a if bias else None)
+        out += [ParamTensor(f"{prefix}.kv_a_layernorm.weight", cfg.kv_lora_rank)]
+        out += _linear(f"{prefix}.kv_b_proj", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // tp, cfg.kv_lora_rank)
+        out += _linear(f"{prefix}.o_proj", H, heads * cfg.v_head_dim // tp, H if bias else None)
+        return out
+    d, kv = cfg.head_dim, cfg.num_key_value_heads
+    kv_count = min(tp, kv)            # KV heads: min(tp, kv) shards, replicated beyond (head_sharding)
+    if kv % kv_count or (tp > kv and tp % kv):
+        raise ValueError(f"num_key_value_heads ({kv}) and tp ({tp}): one must divide the other")
+    q_local, kv_local = heads * d // tp, kv * d // kv_count
+    out = _linear(f"{prefix}.q_proj", q_local, H, q_local if cfg.qkv_bias else None)
+    out += _linear(f"{prefix}.k_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
+    out += _linear(f"{prefix}.v_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
+    out += _linear(f"{prefix}.o_proj", H, q_local, H if cfg.o_proj_bias else None)
+    if cfg.qk_norm == "per_head":
+        out += [ParamTensor(f"{prefix}.q_norm.weight", d), ParamTensor(f"{prefix}.k_norm.weight", d)]
+    elif cfg.qk_norm == "full_width":
+        out += [ParamTensor(f"{prefix}.q_norm.weight", heads * d // min(tp, heads)),
+                ParamTensor(f"{prefix}.k_norm.weight", kv_local)]
+    return out
+
+
+def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int, slots: int) -> list[ParamTensor]:
+    moe = config.moe
+    H, F = moe.hidden_size, moe.ffn_hidden_size
+    if slots % ep:
+        raise ValueError(f"num_expert_slots ({slots}) must be divisible by ep ({ep})")
+    if F % etp:
+        raise ValueError(f"moe.ffn_hidden_size ({F}) must be divisible by etp ({etp})")
+    local = slots // ep
+    gated = 2 if moe.activation == "swiglu" else 1
+    out = [ParamTensor(f"{prefix}.router.weight", moe.num_experts * H),
+           ParamTensor(f"{prefix}.experts.w_gate_up", local * gated * (F // etp) * H, True, local),
+           ParamTensor(f"{prefix}.experts.w_down", local * H * (F // etp), True, local)]
+    if moe.shared_experts is not None:
+        se = moe.shared_experts
+        n = ep * etp if moe.dispatcher == "allgather" else etp      # the dispatcher's reduction group
+        if se.ffn_hidden_size % n:
+            raise ValueError(f"shared_experts.ffn_hidden_size ({se.ffn_hidden_size}) must be divisible by {n}")
+        fs = se.ffn_hidden_size // n
+        names = ("gate_proj", "up_proj") if se.activation == "swiglu" else ("up_proj",)
+        out += [ParamTensor(f"{prefix}.shared_experts.{name}", fs * H) for name in names]
+        out += [ParamTensor(f"{prefix}.shared_experts.down_proj", H * fs)]
+        if se.gate:
+            out += [ParamTensor(f"{prefix}.shared_experts.gate_weight", H)]
+    return out
+
+
+def stage_parameters(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
+                     etp: int = 1, num_expert_slots: int | None = None, pp_split=None) -> list[ParamTensor]:
+    """Every parameter tensor a rank of pipeline stage ``pp_rank`` holds, at its local size."""
+    if config.vocab_size % tp:
+        raise ValueError(f"vocab_size ({config.vocab_size}) must be divisible by tp ({tp})")
+    slots = num_expert_slots or (config.moe.num_expert_slots if config.moe is not None else 0)
+    layer_ids = partition_layers(config.num_layers, pp, pp_split)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    H, V = config.hidden_size, config.vocab_size
+    out: list[ParamTensor] = []
+    if first or (last and config.tie_word_embeddings):
+        out.append(ParamTensor("embed_tokens.weight", V // tp * H))
+    for i in layer_ids:
+        p = f"layers.{i}"
+        out += [ParamTensor(f"{p}.input_layernorm.weight", H), ParamTensor(f"{p}.post_attention_layernorm.weight", H)]
+        out += _attention_params(config.attention, tp, f"{p}.self_attn")
+        if config.is_moe_layer(i):
+            out += _moe_params(config, f"{p}.mlp", tp=tp, ep=ep, etp=etp, slots=slots)
+        else:
+            mlp = config.dense_mlp
+            if mlp.intermediate_size % tp:
+                raise ValueError(f"dense_mlp.intermediate_size ({mlp.intermediate_size}) must be divisible by tp")
+            f_local = mlp.intermediate_size // tp
+            bias = f_local if mlp.bias else None
+            if mlp.gated:
+                out += _linear(f"{p}.mlp.gate_proj", f_local, H, bias)
+            out += _linear(f"{p}.mlp.up_proj", f_local, H, bias)
+            out += _linear(f"{p}.mlp.down_proj", H, f_local, H if mlp.bias else None)
+    if last:
+        out.append(ParamTensor("norm.weight", H))
+        if not config.tie_word_embeddings:
+            out.append(ParamTensor("lm_head.weight", V // tp * H))
+    return out
+
+
+# ---- activations ----------------------------------------------------------------------------------
+def _norm_bytes(tokens: int, width: int, rows: int, e: int) -> int:
+    """RMSNorm: fp32 input (or copy), rsqrt per row, normalised output."""
+    return 4 * tokens * width + 4 * rows + e * tokens * width
+
+
+def _sdpa_bytes(*, T: int, B: int, S: int, heads: int, dqk: int, dv: int, e: int, backend: str,
+                v_storage: int, recompute_core: bool) -> int:
+    """What the attention kernel saves: ``flash`` (fused kernels: CUDA's flash / memory-efficient / cuDNN,
+    CPU's flash for equal q/k and v head dims) q, k, v, the output and the fp32 log-sum-exp; ``math``
+    (CPU when the head dims differ, e.g. MLA) q, k, the probabilities ``[B, heads, S, S]`` and a
+    contiguous v. ``v_storage``: the bytes of the storage v is a view of (flash). Under ``core_attn``
+    recomputation only the kernel's inputs stay (the checkpoint saves them)."""
+    qk = 2 * e * T * heads * dqk
+    if recompute_core:
+        return qk + e * T * heads * dv
+    if backend == "math":
+        # CPU's math kernel computes reduced precision in fp32: its saved q, k, probabilities, v are fp32
+        return 4 * (2 * T * heads * dqk + B * heads * S * S + T * heads * dv)
+    return qk + v_storage + e * T * heads * dv + 4 * B * heads * S
+
+
+def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, recompute_core: bool,
+                           sdpa_backend: str, sp: bool = False, recompute_up_proj: bool = False) -> dict[str, int]:
+    H = cfg.hidden_size
+    heads_l = cfg.num_attention_heads // tp
+    if isinstance(cfg, MLAConfig):
+        # Under SP the down projections and their norms run on this rank's T / tp tokens; the latents
+        # are gathered to all T on entering the TP region.
+        T_down = T // tp if sp else T
+        dqk, dv, kv_rank, rope = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        b = e * T_down * H                                                   # the down projections' input
+        # kv_a_layernorm: its fp32 input is a view of the whole kv_a output in fp32, a copy of the
+        # latent part otherwise; rsqrt; output
+        b += 4 * T_down * (kv_rank + (rope if e == 4 else 0)) + 4 * T_down + e * T_down * kv_rank
+        q_rank = cfg.q_lora_rank or 0
+        if q_rank:
+            b += _norm_bytes(T_down, q_rank, T_down, e)                      # q_a output, q_a_layernorm
+        b += e * T * (q_rank + kv_rank + rope)                              # the latents inside the TP region
+        if not recompute_up_proj:                                           # mla_up_proj keeps the latents only
+            kv_b = e * T * heads_l * (cfg.qk_nope_head_dim + dv)            # v is a view of kv_b's output
+            b += _sdpa_bytes(T=T, B=B, S=S, heads=heads_l, dqk=dqk, dv=dv, e=e, backend=sdpa_backend,
+                             v_storage=kv_b, recompute_core=recompute_core)
+        b += e * T * heads_l * dv                                           # o_proj input
+        return {"attention": b}
+    # The q / k / v projections' input: under SP only this rank's chunk (the weight gradients gather it
+    # again in backward: comms.gather_linears_from_sequence_parallel_region)
+    b = e * (T // tp if sp else T) * H
+    d, kv = cfg.head_dim, cfg.num_key_value_heads
+    kv_l = kv // min(tp, kv)
+    if cfg.qk_norm == "per_head":
+        b += _norm_bytes(T, heads_l * d, T * heads_l, e) + _norm_bytes(T, kv_l * d, T * kv_l, e)
+    elif cfg.qk_norm == "full_width":
+        b += _norm_bytes(T, heads_l * d, T, e) + _norm_bytes(T, kv_l * d, T, e)
+    # GQA: SDPA's k and v hold the KV heads only (enable_gqa), each its own storage
+    qk_v = e * T * (heads_l + 2 * kv_l) * d
+    if recompute_core:
+        b += qk_v
+    elif sdpa_backend == "math":
+        b += qk_v + e * B * heads_l * S * S
+    else:
+        b += qk_v + e * T * heads_l * d + 4 * B * heads_l * S               # + output, log-sum-exp
+    b += e * T * heads_l * d                                                # o_proj input
+    return {"attention": b}
+
+
+def _none_on_rank(num_experts: int, ep: int, k: int) -> float:
+    """The probability that none of a token's k distinct experts (uniform) is on a given one of ep ranks."""
+    per_rank = num_experts // ep
+    return math.comb(num_experts - per_rank, k) / math.comb(num_experts, k)
+
+
+def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int, e: int,
+                     recompute_act: bool) -> dict[str, int]:
+    moe = config.moe
+    H, E, k = moe.hidden_size, moe.num_experts, moe.router.top_k
+    F_l = moe.ffn_hidden_size // etp
+    gated = 2 if moe.activation == "swiglu" else 1
+    if moe.dispatcher == "allgather":
+        N = T * k * (etp if moe.input_sharded else 1) / (1 if moe.input_sharded else ep)
+        n_send = n_recv = float(T)
+    else:
+        N = T * k
+        # token-rank pairs: a token is sent once to each rank holding one of its k (distinct) experts
+        n_send = n_recv = T * ep * (1 - _none_on_rank(E, ep, k)) if ep > 1 else float(T)
+    router = 4 * T * H + (4 * E * H if e != 4 else 0) + 4 * T * E + 8 * T * k + 4 * T * (k + 1) + 4 * E
+    # per pair: the row -> token index, the combine weights (fp32), the experts' input, gate/up output,
+    # activation and output; the permutation (the pair index) spans the received tokens' k pairs each
+    pairs = 8 * N + 4 * N + 2 * e * N * H + e * N * gated * F_l + (0 if recompute_act else e * N * F_l)
+    pairs += 8 * k * n_recv
+    if moe.dispatcher == "alltoall" and ep > 1:
+        # the send index (held by the gather of the sent tokens and the combine's index_add), the pair
+        # mask, and the tokens returned by the second exchange (the index_add saves them)
+        pairs += 8 * n_send + k * n_send + e * n_send * H
+    shared = 0
+    if moe.shared_experts is not None:
+        se = moe.shared_experts
+        n = ep * etp if moe.dispatcher == "allgather" else etp
+        fs = se.ffn_hidden_size // n
+        shared = (4 if se.activation == "swiglu" else 2) * e * T * fs + (4 * T if se.gate else 0)
+        if e != 4:
+            shared += e * T * H        # their input, which the router saved as an fp32 copy instead
+    return {"mlp": int(router + pairs + shared)}
+
+
+def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S: int, tp: int, ep: int, etp: int,
+                       e: int, sp: bool, recompute, sdpa_backend: str) -> dict[str, int]:
+    granularity = getattr(recompute, "granularity", "none") if recompute is not None else "none"
+    modules = set(getattr(recompute, "modules", ()) or ()) if granularity == "selective" else set()
+    T_norm = T // tp if sp else T
+    if granularity == "full":
+        return {"other": e * T_norm * config.hidden_size}          # the checkpoint's saved layer input
+    H = config.hidden_size
+    # Regions checkpointed by the decoder layer itself (layernorm, moe, mlp) keep their input as the
+    # checkpoint's saved input, at layer level: category "other".
+    out = {"norm": 2 * _norm_bytes(T_norm, H, T_norm, e), "other": 0}
+    if "layernorm" in modules:
+        out["norm"] = 0
+        out["other"] += 2 * e * T_norm * H                         # only the norms' inputs stay
+    out.update(_attention_activations(config.attention, T=T, B=B, S=S, tp=tp, e=e,
+                                      recompute_core="core_attn" in modules, sdpa_backend=sdpa_backend, sp=sp,
+                                      recompute_up_proj="mla_up_proj" in modules))
+    if config.is_moe_layer(layer_id):
+        if "moe" in modules:
+            out["mlp"] = 0
+            out["other"] += e * T_norm * H
+        else:
+            out.update(_moe_activations(config, T=T, tp=tp, ep=ep, etp=etp, e=e, recompute_act="moe_act" in modules))
+    else:
+        mlp = config.dense_mlp
+        f_l = mlp.intermediate_size // tp
+        out["mlp"] = e * T_norm * H + (4 if mlp.gated else 2) * e * T * f_l     # input: the chunk under SP
+        if "mlp" in modules:
+            out["mlp"] = 0
+            out["other"] += e * T_norm * H
+    return out
+
+
+def _resolve_dtype(param_dtype) -> torch.dtype:
+    if isinstance(param_dtype, str):
+        if param_dtype not in _DTYPES:
+            raise ValueError(f"param_dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {param_dtype!r}")
+        return _DTYPES[param_dtype]
+    return param_dtype
+
+
+def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                    dp: int = 1, cp: int = 1, micro_batch: int = 1, seq_len: int = 2048,
+                    num_micro_batches: int = 1, num_micro_batches_in_flight: int | None = None,
+                    distributed_optimizer: bool = False, zero_stage: int = 1,
+                    recompute: "RecomputeConfig | None" = None, sequence_parallel: bool = False,
+                    param_dtype: torch.dtype | str = torch.float32, num_expert_slots: int | None = None,
+                    pp_split=None, sdpa_backend: str | None = None) -> MemoryEstimate:
+    """The per-rank memory of a training step of ``config`` under the layout (see the module docstring).
+
+    ``dp`` is the data-parallel size of the dense grid (``world = tp * cp * dp * pp``); the expert-DP
+    size is ``dp * cp * tp / (ep * etp)``. ``etp``: default ``tp`` for the all-to-all dispatcher, 1
+    for all-gather. ``num_micro_batches_in_flight`` overrides the schedule's count (1F1B: stage ``s``
+    holds ``min(pp - s, num_micro_batches)``). ``num_expert_slots`` overrides the config's.
+    ``distributed_optimizer`` shards optimizer state (and with ``zero_stage=2`` the gradients) over DP
+    x CP for dense and expert-DP for expert parameters. ``param_dtype`` "fp32" or "bf16" (bf16 params
+    keep fp32 master weights in the optimizer). Returns a :class:`MemoryEstimate`."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp), ("cp", cp), ("micro_batch", micro_batch),
+                        ("seq_len", seq_len), ("num_micro_batches", num_micro_batches)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"estimate_memory: {name} must be an int >= 1, got {value!r}")
+    if zero_stage not in (1, 2):
+        raise ValueError(f"estimate_memory: zero_stage must be 1 or 2, got {zero_stage!r}")
+    if zero_stage == 2 and not distributed_optimizer:
+        raise ValueError("estimate_memory: zero_stage=2 requires distributed_optimizer=True")
+    dispatcher = config.moe.dispatcher if config.moe is not None else None
+    if etp is None:
+        etp = tp if dispatcher == "alltoall" else 1
+    if (tp * cp * dp) % (ep * etp):
+        raise ValueError(f"estimate_memory: ep * etp ({ep} * {etp}) must divide tp * cp * dp ({tp * cp * dp})")
+    edp = tp * cp * dp // (ep * etp)
+    if seq_len % cp or (sequence_parallel and seq_len % (cp * tp)):
+        raise ValueError(f"estimate_memory: seq_len ({seq_len}) must be divisible by cp ({cp})"
+                         + (f" * tp ({tp}) under sequence parallelism" if sequence_parallel else ""))
+    if sdpa_backend is None:
+        sdpa_backend = "flash"
+    if sdpa_backend not in _SDPA_BACKENDS:
+        raise ValueError(f"estimate_memory: sdpa_backend must be one of {_SDPA_BACKENDS}, got {sdpa_backend!r}")
+    dtype = _resolve_dtype(param_dtype)
+    e = torch.empty((), dtype=dtype).element_size()
+    S = seq_len // cp
+    B, T = micro_batch, micro_batch * seq_len // cp
+    stages = []
+    for stage, layer_ids in enumerate(partition_layers(config.num_layers, pp, pp_split)):
+        params = stage_parameters(config, tp=tp, pp=pp, pp_rank=stage, ep=ep, etp=etp,
+                                  num_expert_slots=num_expert_slots, pp_split=pp_split)
+        dense = sum(p.numel for p in params if not p.expert)
+        expert = sum(p.numel for p in params if p.expert)
+        param_bytes = (dense + expert) * e
+        grad_bytes, opt_dense, opt_expert = _grad_and_optimizer_bytes(
+            params, e=e, distributed=distributed_optimizer, zero_stage=zero_stage, dp=dp * cp, edp=edp,
+            master=dtype != torch.float32)
+        acts = _stage_activations(config, layer_ids, first=stage == 0, last=stage == pp - 1, T=T, B=B, S=S,
+                                  tp=tp, ep=ep, etp=etp, e=e, sp=sequence_parallel, recompute=recompute,
+                                  sdpa_backend=sdpa_backend)
+        per_mb = sum(acts.values())
+        in_flight = (num_micro_batches_in_flight if num_micro_batches_in_flight is not None
+                     else (min(pp - stage, num_micro_batches) if pp > 1 else 1))
+        stages.append(StageEstimate(
+            stage=stage, layer_ids=tuple(layer_ids), param_bytes=param_bytes, grad_bytes=grad_bytes,
+            optimizer_bytes=opt_dense + opt_expert, activation_bytes=per_mb * in_flight,
+            activation_bytes_per_micro_batch=per_mb, micro_batches_in_flight=in_flight,
+            dense_param_count=dense, expert_param_count=expert, dense_optimizer_bytes=opt_dense,
+            expert_optimizer_bytes=opt_expert, norm_activation_bytes=acts.get("norm", 0), breakdown=acts))
+    return MemoryEstimate(tuple(stages))
+
+
+def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, e, sp, recompute,
+                       sdpa_backend) -> dict[str, int]:
+    out = dict.fromkeys(("embedding", "norm", "attention", "mlp", "lm_head", "other"), 0)
+    out["held_by_reference"] = 0
+    if first:
+        out["embedding"] += 8 * T
+    if layer_ids:
+        rope_dim = (config.attention.qk_rope_head_dim if isinstance(config.attention, MLAConfig)
+                    else config.attention.head_dim)
+        rope = 2 * 4 * B * S * (rope_dim // 2)                   # fp32 cos / sin, shared by the layers
+        full = getattr(recompute, "granularity", "none") == "full"
+        if e != 4 and not full:
+            # In reduced precision each rotation (q and k) saves its own cos / sin cast to the input's
+            # dtype, per layer; the fp32 ones are not saved.
+            rope = len(layer_ids) * 2 * 2 * e * B * S * (rope_dim // 2)
+        if full:
+            # The layers' checkpoints hold the cos / sin (by reference: a tuple argument, which the
+            # measurement's hooks do not see) and save the position ids (an expanded [S] arange).
+            out["held_by_reference"] = rope
+            out["other"] += 8 * S
+        else:
+            out["attention"] += rope
+    for i in layer_ids:
+        for category, nbytes in _layer_activations(config, i, T=T, B=B, S=S, tp=tp, ep=ep, etp=etp, e=e, sp=sp,
+                                                   recompute=recompute, sdpa_backend=sdpa_backend).items():
+            out[category] += nbytes
+    if last:
+        H, V = config.hidden_size, config.vocab_size
+        T_norm = T // tp if sp else T
+        out["norm"] += _norm_bytes(T_norm, H, T_norm, e)
+        out["lm_head"] += e * T * H + 4 * T * (V // tp) + 10 * T
+    return out
+
+
+def _grad_and_optimizer_bytes(params: list[ParamTensor], *, e: int, distributed: bool, zero_stage: int, dp: int,
+                              edp: int, master: bool) -> tuple[int, int, int]:
+    """(gradient bytes, dense optimizer bytes, expert optimizer bytes) of one rank."""
+    numel = sum(p.numel for p in params)
+    if not distributed and not master:
+        def adam(ps):
+            return sum(2 * p.numel * e + _ADAM_STEP_BYTES for p in ps)
+        return numel * e, adam([p for p in params if not p.expert]), adam([p for p in params if p.expert])
+    # DistributedOptimizer (also unsharded, groups of one rank, for non-fp32 parameters): each parameter
+    # viewed as [rows, n], every row padded to a multiple of its group's size N and cut in N; this rank
+    # keeps fp32 [rows, ceil(n / N)] moments (and master weights for non-fp32 parameters) plus a 4-byte
+    # step, and an fp32 reduced-gradient shard of the same size until the step.
+    def shard_numel(p: ParamTensor) -> int:
+        n = (edp if p.expert else dp) if distributed else 1
+        return p.rows * math.ceil(p.numel // p.rows / n)
+
+    per_element = 4 * (3 if master else 2)
+    opt = {flag: sum(per_element * shard_numel(p) + _ADAM_STEP_BYTES for p in params if p.expert == flag)
+           for flag in (False, True)}
+    grad_shards = sum(4 * shard_numel(p) for p in params)
+    grads = grad_shards + (0 if zero_stage == 2 else numel * e)   # ZeRO-2 frees p.grad after the reduce-scatter
+    return grads, opt[False], opt[True]
