@@ -7,7 +7,9 @@ top-k softmax-routed MoE without shared experts (all-to-all dispatcher, ``torch`
 ``--param-dtype bf16``). Layouts on 4 ranks (:data:`LAYOUTS`): ``dp4``; ``ep4`` (EP over the DP ranks);
 ``tp2_sp_ep2`` (TP 2 with sequence parallelism, EP 2, ETP 2); ``pp2_ep2`` (PP 2, EP 2, DP 2; 1F1B over
 ``--micro-batches``); and ``tp2_ep2``, the same TP layout without sequence parallelism, run only
-as the baseline of the sequence-parallel target. Each layout runs with every ``--recompute`` mode
+as the baseline of the sequence-parallel target; and ``dp4_math_seq4x``, dp4 with the math attention
+kernel and sequences 4x longer, run with recompute none and selective only (plain optimizer): the
+selective target under the kind of attention it was set for (below). Each layout runs with every ``--recompute`` mode
 (``none``, ``selective`` = ``core_attn moe_act``, ``full``) and both ``--optimizers`` (``plain``:
 torch's AdamW; ``distributed``: the ZeRO-1 DistributedOptimizer; ``zero2``, not run by default: ZeRO-2).
 
@@ -38,7 +40,10 @@ routing the estimate assumes; the JSON has the largest too). The issue's targets
 The recompute lines say where the bytes went (``freed_<category>``). Selective ``core_attn`` frees only
 the attention kernel's output and log-sum-exp here: fused (flash) attention keeps no ``S x S``
 probabilities, which is what Megatron's selective recomputation was designed to drop; ``moe_act`` the
-experts' activation ``N x F``.
+experts' activation ``N x F``. Everything a checkpointed region saves except its inputs is freed, so
+the measured saving is also the most that recomputing those regions can save on that model: the bound
+the target is judged against. ``dp4_math_seq4x`` shows the same regions under the math kernel, which
+keeps the probabilities.
 
 After them, estimates only (no model is built): DeepSeek-V3 (its config.json values through
 ``config_from_hf``) at EP 64, PP 16, DP 64 (1024 ranks), bf16 parameters, sequences of 4096, micro-batch
@@ -49,6 +54,7 @@ Writes JSON (default ``benchmarks/results/memory.json``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -80,8 +86,12 @@ LAYOUTS = {
     "tp2_sp_ep2": dict(tp=2, pp=1, ep=2, sp=True),
     "pp2_ep2": dict(tp=1, pp=2, ep=2, sp=False),
     "tp2_ep2": dict(tp=2, pp=1, ep=2, sp=False),     # the sequence-parallel target's baseline only
+    # dp4 with the math attention kernel (it keeps the S x S probabilities, what selective core_attn was
+    # designed to drop) and sequences 4x longer: the selective target under the kernel it assumes.
+    "dp4_math_seq4x": dict(tp=1, pp=1, ep=1, sp=False, sdpa="math", seq_factor=4),
 }
 BASELINE_ONLY = ("tp2_ep2",)
+SELECTIVE_ONLY = ("dp4_math_seq4x",)       # recompute none and selective, plain optimizer
 RECOMPUTE = {"none": ("none", ()), "selective": ("selective", ("core_attn", "moe_act")), "full": ("full", ())}
 OPTIMIZERS = ("plain", "distributed")                  # the default set
 OPTIMIZER_CHOICES = (*OPTIMIZERS, "zero2")             # zero2: the distributed optimizer with --zero-stage 2
@@ -122,6 +132,8 @@ def _runs(layouts, recomputes, optimizers):
             for optimizer in optimizers:
                 if layout in BASELINE_ONLY and (recompute != "none" or optimizer != "plain"):
                     continue
+                if layout in SELECTIVE_ONLY and (recompute == "full" or optimizer != "plain"):
+                    continue
                 yield layout, recompute, optimizer
 
 
@@ -132,22 +144,24 @@ def _worker(rank, world_size, m, runs, param_dtype):
     for layout, recompute, optimizer in runs:
         lay = LAYOUTS[layout]
         state = initialize_model_parallel(tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], etp=lay["tp"])
-        config = model_config(m, recompute=recompute, sequence_parallel=lay["sp"])
+        m_run = _model_of(m, lay)
+        config = model_config(m_run, recompute=recompute, sequence_parallel=lay["sp"])
         model = GPTMoEModel(config, state, dtype=dtype)
         initialize_parameters(model, seed=0)
         train_config = TrainConfig(lr=1e-3, **_TRAIN_CONFIG[optimizer])
         trainer = Trainer(model, state, train_config,
                           world_group=dist.group.WORLD)
-        per_rank = m["micro"] * m["micro_batches"]
-        data = torch.randint(0, m["vocab"], (2, per_rank * state.dp_cp.size, m["seq"] + 1),
+        per_rank = m_run["micro"] * m_run["micro_batches"]
+        data = torch.randint(0, m_run["vocab"], (2, per_rank * state.dp_cp.size, m_run["seq"] + 1),
                              generator=torch.Generator().manual_seed(0))
         batches = []
         for step in range(2):
             mine = data[step, state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
             # contiguous: the embedding saves its ids, whose storage would otherwise be the whole batch
-            batches.append([(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(m["micro"])])
-        trainer.train_step(batches[0])                     # the optimizer state exists from here on
-        memory, _ = measure_train_step(trainer, batches[1])
+            batches.append([(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(m_run["micro"])])
+        with _attention_kernel(lay):
+            trainer.train_step(batches[0])                 # the optimizer state exists from here on
+            memory, _ = measure_train_step(trainer, batches[1])
         s = memory.state
         results.append({
             "layout": layout, "recompute": recompute, "optimizer": optimizer, "rank": rank,
@@ -160,15 +174,30 @@ def _worker(rank, world_size, m, runs, param_dtype):
     return results
 
 
+def _model_of(m: dict, lay: dict) -> dict:
+    """The model sizes a layout runs with: ``m``, with the sequence ``seq_factor`` times longer."""
+    return dict(m, seq=m["seq"] * lay.get("seq_factor", 1))
+
+
+def _attention_kernel(lay: dict):
+    """The SDPA kernel a layout runs with: torch's choice (a fused kernel on CPU) unless ``sdpa`` says math."""
+    if lay.get("sdpa") == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
+
+
 def _estimate(m: dict, layout: str, recompute: str, optimizer: str, param_dtype: str):
     lay = LAYOUTS[layout]
+    m = _model_of(m, lay)
     dp = WORLD_SIZE // (lay["tp"] * lay["pp"])
     recompute_config = _recompute_config(recompute) if recompute != "none" else None
     return estimate_memory(model_config(m), tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], etp=lay["tp"], dp=dp,
                            micro_batch=m["micro"], seq_len=m["seq"], num_micro_batches=m["micro_batches"],
                            distributed_optimizer=optimizer != "plain", zero_stage=2 if optimizer == "zero2" else 1,
                            recompute=recompute_config,
-                           sequence_parallel=lay["sp"], param_dtype=param_dtype)
+                           sequence_parallel=lay["sp"], param_dtype=param_dtype,
+                           sdpa_backend=lay.get("sdpa", "flash"))
 
 
 def run(m: dict, layouts, recomputes, optimizers, param_dtype: str = "fp32") -> list[dict]:
