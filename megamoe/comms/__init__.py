@@ -1,0 +1,86 @@
+"""Every collective megamoe issues, in one place, with a call/byte counter.
+
+Conventions
+-----------
+- ``group=None`` means *a group of one rank*: every function here is then the identity (no
+  communication, nothing counted). This is NOT torch.distributed's "None = world" convention: layers
+  built without groups are plain single-process modules.
+- Functions named ``*_region`` / ``all_to_all`` are autograd functions; their docstrings say what
+  happens forward and backward. The others (``all_reduce_``, ``send`` ...) move data without autograd.
+- Every collective that moves data is recorded by the active :func:`comm_counter` (if any) with its
+  kind, the group's global ranks and the bytes this rank contributes (its input buffer size).
+- A collective that times out (the process group's timeout) raises
+  :class:`~megamoe.collective_timeout.CollectiveTimeout`, naming the operation, the group's ranks
+  and, where the store can tell, the ranks that did not arrive.
+
+Tensor-parallel regions split / gather the LAST dim; sequence-parallel regions the FIRST dim, or the
+``dim`` they are given (the model's hidden states are batch-first [B, S, H]: its sequence-parallel
+regions pass ``dim=1``).
+
+Uneven first dims. The sequence-parallel gather / reduce-scatter (and :func:`all_gather_into`) take
+an optional ``sizes``: every rank's number of rows, in rank order (exchange them with
+:func:`all_gather_sizes`). When they differ, each rank's rows are zero-padded to the largest count,
+the equal-sized collective runs, and the padding is dropped, so ranks may hold any number of rows,
+zero included (e.g. data-parallel attention, where each rank serves its own requests). Equal sizes
+take the plain path: same calls, same bytes.
+
+Where things live
+-----------------
+- :mod:`~megamoe.comms.groups`: ``group_size``, ``group_rank``, ``group_ranks``.
+- :mod:`~megamoe.comms.counter`: :class:`CommCounter`, :func:`comm_counter`, the recording every collective
+  does (``_record``) and the naming of timed-out collectives (``_timeout_named``).
+- :mod:`~megamoe.comms.collectives`: raw collectives, no autograd: ``all_reduce_``, ``all_gather_into``,
+  ``all_gather_sizes``, the distributed optimizer's ``reduce_scatter_flat`` / ``all_gather_flat``,
+  ``all_gather_object``, ``broadcast_``, ``barrier``.
+- :mod:`~megamoe.comms.tensor_parallel_regions`: the ``*_tensor_parallel_region`` autograd functions (last dim).
+- :mod:`~megamoe.comms.sequence_parallel_regions`: the ``*_sequence_parallel_region`` autograd functions
+  (first dim, or ``dim``), incl. ``gather_linears_from_sequence_parallel_region``.
+- :mod:`~megamoe.comms.expert_parallel`: ``all_to_all_counts``, the autograd ``all_to_all`` (uneven splits)
+  and ``exchange_expert_slots`` (expert migration).
+- :mod:`~megamoe.comms.point_to_point`: ``send``, ``recv``, ``batch_send_recv`` (pipeline parallelism).
+
+Import from the package (``from megamoe import comms; comms.all_reduce_(...)``): every name is re-exported
+here, the counter list ``_active_counters`` included (the same list object the collectives record into).
+"""
+
+from __future__ import annotations
+
+from megamoe.collective_timeout import CollectiveTimeout
+from megamoe.comms.groups import group_rank, group_ranks, group_size
+from megamoe.comms.counter import CommCounter, _active_counters, _record, _timeout_named, comm_counter
+from megamoe.comms.collectives import (
+    all_gather_flat,
+    all_gather_into,
+    all_gather_object,
+    all_gather_sizes,
+    all_reduce_,
+    barrier,
+    broadcast_,
+    reduce_scatter_flat,
+)
+from megamoe.comms.tensor_parallel_regions import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from megamoe.comms.sequence_parallel_regions import (
+    gather_from_sequence_parallel_region,
+    gather_linears_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megamoe.comms.expert_parallel import all_to_all, all_to_all_counts, exchange_expert_slots
+from megamoe.comms.point_to_point import batch_send_recv, recv, send
+
+__all__ = [
+    "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
+    "all_reduce_", "all_gather_into", "all_gather_sizes", "all_gather_object", "all_to_all_counts", "broadcast_",
+    "reduce_scatter_flat", "all_gather_flat", "send", "recv",
+    "batch_send_recv", "barrier",
+    "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+    "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "gather_linears_from_sequence_parallel_region", "all_to_all",
+    "exchange_expert_slots",
+]

@@ -1,0 +1,69 @@
+"""Point-to-point operations of pipeline parallelism: blocking send / recv and the batched
+:func:`batch_send_recv` (every send and receive of a rank posted at once)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from megamoe.comms.counter import _record, _timeout_named
+from megamoe.comms.groups import group_size
+
+
+def send(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None) -> None:
+    """Point-to-point send (pipeline activations / gradients)."""
+    _record("send", group, tensor)
+    with _timeout_named("send", group, peers=(dst_global_rank,)):
+        dist.send(tensor.contiguous(), dst=dst_global_rank, group=group)
+
+
+def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Point-to-point receive into ``tensor``; returns it."""
+    _record("recv", group, tensor)
+    with _timeout_named("recv", group, peers=(src_global_rank,)):
+        dist.recv(tensor, src=src_global_rank, group=group)
+    return tensor
+
+
+def batch_send_recv(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: ProcessGroup | None,
+) -> list[torch.Tensor]:
+    """Post every send ``(tensor, dst_global_rank)`` and receive ``(buffer, src_global_rank)`` of this
+    rank at once, then wait for all of them; returns the receive buffers (filled in place), in order.
+
+    Why batched: two neighbouring pipeline stages often exchange in both directions at the same
+    moment (activation one way, gradient the other). With blocking ``send`` then ``recv`` on both
+    sides, each waits for the other's receive (gloo) and they deadlock; posting everything before
+    waiting cannot. Messages between the same pair of ranks in the same direction are matched in
+    the order they are posted, on both sides.
+
+    Peers are GLOBAL ranks that belong to ``group``. Each send counts as one "send" (its bytes) and
+    each receive as one "recv" (the buffer's bytes), both keyed by ``group``. ``group=None`` is one
+    rank: only empty lists are accepted (there is nobody to talk to).
+    """
+    if not sends and not recvs:
+        return []
+    if group_size(group) == 1:
+        raise ValueError(
+            "batch_send_recv: group has one rank (None), so there is no peer; pass the pipeline's "
+            "process group, or no sends/recvs"
+        )
+    ops = []
+    for tensor, dst in sends:
+        _record("send", group, tensor)
+        ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer=dst, group=group))
+    for buffer, src in recvs:
+        if not buffer.is_contiguous():
+            raise ValueError("batch_send_recv: receive buffers must be contiguous (received in place)")
+        _record("recv", group, buffer)
+        ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group))
+    peers = [dst for _, dst in sends] + [src for _, src in recvs]
+    with _timeout_named("batch_send_recv", group, peers=peers):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return [buffer for buffer, _ in recvs]
