@@ -221,6 +221,7 @@ TRAIN_LAYOUTS = {"pp2_tp2_ep2": dict(tp=2, ep=2, pp=2)}
 
 def _train_worker(rank, world_size):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megamoe.training.evaluation import evaluate_loss
     from megamoe.training.trainer import TrainConfig, Trainer
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, V, (GLOBAL_BATCH, SEQ + 1), generator=g)
@@ -240,7 +241,11 @@ def _train_worker(rank, world_size):
             for _ in range(STEPS):
                 m = trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO)])
                 curve.append((m.loss, m.aux_loss, m.grad_norm, [l.tokens_per_expert for l in m.moe_layers.values()]))
-            curves[sp] = curve
+            # The held-out loss (forward only, through the pipeline) of the trained model, on other tokens.
+            held_out = ids.roll(1, dims=1)[state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
+            eval_loss = evaluate_loss(model, state, [(mb[:, :-1], mb[:, 1:]) for mb in held_out.split(MICRO)],
+                                      world_group=dist.group.WORLD)
+            curves[sp] = (curve, eval_loss)
         out[name] = curves
         destroy_model_parallel()
     return out
@@ -251,7 +256,8 @@ def test_sequence_parallel_training_curve(four_ranks):
     result = four_ranks["training"]
     tokens = GLOBAL_BATCH * SEQ * 2               # every token counted once per MoE layer, top 2
     for name in TRAIN_LAYOUTS:
-        off, on = result[name][False], result[name][True]
+        (off, eval_off), (on, eval_on) = result[name][False], result[name][True]
+        assert abs(eval_on - eval_off) <= CURVE_REL_TOL * abs(eval_off), (name, eval_on, eval_off)
         for step, ((loss_off, aux_off, norm_off, loads_off), (loss_on, aux_on, norm_on, loads_on)) in enumerate(
                 zip(off, on)):
             assert abs(loss_on - loss_off) <= CURVE_REL_TOL * abs(loss_off), (name, step, loss_on, loss_off)
