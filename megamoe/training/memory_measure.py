@@ -330,7 +330,9 @@ class StepMemory:
 
 
 def _grad_tensors(model: nn.Module, optimizer) -> list[torch.Tensor]:
+    # p.grad, and the fp32 main_grad views (one storage per bucket) of bf16 parameters that accumulate in fp32
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads += [g for g in (getattr(p, "main_grad", None) for p in model.parameters()) if g is not None]
     if optimizer is not None and hasattr(optimizer, "gradient_shards"):
         grads += list(optimizer.gradient_shards())
     return grads
