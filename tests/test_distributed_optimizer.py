@@ -336,6 +336,85 @@ def test_bf16_parameters_keep_fp32_master_weights():
         "bf16 parameters alone lose every such update (what the master is for)"
 
 
+class Linear(nn.Module):
+    """A bias-free bf16 linear layer whose per-micro-batch gradient is ``c_k^T x_k`` (scaled by ``scale_k``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, 4 * 8).view(4, 8).bfloat16())
+        self.b = nn.Parameter(torch.linspace(0, 1, 4).bfloat16())
+
+    def loss(self, k: int) -> torch.Tensor:
+        """Micro-batch k's loss: k = 0 has gradients ~1, the others the same ~1e-3 ones (below half of bf16's
+        spacing at 1, 2^-8: each is rounded away on its own, while their sum is not small)."""
+        g = torch.Generator().manual_seed(min(k, 1))
+        x, c = torch.randn(2, 8, generator=g).bfloat16(), torch.randn(2, 4, generator=g)
+        scale = 1.0 if k == 0 else 1e-3
+        return ((x @ self.w.t() + self.b).float() * c * scale).sum()
+
+
+MICRO_BATCHES = 8
+
+
+def _hand_accumulated(model: Linear) -> tuple[dict, dict, dict]:
+    """The oracle, per parameter name: each micro-batch's bf16 gradient by autograd on its own, summed in fp32
+    (in micro-batch order); the same gradients summed in bf16 (what autograd's own accumulation gives); the
+    large micro-batch's gradient alone."""
+    fp32, bf16 = {}, {}
+    for k in range(MICRO_BATCHES):
+        grads = torch.autograd.grad(model.loss(k), list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads):
+            assert g.dtype == torch.bfloat16
+            fp32[name] = fp32.get(name, torch.zeros(g.shape)) + g.float()
+            bf16[name] = g if name not in bf16 else bf16[name] + g
+        if k == 0:
+            first = {name: g.float() for (name, _), g in zip(model.named_parameters(), grads)}
+    return fp32, bf16, first
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(shard):
+    """One large micro-batch gradient and seven ~1e-3 ones: the accumulated gradient (``p.main_grad``, the
+    reduced shard and what the step uses) is exactly the fp32 sum of the bf16 per-micro-batch gradients,
+    while bf16 accumulation drops the small ones; ``p.grad`` is freed after every micro-batch. The step is
+    torch's fp32 AdamW on the fp32 master with that gradient, the parameter its rounding."""
+    from parallel_state import ParallelState
+    from megamoe.gradients import main_grad
+    model = Linear()
+    want, lossy, large = _hand_accumulated(Linear())
+    opt = DistributedOptimizer(model, ParallelState.single_process(), lr=1e-2, weight_decay=0.1, shard=shard)
+    reference = {name: p.detach().float().clone().requires_grad_() for name, p in model.named_parameters()}
+    ref = torch.optim.AdamW([{"params": [reference["w"]], "weight_decay": 0.1},
+                             {"params": [reference["b"]], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95),
+                            fused=True)
+    for step in range(2):
+        opt.zero_grad()
+        for k in range(MICRO_BATCHES):
+            model.loss(k).backward()
+            assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in model.parameters()), \
+                "each micro-batch's bf16 gradient goes into the fp32 main_grad at once"
+        if step == 0:
+            for name, p in model.named_parameters():
+                assert torch.equal(main_grad(p), want[name]), name
+                assert not torch.equal(lossy[name].float(), want[name]), f"{name}: bf16 would lose nothing"
+                # bf16 accumulation keeps little of the small micro-batches' contribution; fp32 keeps it all.
+                small, kept = want[name] - large[name], lossy[name].float() - large[name]
+                assert (kept - small).abs().sum() > 0.5 * small.abs().sum(), (name, kept, small)
+        opt.reduce_gradients()
+        for name, grad in opt.named_gradient_shards():
+            assert torch.equal(grad.view(want[name].shape), main_grad(dict(model.named_parameters())[name])), name
+        opt.step()
+        for name, q in reference.items():
+            q.grad = {n: main_grad(p) for n, p in model.named_parameters()}[name].clone()
+        ref.step()
+        for name, p in model.named_parameters():
+            master = opt.state[p]["master"].view(p.shape)
+            assert torch.equal(master, reference[name].detach()), f"step {step}: {name}'s master is fp32 AdamW's"
+            assert torch.equal(p.detach(), master.bfloat16()), f"step {step}: {name} is the rounded master"
+    opt.zero_grad()
+    assert all(getattr(p, "main_grad", None) is None and p.grad is None for p in model.parameters())
+
+
 def test_bf16_trainer_builds_unsharded_masters_and_its_checkpoint_holds_the_master(tmp_path):
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     trainer = _single_process_trainer()
