@@ -415,6 +415,36 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(shard):
     assert all(getattr(p, "main_grad", None) is None and p.grad is None for p in model.parameters())
 
 
+def test_bf16_trainer_step_reduces_the_fp32_sum_of_the_micro_batch_gradients():
+    """The Trainer on a bf16 model (unsharded distributed optimizer, no clipping): the gradient its step uses is
+    the fp32 sum of each micro-batch's bf16 gradient of ``(loss + aux) / num_micro_batches``, computed by hand
+    with autograd on an identical model, bit for bit; autograd's bf16 accumulation of them differs."""
+    from parallel_state import ParallelState
+    from megamoe.precision import upcast
+    state = ParallelState.single_process()
+    trainer = Trainer(build_model(state, dtype=torch.bfloat16), state, TrainConfig(lr=1e-2, grad_clip=0.0))
+    reference = build_model(state, dtype=torch.bfloat16)
+    batches = [(mb[:, :-1], mb[:, 1:]) for mb in global_batch().split(MICRO_BATCH)]
+    params = list(reference.parameters())
+    fp32 = [torch.zeros(p.shape) for p in params]
+    bf16 = [None] * len(params)
+    for inputs, labels in batches:
+        out, aux = reference(inputs, labels=labels)
+        grads = torch.autograd.grad([upcast(out) / len(batches), aux / len(batches)], params, allow_unused=True)
+        for i, g in enumerate(grads):
+            g = torch.zeros_like(params[i]) if g is None else g
+            fp32[i] += g.float()
+            bf16[i] = g if bf16[i] is None else bf16[i] + g
+    trainer.train_step(batches)
+    names = [name for name, _ in reference.named_parameters()]
+    shards = dict(trainer.optimizer.named_gradient_shards())
+    assert len(shards) == len(names) > 4
+    for name, want, lossy in zip(names, fp32, bf16):
+        assert torch.equal(shards[name].view(want.shape), want), name
+    assert sum(not torch.equal(lossy.float(), want) for lossy, want in zip(bf16, fp32)) > len(names) // 2, \
+        "bf16 accumulation of the same gradients rounds most parameters' sums differently"
+
+
 def test_bf16_trainer_builds_unsharded_masters_and_its_checkpoint_holds_the_master(tmp_path):
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     trainer = _single_process_trainer()
