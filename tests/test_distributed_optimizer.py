@@ -164,6 +164,42 @@ def _odd_sizes_check(rank, state):
             "rs_calls": counter.calls("reduce_scatter"), "ag_calls": counter.calls("all_gather")}
 
 
+def _bf16_accumulation_check(state):
+    """bf16 parameters over DP 4 with padded shards (each rank's fp32 ``p.main_grad`` copied into the
+    reduce-scatter buffer), three micro-batches of autograd per rank, one large and two ~1e-3: this rank's
+    ``main_grad`` is exactly the fp32 sum of its own bf16 micro-batch gradients (ZeRO-1 keeps it), and its
+    reduced shard is the mean over ranks of those sums (every rank computes every rank's by hand)."""
+    from megamoe.gradients import main_grad
+    model = OddSizes().bfloat16()
+    opt = DistributedOptimizer(model, state, bucket_numel=20)
+
+    def loss(module, r, k):
+        g = torch.Generator().manual_seed(10 * r + k)
+        return sum(((p * p).float() * torch.randn(p.shape, generator=g) * (1.0 if k == 0 else 1e-3)).sum()
+                   for p in module.parameters())
+
+    sums = []
+    for r in range(WORLD):
+        reference = OddSizes().bfloat16()
+        total = [torch.zeros(p.shape) for p in reference.parameters()]
+        for k in range(3):
+            for t, g in zip(total, torch.autograd.grad(loss(reference, r, k), list(reference.parameters()))):
+                t += g.float()
+        sums.append(total)
+    for k in range(3):
+        loss(model, state.dp_cp.rank, k).backward()
+    local_exact = all(p.grad is None and torch.equal(main_grad(p), want)
+                      for p, want in zip(model.parameters(), sums[state.dp_cp.rank]))
+    opt.reduce_gradients()
+    err = 0.0
+    for i, p in enumerate(model.parameters()):
+        e = opt._entries[p]
+        mean = torch.stack([total[i] for total in sums]).mean(0)
+        got = e.shard_of(opt._buckets[e.bucket].grad_shard)[:, :e.valid]
+        err = max(err, ((got - e.owned(mean)).abs() / (mean.abs().max() + 1e-30)).max().item())
+    return {"local_exact": local_exact, "err": err}
+
+
 def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
@@ -212,6 +248,7 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
     # Padded shards and several buckets (DP 4, no MoE).
     state = initialize_model_parallel()
     odd = _odd_sizes_check(rank, state)
+    odd["bf16"] = _bf16_accumulation_check(state)
     # The plain DP 1 checkpoint (saved by the parent) resumes under the distributed optimizer at DP 4.
     trainer = Trainer(build_model(state), state, train_config(distributed_optimizer=True, zero_stage=2),
                       world_group=dist.group.WORLD)
@@ -284,6 +321,7 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     assert odd["err"] < 1e-6, odd
     assert odd["shapes"] == {"a": (1, 2), "b": (1, 4), "c": (1, 5)}, odd      # ceil(7/4), ceil(15/4), ceil(18/4)
     assert odd["buckets"] == 3 and odd["rs_calls"] == odd["ag_calls"] == 3 * 3, odd
+    assert odd["bf16"]["local_exact"] and odd["bf16"]["err"] < 1e-6, odd["bf16"]
 
     # Checkpoints across optimizers and DP sizes.
     saved = [row["save"] for row in LAYOUTS].index(True)
