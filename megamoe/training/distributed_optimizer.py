@@ -27,24 +27,23 @@ reduced values live only in the shards) until the next :meth:`zero_grad`; ZeRO-2
 reduce-scatter (``p.grad = None``, and the fp32 buffer below). Either way the reduced shards
 (:meth:`gradient_shards`) live until the step.
 
-fp32 gradient accumulation (non-fp32 parameters). Every bucket of bf16 / fp16 parameters owns one fp32
-gradient buffer laid out parameter after parameter (allocated, zeroed, at the first gradient of a step), and
-each of its parameters gets ``p.main_grad``: a view of its slice, shaped like the parameter. A hook
+fp32 gradient accumulation (non-fp32 parameters). Every bucket of bf16 / fp16 parameters owns one fp32 gradient
+buffer laid out parameter after parameter (allocated, zeroed, at the first gradient of a step), and each of its
+parameters gets ``p.main_grad``: a view of its slice, shaped like the parameter. A hook
 (``register_post_accumulate_grad_hook``) adds each micro-batch's gradient, as autograd leaves it in ``p.grad``
-(the parameter dtype), into ``p.main_grad`` and sets ``p.grad = None``: the sum over micro-batches is rounded
-in fp32, not bf16 (as Megatron's ``main_grad`` with ``--accumulate-allreduce-grads-in-fp32``), and a bf16
-gradient lives only during one micro-batch's backward. (One such optimizer per model at a time: its hooks take
-the gradients; they hold it weakly, so a dropped optimizer stops taking them.) Everything downstream (GradientSync's TP, tied and
-replica sums, :meth:`reduce_gradients`, the norm, clipping, the fp16 unscale, the non-finite search) reads
-:func:`megamoe.gradients.main_grad`, and so works in fp32 on those parameters; fp32 parameters keep their
-``p.grad``, untouched. With groups of one rank (``shard=False``, or a group of size 1) the buffer already has
-the bucket's layout, so it IS the reduced shard: no copy, no second buffer. Larger groups copy it into the
-reduce-scatter buffer as they copy ``p.grad`` for fp32 parameters (that buffer puts rank ``r``'s columns of
-every parameter together, so a parameter's gradient is not a view of the parameter's shape there, which the
-TP / tied / replica sums need). Per rank at the step, a non-fp32 parameter
-of ``n`` elements holds: ZeRO-1, the fp32 buffer (``4 n`` bytes) plus its reduced shard (``4 n / N``; the
-shard is the buffer when ``N = 1``); ZeRO-2, the shard only. :meth:`zero_grad` frees the buffer
-(``set_to_none=False``: zeroes it).
+(the parameter dtype), into ``p.main_grad`` and sets ``p.grad = None``: the sum over micro-batches is rounded in
+fp32, not bf16 (as Megatron's ``main_grad`` with ``--accumulate-allreduce-grads-in-fp32``), and a bf16 gradient
+lives only during one micro-batch's backward. (One such optimizer per model at a time: its hooks take the
+gradients; they hold it weakly, so a dropped optimizer stops taking them.) Everything downstream (GradientSync's
+TP, tied and replica sums, :meth:`reduce_gradients`, the norm, clipping, the fp16 unscale, the non-finite
+search) reads :func:`megamoe.gradients.main_grad`, and so works in fp32 on those parameters; fp32 parameters
+keep their ``p.grad``, untouched. With groups of one rank (``shard=False``, or a group of size 1) the buffer
+already has the bucket's layout, so it IS the reduced shard: no copy, no second buffer. Larger groups copy it
+into the reduce-scatter buffer as they copy ``p.grad`` for fp32 parameters (that buffer puts rank ``r``'s
+columns of every parameter together, so a parameter's gradient is not a view of the parameter's shape there,
+which the TP / tied / replica sums need). Per rank at the step, a non-fp32 parameter of ``n`` elements holds:
+ZeRO-1, the fp32 buffer (``4 n`` bytes) plus its reduced shard (``4 n / N``; the shard is the buffer when
+``N = 1``); ZeRO-2, the shard only. :meth:`zero_grad` frees the buffer (``set_to_none=False``: zeroes it).
 
 Master weights. fp32 parameters ARE the master: the step copies the owned shard out into the bucket's
 all-gather buffer, updates it there, and gathers; persistent state is the two fp32 moments only (8 bytes
