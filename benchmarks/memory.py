@@ -17,8 +17,8 @@ Each run takes one warm-up step (the optimizer state exists from the first step 
 one training step (:func:`megamoe.training.memory_measure.measure_train_step`), on every rank:
 
 - ``param`` / ``grad`` / ``opt``: bytes of unique storages of the parameters, of the gradients held at
-  the optimizer step (``p.grad`` and the distributed optimizer's reduced shards) and of every tensor
-  in ``optimizer.state``;
+  the optimizer step (``p.grad``, bf16 parameters' fp32 ``p.main_grad`` and the distributed optimizer's
+  reduced shards) and of every tensor in ``optimizer.state``;
 - ``act``: the most bytes saved for backward held at once over the step (``saved_tensors_hooks``;
   with 1F1B, several micro-batches), parameters excluded; ``norm`` is its decoder-norm part;
 - ``peak``: the most live bytes of every storage over the step (a ``TorchDispatchMode``): state,

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megamoe import comms
+from megamoe.gradients import main_grad
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.models import GPTMoEModel
@@ -86,6 +87,18 @@ LAYOUTS = {
 }
 
 
+def _accumulated_gradients(model) -> list:
+    """Every trainable parameter's accumulated gradient, on meta: fp32 parameters' ``p.grad``; bf16 ones'
+    fp32 ``p.main_grad`` (the distributed optimizer's accumulation, ``p.grad`` freed by its hook)."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            assert p.grad is None, "a bf16 parameter kept its bf16 p.grad past the accumulation hook"
+            assert p.main_grad is not None and p.main_grad.dtype == torch.float32 and p.main_grad.shape == p.shape
+    grads = [main_grad(p) for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and g.is_meta for g in grads), "a parameter got no meta gradient"
+    return grads
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
     dispatcher, layout, num_slots, dtype = LAYOUTS[name]
@@ -97,8 +110,7 @@ def test_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
             micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]
             with _meta_run() as counter:
                 metrics = trainer.train_step(micro_batches)
-            grads = [p.grad for p in model.parameters() if p.requires_grad]
-            assert all(g is not None and g.is_meta for g in grads), f"rank {rank}: a parameter got no meta gradient"
+            _accumulated_gradients(model)
             assert math.isnan(metrics.loss) and math.isnan(metrics.grad_norm), "meta metrics are not measured"
             kinds = counter.kinds()
             # The EP exchange really ran (not skipped), and so did the pipeline's point-to-point traffic.
@@ -120,7 +132,7 @@ def test_recomputed_training_step_on_meta_creates_every_tensor_on_the_model_devi
             batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
             with _meta_run() as counter:
                 trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
-            assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
+            _accumulated_gradients(model)
             assert counter.kinds().get("all_to_all", 0) > 0
 
 
@@ -146,14 +158,21 @@ def test_expert_migration_on_meta_creates_every_tensor_on_the_model_device():
 
 
 # The distributed optimizer (ZeRO-1 / ZeRO-2): reduce-scatter into shards, the step and the all-gather, then
-# a migration moving the slots' shard rows. (zero_stage, layout, parameter dtype): bf16 keeps fp32 masters.
+# a migration moving the slots' shard rows. (zero_stage, layout, parameter dtype): bf16 keeps fp32 masters and
+# accumulates its gradients in fp32. The state bytes measured after the step are the estimate's, exactly.
 DISTRIBUTED = {"zero1-pp2-ep2-bf16": (1, dict(pp=2, ep=2), torch.bfloat16),
+               "zero2-pp2-ep2-bf16": (2, dict(pp=2, ep=2), torch.bfloat16),
                "zero2-ep2-dp4-replicas-fp32": (2, dict(ep=2), torch.float32)}
 
 
 @pytest.mark.parametrize("name", list(DISTRIBUTED))
 def test_distributed_optimizer_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    from megamoe.training.memory_estimate import estimate_memory
+    from megamoe.training.memory_measure import measure_state_bytes
     zero_stage, layout, dtype = DISTRIBUTED[name]
+    pp, ep = layout.get("pp", 1), layout.get("ep", 1)
+    estimate = estimate_memory(tiny_config("alltoall", 6), pp=pp, ep=ep, dp=WORLD_SIZE // pp, micro_batch=MICRO_BATCH,
+                               seq_len=S, param_dtype=dtype, distributed_optimizer=True, zero_stage=zero_stage)
     for rank in range(WORLD_SIZE):
         with _fake_rank(rank, **layout) as state:
             model = GPTMoEModel(tiny_config("alltoall", 6), state, device="meta", dtype=dtype)
@@ -167,7 +186,13 @@ def test_distributed_optimizer_step_on_meta_creates_every_tensor_on_the_model_de
             shards = trainer.optimizer.gradient_shards()
             state_tensors = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
             assert shards and state_tensors and all(t.is_meta for t in [*shards, *state_tensors])
-            assert all((p.grad is None) == (zero_stage == 2) for p in model.parameters()), "ZeRO-2 frees p.grad"
+            # ZeRO-2 frees the full gradients (bf16: the fp32 accumulation buffers) after the reduce-scatter.
+            assert all((main_grad(p) is None) == (zero_stage == 2) for p in model.parameters()), "ZeRO-2 frees them"
+            if zero_stage == 1:
+                _accumulated_gradients(model)
+            measured, stage = measure_state_bytes(model, trainer.optimizer), estimate.stages[state.pp.rank]
+            assert (measured.param_bytes, measured.grad_bytes, measured.optimizer_bytes) == (
+                stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), f"rank {rank}"
             moved = ExpertPlacement([3, 1, 0, 2, 2, 1], E, 2)
             with _meta_run() as counter:
                 for layer in model.moe_layers().values():

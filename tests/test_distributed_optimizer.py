@@ -164,6 +164,42 @@ def _odd_sizes_check(rank, state):
             "rs_calls": counter.calls("reduce_scatter"), "ag_calls": counter.calls("all_gather")}
 
 
+def _bf16_accumulation_check(state):
+    """bf16 parameters over DP 4 with padded shards (each rank's fp32 ``p.main_grad`` copied into the
+    reduce-scatter buffer), three micro-batches of autograd per rank, one large and two ~1e-3: this rank's
+    ``main_grad`` is exactly the fp32 sum of its own bf16 micro-batch gradients (ZeRO-1 keeps it), and its
+    reduced shard is the mean over ranks of those sums (every rank computes every rank's by hand)."""
+    from megamoe.gradients import main_grad
+    model = OddSizes().bfloat16()
+    opt = DistributedOptimizer(model, state, bucket_numel=20)
+
+    def loss(module, r, k):
+        g = torch.Generator().manual_seed(10 * r + k)
+        return sum(((p * p).float() * torch.randn(p.shape, generator=g) * (1.0 if k == 0 else 1e-3)).sum()
+                   for p in module.parameters())
+
+    sums = []
+    for r in range(WORLD):
+        reference = OddSizes().bfloat16()
+        total = [torch.zeros(p.shape) for p in reference.parameters()]
+        for k in range(3):
+            for t, g in zip(total, torch.autograd.grad(loss(reference, r, k), list(reference.parameters()))):
+                t += g.float()
+        sums.append(total)
+    for k in range(3):
+        loss(model, state.dp_cp.rank, k).backward()
+    local_exact = all(p.grad is None and torch.equal(main_grad(p), want)
+                      for p, want in zip(model.parameters(), sums[state.dp_cp.rank]))
+    opt.reduce_gradients()
+    err = 0.0
+    for i, p in enumerate(model.parameters()):
+        e = opt._entries[p]
+        mean = torch.stack([total[i] for total in sums]).mean(0)
+        got = e.shard_of(opt._buckets[e.bucket].grad_shard)[:, :e.valid]
+        err = max(err, ((got - e.owned(mean)).abs() / (mean.abs().max() + 1e-30)).max().item())
+    return {"local_exact": local_exact, "err": err}
+
+
 def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
@@ -212,6 +248,7 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
     # Padded shards and several buckets (DP 4, no MoE).
     state = initialize_model_parallel()
     odd = _odd_sizes_check(rank, state)
+    odd["bf16"] = _bf16_accumulation_check(state)
     # The plain DP 1 checkpoint (saved by the parent) resumes under the distributed optimizer at DP 4.
     trainer = Trainer(build_model(state), state, train_config(distributed_optimizer=True, zero_stage=2),
                       world_group=dist.group.WORLD)
@@ -284,6 +321,7 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     assert odd["err"] < 1e-6, odd
     assert odd["shapes"] == {"a": (1, 2), "b": (1, 4), "c": (1, 5)}, odd      # ceil(7/4), ceil(15/4), ceil(18/4)
     assert odd["buckets"] == 3 and odd["rs_calls"] == odd["ag_calls"] == 3 * 3, odd
+    assert odd["bf16"]["local_exact"] and odd["bf16"]["err"] < 1e-6, odd["bf16"]
 
     # Checkpoints across optimizers and DP sizes.
     saved = [row["save"] for row in LAYOUTS].index(True)
@@ -334,6 +372,115 @@ def test_bf16_parameters_keep_fp32_master_weights():
     assert (reference.w < 0.995).all() and (model.w < 1).all(), "ten steps of ~1e-3 move the weights"
     assert torch.equal(bf16_alone.w.detach(), torch.ones(4, 8, dtype=torch.bfloat16)), \
         "bf16 parameters alone lose every such update (what the master is for)"
+
+
+class Linear(nn.Module):
+    """A bias-free bf16 linear layer whose per-micro-batch gradient is ``c_k^T x_k`` (scaled by ``scale_k``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, 4 * 8).view(4, 8).bfloat16())
+        self.b = nn.Parameter(torch.linspace(0, 1, 4).bfloat16())
+
+    def loss(self, k: int) -> torch.Tensor:
+        """Micro-batch k's loss: k = 0 has gradients ~1, the others the same ~1e-3 ones (below half of bf16's
+        spacing at 1, 2^-8: each is rounded away on its own, while their sum is not small)."""
+        g = torch.Generator().manual_seed(min(k, 1))
+        x, c = torch.randn(2, 8, generator=g).bfloat16(), torch.randn(2, 4, generator=g)
+        scale = 1.0 if k == 0 else 1e-3
+        return ((x @ self.w.t() + self.b).float() * c * scale).sum()
+
+
+MICRO_BATCHES = 8
+
+
+def _hand_accumulated(model: Linear) -> tuple[dict, dict, dict]:
+    """The oracle, per parameter name: each micro-batch's bf16 gradient by autograd on its own, summed in fp32
+    (in micro-batch order); the same gradients summed in bf16 (what autograd's own accumulation gives); the
+    large micro-batch's gradient alone."""
+    fp32, bf16 = {}, {}
+    for k in range(MICRO_BATCHES):
+        grads = torch.autograd.grad(model.loss(k), list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads):
+            assert g.dtype == torch.bfloat16
+            fp32[name] = fp32.get(name, torch.zeros(g.shape)) + g.float()
+            bf16[name] = g if name not in bf16 else bf16[name] + g
+        if k == 0:
+            first = {name: g.float() for (name, _), g in zip(model.named_parameters(), grads)}
+    return fp32, bf16, first
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(shard):
+    """One large micro-batch gradient and seven ~1e-3 ones: the accumulated gradient (``p.main_grad``, the
+    reduced shard and what the step uses) is exactly the fp32 sum of the bf16 per-micro-batch gradients,
+    while bf16 accumulation drops the small ones; ``p.grad`` is freed after every micro-batch. The step is
+    torch's fp32 AdamW on the fp32 master with that gradient, the parameter its rounding."""
+    from parallel_state import ParallelState
+    from megamoe.gradients import main_grad
+    model = Linear()
+    want, lossy, large = _hand_accumulated(Linear())
+    opt = DistributedOptimizer(model, ParallelState.single_process(), lr=1e-2, weight_decay=0.1, shard=shard)
+    reference = {name: p.detach().float().clone().requires_grad_() for name, p in model.named_parameters()}
+    ref = torch.optim.AdamW([{"params": [reference["w"]], "weight_decay": 0.1},
+                             {"params": [reference["b"]], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95),
+                            fused=True)
+    for step in range(2):
+        opt.zero_grad()
+        for k in range(MICRO_BATCHES):
+            model.loss(k).backward()
+            assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in model.parameters()), \
+                "each micro-batch's bf16 gradient goes into the fp32 main_grad at once"
+        if step == 0:
+            for name, p in model.named_parameters():
+                assert torch.equal(main_grad(p), want[name]), name
+                assert not torch.equal(lossy[name].float(), want[name]), f"{name}: bf16 would lose nothing"
+                # bf16 accumulation keeps little of the small micro-batches' contribution; fp32 keeps it all.
+                small, kept = want[name] - large[name], lossy[name].float() - large[name]
+                assert (kept - small).abs().sum() > 0.5 * small.abs().sum(), (name, kept, small)
+        opt.reduce_gradients()
+        for name, grad in opt.named_gradient_shards():
+            assert torch.equal(grad.view(want[name].shape), main_grad(dict(model.named_parameters())[name])), name
+        opt.step()
+        for name, q in reference.items():
+            q.grad = {n: main_grad(p) for n, p in model.named_parameters()}[name].clone()
+        ref.step()
+        for name, p in model.named_parameters():
+            master = opt.state[p]["master"].view(p.shape)
+            assert torch.equal(master, reference[name].detach()), f"step {step}: {name}'s master is fp32 AdamW's"
+            assert torch.equal(p.detach(), master.bfloat16()), f"step {step}: {name} is the rounded master"
+    opt.zero_grad()
+    assert all(getattr(p, "main_grad", None) is None and p.grad is None for p in model.parameters())
+
+
+def test_bf16_trainer_step_reduces_the_fp32_sum_of_the_micro_batch_gradients():
+    """The Trainer on a bf16 model (unsharded distributed optimizer, no clipping): the gradient its step uses is
+    the fp32 sum of each micro-batch's bf16 gradient of ``(loss + aux) / num_micro_batches``, computed by hand
+    with autograd on an identical model, bit for bit; autograd's bf16 accumulation of them differs."""
+    from parallel_state import ParallelState
+    from megamoe.precision import upcast
+    state = ParallelState.single_process()
+    trainer = Trainer(build_model(state, dtype=torch.bfloat16), state, TrainConfig(lr=1e-2, grad_clip=0.0))
+    reference = build_model(state, dtype=torch.bfloat16)
+    batches = [(mb[:, :-1], mb[:, 1:]) for mb in global_batch().split(MICRO_BATCH)]
+    params = list(reference.parameters())
+    fp32 = [torch.zeros(p.shape) for p in params]
+    bf16 = [None] * len(params)
+    for inputs, labels in batches:
+        out, aux = reference(inputs, labels=labels)
+        grads = torch.autograd.grad([upcast(out) / len(batches), aux / len(batches)], params, allow_unused=True)
+        for i, g in enumerate(grads):
+            g = torch.zeros_like(params[i]) if g is None else g
+            fp32[i] += g.float()
+            bf16[i] = g if bf16[i] is None else bf16[i] + g
+    trainer.train_step(batches)
+    names = [name for name, _ in reference.named_parameters()]
+    shards = dict(trainer.optimizer.named_gradient_shards())
+    assert len(shards) == len(names) > 4
+    for name, want, lossy in zip(names, fp32, bf16):
+        assert torch.equal(shards[name].view(want.shape), want), name
+    assert sum(not torch.equal(lossy.float(), want) for lossy, want in zip(bf16, fp32)) > len(names) // 2, \
+        "bf16 accumulation of the same gradients rounds most parameters' sums differently"
 
 
 def test_bf16_trainer_builds_unsharded_masters_and_its_checkpoint_holds_the_master(tmp_path):

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.gradients import main_grad
 from megamoe.host_values import host_ints
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 from megamoe.transformer.recompute import checkpointed
@@ -303,9 +304,11 @@ class GroupedExperts(nn.Module):
         params = self.slot_parameters(local_slot)
         if not grad:
             return tuple(p.detach()[index] for p, index in params)
-        if any(p.grad is None for p, _ in params):
+        # The accumulated gradient: fp32 ``main_grad`` for bf16 parameters under the distributed optimizer.
+        grads = [main_grad(p) for p, _ in params]
+        if any(g is None for g in grads):
             raise ValueError("the expert weights have no gradient yet: run a backward pass first")
-        return tuple(p.grad[index] for p, index in params)
+        return tuple(g[index] for g, (_, index) in zip(grads, params))
 
     @torch.no_grad()
     def load_expert_weights(self, local_slot: int, gate: torch.Tensor, up: torch.Tensor | None,

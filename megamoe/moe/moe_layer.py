@@ -45,6 +45,7 @@ from torch.distributed import ProcessGroup
 
 from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk, default_sharded_state_dict
+from megamoe.gradients import main_grad
 from megamoe.moe.expert_slots import ExpertLoadCounter, ExpertPlacement
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config
@@ -302,7 +303,7 @@ class MoELayer(nn.Module):
         group) and give every replica the sum, so replicas stay identical after the optimizer step.
         One all-reduce over EP per weight kind, of a buffer holding only the replicated experts."""
         replicated = torch.nonzero(self.placement.replica_counts > 1, as_tuple=True)[0]
-        if replicated.numel() == 0 or any(p.grad is None for p in self.experts.parameters()):
+        if replicated.numel() == 0 or any(main_grad(p) is None for p in self.experts.parameters()):
             return
         row_of_expert = torch.full((self.config.num_experts,), -1, dtype=torch.long)
         row_of_expert[replicated] = torch.arange(replicated.numel())

@@ -22,7 +22,9 @@ micro-batches returns ``loss / num_micro_batches`` (and aux losses already multi
 coefficient and divided by ``num_micro_batches``); the step knows the right normalisation (per
 micro-batch, per token over the global batch, ...), the schedule does not. The returned list holds
 the step's main losses, detached, in micro-batch order, so under that convention its sum is the
-batch loss. Gradients are accumulated into ``.grad``; nothing is reduced over data parallelism here.
+batch loss. Gradients are accumulated into ``.grad`` (for bf16 parameters under the distributed optimizer, a
+hook moves each micro-batch's into the fp32 ``main_grad``: :mod:`megamoe.gradients`); nothing is reduced over
+data parallelism here.
 """
 
 from __future__ import annotations

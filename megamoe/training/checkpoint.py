@@ -10,7 +10,10 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
   distributed optimizer's shards are gathered into these same logical tensors at save (all of a rank's state
   at once, in full shape: a transient of the plain optimizer's size) and sliced back at load, so either
   optimizer resumes the other's checkpoints at any DP size; its fp32 master weights (bf16 parameters) are
-  stored as the weights themselves, in fp32 (no ``master`` key);
+  stored as the weights themselves, in fp32 (no ``master`` key). Gradients are not state: a checkpoint is
+  taken between steps, so neither ``p.grad`` nor the fp32 gradient accumulation of bf16 parameters
+  (``p.main_grad``, :mod:`megamoe.gradients`) is saved; a resumed bf16 run accumulates in fp32 from its
+  first step;
 - manifest fields: ``model_config`` (:meth:`GPTMoEConfig.to_dict`), ``parallel_layout`` (world
   size, tp, pp, dp, cp, ep, etp, order), ``expert_placement`` (``{"<layer id>": ExpertPlacement.to_dict()}``,
   each pipeline stage contributing its own layers) and ``extra`` (``step``, ``sampler_state``,

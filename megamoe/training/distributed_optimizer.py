@@ -21,21 +21,39 @@ group and the expert replicas across their slots (``MoELayer.reduce_replica_grad
 holds the same summed gradient; with the same starting state, each gets the same update). Then
 :meth:`reduce_gradients` reduce-scatters each bucket and scales it: dense by 1 / |dp_cp| (the mean over DP
 ranks), experts by GradientSync's ``expert_scale`` (1 / (|dp_cp| x expert token replicas)). The reduction
-runs in fp32 whatever the parameters' dtype. ZeRO-1 leaves ``p.grad`` as it was (this rank's own, unreduced
-contribution: the reduced values live only in the shards); ZeRO-2 frees it (``p.grad = None``). Either way
-the reduced shards (:meth:`gradient_shards`) live until the step.
+runs in fp32 whatever the parameters' dtype. ZeRO-1 leaves the accumulated gradient as it was (``p.grad``,
+or ``p.main_grad`` below: this rank's own, TP / tied / replica-summed but not DP-reduced contribution; the
+reduced values live only in the shards) until the next :meth:`zero_grad`; ZeRO-2 frees it right after the
+reduce-scatter (``p.grad = None``, and the fp32 buffer below). Either way the reduced shards
+(:meth:`gradient_shards`) live until the step.
+
+fp32 gradient accumulation (non-fp32 parameters). Every bucket of bf16 / fp16 parameters owns one fp32 gradient
+buffer laid out parameter after parameter (allocated, zeroed, at the first gradient of a step), and each of its
+parameters gets ``p.main_grad``: a view of its slice, shaped like the parameter. A hook
+(``register_post_accumulate_grad_hook``) adds each micro-batch's gradient, as autograd leaves it in ``p.grad``
+(the parameter dtype), into ``p.main_grad`` and sets ``p.grad = None``: the sum over micro-batches is rounded in
+fp32, not bf16 (as Megatron's ``main_grad`` with ``--accumulate-allreduce-grads-in-fp32``), and a bf16 gradient
+lives only during one micro-batch's backward. (One such optimizer per model at a time: its hooks take the
+gradients; they hold it weakly, so a dropped optimizer stops taking them.) Everything downstream (GradientSync's
+TP, tied and replica sums, :meth:`reduce_gradients`, the norm, clipping, the fp16 unscale, the non-finite
+search) reads :func:`megamoe.gradients.main_grad`, and so works in fp32 on those parameters; fp32 parameters
+keep their ``p.grad``, untouched. With groups of one rank (``shard=False``, or a group of size 1) the buffer
+already has the bucket's layout, so it IS the reduced shard: no copy, no second buffer. Larger groups copy it
+into the reduce-scatter buffer as they copy ``p.grad`` for fp32 parameters (that buffer puts rank ``r``'s
+columns of every parameter together, so a parameter's gradient is not a view of the parameter's shape there,
+which the TP / tied / replica sums need). Per rank at the step, a non-fp32 parameter of ``n`` elements holds:
+ZeRO-1, the fp32 buffer (``4 n`` bytes) plus its reduced shard (``4 n / N``; the shard is the buffer when
+``N = 1``); ZeRO-2, the shard only. :meth:`zero_grad` frees the buffer (``set_to_none=False``: zeroes it).
 
 Master weights. fp32 parameters ARE the master: the step copies the owned shard out into the bucket's
 all-gather buffer, updates it there, and gathers; persistent state is the two fp32 moments only (8 bytes
 per parameter / N) plus Adam's step count. Other dtypes (bf16, fp16) keep a persistent fp32 ``master``
 shard, updated and then gathered in the model's dtype. Gradients of such parameters accumulate over
-micro-batches in the parameter dtype (autograd's own accumulation): GradientSync's TP, tied and replica
-sums read ``p.grad`` in place, so an fp32 side buffer would have to be threaded through all of them; the
-cross-rank sum, the largest reduction, is done in fp32 in the bucket.
+micro-batches in fp32 (above).
 
 ``shard=False`` (what the Trainer builds for bf16 parameters without ``distributed_optimizer``): groups of
-one rank, so ``N = 1``; GradientSync then does its usual DP all-reduces and :meth:`reduce_gradients` only
-copies the reduced gradients into fp32 shards (no communication).
+one rank, so ``N = 1``; GradientSync then does its usual DP all-reduces (in fp32, on ``p.main_grad``) and
+:meth:`reduce_gradients` takes the fp32 buffers as the shards (no communication, no copy).
 
 The norm (:meth:`clip_grad_norm_`) is computed on the shards: each element of a sharded parameter is held by
 one rank of its group, so only the remaining replication counts (TP-replicated parameters, tied copies on
@@ -57,6 +75,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +83,7 @@ from torch.optim.adam import adam as _adam
 from torch import nn
 
 from megamoe import comms
+from megamoe.gradients import main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.training.grad_sync import _replication
@@ -95,6 +115,7 @@ class _Entry:
     expert: bool
     bucket: int = -1
     offset: int = 0
+    grad_offset: int = 0        # where its ``main_grad`` starts in the bucket's fp32 accumulation buffer
 
     @property
     def numel(self) -> int:
@@ -128,6 +149,12 @@ class _Bucket:
     entries: list[_Entry] = field(default_factory=list)
     shard_numel: int = 0
     grad_shard: torch.Tensor | None = None     # [shard_numel] fp32, reduced; from reduce_gradients to the step
+    # fp32 gradient accumulation (non-fp32 parameters): [grad_numel] fp32, parameter after parameter, the
+    # storage of the parameters' ``main_grad`` views; from the step's first gradient to zero_grad (ZeRO-2:
+    # to reduce_gradients).
+    accumulate_fp32: bool = False
+    grad_numel: int = 0
+    main_grad: torch.Tensor | None = None
 
 
 @dataclass
@@ -217,13 +244,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.entries.append(entry)
             bucket.shard_numel += entry.numel
             self._entries[p] = entry
+        # fp32 gradient accumulation for non-fp32 parameters (see the module docstring). The hook holds the
+        # optimizer weakly: an optimizer dropped for a new one stops taking the parameters' gradients.
+        self._hooks = []
+        this = weakref.ref(self)
+
+        def accumulate(param: nn.Parameter) -> None:
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._accumulate(param)
+        for bucket in self._buckets:
+            if bucket.dtype == torch.float32:
+                continue
+            bucket.accumulate_fp32 = True
+            for e in bucket.entries:
+                e.grad_offset = bucket.grad_numel
+                bucket.grad_numel += e.param.numel()
+                self._hooks.append(e.param.register_post_accumulate_grad_hook(accumulate))
         # torch's fused AdamW kernel where it exists (as build_optimizer), else the single-tensor loop.
         self._fused = self.device.type in ("cpu", "cuda")
         self._names = {id(p): name for name, p in model.named_parameters()}
         logger.info("distributed optimizer (ZeRO-%d%s): %d parameters in %d buckets, dense over %d ranks, experts "
                     "over %d; %s", zero_stage, "" if shard else ", unsharded", len(params), len(self._buckets),
-                    dense.size, expert.size, "fp32 master weights" if any(p.dtype != torch.float32 for p in params)
-                    else "the fp32 parameters are the master weights")
+                    dense.size, expert.size, "fp32 master weights and gradient accumulation"
+                    if any(p.dtype != torch.float32 for p in params) else "the fp32 parameters are the master weights")
 
     @classmethod
     def from_config(cls, model: nn.Module, state, config, *, shard: bool, tied_params=(),
@@ -259,17 +303,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- gradients -----------------------------------------------------------------------------
     @torch.no_grad()
+    def _accumulate(self, param: nn.Parameter) -> None:
+        """The post-accumulate-grad hook of a non-fp32 parameter: add this micro-batch's ``p.grad`` into its
+        fp32 ``p.main_grad`` (the bucket's buffer, allocated zeroed on the step's first gradient), then free
+        ``p.grad``, so the next micro-batch's gradient starts afresh instead of adding into it in bf16."""
+        grad = param.grad
+        if grad is None:
+            return
+        bucket = self._buckets[self._entries[param].bucket]
+        if bucket.main_grad is None:
+            bucket.main_grad = torch.zeros(bucket.grad_numel, dtype=torch.float32, device=self.device)
+            for e in bucket.entries:
+                e.param.main_grad = bucket.main_grad[e.grad_offset:e.grad_offset + e.param.numel()].view(
+                    e.param.shape)
+        param.main_grad.add_(grad)
+        param.grad = None
+
+    def _free_main_grads(self, bucket: _Bucket) -> None:
+        bucket.main_grad = None
+        for e in bucket.entries:
+            e.param.main_grad = None
+
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Reduce-scatter the gradients into this rank's fp32 shards (one collective per bucket), scaled to
-        the mean over DP (see the module docstring); ZeRO-2 then frees ``p.grad``. Call after
-        ``GradientSync(data_parallel=False).sync()`` (sharded) or the full sync (``shard=False``)."""
+        the mean over DP (see the module docstring); ZeRO-2 then frees ``p.grad`` and the fp32 accumulation
+        buffers. Call after ``GradientSync(data_parallel=False).sync()`` (sharded) or the full sync
+        (``shard=False``)."""
         for bucket in self._buckets:
             size = bucket.group.size
-            flat = torch.zeros(size * bucket.shard_numel, dtype=torch.float32, device=self.device)
+            if bucket.main_grad is not None and size == 1:
+                # One rank: the fp32 accumulation buffer has the bucket's layout (each parameter whole, in
+                # order), so it is the flat buffer and, reduced over nobody, the shard.
+                flat = bucket.main_grad
+            else:
+                flat = torch.zeros(size * bucket.shard_numel, dtype=torch.float32, device=self.device)
             chunks = flat.view(size, bucket.shard_numel)
             for e in bucket.entries:
-                grad = e.param.grad
-                if grad is None or not e.numel:
+                grad = main_grad(e.param)
+                if flat is bucket.main_grad or grad is None or not e.numel:
                     continue
                 rows = grad.reshape(e.rows, e.row_numel)
                 if size * e.cols != e.row_numel:
@@ -286,6 +358,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self.zero_stage == 2:
                 for e in bucket.entries:
                     e.param.grad = None
+                self._free_main_grads(bucket)
 
     def gradient_shards(self) -> list[torch.Tensor]:
         """The reduced-gradient shard tensors this rank keeps ([shard_numel] fp32 per bucket), from
@@ -302,9 +375,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients, the reduced shards and the fp32 accumulation buffers (``set_to_none=False``:
+        zero the gradients and buffers instead)."""
         super().zero_grad(set_to_none=set_to_none)
         for bucket in self._buckets:
             bucket.grad_shard = None
+            if bucket.main_grad is not None:
+                if set_to_none:
+                    self._free_main_grads(bucket)
+                else:
+                    bucket.main_grad.zero_()
 
     def _row_weights(self) -> dict[int, torch.Tensor | float]:
         """id(expert param) -> weight of each slot row in the norm (1 / replicas of its expert): [S] for

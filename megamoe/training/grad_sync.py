@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from megamoe import comms
+from megamoe.gradients import gradients, main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.sharding import get_shard_spec
@@ -83,17 +84,17 @@ class GradientSync:
     @torch.no_grad()
     def sync(self) -> None:
         state = self.state
-        _all_reduce_coalesced([p.grad for p in self.sequence_parallel_params], state.tp.group)
+        _all_reduce_coalesced(gradients(self.sequence_parallel_params), state.tp.group)
         if state.embedding is not None and self.tied_params:
-            _all_reduce_coalesced([p.grad for p in self.tied_params], state.embedding.group)
+            _all_reduce_coalesced(gradients(self.tied_params), state.embedding.group)
         if not self.data_parallel:
             # The replica sum (a sum over slots, on this rank and across EP) before the optimizer's shard
             # reduction: every replica slot then holds the same summed gradient and gets the same update.
             for layer in self.moe_layers:
                 layer.reduce_replica_grads()
             return
-        _all_reduce_coalesced([p.grad for p in self.dense_params], state.dp_cp.group, 1.0 / state.dp_cp.size)
-        _all_reduce_coalesced([p.grad for p in self.expert_params], state.edp.group, self.expert_scale)
+        _all_reduce_coalesced(gradients(self.dense_params), state.dp_cp.group, 1.0 / state.dp_cp.size)
+        _all_reduce_coalesced(gradients(self.expert_params), state.edp.group, self.expert_scale)
         for layer in self.moe_layers:
             layer.reduce_replica_grads()
 
@@ -119,9 +120,9 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
     replicas (several slots of one expert). One all-reduce over the world.
     """
     tied_ids = {id(p) for p in tied_params}
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if main_grad(p) is not None]
     # Per-tensor norms in the gradients' dtype (one fused kernel), squared and weighted in float64.
-    norms = torch._foreach_norm([p.grad for p in params]) if params else []
+    norms = torch._foreach_norm(gradients(params)) if params else []
     device = params[0].device if params else next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for param, norm in zip(params, norms):
@@ -149,7 +150,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, state, world_group, *, ti
     norm = global_grad_norm(model, state, world_group, tied_params=tied_params)
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        for grad in gradients(model.parameters()):
+            grad.mul_(scale)
     return norm

@@ -13,10 +13,12 @@ State (exact: the same shard rules as the modules):
   experts' FFN over the MoE layer's reduction group (EP x ETP for the all-gather dispatcher, ETP for
   all-to-all), norms, the router and MLA's low-rank projections replicated. The tied embedding's copy
   on the last stage when ``tie_word_embeddings`` and PP > 1.
-- gradients, as held at the optimizer step: one per parameter, of its dtype (``p.grad``); with the
-  distributed optimizer also its fp32 reduced-gradient shards (1/N of each parameter, padded), and
-  under ZeRO-2 only those (``p.grad`` is freed after the reduce-scatter; during backward the full
-  gradients exist, which the peak shows).
+- gradients, as held at the optimizer step: one per parameter, of its dtype (``p.grad``) for fp32
+  parameters, in fp32 for the others (their fp32 accumulation buffer ``p.main_grad``, 4 bytes per
+  element: :mod:`megamoe.gradients`); with the distributed optimizer also its fp32 reduced-gradient
+  shards (1/N of each parameter, padded; for non-fp32 parameters in a group of one rank, ``N = 1``, the
+  shard is the accumulation buffer itself, not counted twice), and under ZeRO-2 only those (the full
+  gradients are freed after the reduce-scatter; during backward they exist, which the peak shows).
 - optimizer state: plain AdamW: both moments in the parameter dtype and one 4-byte ``step`` tensor per
   parameter tensor (torch's fused AdamW keeps it as a tensor). Distributed optimizer
   (:mod:`megamoe.training.distributed_optimizer`): each parameter viewed as ``[rows, n]`` (rows = local
@@ -536,5 +538,13 @@ def _grad_and_optimizer_bytes(params: list[ParamTensor], *, e: int, distributed:
     opt = {flag: sum(per_element * shard_numel(p) + _ADAM_STEP_BYTES for p in params if p.expert == flag)
            for flag in (False, True)}
     grad_shards = sum(4 * shard_numel(p) for p in params)
-    grads = grad_shards + (0 if zero_stage == 2 else numel * e)   # ZeRO-2 frees p.grad after the reduce-scatter
+    if zero_stage == 2:             # ZeRO-2 frees p.grad (and the fp32 accumulation) after the reduce-scatter
+        return grad_shards, opt[False], opt[True]
+    if not master:                  # fp32: p.grad besides the shards
+        return grad_shards + numel * e, opt[False], opt[True]
+    # Non-fp32 parameters accumulate in an fp32 buffer (p.main_grad) instead of p.grad: 4 bytes per element,
+    # besides the shards, except in a group of one rank, where the buffer is the shard.
+    def is_solo(p: ParamTensor) -> bool:
+        return not distributed or (edp if p.expert else dp) == 1
+    grads = sum(4 * p.numel + (0 if is_solo(p) else 4 * shard_numel(p)) for p in params)
     return grads, opt[False], opt[True]

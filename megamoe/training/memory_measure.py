@@ -4,8 +4,9 @@ Three instruments, all counting UNIQUE STORAGES (a view and its base, or a tenso
 once; a storage counts with its whole ``nbytes``), on any device (``meta`` included: storages there
 have sizes but no data):
 
-- :func:`measure_state_bytes`: parameters, gradients (``p.grad``, plus the persistent reduced-gradient
-  shards a distributed optimizer keeps, ``optimizer.gradient_shards()``) and optimizer state (every
+- :func:`measure_state_bytes`: parameters, gradients (``p.grad``; the fp32 ``p.main_grad`` of non-fp32
+  parameters, :mod:`megamoe.gradients`; plus the persistent reduced-gradient shards a distributed optimizer
+  keeps, ``optimizer.gradient_shards()``) and optimizer state (every
   tensor in ``optimizer.state``: for torch's AdamW the moments and the step, for
   :class:`~megamoe.training.distributed_optimizer.DistributedOptimizer` this rank's shards), split into
   dense and expert (``param.expert_parallel``) parameters.
@@ -330,7 +331,9 @@ class StepMemory:
 
 
 def _grad_tensors(model: nn.Module, optimizer) -> list[torch.Tensor]:
+    # p.grad, and the fp32 main_grad views (one storage per bucket) of bf16 parameters that accumulate in fp32
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads += [g for g in (getattr(p, "main_grad", None) for p in model.parameters()) if g is not None]
     if optimizer is not None and hasattr(optimizer, "gradient_shards"):
         grads += list(optimizer.gradient_shards())
     return grads
@@ -341,8 +344,8 @@ def measure_train_step(trainer, micro_batches):
     :class:`LiveMemory` (which starts from the parameters, buffers, gradients and optimizer state alive
     before the step) and return ``(StepMemory, StepMetrics)``.
 
-    Gradient bytes are those held when the optimizer step starts (a step pre-hook): ``p.grad`` and the
-    distributed optimizer's reduced shards (ZeRO-2 has freed ``p.grad`` by then); parameters and
+    Gradient bytes are those held when the optimizer step starts (a step pre-hook): ``p.grad`` / ``p.main_grad``
+    and the distributed optimizer's reduced shards (ZeRO-2 has freed the full gradients by then); parameters and
     optimizer state are measured after the step (the state exists from the first step on)."""
     model, optimizer = trainer.model, trainer.optimizer
     at_step: dict[str, int] = {}

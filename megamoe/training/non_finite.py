@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megamoe import comms
+from megamoe.gradients import main_grad
 from megamoe.precision import has_non_finite
 
 __all__ = ["NonFiniteTrainingError", "locate_non_finite"]
@@ -37,7 +38,7 @@ def _first_non_finite_value(model: nn.Module) -> str | None:
 
 
 def _last_non_finite_gradient(model: nn.Module, gradients=None) -> str | None:
-    named = gradients() if gradients is not None else [(n, p.grad) for n, p in model.named_parameters()]
+    named = gradients() if gradients is not None else [(n, main_grad(p)) for n, p in model.named_parameters()]
     bad = [name for name, g in named if g is not None and has_non_finite(g)]
     return bad[-1] if bad else None
 
@@ -84,7 +85,8 @@ def locate_non_finite(model: nn.Module, state, world_group, *, loss_finite: bool
     """What went non-finite first, in words naming the parameter or module and the rank (see the module
     docstring). Collective over ``world_group``: every rank calls it, with the same ``loss_finite``.
     ``gradients``: returns the (parameter name, reduced gradient) pairs to search, in registration order,
-    where they are not ``p.grad`` (the distributed optimizer's shards); default: every ``p.grad``."""
+    where they are not the parameters' own (the distributed optimizer's shards); default: every parameter's
+    :func:`~megamoe.gradients.main_grad` (``p.grad``, or the fp32 ``p.main_grad`` of a bf16 parameter)."""
     values = _gathered(_first_non_finite_value(model), world_group)
     if values:
         rank, name = values[0]

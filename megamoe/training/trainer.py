@@ -29,7 +29,9 @@ unless ``TrainConfig.distributed_optimizer``: then :class:`~megamoe.training.dis
 shards the Adam moments over DP x CP (dense) and expert-DP (experts), the gradient sync leaves the DP
 reductions to its reduce-scatter, the norm and clipping run on its gradient shards, and its step all-gathers
 the parameters (``zero_stage=2``: the full gradients are freed after the reduce-scatter). Non-fp32 (bf16)
-parameters always get that class, unsharded without ``distributed_optimizer``, for its fp32 master weights.
+parameters always get that class, unsharded without ``distributed_optimizer``, for its fp32 master weights
+and fp32 gradient accumulation over micro-batches (their gradients live in ``p.main_grad``, read through
+:func:`megamoe.gradients.main_grad`).
 
 Online expert rebalancing (``TrainConfig.eplb``, :mod:`megamoe.moe.eplb`): after the optimizer step and
 the expert-bias update, each finite step's expert loads go into a window on the device (no collective, no
@@ -74,6 +76,7 @@ import torch
 
 from megamoe import comms
 from megamoe.data.packing import MicroBatch
+from megamoe.gradients import gradients
 from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import expert_token_replicas
@@ -309,7 +312,7 @@ class Trainer:
         loss, aux_loss, layer_aux_losses = self._global_losses(
             losses, aux_total, layer_aux.totals(model.config.num_layers, self.device), num_mb, scale or 1.0)
         grads = (self.optimizer.gradient_shards() if self.distributed
-                 else [p.grad for p in model.parameters() if p.grad is not None])
+                 else gradients(model.parameters()))
         if scale is not None and grads:
             torch._foreach_mul_(grads, 1.0 / scale)     # unscaled before the norm and clipping
         if self.distributed:
