@@ -7,8 +7,11 @@ pipeline split, the TP size and the expert placement.
 Parallel layout of the MoE layers (checked at construction): the all-gather dispatcher runs inside
 the TP group (``ep * etp`` divides ``tp``): tokens are replicated over TP after attention, so one
 all-reduce per MoE layer replaces the dense MLP's (with ``ep * etp < tp`` the expert group's work is
-replicated over the rest of the TP group). The all-to-all dispatcher needs ``etp == tp``: ETP ranks
-share their tokens, and EP then spans data-parallel ranks, which hold different tokens. The all-gather
+replicated over the rest of the TP group). The all-to-all dispatcher takes any ``etp`` dividing
+``tp``: with ``etp == tp`` ETP ranks share their tokens, and EP then spans data-parallel ranks, which
+hold different tokens; with ``etp < tp`` (MoE parallel folding, :mod:`megamoe.models.moe_folding`)
+each TP rank dispatches a disjoint share of the replicated tokens (split on entry to the MoE layer,
+all-gathered on exit), so no token is computed twice. The all-gather
 dispatcher with ``input_sharded`` gathers the tokens of the whole EP x ETP group, which must then
 span data-parallel ranks only (no two of its ranks in one TP group): data-parallel attention, each
 DP rank running attention on its own tokens, in any number. Under sequence parallelism
@@ -44,6 +47,7 @@ from megamoe import comms
 from megamoe.host_values import host_ints
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.layer_spec import LayerSpec
+from megamoe.models.moe_folding import folding_group
 from megamoe.models.sequence_parallel import check_sequence_length, sequence_parallel_group
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
@@ -64,7 +68,7 @@ _FEW_ROWS = 16  # logits of at most this many rows (decoding) take the weight-ma
 
 def default_etp(tp: int, dispatcher: str | None, etp: int | None = None) -> int:
     """The expert-TP size of a layout: ``etp`` when given, else what ``dispatcher`` runs with by
-    default: ``tp`` for all-to-all (which needs etp == tp), 1 for all-gather (EP inside the TP group)."""
+    default: ``tp`` for all-to-all (etp < tp folds the MoE layers), 1 for all-gather (EP inside the TP group)."""
     if etp is not None:
         return etp
     return tp if dispatcher == "alltoall" else 1
@@ -86,9 +90,10 @@ def check_moe_layout(config: GPTMoEConfig, state) -> None:
     elif config.moe.dispatcher == "allgather" and tp % (ep * etp):
         raise ValueError(f"the all-gather dispatcher runs inside the TP group: ep * etp must divide tp, got "
                          f"ep={ep} etp={etp} tp={tp}; use dispatcher='alltoall' (with etp == tp) or change the layout")
-    if config.moe.dispatcher == "alltoall" and etp != tp:
-        raise ValueError(f"the all-to-all dispatcher needs etp == tp (ETP ranks share tokens), got etp={etp} "
-                         f"tp={tp}; set etp={tp} or use dispatcher='allgather' with ep*etp dividing tp")
+    if config.moe.dispatcher == "alltoall" and tp % etp:
+        raise ValueError(f"the all-to-all dispatcher needs etp dividing tp (etp == tp: ETP ranks share tokens; "
+                         f"etp < tp: each TP rank dispatches its own share, see megamoe.models.moe_folding), got "
+                         f"etp={etp} tp={tp}; set etp to a divisor of {tp}")
 
 
 def check_moe_layout_on_grid(config: GPTMoEConfig, grid) -> None:
@@ -106,7 +111,9 @@ def expert_token_replicas(config: GPTMoEConfig, state) -> int:
     """How many ranks of an expert-DP group compute the SAME tokens with the same expert shards:
     tp / (ep * etp) for the all-gather dispatcher (TP ranks outside the expert group hold the same
     tokens), tp with sharded input (each TP rank gathers the same tokens in its own expert group), 1
-    for all-to-all, and 1 under sequence parallelism (every rank routes its own tokens). The expert
+    for all-to-all (with etp < tp each TP rank dispatches a disjoint share:
+    :mod:`megamoe.models.moe_folding`), and 1 under sequence parallelism (every rank routes its own
+    tokens). The expert
     gradient reduction divides by it."""
     if config.moe is None or config.moe.dispatcher == "alltoall" or sequence_parallel_group(config, state) is not None:
         return 1
@@ -135,6 +142,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         if config.is_moe_layer(layer_id):
             extra = {"sequence_group": sequence_group} if sp else {}
+            fold = folding_group(config, state)
+            if fold is not None:            # MoE parallel folding: each TP rank takes its own share
+                extra["fold_group"] = fold
             self.mlp = spec.build_moe(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
                                       expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
                                       placement=placement, **extra, **factory)

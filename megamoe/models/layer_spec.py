@@ -24,6 +24,8 @@ callable with that class's constructor signature, called once per decoder layer 
 Under sequence parallelism (``GPTMoEConfig.sequence_parallel`` with TP > 1) attention and mlp also
 receive ``sequence_parallel=True`` (their input and output are this rank's sequence chunk
 [B, S / tp, H]) and moe ``sequence_group=`` the TP group; without it they receive neither keyword.
+Under MoE parallel folding (all-to-all dispatcher, etp < tp, no sequence parallelism;
+:mod:`megamoe.models.moe_folding`) moe receives ``fold_group=`` the TP group.
 
 A part's parameters are saved under their module names (``layers.<i>.mlp.<name>``); a parameter a
 rank holds only a piece of must carry its sharding (:func:`megamoe.sharding.shard_parameter`). The

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from torch.distributed import ProcessGroup
 
+from megamoe.models.moe_folding import folding_group
+
 __all__ = ["sequence_parallel_group", "check_sequence_length", "counts_own_tokens", "stage_hidden_shape"]
 
 
@@ -54,9 +56,12 @@ def check_sequence_length(seq_len: int, tp: int) -> None:
 
 def counts_own_tokens(model, state) -> bool:
     """Whether this rank's expert-load counters hold tokens no other TP rank counts: every rank under
-    sequence parallelism (each routes its own chunk), TP rank 0 otherwise (TP ranks route the same
+    sequence parallelism (each routes its own chunk) and under MoE parallel folding (each dispatches
+    its own share: :mod:`megamoe.models.moe_folding`), TP rank 0 otherwise (TP ranks route the same
     tokens)."""
-    return state.tp.rank == 0 or sequence_parallel_group(getattr(model, "config", None), state) is not None
+    config = getattr(model, "config", None)
+    return (state.tp.rank == 0 or sequence_parallel_group(config, state) is not None
+            or folding_group(config, state) is not None)
 
 
 def stage_hidden_shape(model, state, batch: int, seq_len: int) -> tuple[int, int, int]:

@@ -122,6 +122,14 @@ class MoELayer(nn.Module):
             the shared-expert gate, and the shared experts unless they are sharded over a group that
             holds the whole TP group's tokens) are tagged ``sequence_parallel``: their gradients are
             summed over TP by the gradient sync.
+        fold_group: MoE parallel folding (all-to-all dispatcher, etp < tp, no sequence parallelism;
+            :mod:`megamoe.models.moe_folding`): the TP group, whose ranks hold the SAME tokens. Each
+            rank then takes a DISJOINT share of them on entry (the chunk of the sequence dim sequence
+            parallelism would hold; backward: all-gather), runs as with ``sequence_group`` = this
+            group on that share, and all-gathers its output over the group on exit (backward: keeps
+            its share of the gradient). The shares partition the tokens, so no token reaches an
+            expert twice. Calls whose token count tp does not divide run replicated without
+            gradients and raise ValueError with them. Excludes ``sequence_group``.
 
     ``forward(hidden [..., H]) -> (output [..., H], aux_loss [])``; a 3-D input is [batch, seq, H]
     (the sequence-level aux loss uses the batch dim).
@@ -130,11 +138,22 @@ class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, *, ep_group: ProcessGroup | None = None,
                  etp_group: ProcessGroup | None = None, expert_group: ProcessGroup | None = None,
                  etp_edp_group: ProcessGroup | None = None, placement: ExpertPlacement | None = None,
-                 sequence_group: ProcessGroup | None = None, device=None, dtype=None):
+                 sequence_group: ProcessGroup | None = None, fold_group: ProcessGroup | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.config = config
         self.ep_group, self.etp_group, self.expert_group = ep_group, etp_group, expert_group
         self.etp_edp_group = etp_edp_group
+        self.fold_group = fold_group if comms.group_size(fold_group) > 1 else None
+        if self.fold_group is not None and comms.group_size(sequence_group) > 1:
+            raise ValueError("MoELayer: fold_group (MoE parallel folding) and sequence_group (sequence "
+                             "parallelism) exclude each other: under sequence parallelism tokens are already split")
+        if self.fold_group is not None and config.dispatcher != "alltoall":
+            raise ValueError(f"MoELayer: fold_group applies to dispatcher='alltoall' only, got {config.dispatcher!r}")
+        # Under folding each rank routes its own share, exactly as under sequence parallelism: the
+        # same group plays the role of the sequence group (router losses, tags, sharded dispatch).
+        if self.fold_group is not None:
+            sequence_group = self.fold_group
         self.sequence_group = sequence_group if comms.group_size(sequence_group) > 1 else None
         self.ep_size, self.ep_rank = comms.group_size(ep_group), comms.group_rank(ep_group)
         self.etp_size, self.etp_rank = comms.group_size(etp_group), comms.group_rank(etp_group)
@@ -346,6 +365,30 @@ class MoELayer(nn.Module):
         """``hidden`` [B, S, H] or [T, H] -> (output of the same shape, aux_loss []).
         ``token_mask`` [T] (True: a real token): the other tokens (padding) reach no expert and are not
         counted in the load; their output is unspecified (their routing still enters the aux loss)."""
+        if self.fold_group is not None:
+            return self._folded_forward(hidden, token_mask)
+        return self._forward(hidden, token_mask)
+
+    def _folded_forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None):
+        """MoE parallel folding (``fold_group``): this rank's disjoint share in, everyone's out."""
+        shares, rank = comms.group_size(self.fold_group), comms.group_rank(self.fold_group)
+        dim = 1 if hidden.dim() == 3 else 0           # [B, S, H]: the sequence dim, as under SP
+        if hidden.shape[dim] % shares:
+            if torch.is_grad_enabled():
+                raise ValueError(f"MoE parallel folding splits the tokens over the TP group: the "
+                                 f"{'sequence length' if dim else 'token count'} {hidden.shape[dim]} must be "
+                                 f"divisible by tp={shares} when training")
+            # No gradients (decoding, padded inference): every rank computes all its tokens, which is
+            # correct (each gets its own copy back); TP rank 0 alone counts them.
+            return self._forward(hidden, token_mask, count_load=rank == 0)
+        share = comms.scatter_to_sequence_parallel_region(hidden, self.fold_group, dim=dim)
+        if token_mask is not None:
+            token_mask = token_mask.reshape(hidden.shape[:-1]).chunk(shares, dim=dim)[rank].reshape(-1)
+        output, aux_loss = self._forward(share, token_mask)
+        # The gradient of the output is the same on every TP rank: each keeps its own share's rows.
+        return comms.gather_from_sequence_parallel_region(output, self.fold_group, reduce_grad=False, dim=dim), aux_loss
+
+    def _forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None, count_load: bool = True):
         shape = hidden.shape
         num_sequences = shape[0] if hidden.dim() == 3 else 1
         x = hidden.reshape(-1, shape[-1])                                   # [T, H]
@@ -357,7 +400,7 @@ class MoELayer(nn.Module):
             padding = ~token_mask.reshape(-1, 1)
             slot_ids = slot_ids.masked_fill(padding, -1)
             counted_expert_ids = counted_expert_ids.masked_fill(padding, -1)
-        if not is_recomputing():                 # activation recomputation re-runs this forward: count once
+        if count_load and not is_recomputing():  # activation recomputation re-runs this forward: count once
             with torch.no_grad():
                 self.load_counter.record(counted_expert_ids, slot_ids)
         if self._computes_per_pair(slot_ids):                               # compiled decoding
