@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "data-parallel ranks when tp > 1")
     g.add_argument("--dispatcher", choices=DISPATCHERS, default=None,
                    help="MoE token dispatcher (default: the checkpoint's if it fits the layout, else the one that "
-                        "does). alltoall: needs etp == tp; allgather: EP inside the TP group, or over "
-                        "data-parallel ranks with --data-parallel-attention")
+                        "does). alltoall: etp dividing tp (etp < tp: MoE parallel folding); allgather: EP "
+                        "inside the TP group, or over data-parallel ranks with --data-parallel-attention")
     g.add_argument("--num-expert-slots", type=int, default=None,
                    help="expert slots per MoE layer (>= experts, multiple of ep; default: the checkpoint's); extra "
                         "slots replicate experts. The saved placement is used when it fits, else the default one")

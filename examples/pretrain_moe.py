@@ -5,6 +5,7 @@ Python standard library's own source files. Launch with torchrun, e.g. on 4 CPU 
 
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --pp 2 --ep 2 --dispatcher alltoall
+    torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --etp 1 --ep 4 --dispatcher alltoall
 
 Real runs: --data (text, JSON Lines, Parquet, token files, Megatron datasets; blended by --data-weights),
 --hf-model (start from a HuggingFace model) or --model-config (a model of that shape from scratch),
@@ -94,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--etp", type=int, default=None,
                    help="expert tensor-parallel size; default: tp for alltoall, 1 for allgather")
     g.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
-                   help="alltoall: EP over data-parallel ranks (needs etp == tp); allgather: EP inside the TP "
-                        "group (ep * etp divides tp), one all-reduce per MoE layer")
+                   help="alltoall: EP over data-parallel ranks, etp dividing tp (etp < tp: MoE parallel "
+                        "folding, each TP rank dispatches its own share of the tokens, e.g. --tp 2 --etp 1 "
+                        "--ep 4); allgather: EP inside the TP group (ep * etp divides tp), one all-reduce per "
+                        "MoE layer")
     g.add_argument("--expert-backend", choices=("auto", "torch", "loop", "te"), default="auto",
                    help="grouped-GEMM experts implementation")
     g.add_argument("--num-expert-slots", type=int, default=None,

@@ -327,7 +327,7 @@ def test_bad_layouts_and_options_fail_cleanly(hf_models, tmp_path, capsys):
     cases = [
         (["--tp", 3, "--pp", 1, "--ep", 1], "impossible for this model.*3"),                  # 4 heads
         (["--tp", 1, "--pp", 4, "--ep", 1], "impossible for this model"),                      # 3 layers
-        (["--tp", 2, "--pp", 1, "--ep", 2, "--etp", 1], "etp == tp"),                         # alltoall
+        (["--tp", 2, "--pp", 1, "--ep", 1, "--etp", 4], "etp dividing tp.*etp=4 tp=2"),      # alltoall
         (["--tp", 1, "--pp", 1, "--ep", 3], "cannot be divided evenly over EP 3"),
         (["--tp", 1, "--pp", 1, "--ep", 1, "--num-expert-slots", 6], "num_expert_slots"),      # < 8 experts
         (["--tp", 1, "--pp", 1, "--ep", 1, "--expert-load", tmp_path / "nope.json"], "expert-load file"),

@@ -235,3 +235,11 @@ def test_layout_check_allows_etp_dividing_tp():
         check_moe_layout(cfg, _view(4, 1, 3))
     assert uses_folding(cfg, 2, 1) and not uses_folding(cfg, 2, 2)
     assert not uses_folding(dataclasses.replace(cfg, sequence_parallel=True), 2, 1)
+
+
+def test_script_accepts_folding_and_refuses_etp_not_dividing_tp(demo, tmp_path):
+    base = ["--work-dir", str(tmp_path / "work"), "--save-dir", str(tmp_path / "ckpt"), "--dispatcher", "alltoall"]
+    demo.check_arguments(demo.parse_args([*base, "--tp", "2", "--etp", "1", "--ep", "4"]), world_size=4)
+    demo.check_arguments(demo.parse_args([*base, "--tp", "2", "--etp", "1", "--ep", "2"]), world_size=4)
+    with pytest.raises(demo.UsageError, match=r"etp dividing tp.*etp=4 tp=2"):
+        demo.check_arguments(demo.parse_args([*base, "--tp", "2", "--etp", "4", "--ep", "1"]), world_size=4)

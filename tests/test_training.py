@@ -125,8 +125,8 @@ def test_layout_errors_name_the_fix():
     from parallel_state import ParallelState
     from dataclasses import replace
     state = ParallelState.single_process()
-    fake_tp2 = replace(state, tp=replace(state.tp, size=2, ranks=(0, 1)))
-    with pytest.raises(ValueError, match="etp == tp"):
+    fake_tp2 = replace(state, tp=replace(state.tp, size=2, ranks=(0, 1)), etp=replace(state.etp, size=4, ranks=(0, 1, 2, 3)))
+    with pytest.raises(ValueError, match="etp dividing tp.*etp=4 tp=2"):
         GPTMoEModel(tiny_config("alltoall"), fake_tp2)
 
 
