@@ -7,7 +7,7 @@ from math import prod
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megamoe.testing import run_on_ranks
@@ -57,8 +57,24 @@ def _coords(rank, sizes_by_token, tokens):
     return coords
 
 
+# MoE parallel folding (the expert grid independent of the dense one: etp < tp, EP spanning TP ranks),
+# always checked besides the drawn layouts.
+FOLDING_LAYOUTS = [
+    (4, dict(tp=2, pp=1, ep=4, etp=1, cp=1, order="tp-cp-ep-dp-pp")),
+    (4, dict(tp=2, pp=1, ep=2, etp=1, cp=1, order="tp-cp-ep-dp-pp")),
+    (16, dict(tp=4, pp=2, ep=4, etp=2, cp=1, order="tp-cp-ep-dp-pp")),
+    (16, dict(tp=2, pp=1, ep=8, etp=1, cp=2, order="tp-cp-ep-dp-pp")),
+    (24, dict(tp=6, pp=4, ep=3, etp=2, cp=1, order="tp-ep-dp-pp")),
+]
+
+
 @settings(max_examples=150, deadline=None)
 @given(layouts())
+@example(FOLDING_LAYOUTS[0])
+@example(FOLDING_LAYOUTS[1])
+@example(FOLDING_LAYOUTS[2])
+@example(FOLDING_LAYOUTS[3])
+@example(FOLDING_LAYOUTS[4])
 def test_groups_partition_ranks_along_the_grid(layout):
     world, kw = layout
     tokens = kw["order"].split("-")
@@ -121,6 +137,25 @@ def test_world16_tp2_pp4_matches_megatron_docstring():
     assert g.embedding == ((0, 12), (1, 13), (2, 14), (3, 15))
     assert g.groups_of(5)["embedding"] is None  # a middle stage
     assert g.groups_of(13)["embedding"] == (1, 13)
+
+
+def test_folding_expert_groups_match_megatron_rank_generator_tables():
+    """Megatron-Core's published group tables (as data), for the expert grid of a folding layout.
+
+    The docstring of Megatron-Core's ``generate_masked_orthogonal_rank_groups`` (megatron/core/parallel_state.py,
+    which ``RankGenerator.get_ranks`` calls) works the example parallel_size [2, 3, 4] with the second
+    dim masked: group 0 = [0, 2, 4], group 1 = [1, 3, 5], ..., group 7 = [19, 21, 23]. Its expert
+    ``RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order)`` with order "tp-ep-dp-pp", etp 2, ep 3,
+    edp 1, pp 4 has those sizes, so its EP groups are that table, while the dense grid has tp 6.
+    The same docstring's 8-rank example ('tp-pp-dp', sizes 2-2-2) gives dp groups [[0, 4], [1, 5],
+    [2, 6], [3, 7]]."""
+    g = compute_rank_groups(24, tp=6, pp=4, ep=3, etp=2, order="tp-ep-dp-pp")
+    assert g.ep[0] == (0, 2, 4) and g.ep[1] == (1, 3, 5) and g.ep[7] == (19, 21, 23)
+    assert len(g.ep) == 8
+    assert g.etp[0] == (0, 1) and g.tp[0] == tuple(range(6))           # etp 2 folds inside tp 6
+    assert g.pp[0] == (0, 6, 12, 18)
+    g = compute_rank_groups(8, tp=2, pp=2, etp=2, order="tp-pp-dp")
+    assert g.dp == g.edp == ((0, 4), (1, 5), (2, 6), (3, 7))
 
 
 def test_context_parallel_groups():

@@ -58,7 +58,7 @@ def config(attention, dispatcher: str, *, shared: bool = True, moe_layers=(1,), 
 
 
 # name -> (config(sp), (ep, etp) with SP, (ep, etp) of the oracle without SP). All-to-all with EP over
-# the TP ranks (etp 1) exists only with SP (TP ranks then hold different tokens): its oracle is etp 2.
+# the TP ranks (etp 1) folds without SP (tests/test_moe_folding.py, oracle the single rank); here its oracle is etp 2.
 CASES = {
     "gqa_allgather_ep2": (lambda sp: config(gqa(), "allgather", sp=sp), (2, 1), (2, 1)),
     "gqa_alltoall_ep2": (lambda sp: config(gqa(), "alltoall", sp=sp, shared=False), (2, 1), (1, 2)),
