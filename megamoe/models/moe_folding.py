@@ -23,10 +23,12 @@ data), so each (token, expert) pair reaches exactly one slot on one EP rank, spl
 Hence :func:`megamoe.models.gpt_moe.expert_token_replicas` is 1 and every rank counts its own
 tokens' expert loads (:func:`megamoe.models.sequence_parallel.counts_own_tokens`).
 
-Token counts not divisible by tp (decoding one token at a time, padded inference with a flat [T, H]
-input): a call WITHOUT gradients falls back to every TP rank computing all its tokens (correct, as
-each rank gets its own copy back; ``tp / etp`` times the expert compute on these small calls; TP
-rank 0 alone counts the load). A call WITH gradients (training) raises ValueError naming both
+Calls without gradients (generation with a KV cache, decoding one token at a time, padded
+inference, evaluation) are not split: every TP rank computes all its tokens, which is correct for
+any token count (each rank gets its own copy back, so greedy generation is token-equal to one rank)
+at ``tp / etp`` times the expert compute, and TP rank 0 alone counts the expert load, the
+convention every inference tool reads (``generate``'s rebalancer, ``gather_expert_load``). A call
+WITH gradients (training) whose token count tp does not divide raises ValueError naming both
 numbers: the sequence length must be divisible by tp, as under sequence parallelism.
 """
 

@@ -128,8 +128,9 @@ class MoELayer(nn.Module):
             parallelism would hold; backward: all-gather), runs as with ``sequence_group`` = this
             group on that share, and all-gathers its output over the group on exit (backward: keeps
             its share of the gradient). The shares partition the tokens, so no token reaches an
-            expert twice. Calls whose token count tp does not divide run replicated without
-            gradients and raise ValueError with them. Excludes ``sequence_group``.
+            expert twice. Calls without gradients (generation, evaluation) run replicated, any token
+            count, TP rank 0 counting the load; with gradients, a token count tp does not divide
+            raises ValueError. Excludes ``sequence_group``.
 
     ``forward(hidden [..., H]) -> (output [..., H], aux_loss [])``; a 3-D input is [batch, seq, H]
     (the sequence-level aux loss uses the batch dim).
@@ -373,14 +374,15 @@ class MoELayer(nn.Module):
         """MoE parallel folding (``fold_group``): this rank's disjoint share in, everyone's out."""
         shares, rank = comms.group_size(self.fold_group), comms.group_rank(self.fold_group)
         dim = 1 if hidden.dim() == 3 else 0           # [B, S, H]: the sequence dim, as under SP
-        if hidden.shape[dim] % shares:
-            if torch.is_grad_enabled():
-                raise ValueError(f"MoE parallel folding splits the tokens over the TP group: the "
-                                 f"{'sequence length' if dim else 'token count'} {hidden.shape[dim]} must be "
-                                 f"divisible by tp={shares} when training")
-            # No gradients (decoding, padded inference): every rank computes all its tokens, which is
-            # correct (each gets its own copy back); TP rank 0 alone counts them.
+        if not torch.is_grad_enabled():
+            # No gradients (generation, evaluation): every TP rank computes all its tokens, which is
+            # correct for any token count (each gets its own copy back), and TP rank 0 alone counts
+            # them, as every inference tool expects (see megamoe.models.moe_folding).
             return self._forward(hidden, token_mask, count_load=rank == 0)
+        if hidden.shape[dim] % shares:
+            raise ValueError(f"MoE parallel folding splits the tokens over the TP group: the "
+                             f"{'sequence length' if dim else 'token count'} {hidden.shape[dim]} must be "
+                             f"divisible by tp={shares} when training")
         share = comms.scatter_to_sequence_parallel_region(hidden, self.fold_group, dim=dim)
         if token_mask is not None:
             token_mask = token_mask.reshape(hidden.shape[:-1]).chunk(shares, dim=dim)[rank].reshape(-1)
