@@ -29,6 +29,7 @@ from megamoe.testing import run_on_ranks
 from megamoe.training.grad_sync import GradientSync
 from megamoe.transformer import AttentionConfig, RopeConfig
 from megamoe.transformer.mlp import MLPConfig
+from megamoe.transformer.recompute import RecomputeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,7 +45,12 @@ LAYOUTS = {
 }
 
 
-def config(sp: bool = False) -> GPTMoEConfig:
+# Also checked: selective recomputation of the (folded) MoE layers; and a pipeline (training curve only).
+RECOMPUTE_LAYOUT = "tp2_etp1_ep4_recompute_moe"
+TRAIN_ONLY = {"pp2_tp2_etp1_ep2": (dict(tp=2, ep=2, etp=1, pp=2), False)}
+
+
+def config(sp: bool = False, recompute: bool = False) -> GPTMoEConfig:
     router = RouterConfig(hidden_size=H, num_experts=E, top_k=K, norm_topk_prob=True, aux_loss_coeff=0.01,
                           seq_aux_loss_coeff=0.01, z_loss_coeff=0.001)
     attention = AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -53,7 +59,8 @@ def config(sp: bool = False) -> GPTMoEConfig:
         family="custom", vocab_size=V, hidden_size=H, num_layers=2, attention=attention,
         moe=MoEConfig(router=router, ffn_hidden_size=16, dispatcher="alltoall", expert_backend="torch",
                       shared_experts=SharedExpertsConfig(hidden_size=H, ffn_hidden_size=16, gate=True)),
-        moe_layer_ids=(0, 1), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=32), sequence_parallel=sp)
+        moe_layer_ids=(0, 1), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=32), sequence_parallel=sp,
+        recompute=RecomputeConfig("selective", ("moe",)) if recompute else RecomputeConfig())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,9 +108,9 @@ def _equivalence(data):
     oracle = _run(oracle_model, state, inputs, labels)
     destroy_model_parallel()
     out = {}
-    for name, (layout, sp) in LAYOUTS.items():
+    for name, (layout, sp) in {**LAYOUTS, RECOMPUTE_LAYOUT: LAYOUTS["tp2_etp1_ep4"]}.items():
         state = initialize_model_parallel(**layout)
-        model = GPTMoEModel(config(sp), state)
+        model = GPTMoEModel(config(sp, recompute=name == RECOMPUTE_LAYOUT), state)
         initialize_parameters(model, seed=0)
         folded = [uses_folding(model.config, state.tp.size, state.etp.size),
                   all(layer.fold_group is not None for layer in model.moe_layers().values())]
@@ -163,7 +170,7 @@ def _training():
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, V, (GLOBAL_BATCH, SEQ + 1), generator=g)
     curves = {}
-    for name, (layout, sp) in {"oracle": ({}, False), **LAYOUTS}.items():
+    for name, (layout, sp) in {"oracle": ({}, False), **LAYOUTS, **TRAIN_ONLY}.items():
         state = initialize_model_parallel(**layout)
         per_rank = GLOBAL_BATCH // state.dp_cp.size
         mine = ids[state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
@@ -194,7 +201,7 @@ def four_ranks():
 @pytest.mark.slow
 def test_folding_matches_single_rank(four_ranks):
     result = four_ranks["equivalence"]
-    for name, (_, sp) in LAYOUTS.items():
+    for name, (_, sp) in {**LAYOUTS, RECOMPUTE_LAYOUT: LAYOUTS["tp2_etp1_ep4"]}.items():
         case = result[name]
         assert case["folded"] == [not sp, not sp], (name, case["folded"])
         assert case["logits"] <= REL_TOL and case["loss"] <= REL_TOL, (name, case["logits"], case["loss"])
@@ -211,7 +218,7 @@ def test_folding_matches_single_rank(four_ranks):
 def test_folding_training_curve(four_ranks):
     curves = four_ranks["training"]
     oracle = curves["oracle"]
-    for name in LAYOUTS:
+    for name in {**LAYOUTS, **TRAIN_ONLY}:
         for step, ((loss, aux, loads), (o_loss, o_aux, o_loads)) in enumerate(zip(curves[name], oracle)):
             assert abs(loss - o_loss) <= CURVE_REL_TOL * abs(o_loss), (name, step, loss, o_loss)
             assert abs(aux - o_aux) <= CURVE_REL_TOL * abs(o_aux), (name, step, aux, o_aux)
