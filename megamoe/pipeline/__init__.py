@@ -4,8 +4,11 @@ from megamoe.pipeline.p2p import StageP2P
 from megamoe.pipeline.partition import partition_layers
 from megamoe.pipeline.schedule import (ForwardStep, forward_backward, forward_backward_1f1b,
                                        forward_backward_no_pipelining)
+from megamoe.pipeline.schedule_simulation import (PipelineOp, PipelineSimulation, TimedOp, interleaved_1f1b_order,
+                                                  one_f_one_b_order, simulate_pipeline)
 
 __all__ = [
-    "ForwardStep", "StageP2P", "forward_backward", "forward_backward_1f1b", "forward_backward_no_pipelining",
-    "partition_layers",
+    "ForwardStep", "PipelineOp", "PipelineSimulation", "StageP2P", "TimedOp", "forward_backward",
+    "forward_backward_1f1b", "forward_backward_no_pipelining", "interleaved_1f1b_order", "one_f_one_b_order",
+    "partition_layers", "simulate_pipeline",
 ]
