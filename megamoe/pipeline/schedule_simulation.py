@@ -115,9 +115,9 @@ def interleaved_1f1b_order(pp: int, rank: int, num_micro_batches: int, virtual_s
     * pp, m * V)`` forwards; then steady steps of one forward and one backward; then the remaining
     backwards. The ``k``-th forward is micro-batch ``(k // (pp V)) * pp + k % pp`` on chunk ``(k % (pp V))
     // pp``; the ``k``-th backward the same micro-batch on chunk ``V - 1 -`` that. Requires ``m % pp ==
-    0`` (ValueError otherwise). ``V = 1`` gives back a valid 1F1B order whose warm-up is one forward longer
-    than megamoe's (Megatron's interleaved code path is never used with V = 1; use
-    :func:`one_f_one_b_order`).
+    0`` (ValueError otherwise). With ``V = 1`` this is a valid 1F1B order, but its warm-up (``2 (pp - rank - 1)``)
+    is longer than megamoe's; Megatron never takes its interleaved path with V = 1, and neither does
+    :func:`simulate_pipeline` (it uses :func:`one_f_one_b_order`).
     """
     _check_rank(pp, rank)
     _check_int("num_micro_batches", num_micro_batches, 1)
@@ -234,7 +234,7 @@ def simulate_pipeline(pp: int, num_micro_batches: int, virtual_stages: int = 1, 
             raise AssertionError(f"pipeline schedule deadlocks at positions {position}")
 
     makespan = max(free)
-    busy = tuple(sum(t.end - t.start for t in line) for line in timelines)
+    busy = tuple(sum(duration[t.op.kind] for t in line) for line in timelines)
     ideal = m * (forward_time + backward_time)
     fractions = tuple(1.0 - b / makespan for b in busy)
     return PipelineSimulation(
