@@ -81,7 +81,7 @@ def test_1f1b_order_small_case_spelled_out():
     assert one_f_one_b_order(4, 0, 2) == [f(0), f(1), b(0), b(1)]   # warm-up capped at m
 
 
-@pytest.mark.parametrize("pp, m, v", [(2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 4), (1, 3, 2)])
+@pytest.mark.parametrize("pp, m, v", [(2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 4), (1, 3, 2), (2, 6, 2)])
 def test_interleaved_order_follows_megatron_mapping(pp, m, v):
     for rank in range(pp):
         ops = interleaved_1f1b_order(pp, rank, m, v)
@@ -98,7 +98,7 @@ def test_interleaved_order_follows_megatron_mapping(pp, m, v):
         for k, op in enumerate(backwards):
             assert op == PipelineOp("B", (k // group_size) * pp + k % pp, v - 1 - (k % group_size) // pp)
         # Warm-up: the forwards before the first backward.
-        warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+        warmup = m * v if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
         first_backward = ops.index(backwards[0])
         assert first_backward == warmup + (1 if warmup < m * v else 0)
         # Then strictly alternating F, B until the forwards run out.

@@ -112,7 +112,7 @@ def interleaved_1f1b_order(pp: int, rank: int, num_micro_batches: int, virtual_s
     model chunks per rank.
 
     The rank runs ``m * V`` forwards and as many backwards. Warm-up: ``min((pp - rank - 1) * 2 + (V - 1)
-    * pp, m * V)`` forwards; then steady steps of one forward and one backward; then the remaining
+    * pp, m * V)`` forwards (all ``m * V`` when ``m == pp``, as Megatron-Core does); then steady steps of one forward and one backward; then the remaining
     backwards. The ``k``-th forward is micro-batch ``(k // (pp V)) * pp + k % pp`` on chunk ``(k % (pp V))
     // pp``; the ``k``-th backward the same micro-batch on chunk ``V - 1 -`` that. Requires ``m % pp ==
     0`` (ValueError otherwise). With ``V = 1`` this is a valid 1F1B order, but its warm-up (``2 (pp - rank - 1)``)
@@ -127,7 +127,8 @@ def interleaved_1f1b_order(pp: int, rank: int, num_micro_batches: int, virtual_s
         raise ValueError(f"interleaved 1F1B needs num_micro_batches (m={m}) divisible by the pipeline size "
                          f"(pp={pp})")
     total = m * v
-    num_warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    # With exactly one group of micro-batches Megatron-Core runs every forward first (all warm-up).
+    num_warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
     ops = [_interleaved_op(k, pp, v, True) for k in range(num_warmup)]
     for step in range(total - num_warmup):
         ops.append(_interleaved_op(num_warmup + step, pp, v, True))
