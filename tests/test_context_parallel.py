@@ -3,7 +3,8 @@ load-balanced chunks, attention over all of it by all-gathering K / V (GQA) or t
 (MLA). The oracle is the single-rank model with the same seeded weights (the 4 ranks run it on the same
 batch). One spawn of 4 ranks checks, for GQA and MLA each under (cp 2, dp 2), (cp 2, tp 2) and
 (cp 2, ep 2, all-to-all), and for GQA under (cp 2, tp 2, sequence parallel, ep 2, all-gather) and
-(cp 2, dp 2) with packed documents: the gathered logits, the loss, the aux loss (switch, sequence and
+(cp 2, dp 2) with packed documents, and with recomputation (full layers under (cp 2, tp 2), MLA's up
+projections under (cp 2, ep 2)): the gathered logits, the loss, the aux loss (switch, sequence and
 z-loss, shared expert with its gate) and every parameter's synced gradient (experts assembled per
 expert) within fp32 tolerance, that every token is routed once and the bytes the CP all-gather moves;
 the 10-step training loss curve (rel <= 1e-5), the expert loads and the held-out loss of each layout
@@ -28,6 +29,7 @@ from megamoe.training.grad_sync import GradientSync
 from megamoe.transformer import AttentionConfig, MLAConfig, RopeConfig
 from megamoe.transformer.context_parallel import check_context_parallel_length, cp_token_index
 from megamoe.transformer.mlp import MLPConfig
+from megamoe.transformer.recompute import RecomputeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,14 +48,20 @@ LAYOUTS = {
     "mla_cp2_dp2": ("mla", dict(cp=2), "alltoall", False, False),
     "mla_cp2_tp2": ("mla", dict(cp=2, tp=2), "alltoall", False, False),
     "mla_cp2_ep2": ("mla", dict(cp=2, ep=2), "alltoall", False, False),
+    # Recomputation re-runs the CP all-gather in backward: full layers (GQA), MLA's up projections.
+    "gqa_cp2_tp2_recompute_full": ("gqa", dict(cp=2, tp=2), "alltoall", False, False),
+    "mla_cp2_ep2_recompute_up_proj": ("mla", dict(cp=2, ep=2), "alltoall", False, False),
 }
+RECOMPUTE = {"gqa_cp2_tp2_recompute_full": RecomputeConfig("full"),
+             "mla_cp2_ep2_recompute_up_proj": RecomputeConfig("selective", ("mla_up_proj", "moe"))}
 TRAIN_ONLY = {"gqa_cp2_pp2": ("gqa", dict(cp=2, pp=2), "alltoall", False, False)}
 # Checked for logits and gradients only: (cp 2, dp 2) is also the layout of the *_ep2 curves.
-NO_CURVE = ("gqa_cp2_dp2", "mla_cp2_dp2")
+NO_CURVE = ("gqa_cp2_dp2", "mla_cp2_dp2", *RECOMPUTE)
 CURVES = {name: case for name, case in {**LAYOUTS, **TRAIN_ONLY}.items() if name not in NO_CURVE}
 
 
-def config(kind: str, dispatcher: str = "alltoall", sp: bool = False) -> GPTMoEConfig:
+def config(kind: str, dispatcher: str = "alltoall", sp: bool = False,
+           recompute: RecomputeConfig | None = None) -> GPTMoEConfig:
     router = RouterConfig(hidden_size=H, num_experts=E, top_k=K, norm_topk_prob=True, aux_loss_coeff=0.01,
                           seq_aux_loss_coeff=0.01, z_loss_coeff=0.001)
     if kind == "gqa":
@@ -66,7 +74,8 @@ def config(kind: str, dispatcher: str = "alltoall", sp: bool = False) -> GPTMoEC
         family="custom", vocab_size=V, hidden_size=H, num_layers=2, attention=attention,
         moe=MoEConfig(router=router, ffn_hidden_size=16, dispatcher=dispatcher, expert_backend="torch",
                       shared_experts=SharedExpertsConfig(hidden_size=H, ffn_hidden_size=16, gate=True)),
-        moe_layer_ids=(1,), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=32), sequence_parallel=sp)
+        moe_layer_ids=(1,), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=32), sequence_parallel=sp,
+        recompute=recompute or RecomputeConfig())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -138,7 +147,7 @@ def _equivalence(inputs, labels):
             destroy_model_parallel()
         o_logits, o_loss, o_aux, o_grads, o_experts, _, _ = oracles[key]
         state = initialize_model_parallel(**layout)
-        model = GPTMoEModel(config(kind, dispatcher, sp), state)
+        model = GPTMoEModel(config(kind, dispatcher, sp, RECOMPUTE.get(name)), state)
         initialize_parameters(model, seed=0)
         logits, loss, aux, grads, experts, counted, cp_bytes = _run(model, state, inputs, labels, packing)
         vocab = V // state.tp.size
@@ -193,13 +202,13 @@ def _training():
             packing = _packing(torch.cat([inputs, inputs]))
             extra = [packing["position_ids"][:1], packing["document_ids"][:1]] if packed else []
             batches.append(MicroBatch(inputs, labels, *extra))
+        held_out = evaluate_loss(model, state, batches, world_group=dist.group.WORLD)   # the initial weights
         curve = []
         for _ in range(STEPS):
             m = trainer.train_step(batches)
             replicas = state.dp.size if oracle else 1
             curve.append((m.loss, m.aux_loss, [[n // replicas for n in l.tokens_per_expert]
                                                for l in m.moe_layers.values()]))
-        held_out = evaluate_loss(model, state, batches, world_group=dist.group.WORLD)
         curves[name] = {"curve": curve, "eval": held_out,
                         "hidden_shape": list(stage_hidden_shape(model, state, MICRO, SEQ))}
         destroy_model_parallel()
