@@ -323,7 +323,7 @@ def check_arguments(args, world_size: int) -> ModelSource:
     if args.sequence_parallel and args.tp < 2:
         raise UsageError(f"--sequence-parallel splits the sequence over the TP group: it needs --tp > 1, got --tp "
                          f"{args.tp}")
-    if args.seq_len % (2 * args.cp):
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise UsageError(f"--cp {args.cp} splits every sequence into 2*cp = {2 * args.cp} load-balanced chunks: "
                          f"--seq-len {args.seq_len} must be divisible by {2 * args.cp}")
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
@@ -339,7 +339,8 @@ def check_arguments(args, world_size: int) -> ModelSource:
     try:
         grid = compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp)
     except ValueError as e:
-        raise UsageError(f"the layout --tp {args.tp} --cp {args.cp} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
+        cp_flag = f" --cp {args.cp}" if args.cp > 1 else ""
+        raise UsageError(f"the layout --tp {args.tp}{cp_flag} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
                          f"{world_size} rank(s): {e}; change the flags or the number of ranks "
                          "(torchrun --nproc-per-node)") from None
     if source.config is None:

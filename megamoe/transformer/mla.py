@@ -61,8 +61,8 @@ from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM, enter_tensor_parallel_region
-from megamoe.transformer.attention import (KVCache, cached_keys, causal_attention, check_no_cache_under_context_parallel,
-                                           check_no_cache_with_documents)
+from megamoe.transformer.attention import (KVCache, cached_keys, causal_attention,
+                                           check_no_cache_under_context_parallel, check_no_cache_with_documents)
 from megamoe.transformer.context_parallel import gather_keys_for_context_parallel
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
