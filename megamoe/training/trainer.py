@@ -372,18 +372,19 @@ class Trainer:
         ``losses`` (what the backward started from) are divided by ``scale``."""
         state = self.state
         # Context parallelism: each CP rank's loss is cp x its share of the micro-batch's mean token loss
-        # (megamoe.models.gpt_moe), so every CP rank reports it and the sum is divided by dp x cp; the aux
-        # losses are the whole sequences' on every CP rank (like TP ranks): CP rank 0 reports, divided by dp.
+        # (megamoe.models.gpt_moe), so every CP rank reports it (the sum over dp x cp, divided by it, is the
+        # mean); the aux losses are the whole sequences' on every CP rank (like TP ranks): CP rank 0 reports
+        # them cp times over, so that the same division leaves their mean over DP.
         # [loss, aux loss, each layer's aux loss]; the returned losses were already divided by num_mb
         totals = torch.zeros(2 + layer_aux_totals.numel(), dtype=torch.float64, device=self.device)
         if state.tp.rank == 0:
             if self.model.is_last_stage:
-                totals[0] = torch.stack(losses).double().sum() / scale / state.dp_cp.size
+                totals[0] = torch.stack(losses).double().sum() / scale
             if state.cp.rank == 0:
-                totals[1] = aux_total / num_mb / state.dp.size
-                totals[2:] = layer_aux_totals / num_mb / state.dp.size
+                totals[1] = aux_total / num_mb * state.cp.size
+                totals[2:] = layer_aux_totals / num_mb * state.cp.size
         comms.all_reduce_(totals, self.world_group)
-        values = host_floats(totals)
+        values = host_floats(totals / state.dp_cp.size)
         return values[0], values[1], values[2:]
 
     def _skip(self, loss: float, aux_loss: float, grad_norm: float, scale: float | None, rerun_forward) -> None:
