@@ -171,46 +171,40 @@ def _equivalence(inputs, labels):
     return out
 
 
-STEPS, GLOBAL_BATCH, MICRO = 10, 2, 1
+STEPS = 10
 
 
 def _training():
+    """10 steps on one sequence: every DP rank trains on it (data-parallel replicas of a batch of one, as
+    the oracle's ranks do), the CP ranks on their chunks of it. One micro-batch per step: the balancing
+    losses are those of a micro-batch, so every layout's micro-batches must hold the same sequences."""
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.data.packing import MicroBatch
     from megamoe.training.evaluation import evaluate_loss
     from megamoe.training.trainer import TrainConfig, Trainer
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, V, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    ids = torch.randint(0, V, (1, SEQ + 1), generator=g)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    packing = {key: value[:1] for key, value in _packing(torch.cat([inputs, inputs])).items()}
     curves = {}
     # One single-rank oracle per attention kind and data (the dispatcher is the same function on one rank).
     oracle_layouts = {f"oracle_{kind}_{p}": (kind, {}, "alltoall", False, p)
                       for kind, _, _, _, p in CURVES.values()}
     for name, (kind, layout, dispatcher, sp, packed) in {**oracle_layouts, **CURVES}.items():
         state = initialize_model_parallel(**layout)
-        # The sampler shards over DP only: CP ranks hold the same sequences. The oracle: every rank runs
-        # the single-rank model on the whole batch (data-parallel replicas of it; each counts every token).
-        oracle = name.startswith("oracle")
-        per_rank = GLOBAL_BATCH if oracle else GLOBAL_BATCH // state.dp.size
-        rank = 0 if oracle else state.dp.rank
-        mine = ids[rank * per_rank:(rank + 1) * per_rank]
         model = GPTMoEModel(config(kind, dispatcher, sp), state)
         initialize_parameters(model, seed=0)
         trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
-        batches = []
-        for mb in mine.split(MICRO):
-            inputs, labels = mb[:, :-1], mb[:, 1:]
-            packing = _packing(torch.cat([inputs, inputs]))
-            extra = [packing["position_ids"][:1], packing["document_ids"][:1]] if packed else []
-            batches.append(MicroBatch(inputs, labels, *extra))
+        batches = [MicroBatch(inputs, labels, *((packing["position_ids"], packing["document_ids"]) if packed else ()))]
         held_out = evaluate_loss(model, state, batches, world_group=dist.group.WORLD)   # the initial weights
         curve = []
         for _ in range(STEPS):
             m = trainer.train_step(batches)
-            replicas = state.dp.size if oracle else 1
-            curve.append((m.loss, m.aux_loss, [[n // replicas for n in l.tokens_per_expert]
+            # Each DP replica counted the sequence's tokens once.
+            curve.append((m.loss, m.aux_loss, [[n // state.dp.size for n in l.tokens_per_expert]
                                                for l in m.moe_layers.values()]))
         curves[name] = {"curve": curve, "eval": held_out,
-                        "hidden_shape": list(stage_hidden_shape(model, state, MICRO, SEQ))}
+                        "hidden_shape": list(stage_hidden_shape(model, state, 1, SEQ))}
         destroy_model_parallel()
     return curves
 
@@ -270,12 +264,12 @@ def test_context_parallel_training_curve(four_ranks):
     curves = four_ranks["training"]
     for name, (kind, layout, dispatcher, _, packed) in CURVES.items():
         oracle = curves[f"oracle_{kind}_{packed}"]
-        assert curves[name]["hidden_shape"] == [MICRO, SEQ // 2 // (2 if "sp" in name else 1), H], name
+        assert curves[name]["hidden_shape"] == [1, SEQ // 2 // (2 if "sp" in name else 1), H], name
         for step, ((loss, aux, loads), (o_loss, o_aux, o_loads)) in enumerate(zip(curves[name]["curve"],
                                                                                     oracle["curve"])):
             assert abs(loss - o_loss) <= CURVE_REL_TOL * abs(o_loss), (name, step, loss, o_loss)
             assert abs(aux - o_aux) <= CURVE_REL_TOL * abs(o_aux), (name, step, aux, o_aux)
-            assert loads == o_loads and all(sum(l) == GLOBAL_BATCH * SEQ * K for l in loads), (name, step)
+            assert loads == o_loads and all(sum(l) == SEQ * K for l in loads), (name, step)
         assert abs(curves[name]["eval"] - oracle["eval"]) <= CURVE_REL_TOL * abs(oracle["eval"]), name
 
 
