@@ -3,12 +3,14 @@ load-balanced chunks, attention over all of it by all-gathering K / V (GQA) or t
 (MLA). The oracle is the single-rank model with the same seeded weights (the 4 ranks run it on the same
 batch). One spawn of 4 ranks checks, for GQA and MLA each under (cp 2, dp 2), (cp 2, tp 2) and
 (cp 2, ep 2, all-to-all), and for GQA under (cp 2, tp 2, sequence parallel, ep 2, all-gather) and
-(cp 2, dp 2) with packed documents, and with recomputation (full layers under (cp 2, tp 2), MLA's up
+(cp 2, dp 2) with packed documents, (cp 2, tp 2, etp 1, ep 2) (MoE folding), MLA under (cp 2, tp 2,
+sequence parallel, all-to-all), and with recomputation (full layers under (cp 2, tp 2), MLA's up
 projections under (cp 2, ep 2)): the gathered logits, the loss, the aux loss (switch, sequence and
 z-loss, shared expert with its gate) and every parameter's synced gradient (experts assembled per
 expert) within fp32 tolerance, that every token is routed once and the bytes the CP all-gather moves;
 the 10-step training loss curve (rel <= 1e-5), the expert loads and the held-out loss of each layout
-(but the plain (cp 2, dp 2) ones, whose layout the *_ep2 curves share) and of (cp 2, pp 2); the
+(but the plain (cp 2, dp 2) ones, whose layout the *_ep2 curves share, and the folding, SP all-to-all and
+recomputation ones) and of (cp 2, pp 2), MLA (cp 2, ep 2) with the distributed optimizer (ZeRO-2); the
 refusal of generation and of a sequence 2 cp does not divide. Fast tests: the chunk index and bad sequence lengths."""
 
 import pytest
@@ -48,6 +50,9 @@ LAYOUTS = {
     "mla_cp2_dp2": ("mla", dict(cp=2), "alltoall", False, False),
     "mla_cp2_tp2": ("mla", dict(cp=2, tp=2), "alltoall", False, False),
     "mla_cp2_ep2": ("mla", dict(cp=2, ep=2), "alltoall", False, False),
+    # The router statistics over tp x cp: MoE parallel folding (etp 1 < tp 2), and SP with all-to-all.
+    "gqa_cp2_tp2_fold_etp1_ep2": ("gqa", dict(cp=2, tp=2, etp=1, ep=2), "alltoall", False, False),
+    "mla_cp2_tp2_sp_alltoall": ("mla", dict(cp=2, tp=2), "alltoall", True, False),
     # Recomputation re-runs the CP all-gather in backward: full layers (GQA), MLA's up projections.
     "gqa_cp2_tp2_recompute_full": ("gqa", dict(cp=2, tp=2), "alltoall", False, False),
     "mla_cp2_ep2_recompute_up_proj": ("mla", dict(cp=2, ep=2), "alltoall", False, False),
@@ -56,7 +61,9 @@ RECOMPUTE = {"gqa_cp2_tp2_recompute_full": RecomputeConfig("full"),
              "mla_cp2_ep2_recompute_up_proj": RecomputeConfig("selective", ("mla_up_proj", "moe"))}
 TRAIN_ONLY = {"gqa_cp2_pp2": ("gqa", dict(cp=2, pp=2), "alltoall", False, False)}
 # Checked for logits and gradients only: (cp 2, dp 2) is also the layout of the *_ep2 curves.
-NO_CURVE = ("gqa_cp2_dp2", "mla_cp2_dp2", *RECOMPUTE)
+NO_CURVE = ("gqa_cp2_dp2", "mla_cp2_dp2", "gqa_cp2_tp2_fold_etp1_ep2", "mla_cp2_tp2_sp_alltoall", *RECOMPUTE)
+# Trained with the distributed optimizer (ZeRO-2: dense shards over dp x cp, experts over expert-DP).
+DISTRIBUTED = ("mla_cp2_ep2",)
 CURVES = {name: case for name, case in {**LAYOUTS, **TRAIN_ONLY}.items() if name not in NO_CURVE}
 
 
@@ -194,7 +201,8 @@ def _training():
         state = initialize_model_parallel(**layout)
         model = GPTMoEModel(config(kind, dispatcher, sp), state)
         initialize_parameters(model, seed=0)
-        trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+        zero = dict(distributed_optimizer=True, zero_stage=2) if name in DISTRIBUTED else {}
+        trainer = Trainer(model, state, TrainConfig(lr=1e-2, **zero), world_group=dist.group.WORLD)
         batches = [MicroBatch(inputs, labels, *((packing["position_ids"], packing["document_ids"]) if packed else ()))]
         held_out = evaluate_loss(model, state, batches, world_group=dist.group.WORLD)   # the initial weights
         curve = []
