@@ -43,18 +43,18 @@ CURVE_REL_TOL = 1e-5
 # name -> (attention kind, initialize_model_parallel kwargs, dispatcher, sequence_parallel, packed documents)
 LAYOUTS = {
     "gqa_cp2_dp2": ("gqa", dict(cp=2), "alltoall", False, False),
-    "gqa_cp2_tp2": ("gqa", dict(cp=2, tp=2), "alltoall", False, False),
+    "gqa_cp2_tp2": ("gqa", dict(cp=2, tp=2, etp=2), "alltoall", False, False),   # ETP ranks share tokens
     "gqa_cp2_ep2": ("gqa", dict(cp=2, ep=2), "alltoall", False, False),
     "gqa_cp2_tp2_sp_ep2_allgather": ("gqa", dict(cp=2, tp=2, ep=2), "allgather", True, False),
     "gqa_cp2_dp2_packed": ("gqa", dict(cp=2), "alltoall", False, True),
     "mla_cp2_dp2": ("mla", dict(cp=2), "alltoall", False, False),
-    "mla_cp2_tp2": ("mla", dict(cp=2, tp=2), "alltoall", False, False),
+    "mla_cp2_tp2": ("mla", dict(cp=2, tp=2, etp=2), "alltoall", False, False),
     "mla_cp2_ep2": ("mla", dict(cp=2, ep=2), "alltoall", False, False),
     # The router statistics over tp x cp: MoE parallel folding (etp 1 < tp 2), and SP with all-to-all.
     "gqa_cp2_tp2_fold_etp1_ep2": ("gqa", dict(cp=2, tp=2, etp=1, ep=2), "alltoall", False, False),
-    "mla_cp2_tp2_sp_alltoall": ("mla", dict(cp=2, tp=2), "alltoall", True, False),
+    "mla_cp2_tp2_sp_alltoall": ("mla", dict(cp=2, tp=2, etp=2), "alltoall", True, False),
     # Recomputation re-runs the CP all-gather in backward: full layers (GQA), MLA's up projections.
-    "gqa_cp2_tp2_recompute_full": ("gqa", dict(cp=2, tp=2), "alltoall", False, False),
+    "gqa_cp2_tp2_recompute_full": ("gqa", dict(cp=2, tp=2, etp=2), "alltoall", False, False),
     "mla_cp2_ep2_recompute_up_proj": ("mla", dict(cp=2, ep=2), "alltoall", False, False),
 }
 RECOMPUTE = {"gqa_cp2_tp2_recompute_full": RecomputeConfig("full"),
@@ -159,8 +159,14 @@ def _equivalence(inputs, labels):
         logits, loss, aux, grads, experts, counted, cp_bytes = _run(model, state, inputs, labels, packing)
         vocab = V // state.tp.size
         expected = {n: get_shard_spec(p).slice_of(o_grads[n]) for n, p in model.named_parameters() if n in grads}
+        # Each rank checks its own experts' ETP shards (gate / up: rows, down: columns) against the oracle.
+        etp, etp_rank = state.etp.size, state.etp.rank
+        mine = {}
+        for key, grad in experts.items():
+            dim = 1 if key[2] == "down" else 0
+            mine[(*key, etp_rank)] = _rel(grad, o_experts[key].chunk(etp, dim=dim)[etp_rank])
         all_experts = {}
-        for part in comms.all_gather_object(experts, dist.group.WORLD):
+        for part in comms.all_gather_object(mine, dist.group.WORLD):
             all_experts.update(part)
         total = torch.tensor([counted], dtype=torch.int64)
         comms.all_reduce_(total, dist.group.WORLD)
@@ -169,8 +175,8 @@ def _equivalence(inputs, labels):
             "logits": _rel(logits, o_logits[..., state.tp.rank * vocab:(state.tp.rank + 1) * vocab]),
             "loss": _rel(loss, o_loss), "aux": _rel(aux, o_aux), "aux_value": float(o_aux),
             "grads": {n: _rel(g, expected[n]) for n, g in grads.items()},
-            "experts": {str(k): _rel(all_experts[k], g) for k, g in o_experts.items()},
-            "missing_experts": sorted(str(k) for k in set(o_experts) - set(all_experts)),
+            "experts": {str(k): r for k, r in all_experts.items()},
+            "missing_experts": sorted(str(k) for k in set(o_experts) - {k[:3] for k in all_experts}),
             "loads": int(total), "dp": state.dp.size, "cp_bytes": cp_bytes,
             "kv_heads_local": getattr(attention, "num_kv_heads_local", None),
         }
@@ -258,7 +264,8 @@ def test_context_parallel_matches_single_rank(four_ranks):
         assert case["aux"] <= REL_TOL and case["aux_value"] > 0, (name, case["aux"], case["aux_value"])
         bad = {n: r for n, r in {**case["grads"], **case["experts"]}.items() if not r <= REL_TOL}
         assert not bad and not case["missing_experts"], (name, bad, case["missing_experts"])
-        assert len(case["experts"]) == E * 3                  # 1 MoE layer x E experts x (gate, up, down)
+        # 1 MoE layer x E experts x (gate, up, down) x ETP shards
+        assert len(case["experts"]) == E * 3 * layout.get("etp", 1), (name, len(case["experts"]))
         assert case["loads"] == case["dp"] * BATCH * SEQ * K, (name, case["loads"])   # each token routed once
         # One all-gather per layer (2 layers) of this rank's S / cp tokens: GQA's local KV heads' k and v,
         # MLA's latent + rotated rope key (far fewer bytes).
