@@ -336,3 +336,25 @@ def test_script_accepts_cp_and_refuses_a_sequence_2cp_does_not_divide(demo, tmp_
                              world_size=8)
     with pytest.raises(demo.UsageError, match=r"--cp must be >= 1, got 0"):
         demo.check_arguments(demo.parse_args([*base, "--cp", "0"]), world_size=1)
+
+
+def test_custom_attention_without_cp_group_is_refused_under_cp():
+    from megamoe.models import LayerSpec
+
+    class OldAttention(torch.nn.Module):            # written before context parallelism
+        def __init__(self, config, *, tp_group=None, device=None, dtype=None):
+            super().__init__()
+
+    built = {}
+
+    def new_attention(config, *, tp_group=None, cp_group=None, device=None, dtype=None):
+        built["cp_group"] = cp_group
+        return torch.nn.Identity()
+
+    attention = config("gqa").attention
+    LayerSpec(attention=OldAttention).build_attention(attention, tp_group=None)        # cp 1: unchanged
+    with pytest.raises(ValueError, match=r"'OldAttention' takes no cp_group keyword.*cp=1"):
+        LayerSpec(attention=OldAttention).build_attention(attention, tp_group=None, cp_group=object())
+    marker = object()
+    LayerSpec(attention=new_attention).build_attention(attention, tp_group=None, cp_group=marker)
+    assert built["cp_group"] is marker
