@@ -358,3 +358,14 @@ def test_custom_attention_without_cp_group_is_refused_under_cp():
     marker = object()
     LayerSpec(attention=new_attention).build_attention(attention, tp_group=None, cp_group=marker)
     assert built["cp_group"] is marker
+
+
+def test_script_error_line_for_a_bad_cp(demo, tmp_path, capsys, monkeypatch):
+    from megamoe.launch import run_script
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", "--cp", "2", "--seq-len", "30"]
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: --cp 2 "), err
+    assert "--seq-len 30 must be divisible by 4" in lines[0] and not out and not (tmp_path / "work").exists()
