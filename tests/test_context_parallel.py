@@ -9,8 +9,8 @@ projections under (cp 2, ep 2)): the gathered logits, the loss, the aux loss (sw
 z-loss, shared expert with its gate) and every parameter's synced gradient (experts assembled per
 expert) within fp32 tolerance, that every token is routed once and the bytes the CP all-gather moves;
 the 10-step training loss curve (rel <= 1e-5), the expert loads and the held-out loss of each layout
-(but the plain (cp 2, dp 2) ones, whose layout the *_ep2 curves share, and the folding, SP all-to-all and
-recomputation ones) and of (cp 2, pp 2), MLA (cp 2, ep 2) with the distributed optimizer (ZeRO-2); the
+(but the plain and packed (cp 2, dp 2) ones, whose layout the *_ep2 curves share, and the folding, SP
+all-to-all and recomputation ones) and of (cp 2, pp 2), MLA (cp 2, ep 2) with the distributed optimizer (ZeRO-2); the
 refusal of generation and of a sequence 2 cp does not divide. Fast tests: the chunk index and bad sequence lengths."""
 
 import pytest
@@ -61,7 +61,8 @@ RECOMPUTE = {"gqa_cp2_tp2_recompute_full": RecomputeConfig("full"),
              "mla_cp2_ep2_recompute_up_proj": RecomputeConfig("selective", ("mla_up_proj", "moe"))}
 TRAIN_ONLY = {"gqa_cp2_pp2": ("gqa", dict(cp=2, pp=2), "alltoall", False, False)}
 # Checked for logits and gradients only: (cp 2, dp 2) is also the layout of the *_ep2 curves.
-NO_CURVE = ("gqa_cp2_dp2", "mla_cp2_dp2", "gqa_cp2_tp2_fold_etp1_ep2", "mla_cp2_tp2_sp_alltoall", *RECOMPUTE)
+NO_CURVE = ("gqa_cp2_dp2", "mla_cp2_dp2", "gqa_cp2_dp2_packed", "gqa_cp2_tp2_fold_etp1_ep2", "mla_cp2_tp2_sp_alltoall",
+            *RECOMPUTE)
 # Trained with the distributed optimizer (ZeRO-2: dense shards over dp x cp, experts over expert-DP).
 DISTRIBUTED = ("mla_cp2_ep2",)
 CURVES = {name: case for name, case in {**LAYOUTS, **TRAIN_ONLY}.items() if name not in NO_CURVE}
