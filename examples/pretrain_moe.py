@@ -6,6 +6,7 @@ Python standard library's own source files. Launch with torchrun, e.g. on 4 CPU 
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --pp 2 --ep 2 --dispatcher alltoall
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --etp 1 --ep 4 --dispatcher alltoall
+    torchrun --nproc-per-node 4 examples/pretrain_moe.py --cp 2 --ep 2 --dispatcher alltoall
 
 Real runs: --data (text, JSON Lines, Parquet, token files, Megatron datasets; blended by --data-weights),
 --hf-model (start from a HuggingFace model) or --model-config (a model of that shape from scratch),
@@ -88,7 +89,7 @@ SAMPLE_TEMPERATURE, SAMPLE_TOP_K, NUM_SAMPLES = 0.8, 40, 3
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
-    g = p.add_argument_group("parallel layout (world size = tp * pp * dp; dp is what is left)")
+    g = p.add_argument_group("parallel layout (world size = tp * cp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (expert slots are split over it)")
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence parallelism (needs --tp > 1): norms and residuals on [B, S/tp, H] chunks, an "
                         "all-gather and a reduce-scatter around each TP block instead of all-reduces; --seq-len "
                         "must be a multiple of --tp")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each CP rank holds 2 load-balanced chunks of every sequence "
+                        "(S/cp tokens) and attention all-gathers keys and values over CP; --seq-len must be a "
+                        "multiple of 2*cp; dp = world / (tp * cp * pp). No samples at the end (generation needs cp 1)")
     add_launch_arguments(p)
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
@@ -295,7 +300,7 @@ def check_arguments(args, world_size: int) -> ModelSource:
     """Flag values and the layout against ``world_size`` ranks; raises UsageError naming the flag.
     Returns the model source (read from --hf-model / --model-config / --tokenizer: configs, no weights)."""
     for flag in ("steps", "global_batch", "micro_batch", "seq_len", "save_every", "corpus_bytes", "hidden",
-                 "layers", "experts", "top_k"):
+                 "layers", "experts", "top_k", "cp"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.sample_tokens < 0:
@@ -318,8 +323,12 @@ def check_arguments(args, world_size: int) -> ModelSource:
     if args.sequence_parallel and args.tp < 2:
         raise UsageError(f"--sequence-parallel splits the sequence over the TP group: it needs --tp > 1, got --tp "
                          f"{args.tp}")
-    if args.sequence_parallel and args.seq_len % args.tp:
-        raise UsageError(f"--sequence-parallel: --seq-len {args.seq_len} must be divisible by --tp {args.tp}")
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        raise UsageError(f"--cp {args.cp} splits every sequence into 2*cp = {2 * args.cp} load-balanced chunks: "
+                         f"--seq-len {args.seq_len} must be divisible by {2 * args.cp}")
+    if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
+        raise UsageError(f"--sequence-parallel: --seq-len {args.seq_len} / --cp {args.cp} must be divisible by --tp "
+                         f"{args.tp}")
     source = model_source(args)
     if source.tokenizer is not None:
         try:
@@ -328,9 +337,10 @@ def check_arguments(args, world_size: int) -> ModelSource:
             raise UsageError(str(e)) from None
     etp = default_etp(args.tp, args.dispatcher, args.etp)
     try:
-        grid = compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp)
+        grid = compute_rank_groups(world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp)
     except ValueError as e:
-        raise UsageError(f"the layout --tp {args.tp} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
+        cp_flag = f" --cp {args.cp}" if args.cp > 1 else ""
+        raise UsageError(f"the layout --tp {args.tp}{cp_flag} --pp {args.pp} --ep {args.ep} (etp {etp}) does not fit "
                          f"{world_size} rank(s): {e}; change the flags or the number of ranks "
                          "(torchrun --nproc-per-node)") from None
     if source.config is None:
@@ -348,7 +358,7 @@ def check_arguments(args, world_size: int) -> ModelSource:
     if experts and (slots < experts or slots % args.ep):
         raise UsageError(f"--num-expert-slots ({slots}) must be >= {experts_flag} ({experts}) and a multiple of "
                          f"--ep ({args.ep})")
-    dp = world_size // (args.tp * args.pp)
+    dp = world_size // (args.tp * args.cp * args.pp)
     if args.global_batch % (dp * args.micro_batch):
         raise UsageError(f"--global-batch {args.global_batch} must be a multiple of dp * --micro-batch = "
                          f"{dp}*{args.micro_batch} = {dp * args.micro_batch}")
@@ -521,11 +531,11 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     world_group = dist.group.WORLD if world > 1 else None
     etp = default_etp(args.tp, args.dispatcher, args.etp)
-    state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp,
+    state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp,
                                        timeout=datetime.timedelta(seconds=args.comm_timeout))
              if dist.is_initialized() else ParallelState.single_process())
-    logger.info("world %d: tp %d pp %d dp %d ep %d etp %d, dispatcher %s; device %s%s, autocast %s", world, args.tp,
-                args.pp, state.dp_cp.size, args.ep, etp, args.dispatcher, device,
+    logger.info("world %d: tp %d cp %d pp %d dp %d ep %d etp %d, dispatcher %s; device %s%s, autocast %s", world,
+                args.tp, state.cp.size, args.pp, state.dp.size, args.ep, etp, args.dispatcher, device,
                 f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "", autocast or "none (fp32)")
     # A run resumed from its own save directory continues that run's id, so it prunes the older
     # checkpoints of the run; a fresh start (or another --load-dir) is a new run.
@@ -583,7 +593,7 @@ def main(argv=None) -> int:
                                                 **train_config_kwargs(args, train_steps=args.steps)),
                       world_group=world_group, peak_tflops=peak.tflops)
     sampler = ResumableSampler(len(data.train), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
-                               dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, seed=args.seed)
+                               dp_rank=state.dp.rank, dp_size=state.dp.size, seed=args.seed)   # CP ranks: the same
     if plan.resume_from is not None:
         extra = load_training_checkpoint(plan.resume_from, trainer, world_group=world_group,
                                          verify_checksums=args.verify_checksums,
@@ -603,7 +613,7 @@ def main(argv=None) -> int:
         """The loss of the first --eval-iters global batches of held-out data (all of it for 0)."""
         num_samples = min(len(data.eval), args.eval_iters * args.global_batch) if args.eval_iters else None
         batches = eval_batches(data.eval, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
-                               dp_rank=state.dp_cp.rank, dp_size=state.dp_cp.size, num_samples=num_samples)
+                               dp_rank=state.dp.rank, dp_size=state.dp.size, num_samples=num_samples)
         return evaluate_loss(model, state, packed([mb for step in batches for mb in step]), world_group=world_group)
 
     records, last_saved = [], plan.resume_from
@@ -643,7 +653,10 @@ def main(argv=None) -> int:
                                           verify_checksums=args.verify_checksums)
         logger.info("exported %s (step %d) to %s: %d tensors, %s", last_saved, trainer.step, summary["out_dir"],
                     summary["tensors"], ", ".join(summary["side_files"]) or "no side files")
-    if args.sample_tokens:
+    if args.sample_tokens and state.cp.size > 1:
+        logger.info("no samples: generation cannot split the sequence over --cp %d; the checkpoints in %s "
+                    "generate under any layout with cp 1", state.cp.size, args.save_dir)
+    elif args.sample_tokens:
         print_samples(model, state, tokenizer, args, rank)
     if rank == 0 and records:
         plot(records, args.work_dir / "loss.png")

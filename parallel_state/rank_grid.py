@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_ORDER", "GROUP_KINDS", "RankGroups", "compute_rank_groups"]
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Every kind of group RankGroups holds, in the order process groups are created.
-GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "etp", "edp", "ep_etp", "etp_edp", "embedding")
+GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "etp", "edp", "ep_etp", "etp_edp", "embedding", "tp_cp")
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -69,6 +69,9 @@ class RankGroups:
     ep_etp: Groups  # expert model parallel: etp x ep, the ranks that together hold every expert once
     etp_edp: Groups  # etp x edp: the ranks holding shards or replicas of the same expert slots
     embedding: Groups
+    # tp x cp: the ranks holding the tokens of the same sequences (context parallelism); under
+    # sequence parallelism, the group the MoE routers' balancing statistics are reduced over.
+    tp_cp: Groups
 
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...] | None]:
         """Kind -> the group holding ``rank``; ``embedding`` maps to None for a middle pp stage."""
@@ -198,4 +201,5 @@ def compute_rank_groups(
         ep_etp=expert("tp", "ep"),
         etp_edp=expert("tp", "dp"),
         embedding=embedding,
+        tp_cp=dense("tp", "cp"),
     )

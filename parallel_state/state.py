@@ -85,6 +85,7 @@ class ParallelState:
     etp_edp: GroupInfo
     embedding: GroupInfo | None
     dp_cp_cpu: GroupInfo
+    tp_cp: GroupInfo               # tp x cp: the ranks holding tokens of the same sequences
 
     @classmethod
     def single_process(cls) -> ParallelState:
@@ -92,7 +93,7 @@ class ParallelState:
         solo = _solo(0)
         return cls(world_size=1, rank=0, order=DEFAULT_ORDER, tp=solo, cp=solo, dp=solo, dp_cp=solo,
                    pp=solo, mp=solo, ep=solo, etp=solo, edp=solo, ep_etp=solo, etp_edp=solo, embedding=solo,
-                   dp_cp_cpu=solo)
+                   dp_cp_cpu=solo, tp_cp=solo)
 
     @property
     def is_first_pp_stage(self) -> bool:

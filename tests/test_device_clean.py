@@ -288,3 +288,29 @@ def test_sequence_parallel_training_step_on_meta_creates_every_tensor_on_the_mod
             tp = state.tp.group
             assert counter.calls("reduce_scatter", tp) > 0 or not sp, counter.kinds()
             assert counter.calls("all_gather", tp) > 0, counter.kinds()      # SP blocks, or the folded MoE exit
+
+
+# Context parallelism (megamoe.transformer.context_parallel): the chunk indices, the slicing of ids, labels and
+# positions and the K / V all-gather stay on the model's device; with pp 2 the stages send [B, S / cp, H], and
+# with sequence parallelism [B, S / (cp tp), H]. (dispatcher, layout, sequence parallel)
+CP_LAYOUTS = {
+    "cp2-pp2-ep2-alltoall": ("alltoall", dict(cp=2, pp=2, ep=2), False),
+    "cp2-tp2-sp-ep2-allgather": ("allgather", dict(cp=2, tp=2, ep=2, etp=1), True),
+}
+
+
+@pytest.mark.parametrize("name", list(CP_LAYOUTS))
+def test_context_parallel_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    dispatcher, layout, sp = CP_LAYOUTS[name]
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, **layout) as state:
+            config = dataclasses.replace(tiny_config(dispatcher), sequence_parallel=sp)
+            model = GPTMoEModel(config, state, device="meta")
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run() as counter:
+                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+            assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
+            # The K / V all-gather over CP and its backward reduce-scatter ran.
+            assert counter.calls("all_gather", state.cp.group) > 0, counter.kinds()
+            assert counter.calls("reduce_scatter", state.cp.group) > 0, counter.kinds()

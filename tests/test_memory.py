@@ -254,6 +254,7 @@ TWO_RANK_RUNS = [  # (layout, TrainConfig keywords)
     (dict(), dict(distributed_optimizer=True, zero_stage=2)),     # DP 2, ZeRO-2: gradient shards only
     (dict(ep=2), dict()),                                         # EP 2 (all-to-all), plain AdamW
     (dict(pp=2), dict(distributed_optimizer=True)),               # PP 2, 1F1B over two micro-batches
+    (dict(cp=2), dict()),                                         # CP 2: keys gathered over the sequence
 ]
 
 
@@ -282,8 +283,8 @@ def test_estimate_matches_the_measurement_on_two_ranks():
     from megamoe.testing import run_on_ranks
     per_rank = run_on_ranks(_two_rank_worker, 2)
     for i, (layout, train) in enumerate(TWO_RANK_RUNS):
-        pp, ep = layout.get("pp", 1), layout.get("ep", 1)
-        estimate = estimate_memory(qwen3_like(), pp=pp, ep=ep, dp=2 // pp, micro_batch=1, seq_len=SEQ,
+        pp, ep, cp = layout.get("pp", 1), layout.get("ep", 1), layout.get("cp", 1)
+        estimate = estimate_memory(qwen3_like(), pp=pp, ep=ep, cp=cp, dp=2 // (pp * cp), micro_batch=1, seq_len=SEQ,
                                    num_micro_batches=2, distributed_optimizer=train.get("distributed_optimizer", False),
                                    zero_stage=train.get("zero_stage", 1))
         for rank in range(2):

@@ -29,6 +29,7 @@ VARYING = {
     "dp_cp": ("dense", {"dp", "cp"}), "pp": ("dense", {"pp"}), "mp": ("dense", {"tp", "pp"}),
     "ep": ("expert", {"ep"}), "etp": ("expert", {"tp"}), "edp": ("expert", {"dp"}),
     "ep_etp": ("expert", {"tp", "ep"}), "etp_edp": ("expert", {"tp", "dp"}),
+    "tp_cp": ("dense", {"tp", "cp"}),
 }
 
 
@@ -115,6 +116,7 @@ def test_groups_partition_ranks_along_the_grid(layout):
         assert set(mine["ep"]) & set(mine["etp"]) & set(mine["edp"]) == {r}
         assert set(mine["tp"]) | set(mine["pp"]) <= set(mine["mp"])
         assert set(mine["dp"]) | set(mine["cp"]) <= set(mine["dp_cp"])
+        assert set(mine["tp"]) | set(mine["cp"]) <= set(mine["tp_cp"])
         assert (mine["embedding"] is not None) == (r in (mine["pp"][0], mine["pp"][-1]))
 
 
@@ -163,6 +165,7 @@ def test_context_parallel_groups():
     assert g.cp == ((0, 2), (1, 3), (4, 6), (5, 7))
     assert g.dp == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert g.dp_cp == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert g.tp_cp == ((0, 1, 2, 3), (4, 5, 6, 7))     # the ranks holding tokens of the same sequences
     assert g.mp == g.tp
 
 
@@ -300,6 +303,6 @@ def _check_layouts(rank, world_size, layouts_to_check):
 def test_process_groups_on_4_ranks():
     layouts_to_check = [dict(tp=2, ep=2), dict(pp=2, ep=2)]
     reductions = run_on_ranks(_check_layouts, 4, args=(layouts_to_check,), timeout_s=120)
-    # Groups of more than one rank: tp2 ep2 -> tp, dp, dp_cp, mp, ep, edp, ep_etp, etp_edp;
+    # Groups of more than one rank: tp2 ep2 -> tp, dp, dp_cp, mp, ep, edp, ep_etp, etp_edp, tp_cp;
     # pp2 ep2 -> dp, dp_cp, pp, mp, ep, ep_etp, embedding (edp = 4 / (ep*pp) = 1).
-    assert reductions == [15] * 4
+    assert reductions == [16] * 4

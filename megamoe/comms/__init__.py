@@ -35,6 +35,8 @@ Where things live
 - :mod:`~megamoe.comms.tensor_parallel_regions`: the ``*_tensor_parallel_region`` autograd functions (last dim).
 - :mod:`~megamoe.comms.sequence_parallel_regions`: the ``*_sequence_parallel_region`` autograd functions
   (first dim, or ``dim``), incl. ``gather_linears_from_sequence_parallel_region``.
+- :mod:`~megamoe.comms.context_parallel_regions`: ``gather_from_context_parallel_region`` (attention's
+  keys / values over the CP group: all-gather forward, reduce-scatter backward).
 - :mod:`~megamoe.comms.expert_parallel`: ``all_to_all_counts``, the autograd ``all_to_all`` (uneven splits)
   and ``exchange_expert_slots`` (expert migration).
 - :mod:`~megamoe.comms.point_to_point`: ``send``, ``recv``, ``batch_send_recv`` (pipeline parallelism).
@@ -70,6 +72,7 @@ from megamoe.comms.sequence_parallel_regions import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from megamoe.comms.context_parallel_regions import gather_from_context_parallel_region
 from megamoe.comms.expert_parallel import all_to_all, all_to_all_counts, exchange_expert_slots
 from megamoe.comms.point_to_point import batch_send_recv, recv, send
 
@@ -82,5 +85,5 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_linears_from_sequence_parallel_region", "all_to_all",
-    "exchange_expert_slots",
+    "exchange_expert_slots", "gather_from_context_parallel_region",
 ]

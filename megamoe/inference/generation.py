@@ -216,6 +216,10 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
     when each data-parallel rank serves its own requests (their loads are then summed). Not with
     ``compiled=True``: the compiled decode graph would keep the old placement's tables.
     """
+    if state.cp.size > 1:
+        raise ValueError(f"generation cannot split the sequence over the CP group (cp={state.cp.size}): the KV cache "
+                         "and single-token decoding need every position on one rank; generate with a layout of cp=1 "
+                         "(the same checkpoint loads into it)")
     prompts = _check_prompts(prompts, model.config.vocab_size)
     request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
     if len(request_ids) != len(prompts):

@@ -56,6 +56,8 @@ from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.transformer import RMSNorm
 from megamoe.transformer.attention import check_no_cache_with_documents
+from megamoe.transformer.context_parallel import (check_context_parallel_length, cp_token_index,  # noqa: F401 (doc)
+                                                  slice_for_context_parallel)
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.recompute import checkpointed, set_module_flag
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
@@ -138,13 +140,18 @@ class DecoderLayer(nn.Module):
         sp = sequence_group is not None
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
-        self.self_attn = spec.build_attention(config.attention, tp_group=tp, sequence_parallel=sp, **factory)
+        cp_group = state.cp.group if state.cp.size > 1 else None
+        self.self_attn = spec.build_attention(config.attention, tp_group=tp, sequence_parallel=sp, cp_group=cp_group,
+                                              **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         if config.is_moe_layer(layer_id):
             extra = {"sequence_group": sequence_group} if sp else {}
             fold = folding_group(config, state)
             if fold is not None:            # MoE parallel folding: each TP rank takes its own share
                 extra["fold_group"] = fold
+            if cp_group is not None:        # balancing statistics over the whole sequences
+                extra["statistics_group"] = state.tp_cp.group if (sp or fold is not None) else cp_group
+                extra["context_parallel_size"] = state.cp.size
             self.mlp = spec.build_moe(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
                                       expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
                                       placement=placement, **extra, **factory)
@@ -220,7 +227,16 @@ class GPTMoEModel(nn.Module):
     logits [B, S, V / tp]. Under sequence parallelism (``config.sequence_parallel``, tp > 1; see
     :mod:`megamoe.models.sequence_parallel`) the hidden states in and out of a stage are this TP rank's
     chunk [B, S / tp, H], while ids, labels, ``position_ids`` and ``document_ids`` stay [B, S].
-    ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask``
+    Under context parallelism (cp > 1, :mod:`megamoe.transformer.context_parallel`) every CP rank gets
+    the same full ids, labels, ``position_ids`` and ``document_ids`` [B, S]; the first stage keeps this
+    rank's load-balanced chunks of the ids (S / cp tokens) and the positions are sliced alike for RoPE,
+    so the hidden states between layers and stages are [B, S / cp, H] ([B, S / (cp tp), H] with
+    sequence parallelism); ``document_ids`` reach attention whole. Logits without labels are this rank's
+    tokens' [B, S / cp, V / tp], in its chunk order (:func:`cp_token_index`). With labels (sliced on the
+    last stage) the loss is ``cp * (sum of this rank's token losses) / (non-ignored tokens of the WHOLE
+    micro-batch)``: the mean over the CP ranks, which the trainer's average over dp x cp takes, is the
+    micro-batch's mean token loss, and so is its gradient (every dense and expert gradient is averaged
+    over CP by the gradient sync). ``kv_caches`` maps this stage's layer ids to their caches; ``attention_mask``
     [B, S_past + S] marks real tokens; ``document_ids`` [B, S] packs documents (see the module
     docstring). :meth:`run_layers` stops before the final norm, so that generation computes logits
     for the last position only.
@@ -241,6 +257,7 @@ class GPTMoEModel(nn.Module):
         factory = {"device": device, "dtype": dtype}
         tp = state.tp.group
         self.sequence_group = sequence_parallel_group(config, state)   # None: no sequence parallelism
+        self.cp_group = state.cp.group if state.cp.size > 1 else None    # None: no context parallelism
         sp = {"sequence_parallel": True, "sequence_dim": SEQUENCE_DIM} if self.sequence_group is not None else {}
         self.layer_ids = partition_layers(config.num_layers, state.pp.size, pp_split)[state.pp.rank]
         self.is_first_stage, self.is_last_stage = state.is_first_pp_stage, state.is_last_pp_stage
@@ -296,9 +313,12 @@ class GPTMoEModel(nn.Module):
         logits_local = self.logits(hidden)
         if labels is None:
             return logits_local, aux_loss
-        token_loss = vocab_parallel_cross_entropy(logits_local, labels, self.state.tp.group)
-        num_tokens = (labels != -100).sum().clamp(min=1)
-        return token_loss.sum() / num_tokens, aux_loss
+        token_loss = vocab_parallel_cross_entropy(logits_local, slice_for_context_parallel(labels, self.cp_group),
+                                                  self.state.tp.group)
+        num_tokens = (labels != -100).sum().clamp(min=1)     # of the WHOLE micro-batch (the full labels)
+        # Context parallelism: cp x this rank's share of the micro-batch's mean token loss; the mean over
+        # the CP ranks (the trainer's average over dp x cp) is the mean token loss (see the class docstring).
+        return token_loss.sum() * self.state.cp.size / num_tokens, aux_loss
 
     def run_layers(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, kv_caches=None,
                    attention_mask: torch.Tensor | None = None,
@@ -339,19 +359,33 @@ class GPTMoEModel(nn.Module):
     def _embed(self, inputs: torch.Tensor, position_ids: torch.Tensor | None):
         """(hidden [B, S, H], position_ids [B, S]): the embedding on the first stage, the received
         hidden states elsewhere."""
-        hidden = self.embed_tokens(inputs) if self.is_first_stage else inputs
+        if self.is_first_stage:
+            hidden = self.embed_tokens(slice_for_context_parallel(inputs, self.cp_group))
+        else:
+            hidden = inputs
         if position_ids is None:
             batch, seq = self._full_shape(hidden)
             position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
-        return hidden, position_ids
+        # RoPE rotates this CP rank's tokens by their own positions.
+        return hidden, slice_for_context_parallel(position_ids, self.cp_group)
 
     def _full_shape(self, hidden: torch.Tensor) -> tuple[int, int]:
         """(batch, the whole sequence length) of ``hidden`` (a sequence chunk under sequence parallelism)."""
         chunks = 1 if self.sequence_group is None else self.state.tp.size
-        return hidden.shape[0], hidden.shape[1] * chunks
+        return hidden.shape[0], hidden.shape[1] * chunks * self.state.cp.size
 
     def _check_sequence_parallel_call(self, inputs: torch.Tensor, kv_caches, attention_mask) -> None:
-        """Sequence parallelism: the ids split into equal chunks; no generation (KV cache, padding)."""
+        """Sequence / context parallelism: the ids split into equal chunks; no generation (KV cache, padding)."""
+        if self.cp_group is not None:
+            if kv_caches is not None or attention_mask is not None:
+                raise ValueError("context parallelism is a training feature: a forward with a KV cache or an "
+                                 "attention_mask (generation) cannot split the sequence over the CP group; generate "
+                                 "with a layout of cp=1 (the same checkpoint loads into it)")
+            if self.is_first_stage:
+                check_context_parallel_length(inputs.shape[1], self.state.cp.size)
+                if self.sequence_group is not None:
+                    check_sequence_length(inputs.shape[1] // self.state.cp.size, self.state.tp.size)
+            return
         if self.sequence_group is None:
             return
         if kv_caches is not None or attention_mask is not None:

@@ -24,6 +24,10 @@ callable with that class's constructor signature, called once per decoder layer 
 Under sequence parallelism (``GPTMoEConfig.sequence_parallel`` with TP > 1) attention and mlp also
 receive ``sequence_parallel=True`` (their input and output are this rank's sequence chunk
 [B, S / tp, H]) and moe ``sequence_group=`` the TP group; without it they receive neither keyword.
+Under context parallelism (cp > 1, :mod:`megamoe.transformer.context_parallel`) attention also receives
+``cp_group=`` the CP group (its input is this CP rank's S / cp tokens; a builder without the keyword
+raises ValueError) and moe ``statistics_group=`` / ``context_parallel_size=`` (the router's balancing
+statistics over the whole sequences).
 Under MoE parallel folding (all-to-all dispatcher, etp < tp, no sequence parallelism;
 :mod:`megamoe.models.moe_folding`) moe receives ``fold_group=`` the TP group.
 
@@ -35,6 +39,7 @@ customised model builds the model with the same spec.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +49,14 @@ from megamoe.moe.moe_layer import MoELayer
 from megamoe.transformer import MLP, Attention, AttentionConfig, MultiHeadLatentAttention
 
 __all__ = ["LayerSpec"]
+
+
+def _accepts_keyword(builder: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):        # no signature to read (a builtin): let the call decide
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 @dataclass(frozen=True)
@@ -65,13 +78,21 @@ class LayerSpec:
                              "trainer, gradient sync and checkpoints rely on MoELayer's API; subclass MoELayer "
                              "and override build_router / build_experts / build_dispatcher")
 
-    def build_attention(self, config, *, tp_group, sequence_parallel: bool = False, device=None,
+    def build_attention(self, config, *, tp_group, sequence_parallel: bool = False, cp_group=None, device=None,
                         dtype=None) -> nn.Module:
         builder = self.attention
         if builder is None:
             builder = Attention if isinstance(config, AttentionConfig) else MultiHeadLatentAttention
-        # ``sequence_parallel`` reaches the builder only when on, so custom modules need not know it.
+        # ``sequence_parallel`` and ``cp_group`` reach the builder only when on, so custom modules need
+        # not know them.
         extra = {"sequence_parallel": True} if sequence_parallel else {}
+        if cp_group is not None:
+            if not _accepts_keyword(builder, "cp_group"):
+                raise ValueError(f"context parallelism (cp > 1) needs an attention that gathers keys over the CP "
+                                 f"group, but the attention builder {getattr(builder, '__name__', builder)!r} takes "
+                                 "no cp_group keyword; add `cp_group=None` to it (see "
+                                 "megamoe.transformer.context_parallel) or train with cp=1")
+            extra["cp_group"] = cp_group
         return builder(config, tp_group=tp_group, device=device, dtype=dtype, **extra)
 
     def build_mlp(self, config, *, tp_group, sequence_parallel: bool = False, device=None, dtype=None) -> nn.Module:

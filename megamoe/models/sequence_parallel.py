@@ -24,7 +24,8 @@ shared-expert gate and shared experts not sharded over the TP group) is tagged
 data-parallel reduction. Expert parameters see the tokens of every rank of their expert group, so
 no TP rank computes the same tokens twice: :func:`megamoe.models.gpt_moe.expert_token_replicas` is 1.
 Expert loads: each TP rank counts its own tokens, so the trainer sums every rank's loads
-(:func:`counts_own_tokens`).
+(:func:`counts_own_tokens`). Under context parallelism each CP rank routes (and counts) its own
+tokens as well: TP rank 0 of every CP rank counts, or every rank with sequence parallelism.
 
 A training feature: a forward with a KV cache or a padding mask (generation) is refused; build the
 model with ``sequence_parallel=False`` there (the same function, the same checkpoint).
@@ -35,6 +36,7 @@ from __future__ import annotations
 from torch.distributed import ProcessGroup
 
 from megamoe.models.moe_folding import folding_group
+from megamoe.transformer.context_parallel import check_context_parallel_length
 
 __all__ = ["sequence_parallel_group", "check_sequence_length", "counts_own_tokens", "stage_hidden_shape"]
 
@@ -66,8 +68,13 @@ def counts_own_tokens(model, state) -> bool:
 
 def stage_hidden_shape(model, state, batch: int, seq_len: int) -> tuple[int, int, int]:
     """The hidden states pipeline stages exchange: [batch, seq_len, H], or this rank's sequence chunk
-    [batch, seq_len / tp, H] under sequence parallelism."""
+    [batch, seq_len / tp, H] under sequence parallelism; divided by cp again under context parallelism
+    (this CP rank's seq_len / cp tokens: :mod:`megamoe.transformer.context_parallel`)."""
     config = getattr(model, "config", None)
+    cp = getattr(getattr(state, "cp", None), "size", 1)
+    if cp > 1:
+        check_context_parallel_length(seq_len, cp)
+        seq_len //= cp
     chunks = state.tp.size if sequence_parallel_group(config, state) is not None else 1
     if chunks > 1:
         check_sequence_length(seq_len, chunks)

@@ -131,6 +131,14 @@ class MoELayer(nn.Module):
             expert twice. Calls without gradients (generation, evaluation) run replicated, any token
             count, TP rank 0 counting the load; with gradients, a token count tp does not divide
             raises ValueError. Excludes ``sequence_group``.
+        statistics_group: context parallelism (:mod:`megamoe.transformer.context_parallel`): the group
+            whose ranks hold the rest of this layer's sequences, over which the router's balancing
+            statistics are reduced: the CP group, or tp x cp (``ParallelState.tp_cp``) with a
+            ``sequence_group`` or ``fold_group``. Default (None): the ``sequence_group``. It changes no
+            dispatch: CP ranks hold different tokens, like DP ranks.
+        context_parallel_size: the CP size (1 by default): the router's share of the losses is scaled
+            by it, since the gradient sync averages the router's gradient over CP (see
+            :mod:`megamoe.moe.router`).
 
     ``forward(hidden [..., H]) -> (output [..., H], aux_loss [])``; a 3-D input is [batch, seq, H]
     (the sequence-level aux loss uses the batch dim).
@@ -140,6 +148,7 @@ class MoELayer(nn.Module):
                  etp_group: ProcessGroup | None = None, expert_group: ProcessGroup | None = None,
                  etp_edp_group: ProcessGroup | None = None, placement: ExpertPlacement | None = None,
                  sequence_group: ProcessGroup | None = None, fold_group: ProcessGroup | None = None,
+                 statistics_group: ProcessGroup | None = None, context_parallel_size: int = 1,
                  device=None, dtype=None):
         super().__init__()
         self.config = config
@@ -181,6 +190,14 @@ class MoELayer(nn.Module):
         self.dispatcher = self.build_dispatcher(config)
         if self.sequence_group is not None:
             self._tag_sequence_parallel()
+        # Context parallelism: the balancing statistics span the CP ranks' tokens too (the dispatch
+        # does not change: CP ranks hold different tokens, like DP ranks).
+        self.statistics_group = statistics_group if comms.group_size(statistics_group) > 1 else self.sequence_group
+        if context_parallel_size < 1:
+            raise ValueError(f"MoELayer: context_parallel_size must be >= 1, got {context_parallel_size}")
+        if isinstance(self.router, Router):
+            self.router.sequence_group = self.statistics_group
+            self.router.averaged_shards = context_parallel_size
         # Expert parameters are reduced over expert-DP (not DP) and summed across replicas; see
         # megamoe.training.grad_sync.
         for param in self.experts.parameters():

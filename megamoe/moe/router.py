@@ -36,6 +36,12 @@ token count, and each rank's loss is its own tokens' share of the sum. Its gradi
 (the router weight, tagged ``sequence_parallel``, gets its gradient summed over the group), while its
 VALUE is the whole loss (the shares summed, one all-reduce of a scalar), identical on every rank as
 without sequence parallelism.
+
+Context parallelism: the CP ranks hold other tokens of the same sequences too, so ``sequence_group`` is
+the CP group (tp x cp under sequence parallelism or MoE folding). The gradient sync AVERAGES the
+router's gradient over CP (a dense parameter, averaged over dp x cp) where it sums it over TP, so
+``Router.averaged_shards`` (= cp) multiplies each share's gradient: the average over the CP ranks is
+then the gradient of the whole loss, as on one rank.
 """
 
 from __future__ import annotations
@@ -157,6 +163,9 @@ class Router(nn.Module):
 
     # The group holding the other sequence chunks of this router's tokens (see the module docstring).
     sequence_group: ProcessGroup | None = None
+    # How many of those ranks' router gradients the gradient sync AVERAGES instead of summing (the CP
+    # ranks: dense gradients are averaged over dp x cp); each share's gradient is multiplied by it.
+    averaged_shards: int = 1
 
     def __init__(self, config: RouterConfig, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -292,6 +301,8 @@ class Router(nn.Module):
         share = self._loss_terms(logits, probs, expert_ids, counts[:cfg.num_experts], num_sequences,
                                  logits.shape[0] * shards, seq_counts)
         whole = comms.all_reduce_(share.detach().clone(), self.sequence_group)
+        if self.averaged_shards > 1:     # CP ranks' router gradients are averaged, not summed: scale up
+            share = share * self.averaged_shards
         return share + (whole - share.detach())     # value: the whole loss; gradient: this rank's share
 
     def _sequence_counts(self, logits, expert_ids, num_sequences: int) -> torch.Tensor:

@@ -54,14 +54,17 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
                               hidden_dtype, device)
     finally:
         model.train(was_training)
-    # The loss lives on the last stage, identical over TP and CP: one reporter per DP replica.
+    # The loss lives on the last stage, identical over TP: one reporter per DP replica and CP rank. Under
+    # context parallelism a CP rank's loss is cp x its share of the micro-batch's mean (megamoe.models.gpt_moe):
+    # each CP rank adds loss / cp x labelled tokens (its own tokens' loss sum), CP rank 0 the token count.
     totals = torch.zeros(2, dtype=torch.float64, device=device)             # [sum of token losses, tokens]
-    if model.is_last_stage and state.tp.rank == 0 and state.cp.rank == 0:
+    if model.is_last_stage and state.tp.rank == 0:
         for loss, batch in zip(losses, micro_batches):
             labelled = (MicroBatch(*batch).labels != IGNORE_INDEX).sum().to(device)
             # A micro-batch of padding only has a NaN mean: weight 0 must drop it, not multiply it.
-            totals[0] += torch.where(labelled > 0, loss.double() * labelled, 0.0)
-            totals[1] += labelled
+            totals[0] += torch.where(labelled > 0, loss.double() * labelled / state.cp.size, 0.0)
+            if state.cp.rank == 0:
+                totals[1] += labelled
     comms.all_reduce_(totals, world_group)
     if totals[1].item() == 0:
         raise ValueError("evaluate_loss: the micro-batches hold no labelled token (every label is -100)")

@@ -28,7 +28,8 @@ State (exact: the same shard rules as the modules):
   4-byte ``step``.
 
 Activations (estimated): the bytes autograd saves for backward during one micro-batch's forward,
-per op of the modules as implemented (``T`` = this rank's tokens ``micro_batch * seq_len / cp``,
+per op of the modules as implemented (``T`` = this rank's tokens ``micro_batch * seq_len / cp``; under
+context parallelism attention's keys and values span the whole sequence, ``T cp`` tokens, see below;
 ``e`` = the activation element size, which is the parameter dtype's; norms and routers compute in
 fp32, 4 bytes):
 
@@ -56,6 +57,12 @@ Sequence parallelism (``sequence_parallel``): the decoder norms, the q / k / v a
 projections' saved input (the chunk: their weight gradients gather it again) and a fully recomputed
 layer's saved input hold ``T / tp`` tokens; so do MLA's down projections and their norms (the latents
 are gathered). Everything after the gathers (attention, experts, output layer) holds ``T`` tokens.
+
+Context parallelism (``cp``): every per-token term holds this rank's ``T`` tokens, except attention's
+gathered keys: GQA's k and v (and, flash, the explicit ``[S, S cp]`` mask; math, probabilities
+``[B, heads, S, S cp]``), MLA's gathered latents, its up-projected k and v, and the int64 index
+``[S cp]`` restoring sequence order (``S`` = seq_len / cp). Checked against the measured step at cp 2
+for GQA (flash) and MLA (math).
 
 Recomputation (``RecomputeConfig``, :mod:`megamoe.transformer.recompute`): ``full`` keeps each layer's
 input ``e T H`` (``T / tp`` under SP; the checkpoint's saved inputs), the position ids, and the cos /
@@ -279,24 +286,33 @@ def _norm_bytes(tokens: int, width: int, rows: int, e: int) -> int:
 
 
 def _sdpa_bytes(*, T: int, B: int, S: int, heads: int, dqk: int, dv: int, e: int, backend: str,
-                v_storage: int, recompute_core: bool) -> int:
+                v_storage: int, recompute_core: bool, cp: int = 1) -> int:
     """What the attention kernel saves: ``flash`` (fused kernels: CUDA's flash / memory-efficient / cuDNN,
     CPU's flash for equal q/k and v head dims) q, k, v, the output and the fp32 log-sum-exp; ``math``
-    (CPU when the head dims differ, e.g. MLA) q, k, the probabilities ``[B, heads, S, S]`` and a
-    contiguous v. ``v_storage``: the bytes of the storage v is a view of (flash). Under ``core_attn``
-    recomputation only the kernel's inputs stay (the checkpoint saves them)."""
-    qk = 2 * e * T * heads * dqk
+    (CPU when the head dims differ, e.g. MLA) q, k, the probabilities ``[B, heads, S, S]`` and v (an
+    fp32 copy in reduced precision). ``v_storage``: the bytes of the storage v is a view of (flash). Under ``core_attn``
+    recomputation only the kernel's inputs stay (the checkpoint saves them). Context parallelism: the
+    keys and values span the whole sequence (``T cp`` tokens, ``S cp`` per row), and the flash kernel
+    also keeps the explicit [S, S cp] mask (converted to the queries' dtype)."""
+    qk = e * T * heads * dqk * (1 + cp)
     if recompute_core:
-        return qk + e * T * heads * dv
+        return qk + e * T * cp * heads * dv
     if backend == "math":
         # CPU's math kernel computes reduced precision in fp32: its saved q, k, probabilities, v are fp32
-        return 4 * (2 * T * heads * dqk + B * heads * S * S + T * heads * dv)
-    return qk + v_storage + e * T * heads * dv + 4 * B * heads * S
+        # (in fp32 v is kept as the view it is, of ``v_storage``)
+        v = v_storage if e == 4 else 4 * T * cp * heads * dv
+        return 4 * (T * heads * dqk * (1 + cp) + B * heads * S * S * cp) + v
+    mask = e * S * S * cp if cp > 1 else 0
+    return qk + v_storage + e * T * heads * dv + 4 * B * heads * S + mask
 
 
 def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, recompute_core: bool,
-                           sdpa_backend: str, sp: bool = False, recompute_up_proj: bool = False) -> dict[str, int]:
+                           sdpa_backend: str, sp: bool = False, recompute_up_proj: bool = False,
+                           cp: int = 1) -> dict[str, int]:
     H = cfg.hidden_size
+    # Context parallelism: the keys are gathered over CP, T cp tokens; putting them back in sequence
+    # order keeps its int64 index [S cp] (megamoe.transformer.context_parallel.gather_sequence).
+    order_index = 8 * S * cp if cp > 1 else 0
     heads_l = cfg.num_attention_heads // tp
     if isinstance(cfg, MLAConfig):
         # Under SP the down projections and their norms run on this rank's T / tp tokens; the latents
@@ -312,9 +328,11 @@ def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, reco
             b += _norm_bytes(T_down, q_rank, T_down, e)                      # q_a output, q_a_layernorm
         b += e * T * (q_rank + kv_rank + rope)                              # the latents inside the TP region
         if not recompute_up_proj:                                           # mla_up_proj keeps the latents only
-            kv_b = e * T * heads_l * (cfg.qk_nope_head_dim + dv)            # v is a view of kv_b's output
+            if cp > 1:      # the gathered latents (kv_b's input is a view of them) and their order index
+                b += e * T * cp * (kv_rank + rope) + order_index
+            kv_b = e * T * cp * heads_l * (cfg.qk_nope_head_dim + dv)       # v is a view of kv_b's output
             b += _sdpa_bytes(T=T, B=B, S=S, heads=heads_l, dqk=dqk, dv=dv, e=e, backend=sdpa_backend,
-                             v_storage=kv_b, recompute_core=recompute_core)
+                             v_storage=kv_b, recompute_core=recompute_core, cp=cp)
         b += e * T * heads_l * dv                                           # o_proj input
         return {"attention": b}
     # The q / k / v projections' input: under SP only this rank's chunk (the weight gradients gather it
@@ -326,14 +344,16 @@ def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, reco
         b += _norm_bytes(T, heads_l * d, T * heads_l, e) + _norm_bytes(T, kv_l * d, T * kv_l, e)
     elif cfg.qk_norm == "full_width":
         b += _norm_bytes(T, heads_l * d, T, e) + _norm_bytes(T, kv_l * d, T, e)
-    # GQA: SDPA's k and v hold the KV heads only (enable_gqa), each its own storage
-    qk_v = e * T * (heads_l + 2 * kv_l) * d
+    # GQA: SDPA's k and v hold the KV heads only (enable_gqa), each its own storage (under CP: views of
+    # the gathered [k, v], for the whole sequence)
+    qk_v = e * T * heads_l * d + e * T * cp * 2 * kv_l * d + order_index
     if recompute_core:
         b += qk_v
     elif sdpa_backend == "math":
-        b += qk_v + e * B * heads_l * S * S
+        b += qk_v + e * B * heads_l * S * S * cp
     else:
         b += qk_v + e * T * heads_l * d + 4 * B * heads_l * S               # + output, log-sum-exp
+        b += e * S * S * cp if cp > 1 else 0                               # CP: the explicit [S, S cp] mask
     b += e * T * heads_l * d                                                # o_proj input
     return {"attention": b}
 
@@ -378,7 +398,7 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
 
 
 def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S: int, tp: int, ep: int, etp: int,
-                       e: int, sp: bool, recompute, sdpa_backend: str) -> dict[str, int]:
+                       e: int, sp: bool, recompute, sdpa_backend: str, cp: int = 1) -> dict[str, int]:
     granularity = getattr(recompute, "granularity", "none") if recompute is not None else "none"
     modules = set(getattr(recompute, "modules", ()) or ()) if granularity == "selective" else set()
     T_norm = T // tp if sp else T
@@ -393,7 +413,7 @@ def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S
         out["other"] += 2 * e * T_norm * H                         # only the norms' inputs stay
     out.update(_attention_activations(config.attention, T=T, B=B, S=S, tp=tp, e=e,
                                       recompute_core="core_attn" in modules, sdpa_backend=sdpa_backend, sp=sp,
-                                      recompute_up_proj="mla_up_proj" in modules))
+                                      recompute_up_proj="mla_up_proj" in modules, cp=cp))
     if config.is_moe_layer(layer_id):
         if "moe" in modules:
             out["mlp"] = 0
@@ -448,9 +468,11 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
     if (tp * cp * dp) % (ep * etp):
         raise ValueError(f"estimate_memory: ep * etp ({ep} * {etp}) must divide tp * cp * dp ({tp * cp * dp})")
     edp = tp * cp * dp // (ep * etp)
-    if seq_len % cp or (sequence_parallel and seq_len % (cp * tp)):
-        raise ValueError(f"estimate_memory: seq_len ({seq_len}) must be divisible by cp ({cp})"
-                         + (f" * tp ({tp}) under sequence parallelism" if sequence_parallel else ""))
+    chunks = 2 * cp if cp > 1 else 1          # context parallelism: 2 cp load-balanced chunks
+    if seq_len % chunks or (sequence_parallel and seq_len % (cp * tp)):
+        raise ValueError(f"estimate_memory: seq_len ({seq_len}) must be divisible by "
+                         f"{'2 * ' if cp > 1 else ''}cp ({cp})"
+                         + (f" and by cp * tp ({cp} * {tp}) under sequence parallelism" if sequence_parallel else ""))
     if sdpa_backend is None:
         sdpa_backend = "flash"
     if sdpa_backend not in _SDPA_BACKENDS:
@@ -471,7 +493,7 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
             master=dtype != torch.float32)
         acts = _stage_activations(config, layer_ids, first=stage == 0, last=stage == pp - 1, T=T, B=B, S=S,
                                   tp=tp, ep=ep, etp=etp, e=e, sp=sequence_parallel, recompute=recompute,
-                                  sdpa_backend=sdpa_backend)
+                                  sdpa_backend=sdpa_backend, cp=cp)
         per_mb = sum(acts.values())
         in_flight = (num_micro_batches_in_flight if num_micro_batches_in_flight is not None
                      else (min(pp - stage, num_micro_batches) if pp > 1 else 1))
@@ -485,7 +507,7 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
 
 
 def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, e, sp, recompute,
-                       sdpa_backend) -> dict[str, int]:
+                       sdpa_backend, cp: int = 1) -> dict[str, int]:
     out = dict.fromkeys(("embedding", "norm", "attention", "mlp", "lm_head", "other"), 0)
     out["held_by_reference"] = 0
     if first:
@@ -508,7 +530,7 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
             out["attention"] += rope
     for i in layer_ids:
         for category, nbytes in _layer_activations(config, i, T=T, B=B, S=S, tp=tp, ep=ep, etp=etp, e=e, sp=sp,
-                                                   recompute=recompute, sdpa_backend=sdpa_backend).items():
+                                                   recompute=recompute, sdpa_backend=sdpa_backend, cp=cp).items():
             out[category] += nbytes
     if last:
         H, V = config.hidden_size, config.vocab_size

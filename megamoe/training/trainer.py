@@ -338,7 +338,7 @@ class Trainer:
             self._skip(loss, aux_loss, grad_norm, scale, lambda: forward_backward(
                 forward_step, 1, state, hidden_shape, hidden_dtype, self.device))
         eplb_report = self._rebalance_experts(finite)
-        tokens = mb * seq * num_mb * state.dp_cp.size
+        tokens = mb * seq * num_mb * state.dp.size      # CP ranks share their sequences: count them once
         elapsed = time.perf_counter() - start
         tflops = mfu = None
         if isinstance(model.config, GPTMoEConfig):
@@ -371,14 +371,18 @@ class Trainer:
         losses on every stage (identical over TP): sum the TP-rank-0 copies, average over DP.
         ``losses`` (what the backward started from) are divided by ``scale``."""
         state = self.state
-        reporter = state.tp.rank == 0 and state.cp.rank == 0
+        # Context parallelism: each CP rank's loss is cp x its share of the micro-batch's mean token loss
+        # (megamoe.models.gpt_moe), so every CP rank reports it (the sum over dp x cp, divided by it, is the
+        # mean); the aux losses are the whole sequences' on every CP rank (like TP ranks): CP rank 0 reports
+        # them cp times over, so that the same division leaves their mean over DP.
         # [loss, aux loss, each layer's aux loss]; the returned losses were already divided by num_mb
         totals = torch.zeros(2 + layer_aux_totals.numel(), dtype=torch.float64, device=self.device)
-        if reporter:
+        if state.tp.rank == 0:
             if self.model.is_last_stage:
                 totals[0] = torch.stack(losses).double().sum() / scale
-            totals[1] = aux_total / num_mb
-            totals[2:] = layer_aux_totals / num_mb
+            if state.cp.rank == 0:
+                totals[1] = aux_total / num_mb * state.cp.size
+                totals[2:] = layer_aux_totals / num_mb * state.cp.size
         comms.all_reduce_(totals, self.world_group)
         values = host_floats(totals / state.dp_cp.size)
         return values[0], values[1], values[2:]

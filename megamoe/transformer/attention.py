@@ -53,6 +53,11 @@ added to this rank's chunk only, is tagged ``sequence_parallel`` so its gradient
 Attention itself sees the whole gathered sequence, so ``position_ids`` and ``document_ids`` stay the
 full [B, S]. No KV cache: decoding single tokens cannot be split (build the model with
 ``sequence_parallel=False`` for generation; it computes the same function).
+
+Context parallelism (``cp_group=``, :mod:`megamoe.transformer.context_parallel`): the input holds this
+CP rank's S / cp tokens (load-balanced chunks) and ``position_ids`` their positions; after RoPE the
+KV heads are all-gathered over CP (backward: reduce-scatter) and the queries attend with
+``query_positions`` = their indices in the whole sequence; ``document_ids`` is the FULL [B, S]. No KV cache.
 """
 
 from __future__ import annotations
@@ -71,13 +76,14 @@ from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.comms import gather_linears_from_sequence_parallel_region
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
+from megamoe.transformer.context_parallel import gather_keys_for_context_parallel
 from megamoe.transformer.head_sharding import HeadShard, head_shard, sum_grad_over_replicas
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention",
-           "check_no_cache_with_documents"]
+           "check_no_cache_with_documents", "check_no_cache_under_context_parallel"]
 
 QK_NORMS = (None, "per_head", "full_width")
 
@@ -115,6 +121,13 @@ def check_no_cache_with_documents(kv_cache, document_ids: torch.Tensor | None) -
     if kv_cache is not None and document_ids is not None:
         raise ValueError("document_ids (packed documents) describe one full-sequence forward and cannot be "
                          "combined with a KV cache; pass document_ids=None when decoding")
+
+
+def check_no_cache_under_context_parallel(cp_group, kv_cache) -> None:
+    """ValueError when a KV cache comes to attention split over a CP group."""
+    if cp_group is not None and kv_cache is not None:
+        raise ValueError("context-parallel attention takes no KV cache (decoding one token cannot split the "
+                         "sequence over the CP group); generate with a layout of cp=1 (the same checkpoint)")
 
 
 @dataclass(frozen=True)
@@ -260,9 +273,11 @@ class Attention(nn.Module):
     recompute_core_attn: bool = False
 
     def __init__(self, config: AttentionConfig, *, tp_group: ProcessGroup | None = None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, cp_group: ProcessGroup | None = None, device=None, dtype=None):
         super().__init__()
         self.config, self.tp_group = config, tp_group
+        # Context parallelism: this rank holds S / cp tokens; k and v are gathered over cp_group.
+        self.cp_group = cp_group if comms.group_size(cp_group) > 1 else None
         tp = comms.group_size(tp_group)
         self.sequence_parallel = sequence_parallel and tp > 1
         heads, kv_heads, head_dim, hidden = (config.num_attention_heads, config.num_key_value_heads,
@@ -328,6 +343,7 @@ class Attention(nn.Module):
         if self.sequence_parallel and kv_cache is not None:
             raise ValueError("sequence-parallel attention takes no KV cache (decoding cannot split the sequence); "
                              "build the model with sequence_parallel=False for generation")
+        check_no_cache_under_context_parallel(self.cp_group, kv_cache)
         if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for q, k and v
             q, k, v = gather_linears_from_sequence_parallel_region(
                 hidden, self.tp_group, *zip(*map(_local_weight_and_bias, (self.q_proj, self.k_proj, self.v_proj))),
@@ -347,6 +363,8 @@ class Attention(nn.Module):
         query_positions = None
         if kv_cache is not None:
             k, v, query_positions = cached_keys(kv_cache, k, v, attention_mask)
+        if self.cp_group is not None:  # the whole sequence's KV heads; the queries stay this rank's
+            (k, v), query_positions = gather_keys_for_context_parallel((k, v), self.cp_group)
         out = checkpointed(causal_attention, q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window,
                            attention_mask, query_positions, document_ids, enabled=self.recompute_core_attn)
         return self.o_proj(out.transpose(1, 2).flatten(2))                     # [B, S, heads_local * D] in

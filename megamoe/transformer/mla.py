@@ -33,6 +33,13 @@ then see only this rank's tokens: they are tagged ``sequence_parallel`` (gradien
 the gradient sync). Without ``q_lora_rank``, ``q_proj`` gathers the hidden chunk itself. ``o_proj``
 reduce-scatters its output back to the chunk. No KV cache (see the attention module).
 
+Context parallelism (``cp_group=``, :mod:`megamoe.transformer.context_parallel`): the input holds this
+CP rank's S / cp tokens; the down projections, latent norms and RoPE run on them, then the latents
+``[kv_latent, rotated k_pe]`` are all-gathered over CP (backward: reduce-scatter) and up-projected for
+the whole sequence locally: (kv_lora_rank + qk_rope_head_dim) values per token cross the CP group
+instead of heads x (qk_head_dim + v_head_dim). Queries attend with their whole-sequence positions;
+``document_ids`` is the full [B, S]. No KV cache.
+
 KV cache seam (as HF, on the compressed latents): ``kv_cache.update(kv_latent, k_pe)`` receives
 [B, 1, S, kv_lora_rank] (after ``kv_a_layernorm``) and [B, 1, S, qk_rope_head_dim] (rotated) and
 returns every cached position; queries are the last S positions. ``attention_mask`` [B, S_past + S]
@@ -54,7 +61,9 @@ from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM, enter_tensor_parallel_region
-from megamoe.transformer.attention import KVCache, cached_keys, causal_attention, check_no_cache_with_documents
+from megamoe.transformer.attention import (KVCache, cached_keys, causal_attention,
+                                           check_no_cache_under_context_parallel, check_no_cache_with_documents)
+from megamoe.transformer.context_parallel import gather_keys_for_context_parallel
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
@@ -138,9 +147,11 @@ class MultiHeadLatentAttention(nn.Module):
     recompute_core_attn: bool = False
 
     def __init__(self, config: MLAConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+                 cp_group: ProcessGroup | None = None, device=None, dtype=None):
         super().__init__()
         self.config, self.tp_group = config, tp_group
+        # Context parallelism: this rank holds S / cp tokens; the latents are gathered over cp_group.
+        self.cp_group = cp_group if comms.group_size(cp_group) > 1 else None
         tp = comms.group_size(tp_group)
         self.sequence_parallel = sp = sequence_parallel and tp > 1
         seq = {"sequence_parallel": sp, "sequence_dim": SEQUENCE_DIM}
@@ -197,6 +208,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.sequence_parallel and kv_cache is not None:
             raise ValueError("sequence-parallel attention takes no KV cache (decoding cannot split the sequence); "
                              "build the model with sequence_parallel=False for generation")
+        check_no_cache_under_context_parallel(self.cp_group, kv_cache)
         cfg = self.config
         kv_latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
         kv_latent = self.kv_a_layernorm(kv_latent)
@@ -248,6 +260,8 @@ class MultiHeadLatentAttention(nn.Module):
         query_positions = None
         if kv_cache is not None:
             kv_latent, k_pe, query_positions = cached_keys(kv_cache, kv_latent, k_pe, attention_mask)
+        if self.cp_group is not None:   # the whole sequence's latents (few bytes), up-projected here
+            (kv_latent, k_pe), query_positions = gather_keys_for_context_parallel((kv_latent, k_pe), self.cp_group)
         kv = F.linear(kv_latent.squeeze(1), self.kv_b_proj.weight)   # [B, Sk, heads * (nope + v)]
         kv = kv.unflatten(-1, (self.num_heads_local, cfg.qk_nope_head_dim + cfg.v_head_dim)).transpose(1, 2)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
