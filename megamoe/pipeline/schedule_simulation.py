@@ -8,8 +8,7 @@ schedule on a model of the machine instead of running it:
   ``min(pp - rank - 1, m)``, then one forward / one backward, then the remaining backwards).
 - :func:`interleaved_1f1b_order` is the op order of one rank under interleaved 1F1B with ``V`` virtual
   stages (model chunks) per rank, as Megatron-Core orders it (``--num-layers-per-virtual-pipeline-stage``).
-  megamoe does not run this schedule yet: the order is for planning and for checking a future
-  implementation against.
+  :func:`megamoe.pipeline.interleaved.forward_backward_interleaved` runs exactly this order.
 - :func:`simulate_pipeline` runs those orders event-driven and reports makespan, busy time and bubble.
 
 Model of the machine
