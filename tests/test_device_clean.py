@@ -288,3 +288,22 @@ def test_sequence_parallel_training_step_on_meta_creates_every_tensor_on_the_mod
             tp = state.tp.group
             assert counter.calls("reduce_scatter", tp) > 0 or not sp, counter.kinds()
             assert counter.calls("all_gather", tp) > 0, counter.kinds()      # SP blocks, or the folded MoE exit
+
+
+def test_interleaved_pipeline_training_step_on_meta_creates_every_tensor_on_the_model_device():
+    """The interleaved schedule (pp 2, V 2 model chunks, ep 2, bf16): its tagged asynchronous sends,
+    receive buffers and per-chunk steps stay on the model's device; an evaluation pass too."""
+    from megamoe.training.evaluation import evaluate_loss
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, pp=2, ep=2) as state:
+            model = GPTMoEModel(tiny_config("alltoall"), state, device="meta", dtype=torch.bfloat16,
+                                virtual_pipeline_stages=2)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]
+            with _meta_run() as counter:
+                trainer.train_step(micro_batches)
+                evaluate_loss(model, state, micro_batches[:1], world_group=dist.group.WORLD)
+            _accumulated_gradients(model)
+            kinds = counter.kinds()
+            assert kinds.get("all_to_all", 0) > 0 and kinds.get("send", 0) > 0 and kinds.get("recv", 0) > 0, kinds

@@ -14,7 +14,6 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megamoe import comms
 from megamoe.gradients import main_grad
@@ -32,7 +31,7 @@ from test_training import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NUM_LAYERS, SEQ, MICRO_BATCH, MICRO_BATCHES, DP, STEPS, SAVE_AT = 4, 8, 1, 4, 2, 10, 5
+NUM_LAYERS, SEQ, MICRO_BATCH, MICRO_BATCHES, DP, STEPS, SAVE_AT = 4, 8, 1, 4, 2, 10, 8
 EVAL_MICRO_BATCHES = 3          # per DP rank: not a multiple of pp, so the evaluation pads
 REL_TOL = 1e-5                  # the loss curve over STEPS steps, fp32 (the issue's bound)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)     # first-step gradients: other summation orders, fp32
@@ -55,7 +54,7 @@ def test_chunks_take_megatron_virtual_stages():
     # V = 1 is the plain pipeline split.
     assert chunk_layer_ranges(10, 4) == [[range(0, 3)], [range(3, 6)], [range(6, 8)], [range(8, 10)]]
     # The 4-rank test's model has an MoE layer with an aux loss in every chunk.
-    config = _config(tie=True)
+    config = _config()
     for rank_chunks in chunk_layer_ranges(NUM_LAYERS, 2, 2):
         for layers in rank_chunks:
             assert any(config.is_moe_layer(i) for i in layers), layers
@@ -105,6 +104,7 @@ def test_one_chunk_is_the_whole_stage():
 # ---------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _fake_rank(rank: int, world_size: int, **layout):
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # not imported by the spawned ranks
     dist.init_process_group("cpu:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield initialize_model_parallel(**layout)
@@ -206,12 +206,16 @@ def test_executed_order_is_the_simulated_one(pp, v, m):
 # ---------------------------------------------------------------------------------------------------------
 # 4 gloo ranks against the single-process model
 # ---------------------------------------------------------------------------------------------------------
-LAYOUTS = {"pp2-v2-dp2-tied": dict(pp=2, ep=1, tie=True), "pp2-v2-ep2-alltoall": dict(pp=2, ep=2, tie=False)}
+LAYOUTS = {"pp2-v2-dp2": dict(pp=2, ep=1), "pp2-v2-ep2-alltoall": dict(pp=2, ep=2)}
 
 
-def _config(tie: bool):
-    """The tiny MoE model of tests/test_training.py with every layer MoE: one per chunk."""
-    return dataclasses.replace(tiny_config("alltoall", num_layers=NUM_LAYERS), tie_word_embeddings=tie,
+SAVED = "pp2-v2-ep2-alltoall"     # the layout whose checkpoint (at SAVE_AT) resumes at pp 2 V 1 and at pp 1
+
+
+def _config():
+    """The tiny MoE model of tests/test_training.py with every layer MoE (one per chunk) and tied
+    embeddings (copies on the first and the last pipeline rank)."""
+    return dataclasses.replace(tiny_config("alltoall", num_layers=NUM_LAYERS), tie_word_embeddings=True,
                                moe_layer_ids=tuple(range(NUM_LAYERS)))
 
 
@@ -228,8 +232,8 @@ def _my_rows(state, rows_per_rank: int, batch: torch.Tensor):
     return batch[state.dp_cp.rank * rows_per_rank:(state.dp_cp.rank + 1) * rows_per_rank]
 
 
-def _trainer(state, tie: bool, v: int, world_group):
-    model = GPTMoEModel(_config(tie), state, virtual_pipeline_stages=v)
+def _trainer(state, v: int, world_group):
+    model = GPTMoEModel(_config(), state, virtual_pipeline_stages=v)
     initialize_parameters(model, seed=0)
     return Trainer(model, state, TrainConfig(lr=LR, grad_clip=CLIP), world_group=world_group)
 
@@ -273,9 +277,9 @@ def _eval_loss(trainer, state, world_group):
     return evaluate_loss(trainer.model, state, _micro_batches(_my_rows(state, rows, batch)), world_group=world_group)
 
 
-def _reference(tie: bool) -> dict:
+def _reference() -> dict:
     state = ParallelState.single_process()
-    trainer = _trainer(state, tie, 1, None)
+    trainer = _trainer(state, 1, None)
     grads = _capture_first_step_gradients(trainer)
     curve = _train(trainer, state, STEPS)
     return {"grads": grads, "curve": curve}
@@ -288,18 +292,18 @@ def _worker(rank, world_size, checkpoint):
     for name, layout in LAYOUTS.items():
         state = initialize_model_parallel(pp=layout["pp"], ep=layout["ep"])
         assert state.dp_cp.size == DP and state.pp.size == 2
-        trainer = _trainer(state, layout["tie"], 2, world)
+        trainer = _trainer(state, 2, world)
         eval_before = _eval_loss(trainer, state, world)
         grads = _capture_first_step_gradients(trainer)
         with comms.comm_counter() as counter:
-            curve = _train(trainer, state, STEPS, save=checkpoint if layout["tie"] else None, world_group=world)
+            curve = _train(trainer, state, STEPS, save=checkpoint if name == SAVED else None, world_group=world)
         results[name] = {"grads": grads, "curve": curve, "eval": eval_before,
                          "p2p": (counter.calls("send", group=state.pp.ranks), counter.calls("recv", group=state.pp.ranks),
                                  counter.bytes("send", group=state.pp.ranks))}
         destroy_model_parallel()
-    # The V = 2 checkpoint (saved at SAVE_AT, tied layout) resumes at pp 2 with one chunk per rank.
+    # The V = 2 checkpoint (saved at SAVE_AT) resumes at pp 2 with one chunk per rank (and dp 2, ep 1).
     state = initialize_model_parallel(pp=2)
-    trainer = _trainer(state, True, 1, world)
+    trainer = _trainer(state, 1, world)
     load_training_checkpoint(checkpoint, trainer, world_group=world)
     results["resumed-pp2-v1"] = _train(trainer, state, STEPS - SAVE_AT)
     destroy_model_parallel()
@@ -317,24 +321,21 @@ def test_interleaved_pipeline_matches_the_single_process_model(tmp_path):
     from megamoe.training.checkpoint import load_training_checkpoint
     checkpoint = str(tmp_path / "v2")
     per_rank = run_on_ranks(_worker, 4, args=(checkpoint,), timeout_s=300)
-    references = {tie: _reference(tie) for tie in (True, False)}
-    eval_reference = {}
-    for tie in (True, False):
-        state = ParallelState.single_process()
-        eval_reference[tie] = _eval_loss(_trainer(state, tie, 1, None), state, None)
+    reference = _reference()
+    state = ParallelState.single_process()
+    eval_reference = _eval_loss(_trainer(state, 1, None), state, None)
 
-    for name, layout in LAYOUTS.items():
-        reference = references[layout["tie"]]
+    for name in LAYOUTS:
         for rank, results in enumerate(per_rank):
             run, what = results[name], f"{name} rank {rank}"
             for step, (got, want) in enumerate(zip(run["curve"], reference["curve"]), start=1):
                 assert _close(got, want), f"{what} step {step}: {got} vs {want}"
             assert run["curve"][-1][0] < run["curve"][0][0] - 0.05, f"{what}: the loss must fall"
-            assert run["eval"] == pytest.approx(eval_reference[layout["tie"]], rel=REL_TOL), what
+            assert run["eval"] == pytest.approx(eval_reference, rel=REL_TOL), what
             # pp 2, V 2, m 4: each rank holds one end of the ring (stage 0 or 3) and two inner boundaries.
             sends, recvs, nbytes = run["p2p"]
             assert sends == recvs == STEPS * 3 * MICRO_BATCHES, (what, run["p2p"])
-            assert nbytes == sends * MICRO_BATCH * SEQ * _config(False).hidden_size * 4, what
+            assert nbytes == sends * MICRO_BATCH * SEQ * _config().hidden_size * 4, what
         # Every parameter's first-step gradient, on the rank(s) that hold it, equals the reference's.
         seen = set()
         for rank, results in enumerate(per_rank):
@@ -347,17 +348,17 @@ def test_interleaved_pipeline_matches_the_single_process_model(tmp_path):
                     f"{name} rank {rank} {param}: max diff {(grad - want).abs().max().item():.3e}"
                 seen.add(param)
         assert seen == set(reference["grads"]), f"{name}: parameters held by no rank {set(reference['grads']) - seen}"
-        if layout["tie"]:     # the tied embedding: on the first and the last rank, identical gradients
-            assert (per_rank[0][name]["grads"]["embed_tokens.weight"][0] ==
+        # The tied embedding: its copies on the first and the last rank have identical gradients.
+        assert (per_rank[0][name]["grads"]["embed_tokens.weight"][0] ==
                     per_rank[1][name]["grads"]["embed_tokens.weight"][0]).all()
 
     # The V = 2 checkpoint reshards: pp 2 V 1 (inside the spawn) and one process (here) continue the curve.
-    tied = references[True]["curve"][SAVE_AT:]
+    tied = reference["curve"][SAVE_AT:]
     for rank, results in enumerate(per_rank):
         for step, (got, want) in enumerate(zip(results["resumed-pp2-v1"], tied), start=SAVE_AT + 1):
             assert _close(got, want), f"pp2 V2 -> pp2 V1, rank {rank}, step {step}: {got} vs {want}"
     state = ParallelState.single_process()
-    trainer = _trainer(state, True, 1, None)
+    trainer = _trainer(state, 1, None)
     load_training_checkpoint(checkpoint, trainer, world_group=None)
     for step, (got, want) in enumerate(zip(_train(trainer, state, STEPS - SAVE_AT), tied), start=SAVE_AT + 1):
         assert _close(got, want), f"pp2 V2 -> pp1, step {step}: {got} vs {want}"

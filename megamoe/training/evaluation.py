@@ -20,6 +20,7 @@ import torch
 from megamoe import comms
 from megamoe.data.eval_split import IGNORE_INDEX
 from megamoe.data.packing import MicroBatch
+from megamoe.host_values import host_floats
 from megamoe.models.sequence_parallel import stage_hidden_shape
 from megamoe.pipeline.schedule import forward_only
 from megamoe.precision import upcast
@@ -79,6 +80,7 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
             totals[0] += torch.where(labelled > 0, loss.double() * labelled, 0.0)
             totals[1] += labelled
     comms.all_reduce_(totals, world_group)
-    if totals[1].item() == 0:
+    loss_sum, tokens = host_floats(totals)          # one read; NaN on the meta device (a dry run)
+    if tokens == 0:
         raise ValueError("evaluate_loss: the micro-batches hold no labelled token (every label is -100)")
-    return (totals[0] / totals[1]).item()
+    return loss_sum / tokens
