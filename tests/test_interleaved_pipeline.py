@@ -277,6 +277,17 @@ def _eval_loss(trainer, state, world_group):
     return evaluate_loss(trainer.model, state, _micro_batches(_my_rows(state, rows, batch)), world_group=world_group)
 
 
+def _logits_and_greedy_tokens(model, state):
+    """The full logits [B, S, V] of the first rows (every rank) and 4 greedy tokens of two prompts."""
+    from megamoe.inference.generation import GenerationConfig, generate
+    from megamoe.inference.pipeline_forward import pipeline_logits
+    model.eval()
+    logits = pipeline_logits(model, state, _global_batch()[:2, :-1]).numpy()
+    tokens = generate(model, state, [[1, 2, 3], [5, 4]], GenerationConfig(max_new_tokens=4)).token_ids
+    model.train()
+    return logits, tokens
+
+
 def _reference() -> dict:
     state = ParallelState.single_process()
     trainer = _trainer(state, 1, None)
@@ -294,10 +305,11 @@ def _worker(rank, world_size, checkpoint):
         assert state.dp_cp.size == DP and state.pp.size == 2
         trainer = _trainer(state, 2, world)
         eval_before = _eval_loss(trainer, state, world)
+        logits, tokens = _logits_and_greedy_tokens(trainer.model, state)
         grads = _capture_first_step_gradients(trainer)
         with comms.comm_counter() as counter:
             curve = _train(trainer, state, STEPS, save=checkpoint if name == SAVED else None, world_group=world)
-        results[name] = {"grads": grads, "curve": curve, "eval": eval_before,
+        results[name] = {"grads": grads, "curve": curve, "eval": eval_before, "logits": logits, "tokens": tokens,
                          "p2p": (counter.calls("send", group=state.pp.ranks), counter.calls("recv", group=state.pp.ranks),
                                  counter.bytes("send", group=state.pp.ranks))}
         destroy_model_parallel()
@@ -324,6 +336,7 @@ def test_interleaved_pipeline_matches_the_single_process_model(tmp_path):
     reference = _reference()
     state = ParallelState.single_process()
     eval_reference = _eval_loss(_trainer(state, 1, None), state, None)
+    ref_logits, ref_tokens = _logits_and_greedy_tokens(_trainer(state, 1, None).model, state)
 
     for name in LAYOUTS:
         for rank, results in enumerate(per_rank):
@@ -332,6 +345,10 @@ def test_interleaved_pipeline_matches_the_single_process_model(tmp_path):
                 assert _close(got, want), f"{what} step {step}: {got} vs {want}"
             assert run["curve"][-1][0] < run["curve"][0][0] - 0.05, f"{what}: the loss must fall"
             assert run["eval"] == pytest.approx(eval_reference, rel=REL_TOL), what
+            # The logits through the ring of chunks (pipeline_logits) and greedy generation.
+            diff = abs(run["logits"] - ref_logits).max()
+            assert diff <= 1e-5 * abs(ref_logits).max(), f"{what}: logits differ by {diff:.3e}"
+            assert run["tokens"] == ref_tokens, what
             # pp 2, V 2, m 4: each rank holds one end of the ring (stage 0 or 3) and two inner boundaries.
             sends, recvs, nbytes = run["p2p"]
             assert sends == recvs == STEPS * 3 * MICRO_BATCHES, (what, run["p2p"])
