@@ -204,6 +204,45 @@ def test_executed_order_is_the_simulated_one(pp, v, m):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The training script: flag checks (one error line, before any work) and the schedule's log line
+# ---------------------------------------------------------------------------------------------------------
+SCRIPT_ERRORS = {   # name: (arguments, WORLD_SIZE, fragment of the error line)
+    "V without pp": (["--virtual-pipeline-stages", "2"], "1", "--virtual-pipeline-stages 2 interleaves model chunks "
+                     "over a pipeline: it needs --pp > 1, got --pp 1"),
+    "V below 1": (["--virtual-pipeline-stages", "0"], "1", "--virtual-pipeline-stages must be >= 1, got 0"),
+    "layers": (["--pp", "2", "--virtual-pipeline-stages", "2", "--layers", "6"], "2",
+               "--virtual-pipeline-stages 2 with --pp 2: --layers (6) must split into pp * V = 4 virtual stages"),
+    "micro-batches": (["--pp", "2", "--virtual-pipeline-stages", "2", "--layers", "4", "--global-batch", "6",
+                       "--micro-batch", "2"], "2", "micro-batches per step (m = --global-batch / (dp * --micro-batch) "
+                      "= 3) to be a multiple of --pp 2"),
+}
+
+
+@pytest.mark.parametrize("case", SCRIPT_ERRORS)
+def test_script_refuses_bad_virtual_layouts_in_one_line(demo, case, tmp_path, capsys, monkeypatch):
+    from megamoe.launch import run_script
+    extra, world, fragment = SCRIPT_ERRORS[case]
+    monkeypatch.setenv("WORLD_SIZE", world)
+    work = tmp_path / "work"
+    argv = ["--work-dir", work, "--save-dir", tmp_path / "ckpt", "--corpus-bytes", "200000", "--hidden", "32", *extra]
+    code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), err
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in err and not out and not work.exists()
+
+
+def test_schedule_log_line_reports_the_simulated_bubble():
+    from megamoe.pipeline import describe_pipeline_schedule
+    assert describe_pipeline_schedule(2, 8, 2) == ("pipeline: interleaved 1F1B, pp 2 x 2 virtual stages, 8 micro-batches: "
+                                                   "bubble 5.9% (simulated, uniform stage times)")     # 1 / 17
+    assert describe_pipeline_schedule(4, 8) == ("pipeline: 1F1B, pp 4, 8 micro-batches: bubble 27.3% (simulated, "
+                                                "uniform stage times)")                               # 3 / 11
+    assert describe_pipeline_schedule(1, 4).startswith("pipeline: none (one stage), 4 micro-batches")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # 4 gloo ranks against the single-process model
 # ---------------------------------------------------------------------------------------------------------
 LAYOUTS = {"pp2-v2-dp2": dict(pp=2, ep=1), "pp2-v2-ep2-alltoall": dict(pp=2, ep=2)}
