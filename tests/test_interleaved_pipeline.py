@@ -327,6 +327,29 @@ def _logits_and_greedy_tokens(model, state):
     return logits, tokens
 
 
+def _non_finite_step(trainer, state) -> tuple[bool, list[str]]:
+    """A step whose forward goes NaN at layer 1 (virtual stage 1: chunk 0 of pp rank 1): skipped, and the
+    warning names the module, found by re-running pp micro-batches through the interleaved schedule."""
+    import logging
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("megamoe.training.trainer")
+    logger.addHandler(handler)
+    hooks = []
+    if "1" in trainer.model.layers:
+        norm = trainer.model.layers["1"].post_attention_layernorm
+        hooks.append(norm.register_forward_hook(lambda module, inputs, output: output * float("nan")))
+    try:
+        rows = MICRO_BATCHES * MICRO_BATCH * DP // state.dp_cp.size
+        metrics = trainer.train_step(_micro_batches(_my_rows(state, rows, _global_batch())))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        logger.removeHandler(handler)
+    return metrics.skipped, [m for m in messages if "skipped" in m]
+
+
 def _reference() -> dict:
     state = ParallelState.single_process()
     trainer = _trainer(state, 1, None)
@@ -348,6 +371,8 @@ def _worker(rank, world_size, checkpoint):
         grads = _capture_first_step_gradients(trainer)
         with comms.comm_counter() as counter:
             curve = _train(trainer, state, STEPS, save=checkpoint if name == SAVED else None, world_group=world)
+        if name == SAVED:
+            results["non-finite"] = _non_finite_step(trainer, state)
         results[name] = {"grads": grads, "curve": curve, "eval": eval_before, "logits": logits, "tokens": tokens,
                          "p2p": (counter.calls("send", group=state.pp.ranks), counter.calls("recv", group=state.pp.ranks),
                                  counter.bytes("send", group=state.pp.ranks))}
@@ -407,6 +432,13 @@ def test_interleaved_pipeline_matches_the_single_process_model(tmp_path):
         # The tied embedding: its copies on the first and the last rank have identical gradients.
         assert (per_rank[0][name]["grads"]["embed_tokens.weight"][0] ==
                     per_rank[1][name]["grads"]["embed_tokens.weight"][0]).all()
+
+    # A NaN forward at virtual stage 1 (layer 1) is found there, not at pp rank 0's later chunk 1 (layer 2).
+    for rank, results in enumerate(per_rank):
+        skipped, warnings = results["non-finite"]
+        assert skipped and len(warnings) == 1, (rank, warnings)
+        assert "output of module 'layers.1.post_attention_layernorm' went non-finite first in the forward" \
+            in warnings[0], warnings[0]
 
     # The V = 2 checkpoint reshards: pp 2 V 1 (inside the spawn) and one process (here) continue the curve.
     tied = reference["curve"][SAVE_AT:]
