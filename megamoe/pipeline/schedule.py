@@ -1,5 +1,8 @@
 """Forward/backward schedules over micro-batches: plain gradient accumulation and pipelined 1F1B.
 
+:func:`forward_backward` / :func:`forward_only` also take a list of forward steps, one per model chunk:
+more than one runs the interleaved schedule of :mod:`megamoe.pipeline.interleaved`.
+
 The forward step
 ----------------
 ``forward_step(input_tensor, micro_batch_index)`` runs this stage's part of the model on one
