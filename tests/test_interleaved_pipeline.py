@@ -396,7 +396,7 @@ def _close(got, want, rel=REL_TOL):
 def test_interleaved_pipeline_matches_the_single_process_model(tmp_path):
     from megamoe.training.checkpoint import load_training_checkpoint
     checkpoint = str(tmp_path / "v2")
-    per_rank = run_on_ranks(_worker, 4, args=(checkpoint,), timeout_s=300)
+    per_rank = run_on_ranks(_worker, 4, args=(checkpoint,), timeout_s=150)
     reference = _reference()
     state = ParallelState.single_process()
     eval_reference = _eval_loss(_trainer(state, 1, None), state, None)
