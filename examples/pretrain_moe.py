@@ -5,6 +5,7 @@ Python standard library's own source files. Launch with torchrun, e.g. on 4 CPU 
 
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --pp 2 --ep 2 --dispatcher alltoall
+    torchrun --nproc-per-node 4 examples/pretrain_moe.py --pp 2 --virtual-pipeline-stages 2 --layers 4
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --etp 1 --ep 4 --dispatcher alltoall
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --cp 2 --ep 2 --dispatcher alltoall
 
@@ -57,6 +58,7 @@ from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.pipeline import describe_pipeline_schedule
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoint_run_id,
                                          expert_placements_from_checkpoint, latest_checkpoint,
@@ -91,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallel layout (world size = tp * cp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (1F1B schedule; interleaved with --virtual-pipeline-stages)")
+    g.add_argument("--virtual-pipeline-stages", type=int, default=1, metavar="V",
+                   help="model chunks per pipeline rank: interleaved 1F1B (Megatron-Core's schedule), bubble "
+                        "(pp-1)/(V*m+pp-1) instead of (pp-1)/(m+pp-1) for m micro-batches per step; needs --pp > 1, "
+                        "the layers divisible by pp*V, and m a multiple of --pp")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (expert slots are split over it)")
     g.add_argument("--etp", type=int, default=None,
                    help="expert tensor-parallel size; default: tp for alltoall, 1 for allgather")
@@ -351,6 +358,15 @@ def check_arguments(args, world_size: int) -> ModelSource:
         layers_flag, experts_flag = "the model's layers", "the model's experts"
     if args.pp > layers:
         raise UsageError(f"--pp {args.pp} exceeds {layers_flag} ({layers}): each stage needs a layer")
+    v = args.virtual_pipeline_stages
+    if v < 1:
+        raise UsageError(f"--virtual-pipeline-stages must be >= 1, got {v}")
+    if v > 1 and args.pp < 2:
+        raise UsageError(f"--virtual-pipeline-stages {v} interleaves model chunks over a pipeline: it needs --pp > 1, "
+                         f"got --pp {args.pp}")
+    if v > 1 and layers % (args.pp * v):
+        raise UsageError(f"--virtual-pipeline-stages {v} with --pp {args.pp}: {layers_flag} ({layers}) must split into "
+                         f"pp * V = {args.pp * v} virtual stages of equal size")
     slots = args.num_expert_slots if args.num_expert_slots is not None else experts
     if eplb_config_from_args(args) is not None and not experts:
         raise UsageError(f"--eplb-interval: {_model_flag(args)} has no MoE layer, so there is no expert to "
@@ -362,6 +378,11 @@ def check_arguments(args, world_size: int) -> ModelSource:
     if args.global_batch % (dp * args.micro_batch):
         raise UsageError(f"--global-batch {args.global_batch} must be a multiple of dp * --micro-batch = "
                          f"{dp}*{args.micro_batch} = {dp * args.micro_batch}")
+    micro_batches = args.global_batch // (dp * args.micro_batch)
+    if v > 1 and micro_batches % args.pp:
+        raise UsageError(f"--virtual-pipeline-stages {v}: the interleaved schedule needs the micro-batches per step "
+                         f"(m = --global-batch / (dp * --micro-batch) = {micro_batches}) to be a multiple of --pp "
+                         f"{args.pp}")
     try:
         config, provenance = _check_model_source(args, source, args.tp)
     except ValueError as e:
@@ -569,7 +590,8 @@ def main(argv=None) -> int:
                                  num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
                                  expert_backend=args.expert_backend, device=device, dtype=param_dtype(args),
                                  load_weights=plan.resume_from is None, saved_placements=saved,
-                                 recompute=recompute_config_from_args(args), sequence_parallel=args.sequence_parallel)
+                                 recompute=recompute_config_from_args(args), sequence_parallel=args.sequence_parallel,
+                                 virtual_pipeline_stages=args.virtual_pipeline_stages)
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
     else:
@@ -582,7 +604,8 @@ def main(argv=None) -> int:
         config = dataclasses.replace(config, recompute=recompute_config_from_args(args),
                                      sequence_parallel=args.sequence_parallel)
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
-        model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args))
+        model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args),
+                            virtual_pipeline_stages=args.virtual_pipeline_stages)
         initialize_parameters(model, args.seed)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
@@ -594,6 +617,8 @@ def main(argv=None) -> int:
                       world_group=world_group, peak_tflops=peak.tflops)
     sampler = ResumableSampler(len(data.train), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                                dp_rank=state.dp.rank, dp_size=state.dp.size, seed=args.seed)   # CP ranks: the same
+    logger.info("%s", describe_pipeline_schedule(state.pp.size, sampler.num_micro_batches,
+                                                 args.virtual_pipeline_stages))
     if plan.resume_from is not None:
         extra = load_training_checkpoint(plan.resume_from, trainer, world_group=world_group,
                                          verify_checksums=args.verify_checksums,

@@ -314,3 +314,36 @@ def test_context_parallel_training_step_on_meta_creates_every_tensor_on_the_mode
             # The K / V all-gather over CP and its backward reduce-scatter ran.
             assert counter.calls("all_gather", state.cp.group) > 0, counter.kinds()
             assert counter.calls("reduce_scatter", state.cp.group) > 0, counter.kinds()
+
+
+# (pp 2, V 2) under the interleaved schedule: with EP 2, with ZeRO-2 on top, and with sequence parallelism at
+# TP 2 plus full recomputation.
+INTERLEAVED = {
+    "v2-alltoall-pp2-ep2-bf16": (dict(pp=2, ep=2), {}, {}),
+    "v2-zero2-pp2-ep2-bf16": (dict(pp=2, ep=2), {}, dict(distributed_optimizer=True, zero_stage=2)),
+    "v2-sp-recompute-tp2-etp2-pp2-bf16": (dict(tp=2, etp=2, pp=2),
+                                          dict(sequence_parallel=True, recompute=RecomputeConfig("full")), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERLEAVED))
+def test_interleaved_pipeline_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    """The interleaved schedule (V = 2 model chunks per rank): its tagged asynchronous sends, receive
+    buffers and per-chunk steps stay on the model's device; an evaluation pass (padded to pp micro-batches)
+    too."""
+    from megamoe.training.evaluation import evaluate_loss
+    layout, model_fields, train_fields = INTERLEAVED[name]
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, **layout) as state:
+            config = dataclasses.replace(tiny_config("alltoall"), **model_fields)
+            model = GPTMoEModel(config, state, device="meta", dtype=torch.bfloat16, virtual_pipeline_stages=2)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2, **train_fields), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]
+            with _meta_run() as counter:
+                trainer.train_step(micro_batches)
+                evaluate_loss(model, state, micro_batches[:1], world_group=dist.group.WORLD)
+            if not train_fields.get("zero_stage") == 2:      # ZeRO-2 frees the full gradients
+                _accumulated_gradients(model)
+            kinds = counter.kinds()
+            assert kinds.get("send", 0) > 0 and kinds.get("recv", 0) > 0, kinds

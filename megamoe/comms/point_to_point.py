@@ -1,8 +1,10 @@
-"""Point-to-point operations of pipeline parallelism: blocking send / recv and the batched
-:func:`batch_send_recv` (every send and receive of a rank posted at once)."""
+"""Point-to-point operations of pipeline parallelism: blocking send / recv, the batched
+:func:`batch_send_recv` (every send and receive of a rank posted at once), and the asynchronous
+:func:`isend` whose handles :func:`wait_sends` completes (the interleaved schedule's sends)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -13,19 +15,51 @@ from megamoe.comms.counter import _record, _timeout_named
 from megamoe.comms.groups import group_size
 
 
-def send(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None) -> None:
-    """Point-to-point send (pipeline activations / gradients)."""
+def send(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None, *, tag: int = 0) -> None:
+    """Point-to-point send (pipeline activations / gradients); ``tag`` matches it with the receive of
+    the same tag (messages of one tag between two ranks match in order)."""
     _record("send", group, tensor)
     with _timeout_named("send", group, peers=(dst_global_rank,)):
-        dist.send(tensor.contiguous(), dst=dst_global_rank, group=group)
+        dist.send(tensor.contiguous(), dst=dst_global_rank, group=group, tag=tag)
 
 
-def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Point-to-point receive into ``tensor``; returns it."""
+def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None = None, *,
+         tag: int = 0) -> torch.Tensor:
+    """Point-to-point receive into ``tensor`` of the message sent with ``tag``; returns it."""
     _record("recv", group, tensor)
     with _timeout_named("recv", group, peers=(src_global_rank,)):
-        dist.recv(tensor, src=src_global_rank, group=group)
+        dist.recv(tensor, src=src_global_rank, group=group, tag=tag)
     return tensor
+
+
+@dataclass
+class PendingSend:
+    """An :func:`isend` in flight: its handle, the tensor it reads (kept alive until the send completes)
+    and its peer (for a timeout's diagnosis)."""
+    work: object
+    tensor: torch.Tensor
+    dst_global_rank: int
+    group: ProcessGroup | None
+
+
+def isend(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None, *,
+          tag: int = 0) -> PendingSend:
+    """Asynchronous point-to-point send, counted as one "send" (its bytes) keyed by ``group``: posts
+    the send and returns at once, so a rank never waits for its consumer. Complete it with
+    :func:`wait_sends` (until then the tensor must not change; the handle keeps it alive). ``tag``
+    pairs it with the :func:`recv` of the same tag, whatever order the receiver posts its receives in."""
+    _record("send", group, tensor)
+    tensor = tensor.detach().contiguous()
+    with _timeout_named("isend", group, peers=(dst_global_rank,)):
+        work = dist.isend(tensor, dst=dst_global_rank, group=group, tag=tag)
+    return PendingSend(work, tensor, dst_global_rank, group)
+
+
+def wait_sends(pending: Sequence[PendingSend]) -> None:
+    """Wait for every :func:`isend` in ``pending`` to complete (no traffic of its own, not counted)."""
+    for send_ in pending:
+        with _timeout_named("isend", send_.group, peers=(send_.dst_global_rank,)):
+            send_.work.wait()
 
 
 def batch_send_recv(

@@ -136,14 +136,15 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[li
     return checked
 
 
-def _stage_forward(model: GPTMoEModel, inputs, positions, caches, attention_mask, token_mask=None):
-    """This stage's layers: the last position's local logits [B, V / tp] on the last stage, the hidden
-    states [B, S, H] elsewhere. ``token_mask`` given: the step without host syncs (compiled decoding)."""
+def _stage_forward(model: GPTMoEModel, inputs, positions, caches, attention_mask, token_mask=None, chunk: int = 0):
+    """This stage's layers (model chunk ``chunk`` of them with virtual pipeline stages): the last
+    position's local logits [B, V / tp] on the last virtual stage, the hidden states [B, S, H] elsewhere.
+    ``token_mask`` given: the step without host syncs (compiled decoding)."""
     if token_mask is None:
-        hidden, _ = model.run_layers(inputs, positions, caches, attention_mask)
+        hidden, _ = model.run_layers(inputs, positions, caches, attention_mask, chunk=chunk)
     else:
-        hidden, _ = model.run_layers_static(inputs, positions, caches, attention_mask, token_mask)
-    return model.logits(hidden[:, -1]) if model.is_last_stage else hidden
+        hidden, _ = model.run_layers_static(inputs, positions, caches, attention_mask, token_mask, chunk=chunk)
+    return model.logits(hidden[:, -1]) if model.chunk_is_last(chunk) else hidden
 
 
 # One compiled callable for every model: dynamo caches a graph per model. The lengths that change
@@ -155,20 +156,30 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
           attention_mask: torch.Tensor, sampling: SamplingConfig, generators: list,
           token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One forward pass of the whole pipeline on ``inputs`` [B, S] token ids: the next token of every
-    row [B], on every rank. With ``token_mask`` [B * S], the compiled step."""
+    row [B], on every rank. With ``token_mask`` [B * S], the compiled step.
+
+    With virtual pipeline stages the hidden states go around the pipeline ring once per model chunk
+    (the last rank's chunk c feeds the first rank's chunk c + 1); each hop is one blocking send and
+    its receive, in order, so no two ranks wait on each other."""
     batch, seq = inputs.shape
     device = attention_mask.device
-    if not model.is_first_stage:
-        dtype = next(model.parameters()).dtype
-        inputs = comms.recv(torch.empty(batch, seq, model.config.hidden_size, dtype=dtype, device=device),
-                            state.pp_prev_rank, state.pp.group)
+    ranks = state.pp.ranks
+    prev_rank, next_rank = ranks[(state.pp.rank - 1) % len(ranks)], ranks[(state.pp.rank + 1) % len(ranks)]
     forward = _stage_forward if token_mask is None else _compiled_stage_forward
-    output = forward(model, inputs, positions, caches, attention_mask, token_mask)
-    if model.is_last_stage:
-        logits = comms.gather_from_tensor_parallel_region(output, state.tp.group)          # [B, V]
-        tokens = sample_next_tokens(logits.float(), sampling, generators)
-    else:
-        comms.send(output, state.pp_next_rank, state.pp.group)
+    tokens = None
+    for chunk in range(getattr(model, "virtual_pipeline_stages", 1)):
+        chunk_inputs = inputs
+        if not model.chunk_is_first(chunk):
+            dtype = next(model.parameters()).dtype
+            chunk_inputs = comms.recv(torch.empty(batch, seq, model.config.hidden_size, dtype=dtype, device=device),
+                                      prev_rank, state.pp.group)
+        output = forward(model, chunk_inputs, positions, caches, attention_mask, token_mask, chunk)
+        if model.chunk_is_last(chunk):
+            logits = comms.gather_from_tensor_parallel_region(output, state.tp.group)          # [B, V]
+            tokens = sample_next_tokens(logits.float(), sampling, generators)
+        else:
+            comms.send(output, next_rank, state.pp.group)
+    if tokens is None:
         tokens = torch.empty(batch, dtype=torch.int64, device=device)
     return comms.broadcast_(tokens, state.pp.ranks[-1], state.pp.group)
 

@@ -26,15 +26,20 @@ def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor, *, posit
     parameter = next(model.parameters())
     dtype, device = parameter.dtype, parameter.device
     pp = state.pp
-    if model.is_first_stage:
-        inputs = input_ids
-    else:
-        inputs = comms.recv(torch.empty(batch, seq, hidden_size, dtype=dtype, device=device), state.pp_prev_rank,
-                            pp.group)
-    output, _ = model(inputs, position_ids, document_ids=document_ids)
-    if not model.is_last_stage:
-        comms.send(output, state.pp_next_rank, pp.group)
+    # With virtual pipeline stages the hidden states go around the ring once per model chunk (the last
+    # rank's chunk c feeds the first rank's chunk c + 1), one blocking send and its receive per hop.
+    prev_rank, next_rank = pp.ranks[(pp.rank - 1) % pp.size], pp.ranks[(pp.rank + 1) % pp.size]
+    logits = None
+    for chunk in range(getattr(model, "virtual_pipeline_stages", 1)):
+        if model.chunk_is_first(chunk):
+            inputs = input_ids
+        else:
+            inputs = comms.recv(torch.empty(batch, seq, hidden_size, dtype=dtype, device=device), prev_rank, pp.group)
+        output, _ = model(inputs, position_ids, document_ids=document_ids, chunk=chunk)
+        if model.chunk_is_last(chunk):
+            logits = comms.gather_from_tensor_parallel_region(output, state.tp.group).float()
+        else:
+            comms.send(output, next_rank, pp.group)
+    if logits is None:
         logits = torch.empty(batch, seq, model.config.vocab_size, dtype=torch.float32, device=device)
-    else:
-        logits = comms.gather_from_tensor_parallel_region(output, state.tp.group).float()
     return comms.broadcast_(logits, pp.ranks[-1], pp.group)

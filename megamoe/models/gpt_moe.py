@@ -63,7 +63,7 @@ from megamoe.transformer.recompute import checkpointed, set_module_flag
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer.rope import RotaryEmbedding
 
-__all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "expert_token_replicas"]
+__all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "chunk_layer_ranges", "expert_token_replicas"]
 
 _FEW_ROWS = 16  # logits of at most this many rows (decoding) take the weight-major GEMM on CPU
 
@@ -122,6 +122,31 @@ def expert_token_replicas(config: GPTMoEConfig, state) -> int:
     if config.moe.input_sharded:
         return state.tp.size
     return state.tp.size // (state.ep.size * state.etp.size)
+
+
+def chunk_layer_ranges(num_layers: int, pp: int, virtual_pipeline_stages: int = 1,
+                       pp_split=None) -> list[list[range]]:
+    """``[pp_rank][chunk]`` -> the layer range of virtual stage ``chunk * pp + pp_rank`` (Megatron-Core's
+    layout: rank ``r`` holds chunks ``r, r + pp, ...``). ``pp_split``: one layer count per virtual stage
+    (``pp * V`` entries; zeros allowed, as in :func:`partition_layers`) or None: equal virtual stages,
+    which with V > 1 needs ``num_layers`` divisible by ``pp * V``. ValueError naming the numbers for a
+    layout that does not fit."""
+    v = virtual_pipeline_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_pipeline_stages must be an int >= 1, got {v!r}")
+    if v > 1 and pp == 1:
+        raise ValueError(f"virtual_pipeline_stages={v} needs pipeline parallelism (pp > 1), got pp={pp}: the "
+                         "interleaved schedule spreads each rank's chunks over a pipeline")
+    stages = pp * v
+    if v > 1 and pp_split is None and (num_layers % stages or num_layers < stages):
+        raise ValueError(f"num_layers ({num_layers}) must split into pp * virtual_pipeline_stages = {pp} * {v} = "
+                         f"{stages} virtual stages of equal size (>= 1 layer each); change the numbers or pass "
+                         f"pp_split with {stages} layer counts")
+    if v > 1 and pp_split is not None and len(pp_split) != stages:
+        raise ValueError(f"pp_split has {len(pp_split)} entries, but pp * virtual_pipeline_stages = {pp} * {v} = "
+                         f"{stages}: give one layer count per virtual stage")
+    ranges = partition_layers(num_layers, stages, pp_split)
+    return [[ranges[chunk * pp + rank] for chunk in range(v)] for rank in range(pp)]
 
 
 class DecoderLayer(nn.Module):
@@ -249,17 +274,22 @@ class GPTMoEModel(nn.Module):
 
     def __init__(self, config: GPTMoEConfig, state, *, pp_split=None,
                  placements: dict[int, ExpertPlacement] | None = None, layer_spec: LayerSpec | None = None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, virtual_pipeline_stages: int = 1):
         super().__init__()
         check_moe_layout(config, state)
         self.config, self.state, self.pp_split = config, state, pp_split
+        self.virtual_pipeline_stages = virtual_pipeline_stages
         self.layer_spec = layer_spec or LayerSpec()
         factory = {"device": device, "dtype": dtype}
         tp = state.tp.group
         self.sequence_group = sequence_parallel_group(config, state)   # None: no sequence parallelism
         self.cp_group = state.cp.group if state.cp.size > 1 else None    # None: no context parallelism
         sp = {"sequence_parallel": True, "sequence_dim": SEQUENCE_DIM} if self.sequence_group is not None else {}
-        self.layer_ids = partition_layers(config.num_layers, state.pp.size, pp_split)[state.pp.rank]
+        # One layer range per model chunk of this rank (virtual stage chunk * pp + pp_rank).
+        self.chunk_layer_ids = chunk_layer_ranges(config.num_layers, state.pp.size, virtual_pipeline_stages,
+                                                  pp_split)[state.pp.rank]
+        self.layer_ids = (self.chunk_layer_ids[0] if virtual_pipeline_stages == 1
+                          else [i for chunk in self.chunk_layer_ids for i in chunk])
         self.is_first_stage, self.is_last_stage = state.is_first_pp_stage, state.is_last_pp_stage
         init = dict(init_method=normal_init(config.init_std))
         if self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings):
@@ -289,7 +319,8 @@ class GPTMoEModel(nn.Module):
         param = next(self.parameters())
         plain = GPTMoEModel(dataclasses.replace(self.config, sequence_parallel=False), self.state,
                             pp_split=self.pp_split, placements=placements, layer_spec=self.layer_spec,
-                            device=param.device, dtype=param.dtype)
+                            device=param.device, dtype=param.dtype,
+                            virtual_pipeline_stages=self.virtual_pipeline_stages)
         plain.load_state_dict(self.state_dict())
         return plain.train(self.training)
 
@@ -299,6 +330,46 @@ class GPTMoEModel(nn.Module):
             return (self.embed_tokens.weight,)
         return ()
 
+    def chunk_is_first(self, chunk: int) -> bool:
+        """Whether model chunk ``chunk`` is the first virtual stage (it embeds the token ids)."""
+        self._check_chunk(chunk)
+        return self.is_first_stage and chunk == 0
+
+    def chunk_is_last(self, chunk: int) -> bool:
+        """Whether model chunk ``chunk`` is the last virtual stage (it returns the loss or logits)."""
+        self._check_chunk(chunk)
+        return self.is_last_stage and chunk == self.virtual_pipeline_stages - 1
+
+    def _check_chunk(self, chunk: int) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk < self.virtual_pipeline_stages:
+            raise ValueError(f"chunk must be an int in [0, virtual_pipeline_stages={self.virtual_pipeline_stages}), "
+                             f"got {chunk!r}")
+
+    def chunk_parameters(self) -> list[list[nn.Parameter]]:
+        """This rank's trainable parameters by model chunk (every one in exactly one list, in
+        ``parameters()`` order): a chunk's layers; the embedding with chunk 0 on the first rank; the final
+        norm, output layer and the tied embedding copy with the last chunk on the last rank. A parameter
+        of no chunk's module (a custom subclass's) goes with chunk 0, whose last backward is the step's
+        last. ``[list(parameters)]`` for V = 1."""
+        owner: dict[int, int] = {}
+        for chunk, layer_ids in enumerate(self.chunk_layer_ids):
+            for i in layer_ids:
+                for p in self.layers[str(i)].parameters():
+                    owner[id(p)] = chunk
+        last = self.virtual_pipeline_stages - 1
+        for name in ("norm", "lm_head"):
+            if hasattr(self, name):
+                for p in getattr(self, name).parameters():
+                    owner[id(p)] = last
+        if hasattr(self, "embed_tokens"):
+            for p in self.embed_tokens.parameters():
+                owner[id(p)] = 0 if self.is_first_stage else last
+        chunks: list[list[nn.Parameter]] = [[] for _ in range(self.virtual_pipeline_stages)]
+        for p in self.parameters():
+            if p.requires_grad:
+                chunks[owner.get(id(p), 0)].append(p)
+        return chunks
+
     def moe_layers(self) -> dict[int, MoELayer]:
         """This stage's MoE layers (subclasses included) by global layer id."""
         return {i: layer.mlp for i, layer in ((int(k), v) for k, v in self.layers.items())
@@ -306,9 +377,9 @@ class GPTMoEModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, kv_caches=None, attention_mask: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None):
-        hidden, aux_loss = self.run_layers(inputs, position_ids, kv_caches, attention_mask, document_ids)
-        if not self.is_last_stage:
+                document_ids: torch.Tensor | None = None, chunk: int = 0):
+        hidden, aux_loss = self.run_layers(inputs, position_ids, kv_caches, attention_mask, document_ids, chunk=chunk)
+        if not self.chunk_is_last(chunk):
             return hidden, aux_loss
         logits_local = self.logits(hidden)
         if labels is None:
@@ -322,12 +393,14 @@ class GPTMoEModel(nn.Module):
 
     def run_layers(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, kv_caches=None,
                    attention_mask: torch.Tensor | None = None,
-                   document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   document_ids: torch.Tensor | None = None, *, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding (first stage) and this stage's decoder layers: ``(hidden [B, S, H], aux_loss)``
         (under sequence parallelism this rank's chunk [B, S / tp, H]; see
-        :mod:`megamoe.models.sequence_parallel`)."""
-        self._check_sequence_parallel_call(inputs, kv_caches, attention_mask)
-        hidden, position_ids = self._embed(inputs, position_ids)
+        :mod:`megamoe.models.sequence_parallel`). With virtual pipeline stages, those of model chunk
+        ``chunk`` only."""
+        self._check_chunk(chunk)
+        self._check_sequence_parallel_call(inputs, kv_caches, attention_mask, chunk)
+        hidden, position_ids = self._embed(inputs, position_ids, chunk)
         check_no_cache_with_documents(kv_caches, document_ids)
         if document_ids is not None and document_ids.shape != self._full_shape(hidden):
             raise ValueError(f"document_ids must be [batch, seq] = {list(self._full_shape(hidden))} like the inputs, "
@@ -343,23 +416,25 @@ class GPTMoEModel(nn.Module):
             elif no_padding:
                 attention_mask = None                # no padding at all: the plain causal mask
         return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_index=mlp_token_index,
-                                    document_ids=document_ids)
+                                    document_ids=document_ids, chunk=chunk)
 
     def run_layers_static(self, inputs: torch.Tensor, position_ids: torch.Tensor, kv_caches,
-                          attention_mask: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          attention_mask: torch.Tensor, token_mask: torch.Tensor, *,
+                          chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`run_layers` without host syncs or data-dependent shapes (compiled decoding). The caches
         are written at their ``write_index`` (:class:`~megamoe.inference.kv_cache.StaticKVCache`);
         ``attention_mask`` [B, S_past + S] spans the filled positions; ``token_mask`` [B * S] marks
         this call's real tokens: padding tokens go through every layer (their outputs are unused)
         but reach no expert and are not counted in the expert load."""
-        self._check_sequence_parallel_call(inputs, kv_caches, attention_mask)
-        hidden, position_ids = self._embed(inputs, position_ids)
-        return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_mask=token_mask)
+        self._check_sequence_parallel_call(inputs, kv_caches, attention_mask, chunk)
+        hidden, position_ids = self._embed(inputs, position_ids, chunk)
+        return self._decoder_layers(hidden, position_ids, kv_caches, attention_mask, mlp_token_mask=token_mask,
+                                    chunk=chunk)
 
-    def _embed(self, inputs: torch.Tensor, position_ids: torch.Tensor | None):
-        """(hidden [B, S, H], position_ids [B, S]): the embedding on the first stage, the received
+    def _embed(self, inputs: torch.Tensor, position_ids: torch.Tensor | None, chunk: int = 0):
+        """(hidden [B, S, H], position_ids [B, S]): the embedding on the first virtual stage, the received
         hidden states elsewhere."""
-        if self.is_first_stage:
+        if self.chunk_is_first(chunk):
             hidden = self.embed_tokens(slice_for_context_parallel(inputs, self.cp_group))
         else:
             hidden = inputs
@@ -374,14 +449,14 @@ class GPTMoEModel(nn.Module):
         chunks = 1 if self.sequence_group is None else self.state.tp.size
         return hidden.shape[0], hidden.shape[1] * chunks * self.state.cp.size
 
-    def _check_sequence_parallel_call(self, inputs: torch.Tensor, kv_caches, attention_mask) -> None:
+    def _check_sequence_parallel_call(self, inputs: torch.Tensor, kv_caches, attention_mask, chunk: int = 0) -> None:
         """Sequence / context parallelism: the ids split into equal chunks; no generation (KV cache, padding)."""
         if self.cp_group is not None:
             if kv_caches is not None or attention_mask is not None:
                 raise ValueError("context parallelism is a training feature: a forward with a KV cache or an "
                                  "attention_mask (generation) cannot split the sequence over the CP group; generate "
                                  "with a layout of cp=1 (the same checkpoint loads into it)")
-            if self.is_first_stage:
+            if self.chunk_is_first(chunk):
                 check_context_parallel_length(inputs.shape[1], self.state.cp.size)
                 if self.sequence_group is not None:
                     check_sequence_length(inputs.shape[1] // self.state.cp.size, self.state.tp.size)
@@ -393,16 +468,17 @@ class GPTMoEModel(nn.Module):
                              "attention_mask (generation) cannot split the sequence; generate with "
                              "model.without_sequence_parallel(), or build the model with sequence_parallel=False "
                              "(it computes the same function)")
-        if self.is_first_stage:
+        if self.chunk_is_first(chunk):
             check_sequence_length(inputs.shape[1], self.state.tp.size)
 
     def _decoder_layers(self, hidden, position_ids, kv_caches, attention_mask, *, mlp_token_index=None,
-                        mlp_token_mask=None, document_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        mlp_token_mask=None, document_ids=None, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         aux_loss = hidden.new_zeros((), dtype=torch.float32)
         position_embeddings = self.rotary(position_ids)
         full = self.config.recompute.full
-        for key, layer in self.layers.items():
-            cache = None if kv_caches is None else kv_caches[int(key)]
+        for layer_id in self.chunk_layer_ids[chunk]:
+            layer = self.layers[str(layer_id)]
+            cache = None if kv_caches is None else kv_caches[layer_id]
             # Full recomputation keeps only each layer's inputs (never with a cache: it updates once).
             hidden, layer_aux = checkpointed(layer, hidden, position_ids, cache, attention_mask, mlp_token_index,
                                              position_embeddings, mlp_token_mask, document_ids,

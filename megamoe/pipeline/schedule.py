@@ -1,5 +1,8 @@
 """Forward/backward schedules over micro-batches: plain gradient accumulation and pipelined 1F1B.
 
+:func:`forward_backward` / :func:`forward_only` also take a list of forward steps, one per model chunk:
+more than one runs the interleaved schedule of :mod:`megamoe.pipeline.interleaved`.
+
 The forward step
 ----------------
 ``forward_step(input_tensor, micro_batch_index)`` runs this stage's part of the model on one
@@ -205,29 +208,56 @@ def forward_backward_1f1b(
     return losses
 
 
+def _model_chunks(forward_step: ForwardStep | Sequence[ForwardStep]) -> list[ForwardStep] | None:
+    """The forward steps of the model chunks when more than one is given (interleaved), else None."""
+    if callable(forward_step):
+        return None
+    steps = list(forward_step)
+    if not steps:
+        raise ValueError("forward_step: got an empty list of forward steps; pass one per model chunk")
+    return steps if len(steps) > 1 else None
+
+
+def _single_step(forward_step: ForwardStep | Sequence[ForwardStep]) -> ForwardStep:
+    return forward_step if callable(forward_step) else list(forward_step)[0]
+
+
 def forward_backward(
-    forward_step: ForwardStep,
+    forward_step: ForwardStep | Sequence[ForwardStep],
     num_micro_batches: int,
     state: ParallelState,
     tensor_shape: Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str | None = None,
+    *,
+    on_last_backward: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor]:
     """Run the schedule that fits ``state``'s pipeline group: plain gradient accumulation when it has
     one stage, 1F1B otherwise (``tensor_shape``/``dtype``/``device`` are then those of the activations
-    between stages). Returns the losses on the last stage, an empty list elsewhere."""
+    between stages). ``forward_step`` may be a list with one forward step per model chunk: more than one
+    runs the interleaved schedule (:func:`megamoe.pipeline.interleaved.forward_backward_interleaved`).
+    ``on_last_backward(chunk)``: called just before the backward of a chunk's last micro-batch. Returns
+    the losses on the last stage, an empty list elsewhere."""
+    chunks = _model_chunks(forward_step)
+    if chunks is not None:
+        from megamoe.pipeline.interleaved import forward_backward_interleaved   # it imports this module
+        return forward_backward_interleaved(chunks, num_micro_batches, state=state, tensor_shape=tensor_shape,
+                                            dtype=dtype, device=device, on_last_backward=on_last_backward)
+    forward_step = _single_step(forward_step)
+    # The non-interleaved schedules take the hook where they support it (an unsupported one raises TypeError).
+    hook = {} if on_last_backward is None else {"on_last_backward": on_last_backward}
     if state.pp.size == 1:
-        return forward_backward_no_pipelining(forward_step, num_micro_batches)
+        return forward_backward_no_pipelining(forward_step, num_micro_batches, **hook)
     return forward_backward_1f1b(
         forward_step, num_micro_batches, pp_group=state.pp.group, pp_rank=state.pp.rank, pp_size=state.pp.size,
         prev_rank=state.pp_prev_rank, next_rank=state.pp_next_rank, tensor_shape=tensor_shape, dtype=dtype,
-        device=device,
+        device=device, **hook,
     )
 
 
 @torch.no_grad()
 def forward_only(
-    forward_step: ForwardStep,
+    forward_step: ForwardStep | Sequence[ForwardStep],
     num_micro_batches: int,
     state: ParallelState,
     tensor_shape: Sequence[int],
@@ -238,9 +268,17 @@ def forward_only(
 
     Each stage receives micro-batch ``i``'s activation from the previous stage, runs ``forward_step``
     and sends the output on: one receive and one send per micro-batch and neighbour, no backward
-    traffic. ``forward_step`` is the one of :func:`forward_backward` (its aux loss is ignored).
-    Returns the per-micro-batch losses on the last stage, an empty list elsewhere.
+    traffic. ``forward_step`` is the one of :func:`forward_backward` (its aux loss is ignored); a list
+    of more than one (one per model chunk) runs
+    :func:`megamoe.pipeline.interleaved.forward_only_interleaved`. Returns the per-micro-batch losses
+    on the last stage, an empty list elsewhere.
     """
+    chunks = _model_chunks(forward_step)
+    if chunks is not None:
+        from megamoe.pipeline.interleaved import forward_only_interleaved   # it imports this module
+        return forward_only_interleaved(chunks, num_micro_batches, state=state, tensor_shape=tensor_shape,
+                                        dtype=dtype, device=device)
+    forward_step = _single_step(forward_step)
     _check_num_micro_batches(num_micro_batches)
     tensor_shape = tuple(int(d) for d in tensor_shape)
     pipelined = state.pp.size > 1

@@ -8,8 +8,7 @@ schedule on a model of the machine instead of running it:
   ``min(pp - rank - 1, m)``, then one forward / one backward, then the remaining backwards).
 - :func:`interleaved_1f1b_order` is the op order of one rank under interleaved 1F1B with ``V`` virtual
   stages (model chunks) per rank, as Megatron-Core orders it (``--num-layers-per-virtual-pipeline-stage``).
-  megamoe does not run this schedule yet: the order is for planning and for checking a future
-  implementation against.
+  :func:`megamoe.pipeline.interleaved.forward_backward_interleaved` runs exactly this order.
 - :func:`simulate_pipeline` runs those orders event-driven and reports makespan, busy time and bubble.
 
 Model of the machine
@@ -43,8 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["PipelineOp", "PipelineSimulation", "TimedOp", "interleaved_1f1b_order", "one_f_one_b_order",
-           "simulate_pipeline"]
+__all__ = ["PipelineOp", "PipelineSimulation", "TimedOp", "describe_pipeline_schedule", "interleaved_1f1b_order",
+           "one_f_one_b_order", "simulate_pipeline"]
 
 
 class PipelineOp(NamedTuple):
@@ -244,3 +243,16 @@ def simulate_pipeline(pp: int, num_micro_batches: int, virtual_stages: int = 1, 
         bubble_time=makespan - ideal, bubble_over_ideal=(makespan - ideal) / ideal,
         timelines=tuple(tuple(line) for line in timelines),
     )
+
+
+def describe_pipeline_schedule(pp: int, num_micro_batches: int, virtual_stages: int = 1) -> str:
+    """One line for a training log: the schedule a step runs and its simulated bubble (uniform stage times,
+    no transfer latency: :func:`simulate_pipeline`), e.g. ``pipeline: interleaved 1F1B, pp 2 x 2 virtual
+    stages, 8 micro-batches: bubble 5.9% (simulated, uniform stage times)``."""
+    if pp == 1:
+        return f"pipeline: none (one stage), {num_micro_batches} micro-batches of gradient accumulation: no bubble"
+    simulation = simulate_pipeline(pp, num_micro_batches, virtual_stages)
+    schedule = (f"interleaved 1F1B, pp {pp} x {virtual_stages} virtual stages" if virtual_stages > 1
+                else f"1F1B, pp {pp}")
+    return (f"pipeline: {schedule}, {num_micro_batches} micro-batches: bubble "
+            f"{100 * simulation.mean_bubble_fraction:.1f}% (simulated, uniform stage times)")

@@ -20,9 +20,11 @@ import torch
 from megamoe import comms
 from megamoe.data.eval_split import IGNORE_INDEX
 from megamoe.data.packing import MicroBatch
+from megamoe.host_values import host_floats
 from megamoe.models.sequence_parallel import stage_hidden_shape
 from megamoe.pipeline.schedule import forward_only
 from megamoe.precision import upcast
+from megamoe.training.trainable_model import model_chunk_is_first, model_chunk_is_last
 
 __all__ = ["evaluate_loss"]
 
@@ -39,12 +41,27 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
                 else contextlib.nullcontext())
     mb, seq = MicroBatch(*micro_batches[0]).inputs.shape
 
-    def forward_step(input_tensor, index):
-        batch = MicroBatch(*micro_batches[index])
-        with autocast:
-            out, _ = model(batch.inputs if model.is_first_stage else input_tensor,
-                           labels=batch.labels if model.is_last_stage else None, **batch.packing_keywords())
-        return upcast(out) if model.is_last_stage else out
+    virtual_stages = getattr(model, "virtual_pipeline_stages", 1)
+    if virtual_stages > 1 and len(micro_batches) % state.pp.size:
+        # The interleaved schedule takes a multiple of pp micro-batches: pad with copies of the first whose
+        # labels are all ignored (weight 0 in the mean below).
+        first = MicroBatch(*micro_batches[0])
+        padding = first._replace(labels=torch.full_like(first.labels, IGNORE_INDEX))
+        micro_batches = list(micro_batches) + [padding] * (-len(micro_batches) % state.pp.size)
+
+    def chunk_step(chunk: int):
+        first, last = model_chunk_is_first(model, chunk), model_chunk_is_last(model, chunk)
+        keywords = {"chunk": chunk} if virtual_stages > 1 else {}
+
+        def forward_step(input_tensor, index):
+            batch = MicroBatch(*micro_batches[index])
+            with autocast:
+                out, _ = model(batch.inputs if first else input_tensor, labels=batch.labels if last else None,
+                               **batch.packing_keywords(), **keywords)
+            return upcast(out) if last else out
+        return forward_step
+
+    forward_step = chunk_step(0) if virtual_stages == 1 else [chunk_step(c) for c in range(virtual_stages)]
 
     was_training = model.training
     model.eval()
@@ -66,6 +83,7 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
             if state.cp.rank == 0:
                 totals[1] += labelled
     comms.all_reduce_(totals, world_group)
-    if totals[1].item() == 0:
+    loss_sum, tokens = host_floats(totals)          # one read; NaN on the meta device (a dry run)
+    if tokens == 0:
         raise ValueError("evaluate_loss: the micro-batches hold no labelled token (every label is -100)")
-    return (totals[0] / totals[1]).item()
+    return loss_sum / tokens

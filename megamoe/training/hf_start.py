@@ -136,14 +136,15 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
                   expert_backend: str = "auto", device=None, dtype=None, layer_spec: LayerSpec | None = None,
                   load_weights: bool = True, saved_placements: dict | None = None,
                   progress: bool | None = None, recompute: RecomputeConfig | None = None,
-                  sequence_parallel: bool = False) -> tuple[GPTMoEModel, HFStart]:
+                  sequence_parallel: bool = False, virtual_pipeline_stages: int = 1) -> tuple[GPTMoEModel, HFStart]:
     """This rank's stage of the HF model in ``hf_dir`` under ``state`` (a ParallelState), filled from its
     safetensors, and the :class:`HFStart` the run keeps (pass ``start.provenance`` to every save).
 
     ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
     placements) choose the expert slots as ``import-hf`` does; ``dispatcher`` and ``expert_backend`` are
     the engine's, and so are ``recompute`` (activation recomputation; default: none) and
-    ``sequence_parallel`` (``GPTMoEConfig.sequence_parallel``).
+    ``sequence_parallel`` (``GPTMoEConfig.sequence_parallel``) and ``virtual_pipeline_stages`` (model
+    chunks per pipeline rank, for the interleaved schedule).
     ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
     overwrites every weight); such a run passes the checkpoint's ``saved_placements`` ({layer id:
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
@@ -158,7 +159,8 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
     config = dataclasses.replace(start.config, sequence_parallel=sequence_parallel)
     if recompute is not None:
         config = dataclasses.replace(config, recompute=recompute)
-    model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype, layer_spec=layer_spec)
+    model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype, layer_spec=layer_spec,
+                        virtual_pipeline_stages=virtual_pipeline_stages)
     if load_weights:
         read = load_hf_weights(model, hf, progress=progress)
         logger.info("loaded %s (%s) into this rank's part of the model: read %d of its %d bytes", hf.directory,

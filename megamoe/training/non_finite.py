@@ -12,7 +12,11 @@ rank already holds (the global gradient norm, the reduced loss) and only then ca
    makes those of every earlier layer non-finite too);
 3. otherwise the forward: the first module (in execution order, innermost first) whose output is
    non-finite, found by re-running micro-batch 0 through the pipeline with forward hooks (RNG states
-   restored afterwards, gradients of the re-run discarded by the next step's ``zero_grad``).
+   restored afterwards, gradients of the re-run discarded by the next step's ``zero_grad``; the
+   interleaved schedule re-runs micro-batches 0 .. pp - 1, the fewest it takes).
+
+"Stage" is the virtual pipeline stage under the interleaved schedule (model chunk ``c`` of pipeline rank
+``r`` is stage ``c * pp + r``, see :class:`~megamoe.models.GPTMoEModel`), the pipeline rank otherwise.
 """
 
 from __future__ import annotations
@@ -92,16 +96,35 @@ def locate_non_finite(model: nn.Module, state, world_group, *, loss_finite: bool
         rank, name = values[0]
         return f"parameter {name!r} holds NaN or Inf (rank {rank})"
     if loss_finite:
-        found = _on_stage(_gathered((state.pp.rank, _last_non_finite_gradient(model, gradients)), world_group), max)
+        name = _last_non_finite_gradient(model, gradients)
+        found = _on_stage(_gathered((_stage_of(model, state, name), name), world_group), max)
         if found is not None:
             rank, name = found
             return f"the gradient of parameter {name!r} went non-finite first in the backward (rank {rank})"
         return "the gradient norm is non-finite, but no gradient holds NaN or Inf (an overflow of the norm)"
-    found = _on_stage(_gathered((state.pp.rank, _first_non_finite_module(model, rerun_forward)), world_group), min)
+    name = _first_non_finite_module(model, rerun_forward)
+    found = _on_stage(_gathered((_stage_of(model, state, name), name), world_group), min)
     if found is not None:
         rank, name = found
         return f"the output of module {name!r} went non-finite first in the forward (rank {rank})"
     return "the loss is non-finite, but no parameter, gradient or module output holds NaN or Inf"
+
+
+def _stage_of(model: nn.Module, state, name: str | None) -> int:
+    """The pipeline stage holding parameter or module ``name`` of this rank: with virtual pipeline stages
+    the virtual stage of its model chunk (``layers.<id>`` by the chunk holding the layer; the embedding of
+    the first rank with chunk 0, the final norm, output layer and tied embedding copy with the last)."""
+    virtual_stages = getattr(model, "virtual_pipeline_stages", 1)
+    chunk_layers = getattr(model, "chunk_layer_ids", None)
+    if virtual_stages == 1 or name is None or chunk_layers is None:
+        return state.pp.rank
+    parts = name.split(".")
+    chunk = 0
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        chunk = next((c for c, ids in enumerate(chunk_layers) if int(parts[1]) in ids), 0)
+    elif parts[0] in ("norm", "lm_head") or (parts[0] == "embed_tokens" and not model.is_first_stage):
+        chunk = virtual_stages - 1
+    return chunk * state.pp.size + state.pp.rank
 
 
 def _on_stage(gathered: list, choose_stage) -> tuple[int, str] | None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from megamoe.moe.moe_layer import MoELayer
 
-__all__ = ["TrainableModel", "check_trainable_model"]
+__all__ = ["TrainableModel", "check_trainable_model", "model_chunk_is_first", "model_chunk_is_last"]
 
 
 @runtime_checkable
@@ -37,6 +37,10 @@ class TrainableModel(Protocol):
       stage's sum of balancing losses (a 0-dim tensor, zero when there is none). Only for packed
       micro-batches (:class:`~megamoe.data.packing.MicroBatch`) does the Trainer also pass the
       keywords ``position_ids`` / ``document_ids`` [B, S] (those that are not None).
+
+    Optional, for the interleaved pipeline schedule: ``virtual_pipeline_stages`` (an int; 1 when absent),
+    and with more than one ``chunk_is_first(chunk)`` / ``chunk_is_last(chunk)`` and a ``chunk`` keyword
+    of ``forward`` that runs that model chunk only (as :class:`~megamoe.models.GPTMoEModel` has).
 
     Parallel layers (:mod:`megamoe.tensor_parallel`) tag their parameters' sharding; a parameter of
     one's own that each rank holds a different piece of needs
@@ -86,6 +90,15 @@ def check_trainable_model(model) -> None:
     if "labels" not in parameters and not takes_any_keyword:
         raise TypeError(f"{kind}.forward takes no 'labels' argument: it must be forward(inputs, labels=None) -> "
                         f"(output, aux_loss); {_FIX}")
+    virtual_stages = getattr(model, "virtual_pipeline_stages", 1)
+    if virtual_stages != 1:
+        for name in ("chunk_is_first", "chunk_is_last"):
+            if not callable(getattr(model, name, None)):
+                raise TypeError(f"{kind} has virtual_pipeline_stages={virtual_stages} but no method {name}(chunk); "
+                                f"{_FIX}")
+        if "chunk" not in parameters and not takes_any_keyword:
+            raise TypeError(f"{kind} has virtual_pipeline_stages={virtual_stages} but its forward takes no 'chunk' "
+                            f"keyword; {_FIX}")
     layers = model.moe_layers()
     if not isinstance(layers, dict):
         raise TypeError(f"{kind}.moe_layers() returned a {type(layers).__name__}, not a dict {{layer id: MoELayer}}; "
@@ -101,3 +114,17 @@ def check_trainable_model(model) -> None:
     if unlisted:
         raise TypeError(f"{kind}.moe_layers() leaves out the MoELayer modules {unlisted}: their expert loads and "
                         f"expert biases would not be updated; {_FIX}")
+
+
+def model_chunk_is_first(model, chunk: int) -> bool:
+    """Whether ``model``'s chunk ``chunk`` takes the token ids: ``is_first_stage`` without virtual stages."""
+    if getattr(model, "virtual_pipeline_stages", 1) == 1:
+        return model.is_first_stage
+    return model.chunk_is_first(chunk)
+
+
+def model_chunk_is_last(model, chunk: int) -> bool:
+    """Whether ``model``'s chunk ``chunk`` returns the loss: ``is_last_stage`` without virtual stages."""
+    if getattr(model, "virtual_pipeline_stages", 1) == 1:
+        return model.is_last_stage
+    return model.chunk_is_last(chunk)

@@ -93,7 +93,8 @@ from megamoe.training.mfu import model_flops_utilization, model_tflops_per_rank
 from megamoe.training.moe_layer_metrics import MoELayerMetrics, PerLayerAuxLoss
 from megamoe.training.non_finite import NonFiniteTrainingError, locate_non_finite
 from megamoe.training.peak_memory import peak_memory_bytes, reset_peak_memory
-from megamoe.training.trainable_model import TrainableModel, check_trainable_model
+from megamoe.training.trainable_model import (TrainableModel, check_trainable_model, model_chunk_is_first,
+                                              model_chunk_is_last)
 
 __all__ = ["TrainConfig", "StepMetrics", "MoELayerMetrics", "Trainer", "build_optimizer"]
 
@@ -285,20 +286,31 @@ class Trainer:
         lr = self.config.lr_schedule.lr_at(self.step + 1, self.config.lr)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
 
-        def forward_step(input_tensor, index):
-            nonlocal aux_total
-            batch = micro_batches[index]
-            with self._autocast():
-                out, aux = model(batch.inputs if model.is_first_stage else input_tensor,
-                                 labels=batch.labels if model.is_last_stage else None, **batch.packing_keywords())
-            aux_total += aux.detach().double()
-            if model.is_last_stage:
-                out = upcast(out) / num_mb
-            aux = aux / num_mb
-            if scale is not None:
-                out = out * scale if model.is_last_stage else out
-                aux = aux * scale
-            return out, aux
+        def chunk_step(chunk: int):
+            # The forward step of model chunk ``chunk`` (the whole stage without virtual pipeline stages):
+            # token ids on the chunk holding the first virtual stage, labels and the loss on the last.
+            first, last = model_chunk_is_first(model, chunk), model_chunk_is_last(model, chunk)
+            keywords = {"chunk": chunk} if virtual_stages > 1 else {}
+
+            def forward_step(input_tensor, index):
+                nonlocal aux_total
+                batch = micro_batches[index]
+                with self._autocast():
+                    out, aux = model(batch.inputs if first else input_tensor, labels=batch.labels if last else None,
+                                     **batch.packing_keywords(), **keywords)
+                aux_total += aux.detach().double()
+                if last:
+                    out = upcast(out) / num_mb
+                aux = aux / num_mb
+                if scale is not None:
+                    out = out * scale if last else out
+                    aux = aux * scale
+                return out, aux
+            return forward_step
+
+        virtual_stages = getattr(model, "virtual_pipeline_stages", 1)
+        # One forward step per model chunk: more than one runs the interleaved schedule.
+        forward_step = chunk_step(0) if virtual_stages == 1 else [chunk_step(c) for c in range(virtual_stages)]
 
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
         # Between pipeline stages: [mb, S, H], or this rank's sequence chunk [mb, S / tp, H] under sequence
@@ -335,8 +347,11 @@ class Trainer:
         if finite:
             self.consecutive_skips = 0
         else:
+            # The re-run forwards the fewest micro-batches the schedule takes: 1, or pp when interleaved
+            # (its micro-batch count is a multiple of pp).
+            rerun_micro_batches = 1 if virtual_stages == 1 else state.pp.size
             self._skip(loss, aux_loss, grad_norm, scale, lambda: forward_backward(
-                forward_step, 1, state, hidden_shape, hidden_dtype, self.device))
+                forward_step, rerun_micro_batches, state, hidden_shape, hidden_dtype, self.device))
         eplb_report = self._rebalance_experts(finite)
         tokens = mb * seq * num_mb * state.dp.size      # CP ranks share their sequences: count them once
         elapsed = time.perf_counter() - start
