@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence parallelism (needs --tp > 1): norms and residuals on [B, S/tp, H] chunks, an "
                         "all-gather and a reduce-scatter around each TP block instead of all-reduces; --seq-len "
                         "must be a multiple of --tp")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="alltoall with --ep > 1: compute the shared experts while the dispatch all-to-all is in "
+                        "flight (same results)")
     add_launch_arguments(p)
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
@@ -320,6 +323,9 @@ def check_arguments(args, world_size: int) -> ModelSource:
                          f"{args.tp}")
     if args.sequence_parallel and args.seq_len % args.tp:
         raise UsageError(f"--sequence-parallel: --seq-len {args.seq_len} must be divisible by --tp {args.tp}")
+    if args.moe_shared_expert_overlap and args.dispatcher != "alltoall":
+        raise UsageError("--moe-shared-expert-overlap overlaps the shared experts with the dispatch all-to-all: it "
+                         f"needs --dispatcher alltoall, got --dispatcher {args.dispatcher}")
     source = model_source(args)
     if source.tokenizer is not None:
         try:
@@ -574,6 +580,9 @@ def main(argv=None) -> int:
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
         model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args))
         initialize_parameters(model, args.seed)
+    # An engine choice (like the dispatcher), whatever the model source: a checkpoint resumes under either.
+    for layer in model.moe_layers().values():
+        layer.config = dataclasses.replace(layer.config, shared_expert_overlap=args.moe_shared_expert_overlap)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
         provenance = HFProvenance.of_checkpoint(plan.resume_from) or provenance

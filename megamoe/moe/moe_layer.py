@@ -75,6 +75,10 @@ class MoEConfig:
     shared_experts: SharedExpertsConfig | None = None
     capacity_factor: float | None = None       # None: dropless
     init_std: float = 0.02
+    # alltoall with EP > 1 and shared experts: start the dispatch all-to-all asynchronously and compute the
+    # shared experts while it is in flight (megamoe.comms.async_collectives). An engine field: a checkpoint
+    # resumes with either choice; results are bit-identical.
+    shared_expert_overlap: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size < 1:
@@ -90,6 +94,8 @@ class MoEConfig:
             raise ValueError("MoEConfig.input_sharded applies to dispatcher='allgather' only")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if not isinstance(self.shared_expert_overlap, bool):
+            raise ValueError(f"MoEConfig.shared_expert_overlap must be a bool, got {self.shared_expert_overlap!r}")
         if self.shared_experts is not None and self.shared_experts.hidden_size != self.router.hidden_size:
             raise ValueError("MoEConfig.shared_experts.hidden_size must equal router.hidden_size")
 

@@ -120,6 +120,13 @@ class TrainConfig:
     # reduce-scatter (needs distributed_optimizer).
     distributed_optimizer: bool = False
     zero_stage: int = 1
+    # Gradient reduction in buckets of at most grad_bucket_mb MB of (fp32-reduced) gradient, per (group, dtype,
+    # model chunk), in reverse registration order (megamoe.training.grad_buckets). overlap_grad_reduce: each
+    # bucket's all-reduce / reduce-scatter starts asynchronously from backward hooks during the last
+    # micro-batch's backward, as soon as its gradients are ready, and is waited for before the optimizer step.
+    # Off: the same buckets are reduced synchronously after the backward (bit-identical results).
+    overlap_grad_reduce: bool = False
+    grad_bucket_mb: float = 40.0
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -140,6 +147,12 @@ class TrainConfig:
         if self.zero_stage == 2 and not self.distributed_optimizer:
             raise ValueError("TrainConfig.zero_stage=2 needs distributed_optimizer=True (ZeRO-2 frees gradients "
                              "outside the shards the distributed optimizer keeps)")
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise ValueError(f"TrainConfig.overlap_grad_reduce must be a bool, got {self.overlap_grad_reduce!r}")
+        if (isinstance(self.grad_bucket_mb, bool) or not isinstance(self.grad_bucket_mb, (int, float))
+                or not 0 < self.grad_bucket_mb < math.inf):
+            raise ValueError(f"TrainConfig.grad_bucket_mb must be a number > 0 (MB of gradient per bucket), "
+                             f"got {self.grad_bucket_mb!r}")
         if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
             raise ValueError(f"TrainConfig.eplb must be an EPLBConfig or None, got {type(self.eplb).__name__}")
 
