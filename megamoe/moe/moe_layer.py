@@ -423,11 +423,28 @@ class MoELayer(nn.Module):
     # would otherwise recompile its pieces for every new count.
     @torch.compiler.disable
     def dispatch_and_compute(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """dispatch -> experts -> combine (with the shared experts): [T, H] for this rank's tokens."""
+        """dispatch -> experts -> combine (with the shared experts): [T, H] for this rank's tokens.
+
+        ``MoEConfig.shared_expert_overlap`` (all-to-all dispatcher, EP > 1, shared experts): the dispatch
+        all-to-alls are started, the shared experts computed while they are in flight, then waited for; the
+        backward mirrors it (the reverse exchanges run during the shared experts' backward). The same
+        operations on the same values in another order: identical results."""
+        if self._overlaps_shared_experts():
+            self.dispatcher.dispatch(x, slot_ids, weights, overlap=True)
+            with comms.timed("shared_experts", tag="moe"):
+                shared_output = self._shared_experts_partial(x)
+            expert_input, tokens_per_slot = self.dispatcher.dispatch_finish()
+            expert_output = self.experts(expert_input, tokens_per_slot)
+            return self.dispatcher.combine(expert_output, shared_output)
         expert_input, tokens_per_slot = self.dispatcher.dispatch(x, slot_ids, weights)
         expert_output = self.experts(expert_input, tokens_per_slot)        # grouped GEMMs
-        shared_output = self._shared_experts_partial(x)
+        with comms.timed("shared_experts", tag="moe"):
+            shared_output = self._shared_experts_partial(x)
         return self.dispatcher.combine(expert_output, shared_output)        # weighted sum + ONE reduction
+
+    def _overlaps_shared_experts(self) -> bool:
+        return (self.config.shared_expert_overlap and self.shared_experts is not None
+                and getattr(self.dispatcher, "overlaps_dispatch", lambda: False)())
 
     def _computes_per_pair(self, slot_ids: torch.Tensor) -> bool:
         """See the module docstring: compiled inference, nothing to communicate, few pairs."""

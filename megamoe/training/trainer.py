@@ -86,6 +86,7 @@ from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
 from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.flops import training_flops
+from megamoe.training.grad_buckets import grad_bucket_numel
 from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
 from megamoe.training.loss_scaling import DynamicLossScaler, LossScaleConfig
 from megamoe.training.lr_schedule import LRScheduleConfig
@@ -250,9 +251,14 @@ class Trainer:
                                                          expert_token_replicas=replicas)
         self.optimizer = optimizer or build_optimizer(model, config)
         self.distributed = isinstance(self.optimizer, DistributedOptimizer)
+        sharded = self.distributed and self.optimizer.shard
+        # Gradient buckets (megamoe.training.grad_buckets): the plain path's all-reduces, or the distributed
+        # optimizer's reduce-scatters, start from backward hooks with overlap_grad_reduce.
         self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
-                                      expert_token_replicas=replicas,
-                                      data_parallel=not (self.distributed and self.optimizer.shard))
+                                      expert_token_replicas=replicas, data_parallel=not sharded,
+                                      bucket_numel=grad_bucket_numel(config.grad_bucket_mb),
+                                      overlap=config.overlap_grad_reduce and not sharded)
+        self._overlapped = ((self.optimizer,) if sharded else (self.grad_sync,)) if config.overlap_grad_reduce else ()
         self.step = 0
         self.consecutive_skips = 0      # saved in training checkpoints, so the limit holds across a resume
         self.skipped_steps = 0
@@ -318,7 +324,8 @@ class Trainer:
         # parallelism (megamoe.models.sequence_parallel).
         hidden_shape = stage_hidden_shape(model, state, mb, seq)
         with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
-            losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device)
+            losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device,
+                                      on_last_backward=self._on_last_backward if self._overlapped else None)
         self.grad_sync.sync()
         if self.distributed:      # reduce-scatter into the optimizer's shards (ZeRO-2: frees p.grad)
             self.optimizer.reduce_gradients()
@@ -366,6 +373,11 @@ class Trainer:
                            tokens_per_s=tokens / elapsed, balancedness=balancedness, lr=lr, skipped=not finite,
                            consecutive_skips=self.consecutive_skips, loss_scale=scale, tflops=tflops, mfu=mfu,
                            moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(self.device), eplb=eplb_report)
+
+    def _on_last_backward(self, chunk: int) -> None:
+        """The schedule's call before the last backward of ``chunk``: arm the gradient reducer's hooks."""
+        for reducer in self._overlapped:
+            reducer.on_last_backward(chunk)
 
     def _rebalance_experts(self, finite: bool) -> EPLBReport | None:
         """TrainConfig.eplb: record the step's expert loads and, every ``interval`` steps, rebalance (after
