@@ -33,6 +33,15 @@ parameters always get that class, unsharded without ``distributed_optimizer``, f
 and fp32 gradient accumulation over micro-batches (their gradients live in ``p.main_grad``, read through
 :func:`megamoe.gradients.main_grad`).
 
+Gradient reduction in buckets (:mod:`megamoe.training.grad_buckets`): the DP all-reduces (or the distributed
+optimizer's reduce-scatters) run per bucket of at most ``TrainConfig.grad_bucket_mb`` MB of fp32 gradient. With
+``overlap_grad_reduce`` the schedule tells the reducer when each chunk's last micro-batch backward starts
+(``on_last_backward``), and buckets launch asynchronously from backward hooks as their gradients become
+final; the gradient sync / ``reduce_gradients`` waits for them before the norm and the step. Buckets whose
+reduction must follow another sum (sequence-parallel parameters under TP, tied embeddings, and under the
+distributed optimizer replicated experts) are reduced after it, not overlapped. Overlap on or off, the same
+buckets are reduced on the same buffers: bit-identical steps.
+
 Online expert rebalancing (``TrainConfig.eplb``, :mod:`megamoe.moe.eplb`): after the optimizer step and
 the expert-bias update, each finite step's expert loads go into a window on the device (no collective, no
 host sync); every ``interval`` steps the window is reduced and experts are re-placed, their weights and
