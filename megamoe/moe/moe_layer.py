@@ -426,16 +426,25 @@ class MoELayer(nn.Module):
         """dispatch -> experts -> combine (with the shared experts): [T, H] for this rank's tokens.
 
         ``MoEConfig.shared_expert_overlap`` (all-to-all dispatcher, EP > 1, shared experts): the dispatch
-        all-to-alls are started, the shared experts computed while they are in flight, then waited for; the
-        backward mirrors it (the reverse exchanges run during the shared experts' backward). The same
-        operations on the same values in another order: identical results."""
+        all-to-alls are started and the shared experts' first GEMMs (gate / up projections) run while they are
+        in flight; after the routed experts, the combine all-to-all is started and the shared experts' down
+        projection runs while it is in flight. The backward mirrors it (each reverse exchange runs during the
+        backward of the GEMMs it overlapped). The same operations on the same values in another order:
+        identical results."""
         if self._overlaps_shared_experts():
             self.dispatcher.dispatch(x, slot_ids, weights, overlap=True)
-            with comms.timed("shared_experts", tag="moe"):
-                shared_output = self._shared_experts_partial(x)
+            with comms.timed("shared_experts_up", tag="moe"):
+                gate = self.shared_experts.gate(x)
+                if gate is not None:
+                    gate = self.dispatcher.to_token_view(gate)
+                hidden = self.shared_experts.up(self.dispatcher.token_view)
             expert_input, tokens_per_slot = self.dispatcher.dispatch_finish()
             expert_output = self.experts(expert_input, tokens_per_slot)
-            return self.dispatcher.combine(expert_output, shared_output)
+
+            def shared_down():
+                with comms.timed("shared_experts_down", tag="moe"):
+                    return self.shared_experts.down(hidden, gate)
+            return self.dispatcher.combine(expert_output, during=shared_down)
         expert_input, tokens_per_slot = self.dispatcher.dispatch(x, slot_ids, weights)
         expert_output = self.experts(expert_input, tokens_per_slot)        # grouped GEMMs
         with comms.timed("shared_experts", tag="moe"):

@@ -244,10 +244,20 @@ class AllToAllDispatcher(TokenDispatcher):
         self._recv_weights = recv_weights
         return expert_input, tokens_per_slot
 
-    def combine(self, expert_output, shared_output=None):
+    def combine(self, expert_output, shared_output=None, *, during=None):
+        """See the module docstring. ``during`` (instead of ``shared_output``): a callable returning the shared
+        output, run while the combine all-to-all is in flight (EP > 1; else right away)."""
         out = unpermute_and_combine(expert_output, self._recv_weights, self._permutation)   # per received token
-        if self._send_token is not None:
+        if self._send_token is not None and during is not None:
+            pending = comms.all_to_all_start(out, self._send_splits, self._recv_splits, self.ep_group,
+                                             tag="moe_combine")
+            shared_output = during()
+            returned = comms.all_to_all_wait(pending)
+        elif self._send_token is not None:
             returned = comms.all_to_all(out, self._send_splits, self._recv_splits, self.ep_group)
+        elif during is not None:
+            shared_output = during()
+        if self._send_token is not None:
             out = torch.zeros(self._num_tokens, returned.shape[-1], dtype=returned.dtype, device=returned.device)
             out = out.index_add(0, self._send_token, returned)
         if shared_output is not None:
