@@ -47,6 +47,11 @@ class CommHandle:
         self._work, self._result, self.kind, self.group, self.tag, self._then = work, result, kind, group, tag, then
         self.done = work is None
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The result tensor, filled in the background until :meth:`wait` returns (read it only after)."""
+        return self._result
+
     @classmethod
     def completed(cls, result: torch.Tensor) -> "CommHandle":
         return cls(None, result, "", None, None)
@@ -125,7 +130,7 @@ class _AllToAllStart(torch.autograd.Function):
         ctx.pending = pending
         pending.forward = _start_all_to_all(x, pending.output_splits, pending.input_splits, pending.group,
                                             pending.tag)
-        return pending.forward._result      # filled in the background: read only after the wait
+        return pending.forward.buffer      # filled in the background: read only after the wait
 
     @staticmethod
     def backward(ctx, grad):

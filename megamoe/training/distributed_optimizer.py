@@ -96,7 +96,8 @@ from megamoe import comms
 from megamoe.gradients import main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
-from megamoe.training.grad_buckets import GradReadiness, grad_bucket_numel, parameter_chunks, plan_buckets
+from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
+                                           plan_buckets)
 from megamoe.training.grad_sync import _replication
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_NUMEL"]
@@ -244,7 +245,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rows = stacked.get(id(p), 1) if p.numel() else 1
             row_numel = p.numel() // rows
             entries[id(p)] = _Entry(p, rows, row_numel, math.ceil(row_numel / group.size), group.rank, is_expert)
-        deferred = self._deferred_parameters(model, state, tied_params)
+        deferred = deferred_parameters(model, state, tied_params, replicated_experts=True)
         chunks = parameter_chunks(model)
 
         def key(p):
@@ -314,23 +315,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                    shard=shard, zero_stage=config.zero_stage, bucket_numel=bucket_numel, tied_params=tied_params,
                    expert_token_replicas=expert_token_replicas, overlap=config.overlap_grad_reduce)
 
-    @staticmethod
-    def _deferred_parameters(model: nn.Module, state, tied_params) -> set[int]:
-        """ids of the parameters whose reduce-scatter must follow another sum (GradientSync's): sequence-parallel
-        ones under TP > 1, tied embeddings, the experts of layers with replica slots."""
-        deferred: set[int] = set()
-        if state.tp.size > 1:
-            deferred |= {id(p) for p in model.parameters() if getattr(p, "sequence_parallel", False)}
-        if state.embedding is not None:
-            deferred |= {id(p) for p in tied_params}
-        for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
-            if layer.placement.num_slots > layer.placement.num_experts:
-                deferred |= {id(p) for p in layer.experts.parameters()}
-        return deferred
-
     def on_last_backward(self, chunk: int) -> None:
         """The schedule's hook: the last backward of ``chunk`` starts (its buckets may launch from now)."""
         self._readiness.arm(chunk)
+
+    def discard_pending(self) -> None:
+        """Forget a step that did not reach :meth:`reduce_gradients` (an error mid-backward): wait for the
+        reduce-scatters it started and disarm the hooks."""
+        for handle in self._handles.values():
+            handle.wait()
+        self._handles.clear()
+        self._readiness.reset()
 
     # ---- state ---------------------------------------------------------------------------------
     def _state_of(self, entry: _Entry) -> dict:

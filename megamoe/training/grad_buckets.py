@@ -42,8 +42,8 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["GRAD_REDUCE_BYTES", "grad_bucket_numel", "parameter_chunks", "BucketPlan", "plan_buckets",
-           "GradReadiness"]
+__all__ = ["GRAD_REDUCE_BYTES", "grad_bucket_numel", "parameter_chunks", "deferred_parameters", "BucketPlan",
+           "plan_buckets", "GradReadiness"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,23 @@ def parameter_chunks(model: nn.Module) -> dict[int, int]:
     if chunk_parameters is None:
         return {}
     return {id(p): chunk for chunk, params in enumerate(chunk_parameters()) for p in params}
+
+
+def deferred_parameters(model: nn.Module, state, tied_params=(), *, replicated_experts: bool) -> set[int]:
+    """ids of the parameters whose DP reduction must follow another sum (see the module docstring):
+    ``sequence_parallel`` ones under TP > 1, tied embeddings when there is an embedding group, and with
+    ``replicated_experts`` (the distributed optimizer) the experts of MoE layers with more slots than experts."""
+    from megamoe.moe.moe_layer import MoELayer
+    deferred: set[int] = set()
+    if state.tp.size > 1:
+        deferred |= {id(p) for p in model.parameters() if getattr(p, "sequence_parallel", False)}
+    if state.embedding is not None:
+        deferred |= {id(p) for p in tied_params}
+    if replicated_experts:
+        for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+            if layer.placement.num_slots > layer.placement.num_experts:
+                deferred |= {id(p) for p in layer.experts.parameters()}
+    return deferred
 
 
 @dataclass

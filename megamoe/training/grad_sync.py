@@ -42,7 +42,8 @@ from megamoe.gradients import gradients, main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.sharding import get_shard_spec
-from megamoe.training.grad_buckets import GradReadiness, grad_bucket_numel, parameter_chunks, plan_buckets
+from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
+                                           plan_buckets)
 
 __all__ = ["GradientSync", "clip_grad_norm_", "global_grad_norm"]
 
@@ -103,13 +104,13 @@ class GradientSync:
     def _plan(self, params: list[nn.Parameter], bucket_numel: int, model: nn.Module) -> None:
         state = self.state
         chunks = parameter_chunks(model)
-        # The DP reduction of these must follow a sum over another group (TP, the embedding group).
-        after_tp = {id(p) for p in self.sequence_parallel_params} if state.tp.size > 1 else set()
-        after_tied = {id(p) for p in self.tied_params} if state.embedding is not None else set()
+        # The DP reduction of these must follow a sum over another group (TP, the embedding group). The replica
+        # sum comes after the DP reduction here, so replicated experts overlap like any other.
+        deferred = deferred_parameters(model, state, self.tied_params, replicated_experts=False)
 
         def key(p):
             expert = bool(getattr(p, "expert_parallel", False))
-            return (expert, p.dtype, chunks.get(id(p), 0), id(p) in after_tp or id(p) in after_tied)
+            return (expert, p.dtype, chunks.get(id(p), 0), id(p) in deferred)
         plan = plan_buckets(params, key, lambda p: p.numel(), bucket_numel)
         dense = (state.dp_cp.group, 1.0 / state.dp_cp.size)
         expert = (state.edp.group, self.expert_scale)
@@ -129,6 +130,16 @@ class GradientSync:
         """The schedule's hook: the last backward of ``chunk`` starts (its buckets may launch from now)."""
         if self._readiness is not None:
             self._readiness.arm(chunk)
+
+    def discard_pending(self) -> None:
+        """Forget a step that did not reach :meth:`sync` (an error mid-backward): wait for the all-reduces it
+        started and disarm the hooks."""
+        for handle, _ in self._handles.values():
+            if handle is not None:
+                handle.wait()
+        self._handles.clear()
+        if self._readiness is not None:
+            self._readiness.reset()
 
     @torch.no_grad()
     def _launch(self, i: int) -> None:

@@ -328,6 +328,8 @@ class Trainer:
                 aux = aux * scale
             return out, aux
 
+        for reducer in self._overlapped:      # a previous step that raised mid-backward left nothing armed
+            reducer.discard_pending()
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
         # Between pipeline stages: [mb, S, H], or this rank's sequence chunk [mb, S / tp, H] under sequence
         # parallelism (megamoe.models.sequence_parallel).
