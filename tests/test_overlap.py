@@ -131,6 +131,23 @@ def test_no_pipelining_calls_on_last_backward_before_the_last_backward():
     assert events == ["grad", "grad", ("last", 0), "grad"]
 
 
+def test_timeline_records_marked_regions_and_blocked_time():
+    from megamoe.comms.timeline import TimelineEvent
+    with comms.comm_timeline() as outer:
+        with comms.comm_timeline() as inner, comms.timed("gemm", tag="x"):
+            handle = comms.all_reduce_async(torch.ones(3), None, tag="x")    # one rank: completed, unrecorded
+        assert torch.equal(handle.wait(), torch.ones(3)) and handle.done
+    assert [e.phase for e in inner.events] == ["start", "end"] and outer.events == inner.events
+    assert not comms.timeline._active_timelines
+    synthetic = comms.Timeline([TimelineEvent("all_reduce", "issue", 0.0, "b"),
+                                TimelineEvent("all_reduce", "wait_start", 2.0, "b"),
+                                TimelineEvent("all_reduce", "wait", 2.5, "b"),
+                                TimelineEvent("all_to_all", "wait_start", 3.0, "m"),
+                                TimelineEvent("all_to_all", "wait", 4.0, "m")])
+    assert synthetic.blocked_seconds("b") == 0.5 and synthetic.blocked_seconds() == 1.5
+    assert synthetic.select("all_reduce", "issue") == [0.0]
+
+
 def test_config_validation_names_the_fields():
     for bad in (0, -1.0, math.nan, math.inf, True, "40"):
         with pytest.raises(ValueError, match="TrainConfig.grad_bucket_mb"):
@@ -148,6 +165,16 @@ def test_config_validation_names_the_fields():
     kwargs = train_config_kwargs(parser.parse_args(["--overlap-grad-reduce", "--grad-bucket-mb", "2.5"]),
                                  train_steps=10)
     assert kwargs["overlap_grad_reduce"] is True and kwargs["grad_bucket_mb"] == 2.5
+
+
+def test_shared_expert_overlap_is_an_engine_field():
+    """A checkpoint resumes with either choice: only model-defining fields must match."""
+    from megamoe.training.checkpoint import _config_differences
+    on = tiny_config()
+    on = dataclasses.replace(on, moe=dataclasses.replace(on.moe, shared_expert_overlap=True))
+    assert _config_differences(tiny_config().to_dict(), on.to_dict()) == []
+    wider = dataclasses.replace(on, moe=dataclasses.replace(on.moe, ffn_hidden_size=8))
+    assert _config_differences(tiny_config().to_dict(), wider.to_dict()) == ["moe.ffn_hidden_size"]
 
 
 def test_pretrain_script_rejects_bad_overlap_flags_in_one_line(demo, capsys, tmp_path):
@@ -236,6 +263,9 @@ def _layout_checks(rank, world, layout, **kwargs):
             "issued_before_last_grad": min(_bucket_issues(on, kind), default=math.inf) < on["last_grad"],
             "off_issued_before_last_grad": min(_bucket_issues(off, kind), default=math.inf) < off["last_grad"],
             "buckets_launched": len(_bucket_issues(on, kind)),
+            # Reported, never asserted (wall-clock): seconds blocked waiting for the gradient buckets.
+            "blocked_s": (comms.Timeline(on["events"]).blocked_seconds("grad_bucket"),
+                          comms.Timeline(off["events"]).blocked_seconds("grad_bucket")),
         }
         if kwargs.get("shared_overlap"):
             plain = _run(state, overlap=False, bucket_mb=SMALL_BUCKET_MB, **{**kwargs, "shared_overlap": False})

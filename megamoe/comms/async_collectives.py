@@ -3,8 +3,9 @@ the data moves. The overlap of gradient reduction with the backward (:mod:`megam
 and of the MoE dispatch all-to-all with the shared experts (:mod:`megamoe.moe.token_dispatcher`).
 
 Each start is counted by the comm counter exactly like its blocking twin (same kind, group and bytes), so
-an overlapped run moves, by the counter, the same volume as a blocking one; and it records ``"issue"`` /
-``"wait"`` events in an active :func:`~megamoe.comms.timeline.comm_timeline`.
+an overlapped run moves, by the counter, the same volume as a blocking one; and it records ``"issue"``,
+``"wait_start"`` (the caller starts waiting) and ``"wait"`` (done) events in an active
+:func:`~megamoe.comms.timeline.comm_timeline`.
 
 Ordering: collectives of one process group run in the order they are started, on every rank alike, so
 callers start them in an order every rank of the group agrees on (e.g. bucket order, not readiness order).
@@ -58,6 +59,7 @@ class CommHandle:
 
     def wait(self) -> torch.Tensor:
         if not self.done:
+            record_event(self.kind, "wait_start", self.tag)
             with _timeout_named(self.kind, self.group):
                 self._work.wait()
             self.done, self._work = True, None

@@ -1,7 +1,8 @@
 """A timeline of communication and chosen compute, to prove overlap (tests, benchmarks).
 
 Inside :func:`comm_timeline`, every asynchronous collective of :mod:`megamoe.comms.async_collectives`
-records an ``"issue"`` event when it is started and a ``"wait"`` event when its wait returned, and the
+records an ``"issue"`` event when it is started, ``"wait_start"`` when its caller starts waiting and
+``"wait"`` when the wait returned, and the
 library's marked compute regions (:func:`timed`: the shared experts' GEMMs, ...) record ``"start"`` and
 ``"end"``. Times are ``time.perf_counter()`` seconds of this process. Outside a timeline nothing is
 recorded (one list test per call).
@@ -23,7 +24,7 @@ __all__ = ["TimelineEvent", "Timeline", "comm_timeline", "timed", "record_event"
 
 class TimelineEvent(NamedTuple):
     name: str
-    phase: str       # "issue" / "wait" (collectives), "start" / "end" (compute)
+    phase: str       # "issue" / "wait_start" / "wait" (collectives), "start" / "end" (compute)
     time: float
     tag: str | None
 
@@ -36,6 +37,21 @@ class Timeline:
         """Times of the events matching every given filter, in recording order."""
         return [e.time for e in self.events if (name is None or e.name == name)
                 and (phase is None or e.phase == phase) and (tag is None or e.tag == tag)]
+
+    def blocked_seconds(self, tag: str | None = None) -> float:
+        """Seconds callers spent blocked in ``wait()`` (``"wait_start"`` to ``"wait"``), for collectives
+        tagged ``tag`` (all without). Communication time that compute did NOT hide: a blocking run's
+        figure is (about) its whole communication time, so ``1 - overlapped / blocking`` is the fraction
+        of it that overlap hid."""
+        total, started = 0.0, {}
+        for e in self.events:
+            if tag is not None and e.tag != tag:
+                continue
+            if e.phase == "wait_start":
+                started.setdefault(e.name, []).append(e.time)
+            elif e.phase == "wait" and started.get(e.name):
+                total += e.time - started[e.name].pop(0)
+        return total
 
 
 _active_timelines: list[Timeline] = []
