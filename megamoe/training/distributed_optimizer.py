@@ -319,6 +319,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The schedule's hook: the last backward of ``chunk`` starts (its buckets may launch from now)."""
         self._readiness.arm(chunk)
 
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def num_deferred_buckets(self) -> int:
+        return sum(b.deferred for b in self._buckets)
+
     def discard_pending(self) -> None:
         """Forget a step that did not reach :meth:`reduce_gradients` (an error mid-backward): wait for the
         reduce-scatters it started and disarm the hooks."""

@@ -126,6 +126,10 @@ class GradientSync:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    @property
+    def num_deferred_buckets(self) -> int:
+        return sum(self._deferred) if self._buckets else 0
+
     def on_last_backward(self, chunk: int) -> None:
         """The schedule's hook: the last backward of ``chunk`` starts (its buckets may launch from now)."""
         if self._readiness is not None:

@@ -268,6 +268,10 @@ class Trainer:
                                       bucket_numel=grad_bucket_numel(config.grad_bucket_mb),
                                       overlap=config.overlap_grad_reduce and not sharded)
         self._overlapped = ((self.optimizer,) if sharded else (self.grad_sync,)) if config.overlap_grad_reduce else ()
+        for reducer in self._overlapped:
+            logger.info("overlap_grad_reduce: %d gradient buckets of <= %g MB %s from backward hooks; %d deferred "
+                        "(after the TP / tied / replica sums)", reducer.num_buckets, config.grad_bucket_mb,
+                        "reduce-scattered" if sharded else "all-reduced", reducer.num_deferred_buckets)
         self.step = 0
         self.consecutive_skips = 0      # saved in training checkpoints, so the limit holds across a resume
         self.skipped_steps = 0
