@@ -292,21 +292,24 @@ def test_sequence_parallel_training_step_on_meta_creates_every_tensor_on_the_mod
 
 # Communication overlap (megamoe.training.grad_buckets, megamoe.comms.async_collectives): gradient buckets
 # launched asynchronously from backward hooks (plain all-reduce, and the distributed optimizer's
-# reduce-scatter), the dispatch all-to-all in flight during the shared experts. (layout, distributed
-# optimizer, zero stage, parameter dtype); small buckets so that several launch from hooks.
-OVERLAP = {"plain-pp2-ep2-bf16": (dict(pp=2, ep=2), False, 1, torch.bfloat16),
-           "zero2-ep2-dp4-fp32": (dict(ep=2), True, 2, torch.float32),
-           "zero1-tp2-sp-pp2-fp32": (dict(tp=2, pp=2), True, 1, torch.float32)}
+# reduce-scatter), the dispatch and combine all-to-alls in flight during the shared experts. (layout,
+# distributed optimizer, zero stage, parameter dtype, recompute); small buckets so that several launch from
+# hooks; full recomputation re-runs the overlapped MoE forward inside the backward.
+OVERLAP = {"plain-pp2-ep2-bf16": (dict(pp=2, ep=2), False, 1, torch.bfloat16, None),
+           "zero2-ep2-dp4-recompute-fp32": (dict(ep=2), True, 2, torch.float32, RecomputeConfig("full")),
+           "zero1-tp2-sp-pp2-fp32": (dict(tp=2, pp=2), True, 1, torch.float32, None)}
 
 
 @pytest.mark.parametrize("name", list(OVERLAP))
 def test_overlapped_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
-    layout, distributed, zero_stage, dtype = OVERLAP[name]
+    layout, distributed, zero_stage, dtype, recompute = OVERLAP[name]
     for rank in range(WORLD_SIZE):
         with _fake_rank(rank, **layout) as state:
             config = tiny_config("alltoall")
             config = dataclasses.replace(config, sequence_parallel=state.tp.size > 1,
                                          moe=dataclasses.replace(config.moe, shared_expert_overlap=True))
+            if recompute is not None:
+                config = dataclasses.replace(config, recompute=recompute)
             model = GPTMoEModel(config, state, device="meta", dtype=dtype)
             trainer = Trainer(model, state, TrainConfig(lr=1e-2, distributed_optimizer=distributed,
                                                         zero_stage=zero_stage, overlap_grad_reduce=True,

@@ -31,6 +31,7 @@ from megamoe.training.grad_buckets import GradReadiness, grad_bucket_numel, plan
 from megamoe.training.grad_sync import GradientSync
 from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
 from megamoe.training.trainer import TrainConfig, Trainer
+from megamoe.transformer.recompute import RecomputeConfig
 from test_training import MICRO_BATCH, S, V, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -195,10 +196,12 @@ def _batches(steps):
 
 
 def _run(state, *, overlap: bool, bucket_mb: float, distributed=False, zero_stage=1, shared_overlap=False,
-         dispatcher="alltoall"):
+         recompute=None):
     """(losses, grad norms, comm bytes, comm calls, timeline events of the last step, last-gradient time)."""
-    config = tiny_config(dispatcher)
+    config = tiny_config("alltoall")
     config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, shared_expert_overlap=shared_overlap))
+    if recompute is not None:      # the overlapped MoE forward runs again inside the backward
+        config = dataclasses.replace(config, recompute=RecomputeConfig(recompute))
     model = GPTMoEModel(config, state)
     initialize_parameters(model, seed=0)
     # Registered before the Trainer's hooks, so each records its gradient before a bucket launches from it.
@@ -226,8 +229,8 @@ def _bucket_issues(run, kind):
 
 
 def _runs_in_flight(events, region: str, tag: str) -> bool:
-    """Every ``region`` compute span ran after an all-to-all tagged ``tag`` was issued and before it was
-    waited for (no such wait between that issue and the span's end); at least one span."""
+    """Every ``region`` compute span ran after an all-to-all tagged ``tag`` was issued and before anyone
+    waited for it (no wait of a ``tag`` collective between that issue and the span's end); at least one span."""
     spans = 0
     for i, e in enumerate(events):
         if e.name != region or e.phase != "start":
@@ -236,7 +239,7 @@ def _runs_in_flight(events, region: str, tag: str) -> bool:
         end = next(j for j in range(i + 1, len(events)) if events[j].name == region and events[j].phase == "end")
         before = [x for x in events[:i] if x.tag == tag]
         after = [x for x in events[end + 1:] if x.tag == tag]
-        if not (before and before[-1].phase == "issue" and after and after[0].phase == "wait"):
+        if not (before and before[-1].phase == "issue" and after and after[0].phase in ("wait_start", "wait")):
             return False
         if not before[-1].time <= e.time <= events[end].time <= after[0].time:
             return False
@@ -286,7 +289,8 @@ LAYOUTS = {
     "zero1-dp4": ({}, dict(distributed=True, zero_stage=1)),
     "zero2-dp4": ({}, dict(distributed=True, zero_stage=2)),
     "pp2-1f1b-dp2": (dict(pp=2), {}),
-    "ep2-dp2-zero1-shared-experts": (dict(ep=2), dict(distributed=True, shared_overlap=True)),
+    "ep2-dp2-zero1-shared-experts-recompute": (dict(ep=2), dict(distributed=True, shared_overlap=True,
+                                                                recompute="full")),
 }
 
 
