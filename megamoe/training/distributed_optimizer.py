@@ -23,7 +23,9 @@ asynchronously from backward hooks as soon as its gradients are final in the las
 :meth:`reduce_gradients` launches the rest and waits for all of them. Deferred buckets, whose parameters need a
 sum first (``sequence_parallel`` parameters under TP > 1, tied embeddings, the experts of a layer with replica
 slots), are launched in :meth:`reduce_gradients`, after GradientSync did those sums. Overlap on or off, the same
-buckets are reduced from the same buffers: identical results.
+buckets are reduced from the same buffers: identical results. Memory: an overlapped bucket's [N, shard_numel]
+buffer lives from its launch to its wait in :meth:`reduce_gradients` (so up to one fp32 copy of this rank's
+gradients at the end of the backward, on top of ZeRO-2's); without overlap one bucket's at a time, as before.
 
 Gradient reduction (the order of :mod:`megamoe.training.grad_sync`): :class:`GradientSync` built with
 ``data_parallel=False`` first sums sequence-parallel grads over TP, tied embedding grads over the embedding
@@ -406,6 +408,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             chunks[:, e.offset:e.offset + e.numel].view(size, e.rows, e.cols).copy_(
                 rows.view(e.rows, size, e.cols).transpose(0, 1))
         self._handles[index] = comms.reduce_scatter_flat_async(flat, bucket.group.group, tag="grad_bucket")
+        if bucket.deferred or not (self.overlap and self.shard):
+            # Nothing to overlap with (launched at the end): finish it before the next one, so one flat buffer
+            # is alive at a time, as without overlap. Overlapped buckets keep theirs until the wait.
+            self._complete_bucket(index)
 
     @torch.no_grad()
     def _complete_bucket(self, index: int) -> None:

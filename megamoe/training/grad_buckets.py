@@ -19,7 +19,9 @@ the buckets of one group launch in their planned order (chunks from the last to 
 order): a bucket that is complete waits for the earlier ones of its group. :meth:`GradReadiness.finish` (before
 the optimizer step) launches what is left, e.g. the buckets of parameters that got no gradient in the last
 backward; the reducer then waits for every handle. Without overlap nothing is hooked and ``finish`` launches
-every bucket at the end, in the same order, on the same buffers: the same reductions, bit for bit.
+every bucket at the end, in the same order, on the same buffers: the same reductions, bit for bit (each is
+waited for before the next starts, so one bucket's buffer is alive at a time; overlapped buckets keep theirs
+from launch to wait).
 
 Deferred buckets. A parameter whose data-parallel reduction must come after another sum is reduced at the
 end, after that sum, never from a hook: parameters tagged ``sequence_parallel`` (summed over TP first, when

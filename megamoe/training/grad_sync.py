@@ -157,6 +157,9 @@ class GradientSync:
             return
         flat = torch.cat([main_grad(p).reshape(-1) for p in params])
         self._handles[i] = (comms.all_reduce_async(flat, group, tag="grad_bucket"), params)
+        if not self.overlap:
+            # Nothing to overlap with: finish it before the next one, so one flat copy is alive at a time.
+            self._complete(i)
 
     @torch.no_grad()
     def _complete(self, i: int) -> None:
