@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "all-gather and a reduce-scatter around each TP block instead of all-reduces; --seq-len "
                         "must be a multiple of --tp")
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
-                   help="alltoall with --ep > 1: compute the shared experts while the dispatch all-to-all is in "
-                        "flight (same results)")
+                   help="alltoall with --ep > 1: compute the shared experts' GEMMs while the dispatch and combine "
+                        "all-to-alls are in flight (same results)")
     add_launch_arguments(p)
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
