@@ -32,13 +32,13 @@ from megamoe.training.grad_sync import GradientSync
 from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer.recompute import RecomputeConfig
-from test_training import MICRO_BATCH, S, V, tiny_config
+from test_training import S, V, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WORLD = 4
 STEPS = 2
-GLOBAL_BATCH = 16                 # 4 micro-batches of 2 per DP rank at dp 2, 2 at dp 4
+GLOBAL_BATCH, MICRO = 8, 1        # 4 micro-batches of 1 sequence per DP rank at dp 2, 2 at dp 4
 SMALL_BUCKET_MB = 0.016           # ~4k fp32 elements: several buckets in the tiny model
 
 
@@ -196,10 +196,11 @@ def _batches(steps):
 
 
 def _run(state, *, overlap: bool, bucket_mb: float, distributed=False, zero_stage=1, shared_overlap=False,
-         recompute=None):
+         recompute=None, sequence_parallel=False):
     """(losses, grad norms, comm bytes, comm calls, timeline events of the last step, last-gradient time)."""
     config = tiny_config("alltoall")
-    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, shared_expert_overlap=shared_overlap))
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, shared_expert_overlap=shared_overlap),
+                                 sequence_parallel=sequence_parallel)
     if recompute is not None:      # the overlapped MoE forward runs again inside the backward
         config = dataclasses.replace(config, recompute=RecomputeConfig(recompute))
     model = GPTMoEModel(config, state)
@@ -216,12 +217,13 @@ def _run(state, *, overlap: bool, bucket_mb: float, distributed=False, zero_stag
         for batch in _batches(STEPS):
             mine = batch[state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
             with comms.comm_timeline() as timeline:
-                m = trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)])
+                m = trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO)])
             losses.append(m.loss)
             norms.append(m.grad_norm)
     last_grad = max(timeline.select("param_grad", "end"))
+    reducer = trainer.optimizer if distributed else trainer.grad_sync
     return dict(losses=losses, norms=norms, bytes=dict(counter._bytes), calls=dict(counter._calls),
-                events=list(timeline.events), last_grad=last_grad)
+                events=list(timeline.events), last_grad=last_grad, deferred=reducer.num_deferred_buckets)
 
 
 def _bucket_issues(run, kind):
@@ -266,6 +268,7 @@ def _layout_checks(rank, world, layout, **kwargs):
             "issued_before_last_grad": min(_bucket_issues(on, kind), default=math.inf) < on["last_grad"],
             "off_issued_before_last_grad": min(_bucket_issues(off, kind), default=math.inf) < off["last_grad"],
             "buckets_launched": len(_bucket_issues(on, kind)),
+            "deferred_buckets": on["deferred"],
             # Reported, never asserted (wall-clock): seconds blocked waiting for the gradient buckets.
             "blocked_s": (comms.Timeline(on["events"]).blocked_seconds("grad_bucket"),
                           comms.Timeline(off["events"]).blocked_seconds("grad_bucket")),
@@ -289,6 +292,8 @@ LAYOUTS = {
     "zero1-dp4": ({}, dict(distributed=True, zero_stage=1)),
     "zero2-dp4": ({}, dict(distributed=True, zero_stage=2)),
     "pp2-1f1b-dp2": (dict(pp=2), {}),
+    # Sequence-parallel parameters: summed over TP first, so in deferred buckets reduced after the backward.
+    "tp2-sp-dp2": (dict(tp=2), dict(sequence_parallel=True)),
     "ep2-dp2-zero1-shared-experts-recompute": (dict(ep=2), dict(distributed=True, shared_overlap=True,
                                                                 recompute="full")),
 }
@@ -314,5 +319,6 @@ def test_overlap_is_bit_identical_moves_the_same_bytes_and_overlaps():
                 assert r["shared_bit_identical"], f"{where}: shared_expert_overlap changed the results"
                 assert r["shared_in_flight"], f"{where}: shared experts not inside the dispatch all-to-all"
                 assert not r["plain_shared_in_flight"], f"{where}: without overlap they run after the wait"
+            assert (r["deferred_buckets"] > 0) == name.startswith("tp2-sp"), f"{where}: {r['deferred_buckets']}"
             if "other_bucket_rel" in r:
                 assert r["other_bucket_rel"] <= 1e-6, f"{where}: another bucket size changed the loss"
