@@ -197,7 +197,7 @@ def _batches(steps):
 
 def _run(state, *, overlap: bool, bucket_mb: float, distributed=False, zero_stage=1, shared_overlap=False,
          recompute=None, sequence_parallel=False):
-    """(losses, grad norms, comm bytes, comm calls, timeline events of the last step, last-gradient time)."""
+    """Losses, grad norms, comm bytes and calls, the last step's timeline and last-gradient time, deferred buckets."""
     config = tiny_config("alltoall")
     config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, shared_expert_overlap=shared_overlap),
                                  sequence_parallel=sequence_parallel)

@@ -36,18 +36,14 @@ reduction reads :func:`megamoe.gradients.main_grad`.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
-import torch
 from torch import nn
 
 __all__ = ["GRAD_REDUCE_BYTES", "grad_bucket_numel", "parameter_chunks", "deferred_parameters", "BucketPlan",
            "plan_buckets", "GradReadiness"]
-
-logger = logging.getLogger(__name__)
 
 GRAD_REDUCE_BYTES = 4         # reductions run on fp32 gradients (fp32 p.grad, or the fp32 main_grad of bf16)
 
