@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel size: each CP rank holds 2 load-balanced chunks of every sequence "
                         "(S/cp tokens) and attention all-gathers keys and values over CP; --seq-len must be a "
                         "multiple of 2*cp; dp = world / (tp * cp * pp). No samples at the end (generation needs cp 1)")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="alltoall with --ep > 1: compute the shared experts' GEMMs while the dispatch and combine "
+                        "all-to-alls are in flight (same results)")
     add_launch_arguments(p)
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
@@ -336,6 +339,9 @@ def check_arguments(args, world_size: int) -> ModelSource:
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
         raise UsageError(f"--sequence-parallel: --seq-len {args.seq_len} / --cp {args.cp} must be divisible by --tp "
                          f"{args.tp}")
+    if args.moe_shared_expert_overlap and args.dispatcher != "alltoall":
+        raise UsageError("--moe-shared-expert-overlap overlaps the shared experts with the dispatch all-to-all: it "
+                         f"needs --dispatcher alltoall, got --dispatcher {args.dispatcher}")
     source = model_source(args)
     if source.tokenizer is not None:
         try:
@@ -607,6 +613,9 @@ def main(argv=None) -> int:
         model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args),
                             virtual_pipeline_stages=args.virtual_pipeline_stages)
         initialize_parameters(model, args.seed)
+    # An engine choice (like the dispatcher), whatever the model source: a checkpoint resumes under either.
+    for layer in model.moe_layers().values():
+        layer.config = dataclasses.replace(layer.config, shared_expert_overlap=args.moe_shared_expert_overlap)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
         provenance = HFProvenance.of_checkpoint(plan.resume_from) or provenance

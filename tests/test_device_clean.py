@@ -347,3 +347,42 @@ def test_interleaved_pipeline_training_step_on_meta_creates_every_tensor_on_the_
                 _accumulated_gradients(model)
             kinds = counter.kinds()
             assert kinds.get("send", 0) > 0 and kinds.get("recv", 0) > 0, kinds
+
+
+# Communication overlap (megamoe.training.grad_buckets, megamoe.comms.async_collectives): gradient buckets
+# launched asynchronously from backward hooks (plain all-reduce, and the distributed optimizer's
+# reduce-scatter), the dispatch and combine all-to-alls in flight during the shared experts. (layout,
+# distributed optimizer, zero stage, parameter dtype, recompute); small buckets so that several launch from
+# hooks; full recomputation re-runs the overlapped MoE forward inside the backward.
+OVERLAP = {"plain-pp2-ep2-recompute-bf16": (dict(pp=2, ep=2), False, 1, torch.bfloat16, RecomputeConfig("full")),
+           "zero2-tp2-sp-pp2-fp32": (dict(tp=2, pp=2), True, 2, torch.float32, None)}
+
+
+@pytest.mark.parametrize("name", list(OVERLAP))
+def test_overlapped_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    layout, distributed, zero_stage, dtype, recompute = OVERLAP[name]
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, **layout) as state:
+            config = tiny_config("alltoall")
+            config = dataclasses.replace(config, sequence_parallel=state.tp.size > 1,
+                                         moe=dataclasses.replace(config.moe, shared_expert_overlap=True))
+            if recompute is not None:
+                config = dataclasses.replace(config, recompute=recompute)
+            model = GPTMoEModel(config, state, device="meta", dtype=dtype)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2, distributed_optimizer=distributed,
+                                                        zero_stage=zero_stage, overlap_grad_reduce=True,
+                                                        grad_bucket_mb=0.004), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run() as counter, comms.comm_timeline() as timeline:
+                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+            kinds = counter.kinds()
+            reduction = "reduce_scatter" if distributed else "all_reduce"
+            assert timeline.select(reduction, "issue", "grad_bucket"), "no gradient bucket was launched"
+            assert len(timeline.select(reduction, "wait", "grad_bucket")) == len(
+                timeline.select(reduction, "issue", "grad_bucket")), "every launched bucket is waited for"
+            if state.ep.size > 1:
+                assert timeline.select("all_to_all", "issue", "moe_dispatch"), kinds
+            if zero_stage == 1:
+                _accumulated_gradients(model)
+            else:
+                assert trainer.optimizer.gradient_shards() and all(main_grad(p) is None for p in model.parameters())

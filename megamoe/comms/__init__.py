@@ -41,6 +41,11 @@ Where things live
   and ``exchange_expert_slots`` (expert migration).
 - :mod:`~megamoe.comms.point_to_point`: ``send``, ``recv``, ``batch_send_recv``, ``isend`` / ``wait_sends``
   (pipeline parallelism).
+- :mod:`~megamoe.comms.async_collectives`: started-now, waited-later collectives (``async_op=True``) for
+  overlapping communication with compute: ``all_reduce_async``, ``reduce_scatter_flat_async`` (return a
+  :class:`CommHandle`), and the autograd pair ``all_to_all_start`` / ``all_to_all_wait``.
+- :mod:`~megamoe.comms.timeline`: ``comm_timeline`` (issue / wait times of the asynchronous collectives and
+  ``timed`` compute regions), the proof of overlap.
 
 Import from the package (``from megamoe import comms; comms.all_reduce_(...)``): every name is re-exported
 here, the counter list ``_active_counters`` included (the same list object the collectives record into).
@@ -76,6 +81,15 @@ from megamoe.comms.sequence_parallel_regions import (
 from megamoe.comms.context_parallel_regions import gather_from_context_parallel_region
 from megamoe.comms.expert_parallel import all_to_all, all_to_all_counts, exchange_expert_slots
 from megamoe.comms.point_to_point import PendingSend, batch_send_recv, isend, recv, send, wait_sends
+from megamoe.comms.async_collectives import (
+    CommHandle,
+    PendingAllToAll,
+    all_reduce_async,
+    all_to_all_start,
+    all_to_all_wait,
+    reduce_scatter_flat_async,
+)
+from megamoe.comms.timeline import Timeline, TimelineEvent, comm_timeline, record_event, timed
 
 __all__ = [
     "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
@@ -87,4 +101,6 @@ __all__ = [
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_linears_from_sequence_parallel_region", "all_to_all",
     "exchange_expert_slots", "gather_from_context_parallel_region",
+    "CommHandle", "PendingAllToAll", "all_reduce_async", "reduce_scatter_flat_async", "all_to_all_start",
+    "all_to_all_wait", "Timeline", "TimelineEvent", "comm_timeline", "record_event", "timed",
 ]

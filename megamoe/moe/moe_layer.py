@@ -75,6 +75,10 @@ class MoEConfig:
     shared_experts: SharedExpertsConfig | None = None
     capacity_factor: float | None = None       # None: dropless
     init_std: float = 0.02
+    # alltoall with EP > 1 and shared experts: start the dispatch all-to-all asynchronously and compute the
+    # shared experts while it is in flight (megamoe.comms.async_collectives). An engine field: a checkpoint
+    # resumes with either choice; results are bit-identical.
+    shared_expert_overlap: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size < 1:
@@ -90,6 +94,8 @@ class MoEConfig:
             raise ValueError("MoEConfig.input_sharded applies to dispatcher='allgather' only")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if not isinstance(self.shared_expert_overlap, bool):
+            raise ValueError(f"MoEConfig.shared_expert_overlap must be a bool, got {self.shared_expert_overlap!r}")
         if self.shared_experts is not None and self.shared_experts.hidden_size != self.router.hidden_size:
             raise ValueError("MoEConfig.shared_experts.hidden_size must equal router.hidden_size")
 
@@ -434,11 +440,37 @@ class MoELayer(nn.Module):
     # would otherwise recompile its pieces for every new count.
     @torch.compiler.disable
     def dispatch_and_compute(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """dispatch -> experts -> combine (with the shared experts): [T, H] for this rank's tokens."""
+        """dispatch -> experts -> combine (with the shared experts): [T, H] for this rank's tokens.
+
+        ``MoEConfig.shared_expert_overlap`` (all-to-all dispatcher, EP > 1, shared experts): the dispatch
+        all-to-alls are started and the shared experts' first GEMMs (gate / up projections) run while they are
+        in flight; after the routed experts, the combine all-to-all is started and the shared experts' down
+        projection runs while it is in flight. The backward mirrors it (each reverse exchange runs during the
+        backward of the GEMMs it overlapped). The same operations on the same values in another order:
+        identical results."""
+        if self._overlaps_shared_experts():
+            self.dispatcher.dispatch(x, slot_ids, weights, overlap=True)
+            with comms.timed("shared_experts_up", tag="moe"):
+                gate = self.shared_experts.gate(x)
+                if gate is not None:
+                    gate = self.dispatcher.to_token_view(gate)
+                hidden = self.shared_experts.up(self.dispatcher.token_view)
+            expert_input, tokens_per_slot = self.dispatcher.dispatch_finish()
+            expert_output = self.experts(expert_input, tokens_per_slot)
+
+            def shared_down():
+                with comms.timed("shared_experts_down", tag="moe"):
+                    return self.shared_experts.down(hidden, gate)
+            return self.dispatcher.combine(expert_output, during=shared_down)
         expert_input, tokens_per_slot = self.dispatcher.dispatch(x, slot_ids, weights)
         expert_output = self.experts(expert_input, tokens_per_slot)        # grouped GEMMs
-        shared_output = self._shared_experts_partial(x)
+        with comms.timed("shared_experts", tag="moe"):
+            shared_output = self._shared_experts_partial(x)
         return self.dispatcher.combine(expert_output, shared_output)        # weighted sum + ONE reduction
+
+    def _overlaps_shared_experts(self) -> bool:
+        return (self.config.shared_expert_overlap and self.shared_experts is not None
+                and getattr(self.dispatcher, "overlaps_dispatch", lambda: False)())
 
     def _computes_per_pair(self, slot_ids: torch.Tensor) -> bool:
         """See the module docstring: compiled inference, nothing to communicate, few pairs."""

@@ -83,10 +83,17 @@ class SharedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Partial output [T, H] of this rank's FFN shard (times ``gate`` when given)."""
+        return self.down(self.up(tokens), gate)
+
+    def up(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first half of :meth:`forward`: the activated FFN hidden [T, F / n] of ``tokens`` [T, H]. Split
+        from :meth:`down` so that the MoE layer can run the halves while different all-to-alls are in flight."""
         act = _ACTIVATIONS[self.config.activation]
         if self.gated:
-            h = act(F.linear(tokens, self.gate_proj)) * F.linear(tokens, self.up_proj)
-        else:
-            h = act(F.linear(tokens, self.up_proj))
-        out = F.linear(h, self.down_proj)
+            return act(F.linear(tokens, self.gate_proj)) * F.linear(tokens, self.up_proj)
+        return act(F.linear(tokens, self.up_proj))
+
+    def down(self, hidden: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """The second half: the partial output [T, H] of :meth:`up`'s ``hidden`` (times ``gate``)."""
+        out = F.linear(hidden, self.down_proj)
         return out if gate is None else out * gate.to(out.dtype)

@@ -164,7 +164,16 @@ class AllToAllDispatcher(TokenDispatcher):
             return comms.gather_from_sequence_parallel_region(values, self.reduce_group)
         return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
 
-    def dispatch(self, x, slot_ids, weights):
+    def overlaps_dispatch(self) -> bool:
+        """Whether :meth:`dispatch` can leave its exchange in flight (``overlap=True``): EP > 1."""
+        return self.ep_size > 1
+
+    def dispatch(self, x, slot_ids, weights, overlap: bool = False):
+        """See the module docstring. ``overlap`` (EP > 1 only, :meth:`overlaps_dispatch`): start the token,
+        slot and weight all-to-alls and return None at once; :meth:`dispatch_finish` waits for them and
+        returns the expert input. Compute run in between overlaps the exchange (the shared experts); in the
+        backward, the reverse exchanges overlap that compute's backward
+        (:func:`~megamoe.comms.all_to_all_start`)."""
         self.token_view = self.to_token_view(x)
         weights = self.to_token_view(weights)
         if self.input_sharded:                                           # no grad: integer ids
@@ -200,19 +209,55 @@ class AllToAllDispatcher(TokenDispatcher):
         counts = host_ints(torch.cat([send_counts, recv_counts]), on_meta=[num_tokens] * (2 * self.ep_size))
         self._send_splits, self._recv_splits = counts[:self.ep_size], counts[self.ep_size:]
         self._send_token, self._num_tokens = send_token, num_tokens
-        recv_tokens = comms.all_to_all(self.token_view[send_token], self._recv_splits, self._send_splits, self.ep_group)
-        recv_local_slots = _all_to_all_no_grad(send_local_slots, self._recv_splits, self._send_splits, self.ep_group)
-        recv_weights = comms.all_to_all(send_weights, self._recv_splits, self._send_splits, self.ep_group)
+        if not overlap:
+            recv_tokens = comms.all_to_all(self.token_view[send_token], self._recv_splits, self._send_splits,
+                                           self.ep_group)
+            recv_local_slots = _all_to_all_no_grad(send_local_slots, self._recv_splits, self._send_splits,
+                                                   self.ep_group)
+            recv_weights = comms.all_to_all(send_weights, self._recv_splits, self._send_splits, self.ep_group)
+            return self._permute_received(recv_tokens, recv_local_slots, recv_weights)
+        # Started in the order the blocking path runs them (one process group: they complete in order).
+        tokens = comms.all_to_all_start(self.token_view[send_token], self._recv_splits, self._send_splits,
+                                        self.ep_group, tag="moe_dispatch")
+        with torch.no_grad():
+            slots = comms.all_to_all_start(send_local_slots, self._recv_splits, self._send_splits, self.ep_group,
+                                           tag="moe_dispatch")
+        weights = comms.all_to_all_start(send_weights, self._recv_splits, self._send_splits, self.ep_group,
+                                         tag="moe_dispatch")
+        self._pending = (tokens, slots, weights)
+        return None
 
+    def dispatch_finish(self):
+        """Wait for the exchanges :meth:`dispatch` started with ``overlap=True``; returns what ``dispatch``
+        returns (expert input, tokens per slot)."""
+        tokens, slots, weights = self._pending
+        self._pending = None
+        recv_tokens = comms.all_to_all_wait(tokens)
+        with torch.no_grad():
+            recv_local_slots = comms.all_to_all_wait(slots)
+        recv_weights = comms.all_to_all_wait(weights)
+        return self._permute_received(recv_tokens, recv_local_slots, recv_weights)
+
+    def _permute_received(self, recv_tokens, recv_local_slots, recv_weights):
         expert_input, tokens_per_slot, self._permutation = permute_by_slot(
             recv_tokens, recv_local_slots, self.slots_per_rank)
         self._recv_weights = recv_weights
         return expert_input, tokens_per_slot
 
-    def combine(self, expert_output, shared_output=None):
+    def combine(self, expert_output, shared_output=None, *, during=None):
+        """See the module docstring. ``during`` (instead of ``shared_output``): a callable returning the shared
+        output, run while the combine all-to-all is in flight (EP > 1; else right away)."""
         out = unpermute_and_combine(expert_output, self._recv_weights, self._permutation)   # per received token
-        if self._send_token is not None:
+        if self._send_token is not None and during is not None:
+            pending = comms.all_to_all_start(out, self._send_splits, self._recv_splits, self.ep_group,
+                                             tag="moe_combine")
+            shared_output = during()
+            returned = comms.all_to_all_wait(pending)
+        elif self._send_token is not None:
             returned = comms.all_to_all(out, self._send_splits, self._recv_splits, self.ep_group)
+        elif during is not None:
+            shared_output = during()
+        if self._send_token is not None:
             out = torch.zeros(self._num_tokens, returned.shape[-1], dtype=returned.dtype, device=returned.device)
             out = out.index_add(0, self._send_token, returned)
         if shared_output is not None:

@@ -28,6 +28,14 @@ the step's main losses, detached, in micro-batch order, so under that convention
 batch loss. Gradients are accumulated into ``.grad`` (for bf16 parameters under the distributed optimizer, a
 hook moves each micro-batch's into the fp32 ``main_grad``: :mod:`megamoe.gradients`); nothing is reduced over
 data parallelism here.
+
+The last backward
+-----------------
+``on_last_backward(chunk)`` (optional, every schedule) is called with the model chunk's index (always 0
+here: one chunk per stage) just BEFORE the backward of the last micro-batch of that chunk on this stage.
+The gradients that backward produces are final, so a gradient reducer
+(:mod:`megamoe.training.grad_buckets`) arms its hooks there and starts each bucket's reduction as soon as
+its gradients are ready, while the rest of the backward runs.
 """
 
 from __future__ import annotations
@@ -100,21 +108,31 @@ def _backward(input_tensor: torch.Tensor | None, output: torch.Tensor, aux_loss:
     return input_tensor.grad if input_tensor.grad is not None else torch.zeros_like(input_tensor)
 
 
-def _whole_micro_batch(forward_step: ForwardStep, index: int) -> torch.Tensor:
+OnLastBackward = Callable[[int], None]
+
+
+def _whole_micro_batch(forward_step: ForwardStep, index: int, before_backward: OnLastBackward | None = None
+                       ) -> torch.Tensor:
     # A function of its own so that no local variable keeps the micro-batch alive after its backward.
     loss, aux_loss = _forward(forward_step, None, index, is_last=True)
+    if before_backward is not None:
+        before_backward(0)
     _backward(None, loss, aux_loss, None)
     return loss.detach()
 
 
-def forward_backward_no_pipelining(forward_step: ForwardStep, num_micro_batches: int) -> list[torch.Tensor]:
+def forward_backward_no_pipelining(forward_step: ForwardStep, num_micro_batches: int, *,
+                                   on_last_backward: OnLastBackward | None = None) -> list[torch.Tensor]:
     """Gradient accumulation on one stage: forward then backward of each micro-batch in turn.
 
     ``forward_step(None, index)`` returns the micro-batch's scalar loss or ``(loss, aux_loss)`` (see
-    the module docstring for the scaling convention). Returns the detached losses.
+    the module docstring for the scaling convention). ``on_last_backward(0)``: called before the last
+    micro-batch's backward. Returns the detached losses.
     """
     _check_num_micro_batches(num_micro_batches)
-    return [_whole_micro_batch(forward_step, index) for index in range(num_micro_batches)]
+    last = num_micro_batches - 1
+    return [_whole_micro_batch(forward_step, index, on_last_backward if index == last else None)
+            for index in range(num_micro_batches)]
 
 
 def _check_pipeline_args(pp_group, pp_rank, pp_size, prev_rank, next_rank) -> None:
@@ -145,6 +163,7 @@ def forward_backward_1f1b(
     tensor_shape: Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str | None = None,
+    on_last_backward: OnLastBackward | None = None,
 ) -> list[torch.Tensor]:
     """Non-interleaved one-forward-one-backward pipeline schedule for this stage.
 
@@ -157,7 +176,8 @@ def forward_backward_1f1b(
     (None at the ends); activations and gradients exchanged with them all have ``tensor_shape`` and
     ``dtype`` and live on ``device`` (None: torch's default device). Per micro-batch and neighbour,
     this stage issues exactly one send and one receive. ``forward_step`` and the loss scaling are
-    described in the module docstring. Returns the detached per-micro-batch losses on the last
+    described in the module docstring. ``on_last_backward(0)``: called before the backward of the last
+    micro-batch (see the module docstring). Returns the detached per-micro-batch losses on the last
     stage, an empty list elsewhere.
     """
     _check_num_micro_batches(num_micro_batches)
@@ -171,6 +191,7 @@ def forward_backward_1f1b(
 
     in_flight: deque = deque()   # (input, output, aux_loss) of micro-batches whose backward is pending
     losses: list[torch.Tensor] = []
+    backwards_run = 0
 
     def run_forward(input_tensor: torch.Tensor | None, index: int) -> torch.Tensor:
         if input_tensor is not None:
@@ -183,6 +204,10 @@ def forward_backward_1f1b(
         return output
 
     def run_backward(output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal backwards_run
+        backwards_run += 1
+        if on_last_backward is not None and backwards_run == num_micro_batches:
+            on_last_backward(0)
         # Popping here (not in the caller) means no caller variable outlives the micro-batch.
         return _backward(*in_flight.popleft(), output_grad)
 
@@ -230,7 +255,7 @@ def forward_backward(
     dtype: torch.dtype,
     device: torch.device | str | None = None,
     *,
-    on_last_backward: Callable[[int], None] | None = None,
+    on_last_backward: OnLastBackward | None = None,
 ) -> list[torch.Tensor]:
     """Run the schedule that fits ``state``'s pipeline group: plain gradient accumulation when it has
     one stage, 1F1B otherwise (``tensor_shape``/``dtype``/``device`` are then those of the activations
@@ -244,14 +269,12 @@ def forward_backward(
         return forward_backward_interleaved(chunks, num_micro_batches, state=state, tensor_shape=tensor_shape,
                                             dtype=dtype, device=device, on_last_backward=on_last_backward)
     forward_step = _single_step(forward_step)
-    # The non-interleaved schedules take the hook where they support it (an unsupported one raises TypeError).
-    hook = {} if on_last_backward is None else {"on_last_backward": on_last_backward}
     if state.pp.size == 1:
-        return forward_backward_no_pipelining(forward_step, num_micro_batches, **hook)
+        return forward_backward_no_pipelining(forward_step, num_micro_batches, on_last_backward=on_last_backward)
     return forward_backward_1f1b(
         forward_step, num_micro_batches, pp_group=state.pp.group, pp_rank=state.pp.rank, pp_size=state.pp.size,
         prev_rank=state.pp_prev_rank, next_rank=state.pp_next_rank, tensor_shape=tensor_shape, dtype=dtype,
-        device=device, **hook,
+        device=device, on_last_backward=on_last_backward,
     )
 
 

@@ -9,11 +9,23 @@ expert-DP (``state.edp``). Slot ``k``'s state therefore sits on the same edp ran
 expert migration (:mod:`megamoe.moe.expert_migration`, an exchange over the EP group between ranks of one edp
 index) moves a slot's shard rows exactly like a stacked parameter's rows (:meth:`slot_state_views`).
 
-Buckets. Parameters of one (group, dtype) are packed into buckets of at most ``bucket_numel`` padded
-elements, laid out ``[N, shard_numel]``: rank ``r``'s pieces of every parameter of the bucket are contiguous
-(parameter after parameter, each ``[S, c]``), so one :func:`~megamoe.comms.reduce_scatter_flat` per bucket
-leaves rank ``r`` the sum of exactly its pieces, and one :func:`~megamoe.comms.all_gather_flat` of the
-updated pieces rebuilds every parameter. The bound keeps the transient buffer of a big model small.
+Buckets. Parameters of one (group, dtype, model chunk, deferred or not) are packed, in reverse registration
+order, into buckets of at most ``bucket_numel`` padded elements (:func:`~megamoe.training.grad_buckets.plan_buckets`;
+the Trainer's ``TrainConfig.grad_bucket_mb``), laid out ``[N, shard_numel]``: rank ``r``'s pieces of every
+parameter of the bucket are contiguous (parameter after parameter, each ``[S, c]``), so one
+:func:`~megamoe.comms.reduce_scatter_flat` per bucket leaves rank ``r`` the sum of exactly its pieces, and one
+:func:`~megamoe.comms.all_gather_flat` of the updated pieces rebuilds every parameter. The bound keeps the
+transient buffer of a big model small.
+
+Overlap (``overlap=True``, ``TrainConfig.overlap_grad_reduce``): each bucket's reduce-scatter starts
+asynchronously from backward hooks as soon as its gradients are final in the last micro-batch's backward
+(:meth:`on_last_backward`, called by the schedule; :mod:`megamoe.training.grad_buckets`), and
+:meth:`reduce_gradients` launches the rest and waits for all of them. Deferred buckets, whose parameters need a
+sum first (``sequence_parallel`` parameters under TP > 1, tied embeddings, the experts of a layer with replica
+slots), are launched in :meth:`reduce_gradients`, after GradientSync did those sums. Overlap on or off, the same
+buckets are reduced from the same buffers: identical results. Memory: an overlapped bucket's [N, shard_numel]
+buffer lives from its launch to its wait in :meth:`reduce_gradients` (so up to one fp32 copy of this rank's
+gradients at the end of the backward, on top of ZeRO-2's); without overlap one bucket's at a time, as before.
 
 Gradient reduction (the order of :mod:`megamoe.training.grad_sync`): :class:`GradientSync` built with
 ``data_parallel=False`` first sums sequence-parallel grads over TP, tied embedding grads over the embedding
@@ -86,6 +98,8 @@ from megamoe import comms
 from megamoe.gradients import main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
+from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
+                                           plan_buckets)
 from megamoe.training.grad_sync import _replication
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_NUMEL"]
@@ -155,6 +169,8 @@ class _Bucket:
     accumulate_fp32: bool = False
     grad_numel: int = 0
     main_grad: torch.Tensor | None = None
+    chunk: int = 0              # the model chunk of its parameters (virtual pipeline)
+    deferred: bool = False      # reduced after GradientSync's sums, never from a backward hook
 
 
 @dataclass
@@ -198,7 +214,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, state, *, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, shard: bool = True, zero_stage: int = 1,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, tied_params=(), expert_token_replicas: int = 1):
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, tied_params=(), expert_token_replicas: int = 1,
+                 overlap: bool = False):
         if zero_stage not in (1, 2):
             raise ValueError(f"DistributedOptimizer zero_stage must be 1 or 2, got {zero_stage!r}")
         if not (isinstance(bucket_numel, int) and bucket_numel >= 1):
@@ -220,7 +237,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.device = params[0].device
         self._entries: dict[nn.Parameter, _Entry] = {}
         self._buckets: list[_Bucket] = []
-        open_bucket: dict[tuple, int] = {}
+        entries: dict[int, _Entry] = {}
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"DistributedOptimizer needs contiguous parameters; one of shape {tuple(p.shape)} "
@@ -229,21 +246,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group = expert if is_expert else dense
             rows = stacked.get(id(p), 1) if p.numel() else 1
             row_numel = p.numel() // rows
-            entry = _Entry(p, rows, row_numel, math.ceil(row_numel / group.size), group.rank, is_expert)
-            key = (is_expert, p.dtype)
-            index = open_bucket.get(key)
-            if index is not None:
-                bucket = self._buckets[index]
-                if bucket.entries and (bucket.shard_numel + entry.numel) * group.size > bucket_numel:
-                    index = None
-            if index is None:
-                index = open_bucket[key] = len(self._buckets)
-                self._buckets.append(_Bucket(group, p.dtype, is_expert))
-            bucket = self._buckets[index]
-            entry.bucket, entry.offset = index, bucket.shard_numel
-            bucket.entries.append(entry)
-            bucket.shard_numel += entry.numel
-            self._entries[p] = entry
+            entries[id(p)] = _Entry(p, rows, row_numel, math.ceil(row_numel / group.size), group.rank, is_expert)
+        deferred = deferred_parameters(model, state, tied_params, replicated_experts=True)
+        chunks = parameter_chunks(model)
+
+        def key(p):
+            return (entries[id(p)].expert, p.dtype, chunks.get(id(p), 0), id(p) in deferred)
+
+        def size(p):
+            e = entries[id(p)]
+            return e.numel * (expert if e.expert else dense).size
+        plan = plan_buckets(params, key, size, bucket_numel)
+        for index, planned in enumerate(plan):
+            is_expert = planned.key[0]
+            bucket = _Bucket(expert if is_expert else dense, planned.key[1], is_expert)
+            bucket.chunk, bucket.deferred = planned.key[2], planned.key[3]
+            for p in planned.params:
+                entry = entries[id(p)]
+                entry.bucket, entry.offset = index, bucket.shard_numel
+                bucket.entries.append(entry)
+                bucket.shard_numel += entry.numel
+            self._buckets.append(bucket)
+        # Registration order (the checkpoint's and the non-finite search's), whatever the bucket order.
+        for p in params:
+            self._entries[p] = entries[id(p)]
         # fp32 gradient accumulation for non-fp32 parameters (see the module docstring). The hook holds the
         # optimizer weakly: an optimizer dropped for a new one stops taking the parameters' gradients.
         self._hooks = []
@@ -261,21 +287,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 e.grad_offset = bucket.grad_numel
                 bucket.grad_numel += e.param.numel()
                 self._hooks.append(e.param.register_post_accumulate_grad_hook(accumulate))
+        # Overlapped reduce-scatters (see the module docstring): hooks registered after the accumulation hooks
+        # above, so a bf16 parameter's main_grad holds its gradient when the parameter is marked ready.
+        self.overlap = bool(overlap)
+        self._handles: dict[int, comms.CommHandle] = {}
+        self._readiness = GradReadiness([[e.param for e in b.entries] for b in self._buckets],
+                                        [b.chunk for b in self._buckets],
+                                        [id(b.group.group) for b in self._buckets],
+                                        [b.deferred for b in self._buckets], self._launch_bucket,
+                                        hooks=self.overlap and shard)
         # torch's fused AdamW kernel where it exists (as build_optimizer), else the single-tensor loop.
         self._fused = self.device.type in ("cpu", "cuda")
         self._names = {id(p): name for name, p in model.named_parameters()}
-        logger.info("distributed optimizer (ZeRO-%d%s): %d parameters in %d buckets, dense over %d ranks, experts "
-                    "over %d; %s", zero_stage, "" if shard else ", unsharded", len(params), len(self._buckets),
+        logger.info("distributed optimizer (ZeRO-%d%s): %d parameters in %d buckets (%d deferred)%s, dense over %d "
+                    "ranks, experts over %d; %s", zero_stage, "" if shard else ", unsharded", len(params),
+                    len(self._buckets), sum(b.deferred for b in self._buckets),
+                    ", reduce-scatters overlapped with the backward" if self.overlap and shard else "",
                     dense.size, expert.size, "fp32 master weights and gradient accumulation"
                     if any(p.dtype != torch.float32 for p in params) else "the fp32 parameters are the master weights")
 
     @classmethod
     def from_config(cls, model: nn.Module, state, config, *, shard: bool, tied_params=(),
-                    expert_token_replicas: int = 1, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
-        """From a :class:`~megamoe.training.trainer.TrainConfig` (lr, betas, eps, weight_decay, zero_stage)."""
+                    expert_token_replicas: int = 1, bucket_numel: int | None = None):
+        """From a :class:`~megamoe.training.trainer.TrainConfig` (lr, betas, eps, weight_decay, zero_stage,
+        overlap_grad_reduce; ``bucket_numel`` default: grad_bucket_mb of fp32 gradient)."""
+        if bucket_numel is None:
+            bucket_numel = grad_bucket_numel(config.grad_bucket_mb)
         return cls(model, state, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
                    shard=shard, zero_stage=config.zero_stage, bucket_numel=bucket_numel, tied_params=tied_params,
-                   expert_token_replicas=expert_token_replicas)
+                   expert_token_replicas=expert_token_replicas, overlap=config.overlap_grad_reduce)
+
+    def on_last_backward(self, chunk: int) -> None:
+        """The schedule's hook: the last backward of ``chunk`` starts (its buckets may launch from now)."""
+        self._readiness.arm(chunk)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def num_deferred_buckets(self) -> int:
+        return sum(b.deferred for b in self._buckets)
+
+    def discard_pending(self) -> None:
+        """Forget a step that did not reach :meth:`reduce_gradients` (an error mid-backward): wait for the
+        reduce-scatters it started and disarm the hooks."""
+        for handle in self._handles.values():
+            handle.wait()
+        self._handles.clear()
+        self._readiness.reset()
 
     # ---- state ---------------------------------------------------------------------------------
     def _state_of(self, entry: _Entry) -> dict:
@@ -325,40 +385,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
             e.param.main_grad = None
 
     @torch.no_grad()
+    def _launch_bucket(self, index: int) -> None:
+        """Copy bucket ``index``'s gradients into its [N, shard_numel] buffer and start its reduce-scatter."""
+        bucket = self._buckets[index]
+        size = bucket.group.size
+        if bucket.main_grad is not None and size == 1:
+            # One rank: the fp32 accumulation buffer has the bucket's layout (each parameter whole, in
+            # order), so it is the flat buffer and, reduced over nobody, the shard.
+            flat = bucket.main_grad
+        else:
+            flat = torch.zeros(size * bucket.shard_numel, dtype=torch.float32, device=self.device)
+        chunks = flat.view(size, bucket.shard_numel)
+        for e in bucket.entries:
+            grad = main_grad(e.param)
+            if flat is bucket.main_grad or grad is None or not e.numel:
+                continue
+            rows = grad.reshape(e.rows, e.row_numel)
+            if size * e.cols != e.row_numel:
+                rows = torch.nn.functional.pad(rows, (0, size * e.cols - e.row_numel))
+            # [N, S, c] view of the bucket <- [S, N, c] of the padded gradient: rank r's columns land
+            # in rank r's chunk.
+            chunks[:, e.offset:e.offset + e.numel].view(size, e.rows, e.cols).copy_(
+                rows.view(e.rows, size, e.cols).transpose(0, 1))
+        self._handles[index] = comms.reduce_scatter_flat_async(flat, bucket.group.group, tag="grad_bucket")
+        if bucket.deferred or not (self.overlap and self.shard):
+            # Nothing to overlap with (launched at the end): finish it before the next one, so one flat buffer
+            # is alive at a time, as without overlap. Overlapped buckets keep theirs until the wait.
+            self._complete_bucket(index)
+
+    @torch.no_grad()
+    def _complete_bucket(self, index: int) -> None:
+        """Wait for bucket ``index``'s reduce-scatter, scale the shard; ZeRO-2: free the full gradients."""
+        bucket = self._buckets[index]
+        shard = self._handles.pop(index).wait()
+        scale = self.expert_scale if bucket.expert else self.dense_scale
+        if scale != 1.0:
+            shard.mul_(scale)
+        bucket.grad_shard = shard
+        if self.zero_stage == 2:
+            for e in bucket.entries:
+                e.param.grad = None
+            self._free_main_grads(bucket)
+
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Reduce-scatter the gradients into this rank's fp32 shards (one collective per bucket), scaled to
         the mean over DP (see the module docstring); ZeRO-2 then frees ``p.grad`` and the fp32 accumulation
         buffers. Call after ``GradientSync(data_parallel=False).sync()`` (sharded) or the full sync
-        (``shard=False``)."""
-        for bucket in self._buckets:
-            size = bucket.group.size
-            if bucket.main_grad is not None and size == 1:
-                # One rank: the fp32 accumulation buffer has the bucket's layout (each parameter whole, in
-                # order), so it is the flat buffer and, reduced over nobody, the shard.
-                flat = bucket.main_grad
-            else:
-                flat = torch.zeros(size * bucket.shard_numel, dtype=torch.float32, device=self.device)
-            chunks = flat.view(size, bucket.shard_numel)
-            for e in bucket.entries:
-                grad = main_grad(e.param)
-                if flat is bucket.main_grad or grad is None or not e.numel:
-                    continue
-                rows = grad.reshape(e.rows, e.row_numel)
-                if size * e.cols != e.row_numel:
-                    rows = torch.nn.functional.pad(rows, (0, size * e.cols - e.row_numel))
-                # [N, S, c] view of the bucket <- [S, N, c] of the padded gradient: rank r's columns land
-                # in rank r's chunk.
-                chunks[:, e.offset:e.offset + e.numel].view(size, e.rows, e.cols).copy_(
-                    rows.view(e.rows, size, e.cols).transpose(0, 1))
-            shard = comms.reduce_scatter_flat(flat, bucket.group.group)
-            scale = self.expert_scale if bucket.expert else self.dense_scale
-            if scale != 1.0:
-                shard.mul_(scale)
-            bucket.grad_shard = shard
-            if self.zero_stage == 2:
-                for e in bucket.entries:
-                    e.param.grad = None
-                self._free_main_grads(bucket)
+        (``shard=False``). Buckets started during the backward (overlap) are waited for here; the others
+        start here, in bucket order, the deferred ones last."""
+        self._readiness.finish()
+        for index, bucket in enumerate(self._buckets):
+            if bucket.deferred:
+                self._launch_bucket(index)
+        for index in sorted(self._handles):
+            self._complete_bucket(index)
 
     def gradient_shards(self) -> list[torch.Tensor]:
         """The reduced-gradient shard tensors this rank keeps ([shard_numel] fp32 per bucket), from

@@ -18,9 +18,16 @@ gradient of that global loss for its local parameters:
 - tied embedding / output weights on the first and last pipeline stages: summed over the
   embedding group.
 
-Each reduction is one coalesced all-reduce per (group, dtype). With ``data_parallel=False`` (the
-distributed optimizer, :mod:`megamoe.training.distributed_optimizer`) the DP x CP and expert-DP
-all-reduces are left out (the optimizer reduce-scatters them) and the replica sum comes first.
+The TP, tied and replica sums are one coalesced all-reduce per (group, dtype). The DP x CP and
+expert-DP reductions are one all-reduce per gradient bucket (:mod:`megamoe.training.grad_buckets`: at most
+``bucket_numel`` elements, per group, dtype and model chunk, in reverse registration order), scaled after
+the sum. With ``overlap=True`` the buckets' all-reduces start asynchronously from backward hooks during the
+last micro-batch's backward (:meth:`GradientSync.on_last_backward`, called by the schedule), and
+:meth:`GradientSync.sync` waits for them; parameters whose DP reduction must follow the TP or tied sum
+(``sequence_parallel`` ones under TP > 1, tied embeddings) are in deferred buckets reduced in ``sync`` after
+it. Overlap on or off, the same buckets are reduced on the same buffers: identical results. With
+``data_parallel=False`` (the distributed optimizer, :mod:`megamoe.training.distributed_optimizer`) the DP x CP
+and expert-DP all-reduces are left out (the optimizer reduce-scatters them) and the replica sum comes first.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from megamoe.gradients import gradients, main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.sharding import get_shard_spec
+from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
+                                           plan_buckets)
 
 __all__ = ["GradientSync", "clip_grad_norm_", "global_grad_norm"]
 
@@ -64,11 +73,15 @@ class GradientSync:
     """Reduce the gradients of ``model`` (this rank's pipeline stage) for the layout ``state``.
 
     ``tied_params``: parameters shared by the first and last pipeline stage (tied input embedding
-    and output layer); their gradients are summed over the embedding group.
+    and output layer); their gradients are summed over the embedding group. ``bucket_numel``: the most
+    gradient elements of one DP all-reduce bucket (default: 40 MB of fp32). ``overlap``: start the buckets'
+    all-reduces from backward hooks (see the module docstring; the schedule must be given
+    :meth:`on_last_backward`).
     """
 
     def __init__(self, model: nn.Module, state, *, tied_params: tuple[nn.Parameter, ...] = (),
-                 expert_token_replicas: int = 1, data_parallel: bool = True):
+                 expert_token_replicas: int = 1, data_parallel: bool = True, bucket_numel: int | None = None,
+                 overlap: bool = False):
         self.state = state
         # False under the distributed optimizer: it reduce-scatters the dense and expert gradients itself
         # (megamoe.training.distributed_optimizer); this sync then does only the sums that must come first.
@@ -80,10 +93,104 @@ class GradientSync:
         self.sequence_parallel_params = [p for p in self.dense_params if getattr(p, "sequence_parallel", False)]
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
         self.tied_params = tuple(tied_params)
+        self.overlap = bool(overlap) and data_parallel
+        self._buckets: list[list[nn.Parameter]] = []
+        self._bucket_groups: list[tuple] = []       # (group, scale) per bucket
+        self._handles: dict[int, tuple[comms.CommHandle | None, list[nn.Parameter]]] = {}   # launched buckets
+        self._readiness: GradReadiness | None = None
+        if data_parallel:
+            self._plan(params, grad_bucket_numel(40.0) if bucket_numel is None else bucket_numel, model)
+
+    def _plan(self, params: list[nn.Parameter], bucket_numel: int, model: nn.Module) -> None:
+        state = self.state
+        chunks = parameter_chunks(model)
+        # The DP reduction of these must follow a sum over another group (TP, the embedding group). The replica
+        # sum comes after the DP reduction here, so replicated experts overlap like any other.
+        deferred = deferred_parameters(model, state, self.tied_params, replicated_experts=False)
+
+        def key(p):
+            expert = bool(getattr(p, "expert_parallel", False))
+            return (expert, p.dtype, chunks.get(id(p), 0), id(p) in deferred)
+        plan = plan_buckets(params, key, lambda p: p.numel(), bucket_numel)
+        dense = (state.dp_cp.group, 1.0 / state.dp_cp.size)
+        expert = (state.edp.group, self.expert_scale)
+        self._buckets = [b.params for b in plan]
+        self._bucket_groups = [expert if b.key[0] else dense for b in plan]
+        self._deferred = [b.key[3] for b in plan]
+        self._readiness = GradReadiness(self._buckets, [b.key[2] for b in plan],
+                                        # one launch order per process group (dense and expert may share one)
+                                        [id(group) for group, _ in self._bucket_groups], self._deferred,
+                                        self._launch, hooks=self.overlap)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def num_deferred_buckets(self) -> int:
+        return sum(self._deferred) if self._buckets else 0
+
+    def on_last_backward(self, chunk: int) -> None:
+        """The schedule's hook: the last backward of ``chunk`` starts (its buckets may launch from now)."""
+        if self._readiness is not None:
+            self._readiness.arm(chunk)
+
+    def discard_pending(self) -> None:
+        """Forget a step that did not reach :meth:`sync` (an error mid-backward): wait for the all-reduces it
+        started and disarm the hooks."""
+        for handle, _ in self._handles.values():
+            if handle is not None:
+                handle.wait()
+        self._handles.clear()
+        if self._readiness is not None:
+            self._readiness.reset()
+
+    @torch.no_grad()
+    def _launch(self, i: int) -> None:
+        """Start bucket ``i``'s all-reduce on a flat copy of its gradients (those that exist)."""
+        group, _ = self._bucket_groups[i]
+        params = [p for p in self._buckets[i] if main_grad(p) is not None]
+        if not params:
+            return
+        if comms.group_size(group) == 1:          # nothing to reduce: only the scale, in place, at the end
+            self._handles[i] = (None, params)
+            return
+        flat = torch.cat([main_grad(p).reshape(-1) for p in params])
+        self._handles[i] = (comms.all_reduce_async(flat, group, tag="grad_bucket"), params)
+        if not self.overlap:
+            # Nothing to overlap with: finish it before the next one, so one flat copy is alive at a time.
+            self._complete(i)
+
+    @torch.no_grad()
+    def _complete(self, i: int) -> None:
+        """Wait for bucket ``i``, scale it and copy it back into the gradients."""
+        entry = self._handles.pop(i, None)
+        if entry is None:
+            return
+        handle, params = entry
+        _, scale = self._bucket_groups[i]
+        if handle is None:
+            if scale != 1.0:
+                for p in params:
+                    main_grad(p).mul_(scale)
+            return
+        flat = handle.wait()
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for p in params:
+            g = main_grad(p)
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     @torch.no_grad()
     def sync(self) -> None:
         state = self.state
+        if self.data_parallel:
+            # Every bucket not launched from a hook starts now (all of them without overlap), in bucket order.
+            self._readiness.finish()
+            for i in sorted(self._handles):
+                self._complete(i)
         _all_reduce_coalesced(gradients(self.sequence_parallel_params), state.tp.group)
         if state.embedding is not None and self.tied_params:
             _all_reduce_coalesced(gradients(self.tied_params), state.embedding.group)
@@ -93,8 +200,11 @@ class GradientSync:
             for layer in self.moe_layers:
                 layer.reduce_replica_grads()
             return
-        _all_reduce_coalesced(gradients(self.dense_params), state.dp_cp.group, 1.0 / state.dp_cp.size)
-        _all_reduce_coalesced(gradients(self.expert_params), state.edp.group, self.expert_scale)
+        # The deferred buckets (after the TP and tied sums), blocking, in bucket order.
+        for i, deferred in enumerate(self._deferred):
+            if deferred:
+                self._launch(i)
+                self._complete(i)
         for layer in self.moe_layers:
             layer.reduce_replica_grads()
 

@@ -60,6 +60,13 @@ def add_optim_arguments(parser) -> None:
                         "all-gathered (ZeRO-1)")
     m.add_argument("--zero-stage", type=int, choices=(1, 2), default=1,
                    help="2: also free the full gradients after the reduce-scatter (needs --distributed-optimizer)")
+    o = parser.add_argument_group("communication overlap")
+    o.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each gradient bucket's data-parallel all-reduce (reduce-scatter under "
+                        "--distributed-optimizer) asynchronously during the last micro-batch's backward, as soon "
+                        "as its gradients are ready; waited for before the optimizer step")
+    o.add_argument("--grad-bucket-mb", type=float, default=40.0,
+                   help="MB of (fp32) gradient per reduction bucket, > 0")
     m.add_argument("--param-dtype", choices=list(PARAM_DTYPES), default="fp32",
                    help="dtype of the model's parameters; bf16 keeps fp32 master weights in the optimizer")
 
@@ -74,7 +81,7 @@ def _with_flag_names(message: str) -> str:
 def train_config_kwargs(args, *, train_steps: int) -> dict:
     """``TrainConfig`` keyword arguments (``lr_schedule``, ``max_skipped_steps``, ``loss_scale``) from the
     flags of :func:`add_optim_arguments`; the decay ends at ``train_steps`` unless ``--lr-decay-steps``.
-    Also ``distributed_optimizer`` and ``zero_stage``. Raises :class:`~megamoe.launch.UsageError` naming the
+    Also ``distributed_optimizer``, ``zero_stage``, ``overlap_grad_reduce`` and ``grad_bucket_mb``. Raises :class:`~megamoe.launch.UsageError` naming the
     flag."""
     style = args.lr_schedule
     wsd_fraction = args.lr_wsd_decay_fraction
@@ -88,6 +95,8 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
     if args.zero_stage == 2 and not args.distributed_optimizer:
         raise UsageError("--zero-stage 2 needs --distributed-optimizer (ZeRO-2 frees the gradients outside the "
                          "shards the distributed optimizer keeps)")
+    if not 0 < args.grad_bucket_mb < float("inf"):
+        raise UsageError(f"--grad-bucket-mb must be a number > 0 (MB of gradient per bucket), got {args.grad_bucket_mb}")
     decay_steps = train_steps if args.lr_decay_steps is None else args.lr_decay_steps
     try:
         schedule = LRScheduleConfig(
@@ -99,7 +108,8 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
     except ValueError as e:
         raise UsageError(_with_flag_names(str(e))) from None
     return {"lr_schedule": schedule, "max_skipped_steps": args.max_skipped_steps, "loss_scale": loss_scale,
-            "distributed_optimizer": args.distributed_optimizer, "zero_stage": args.zero_stage}
+            "distributed_optimizer": args.distributed_optimizer, "zero_stage": args.zero_stage,
+            "overlap_grad_reduce": args.overlap_grad_reduce, "grad_bucket_mb": args.grad_bucket_mb}
 
 
 def param_dtype(args) -> torch.dtype:

@@ -33,6 +33,15 @@ parameters always get that class, unsharded without ``distributed_optimizer``, f
 and fp32 gradient accumulation over micro-batches (their gradients live in ``p.main_grad``, read through
 :func:`megamoe.gradients.main_grad`).
 
+Gradient reduction in buckets (:mod:`megamoe.training.grad_buckets`): the DP all-reduces (or the distributed
+optimizer's reduce-scatters) run per bucket of at most ``TrainConfig.grad_bucket_mb`` MB of fp32 gradient. With
+``overlap_grad_reduce`` the schedule tells the reducer when each chunk's last micro-batch backward starts
+(``on_last_backward``), and buckets launch asynchronously from backward hooks as their gradients become
+final; the gradient sync / ``reduce_gradients`` waits for them before the norm and the step. Buckets whose
+reduction must follow another sum (sequence-parallel parameters under TP, tied embeddings, and under the
+distributed optimizer replicated experts) are reduced after it, not overlapped. Overlap on or off, the same
+buckets are reduced on the same buffers: bit-identical steps.
+
 Online expert rebalancing (``TrainConfig.eplb``, :mod:`megamoe.moe.eplb`): after the optimizer step and
 the expert-bias update, each finite step's expert loads go into a window on the device (no collective, no
 host sync); every ``interval`` steps the window is reduced and experts are re-placed, their weights and
@@ -86,6 +95,7 @@ from megamoe.pipeline.schedule import forward_backward
 from megamoe.precision import upcast
 from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.flops import training_flops
+from megamoe.training.grad_buckets import grad_bucket_numel
 from megamoe.training.grad_sync import GradientSync, clip_grad_norm_
 from megamoe.training.loss_scaling import DynamicLossScaler, LossScaleConfig
 from megamoe.training.lr_schedule import LRScheduleConfig
@@ -121,6 +131,13 @@ class TrainConfig:
     # reduce-scatter (needs distributed_optimizer).
     distributed_optimizer: bool = False
     zero_stage: int = 1
+    # Gradient reduction in buckets of at most grad_bucket_mb MB of (fp32-reduced) gradient, per (group, dtype,
+    # model chunk), in reverse registration order (megamoe.training.grad_buckets). overlap_grad_reduce: each
+    # bucket's all-reduce / reduce-scatter starts asynchronously from backward hooks during the last
+    # micro-batch's backward, as soon as its gradients are ready, and is waited for before the optimizer step.
+    # Off: the same buckets are reduced synchronously after the backward (bit-identical results).
+    overlap_grad_reduce: bool = False
+    grad_bucket_mb: float = 40.0
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -141,6 +158,12 @@ class TrainConfig:
         if self.zero_stage == 2 and not self.distributed_optimizer:
             raise ValueError("TrainConfig.zero_stage=2 needs distributed_optimizer=True (ZeRO-2 frees gradients "
                              "outside the shards the distributed optimizer keeps)")
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise ValueError(f"TrainConfig.overlap_grad_reduce must be a bool, got {self.overlap_grad_reduce!r}")
+        if (isinstance(self.grad_bucket_mb, bool) or not isinstance(self.grad_bucket_mb, (int, float))
+                or not 0 < self.grad_bucket_mb < math.inf):
+            raise ValueError(f"TrainConfig.grad_bucket_mb must be a number > 0 (MB of gradient per bucket), "
+                             f"got {self.grad_bucket_mb!r}")
         if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
             raise ValueError(f"TrainConfig.eplb must be an EPLBConfig or None, got {type(self.eplb).__name__}")
 
@@ -238,9 +261,18 @@ class Trainer:
                                                          expert_token_replicas=replicas)
         self.optimizer = optimizer or build_optimizer(model, config)
         self.distributed = isinstance(self.optimizer, DistributedOptimizer)
+        sharded = self.distributed and self.optimizer.shard
+        # Gradient buckets (megamoe.training.grad_buckets): the plain path's all-reduces, or the distributed
+        # optimizer's reduce-scatters, start from backward hooks with overlap_grad_reduce.
         self.grad_sync = GradientSync(model, state, tied_params=model.tied_parameters(),
-                                      expert_token_replicas=replicas,
-                                      data_parallel=not (self.distributed and self.optimizer.shard))
+                                      expert_token_replicas=replicas, data_parallel=not sharded,
+                                      bucket_numel=grad_bucket_numel(config.grad_bucket_mb),
+                                      overlap=config.overlap_grad_reduce and not sharded)
+        self._overlapped = ((self.optimizer,) if sharded else (self.grad_sync,)) if config.overlap_grad_reduce else ()
+        for reducer in self._overlapped:
+            logger.info("overlap_grad_reduce: %d gradient buckets of <= %g MB %s from backward hooks; %d deferred "
+                        "(after the TP / tied / replica sums)", reducer.num_buckets, config.grad_bucket_mb,
+                        "reduce-scattered" if sharded else "all-reduced", reducer.num_deferred_buckets)
         self.step = 0
         self.consecutive_skips = 0      # saved in training checkpoints, so the limit holds across a resume
         self.skipped_steps = 0
@@ -312,12 +344,15 @@ class Trainer:
         # One forward step per model chunk: more than one runs the interleaved schedule.
         forward_step = chunk_step(0) if virtual_stages == 1 else [chunk_step(c) for c in range(virtual_stages)]
 
+        for reducer in self._overlapped:      # a previous step that raised mid-backward left nothing armed
+            reducer.discard_pending()
         hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
         # Between pipeline stages: [mb, S, H], or this rank's sequence chunk [mb, S / tp, H] under sequence
         # parallelism (megamoe.models.sequence_parallel).
         hidden_shape = stage_hidden_shape(model, state, mb, seq)
         with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
-            losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device)
+            losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device,
+                                      on_last_backward=self._on_last_backward if self._overlapped else None)
         self.grad_sync.sync()
         if self.distributed:      # reduce-scatter into the optimizer's shards (ZeRO-2: frees p.grad)
             self.optimizer.reduce_gradients()
@@ -368,6 +403,11 @@ class Trainer:
                            tokens_per_s=tokens / elapsed, balancedness=balancedness, lr=lr, skipped=not finite,
                            consecutive_skips=self.consecutive_skips, loss_scale=scale, tflops=tflops, mfu=mfu,
                            moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(self.device), eplb=eplb_report)
+
+    def _on_last_backward(self, chunk: int) -> None:
+        """The schedule's call before the last backward of ``chunk``: arm the gradient reducer's hooks."""
+        for reducer in self._overlapped:
+            reducer.on_last_backward(chunk)
 
     def _rebalance_experts(self, finite: bool) -> EPLBReport | None:
         """TrainConfig.eplb: record the step's expert loads and, every ``interval`` steps, rebalance (after
