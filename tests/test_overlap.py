@@ -3,7 +3,8 @@
 MoE dispatch all-to-all in flight while the shared experts compute (``MoEConfig.shared_expert_overlap``).
 
 The oracle is the non-overlapped run of the same layout and bucket size: losses and gradient norms bit for bit,
-and the same collectives with the same bytes. The timeline (:func:`megamoe.comms.comm_timeline`) proves the
+and the same collectives with the same bytes. The layouts of issue #17 (MoE parallel folding, context
+parallelism, the interleaved pipeline) with overlap on are also held to one process's losses (rel <= 1e-5). The timeline (:func:`megamoe.comms.comm_timeline`) proves the
 overlap: a gradient bucket's collective is issued before the backward produced its last gradient, and the
 shared experts' GEMMs run between the dispatch all-to-all's issue and its wait; the non-overlapped runs fail
 both checks (negative controls)."""
@@ -196,26 +197,26 @@ def _batches(steps):
 
 
 def _run(state, *, overlap: bool, bucket_mb: float, distributed=False, zero_stage=1, shared_overlap=False,
-         recompute=None, sequence_parallel=False):
+         recompute=None, sequence_parallel=False, virtual_pipeline_stages=1, single_process=False):
     """Losses, grad norms, comm bytes and calls, the last step's timeline and last-gradient time, deferred buckets."""
     config = tiny_config("alltoall")
     config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, shared_expert_overlap=shared_overlap),
                                  sequence_parallel=sequence_parallel)
     if recompute is not None:      # the overlapped MoE forward runs again inside the backward
         config = dataclasses.replace(config, recompute=RecomputeConfig(recompute))
-    model = GPTMoEModel(config, state)
+    model = GPTMoEModel(config, state, virtual_pipeline_stages=virtual_pipeline_stages)
     initialize_parameters(model, seed=0)
     # Registered before the Trainer's hooks, so each records its gradient before a bucket launches from it.
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda _: comms.record_event("param_grad", "end"))
     trainer = Trainer(model, state, TrainConfig(lr=1e-2, distributed_optimizer=distributed, zero_stage=zero_stage,
                                                 overlap_grad_reduce=overlap, grad_bucket_mb=bucket_mb),
-                      world_group=dist.group.WORLD)
-    per_rank = GLOBAL_BATCH // state.dp_cp.size
+                      world_group=None if single_process else dist.group.WORLD)
+    per_rank = GLOBAL_BATCH // state.dp.size      # CP ranks train on the same sequences
     losses, norms = [], []
     with comms.comm_counter() as counter:
         for batch in _batches(STEPS):
-            mine = batch[state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
+            mine = batch[state.dp.rank * per_rank:(state.dp.rank + 1) * per_rank]
             with comms.comm_timeline() as timeline:
                 m = trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO)])
             losses.append(m.loss)
@@ -254,7 +255,15 @@ def _shared_experts_in_flight(events) -> bool:
             and _runs_in_flight(events, "shared_experts_down", "moe_combine"))
 
 
-def _layout_checks(rank, world, layout, **kwargs):
+def _single_process_losses(**kwargs):
+    """The oracle of the layouts issue #17 added: the same steps on one process, without overlap."""
+    from parallel_state import ParallelState
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("shared_overlap", "virtual_pipeline_stages")}
+    return _run(ParallelState.single_process(), overlap=False, bucket_mb=SMALL_BUCKET_MB, single_process=True,
+                **kwargs)["losses"]
+
+
+def _layout_checks(rank, world, layout, oracle=False, **kwargs):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     state = initialize_model_parallel(**layout)
     try:
@@ -274,10 +283,14 @@ def _layout_checks(rank, world, layout, **kwargs):
                           comms.Timeline(off["events"]).blocked_seconds("grad_bucket")),
         }
         if kwargs.get("shared_overlap"):
+            out["shared_in_flight"] = _shared_experts_in_flight(on["events"])
+        if kwargs.get("shared_overlap") and not oracle:     # the negative control, once per kind of layout
             plain = _run(state, overlap=False, bucket_mb=SMALL_BUCKET_MB, **{**kwargs, "shared_overlap": False})
             out["shared_bit_identical"] = plain["losses"] == off["losses"] and plain["norms"] == off["norms"]
-            out["shared_in_flight"] = _shared_experts_in_flight(on["events"])
             out["plain_shared_in_flight"] = _shared_experts_in_flight(plain["events"])
+        if oracle:
+            single = _single_process_losses(**kwargs)
+            out["single_process_rel"] = max(abs(a - b) / abs(b) for a, b in zip(on["losses"], single))
         if layout == {} and not kwargs:
             # Another bucket size: the same sums in other buffers, equal within fp32 rounding.
             big = _run(state, overlap=True, bucket_mb=40.0)
@@ -296,7 +309,15 @@ LAYOUTS = {
     "tp2-sp-dp2": (dict(tp=2), dict(sequence_parallel=True)),
     "ep2-dp2-zero1-shared-experts-recompute": (dict(ep=2), dict(distributed=True, shared_overlap=True,
                                                                 recompute="full")),
+    # The layouts of issue #17, overlap on, against one process too (oracle=True): MoE parallel folding
+    # (its router / shared-expert gradients are summed over TP first: deferred buckets), context parallelism,
+    # and the interleaved pipeline (buckets per model chunk, armed by each chunk's last backward).
+    "tp2-etp1-ep4-fold-shared-experts": (dict(tp=2, etp=1, ep=4), dict(shared_overlap=True, oracle=True)),
+    "cp2-ep2-dp2-shared-experts": (dict(cp=2, ep=2), dict(shared_overlap=True, oracle=True)),
+    "pp2-v2-ep2-dp2-shared-experts": (dict(pp=2, ep=2), dict(shared_overlap=True, virtual_pipeline_stages=2,
+                                                             oracle=True)),
 }
+DEFERRED = ("tp2-sp", "tp2-etp1")      # layouts with TP-summed (sequence-parallel-tagged) parameters
 
 
 def _all_layouts(rank, world):
@@ -316,9 +337,12 @@ def test_overlap_is_bit_identical_moves_the_same_bytes_and_overlaps():
             assert r["issued_before_last_grad"], f"{where}: no bucket started before the backward's last gradient"
             assert not r["off_issued_before_last_grad"], f"{where}: without overlap buckets start after the backward"
             if "shared_in_flight" in r:
-                assert r["shared_bit_identical"], f"{where}: shared_expert_overlap changed the results"
                 assert r["shared_in_flight"], f"{where}: shared experts not inside the dispatch all-to-all"
+            if "plain_shared_in_flight" in r:
+                assert r["shared_bit_identical"], f"{where}: shared_expert_overlap changed the results"
                 assert not r["plain_shared_in_flight"], f"{where}: without overlap they run after the wait"
-            assert (r["deferred_buckets"] > 0) == name.startswith("tp2-sp"), f"{where}: {r['deferred_buckets']}"
+            assert (r["deferred_buckets"] > 0) == name.startswith(DEFERRED), f"{where}: {r['deferred_buckets']}"
+            if "single_process_rel" in r:
+                assert r["single_process_rel"] <= 1e-5, f"{where}: overlap on is off the one-process curve"
             if "other_bucket_rel" in r:
                 assert r["other_bucket_rel"] <= 1e-6, f"{where}: another bucket size changed the loss"
