@@ -255,12 +255,19 @@ def _shared_experts_in_flight(events) -> bool:
             and _runs_in_flight(events, "shared_experts_down", "moe_combine"))
 
 
+_SINGLE_PROCESS: dict = {}
+
+
 def _single_process_losses(**kwargs):
-    """The oracle of the layouts issue #17 added: the same steps on one process, without overlap."""
+    """The oracle of the layouts issue #17 added: the same steps on one process, without overlap (once per
+    model: shared-expert overlap and virtual stages do not change it)."""
     from parallel_state import ParallelState
     kwargs = {k: v for k, v in kwargs.items() if k not in ("shared_overlap", "virtual_pipeline_stages")}
-    return _run(ParallelState.single_process(), overlap=False, bucket_mb=SMALL_BUCKET_MB, single_process=True,
-                **kwargs)["losses"]
+    key = tuple(sorted(kwargs.items()))
+    if key not in _SINGLE_PROCESS:
+        _SINGLE_PROCESS[key] = _run(ParallelState.single_process(), overlap=False, bucket_mb=SMALL_BUCKET_MB,
+                                    single_process=True, **kwargs)["losses"]
+    return _SINGLE_PROCESS[key]
 
 
 def _layout_checks(rank, world, layout, oracle=False, **kwargs):
@@ -268,20 +275,23 @@ def _layout_checks(rank, world, layout, oracle=False, **kwargs):
     state = initialize_model_parallel(**layout)
     try:
         kind = "reduce_scatter" if kwargs.get("distributed") else "all_reduce"
-        off = _run(state, overlap=False, bucket_mb=SMALL_BUCKET_MB, **kwargs)
         on = _run(state, overlap=True, bucket_mb=SMALL_BUCKET_MB, **kwargs)
         out = {
-            "bit_identical": on["losses"] == off["losses"] and on["norms"] == off["norms"],
-            "same_comms": on["bytes"] == off["bytes"] and on["calls"] == off["calls"],
             "reduction_bytes": sum(v for (k, _), v in on["bytes"].items() if k == kind),
             "issued_before_last_grad": min(_bucket_issues(on, kind), default=math.inf) < on["last_grad"],
-            "off_issued_before_last_grad": min(_bucket_issues(off, kind), default=math.inf) < off["last_grad"],
             "buckets_launched": len(_bucket_issues(on, kind)),
             "deferred_buckets": on["deferred"],
-            # Reported, never asserted (wall-clock): seconds blocked waiting for the gradient buckets.
-            "blocked_s": (comms.Timeline(on["events"]).blocked_seconds("grad_bucket"),
-                          comms.Timeline(off["events"]).blocked_seconds("grad_bucket")),
         }
+        if oracle != "on_only":     # the non-overlapped run: bit for bit the same, and the negative control
+            off = _run(state, overlap=False, bucket_mb=SMALL_BUCKET_MB, **kwargs)
+            out.update({
+                "bit_identical": on["losses"] == off["losses"] and on["norms"] == off["norms"],
+                "same_comms": on["bytes"] == off["bytes"] and on["calls"] == off["calls"],
+                "off_issued_before_last_grad": min(_bucket_issues(off, kind), default=math.inf) < off["last_grad"],
+                # Reported, never asserted (wall-clock): seconds blocked waiting for the gradient buckets.
+                "blocked_s": (comms.Timeline(on["events"]).blocked_seconds("grad_bucket"),
+                              comms.Timeline(off["events"]).blocked_seconds("grad_bucket")),
+            })
         if kwargs.get("shared_overlap"):
             out["shared_in_flight"] = _shared_experts_in_flight(on["events"])
         if kwargs.get("shared_overlap") and not oracle:     # the negative control, once per kind of layout
@@ -316,6 +326,10 @@ LAYOUTS = {
     "cp2-ep2-dp2-shared-experts": (dict(cp=2, ep=2), dict(shared_overlap=True, oracle=True)),
     "pp2-v2-ep2-dp2-shared-experts": (dict(pp=2, ep=2), dict(shared_overlap=True, virtual_pipeline_stages=2,
                                                              oracle=True)),
+    # The rest of them, overlap on only, against one process.
+    "tp2-sp-etp1-ep4-fold": (dict(tp=2, etp=1, ep=4), dict(sequence_parallel=True, oracle="on_only")),
+    "cp2-tp2-etp2": (dict(cp=2, tp=2, etp=2), dict(oracle="on_only")),
+    "pp2-v2-dp2": (dict(pp=2), dict(virtual_pipeline_stages=2, oracle="on_only")),
 }
 DEFERRED = ("tp2-sp", "tp2-etp1")      # layouts with TP-summed (sequence-parallel-tagged) parameters
 
@@ -331,11 +345,12 @@ def test_overlap_is_bit_identical_moves_the_same_bytes_and_overlaps():
     for rank, per_layout in enumerate(results):
         for name, r in per_layout.items():
             where = f"{name}, rank {rank}"
-            assert r["bit_identical"], f"{where}: overlap changed the losses or gradient norms"
-            assert r["same_comms"], f"{where}: overlap changed the collectives or their bytes"
+            if "bit_identical" in r:
+                assert r["bit_identical"], f"{where}: overlap changed the losses or gradient norms"
+                assert r["same_comms"], f"{where}: overlap changed the collectives or their bytes"
+                assert not r["off_issued_before_last_grad"], f"{where}: without overlap buckets start after the backward"
             assert r["reduction_bytes"] > 0 and r["buckets_launched"] > 1, where
             assert r["issued_before_last_grad"], f"{where}: no bucket started before the backward's last gradient"
-            assert not r["off_issued_before_last_grad"], f"{where}: without overlap buckets start after the backward"
             if "shared_in_flight" in r:
                 assert r["shared_in_flight"], f"{where}: shared experts not inside the dispatch all-to-all"
             if "plain_shared_in_flight" in r:
