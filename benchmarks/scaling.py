@@ -7,8 +7,8 @@ fraction of communication time.
 The model (:data:`MODEL`): GQA attention (MLA for ``mla_*``), every layer an MoE (top-2 of 8 experts,
 all-to-all dispatcher, ``torch`` experts) with a gated shared expert and the load-balancing aux loss,
 fp32, sequences of 256 tokens (long enough that CP 2 splits them into 4 chunks of 64). Every layout trains
-on the same global batch (:data:`GLOBAL_BATCH` sequences a step, micro-batches of one sequence, sharded
-over DP: ``GLOBAL_BATCH / dp`` micro-batches per DP rank; CP ranks see the same micro-batches) from the
+on the same global batch (``batch`` sequences a step, micro-batches of one sequence, sharded
+over DP: ``batch / dp`` micro-batches per DP rank; CP ranks see the same micro-batches) from the
 same seed. Layouts (:data:`LAYOUTS`):
 
 - ``dp4``: the baseline; ``tp2_etp1_ep4`` (MoE parallel folding: attention TP 2, experts EP 4 with
@@ -77,16 +77,16 @@ from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig
 from megamoe.transformer.mla import MLAConfig
 
-__all__ = ["MODEL", "QUICK_MODEL", "LAYOUTS", "QUICK_LAYOUTS", "GLOBAL_BATCH", "model_config", "simulated_bubble",
+__all__ = ["MODEL", "QUICK_MODEL", "LAYOUTS", "QUICK_LAYOUTS", "model_config", "simulated_bubble",
            "run", "main"]
 
 WORLD_SIZE = 4
-GLOBAL_BATCH = 8          # sequences per step; micro-batches of one sequence
-# hidden, layers, heads, KV heads, head dim, experts, top-k, expert / shared FFN, vocab, sequence length.
+# hidden, layers, heads, KV heads, head dim, experts, top-k, expert / shared FFN, vocab, sequence length,
+# global batch (sequences per step; micro-batches of one sequence).
 MODEL = dict(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2, ffn=128, vocab=512,
-             seq=256)
+             seq=256, batch=8)
 QUICK_MODEL = dict(hidden=32, layers=4, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=2, ffn=16, vocab=64,
-                   seq=32)
+                   seq=32, batch=4)
 # name -> initialize_model_parallel kwargs plus sp (sequence parallelism), v (model chunks per stage), mla.
 LAYOUTS = {
     "dp4": dict(),
@@ -140,12 +140,13 @@ def model_config(m: dict, lay: dict, *, overlap: bool) -> GPTMoEConfig:
                         sequence_parallel=lay.get("sp", False))
 
 
-def simulated_bubble(lay: dict) -> float:
-    """The layout's simulated bubble fraction (mean over stages; 0 without PP)."""
+def simulated_bubble(lay: dict, global_batch: int) -> float:
+    """The layout's simulated bubble fraction (mean over stages; 0 without PP) for ``global_batch``
+    micro-batches of one sequence a step."""
     dp, pp, v = _sizes(lay)
     if pp == 1:
         return 0.0
-    return simulate_pipeline(pp, GLOBAL_BATCH // dp, v).mean_bubble_fraction
+    return simulate_pipeline(pp, global_batch // dp, v).mean_bubble_fraction
 
 
 def _group_labels(state) -> dict[tuple[int, ...], str]:
@@ -165,7 +166,7 @@ def _train(m: dict, lay: dict, state, data: torch.Tensor, *, overlap: bool, step
     initialize_parameters(model, seed=0)
     trainer = Trainer(model, state, TrainConfig(lr=1e-3, overlap_grad_reduce=overlap, grad_bucket_mb=bucket_mb),
                       world_group=dist.group.WORLD)
-    per_rank = GLOBAL_BATCH // state.dp.size       # CP ranks of one DP rank train on the same sequences
+    per_rank = m["batch"] // state.dp.size       # CP ranks of one DP rank train on the same sequences
     losses, times, blocked = [], [], {tag: [] for tag in (*TAGS, "total")}
     labels = _group_labels(state)
     with comms.comm_counter() as counter:
@@ -194,7 +195,7 @@ def _train(m: dict, lay: dict, state, data: torch.Tensor, *, overlap: bool, step
 def _worker(rank, world_size, m, layouts, steps, bucket_mb):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     torch.set_num_threads(1)
-    data = torch.randint(0, m["vocab"], (1 + steps, GLOBAL_BATCH, m["seq"] + 1),
+    data = torch.randint(0, m["vocab"], (1 + steps, m["batch"], m["seq"] + 1),
                          generator=torch.Generator().manual_seed(0))
     out = {}
     for name in layouts:
@@ -222,10 +223,10 @@ def _row(name: str, mode: str, per_rank: list[dict], m: dict) -> dict:
     blocked = {tag: _mean(_mean(r["blocked_s"][tag]) for r in per_rank) for tag in (*TAGS, "total")}
     measured_bubble = (_mean(_mean(b / t for b, t in zip(r["blocked_s"]["pipeline"], r["times_s"])) for r in per_rank)
                        if pp > 1 else 0.0)
-    return {"layout": name, "overlap": mode, "dp": dp, "pp": pp, "v": v, "micro_batches": GLOBAL_BATCH // dp,
+    return {"layout": name, "overlap": mode, "dp": dp, "pp": pp, "v": v, "micro_batches": m["batch"] // dp,
             "steps": steps, "step_times_s": step_times, "median_s": median, "min_s": minimum,
-            "tokens_per_s": GLOBAL_BATCH * m["seq"] / minimum,
-            "bubble_simulated": simulated_bubble(lay), "bubble_measured": measured_bubble,
+            "tokens_per_s": m["batch"] * m["seq"] / minimum,
+            "bubble_simulated": simulated_bubble(lay, m["batch"]), "bubble_measured": measured_bubble,
             "bytes_per_step": {k: _mean(r["bytes"][k] for r in per_rank) for k in KINDS},
             "bytes_per_step_by_group": {k: _mean(r["bytes_by_group"].get(k, 0) for r in per_rank)
                                         for k in sorted({k for r in per_rank for k in r["bytes_by_group"]})},
@@ -313,13 +314,13 @@ def main(argv=None) -> int:
     layouts = args.layouts or (list(QUICK_LAYOUTS) if args.quick else list(LAYOUTS))
     rows = run(m, layouts, args.steps, args.grad_bucket_mb)
     print(f"torch {torch.__version__}; {WORLD_SIZE} gloo ranks, 1 thread each; model {m}; fp32; "
-          f"{GLOBAL_BATCH} sequences a step; {args.steps} measured steps after 1 warm-up; buckets "
+          f"{m['batch']} sequences a step; {args.steps} measured steps after 1 warm-up; buckets "
           f"{args.grad_bucket_mb} MB")
     print_table(rows)
     for on in rows[1::2]:
         if not (on["losses_bit_identical"] and on["bytes_equal"]):
             print(f"CHECK FAILED: {on['layout']}: overlap ON changed the losses or the collectives' bytes")
-    write_results(args.json, {"model": m, "world_size": WORLD_SIZE, "global_batch": GLOBAL_BATCH,
+    write_results(args.json, {"model": m, "world_size": WORLD_SIZE,
                               "steps": args.steps, "grad_bucket_mb": args.grad_bucket_mb,
                               "layouts": {k: LAYOUTS[k] for k in layouts}, "rows": rows})
     return 0
