@@ -56,7 +56,6 @@ Writes JSON (default ``benchmarks/results/scaling.json``).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import time
@@ -273,7 +272,8 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'layout':16s} {'ovl':3s} {'med ms':>7s} {'min ms':>7s} {'tok/s':>7s} {'on/off':>6s} "
           f"{'bub sim':>7s} {'bub meas':>8s} "
           + " ".join(f"{short[k] + ' MiB':>8s}" for k in kinds)
-          + f" {'blk grad':>8s} {'blk a2a':>7s} {'blk all':>7s} {'ovl grad':>8s} {'ovl a2a':>7s} {'bit':>3s} {'B=':>3s}")
+          + f" {'blk grad':>8s} {'blk a2a':>7s} {'blk all':>7s} {'ovl grad':>8s} {'ovl a2a':>7s}"
+            f" {'bit':>3s} {'B=':>3s}")
     for r in rows:
         on = r["overlap"] == "on"
         b = r["blocked_s_per_step"]
@@ -297,8 +297,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     parser = argument_parser(__doc__)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a tiny model (QUICK_MODEL) and, unless --layouts says, the layouts {' '.join(QUICK_LAYOUTS)}")
+    parser.add_argument("--quick", action="store_true", help="a tiny model (QUICK_MODEL) and, unless --layouts "
+                                                             f"says, the layouts {' '.join(QUICK_LAYOUTS)}")
     parser.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS),
                         help="layouts to run (default: all of LAYOUTS)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up step")
