@@ -169,7 +169,7 @@ def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypa
 
 
 @pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "memory", "moe_layer",
-                                  "train_step"])
+                                  "scaling", "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
 
@@ -237,3 +237,50 @@ def test_memory_benchmark_quick_measures_every_layout_beside_the_estimate(monkey
     assert "pp2_ep2: selective recompute saves >= 25% of the saved-activation bytes of none" in verdicts
     assert all(v["met"] for t, v in verdicts.items() if "optimizer state" in t)
     assert [r["recompute"] for r in results["deepseek_v3"]["rows"]].count("full") == len(memory.OPTIMIZER_CHOICES)
+
+
+@pytest.mark.slow      # ~15 s while others share the 2 cores: one spawn of 4 gloo ranks, 2 layouts x overlap off / on
+def test_scaling_benchmark_quick_reports_every_layout_with_overlap_off_and_on(monkeypatch, tmp_path, capsys):
+    from megamoe.models import GPTMoEModel
+    from megamoe.pipeline.schedule_simulation import simulate_pipeline
+    from parallel_state import ParallelState
+    scaling = _benchmark("scaling", monkeypatch)
+    out = tmp_path / "scaling.json"
+    layouts = ["dp4", "pp2_v2_ep2"]          # data parallel; interleaved pipeline with EP all-to-alls
+    assert scaling.main(["--quick", "--layouts", *layouts, "--steps", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    m = results["model"]
+    rows = {(r["layout"], r["overlap"]): r for r in results["rows"]}
+    assert set(rows) == {(name, mode) for name in layouts for mode in ("off", "on")}
+    shown = capsys.readouterr().out
+    assert "CHECK FAILED" not in shown and all(name in shown for name in layouts)
+    for name in layouts:
+        off, on = rows[(name, "off")], rows[(name, "on")]
+        # The oracle of overlap is the run without it: the same losses bit for bit, the same collectives.
+        assert on["losses_bit_identical"] and on["bytes_equal"], name
+        assert on["losses"] == off["losses"] and len(on["losses"]) == 3, name
+        assert on["bytes_per_step"] == off["bytes_per_step"], name
+        for r in (off, on):
+            assert len(r["step_times_s"]) == 2 and r["min_s"] == min(r["step_times_s"]), name
+            assert r["tokens_per_s"] == pytest.approx(m["batch"] * m["seq"] / r["min_s"])
+            simulated = simulate_pipeline(r["pp"], r["micro_batches"], r["v"]).mean_bubble_fraction
+            assert r["bubble_simulated"] == (0.0 if r["pp"] == 1 else simulated), name
+        assert on["on_over_off_min"] == pytest.approx(on["min_s"] / off["min_s"])
+        for tag, fraction in on["overlapped_fraction"].items():
+            raw = on["overlapped_fraction_raw"][tag]
+            assert (fraction is None) == (raw is None), (name, tag)
+            if fraction is not None:
+                assert 0.0 <= fraction <= 1.0 and fraction == min(1.0, max(0.0, raw)), (name, tag)
+        # Every run waited for its gradient buckets; only EP layouts have MoE all-to-alls to wait for.
+        assert on["overlapped_fraction"]["grad_bucket"] is not None, name
+        assert (on["overlapped_fraction"]["moe_all_to_all"] is None) == (name == "dp4"), name
+    dp4, pp = rows[("dp4", "off")], rows[("pp2_v2_ep2", "off")]
+    # dp4: every gradient all-reduced once (4 bytes a parameter; the loss metrics add a few bytes), no other traffic.
+    params = sum(p.numel() for p in GPTMoEModel(scaling.model_config(m, {}, overlap=False),
+                                                ParallelState.single_process()).parameters())
+    assert 4 * params <= dp4["bytes_per_step"]["all_reduce"] < 4 * params + 1024
+    assert dp4["bytes_per_step"]["all_to_all"] == dp4["bytes_per_step"]["send"] == 0 == dp4["bubble_measured"]
+    # pp 2 x V 2: 2 (pp V - 1) transfers of a [1, S, H] fp32 tensor per micro-batch, over the pp ranks.
+    transfers = 2 * (pp["pp"] * pp["v"] - 1) / pp["pp"] * pp["micro_batches"]
+    assert pp["bytes_per_step"]["send"] == pp["bytes_per_step"]["recv"] == transfers * m["seq"] * m["hidden"] * 4
+    assert pp["bytes_per_step"]["all_to_all"] > 0 and 0 < pp["bubble_measured"] < 1

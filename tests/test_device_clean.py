@@ -386,3 +386,19 @@ def test_overlapped_training_step_on_meta_creates_every_tensor_on_the_model_devi
                 _accumulated_gradients(model)
             else:
                 assert trainer.optimizer.gradient_shards() and all(main_grad(p) is None for p in model.parameters())
+
+
+def test_blocking_step_on_meta_records_its_waits_on_the_timeline():
+    """Without overlap the blocking MoE all-to-alls and the pipeline's point-to-point waits record their
+    blocked time (what benchmarks/scaling.py compares the overlapped step against), on the model's device."""
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, pp=2, ep=2) as state:
+            model = GPTMoEModel(tiny_config("alltoall"), state, device="meta", dtype=torch.float32)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run(), comms.comm_timeline() as timeline:
+                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+            for tag in ("moe_dispatch", "moe_combine", "pipeline"):
+                waits = [e for e in timeline.events if e.tag == tag and e.phase == "wait"]
+                assert waits and len(waits) == len(timeline.select(phase="wait_start", tag=tag)), (rank, tag)
+            _accumulated_gradients(model)

@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 
 from megamoe.comms.counter import _record, _timeout_named
 from megamoe.comms.groups import group_size
+from megamoe.comms.timeline import record_event
 
 
 def all_to_all_counts(send_counts: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -30,39 +31,50 @@ def all_to_all_counts(send_counts: torch.Tensor, group: ProcessGroup | None) -> 
 # ----------------------------------------------------------------------------------------------
 # Autograd function: all-to-all with uneven split sizes (expert parallelism)
 # ----------------------------------------------------------------------------------------------
-def _all_to_all_raw(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+def _all_to_all_raw(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+                    tag: str | None = None) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     _record("all_to_all", group, x)
+    if tag is not None:
+        # A blocking exchange is blocked from issue to return: on a timeline it is an issue followed at once
+        # by the wait, so that blocked_seconds(tag) compares with the asynchronous path's.
+        record_event("all_to_all", "issue", tag)
+        record_event("all_to_all", "wait_start", tag)
     with _timeout_named("all_to_all", group):
         dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
                                group=group)
+    if tag is not None:
+        record_event("all_to_all", "wait", tag)
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        return _all_to_all_raw(x, output_splits, input_splits, group)
+    def forward(ctx, x, output_splits, input_splits, group, tag):
+        ctx.group, ctx.output_splits, ctx.input_splits, ctx.tag = group, output_splits, input_splits, tag
+        return _all_to_all_raw(x, output_splits, input_splits, group, tag)
 
     @staticmethod
     def backward(ctx, grad):
         # The transpose of an all-to-all is the all-to-all with the splits swapped.
-        return _all_to_all_raw(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+        return _all_to_all_raw(grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.tag), None, None, None, None
 
 
 def all_to_all(
-    x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: ProcessGroup | None
+    x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: ProcessGroup | None,
+    *, tag: str | None = None,
 ) -> torch.Tensor:
     """Forward: rows ``x[sum(input_splits[:r]) : ... + input_splits[r]]`` go to rank r; the result
     stacks the rows received from each rank in rank order (``output_splits[r]`` rows from rank r).
     Backward: the same exchange with the splits swapped, returning each row's gradient to its sender.
-    Zero-row splits are fine.
+    Zero-row splits are fine. With a ``tag``, inside :func:`~megamoe.comms.comm_timeline` both exchanges
+    record ``issue`` / ``wait_start`` / ``wait`` events (the whole call is blocked time), as
+    :func:`~megamoe.comms.all_to_all_start` does for its waits.
     """
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group)
+    return _AllToAll.apply(x, [int(s) for s in output_splits], [int(s) for s in input_splits], group, tag)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,10 @@
 """Point-to-point operations of pipeline parallelism: blocking send / recv, the batched
 :func:`batch_send_recv` (every send and receive of a rank posted at once), and the asynchronous
-:func:`isend` whose handles :func:`wait_sends` completes (the interleaved schedule's sends)."""
+:func:`isend` whose handles :func:`wait_sends` completes (the interleaved schedule's sends).
+
+Inside :func:`~megamoe.comms.comm_timeline` each of them records ``wait_start`` / ``wait`` events tagged
+:data:`PIPELINE_TAG` around the time it blocks, so ``blocked_seconds("pipeline")`` is a stage's time waiting
+on its neighbours."""
 
 from __future__ import annotations
 
@@ -13,22 +17,31 @@ from torch.distributed import ProcessGroup
 
 from megamoe.comms.counter import _record, _timeout_named
 from megamoe.comms.groups import group_size
+from megamoe.comms.timeline import record_event
+
+# The timeline tag of every pipeline point-to-point wait: the time a stage spends blocked on its
+# neighbours (the bubble, measured, plus the transfers themselves).
+PIPELINE_TAG = "pipeline"
 
 
 def send(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None, *, tag: int = 0) -> None:
     """Point-to-point send (pipeline activations / gradients); ``tag`` matches it with the receive of
     the same tag (messages of one tag between two ranks match in order)."""
     _record("send", group, tensor)
+    record_event("send", "wait_start", PIPELINE_TAG)
     with _timeout_named("send", group, peers=(dst_global_rank,)):
         dist.send(tensor.contiguous(), dst=dst_global_rank, group=group, tag=tag)
+    record_event("send", "wait", PIPELINE_TAG)
 
 
 def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None = None, *,
          tag: int = 0) -> torch.Tensor:
     """Point-to-point receive into ``tensor`` of the message sent with ``tag``; returns it."""
     _record("recv", group, tensor)
+    record_event("recv", "wait_start", PIPELINE_TAG)
     with _timeout_named("recv", group, peers=(src_global_rank,)):
         dist.recv(tensor, src=src_global_rank, group=group, tag=tag)
+    record_event("recv", "wait", PIPELINE_TAG)
     return tensor
 
 
@@ -58,8 +71,10 @@ def isend(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None
 def wait_sends(pending: Sequence[PendingSend]) -> None:
     """Wait for every :func:`isend` in ``pending`` to complete (no traffic of its own, not counted)."""
     for send_ in pending:
+        record_event("isend", "wait_start", PIPELINE_TAG)
         with _timeout_named("isend", send_.group, peers=(send_.dst_global_rank,)):
             send_.work.wait()
+        record_event("isend", "wait", PIPELINE_TAG)
 
 
 def batch_send_recv(
@@ -97,7 +112,9 @@ def batch_send_recv(
         _record("recv", group, buffer)
         ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group))
     peers = [dst for _, dst in sends] + [src for _, src in recvs]
+    record_event("batch_send_recv", "wait_start", PIPELINE_TAG)
     with _timeout_named("batch_send_recv", group, peers=peers):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    record_event("batch_send_recv", "wait", PIPELINE_TAG)
     return [buffer for buffer, _ in recvs]

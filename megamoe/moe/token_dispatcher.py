@@ -211,10 +211,11 @@ class AllToAllDispatcher(TokenDispatcher):
         self._send_token, self._num_tokens = send_token, num_tokens
         if not overlap:
             recv_tokens = comms.all_to_all(self.token_view[send_token], self._recv_splits, self._send_splits,
-                                           self.ep_group)
+                                           self.ep_group, tag="moe_dispatch")
             recv_local_slots = _all_to_all_no_grad(send_local_slots, self._recv_splits, self._send_splits,
-                                                   self.ep_group)
-            recv_weights = comms.all_to_all(send_weights, self._recv_splits, self._send_splits, self.ep_group)
+                                                   self.ep_group, tag="moe_dispatch")
+            recv_weights = comms.all_to_all(send_weights, self._recv_splits, self._send_splits, self.ep_group,
+                                            tag="moe_dispatch")
             return self._permute_received(recv_tokens, recv_local_slots, recv_weights)
         # Started in the order the blocking path runs them (one process group: they complete in order).
         tokens = comms.all_to_all_start(self.token_view[send_token], self._recv_splits, self._send_splits,
@@ -254,7 +255,7 @@ class AllToAllDispatcher(TokenDispatcher):
             shared_output = during()
             returned = comms.all_to_all_wait(pending)
         elif self._send_token is not None:
-            returned = comms.all_to_all(out, self._send_splits, self._recv_splits, self.ep_group)
+            returned = comms.all_to_all(out, self._send_splits, self._recv_splits, self.ep_group, tag="moe_combine")
         elif during is not None:
             shared_output = during()
         if self._send_token is not None:
@@ -268,6 +269,6 @@ class AllToAllDispatcher(TokenDispatcher):
         return comms.reduce_from_tensor_parallel_region(out, self.reduce_group)
 
 
-def _all_to_all_no_grad(x, output_splits, input_splits, group):
+def _all_to_all_no_grad(x, output_splits, input_splits, group, tag=None):
     with torch.no_grad():
-        return comms.all_to_all(x, output_splits, input_splits, group)
+        return comms.all_to_all(x, output_splits, input_splits, group, tag=tag)
