@@ -19,19 +19,18 @@ import torch.distributed as dist
 
 from megamoe import comms
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.models.gpt_moe import expert_token_replicas
-from megamoe.models.sequence_parallel import counts_own_tokens, stage_hidden_shape
+from megamoe.models.sequence_parallel import stage_hidden_shape
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.sharding import get_shard_spec
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.testing import run_on_ranks
-from megamoe.training.grad_sync import GradientSync
 from megamoe.transformer import AttentionConfig, MLAConfig, RopeConfig
 from megamoe.transformer.context_parallel import check_context_parallel_length, cp_token_index
 from megamoe.transformer.mlp import MLPConfig
 from megamoe.transformer.recompute import RecomputeConfig
+from synced_gradients import synced_gradients
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,19 +123,9 @@ def _run(model, state, inputs, labels, packing):
         layer.load_counter.reset()
     loss, aux = model(inputs, labels=labels, **packing)
     (loss + aux).backward()
-    GradientSync(model, state, tied_params=model.tied_parameters(),
-                 expert_token_replicas=expert_token_replicas(model.config, state)).sync()
+    grads, experts, counted = synced_gradients(model, state)
     # The mean over the CP ranks is the micro-batch's mean token loss (the model's CP loss convention).
     loss = comms.all_reduce_(loss.detach().clone(), state.cp.group) / state.cp.size
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if not getattr(p, "expert_parallel", False)}
-    experts, counted = {}, 0
-    for layer_id, layer in model.moe_layers().items():
-        for local_slot, slot in enumerate(layer.local_slots):
-            expert = int(layer.placement.slot_to_expert[slot])
-            for kind, grad in layer.experts.expert_weight_shards(local_slot, grad=True).items():
-                experts[(layer_id, expert, kind)] = grad.clone()
-        if counts_own_tokens(model, state):
-            counted += int(layer.load_counter.per_expert.sum())
     return logits, loss, aux.detach(), grads, experts, counted, cp_bytes
 
 

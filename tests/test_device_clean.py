@@ -263,45 +263,22 @@ def test_memory_measurement_on_meta_matches_the_estimated_state(name):
 
 
 # Sequence parallelism under tp 2 (with pp 2: the stages send [B, S / tp, H]): both dispatchers on sharded tokens.
-# And MoE parallel folding without it (all-to-all, etp 1 < tp 2: each TP rank dispatches its share).
+# MoE parallel folding without it (all-to-all, etp 1 < tp 2: each TP rank dispatches its share). Context
+# parallelism (megamoe.transformer.context_parallel): the chunk indices, the slicing of ids, labels and positions
+# and the K / V all-gather stay on the model's device; with pp 2 the stages send [B, S / cp, H], and with
+# sequence parallelism [B, S / (cp tp), H]. (dispatcher, layout, sequence parallel)
 SP_LAYOUTS = {
-    "sp-allgather-tp2-ep2-pp2": ("allgather", dict(tp=2, ep=2, etp=1, pp=2)),
-    "sp-alltoall-tp2-etp2-pp2": ("alltoall", dict(tp=2, etp=2, pp=2)),
-    "fold-alltoall-tp2-etp1-ep4": ("alltoall", dict(tp=2, ep=4, etp=1)),
-}
-
-
-@pytest.mark.parametrize("name", list(SP_LAYOUTS))
-def test_sequence_parallel_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
-    import dataclasses
-    dispatcher, layout = SP_LAYOUTS[name]
-    for rank in range(WORLD_SIZE):
-        with _fake_rank(rank, **layout) as state:
-            sp = not name.startswith("fold")
-            config = dataclasses.replace(tiny_config(dispatcher), sequence_parallel=sp)
-            model = GPTMoEModel(config, state, device="meta")
-            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
-            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
-            with _meta_run() as counter:
-                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
-            assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
-            tp = state.tp.group
-            assert counter.calls("reduce_scatter", tp) > 0 or not sp, counter.kinds()
-            assert counter.calls("all_gather", tp) > 0, counter.kinds()      # SP blocks, or the folded MoE exit
-
-
-# Context parallelism (megamoe.transformer.context_parallel): the chunk indices, the slicing of ids, labels and
-# positions and the K / V all-gather stay on the model's device; with pp 2 the stages send [B, S / cp, H], and
-# with sequence parallelism [B, S / (cp tp), H]. (dispatcher, layout, sequence parallel)
-CP_LAYOUTS = {
+    "sp-allgather-tp2-ep2-pp2": ("allgather", dict(tp=2, ep=2, etp=1, pp=2), True),
+    "sp-alltoall-tp2-etp2-pp2": ("alltoall", dict(tp=2, etp=2, pp=2), True),
+    "fold-alltoall-tp2-etp1-ep4": ("alltoall", dict(tp=2, ep=4, etp=1), False),
     "cp2-pp2-ep2-alltoall": ("alltoall", dict(cp=2, pp=2, ep=2), False),
     "cp2-tp2-sp-ep2-allgather": ("allgather", dict(cp=2, tp=2, ep=2, etp=1), True),
 }
 
 
-@pytest.mark.parametrize("name", list(CP_LAYOUTS))
-def test_context_parallel_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
-    dispatcher, layout, sp = CP_LAYOUTS[name]
+@pytest.mark.parametrize("name", list(SP_LAYOUTS))
+def test_sequence_and_context_parallel_training_step_on_meta_creates_every_tensor_on_the_model_device(name):
+    dispatcher, layout, sp = SP_LAYOUTS[name]
     for rank in range(WORLD_SIZE):
         with _fake_rank(rank, **layout) as state:
             config = dataclasses.replace(tiny_config(dispatcher), sequence_parallel=sp)
@@ -311,9 +288,13 @@ def test_context_parallel_training_step_on_meta_creates_every_tensor_on_the_mode
             with _meta_run() as counter:
                 trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
             assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
-            # The K / V all-gather over CP and its backward reduce-scatter ran.
-            assert counter.calls("all_gather", state.cp.group) > 0, counter.kinds()
-            assert counter.calls("reduce_scatter", state.cp.group) > 0, counter.kinds()
+            tp, cp = state.tp.group, state.cp.group
+            if state.tp.size > 1:
+                assert counter.calls("reduce_scatter", tp) > 0 or not sp, counter.kinds()
+                assert counter.calls("all_gather", tp) > 0, counter.kinds()   # SP blocks, or the folded MoE exit
+            if state.cp.size > 1:       # the K / V all-gather over CP and its backward reduce-scatter ran
+                assert counter.calls("all_gather", cp) > 0, counter.kinds()
+                assert counter.calls("reduce_scatter", cp) > 0, counter.kinds()
 
 
 # (pp 2, V 2) under the interleaved schedule: with EP 2, with ZeRO-2 on top, and with sequence parallelism at
