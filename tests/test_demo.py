@@ -9,6 +9,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -218,23 +220,61 @@ def test_failing_rank_ends_the_job_promptly(tmp_path):
     assert "injected failure on rank 1" in result.stderr + result.stdout
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:    # a zombie (exited, not yet reaped by torchrun) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 @pytest.mark.slow
 def test_stopped_rank_ends_the_job_with_one_error_naming_it(tmp_path):
     # Rank 1 SIGSTOPs itself mid-step: without a collective timeout the job would hang (the
-    # subprocess limit below, far above --comm-timeout, only catches that). Its own session, so
-    # that the finally can kill every process of the job, the stopped one included.
+    # subprocess limit below, far above --comm-timeout, only catches that). The ranks write their pids
+    # into the job's directory, so that a hang can still be cleaned up: torchrun starts each worker in
+    # a session of its own.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(REPO / "tests/torchrun_stuck_rank.py"), "--comm-timeout", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, start_new_session=True)
+    lines: list[str] = []
+
+    def end_the_stopped_rank_once_rank_0_reported():
+        # torchrun gives a worker that ignores its SIGTERM 30 s before it kills it, and a stopped process
+        # ignores everything but SIGKILL: once rank 0 has reported and exited, the stopped rank is killed
+        # here (workers run in sessions of their own, so the job's process group does not reach them).
+        for line in job.stderr:
+            lines.append(line)
+            if line.startswith("torchrun_stuck_rank.py: error:"):
+                rank0 = int((tmp_path / "rank0.pid").read_text())
+                for _ in range(600):
+                    if not _alive(rank0):
+                        break
+                    time.sleep(0.1)
+                _kill(int((tmp_path / "rank1.pid").read_text()))
+    reader = threading.Thread(target=end_the_stopped_rank_once_rank_0_reported, daemon=True)
+    reader.start()
     try:
-        _, stderr = job.communicate(timeout=300)
+        job.wait(timeout=300)
+        reader.join(timeout=60)
+        stderr = "".join(lines)
     finally:
-        try:
+        if job.poll() is None:      # a hang: end torchrun and its workers (their pids are still theirs)
+            for pid_file in tmp_path.glob("rank*.pid"):
+                _kill(int(pid_file.read_text()))
             os.killpg(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         job.wait()
     assert job.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("torchrun_stuck_rank.py: error:")]

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     rank, _ = init_distributed(comm_timeout_s=args.comm_timeout)
+    with open(f"rank{rank}.pid", "w") as f:      # in the job's working directory: the test ends the stopped rank
+        f.write(str(os.getpid()))
     torch.set_num_threads(1)
     state = initialize_model_parallel(ep=2)
     model = GPTMoEModel(tiny_config("alltoall"), state)
