@@ -88,7 +88,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.optim.adam import adam as _adam
@@ -101,76 +101,13 @@ from megamoe.moe.moe_layer import MoELayer
 from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
                                            plan_buckets)
 from megamoe.training.grad_sync import _replication
+from megamoe.training.optimizer_shards import ShardBucket, ShardEntry, ShardGroup, stacked_slot_rows
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_NUMEL"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_NUMEL = 40_000_000     # padded elements per reduce-scatter bucket
-
-
-@dataclass(frozen=True)
-class _Group:
-    """The group a parameter is sharded over (``group`` None for one rank)."""
-    group: object
-    size: int
-    rank: int
-
-
-@dataclass
-class _Entry:
-    """Where one parameter lives: viewed as [rows, row_numel], this rank owns columns
-    [rank * cols, rank * cols + valid) of every row, at ``offset`` in its bucket's chunk."""
-    param: nn.Parameter
-    rows: int
-    row_numel: int
-    cols: int
-    rank: int
-    expert: bool
-    bucket: int = -1
-    offset: int = 0
-    grad_offset: int = 0        # where its ``main_grad`` starts in the bucket's fp32 accumulation buffer
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def valid(self) -> int:
-        return max(0, min(self.cols, self.row_numel - self.rank * self.cols))
-
-    def owned(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of ``tensor`` (shaped like the parameter): a [rows, valid] view."""
-        start = self.rank * self.cols
-        return tensor.view(self.rows, self.row_numel)[:, start:start + self.valid]
-
-    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
-        """This parameter's [rows, cols] piece of a bucket's [shard_numel] buffer."""
-        return flat[self.offset:self.offset + self.numel].view(self.rows, self.cols)
-
-    def full_from(self, gathered: torch.Tensor, size: int, shard_numel: int) -> torch.Tensor:
-        """The parameter-shaped tensor from a bucket's gathered [size * shard_numel] buffer."""
-        pieces = gathered.view(size, shard_numel)[:, self.offset:self.offset + self.numel]
-        rows = pieces.reshape(size, self.rows, self.cols).transpose(0, 1).reshape(self.rows, size * self.cols)
-        return rows[:, :self.row_numel].reshape(self.param.shape)
-
-
-@dataclass
-class _Bucket:
-    group: _Group
-    dtype: torch.dtype
-    expert: bool
-    entries: list[_Entry] = field(default_factory=list)
-    shard_numel: int = 0
-    grad_shard: torch.Tensor | None = None     # [shard_numel] fp32, reduced; from reduce_gradients to the step
-    # fp32 gradient accumulation (non-fp32 parameters): [grad_numel] fp32, parameter after parameter, the
-    # storage of the parameters' ``main_grad`` views; from the step's first gradient to zero_grad (ZeRO-2:
-    # to reduce_gradients).
-    accumulate_fp32: bool = False
-    grad_numel: int = 0
-    main_grad: torch.Tensor | None = None
-    chunk: int = 0              # the model chunk of its parameters (virtual pipeline)
-    deferred: bool = False      # reduced after GradientSync's sums, never from a backward hook
 
 
 @dataclass
@@ -182,19 +119,6 @@ class _LogicalState:
     param_groups: list
     state: dict
     masters: dict
-
-
-def _stacked_rows(model: nn.Module) -> dict[int, int]:
-    """id(param) -> number of slot rows, for expert parameters stacked by slot ([S, ...])."""
-    rows: dict[int, int] = {}
-    for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
-        slot_parameters = getattr(layer.experts, "slot_parameters", None)
-        if slot_parameters is None:
-            continue
-        for param, index in slot_parameters(0):
-            if isinstance(index, int):
-                rows[id(param)] = param.shape[0]
-    return rows
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -230,14 +154,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.tied_ids = {id(p) for p in tied_params}
         self.dense_scale = 1.0 / state.dp_cp.size if shard else 1.0
         self.expert_scale = 1.0 / (state.dp_cp.size * expert_token_replicas) if shard else 1.0
-        solo = _Group(None, 1, 0)
-        dense = _Group(state.dp_cp.group, state.dp_cp.size, state.dp_cp.rank) if shard else solo
-        expert = _Group(state.edp.group, state.edp.size, state.edp.rank) if shard else solo
-        stacked = _stacked_rows(model)
+        solo = ShardGroup(None, 1, 0)
+        dense = ShardGroup(state.dp_cp.group, state.dp_cp.size, state.dp_cp.rank) if shard else solo
+        expert = ShardGroup(state.edp.group, state.edp.size, state.edp.rank) if shard else solo
+        stacked = stacked_slot_rows(model)
         self.device = params[0].device
-        self._entries: dict[nn.Parameter, _Entry] = {}
-        self._buckets: list[_Bucket] = []
-        entries: dict[int, _Entry] = {}
+        self._entries: dict[nn.Parameter, ShardEntry] = {}
+        self._buckets: list[ShardBucket] = []
+        entries: dict[int, ShardEntry] = {}
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"DistributedOptimizer needs contiguous parameters; one of shape {tuple(p.shape)} "
@@ -246,7 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group = expert if is_expert else dense
             rows = stacked.get(id(p), 1) if p.numel() else 1
             row_numel = p.numel() // rows
-            entries[id(p)] = _Entry(p, rows, row_numel, math.ceil(row_numel / group.size), group.rank, is_expert)
+            entries[id(p)] = ShardEntry(p, rows, row_numel, math.ceil(row_numel / group.size), group.rank, is_expert)
         deferred = deferred_parameters(model, state, tied_params, replicated_experts=True)
         chunks = parameter_chunks(model)
 
@@ -259,7 +183,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         plan = plan_buckets(params, key, size, bucket_numel)
         for index, planned in enumerate(plan):
             is_expert = planned.key[0]
-            bucket = _Bucket(expert if is_expert else dense, planned.key[1], is_expert)
+            bucket = ShardBucket(expert if is_expert else dense, planned.key[1], is_expert)
             bucket.chunk, bucket.deferred = planned.key[2], planned.key[3]
             for p in planned.params:
                 entry = entries[id(p)]
@@ -338,7 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._readiness.reset()
 
     # ---- state ---------------------------------------------------------------------------------
-    def _state_of(self, entry: _Entry) -> dict:
+    def _state_of(self, entry: ShardEntry) -> dict:
         """This parameter's state, created on first use (zeros, step 0; the master from the parameter)."""
         s = self.state[entry.param]
         if not s:
@@ -379,7 +303,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param.main_grad.add_(grad)
         param.grad = None
 
-    def _free_main_grads(self, bucket: _Bucket) -> None:
+    def _free_main_grads(self, bucket: ShardBucket) -> None:
         bucket.main_grad = None
         for e in bucket.entries:
             e.param.main_grad = None
