@@ -10,6 +10,7 @@ from megamoe.moe.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.transformer.attention import AttentionConfig
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.mlp import MLPConfig
@@ -48,10 +49,17 @@ class GPTMoEConfig:
     # Under tensor parallelism: norms, residuals and dropout run on sequence shards [B, S / tp, H]
     # (see megamoe.models.sequence_parallel). An engine field: a checkpoint resumes with either choice.
     sequence_parallel: bool = False
+    # The checkpoint's linear weights are kept block-quantized (float8_e4m3fn + block scales, as DeepSeek's
+    # FP8 releases store them; see megamoe.quantization.block_fp8): the model holds them so and runs them.
+    # None: ordinary floating-point weights.
+    weight_quantization: BlockFP8Config | None = None
 
     def __post_init__(self):
         if not isinstance(self.recompute, RecomputeConfig):
             raise ValueError(f"GPTMoEConfig.recompute must be a RecomputeConfig, got {type(self.recompute).__name__}")
+        if self.weight_quantization is not None and not isinstance(self.weight_quantization, BlockFP8Config):
+            raise ValueError("GPTMoEConfig.weight_quantization must be a BlockFP8Config or None, got "
+                             f"{type(self.weight_quantization).__name__}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"GPTMoEConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         for name in ("vocab_size", "hidden_size", "num_layers"):
@@ -100,6 +108,9 @@ class GPTMoEConfig:
             fields["moe"] = _build(MoEConfig, moe, "moe")
         if fields.get("dense_mlp") is not None:
             fields["dense_mlp"] = _build(MLPConfig, fields["dense_mlp"], "dense_mlp")
+        if fields.get("weight_quantization") is not None:
+            fields["weight_quantization"] = _build(BlockFP8Config, fields["weight_quantization"],
+                                                   "weight_quantization")
         if "recompute" in fields:
             fields["recompute"] = recompute_from_dict(fields["recompute"])
         fields["moe_layer_ids"] = tuple(_required(fields, "moe_layer_ids", "GPTMoEConfig"))
