@@ -154,7 +154,7 @@ def _rank_chunks(config: GPTMoEConfig, grid, rank: int, placements: dict[int, Ex
 
 
 def _roles(grid, groups_of: dict[str, dict[int, tuple[int, ...]]]) -> dict[int, tuple[int, ...]]:
-    """One planned rank per role -> the EP ranks its role spans.
+    """One planned rank per role -> the other EP ranks (indices in its EP group) its role spans.
 
     A rank's chunks are fixed by its pipeline stage and its tp, etp and ep coordinates: the dense
     weights are cut by (pp, tp), the routed experts by (pp, etp) and named by the slots of the ep rank.
