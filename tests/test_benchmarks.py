@@ -183,8 +183,8 @@ def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypa
     assert calls == [7, [{"run": "static"}]] and json.loads(out.read_text()) == {"real": [{"run": "static"}]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "layout_plan", "memory",
-                                  "moe_layer", "scaling", "train_step"])
+@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "layout_plan",
+                                  "memory", "moe_layer", "scaling", "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
 
