@@ -73,7 +73,8 @@ def kept_case(family, block=BLOCK, scale_fmt="float", recipe="block", slots_per_
 
 def kept_model(config, kept, state=SOLO):
     model = GPTMoEModel(config, state).eval()
-    assert load_logical_state(model, kept) == []
+    unused = load_logical_state(model, kept)       # other ranks' experts and stages, under a layout
+    assert state is not SOLO or unused == []
     return model
 
 
@@ -141,13 +142,13 @@ def test_kept_model_matches_block_fp8_reference(family, scale_fmt):
     first_moe = min(model.moe_layers())
     seen = {}
     for key, m in (("kept", model), ("dequantized", dequantized_model)):
-        m.layers[str(first_moe)].mlp.register_forward_hook(lambda mod, args, out, key=key: seen.update({key: (args, out)}))
+        m.layers[str(first_moe)].mlp.register_forward_hook(lambda _, a, out, key=key: seen.update({key: (a, out)}))
     with torch.no_grad():
         logits, _ = model(ids)
         expected = reference_model(family, plain_config, dequantized, scale_fmt=scale_fmt)(input_ids=ids).logits
         dequantized_model(ids)
     diff = (logits - expected).abs().max().item()
-    assert diff <= REFERENCE_ATOL, f"{family} {scale_fmt}: kept logits differ from the block-FP8 reference by {diff:.2e}"
+    assert diff <= REFERENCE_ATOL, f"{family} {scale_fmt}: {diff:.2e} from the block-FP8 reference's logits"
     (kept_in,), (kept_out, _) = seen["kept"]
     (plain_in,), (plain_out, _) = seen["dequantized"]
     assert torch.equal(kept_in, plain_in)
@@ -225,7 +226,7 @@ def test_configuration_errors():
         experts(torch.zeros(3, 8), torch.tensor([2, 1]))
     # Values that are not the checkpoint's FP8 bytes, and random initialisation, are refused.
     model = kept_model(config, kept)
-    with pytest.raises(ValueError, match="q_a_proj.weight' is torch.float32, the model holds it as torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match="q_a_proj.weight' is torch.float32, the model holds it as torch.float8_e4m"):
         load_logical_state(model, dequantized | {n: t for n, t in kept.items() if n not in dequantized})
     with pytest.raises(ValueError, match="kept block-FP8 weight .* cannot be initialised"):
         initialize_parameters(model, seed=0)
@@ -241,7 +242,7 @@ def test_shards_off_block_boundaries_are_refused():
         plan_layout(config, ParallelLayout(tp=2), {})
     etp = dataclasses.replace(config, weight_quantization=BlockFP8Config(block_size=(4, 12)))
     with pytest.raises(ConversionError, match=r"layers\.1\.mlp\.experts: expert tensor parallelism splits "
-                                              r"ffn_hidden_size 16 into 2 shards of 8, not a multiple .*12 down columns"):
+                                              r"ffn_hidden_size 16 into 2 shards of 8, not a multiple .*12 down "):
         plan_layout(etp, ParallelLayout(tp=2, etp=2), {})
     # Whole blocks per shard: the scales are planned as logical tensors cut with their weights.
     plan = plan_layout(etp, ParallelLayout(tp=2, ep=2), {})
@@ -266,8 +267,10 @@ def test_training_a_kept_model_is_refused(demo, tmp_path, capsys):
 
 
 # ---- (b) parallel layouts ---------------------------------------------------------------------------------
+# Blocks that TP / ETP shards hold whole: 4 x 4 where attention, the dense MLP and the (shared) experts are
+# sharded; 4 x 12 (partial blocks along the 32 hidden and the 16 FFN columns) where only the slots are.
 LAYOUTS = {   # name: (parallel sizes, dispatcher, expert slots per expert, block)
-    "tp2 ep2 allgather": (dict(tp=2, ep=2), "allgather", 1, (4, 12)),
+    "tp2 ep2 allgather": (dict(tp=2, ep=2), "allgather", 1, (4, 4)),
     "ep2 alltoall 2E slots, migrated": (dict(ep=2), "alltoall", 2, (4, 12)),
     "tp2 etp2 ep2 alltoall": (dict(tp=2, etp=2, ep=2), "alltoall", 1, (4, 4)),
 }

@@ -39,15 +39,14 @@ Inference only: the weights are frozen, and none of these paths defines a weight
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from megamoe.quantization.block_fp8 import (BlockFP8Config, block_scale_shape, dequantize_block_fp8,
                                             quantize_block_fp8)
 from megamoe.quantization.kept_weights import kept_parameter
 from megamoe.sharding import ShardSpec
 
-__all__ = ["BLOCK_KERNELS", "block_fp8_grouped_mlp", "keep_expert_weights", "load_kept_expert_weights",
-           "quantize_activation_tiles", "kept_scale_shards"]
+__all__ = ["BLOCK_KERNELS", "block_fp8_grouped_mlp", "keep_expert_weights", "kept_forward", "kept_scale_shards",
+           "load_kept_expert_weights", "quantize_activation_tiles"]
 
 BLOCK_KERNELS = ("emulated", "scaled_mm", "dequantized")
 
@@ -211,6 +210,16 @@ def block_fp8_grouped_mlp(experts, tokens: torch.Tensor, sizes: list[int], activ
     return out
 
 
-def is_kept(module: nn.Module) -> bool:
-    """Whether an experts module holds kept block-FP8 weights."""
-    return getattr(module, "weight_quantization", None) is not None
+def kept_forward(experts, tokens: torch.Tensor, sizes: list[int], activate) -> torch.Tensor:
+    """:class:`~megamoe.moe.experts.GroupedExperts`' forward with kept weights (or the ``block`` recipe):
+    the recipe's kernel for the backend, or dequantized GEMMs without an FP8 recipe."""
+    fp8 = experts.config.fp8
+    if experts.weight_quantization is None:
+        raise ValueError("FP8Config.recipe='block' uses the block scales of kept block-FP8 weights, but these "
+                         "experts hold high-precision weights: import the checkpoint with `--dtype keep` "
+                         "(GPTMoEConfig.weight_quantization), or use recipe 'delayed' / 'tensorwise' / 'rowwise'")
+    if fp8 is not None and fp8.recipe != "block":
+        raise ValueError(f"kept block-FP8 expert weights run FP8Config.recipe='block' (their stored scales), not "
+                         f"{fp8.recipe!r}: set recipe='block', or expert_fp8=None to dequantize them at run time")
+    kernel = "dequantized" if fp8 is None else ("scaled_mm" if experts.backend == "torch" else "emulated")
+    return block_fp8_grouped_mlp(experts, tokens, sizes, activate, kernel)
