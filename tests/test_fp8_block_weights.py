@@ -162,6 +162,23 @@ def test_kept_model_matches_block_fp8_reference(family, scale_fmt):
         assert gathered[name].dtype == tensor.dtype and torch.equal(_bytes(gathered[name]), _bytes(tensor)), name
 
 
+def test_kept_model_checkpoint_round_trip(tmp_path):
+    """A megamoe checkpoint of a kept model stores the e4m3 weights and scales as logical tensors; a fresh
+    kept model (another slot count) loads the same bytes back."""
+    from checkpoint_tools.checkpoint_load import load_checkpoint
+    from checkpoint_tools.checkpoint_save import save_checkpoint
+    from megamoe.checkpoint_state import sharded_state_dict
+
+    config, kept, _, _ = kept_case("deepseek_v3")
+    save_checkpoint(tmp_path / "ckpt", sharded_state_dict(kept_model(config, kept)), manifest_fields={})
+    fresh = GPTMoEModel(dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_expert_slots=12)), SOLO)
+    load_checkpoint(tmp_path / "ckpt", sharded_state_dict(fresh))
+    gathered = gather_logical_state(fresh)
+    assert set(gathered) == set(kept)
+    for name, tensor in kept.items():
+        assert gathered[name].dtype == tensor.dtype and torch.equal(_bytes(gathered[name]), _bytes(tensor)), name
+
+
 def test_kept_weights_without_fp8_recipe_are_dequantized_at_run_time():
     """expert_fp8=None: the experts dequantize too, so the kept model IS the dequantized model (no activation
     quantization anywhere), within fp32 rounding; replica slots hold the scales as well."""
@@ -230,6 +247,9 @@ def test_configuration_errors():
         load_logical_state(model, dequantized | {n: t for n, t in kept.items() if n not in dequantized})
     with pytest.raises(ValueError, match="kept block-FP8 weight .* cannot be initialised"):
         initialize_parameters(model, seed=0)
+    from megamoe.training.trainer import TrainConfig, Trainer
+    with pytest.raises(ValueError, match="cannot be trained; import the checkpoint with `import-hf --dtype bf16`"):
+        Trainer(model, SOLO, TrainConfig())
 
 
 def test_shards_off_block_boundaries_are_refused():
