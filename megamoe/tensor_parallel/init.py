@@ -39,13 +39,12 @@ def zeros_init(tensor: torch.Tensor, generator: torch.Generator | None = None) -
 
 @torch.no_grad()
 def init_sharded_(param: torch.Tensor, init_method: InitMethod, generator: torch.Generator | None = None) -> None:
-    """Draw the full logical tensor on CPU in fp32 and copy this rank's chunk into ``param``; padding
-    rows (a padded vocabulary, see :class:`~megamoe.sharding.ShardSpec`) are zero."""
+    """Draw the full logical tensor on CPU in fp32 and copy this rank's chunk into ``param``."""
     spec = get_shard_spec(param)
     full = torch.empty(spec.global_shape, dtype=torch.float32)
     init_method(full, generator)
     real = spec.logical_part(param)
-    if real.shape != param.shape:
+    if real.shape != param.shape:       # a padded vocabulary (see ShardSpec): the padding rows are zero
         param.zero_()
     real.copy_(spec.slice_of(full))
 
