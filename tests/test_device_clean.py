@@ -408,4 +408,3 @@ def test_blocking_step_on_meta_records_its_waits_on_the_timeline():
                 waits = [e for e in timeline.events if e.tag == tag and e.phase == "wait"]
                 assert waits and len(waits) == len(timeline.select(phase="wait_start", tag=tag)), (rank, tag)
             _accumulated_gradients(model)
-
