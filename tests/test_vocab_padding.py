@@ -302,7 +302,8 @@ def test_any_vocabulary_under_tensor_parallel_layouts(tmp_path):
     assert original["model.embed_tokens.weight"].shape == original["lm_head.weight"].shape == (67, H)
     for tp in (4, 2):
         assert main([str(a) for a in ("export-hf", ckpt[tp], tmp_path / f"hf_tp{tp}")]) == 0
-        assert_same_tensors(hf_tensors(tmp_path / f"hf_tp{tp}"), original, f"import --tp 3 -> reshard --tp {tp} -> export")
+        assert_same_tensors(hf_tensors(tmp_path / f"hf_tp{tp}"), original,
+                            f"import --tp 3 -> reshard --tp {tp} -> export")
 
     references = {vocab: reference(vocab, tie=tie) for vocab, tie in VOCABS.items()}
     results = [r for per_rank in run_on_ranks(_layouts_worker, 4, args=(references, ckpt[3], hf_ids))

@@ -1,8 +1,9 @@
 """Vocab-parallel embedding: the vocabulary is split into contiguous ranges over the TP group.
 
 Rank r holds rows ``r*Vp/tp : (r+1)*Vp/tp`` of the [V, H] table padded to ``Vp`` rows (a multiple of
-tp; rows >= V are zero padding, outside the logical table: :mod:`megamoe.tensor_parallel.vocab_padding`). Each rank looks up the ids in its
-range (zeros elsewhere) and the partial embeddings are summed: all-reduce, or reduce-scatter along
+tp; rows >= V are zero padding, outside the logical table: :mod:`megamoe.tensor_parallel.vocab_padding`).
+Each rank looks up the ids in its range (zeros elsewhere) and the partial embeddings are summed:
+all-reduce, or reduce-scatter along
 the sequence dim under sequence parallelism (``sequence_dim``: 0, or 1 for [B, S] ids), each rank
 keeping its chunk of the sequence. Weight gradients are complete locally (the reduce-scatter's
 backward all-gathers the output gradient).
