@@ -12,6 +12,7 @@ layer are padded internally, the padding is invisible. The oracle is one process
 """
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -304,6 +305,13 @@ def test_any_vocabulary_under_tensor_parallel_layouts(tmp_path):
         assert main([str(a) for a in ("export-hf", ckpt[tp], tmp_path / f"hf_tp{tp}")]) == 0
         assert_same_tensors(hf_tensors(tmp_path / f"hf_tp{tp}"), original,
                             f"import --tp 3 -> reshard --tp {tp} -> export")
+
+    # The padding is an engine choice: a checkpoint trained with any still describes the HF config.
+    from checkpoint_tools.export_hf import check_hf_config_describes
+    from checkpoint_tools.import_hf import model_config_from_hf
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    padded = dataclasses.replace(model_config_from_hf(hf_config, "config.json"), make_vocab_size_divisible_by=128)
+    check_hf_config_describes(hf_config, padded, "here", "the checkpoint")
 
     references = {vocab: reference(vocab, tie=tie) for vocab, tie in VOCABS.items()}
     results = [r for per_rank in run_on_ranks(_layouts_worker, 4, args=(references, ckpt[3], hf_ids))
