@@ -57,6 +57,16 @@ def hf_config(family):
                                                   topk_method="group_limited_greedy", routed_scaling_factor=2.0),
         "deepseek_v3": lambda: t.DeepseekV3Config(**common, **mla, q_lora_rank=12, n_shared_experts=1,
                                                   routed_scaling_factor=2.5),
+        # head_dim * heads != hidden; partial rotary 0.5 (rotates 6 of 12 dims); per-head qk norm; q/k/v bias
+        "glm4_moe": lambda: t.Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=12, num_hidden_layers=3,
+                                            first_k_dense_replace=1, intermediate_size=24, moe_intermediate_size=16,
+                                            n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+                                            routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True,
+                                            num_nextn_predict_layers=0, eos_token_id=None),
+        # rotary_dim 8 of head_dim 12; one KV head (replicated under TP 2) with the across-heads k norm
+        "minimax_m2": lambda: t.MiniMaxM2Config(**common, num_key_value_heads=1, head_dim=12, rotary_dim=8,
+                                                num_hidden_layers=2, intermediate_size=16, num_local_experts=8,
+                                                bos_token_id=None, eos_token_id=None),
     }
     return configs[family]()
 
@@ -130,7 +140,8 @@ def test_family_matches_transformers(family):
     # Checkpoint form: save_pretrained writes per-expert keys (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2).
     on_disk = _checkpoint_form(hf)
     assert not any("gate_up_proj" in k for k in on_disk)
-    per_expert = "block_sparse_moe.experts.0.w1.weight" if family == "mixtral" else "mlp.experts.0.gate_proj.weight"
+    per_expert = ("block_sparse_moe.experts.0.w1.weight" if family in ("mixtral", "minimax_m2")
+                  else "mlp.experts.0.gate_proj.weight")
     assert any(k.endswith(per_expert) for k in on_disk)
     _assert_bitwise(adapter.hf_to_megamoe(on_disk, config), logical, f"{family} from checkpoint form")
     _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=False), on_disk, f"{family} checkpoint round trip")
