@@ -212,6 +212,23 @@ def test_config_errors():
     partial_qwen.rope_parameters["partial_rotary_factor"] = 0.5
     with pytest.raises(ValueError, match="partial_rotary_factor.*only glm4_moe and minimax_m2"):
         config_from_hf(partial_qwen)
+    softmax = hf_config("minimax_m2")
+    softmax.scoring_func = "softmax"                                 # config.json field transformers never reads
+    with pytest.raises(ValueError, match="minimax_m2: scoring_func='softmax' is not supported"):
+        config_from_hf(softmax)
+    per_head = hf_config("minimax_m2")
+    per_head.qk_norm_type = "per_head"
+    with pytest.raises(ValueError, match="qk_norm_type='per_head'"):
+        config_from_hf(per_head)
+    lightning = hf_config("minimax_m2")
+    lightning.attn_type_list = [1, 0]
+    with pytest.raises(ValueError, match=r"attn_type_list \[1, 0\] has layers other than 1"):
+        config_from_hf(lightning)
+    released = hf_config("minimax_m2")                               # the fields MiniMax-M2's config.json sets
+    for name, value in dict(scoring_func="sigmoid", use_routing_bias=True, shared_intermediate_size=0,
+                            use_qk_norm=True, qk_norm_type="per_layer", attn_type_list=[1, 1]).items():
+        setattr(released, name, value)
+    assert config_from_hf(released, expert_backend="torch") == hf_model("minimax_m2")[1]
     gelu = hf_config("minimax_m2")
     gelu.hidden_act = "gelu"
     with pytest.raises(ValueError, match="minimax_m2: hidden_act 'gelu'"):

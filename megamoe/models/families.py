@@ -163,6 +163,29 @@ def moe_layer_ids(cfg) -> tuple[int, ...]:
     return tuple(i for i in layers if i >= cfg.first_k_dense_replace)
 
 
+# config.json fields transformers' modeling code never reads, whose other values would describe another
+# model than the one it (and megamoe) computes: refused rather than silently run as this one.
+_UNREAD_FIELDS = {
+    "minimax_m2": {"scoring_func": "sigmoid", "use_routing_bias": True, "shared_intermediate_size": 0,
+                   "use_qk_norm": True, "qk_norm_type": "per_layer"},
+}
+
+
+def _refuse_unread_fields(cfg) -> None:
+    family = cfg.model_type
+    for name, computed in _UNREAD_FIELDS.get(family, {}).items():
+        value = getattr(cfg, name, computed)
+        if value != computed:
+            raise ValueError(f"{family}: {name}={value!r} is not supported: transformers' {family} (and megamoe) "
+                             f"compute {name}={computed!r} and ignore the field")
+    # MiniMax's "attn_type_list": 1 = softmax attention per layer (0, MiniMax-01's lightning attention, is
+    # another model); MiniMax-M2 releases list 1 for every layer.
+    kinds = getattr(cfg, "attn_type_list", None) if family == "minimax_m2" else None
+    if kinds is not None and any(kind != 1 for kind in kinds):
+        raise ValueError(f"minimax_m2: attn_type_list {list(kinds)} has layers other than 1 (softmax attention); "
+                         "transformers' minimax_m2 (and megamoe) run softmax attention on every layer")
+
+
 _DEEPSEEK_AUX_LOSS_ALPHA = 0.001   # DeepSeek's configuration_deepseek.py default ("aux_loss_alpha", "seq_aux" True)
 
 
@@ -235,6 +258,7 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
     cfg = hf_config
+    _refuse_unread_fields(cfg)
     for name in ("attention_dropout", "router_jitter_noise"):
         if getattr(cfg, name, 0.0):
             logger.warning("%s: %s=%s is ignored (training-time noise is not reproduced)", family, name,
