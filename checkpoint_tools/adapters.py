@@ -246,8 +246,7 @@ SHARED_EXPERT_GATE_KEY = Rename(f"{_L}mlp.shared_expert_gate.weight", f"{_P}mlp.
                                 lambda c: (1, c.hidden_size),
                                 when=lambda c: _HAS_SHARED(c) and c.moe.shared_experts.gate)
 
-_MIXTRAL_PER_EXPERT = (f"{_L}block_sparse_moe.experts.{{e}}.w1.weight", f"{_L}block_sparse_moe.experts.{{e}}.w3.weight",
-                       f"{_L}block_sparse_moe.experts.{{e}}.w2.weight")
+_MIXTRAL_PER_EXPERT = tuple(f"{_L}block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2"))
 
 _STANDARD_EXPERTS = ExpertKeys(
     per_expert=(f"{_L}mlp.experts.{{e}}.gate_proj.weight", f"{_L}mlp.experts.{{e}}.up_proj.weight",

@@ -282,10 +282,12 @@ def test_new_family_adapters_reject_bad_input():
     hf, config = hf_model("glm4_moe")
     adapter = adapter_for("glm4_moe")
     state = dict(hf.state_dict())
-    mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32)}
+    mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(32, 64),
+           "model.layers.3.enorm.weight": torch.ones(32)}
     assert set(adapter.hf_to_megamoe(mtp, config)) == set(adapter.hf_to_megamoe(state, config))
+    q_norm = "model.layers.2.self_attn.q_norm.weight"
     with pytest.raises(AdapterError, match="missing HF key for 'layers.2.self_attn.q_norm.weight'"):
-        adapter.hf_to_megamoe({k: v for k, v in state.items() if k != "model.layers.2.self_attn.q_norm.weight"}, config)
+        adapter.hf_to_megamoe({k: v for k, v in state.items() if k != q_norm}, config)
 
 
 def test_adapter_streams_in_any_order():

@@ -103,8 +103,9 @@ def _sliding_window(cfg, layer_idx: int | None) -> int | None:
 
 
 def attention_config(cfg, layer_idx: int | None = None) -> AttentionConfig:
-    """GQA attention of mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe and minimax_m2: of layer ``layer_idx``, or (None) the
-    one config all layers share (ValueError when qwen2_moe's layers differ in their sliding window)."""
+    """GQA attention of mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe and minimax_m2: of layer
+    ``layer_idx``, or (None) the one config all layers share (ValueError when qwen2_moe's layers differ in
+    their sliding window)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     family = cfg.model_type
     biased = family in ("qwen3_moe", "olmoe") and cfg.attention_bias
