@@ -519,8 +519,7 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
     if first:
         out["embedding"] += 8 * T
     if layer_ids:
-        rope_dim = (config.attention.qk_rope_head_dim if isinstance(config.attention, MLAConfig)
-                    else config.attention.head_dim)
+        rope_dim = config.attention.rope.dim          # qk_rope_head_dim (MLA); <= head_dim (partial rotary)
         rope = 2 * 4 * B * S * (rope_dim // 2)                   # fp32 cos / sin, shared by the layers
         full = getattr(recompute, "granularity", "none") == "full"
         if e != 4 and not full:
