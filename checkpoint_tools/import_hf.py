@@ -18,6 +18,7 @@ Order of work (nothing is written before every check has passed):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -29,7 +30,9 @@ from checkpoint_tools.adapters import AdapterError, HFAdapter, adapter_for
 from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.format import MANIFEST_FILE
+from checkpoint_tools.block_fp8_steps import HFWeightForm
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
+from checkpoint_tools.hf_quantization import hf_quantization, resolve_block_fp8, without_quantization
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import plan_layout
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields
@@ -41,8 +44,10 @@ from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
+from megamoe.quantization.block_fp8 import is_block_fp8_weight
 
-__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion"]
+__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion",
+           "hf_weights_adapter"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +72,7 @@ def hf_config_object(config: dict, where: str):
     if model_type not in SUPPORTED_FAMILIES:
         raise ConversionError(f"{where}: model_type {model_type!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_FAMILIES)}")
-    if config.get("quantization_config"):
-        raise ConversionError(f"{where}: quantized checkpoints ({config['quantization_config'].get('quant_method')}) "
-                              "are not supported; convert from an unquantized (fp32 / bf16 / fp16) checkpoint")
+    hf_quantization(config, where)          # a method or field not read here: refused, naming it
     try:
         import transformers
     except ImportError:
@@ -77,7 +80,7 @@ def hf_config_object(config: dict, where: str):
     try:
         with _automatic_gc_paused():
             config_class = transformers.CONFIG_MAPPING[model_type]
-        return config_class.from_dict(dict(config))
+        return config_class.from_dict(without_quantization(config))
     except Exception as e:  # noqa: BLE001 - transformers validates configs with several exception types
         raise ConversionError(f"{where}: transformers rejects the config: {e}") from None
 
@@ -119,6 +122,25 @@ def hf_key_order(adapter: HFAdapter, config: GPTMoEConfig, keys) -> list[str]:
                 order.setdefault(key, index)
             index += 1
     return sorted(keys, key=lambda k: (order.get(k, index), k))
+
+
+def hf_weights_adapter(hf: HFCheckpoint, adapter: HFAdapter, config: GPTMoEConfig,
+                       dequantize_to: torch.dtype | None) -> tuple[HFAdapter, GPTMoEConfig]:
+    """The adapter reading ``hf``'s weight files and the model config they give, for the unquantized model
+    config ``config`` that ``hf``'s config.json maps to. A block-FP8 checkpoint (checked against its
+    files: :func:`~checkpoint_tools.hf_quantization.resolve_block_fp8`) is kept so
+    (``dequantize_to=None``: the config gets its ``weight_quantization``) or dequantized into
+    ``dequantize_to``; any other checkpoint gives ``adapter`` and ``config`` back."""
+    where = os.path.join(hf.directory, "config.json")
+    quantization = hf_quantization(hf.config, where)
+    if quantization is None:
+        return adapter, config
+    quantizable = {key: name for name, key in adapter.renames(config).items() if is_block_fp8_weight(name)}
+    resolved = resolve_block_fp8(quantization, hf.config["quantization_config"], hf.tensors, quantizable,
+                                 lambda key: adapter.is_ignored(key, config), where)
+    if dequantize_to is None:
+        return adapter, dataclasses.replace(config, weight_quantization=resolved)
+    return adapter.with_hf_weights(HFWeightForm(resolved, dequantize_to)), config
 
 
 def _as_conversion_error(e: AdapterError, where: str) -> ConversionError:
@@ -164,9 +186,9 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                                   num_expert_slots=num_expert_slots)
     if num_expert_slots is not None and config.moe is None:
         raise ConversionError("--num-expert-slots was given but the model has no MoE layers")
+    adapter, config = hf_weights_adapter(hf, adapter_for(config.family), config, target)
     placements = build_placements(config, layout.ep, expert_load=expert_load)
     plan = plan_layout(config, layout, placements)
-    adapter = adapter_for(config.family)
     order, produced, dropped = plan_hf_conversion(hf, adapter, config)
     names = {name for name, _, _ in produced}
     if names != set(plan.tensors):
