@@ -202,12 +202,18 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         casts = ScratchBuffer()
         copies: dict[str, tuple[torch.Tensor, list[FileExtent]]] = {}    # HF key -> (placeholder, its bytes)
 
+        # The inputs of a step of several wait for each other, but the reader's buffer they may lie in is
+        # reused by the next read: they are copied (a block-FP8 weight and its scales: one byte an element).
+        waiting = {key for step in adapter.transforms(config, fused=False) if len(step.logical_keys) > 1
+                   for key in step.logical_keys}
+
         def items():
             for name in model_names:
                 dtype = _DTYPES[entries[name]["dtype"]]
                 extents = reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype else None
                 if extents is None:
-                    yield name, reader.read(name)
+                    tensor = reader.read(name)
+                    yield name, tensor.clone() if name in waiting else tensor
                 else:                           # shapes are all the adapter looks at
                     placeholder = meta(name)
                     copies[renamed_to[name]] = (placeholder, extents)

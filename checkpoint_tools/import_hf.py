@@ -139,6 +139,11 @@ def hf_weights_adapter(hf: HFCheckpoint, adapter: HFAdapter, config: GPTMoEConfi
     resolved = resolve_block_fp8(quantization, hf.config["quantization_config"], hf.tensors, quantizable,
                                  lambda key: adapter.is_ignored(key, config), where)
     if dequantize_to is None:
+        experts = sorted(n for n in resolved.unquantized if ".mlp.experts." in n)
+        if experts:         # the model stacks a layer's experts: all of them are kept FP8, or none is
+            raise ConversionError(f"{where}: quantization_config leaves routed experts unquantized ({experts[0]}, "
+                                  f"{len(experts)} weights); kept FP8 needs every routed expert quantized: import "
+                                  "with --dtype bf16 (dequantized)")
         return adapter, dataclasses.replace(config, weight_quantization=resolved)
     return adapter.with_hf_weights(HFWeightForm(resolved, dequantize_to)), config
 
