@@ -13,6 +13,12 @@ Order of work (nothing is written before every check has passed):
    is not read at all for its chunks that are runs of its bytes: those are copied file to file.
    Memory: about one tensor and the read window.
 4. Copy the side files (tokenizer, ...), write the manifest, rename the directory into place.
+
+Block-FP8 releases (``quantization_config.quant_method == "fp8"``, checked against the files by
+:func:`hf_weights_adapter`): ``--dtype keep`` keeps the e4m3 weights and their block scales (the model
+config gets ``weight_quantization``; both are renames, copied as in step 3); ``--dtype bf16|fp32|fp16``
+dequantizes each weight with its scales on the way (:mod:`checkpoint_tools.block_fp8_steps`) into an
+ordinary checkpoint. Other quantization methods are refused (:mod:`checkpoint_tools.hf_quantization`).
 """
 
 from __future__ import annotations
@@ -248,6 +254,8 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     summary = {"out_dir": output.path, "family": config.family, "layout": layout.to_manifest(),
                "logical_tensors": len(streamed), "files": len(manifest["files"]),
                "bytes": sum(f["bytes"] for f in manifest["files"].values()), "side_files": sorted(hf_files),
-               "dropped_hf_tensors": dropped}
+               "dropped_hf_tensors": dropped,
+               "block_fp8": "kept" if config.weight_quantization is not None else
+               "dequantized" if adapter.hf_weights is not None else None}
     logger.info("imported %s into %s (%s)", hf_dir, output.path, layout)
     return summary

@@ -307,3 +307,15 @@ def test_export_refuses_a_config_without_the_fp8_layout(partial, tmp_path, capsy
     assert not os.path.exists(tmp_path / "out")
     assert convert("export-hf", tmp_path / "ckpt", tmp_path / "out", "--hf-config", hf_dir, "--dtype", "fp32") == 0
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+
+
+def test_training_starts_from_an_fp8_release_dequantized(partial):
+    """start_from_hf (a run started from HF files, in process) reads a block-FP8 release dequantized."""
+    from megamoe.models.hf_loading import gather_logical_state
+    from megamoe.training.hf_start import start_from_hf
+    from parallel_state import ParallelState
+    hf_dir, fp8_dir = partial
+    model, start = start_from_hf(fp8_dir, ParallelState.single_process())
+    assert start.config.weight_quantization is None and "quantization_config" in start.provenance.config
+    assert_same_tensors(gather_logical_state(model), _logical(dequantized_by_definition(hf_tensors(fp8_dir), (8, 8)),
+                                                              hf_dir), "training start")
