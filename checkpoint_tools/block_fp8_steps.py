@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe.quantization.block_fp8 import (BlockFP8Config, block_scale_shape, dequantize_block_fp8,
-                                            quantize_block_fp8, scale_inv_name)
+from megamoe.quantization.block_fp8 import (SCALE_INV_SUFFIX, BlockFP8Config, block_scale_shape,
+                                            dequantize_block_fp8, quantize_block_fp8, scale_inv_name)
 
 __all__ = ["HFWeightForm", "block_fp8_steps", "dequantize_in_bands"]
 
@@ -87,7 +87,8 @@ def block_fp8_steps(steps, logical: BlockFP8Config | None, hf: BlockFP8Config | 
         key, shape = step.hf_keys[0], step.hf_shapes[0]
         if on_logical and on_hf:
             out.append(step)
-            out.append(rename_step(key + "_scale_inv", scale_inv_name(name), block_scale_shape(shape, hf.block_size)))
+            out.append(rename_step(key + SCALE_INV_SUFFIX, scale_inv_name(name),
+                                   block_scale_shape(shape, hf.block_size)))
         elif on_hf:
             out.append(_dequantizing(key_transform, key, name, shape, hf, dtype, hf_side=True))
         else:
@@ -97,7 +98,8 @@ def block_fp8_steps(steps, logical: BlockFP8Config | None, hf: BlockFP8Config | 
 
 def _dequantizing(key_transform, key: str, name: str, shape, config: BlockFP8Config, dtype: torch.dtype,
                   hf_side: bool):
-    """The step between a quantized (weight, scales) pair on one side and a plain weight on the other."""
+    """The step between a quantized (weight, scales) pair on one side (the HF one if ``hf_side``) and the
+    plain weight on the other."""
     scales = block_scale_shape(shape, config.block_size)
 
     def dequantize(tensors):
@@ -106,9 +108,8 @@ def _dequantizing(key_transform, key: str, name: str, shape, config: BlockFP8Con
     def quantize(tensors):
         return list(_quantize(tensors[0], config))
 
-    pair = (key + "_scale_inv", scale_inv_name(name))[0 if hf_side else 1]
     if hf_side:
-        return key_transform((key, pair), (shape, scales), (name,), (shape,), dequantize, quantize,
+        return key_transform((key, key + SCALE_INV_SUFFIX), (shape, scales), (name,), (shape,), dequantize, quantize,
                              what=f"dequantize block FP8 {key}")
-    return key_transform((key,), (shape,), (name, pair), (shape, scales), quantize, dequantize,
+    return key_transform((key,), (shape,), (name, scale_inv_name(name)), (shape, scales), quantize, dequantize,
                          what=f"dequantize block FP8 {name}")

@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     _layout_options(p, "alltoall")
-    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep",
+                   help="cast floating tensors; of a block-FP8 release (quant_method fp8), keep stores the e4m3 "
+                        "weights and their block scales as they are, the others dequantize them")
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
 
     p = add("export-hf", help="megamoe checkpoint -> HF model directory",
@@ -91,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "index, tokenizer files) that transformers' from_pretrained loads.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep",
+                   help="cast floating tensors; of a checkpoint kept in block FP8, keep writes the FP8 release "
+                        "back as it was imported, the others a dequantized directory without quantization_config")
     p.add_argument("--max-shard-size", type=_size, default="50GB",
                    help="largest safetensors shard, e.g. 5GB (default: 50GB, as save_pretrained)")
     p.add_argument("--hf-config", metavar="HF_DIR",

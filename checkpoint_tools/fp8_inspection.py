@@ -85,7 +85,8 @@ def format_hf_inspection(info: dict) -> str:
     lines = [f"HF model     {info['path']}: {info['model_type']}, {info['tensors']} tensors, "
              f"{info['bytes'] / 2**20:.1f} MiB; quantization {info['quant_method'] or 'none'}"]
     for dtype, d in sorted(info["by_dtype"].items()):
-        lines.append(f"  {dtype:<14} {d['tensors']} tensors, {d['parameters']} parameters, {d['bytes'] / 2**20:.1f} MiB")
+        lines.append(f"  {dtype:<14} {d['tensors']} tensors, {d['parameters']} parameters, "
+                     f"{d['bytes'] / 2**20:.1f} MiB")
     lines += format_fp8(info["block_fp8"])
     lines.append(f"side files   {', '.join(info['side_files']) or 'none'}")
     return "\n".join(lines)

@@ -192,6 +192,11 @@ def test_kept_round_trip_is_byte_identical(partial, tmp_path, capsys):
     _bytes_equal(hf_tensors(tmp_path / "out"), original, "kept import -> export")
     with open(os.path.join(fp8_dir, "config.json")) as f:
         assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.load(f)
+    # Through another layout and slot count (scales move with their experts), back into one file.
+    assert convert("reshard", tmp_path / "ckpt", tmp_path / "pp2", "--tp", 1, "--pp", 2, "--ep", 4,
+                   "--num-expert-slots", 12) == 0
+    assert convert("export-hf", tmp_path / "pp2", tmp_path / "again") == 0
+    _bytes_equal(hf_tensors(tmp_path / "again"), original, "kept import -> reshard -> export")
 
     assert convert("inspect", tmp_path / "ckpt") == 0
     text = capsys.readouterr().out
