@@ -180,6 +180,9 @@ def test_partial_blocks_dequantize_by_definition(partial, tmp_path):
 def test_kept_round_trip_is_byte_identical(partial, tmp_path, capsys):
     hf_dir, fp8_dir = partial
     original = hf_tensors(fp8_dir)
+    # ETP 2 would cut the experts' 24 FFN rows into shards of 12, sharing the blocks of 8: refused, not written.
+    assert convert("import-hf", fp8_dir, tmp_path / "ckpt", "--tp", 2, "--pp", 1, "--ep", 2, "--etp", 2) == 1
+    assert "not a multiple of the FP8 block" in capsys.readouterr().err and not os.path.exists(tmp_path / "ckpt")
     assert convert("import-hf", fp8_dir, tmp_path / "ckpt", "--tp", 2, "--pp", 1, "--ep", 2, "--etp", 1) == 0
     manifest = read_manifest(tmp_path / "ckpt")
     quantization = manifest["model_config"]["weight_quantization"]
