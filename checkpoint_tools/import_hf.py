@@ -33,10 +33,10 @@ import torch
 from tqdm import tqdm
 
 from checkpoint_tools.adapters import AdapterError, HFAdapter, adapter_for
+from checkpoint_tools.block_fp8_steps import HFWeightForm
 from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.format import MANIFEST_FILE
-from checkpoint_tools.block_fp8_steps import HFWeightForm
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
 from checkpoint_tools.hf_quantization import hf_quantization, resolve_block_fp8, without_quantization
 from checkpoint_tools.layout import ParallelLayout

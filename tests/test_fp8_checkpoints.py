@@ -73,7 +73,13 @@ def make_fp8_release(source, target, block, *, scale_fmt="float", scale_dtype=No
             state[key] = tensor
     if edit:
         edit(state)
-    save_file(state, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    # Every scale in the second shard, away from its weight: the import reads each pair together anyway.
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in state.items() if not k.endswith(SCALE)},
+             "model-00002-of-00002.safetensors": {k: v for k, v in state.items() if k.endswith(SCALE)}}
+    for name, part in files.items():
+        save_file(part, os.path.join(target, name), metadata={"format": "pt"})
+    with open(os.path.join(target, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: name for name, part in files.items() for k in part}}, f)
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
