@@ -1,6 +1,6 @@
 """import-hf and export-hf of a generated ~2 GB HuggingFace MoE checkpoint: time against ``cp``, peak memory.
 
-    python benchmarks/convert.py [--size-gb 2.0] [--repeats 6] [--fp8-size-gb 2.0] [--fp8-repeats 3]
+    python benchmarks/convert.py [--size-gb 2.0] [--repeats 6] [--fp8-size-gb 2.0] [--fp8-repeats 3] [--fp8-experts 32]
         [--json benchmarks/results/convert.json]
 
 Writes a Qwen3-MoE checkpoint (bf16, hidden 1024, 32 experts of FFN 1024, vocab 32000, as many layers as
@@ -30,7 +30,9 @@ FP8 row: the same model as a block-FP8 release (DeepSeek's layout: the attention
 ``float8_e4m3fn`` with fp32 ``*.weight_scale_inv`` per 128 x 128 block, the rest bf16; random bytes,
 written shard by shard), ``--fp8-size-gb`` of files, imported to bf16 (each weight dequantized with its
 scales) and kept (``--dtype keep``: e4m3 weights and scales copied), rotated with a ``cp`` of the same
-directory over ``--fp8-repeats`` rounds. The dequantized import writes twice the bytes it reads.
+directory over ``--fp8-repeats`` rounds (``--fp8-experts`` per layer: fewer make a small quick row). The
+dequantized import writes twice the bytes it reads, and converting e4m3 to fp32 (one thread, as every
+conversion runs) is most of its time.
 
 Targets: conversion time <= 1.5x the copy time; peak RSS <= the largest tensor + 512 MB. Prints a table
 and writes JSON.
@@ -77,7 +79,7 @@ sys.exit(code)
 """
 
 
-def layer_tensors(i: int) -> dict[str, tuple[int, ...]]:
+def layer_tensors(i: int, experts: int = EXPERTS) -> dict[str, tuple[int, ...]]:
     p = f"model.layers.{i}."
     shapes = {
         p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
@@ -86,9 +88,9 @@ def layer_tensors(i: int) -> dict[str, tuple[int, ...]]:
         p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
         p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
         p + "self_attn.q_norm.weight": (HEAD_DIM,), p + "self_attn.k_norm.weight": (HEAD_DIM,),
-        p + "mlp.gate.weight": (EXPERTS, HIDDEN),
+        p + "mlp.gate.weight": (experts, HIDDEN),
     }
-    for e in range(EXPERTS):
+    for e in range(experts):
         shapes[f"{p}mlp.experts.{e}.gate_proj.weight"] = (FFN, HIDDEN)
         shapes[f"{p}mlp.experts.{e}.up_proj.weight"] = (FFN, HIDDEN)
         shapes[f"{p}mlp.experts.{e}.down_proj.weight"] = (HIDDEN, FFN)
@@ -124,25 +126,25 @@ def _random(shape, dtype: torch.dtype, generator: torch.Generator) -> torch.Tens
     return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
 
 
-def generate(directory: Path, size_bytes: int, fp8: bool = False) -> dict:
-    """Write config.json, the shards and the index (``fp8``: as a block-FP8 release); returns the
-    checkpoint's facts."""
+def generate(directory: Path, size_bytes: int, fp8: bool = False, experts: int = EXPERTS) -> dict:
+    """Write config.json, the shards and the index (``fp8``: as a block-FP8 release; ``experts`` per
+    layer); returns the checkpoint's facts."""
     import transformers
 
     def tensors(shapes):
         return _fp8_tensors(shapes) if fp8 else {k: (s, DTYPE) for k, s in shapes.items()}
     outer = tensors({"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
                      "lm_head.weight": (VOCAB, HIDDEN)})
-    per_layer = sum(nbytes(s, d) for s, d in tensors(layer_tensors(0)).values())
+    per_layer = sum(nbytes(s, d) for s, d in tensors(layer_tensors(0, experts)).values())
     num_layers = max(1, round((size_bytes - sum(nbytes(s, d) for s, d in outer.values())) / per_layer))
     specs = dict(outer)
     for i in range(num_layers):
-        specs.update(tensors(layer_tensors(i)))
+        specs.update(tensors(layer_tensors(i, experts)))
     directory.mkdir(parents=True)
     config = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM, num_hidden_layers=num_layers, intermediate_size=4 * HIDDEN, moe_intermediate_size=FFN,
-        num_experts=EXPERTS, num_experts_per_tok=4, dtype="bfloat16").to_dict()
+        num_experts=experts, num_experts_per_tok=4, dtype="bfloat16").to_dict()
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fp8-size-gb", type=float, default=2.0,
                         help="size of the generated block-FP8 checkpoint (10^9 bytes)")
     parser.add_argument("--fp8-repeats", type=int, default=3, help="rounds of cp / import-hf bf16 / import-hf keep")
+    parser.add_argument("--fp8-experts", type=int, default=EXPERTS,
+                        help="experts per layer of the block-FP8 checkpoint (at least 4, even: top-4 over EP 2)")
     parser.add_argument("--workdir", default=None, help="where to put the temporary files (default: system temp)")
     args = parser.parse_args(argv)
 
@@ -241,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--repeats must be a positive multiple of 3 (each step takes each position equally often)")
     if args.fp8_repeats < 1:
         parser.error("--fp8-repeats must be positive")
+    if args.fp8_experts < 4 or args.fp8_experts % 2:
+        parser.error("--fp8-experts must be even and at least 4 (top-4 routing, EP 2)")
     work = Path(tempfile.mkdtemp(prefix="megamoe-convert-bench-", dir=args.workdir))
     runs: dict[str, list] = {"cp": [], "cp_sync": [], "import-hf": [], "export-hf": []}
     fp8_runs: dict[str, list] = {"cp": [], "cp_sync": [], "import-hf bf16": [], "import-hf keep": []}
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(checkpoint)
 
         fp8_hf = work / "hf_fp8"
-        fp8_facts = generate(fp8_hf, int(args.fp8_size_gb * 1e9), fp8=True)
+        fp8_facts = generate(fp8_hf, int(args.fp8_size_gb * 1e9), fp8=True, experts=args.fp8_experts)
         fp8_dir_bytes = sum(f.stat().st_size for f in fp8_hf.iterdir())
         fp8_steps = {"cp": lambda: copy_step(fp8_hf, fp8_runs)}
         for dtype in ("bf16", "keep"):
@@ -288,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     result["steps"] = _report(runs, ("import-hf", "export-hf"), result["cp_s"], result["cp_sync_s"], rss_budget)
 
     fp8_budget = fp8_facts["largest_tensor_bytes"] + 512 * MIB
-    fp8 = {"checkpoint": {**fp8_facts, "directory_bytes": fp8_dir_bytes, "weights": "float8_e4m3fn",
+    fp8 = {"checkpoint": {**fp8_facts, "directory_bytes": fp8_dir_bytes, "experts": args.fp8_experts,
+                          "weights": "float8_e4m3fn",
                           "block_size": [FP8_BLOCK, FP8_BLOCK]},
            "repeats": args.fp8_repeats, "orders": fp8_orders, "peak_rss_budget_bytes": fp8_budget,
            **_copy_times(fp8_runs)}
