@@ -140,6 +140,11 @@ def hf_weights_adapter(hf: HFCheckpoint, adapter: HFAdapter, config: GPTMoEConfi
     where = os.path.join(hf.directory, "config.json")
     quantization = hf_quantization(hf.config, where)
     if quantization is None:
+        for key, info in hf.tensors.items():
+            if info.dtype.itemsize == 1 and info.dtype.is_floating_point and not adapter.is_ignored(key, config):
+                raise ConversionError(f"{where}: {key!r} is {info.dtype}, but config.json has no quantization_config "
+                                      "saying how its values are scaled (a block-FP8 release has quant_method 'fp8' "
+                                      "and weight_block_size)")
         return adapter, config
     quantizable = {key: name for name, key in adapter.renames(config).items() if is_block_fp8_weight(name)}
     resolved = resolve_block_fp8(quantization, hf.config["quantization_config"], hf.tensors, quantizable,

@@ -82,11 +82,11 @@ def make_fp8_release(source, target, block, *, scale_fmt="float", scale_dtype=No
         json.dump({"metadata": {}, "weight_map": {k: name for name, part in files.items() for k in part}}, f)
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block), **({"scale_fmt": scale_fmt} if scale_fmt !=
-                                                                          "float" else {}),
-                                     **({"modules_to_not_convert": list(not_converted)} if not_converted else {}),
-                                     **quantization}
+    if quantization.get("quant_method", "fp8") is not None:      # None: the FP8 files under the plain config.json
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
+            **({"scale_fmt": scale_fmt} if scale_fmt != "float" else {}),
+            **({"modules_to_not_convert": list(not_converted)} if not_converted else {}), **quantization}
     with open(os.path.join(target, "config.json"), "w") as f:
         json.dump(config, f)
     return str(target)
@@ -294,6 +294,8 @@ BAD_FP8 = {   # name: (make_fp8_release options, expected message)
     "bad block size": (dict(weight_block_size=[8, 0]), "quantization_config.weight_block_size must be two positive"),
     "per-tensor fp8": (dict(weight_block_size=None), "weight_block_size is missing: per-tensor FP8 is not supported"),
     "static activations": (dict(activation_scheme="static"), "activation_scheme 'static' is not supported"),
+    "fp8 without quantization_config": (dict(quant_method=None), r"'model\.layers\.[\w.]+\.weight' is "
+                                        "torch.float8_e4m3fn, but config.json has no quantization_config"),
     "gptq": (dict(quant_method="gptq", bits=4), r"quant_method 'gptq' is not supported \(supported: fp8\)"),
     "bitsandbytes": (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
 }
