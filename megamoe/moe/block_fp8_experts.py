@@ -39,15 +39,14 @@ Inference only: the weights are frozen, and none of these paths defines a weight
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from megamoe.quantization.block_fp8 import (BlockFP8Config, block_scale_shape, dequantize_block_fp8,
                                             quantize_block_fp8)
 from megamoe.quantization.kept_weights import kept_parameter
 from megamoe.sharding import ShardSpec
 
-__all__ = ["BLOCK_KERNELS", "block_fp8_grouped_mlp", "keep_expert_weights", "load_kept_expert_weights",
-           "quantize_activation_tiles", "kept_scale_shards"]
+__all__ = ["BLOCK_KERNELS", "block_fp8_grouped_mlp", "keep_expert_weights", "kept_forward", "kept_scale_shards",
+           "load_kept_expert_weights", "quantize_activation_tiles"]
 
 BLOCK_KERNELS = ("emulated", "scaled_mm", "dequantized")
 
@@ -79,9 +78,9 @@ def keep_expert_weights(experts, config: BlockFP8Config, name: str) -> None:
     """Turn ``experts``' stacked weights into kept block-FP8 ones in place (quantizing their current
     values: each expert as a whole tensor would be, since shards hold whole blocks), adding the scales."""
     if experts.backend == "te":
-        raise ValueError(f"{name}: kept block-FP8 experts run on backend 'fp8_emulated', 'torch' or (without an FP8 "
-                         "recipe) 'torch' / 'loop'; TransformerEngine's GroupedLinear keeps weights of its own, "
-                         "so backend 'te' cannot hold the checkpoint's bytes")
+        raise ValueError(f"{name}: kept block-FP8 experts run on backend 'fp8_emulated' or 'torch' (or 'loop' without "
+                         "an FP8 recipe); TransformerEngine's GroupedLinear keeps weights of its own, so backend 'te' "
+                         "cannot hold the checkpoint's bytes")
     _check_etp(experts, config, name)
     cfg = experts.config
     Fs, G = cfg.ffn_shard_size, 2 if cfg.gated else 1
@@ -179,7 +178,7 @@ def _scaled_mm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, config
 
 
 def _slot_mlp(experts, local_slot: int, rows: torch.Tensor, activate, kernel: str) -> torch.Tensor:
-    config, cfg = experts.weight_quantization, experts.config
+    config = experts.weight_quantization
     if kernel == "scaled_mm":
         weights, scales = experts.expert_weight_shards(local_slot), kept_scale_shards(experts, local_slot)
         hidden = torch.cat([_scaled_mm(rows, weights[k], scales[k], config) for k in ("gate", "up") if k in weights],
@@ -191,8 +190,6 @@ def _slot_mlp(experts, local_slot: int, rows: torch.Tensor, activate, kernel: st
     x = _fake_quantized(rows, config) if kernel == "emulated" else rows
     hidden = torch.nn.functional.linear(x, w_gate_up).to(rows.dtype)      # as an FP8 kernel writes it
     act = activate(hidden)
-    if cfg.gated and act.shape[-1] != cfg.ffn_shard_size:
-        raise ValueError(f"internal: activation width {act.shape[-1]} != F_shard {cfg.ffn_shard_size}")
     a = _fake_quantized(act, config) if kernel == "emulated" else act
     return torch.nn.functional.linear(a, w_down).to(rows.dtype)
 
@@ -211,6 +208,20 @@ def block_fp8_grouped_mlp(experts, tokens: torch.Tensor, sizes: list[int], activ
     return out
 
 
-def is_kept(module: nn.Module) -> bool:
-    """Whether an experts module holds kept block-FP8 weights."""
-    return getattr(module, "weight_quantization", None) is not None
+def kept_forward(experts, tokens: torch.Tensor, sizes: list[int], activate) -> torch.Tensor:
+    """:class:`~megamoe.moe.experts.GroupedExperts`' forward with kept weights (or the ``block`` recipe):
+    the recipe's kernel for the backend, or dequantized GEMMs without an FP8 recipe."""
+    fp8 = experts.config.fp8
+    if experts.weight_quantization is None:
+        raise ValueError("FP8Config.recipe='block' uses the block scales of kept block-FP8 weights, but these "
+                         "experts hold high-precision weights: import the checkpoint with `--dtype keep` "
+                         "(GPTMoEConfig.weight_quantization), or use recipe 'delayed' / 'tensorwise' / 'rowwise'")
+    if fp8 is not None and fp8.recipe != "block":
+        raise ValueError(f"kept block-FP8 expert weights run FP8Config.recipe='block' (their stored scales), not "
+                         f"{fp8.recipe!r}: set recipe='block', or expert_fp8=None to dequantize them at run time")
+    kernel = "dequantized" if fp8 is None else ("scaled_mm" if experts.backend == "torch" else "emulated")
+    if kernel == "scaled_mm" and tuple(experts.weight_quantization.block_size) != (128, 128):
+        raise ValueError(f"backend='torch' runs the block recipe with torch._scaled_mm, whose blockwise kernels take "
+                         f"128 x 128 weight blocks, not {tuple(experts.weight_quantization.block_size)}: use "
+                         "backend='fp8_emulated', or expert_fp8=None to dequantize at run time")
+    return block_fp8_grouped_mlp(experts, tokens, sizes, activate, kernel)

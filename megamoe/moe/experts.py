@@ -213,7 +213,8 @@ class GroupedExperts(nn.Module):
         if self.backend == "te":
             return self._forward_te(tokens_sorted, tokens_per_slot)
         if self.weight_quantization is not None or (cfg.fp8 is not None and cfg.fp8.recipe == "block"):
-            return self._forward_kept(tokens_sorted, tokens_per_slot)
+            return block_fp8_experts.kept_forward(self, tokens_sorted, _host_sizes(tokens_per_slot, len(tokens_sorted)),
+                                                  self._activate)
         if tokens_sorted.dtype != self.w_gate_up.dtype:
             raise ValueError(f"tokens_sorted is {tokens_sorted.dtype} but the expert weights are "
                              f"{self.w_gate_up.dtype}: cast one of them")
@@ -282,32 +283,13 @@ class GroupedExperts(nn.Module):
         return fp8_grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, tokens_per_slot, self._activate,
                                self.config.fp8, self.fp8_state, kernel=kernel, reduction=self.fp8_amax_reduction)
 
-    def _forward_kept(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
-        """Kept block-FP8 weights: the ``block`` recipe, or dequantized GEMMs without an FP8 recipe."""
-        fp8 = self.config.fp8
-        if self.weight_quantization is None:
-            raise ValueError("FP8Config.recipe='block' uses the block scales of kept block-FP8 weights, but these "
-                             "experts hold high-precision weights: import the checkpoint with `--dtype keep` "
-                             "(GPTMoEConfig.weight_quantization), or use recipe 'delayed' / 'tensorwise' / 'rowwise'")
-        if fp8 is not None and fp8.recipe != "block":
-            raise ValueError(f"kept block-FP8 expert weights run FP8Config.recipe='block' (their stored scales), not "
-                             f"{fp8.recipe!r}: set recipe='block', or expert_fp8=None to dequantize them at run time")
-        kernel = "dequantized" if fp8 is None else ("scaled_mm" if self.backend == "torch" else "emulated")
-        sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
-        return block_fp8_experts.block_fp8_grouped_mlp(self, tokens_sorted, sizes, self._activate, kernel)
-
     def keep_block_fp8(self, config: BlockFP8Config, name: str = "experts") -> None:
-        """Hold the weights as kept block-FP8 ones (e4m3 values, block scales; see
-        :mod:`megamoe.moe.block_fp8_experts`), quantizing the current values; ``name`` is the module's
-        logical prefix, for errors (e.g. an ETP shard not on block boundaries)."""
+        """Hold the weights as kept block-FP8 ones, quantizing the current values (``name``: for errors)."""
         block_fp8_experts.keep_expert_weights(self, config, name)
 
     def expert_scale_shards(self, local_slot: int) -> dict[str, torch.Tensor]:
-        """Kept block-FP8 weights: this rank's block-scale shards of one slot, keyed like
-        :meth:`expert_weight_shards` (views); ``{}`` for high-precision weights."""
-        if self.weight_quantization is None:
-            return {}
-        return block_fp8_experts.kept_scale_shards(self, local_slot)
+        """Kept block-FP8 weights: one slot's scale shards keyed like :meth:`expert_weight_shards`, else {}."""
+        return {} if self.weight_quantization is None else block_fp8_experts.kept_scale_shards(self, local_slot)
 
     def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
         return checkpointed(_activate, hidden, self.config.activation, enabled=self.recompute_activation)
@@ -323,10 +305,9 @@ class GroupedExperts(nn.Module):
         ``(w_down, s)``; ``te``: the slot's own ``weight{s}`` parameters with ``slice(None)``. Layout
         agnostic: what :func:`megamoe.moe.expert_migration.migrate_layer` moves. Kept block-FP8 weights add
         ``(w_gate_up_scale_inv, s)``, ``(w_down_scale_inv, s)``: the scales move with the weights."""
-        params = self._weight_parameters(local_slot)
-        if self.weight_quantization is None:
-            return params
-        return (*params, (self.w_gate_up_scale_inv, local_slot), (self.w_down_scale_inv, local_slot))
+        scales = () if self.weight_quantization is None else ((self.w_gate_up_scale_inv, local_slot),
+                                                              (self.w_down_scale_inv, local_slot))
+        return (*self._weight_parameters(local_slot), *scales)
 
     def _weight_parameters(self, local_slot: int) -> tuple[tuple[nn.Parameter, int | slice], ...]:
         """The weight parameters of ``local_slot`` (not their block scales), as in :meth:`slot_parameters`."""

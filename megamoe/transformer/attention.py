@@ -349,9 +349,9 @@ class Attention(nn.Module):
                              "build the model with sequence_parallel=False for generation")
         check_no_cache_under_context_parallel(self.cp_group, kv_cache)
         if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for q, k and v
+            layers = (self.q_proj, self.k_proj, self.v_proj)
             q, k, v = gather_linears_from_sequence_parallel_region(
-                hidden, self.tp_group,
-                *zip(*(_local_weight_and_bias(layer, hidden.dtype) for layer in (self.q_proj, self.k_proj, self.v_proj))),
+                hidden, self.tp_group, *zip(*(_local_weight_and_bias(layer, hidden.dtype) for layer in layers)),
                 dim=SEQUENCE_DIM)
         else:                        # one grad all-reduce for q, k and v
             x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)

@@ -263,7 +263,8 @@ class MultiHeadLatentAttention(nn.Module):
             kv_latent, k_pe, query_positions = cached_keys(kv_cache, kv_latent, k_pe, attention_mask)
         if self.cp_group is not None:   # the whole sequence's latents (few bytes), up-projected here
             (kv_latent, k_pe), query_positions = gather_keys_for_context_parallel((kv_latent, k_pe), self.cp_group)
-        kv = F.linear(kv_latent.squeeze(1), linear_weight(self.kv_b_proj, "weight", kv_latent.dtype))   # [B, Sk, heads * (nope + v)]
+        kv_b = linear_weight(self.kv_b_proj, "weight", kv_latent.dtype)
+        kv = F.linear(kv_latent.squeeze(1), kv_b)                  # [B, Sk, heads * (nope + v)]
         kv = kv.unflatten(-1, (self.num_heads_local, cfg.qk_nope_head_dim + cfg.v_head_dim)).transpose(1, 2)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads_local, -1, -1)], -1)
