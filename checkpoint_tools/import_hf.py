@@ -50,7 +50,7 @@ from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
-from megamoe.quantization.block_fp8 import is_block_fp8_weight
+from megamoe.quantization.block_fp8 import BlockFP8Config, is_block_fp8_weight
 
 __all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion",
            "hf_weights_adapter"]
@@ -146,6 +146,9 @@ def hf_weights_adapter(hf: HFCheckpoint, adapter: HFAdapter, config: GPTMoEConfi
                                       "saying how its values are scaled (a block-FP8 release has quant_method 'fp8' "
                                       "and weight_block_size)")
         return adapter, config
+    if not isinstance(quantization, BlockFP8Config):      # a method of QUANTIZATION_METHODS without a reader here
+        raise ConversionError(f"{where}: internal: no weight reader for quantization_config "
+                              f"{hf.config['quantization_config'].get('quant_method')!r}")
     quantizable = {key: name for name, key in adapter.renames(config).items() if is_block_fp8_weight(name)}
     resolved = resolve_block_fp8(quantization, hf.config["quantization_config"], hf.tensors, quantizable,
                                  lambda key: adapter.is_ignored(key, config), where)
