@@ -24,6 +24,8 @@ setup(
             "pytest-timeout>=2",
             "hypothesis>=6",
             "transformers>=5.0",
+            # transformers' FineGrainedFP8Config(dequantize=True), the oracle of the block-FP8 import tests
+            "accelerate>=1.0",
             "pyarrow>=14",
             "tensorboard>=2.10",
         ],

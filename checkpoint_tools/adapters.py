@@ -38,12 +38,14 @@ keys, duplicates, missing keys and shape mismatches raise :class:`AdapterError` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from checkpoint_tools.block_fp8_steps import HFWeightForm, block_fp8_steps
 from megamoe.models.config import GPTMoEConfig
 
 __all__ = ["AdapterError", "KeyTransform", "HFAdapter", "ADAPTERS", "adapter_for"]
@@ -335,12 +337,25 @@ class HFAdapter:
     experts: ExpertKeys
     global_keys: tuple[Rename, ...] = GLOBAL_KEYS
     ignored: tuple[Callable[[str, GPTMoEConfig], bool], ...] = (_tied_lm_head,)
+    # How the HF side stores block-FP8-quantizable weights; None: as the config's weight_quantization
+    # says the megamoe side does (see checkpoint_tools.block_fp8_steps). Set with with_hf_weights().
+    hf_weights: HFWeightForm | None = None
+
+    def with_hf_weights(self, form: HFWeightForm | None) -> "HFAdapter":
+        """This adapter for HF files whose quantizable weights are stored as ``form`` says."""
+        return dataclasses.replace(self, hf_weights=form)
+
+    def _hf_quantization(self, config: GPTMoEConfig):
+        return config.weight_quantization if self.hf_weights is None else self.hf_weights.quantization
 
     # ---- planning -----------------------------------------------------------------------------
     def transforms(self, config: GPTMoEConfig, fused: bool) -> tuple[KeyTransform, ...]:
         """Every step converting a whole model of ``config`` in the given HF form, in model order.
         Built once per (adapter, config, form): a conversion asks for them several times, and a large
-        model has tens of thousands of steps."""
+        model has tens of thousands of steps. With block-FP8 weights on either side there is only the
+        checkpoint form (the scales are per expert), which both forms then give."""
+        if config.weight_quantization is not None or self._hf_quantization(config) is not None:
+            fused = False
         key = (self, repr(config), fused)
         steps = _TRANSFORMS_CACHE.get(key)
         if steps is None:
@@ -362,7 +377,12 @@ class HFAdapter:
                 steps += _expert_steps(self.experts, config, layer, fused)
             else:
                 steps += renames(self.dense_keys, layer)
-        return steps
+        dtype = torch.float32 if self.hf_weights is None else self.hf_weights.dtype
+        try:
+            return block_fp8_steps(steps, config.weight_quantization, self._hf_quantization(config), dtype,
+                                   _rename_step, KeyTransform)
+        except ValueError as e:
+            raise AdapterError(str(e)) from None
 
     def renames(self, config: GPTMoEConfig) -> dict[str, str]:
         """logical name -> HF key of the tensors stored under both names unchanged (checkpoint form):

@@ -31,7 +31,7 @@ _OLD_SUFFIX = ".old"
 # dtypes safetensors stores, by the name the manifest uses.
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+    torch.float8_e8m0fnu, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:

@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     _layout_options(p, "alltoall")
-    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep",
+                   help="cast floating tensors; of a block-FP8 release (quant_method fp8), keep stores the e4m3 "
+                        "weights and their block scales as they are, the others dequantize them")
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
 
     p = add("export-hf", help="megamoe checkpoint -> HF model directory",
@@ -91,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "index, tokenizer files) that transformers' from_pretrained loads.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep", help="cast floating tensors")
+    p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep",
+                   help="cast floating tensors; of a checkpoint kept in block FP8, keep writes the FP8 release "
+                        "back as it was imported, the others a dequantized directory without quantization_config")
     p.add_argument("--max-shard-size", type=_size, default="50GB",
                    help="largest safetensors shard, e.g. 5GB (default: 50GB, as save_pretrained)")
     p.add_argument("--hf-config", metavar="HF_DIR",
@@ -109,11 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
     add_no_verify_checksums_argument(p)
 
-    p = add("inspect", help="layout, placements, parameter counts, checksums, NaN/Inf",
+    p = add("inspect", help="layout, placements, parameter counts, FP8 weights, checksums, NaN/Inf",
             description="Describe a megamoe checkpoint, verify every file's checksum and, if they "
                         "pass, scan every tensor for NaN and infinite values (one tensor in memory "
-                        "at a time). Exits 1 when a file is damaged or a tensor holds NaN/Inf.")
-    p.add_argument("checkpoint", metavar="CKPT_DIR")
+                        "at a time). Exits 1 when a file is damaged or a tensor holds NaN/Inf. Given a "
+                        "HuggingFace model directory, describe its weights (dtypes, block-FP8 weights "
+                        "and block size) from the file headers.")
+    p.add_argument("checkpoint", metavar="CKPT_DIR|HF_DIR")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = add("verify", help="compare the checkpoint's logits with transformers'",
@@ -166,6 +172,11 @@ def _run(args) -> int:
               + " ".join(f"{k}={v}" for k, v in summary["layout"].items()))
         return 0
     if args.command == "inspect":
+        from checkpoint_tools.fp8_inspection import format_hf_inspection, inspect_hf_directory, is_hf_directory
+        if is_hf_directory(args.checkpoint):
+            info = inspect_hf_directory(args.checkpoint)
+            print(json.dumps(info, indent=1) if args.json else format_hf_inspection(info))
+            return 0
         from checkpoint_tools.inspection import format_inspection, inspect_checkpoint
         info = inspect_checkpoint(args.checkpoint)
         print(json.dumps(info, indent=1) if args.json else format_inspection(info))

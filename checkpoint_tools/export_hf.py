@@ -31,10 +31,12 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from checkpoint_tools.adapters import ADAPTERS, AdapterError, adapter_for
+from checkpoint_tools.adapters import ADAPTERS, AdapterError, HFAdapter, adapter_for
+from checkpoint_tools.block_fp8_steps import HFWeightForm
 from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
 from checkpoint_tools.errors import CheckpointError, ConversionError
 from checkpoint_tools.hf_checkpoint import CONFIG_FILE, INDEX_FILE, HFCheckpoint
+from checkpoint_tools.hf_quantization import hf_quantization, without_quantization
 from checkpoint_tools.import_hf import model_config_from_hf
 from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
@@ -44,12 +46,14 @@ from checkpoint_tools.scratch import ScratchBuffer
 from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
+from megamoe.quantization.block_fp8 import SCALE_INV_SUFFIX, BlockFP8Config
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf", "check_hf_config_describes"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 50 * 1000**3      # transformers 5.24's save_pretrained default ("50GB")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 # Engine choices, not part of the model: they may differ from what the HF config maps to.
 _ENGINE_FIELDS = ("num_expert_slots", "dispatcher", "expert_backend", "input_sharded", "shared_expert_overlap")
 # How training balances the expert load: no weight depends on them, and a fine-tune may change them (a
@@ -62,6 +66,7 @@ def _model_fields(config: GPTMoEConfig) -> dict:
     data.pop("recompute", None)             # activation recomputation: how it was trained, not what it is
     data.pop("sequence_parallel", None)         # an engine choice too (how TP ranks split the work)
     data.pop("make_vocab_size_divisible_by", None)   # the vocabulary padding: never saved
+    data.pop("weight_quantization", None)       # how the weights are stored: config.json's quantization_config
     moe = data.get("moe") or {}
     for name in _ENGINE_FIELDS:
         moe.pop(name, None)
@@ -110,6 +115,27 @@ def check_hf_config_describes(hf_config: dict, config: GPTMoEConfig, where: str,
                               f"{', '.join(differing[:6])}); cannot write a matching config.json")
 
 
+def _weight_form(adapter: HFAdapter, config: GPTMoEConfig, hf_config: dict, target: torch.dtype | None,
+                 checkpoint: str) -> tuple[HFAdapter, dict]:
+    """The adapter and the config.json of the export: a kept block-FP8 checkpoint exports as it was
+    imported (``--dtype keep``: weights, scales and quantization_config as they are) or dequantized into
+    ``target``, without a quantization_config; an unquantized checkpoint never has one (a checkpoint
+    imported dequantized from an FP8 release keeps that release's config.json)."""
+    quantization = config.weight_quantization
+    if quantization is None or target is not None:
+        form = None if quantization is None else HFWeightForm(None, target)
+        return adapter.with_hf_weights(form), without_quantization(hf_config)
+    where = f"{checkpoint}: the config.json to export"
+    described = hf_quantization(hf_config, where)
+    if not isinstance(described, BlockFP8Config) or (described.fmt, described.block_size) != (
+            quantization.fmt, quantization.block_size):
+        raise ConversionError(
+            f"{where} does not describe the checkpoint's block-FP8 weights ({quantization.fmt}, blocks "
+            f"{list(quantization.block_size)}): its quantization_config is {hf_config.get('quantization_config')!r}; "
+            "export with --dtype bf16 (dequantized), or pass --hf-config with the FP8 release's directory")
+    return adapter, hf_config
+
+
 def _shard_names(count: int) -> list[str]:
     if count == 1:
         return ["model.safetensors"]
@@ -138,7 +164,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     manifest = read_manifest(checkpoint)
     config = model_config_from_manifest(manifest)
     hf_config = _hf_config(manifest, config, checkpoint, hf_config_dir)
-    adapter = adapter_for(config.family)
+    adapter, hf_config = _weight_form(adapter_for(config.family), config, hf_config, target, checkpoint)
 
     # Dry run on meta tensors: checks the names and shapes, and fixes the order and shapes of the HF keys.
     model_names = [n for n in manifest["tensors"] if not n.startswith("optim.")]
@@ -159,8 +185,9 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     file_of = {t.key: names[i] for i, shard in enumerate(shards) for t in shard}
     total = sum(t.nbytes for t in planned)
     by_bytes = Counter()
-    for t in planned:
-        by_bytes[t.dtype] += t.nbytes
+    for t in planned:               # config.json's dtype is that of the unquantized weights
+        if t.dtype not in _FP8_DTYPES and not t.key.endswith(SCALE_INV_SUFFIX):
+            by_bytes[t.dtype] += t.nbytes
     main_dtype = str(by_bytes.most_common(1)[0][0]).removeprefix("torch.")
     for key in ("dtype", "torch_dtype"):
         if key in hf_config and hf_config[key] != main_dtype:
@@ -176,12 +203,18 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         casts = ScratchBuffer()
         copies: dict[str, tuple[torch.Tensor, list[FileExtent]]] = {}    # HF key -> (placeholder, its bytes)
 
+        # The inputs of a step of several wait for each other, but the reader's buffer they may lie in is
+        # reused by the next read: they are copied (a block-FP8 weight and its scales: one byte an element).
+        waiting = {key for step in adapter.transforms(config, fused=False) if len(step.logical_keys) > 1
+                   for key in step.logical_keys}
+
         def items():
             for name in model_names:
                 dtype = _DTYPES[entries[name]["dtype"]]
                 extents = reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype else None
                 if extents is None:
-                    yield name, reader.read(name)
+                    tensor = reader.read(name)
+                    yield name, tensor.clone() if name in waiting else tensor
                 else:                           # shapes are all the adapter looks at
                     placeholder = meta(name)
                     copies[renamed_to[name]] = (placeholder, extents)

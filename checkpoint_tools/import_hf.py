@@ -13,11 +13,18 @@ Order of work (nothing is written before every check has passed):
    is not read at all for its chunks that are runs of its bytes: those are copied file to file.
    Memory: about one tensor and the read window.
 4. Copy the side files (tokenizer, ...), write the manifest, rename the directory into place.
+
+Block-FP8 releases (``quantization_config.quant_method == "fp8"``, checked against the files by
+:func:`hf_weights_adapter`): ``--dtype keep`` keeps the e4m3 weights and their block scales (the model
+config gets ``weight_quantization``; both are renames, copied as in step 3); ``--dtype bf16|fp32|fp16``
+dequantizes each weight with its scales on the way (:mod:`checkpoint_tools.block_fp8_steps`) into an
+ordinary checkpoint. Other quantization methods are refused (:mod:`checkpoint_tools.hf_quantization`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -26,10 +33,12 @@ import torch
 from tqdm import tqdm
 
 from checkpoint_tools.adapters import AdapterError, HFAdapter, adapter_for
+from checkpoint_tools.block_fp8_steps import HFWeightForm
 from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.format import MANIFEST_FILE
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
+from checkpoint_tools.hf_quantization import hf_quantization, resolve_block_fp8, without_quantization
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import plan_layout
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields
@@ -41,8 +50,10 @@ from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
+from megamoe.quantization.block_fp8 import BlockFP8Config, is_block_fp8_weight
 
-__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion"]
+__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion",
+           "hf_weights_adapter"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +78,7 @@ def hf_config_object(config: dict, where: str):
     if model_type not in SUPPORTED_FAMILIES:
         raise ConversionError(f"{where}: model_type {model_type!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_FAMILIES)}")
-    if config.get("quantization_config"):
-        raise ConversionError(f"{where}: quantized checkpoints ({config['quantization_config'].get('quant_method')}) "
-                              "are not supported; convert from an unquantized (fp32 / bf16 / fp16) checkpoint")
+    hf_quantization(config, where)          # a method or field not read here: refused, naming it
     try:
         import transformers
     except ImportError:
@@ -77,7 +86,7 @@ def hf_config_object(config: dict, where: str):
     try:
         with _automatic_gc_paused():
             config_class = transformers.CONFIG_MAPPING[model_type]
-        return config_class.from_dict(dict(config))
+        return config_class.from_dict(without_quantization(config))
     except Exception as e:  # noqa: BLE001 - transformers validates configs with several exception types
         raise ConversionError(f"{where}: transformers rejects the config: {e}") from None
 
@@ -119,6 +128,38 @@ def hf_key_order(adapter: HFAdapter, config: GPTMoEConfig, keys) -> list[str]:
                 order.setdefault(key, index)
             index += 1
     return sorted(keys, key=lambda k: (order.get(k, index), k))
+
+
+def hf_weights_adapter(hf: HFCheckpoint, adapter: HFAdapter, config: GPTMoEConfig,
+                       dequantize_to: torch.dtype | None) -> tuple[HFAdapter, GPTMoEConfig]:
+    """The adapter reading ``hf``'s weight files and the model config they give, for the unquantized model
+    config ``config`` that ``hf``'s config.json maps to. A block-FP8 checkpoint (checked against its
+    files: :func:`~checkpoint_tools.hf_quantization.resolve_block_fp8`) is kept so
+    (``dequantize_to=None``: the config gets its ``weight_quantization``) or dequantized into
+    ``dequantize_to``; any other checkpoint gives ``adapter`` and ``config`` back."""
+    where = os.path.join(hf.directory, "config.json")
+    quantization = hf_quantization(hf.config, where)
+    if quantization is None:
+        for key, info in hf.tensors.items():
+            if info.dtype.itemsize == 1 and info.dtype.is_floating_point and not adapter.is_ignored(key, config):
+                raise ConversionError(f"{where}: {key!r} is {info.dtype}, but config.json has no quantization_config "
+                                      "saying how its values are scaled (a block-FP8 release has quant_method 'fp8' "
+                                      "and weight_block_size)")
+        return adapter, config
+    if not isinstance(quantization, BlockFP8Config):      # a method of QUANTIZATION_METHODS without a reader here
+        raise ConversionError(f"{where}: internal: no weight reader for quantization_config "
+                              f"{hf.config['quantization_config'].get('quant_method')!r}")
+    quantizable = {key: name for name, key in adapter.renames(config).items() if is_block_fp8_weight(name)}
+    resolved = resolve_block_fp8(quantization, hf.config["quantization_config"], hf.tensors, quantizable,
+                                 lambda key: adapter.is_ignored(key, config), where)
+    if dequantize_to is None:
+        experts = sorted(n for n in resolved.unquantized if ".mlp.experts." in n)
+        if experts:         # the model stacks a layer's experts: all of them are kept FP8, or none is
+            raise ConversionError(f"{where}: quantization_config leaves routed experts unquantized ({experts[0]}, "
+                                  f"{len(experts)} weights); kept FP8 needs every routed expert quantized: import "
+                                  "with --dtype bf16 (dequantized)")
+        return adapter, dataclasses.replace(config, weight_quantization=resolved)
+    return adapter.with_hf_weights(HFWeightForm(resolved, dequantize_to)), config
 
 
 def _as_conversion_error(e: AdapterError, where: str) -> ConversionError:
@@ -164,9 +205,9 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                                   num_expert_slots=num_expert_slots)
     if num_expert_slots is not None and config.moe is None:
         raise ConversionError("--num-expert-slots was given but the model has no MoE layers")
+    adapter, config = hf_weights_adapter(hf, adapter_for(config.family), config, target)
     placements = build_placements(config, layout.ep, expert_load=expert_load)
     plan = plan_layout(config, layout, placements)
-    adapter = adapter_for(config.family)
     order, produced, dropped = plan_hf_conversion(hf, adapter, config)
     names = {name for name, _, _ in produced}
     if names != set(plan.tensors):
@@ -221,6 +262,8 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     summary = {"out_dir": output.path, "family": config.family, "layout": layout.to_manifest(),
                "logical_tensors": len(streamed), "files": len(manifest["files"]),
                "bytes": sum(f["bytes"] for f in manifest["files"].values()), "side_files": sorted(hf_files),
-               "dropped_hf_tensors": dropped}
+               "dropped_hf_tensors": dropped,
+               "block_fp8": "kept" if config.weight_quantization is not None else
+               "dequantized" if adapter.hf_weights is not None else None}
     logger.info("imported %s into %s (%s)", hf_dir, output.path, layout)
     return summary

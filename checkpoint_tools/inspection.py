@@ -16,6 +16,7 @@ from collections import defaultdict
 from checkpoint_tools.checkpoint_load import verify_checkpoint
 from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
 from checkpoint_tools.errors import CheckpointError
+from checkpoint_tools.fp8_inspection import format_fp8, fp8_summary
 from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
 from checkpoint_tools.reshard import OPTIMIZER_PREFIX
@@ -88,6 +89,13 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict:
         "expert_placement": {str(layer): _placement_summary(p)
                              for layer, p in sorted(placements_from_manifest(manifest).items())},
         "parameters": {**params, "by_dtype": dict(params["by_dtype"])},
+        "block_fp8": fp8_summary({n: e["dtype"] for n, e in manifest["tensors"].items()
+                                  if not n.startswith(OPTIMIZER_PREFIX)},
+                                 None if config.weight_quantization is None else
+                                 {"fmt": config.weight_quantization.fmt,
+                                  "block_size": list(config.weight_quantization.block_size),
+                                  "scale_fmt": config.weight_quantization.scale_fmt,
+                                  "unquantized": config.weight_quantization.unquantized}),
         "optimizer_state": {**optimizer, "state_keys": sorted(optimizer["state_keys"])},
         "step": extra.get("step"),
         "hf_config": "hf_config" in extra,
@@ -133,6 +141,7 @@ def format_inspection(info: dict) -> str:
     ]
     for dtype, d in sorted(p["by_dtype"].items()):
         lines.append(f"  {dtype:<10} {_count(d['parameters'])} parameters, {_mib(d['bytes'])}")
+    lines += format_fp8(info.get("block_fp8"))
     o = info["optimizer_state"]
     lines.append(f"optimizer    {o['tensors']} tensors ({', '.join(o['state_keys'])}), {_mib(o['bytes'])}"
                  if o["tensors"] else "optimizer    none")

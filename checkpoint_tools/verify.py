@@ -9,6 +9,7 @@ the same layout over more data-parallel ranks with ``nproc``), build the model f
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -73,6 +74,15 @@ def rank_logits(rank: int, world_size: int, checkpoint: str, layout: dict, input
         destroy_model_parallel()
 
 
+def _hf_config(hf_dir) -> dict:
+    try:
+        with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"cannot read {os.path.join(hf_dir, 'config.json')}: {e}") from None
+    return config if isinstance(config, dict) else {}
+
+
 def verify_against_hf(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, *, nproc: int | None = None,
                       atol: float = 1e-4, batch: int = 2, seq_len: int = 16, seed: int = 0,
                       timeout_s: float = 600.0, verify_checksums: bool = True) -> VerifyResult:
@@ -108,9 +118,12 @@ def verify_against_hf(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, 
     logits = torch.from_numpy(next(r for r in per_rank if r is not None))
 
     import transformers
+    # A block-FP8 release runs dequantized, on the CPU like the ranks (transformers' FP8 kernels need a GPU).
+    quantized = (_hf_config(hf_dir).get("quantization_config") or {}).get("quant_method") == "fp8"
+    extra = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)} if quantized else {}
     try:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                                     attn_implementation="eager").eval()
+                                                                     attn_implementation="eager", **extra).eval()
     except Exception as e:  # noqa: BLE001 - transformers raises many types for an unusable directory
         raise ConversionError(f"transformers cannot load {hf_dir}: {e}") from None
     with torch.no_grad():

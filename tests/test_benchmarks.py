@@ -92,11 +92,12 @@ def test_decode_benchmark_generates_the_same_ids_as_transformers(monkeypatch, tm
     assert results["target_met"] == all(row["decode_speedup"]["megamoe/compiled"] >= 2 for row in results["rows"])
 
 
-@pytest.mark.slow      # ~60 s: ten conversions of a one-layer checkpoint, each in a child process
+@pytest.mark.slow      # ~70 s: twelve conversions of one-layer checkpoints, each in a child process
 def test_convert_benchmark_rotates_the_steps(monkeypatch, tmp_path):
     convert = _benchmark("convert", monkeypatch)
     out = tmp_path / "convert.json"
-    convert.main(["--size-gb", "0.05", "--repeats", "3", "--json", str(out), "--workdir", str(tmp_path)])
+    convert.main(["--size-gb", "0.05", "--repeats", "3", "--fp8-size-gb", "0.01", "--fp8-repeats", "1",
+                  "--fp8-experts", "4", "--json", str(out), "--workdir", str(tmp_path)])
     results = json.loads(out.read_text())
     assert [order[0] for order in results["orders"]] == ["cp", "import-hf", "export-hf"]   # each step first once
     assert all(sorted(order) == ["cp", "export-hf", "import-hf"] for order in results["orders"])
@@ -106,6 +107,13 @@ def test_convert_benchmark_rotates_the_steps(monkeypatch, tmp_path):
         assert len(entry["runs"]) == 3 and entry["x_cp_sync"] > 0
         assert 0 < entry["peak_rss_bytes"] and entry["rss_target_met"] == (
             entry["peak_rss_bytes"] <= results["peak_rss_budget_bytes"])
+    fp8 = results["fp8"]          # the block-FP8 row: one round, the checkpoint's e4m3 weights dequantized and kept
+    assert fp8["orders"] == [["cp", "import-hf bf16", "import-hf keep"]] and fp8["checkpoint"]["num_layers"] == 1
+    assert fp8["checkpoint"]["experts"] == 4
+    for step in ("import-hf bf16", "import-hf keep"):
+        entry = fp8["steps"][step]
+        assert len(entry["runs"]) == 1 and entry["x_cp_sync"] > 0 and entry["rss_target_met"] == (
+            entry["peak_rss_bytes"] <= fp8["peak_rss_budget_bytes"])
     assert [p.name for p in tmp_path.iterdir()] == ["convert.json"]      # the work directory is gone
 
 

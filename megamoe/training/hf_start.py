@@ -30,12 +30,13 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 from checkpoint_tools.adapters import AdapterError, adapter_for
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.hf_checkpoint import CONFIG_FILE, HFCheckpoint
-from checkpoint_tools.import_hf import model_config_from_hf, plan_hf_conversion
+from checkpoint_tools.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
 from checkpoint_tools.placements import build_placements
 from checkpoint_tools.read_window import ReadWindow
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
@@ -83,7 +84,10 @@ def load_hf_weights(model: GPTMoEModel, hf: HFCheckpoint, *, progress: bool | No
     checkpoint ``hf``, reading only the HF tensors it holds part of; returns the bytes read.
     Raises :class:`ConversionError` when the weights do not match config.json (before reading any)."""
     config = model.config
-    adapter = adapter_for(config.family)
+    # A block-FP8 release starts a run dequantized (fp32, then the parameters' dtype), unless the model
+    # keeps its weights quantized itself.
+    adapter, _ = hf_weights_adapter(hf, adapter_for(config.family), config,
+                                    None if config.weight_quantization is not None else torch.float32)
     order, _, dropped = plan_hf_conversion(hf, adapter, config)
     held = chunks_by_name(model)
     # An HF key is read when one of the logical tensors of its step (a rename, or a fused expert
