@@ -17,6 +17,8 @@ from checkpoint_tools.adapters import AdapterError, adapter_for
 from checkpoint_tools.import_hf import model_config_from_hf
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.data.packing import MicroBatch
+from megamoe.inference import mtp_draft
+from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.models.mtp import mtp_targets, shift_left
@@ -257,6 +259,54 @@ def test_import_refuses_differing_copies(mtp_hf_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "error:" in err and "model.layers.4.shared_head.head.weight" in err, err
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_mtp_draft_generation_is_plain_greedy(mtp_hf_dir, monkeypatch):
+    """Self-speculative decoding gives plain greedy's tokens with the MTP layers' own drafts (random weights:
+    mostly rejected), with drafts forced right (every one kept) and with only depth 1 forced right (partial
+    acceptance): the cache roll-backs and commits are exercised every way."""
+    config = _config(mtp_hf_dir, expert_backend="torch")
+    model = GPTMoEModel(config, ParallelState.single_process()).eval()
+    load_logical_state(model, adapter_for("deepseek_v3").hf_to_megamoe(hf_tensors(mtp_hf_dir), config))
+    prompts, new = [[5, 9, 2, 7, 11], [3]], 10
+    plain = generate(model, ParallelState.single_process(), prompts, GenerationConfig(max_new_tokens=new)).token_ids
+    for prompt, expected in zip(prompts, plain):
+        out = mtp_draft.generate_with_mtp_draft(model, prompt, new)
+        assert out.token_ids == expected and out.finish_reason == "length"
+        assert out.drafted > 0 and out.main_forwards <= new
+        stop = expected[4]
+        first = expected.index(stop)
+        stopped = mtp_draft.generate_with_mtp_draft(model, prompt, new, stop_token_ids=[stop])
+        assert stopped.token_ids == expected[:first + 1] and stopped.finish_reason == "stop"
+
+    # Forced drafts: the oracle is plain greedy's continuation. forward_mtp records (depth, last position).
+    seen = {}
+    real_argmax = mtp_draft._argmax
+    for k, layer_id in enumerate(model.mtp_layer_ids, start=1):
+        layer = model.layers[str(layer_id)]
+        real = layer.forward_mtp
+
+        def recording(embeds, previous, positions, *args, _real=real, _k=k, **kwargs):
+            seen["last"] = (_k, int(positions[0, -1]))
+            return _real(embeds, previous, positions, *args, **kwargs)
+        monkeypatch.setattr(layer, "forward_mtp", recording)
+    for right_depths in ({1, 2}, {1}):
+        for prompt, expected in zip(prompts, plain):
+            full = prompt + expected + [0] * 4
+
+            def oracle(model_, hidden, norm=True, _full=full, _right=right_depths):
+                if norm:
+                    return real_argmax(model_, hidden, norm)
+                k, last = seen["last"]              # position n - 1 of depth k drafts x[n + k]
+                token = _full[last + 1 + k]
+                return torch.tensor([token if k in _right else (token + 1) % V])
+            monkeypatch.setattr(mtp_draft, "_argmax", oracle)
+            out = mtp_draft.generate_with_mtp_draft(model, prompt, new)
+            assert out.token_ids == expected, (right_depths, prompt)
+            if right_depths == {1, 2}:
+                assert out.accepted == out.drafted and out.main_forwards == 1 + math.ceil((new - 1) / 3)
+            else:
+                assert 0 < out.accepted < out.drafted
 
 
 # ----------------------------------------------------------------------------------------------
