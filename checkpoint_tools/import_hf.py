@@ -120,12 +120,12 @@ def mtp_layers_to_import(config: dict, hf_keys, where: str) -> int:
 
 def model_config_from_hf(config: dict, where: str, *, hf_keys=None, **engine) -> GPTMoEConfig:
     """The model config of a config.json dict. ``hf_keys``: the checkpoint's tensor names, which decide
-    whether its declared MTP layers are built (:func:`mtp_layers_to_import`); None: as declared.
-    ``engine``: :func:`config_from_hf`'s keywords (``mtp_num_layers`` included, overriding both)."""
+    whether its declared MTP layers are built (:func:`mtp_layers_to_import`); None (a config.json alone):
+    none, as transformers declares one in every DeepSeek-V3 config.json it writes. ``engine``:
+    :func:`config_from_hf`'s keywords (an explicit ``mtp_num_layers`` overrides both)."""
     _check_sizes(config, where)
     if "mtp_num_layers" not in engine:
-        engine["mtp_num_layers"] = mtp_layers_to_import(config, hf_keys if hf_keys is not None else
-                                                        [f"model.layers.{config.get('num_hidden_layers')}."], where)
+        engine["mtp_num_layers"] = 0 if hf_keys is None else mtp_layers_to_import(config, hf_keys, where)
     try:
         return config_from_hf(hf_config_object(config, where), **engine)
     except ValueError as e:

@@ -169,7 +169,8 @@ def test_config_and_targets(mtp_hf_dir):
     plain = json.loads((mtp_hf_dir / "config.json").read_text())
     main_keys = [k for k in hf_tensors(mtp_hf_dir) if not k.startswith(("model.layers.3.", "model.layers.4."))]
     assert model_config_from_hf(plain, "x", hf_keys=main_keys).mtp_num_layers == 0
-    assert model_config_from_hf({**plain, "num_nextn_predict_layers": 0}, "x").mtp_num_layers == 0
+    assert model_config_from_hf({**plain, "num_nextn_predict_layers": 0}, "x", hf_keys=[]).mtp_num_layers == 0
+    assert model_config_from_hf(plain, "x").mtp_num_layers == 0          # a config.json alone: none
     with pytest.raises(ValueError, match="mtp_num_layers"):
         dataclasses.replace(config, mtp_num_layers=-1)
     with pytest.raises(ValueError, match="mtp_loss_coeff"):
