@@ -14,19 +14,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from checkpoint_tools.adapters import AdapterError, adapter_for
-from checkpoint_tools.import_hf import model_config_from_hf
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.data.packing import MicroBatch
-from megamoe.inference import mtp_draft
-from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.models.mtp import mtp_targets, shift_left
 from megamoe.testing import run_on_ranks
 from megamoe.training import TrainConfig, Trainer
 from parallel_state import ParallelState
-from test_convert import assert_same_tensors, convert, hf_tensors, save_hf_model
 from test_hf_families import V, hf_config, lazy_transformers
+
+# The spawned ranks import this module for their worker: what only this process runs (conversion CLI, generation,
+# whose torch.compile pulls in inductor) is imported where it is used.
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,6 +65,7 @@ def _mtp_layer_tensors(hf_cfg, layer_id: int, generator) -> dict[str, torch.Tens
 def mtp_hf_dir(tmp_path_factory):
     """A tiny deepseek_v3 HF directory whose checkpoint also holds 2 MTP layers (with the embedding / head
     copies DeepSeek's releases store), config.json declaring them."""
+    from test_convert import save_hf_model
     directory = tmp_path_factory.mktemp("hf_mtp") / "deepseek_v3"
     save_hf_model(directory, "deepseek_v3")
     state = load_file(directory / "model.safetensors")
@@ -82,7 +82,16 @@ def mtp_hf_dir(tmp_path_factory):
     return directory
 
 
+def hf_tensors(directory):
+    state = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(directory, name)))
+    return state
+
+
 def _config(hf_dir, **engine):
+    from checkpoint_tools.import_hf import model_config_from_hf
     return model_config_from_hf(json.loads((hf_dir / "config.json").read_text()), str(hf_dir),
                                 hf_keys=hf_tensors(hf_dir).keys(), **engine)
 
@@ -162,6 +171,7 @@ def _plain_loss(main, depths, labels, coeff):
 # One process
 # ----------------------------------------------------------------------------------------------
 def test_config_and_targets(mtp_hf_dir):
+    from checkpoint_tools.import_hf import model_config_from_hf
     config = _config(mtp_hf_dir)
     assert config.mtp_num_layers == DEPTHS and list(config.mtp_layer_ids) == [3, 4]
     assert {3, 4} <= set(config.moe_layer_ids)           # MoE by DeepSeek's rule (i >= first_k_dense_replace)
@@ -240,6 +250,7 @@ def test_bad_mtp_copies_and_missing_layers_fail(mtp_hf_dir):
                                     ["--tp", 1, "--pp", 1, "--ep", 2, "--num-expert-slots", 12]],
                          ids=["tp2", "pp2", "ep2"])
 def test_round_trip_is_bit_exact(mtp_hf_dir, tmp_path, layout):
+    from test_convert import assert_same_tensors, convert
     assert convert("import-hf", mtp_hf_dir, tmp_path / "ckpt", *layout) == 0
     assert convert("export-hf", tmp_path / "ckpt", tmp_path / "hf_out") == 0
     assert_same_tensors(hf_tensors(tmp_path / "hf_out"), hf_tensors(mtp_hf_dir), f"import {layout} -> export")
@@ -248,6 +259,7 @@ def test_round_trip_is_bit_exact(mtp_hf_dir, tmp_path, layout):
 
 
 def test_import_refuses_differing_copies(mtp_hf_dir, tmp_path, capsys):
+    from test_convert import convert
     bad = tmp_path / "bad"
     bad.mkdir()
     for name in os.listdir(mtp_hf_dir):
@@ -266,6 +278,8 @@ def test_mtp_draft_generation_is_plain_greedy(mtp_hf_dir, monkeypatch):
     """Self-speculative decoding gives plain greedy's tokens with the MTP layers' own drafts (random weights:
     mostly rejected), with drafts forced right (every one kept) and with only depth 1 forced right (partial
     acceptance): the cache roll-backs and commits are exercised every way."""
+    from megamoe.inference import mtp_draft
+    from megamoe.inference.generation import GenerationConfig, generate
     config = _config(mtp_hf_dir, expert_backend="torch")
     model = GPTMoEModel(config, ParallelState.single_process()).eval()
     load_logical_state(model, adapter_for("deepseek_v3").hf_to_megamoe(hf_tensors(mtp_hf_dir), config))
