@@ -294,8 +294,8 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
                              f"{config.vocab_size}: its ids would index past the embedding; use a tokenizer of at "
                              "most that many tokens (--tokenizer) or a model config with a larger vocab_size")
     if args.mtp_loss_coeff is not None and not config.mtp_num_layers:
-        raise UsageError(f"--mtp-loss-coeff {args.mtp_loss_coeff:g} weighs the MTP layers' loss, but the model has none: "
-                         "add --mtp-layers N (the demo's model) or start from a DeepSeek-V3 checkpoint holding them")
+        raise UsageError(f"--mtp-loss-coeff {args.mtp_loss_coeff:g} weighs the MTP layers' loss, but the model has "
+                         "none: add --mtp-layers N (the demo's model) or start from a DeepSeek-V3 checkpoint holding them")
     if data_vocab is not None and data_vocab > config.vocab_size:
         raise UsageError(f"--data was tokenized with a vocabulary of {data_vocab} tokens, more than the model's "
                          f"vocab_size {config.vocab_size}: tokenize it with the model's tokenizer")

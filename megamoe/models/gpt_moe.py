@@ -266,6 +266,12 @@ class GPTMoEModel(nn.Module):
     docstring). :meth:`run_layers` stops before the final norm, so that generation computes logits
     for the last position only.
 
+    Multi-token prediction (``config.mtp_num_layers``, :mod:`megamoe.models.mtp`): the last stage also holds
+    the MTP layers ``layers.<num_layers + k>`` (in ``layers``, so ``moe_layers()`` lists their MoE layers)
+    and a copy of the input embedding (shared with them, tied like tied embeddings). They never change the
+    main logits; in training mode a forward with labels adds their loss, and needs the token ids:
+    ``inputs`` on a single stage, ``input_ids`` [B, S] on a last stage of several.
+
     ``layer_spec`` (:class:`~megamoe.models.layer_spec.LayerSpec`) chooses the classes of every decoder
     layer's attention, dense MLP and MoE layer, e.g. ``LayerSpec(moe=MyMoELayer)`` for a MoELayer
     subclass with its own router; the default builds the shipped ones. The model meets

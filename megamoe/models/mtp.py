@@ -80,7 +80,8 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = ColumnParallelLinear(2 * H, H, tp_group=None, bias=False,
                                             init_method=normal_init(config.init_std), **factory)
         self.shared_head = SharedHead(H, config.norm_eps, **factory)
-        if sequence_parallel_group(config, state) is not None:      # these see this rank's sequence chunk only: gradients summed over TP
+        # Under sequence parallelism these see this rank's sequence chunk only: gradients summed over TP.
+        if sequence_parallel_group(config, state) is not None:
             for module in (self.enorm, self.hnorm, self.eh_proj, self.shared_head):
                 for param in module.parameters():
                     param.sequence_parallel = True
