@@ -249,9 +249,12 @@ def test_bad_mtp_copies_and_missing_layers_fail(mtp_hf_dir):
 @pytest.mark.parametrize("layout", [["--tp", 2, "--pp", 1, "--ep", 1], ["--tp", 1, "--pp", 2, "--ep", 1],
                                     ["--tp", 1, "--pp", 1, "--ep", 2, "--num-expert-slots", 12]],
                          ids=["tp2", "pp2", "ep2"])
-def test_round_trip_is_bit_exact(mtp_hf_dir, tmp_path, layout):
+def test_round_trip_is_bit_exact(mtp_hf_dir, tmp_path, layout, capsys):
     from test_convert import assert_same_tensors, convert
     assert convert("import-hf", mtp_hf_dir, tmp_path / "ckpt", *layout) == 0
+    if "--pp" in layout and layout[layout.index("--pp") + 1] == 2:
+        assert convert("inspect", tmp_path / "ckpt") == 0
+        assert "3 layers + 2 MTP" in capsys.readouterr().out
     assert convert("export-hf", tmp_path / "ckpt", tmp_path / "hf_out") == 0
     assert_same_tensors(hf_tensors(tmp_path / "hf_out"), hf_tensors(mtp_hf_dir), f"import {layout} -> export")
     assert json.loads((tmp_path / "hf_out" / "config.json").read_text()) == json.loads(
