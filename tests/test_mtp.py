@@ -111,7 +111,7 @@ def _reference(hf_dir, hf, ids):
     state = hf_tensors(hf_dir)
     cfg = hf.config
     captured = {}
-    handle = hf.model.norm.register_forward_pre_hook(lambda module, args: captured.update(h=args[0]))
+    handle = hf.model.norm.register_forward_hook(lambda module, args, out: captured.update(h=out) and None)
     main = hf(input_ids=ids).logits
     handle.remove()
     h, eps = captured["h"], cfg.rms_norm_eps
@@ -143,6 +143,26 @@ def _reference(hf_dir, hf, ids):
         h = _rms(out, state[p + "shared_head.norm.weight"], eps)
         depths.append(hf.lm_head(h))                     # the main output layer: shared
     return main, depths
+
+
+def _transformers_mtp_logits(hf, ids, monkeypatch):
+    """transformers 5.24's own MTP module (``modeling_layers.MtpModel``, which its ``generate(use_mtp=True)``
+    drafts with) on our checkpoint: each depth's logits over the whole sequence, position i embedding
+    t[i + k] at RoPE position i, from the final norm's output of the main model."""
+    from transformers.modeling_layers import MtpModel
+    # Its DeepSeek-V3 MTP key pattern names layer 61 (the full model's); the tiny model's are 3 and 4.
+    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{L + k}\..*"
+                                                                    for k in range(DEPTHS)])
+    mtp = MtpModel.from_pretrained(hf).eval()
+    B = ids.shape[0]
+    positions = torch.arange(S).expand(B, S)
+    hidden = hf(input_ids=ids, output_hidden_states=True).hidden_states[-1]        # after the final norm
+    logits = []
+    for k in range(1, DEPTHS + 1):
+        tokens = torch.cat([ids[:, k:], torch.zeros(B, k, dtype=ids.dtype)], dim=1)
+        hidden = mtp.forward_layer(k - 1, hidden, positions, None, input_ids=tokens)
+        logits.append(mtp._project_to_logits(hidden))
+    return logits
 
 
 def _hf_model(hf_dir):
@@ -192,7 +212,7 @@ def test_config_and_targets(mtp_hf_dir):
     assert mtp_targets(labels, 2, docs).tolist() == [[-100, -100, -100, 15, -100, -100]]
 
 
-def test_mtp_forward_loss_and_gradients_match_plain_torch(mtp_hf_dir):
+def test_mtp_forward_loss_and_gradients_match_plain_torch(mtp_hf_dir, monkeypatch):
     hf = _hf_model(mtp_hf_dir)
     config = dataclasses.replace(_config(mtp_hf_dir, expert_backend="torch"), mtp_loss_coeff=0.3)
     model = GPTMoEModel(config, ParallelState.single_process())
@@ -207,10 +227,14 @@ def test_mtp_forward_loss_and_gradients_match_plain_torch(mtp_hf_dir):
         logits, _ = model(ids)
         hidden, _ = model.run_layers(ids)
         states, _ = model.mtp_hidden_states(hidden, ids)
+        theirs = _transformers_mtp_logits(hf, ids, monkeypatch)
     assert (logits - main_ref).abs().max().item() <= ATOL
-    for k, (state, expected) in enumerate(zip(states, depths_ref), start=1):
-        diff = (model.logits(state, norm=False) - expected).abs().max().item()
-        assert diff <= ATOL, f"depth {k}: MTP logits differ by {diff:.2e}"
+    for k, (state, expected, transformers_logits) in enumerate(zip(states, depths_ref, theirs), start=1):
+        ours = model.logits(state, norm=False)
+        diff = (ours - expected).abs().max().item()
+        assert diff <= ATOL, f"depth {k}: MTP logits differ from the plain-torch formula by {diff:.2e}"
+        diff = (ours - transformers_logits).abs().max().item()
+        assert diff <= ATOL, f"depth {k}: MTP logits differ from transformers' MtpModel by {diff:.2e}"
     labels = _labels(ids)
     with torch.no_grad():
         eval_loss, _ = model(ids, labels=labels)         # eval: the language-model loss alone

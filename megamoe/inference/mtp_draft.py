@@ -9,7 +9,7 @@ one forward checks).
 
 State between rounds, with ``n`` committed tokens ``x[0..n-1]`` and the main model's next token ``x[n]``:
 
-- the main model's KV cache and last hidden states ``h^0`` of positions ``0 .. n-1``;
+- the main model's KV cache and its final norm's outputs ``h^0`` of positions ``0 .. n-1``;
 - for MTP depth k, its KV cache and outputs ``h^k`` of the positions whose inputs are all committed:
   position i of depth k embeds ``x[i + k]`` and reads ``h^{k-1}_i``, so positions ``0 .. n-k`` (``0 .. n-1``
   for depth 1). Drafting runs each depth over its positions not yet cached up to ``n - 1`` (the last ones
@@ -85,7 +85,7 @@ def generate_with_mtp_draft(model: GPTMoEModel, prompt: Sequence[int], max_new_t
         return hidden
 
     hidden = main_forward(prompt, 0)
-    outputs = [hidden]                       # h^0 .. h^D of the committed positions, [1, count, H] each
+    outputs = [model.norm(hidden)]           # h^0 .. h^D of the committed positions, [1, count, H] each
     outputs += [hidden[:, :0]] * depths
     tokens = prompt + [int(_argmax(model, hidden[:, -1:])[0])]
     main_forwards, drafted, accepted = 1, 0, 0
@@ -118,7 +118,7 @@ def generate_with_mtp_draft(model: GPTMoEModel, prompt: Sequence[int], max_new_t
             keep += 1
         accepted += keep
         tokens += drafts[:keep] + [greedy[keep]]
-        outputs[0] = torch.cat([outputs[0], hidden[:, :keep + 1]], dim=1)
+        outputs[0] = torch.cat([outputs[0], model.norm(hidden[:, :keep + 1])], dim=1)
         for cache in main_caches.values():
             cache.length = n + keep + 1
     new_tokens = tokens[len(prompt):]

@@ -435,8 +435,9 @@ class GPTMoEModel(nn.Module):
     def mtp_hidden_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids=None, document_ids=None,
                           kv_caches=None, attention_mask=None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The MTP depths' normed hidden states ``[h^1, ...]`` (each [B, S, H], this rank's chunk like
-        ``hidden``) from the main model's last hidden states ``hidden`` (before the final norm) and the
-        whole token ids [B, S]; with their aux losses. Last stage only (:mod:`megamoe.models.mtp`)."""
+        ``hidden``) from the main model's last hidden states ``hidden`` (before the final norm, which they
+        then go through: h^0 is its output) and the whole token ids [B, S]; with their aux losses. Last
+        stage only (:mod:`megamoe.models.mtp`)."""
         from megamoe.models.mtp import shift_left
         batch, seq = self._full_shape(hidden)
         if position_ids is None:
@@ -444,7 +445,7 @@ class GPTMoEModel(nn.Module):
         positions = slice_for_context_parallel(position_ids, self.cp_group)
         position_embeddings = self.rotary(positions)
         aux_loss = hidden.new_zeros((), dtype=torch.float32)
-        states, previous = [], hidden
+        states, previous = [], self.norm(hidden)
         for k, layer_id in enumerate(self.mtp_layer_ids, start=1):
             embeds = self.embed_tokens(slice_for_context_parallel(shift_left(input_ids, k, 0), self.cp_group))
             cache = None if kv_caches is None else kv_caches[layer_id]

@@ -4,14 +4,18 @@ The module of depth k (``k = 1 .. config.mtp_num_layers``, layer id ``L + k - 1`
 DeepSeek-V3's checkpoints number it: ``model.layers.{L}`` for depth 1) at position i combines the hidden
 state of the previous depth with the embedding of token ``t[i + k]`` and predicts ``t[i + k + 1]``::
 
-    h^0     = the main model's last hidden state (the final norm's input)
+    h^0     = the main model's last hidden state after its final norm (what the output layer reads)
     x^k     = eh_proj(cat(enorm(embed(t[i + k])), hnorm(h^{k-1})))     # eh_proj: [H, 2H], no bias
     h^k     = shared_head.norm(decoder_layer_{L+k-1}(x^k))             # MLA + MoE, or dense by the family rule
     logits^k = output_layer(h^k)
 
-(DeepSeek-V3 paper, section 2.2; its inference code, vLLM's and transformers' ``MtpLayer``.) The next depth
-takes the normed ``h^k``, as Megatron-Core's ``MultiTokenPredictionBlock`` and transformers do; for one
-depth (every DeepSeek release) the choice does not arise. The decoder layer is an ordinary
+(DeepSeek-V3 paper, section 2.2.) h^0 is the final norm's output, as Megatron-Core (the decoder block's
+final layernorm runs before its MTP block), vLLM (the target model's output hidden states) and transformers
+5.24's MTP drafting (the last of ``output_hidden_states``) take it; the next depth takes the normed ``h^k``,
+as Megatron-Core's ``MultiTokenPredictionBlock`` and transformers' ``MtpModel`` do (for one depth, every
+DeepSeek release, that choice does not arise). vLLM and SGLang also zero the embedding at position 0 for
+DeepSeek's releases; Megatron-Core and transformers do not, nor does this module (it changes drafts, never
+the verified output of :mod:`megamoe.inference.mtp_draft`). The decoder layer is an ordinary
 :class:`~megamoe.models.gpt_moe.DecoderLayer` (same module names, so the checkpoint, expert-slot, EPLB and
 placement machinery keyed by layer id applies), at RoPE position i: only relative positions enter
 attention, so this equals the other conventions (transformers' drafting at i + 1) up to rounding.
