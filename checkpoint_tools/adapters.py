@@ -8,16 +8,17 @@ Two HF forms (transformers 5.24)
 - **checkpoint** (``fused=False``): what ``save_pretrained`` writes and ``from_pretrained`` reads. Every
   family stores routed experts per expert: ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
   and Mixtral keeps its original ``model.layers.{i}.block_sparse_moe.{gate.weight, experts.{e}.w1/w3/w2.weight}``
-  (w1 = gate, w3 = up, w2 = down).
+  (w1 = gate, w3 = up, w2 = down), as does MiniMax-M2 (plus ``block_sparse_moe.e_score_correction_bias``).
 - **fused** (``fused=True``): what ``model.state_dict()`` returns in memory: per MoE layer
   ``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows first, then up, per expert) and
-  ``model.layers.{i}.mlp.experts.down_proj`` [E, H, F]; Mixtral's module is ``mlp`` there, not
-  ``block_sparse_moe``.
+  ``model.layers.{i}.mlp.experts.down_proj`` [E, H, F]; Mixtral's and MiniMax-M2's module is ``mlp``
+  there, not ``block_sparse_moe``.
 
 Every other key is the same in both forms and differs from the logical name only by the ``model.`` prefix,
-except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's
-``mlp.gate.e_score_correction_bias`` is ``mlp.router.expert_bias``, shared experts
-(``mlp.shared_expert.*`` in Qwen2-MoE, ``mlp.shared_experts.*`` in DeepSeek) are raw parameters
+except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's and GLM-4.5's
+``mlp.gate.e_score_correction_bias`` (MiniMax-M2's ``mlp.e_score_correction_bias``, on the block) is
+``mlp.router.expert_bias``, shared experts (``mlp.shared_expert.*`` in Qwen2-MoE,
+``mlp.shared_experts.*`` in DeepSeek and GLM-4.5) are raw parameters
 ``mlp.shared_experts.{gate,up,down}_proj`` (no ``.weight``), and Qwen2-MoE's
 ``mlp.shared_expert_gate.weight`` [1, H] is ``mlp.shared_experts.gate_weight``.
 
@@ -29,8 +30,9 @@ DeepSeek-V3's multi-token-prediction layers (``config.mtp_num_layers``, :mod:`me
 on import that the copies are bit-identical to it and writes them back from it on export.
 
 Ignored on import: ``lm_head.weight`` of a model with tied embeddings (``state_dict()`` lists the tied
-alias; checkpoints omit it) and DeepSeek-V3 layers past the config's MTP layers
-(``model.layers.{num_layers + mtp_num_layers}.*``: a checkpoint whose MTP weights are not imported).
+alias; checkpoints omit it) and the multi-token-prediction layers a config leaves out: GLM-4.5's, and
+DeepSeek-V3's past the config's MTP layers (``model.layers.{num_layers + mtp_num_layers}.*``: a checkpoint
+whose MTP weights are not imported), which transformers ignores as well.
 
 Streaming
 ---------
@@ -237,9 +239,22 @@ def _shared_expert_keys(module: str) -> tuple[Rename, ...]:
     )
 
 
+def _block_router_keys(module: str, fused: bool) -> tuple[Rename, ...]:
+    """MiniMax-M2's router: ``{module}.gate.weight``, and the selection bias held by the MoE block itself
+    rather than by its gate, ``{module}.e_score_correction_bias``."""
+    return (
+        Rename(f"{_L}{module}.gate.weight", f"{_P}mlp.router.weight", lambda c: (c.moe.num_experts, c.hidden_size),
+               fused=fused),
+        Rename(f"{_L}{module}.e_score_correction_bias", f"{_P}mlp.router.expert_bias", lambda c: (c.moe.num_experts,),
+               when=lambda c: c.moe.router.use_expert_bias, fused=fused),
+    )
+
+
 SHARED_EXPERT_GATE_KEY = Rename(f"{_L}mlp.shared_expert_gate.weight", f"{_P}mlp.shared_experts.gate_weight",
                                 lambda c: (1, c.hidden_size),
                                 when=lambda c: _HAS_SHARED(c) and c.moe.shared_experts.gate)
+
+_MIXTRAL_PER_EXPERT = tuple(f"{_L}block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2"))
 
 _STANDARD_EXPERTS = ExpertKeys(
     per_expert=(f"{_L}mlp.experts.{{e}}.gate_proj.weight", f"{_L}mlp.experts.{{e}}.up_proj.weight",
@@ -256,8 +271,8 @@ _MTP_OWN_KEYS = tuple(Rename(f"{_L}{n}.weight", f"{_P}{n}.weight", lambda c: (c.
 
 
 def _past_last_layer(key: str, config: GPTMoEConfig) -> bool:
-    """Layers after the decoder and MTP layers the config builds: DeepSeek-V3's MTP layers when the
-    config leaves them out (transformers skips them too)."""
+    """Layers after the decoder and MTP layers the config builds: GLM-4.5's multi-token-prediction layers, and
+    DeepSeek-V3's when the config leaves them out (transformers skips them too)."""
     if not key.startswith("model.layers."):
         return False
     index = key.split(".")[2]
@@ -555,6 +570,15 @@ ADAPTERS: dict[str, HFAdapter] = {
     "deepseek_v3": HFAdapter("deepseek_v3", _MLA_LAYER, DENSE_MLP_KEYS,
                              _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
                              ignored=(_tied_lm_head, _past_last_layer), mtp_keys=_MTP_OWN_KEYS),
+    # DeepSeek-V3's MoE block (router with e_score_correction_bias, shared experts) under GQA attention.
+    "glm4_moe": HFAdapter("glm4_moe", _GQA_LAYER, DENSE_MLP_KEYS,
+                          _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
+                          ignored=(_tied_lm_head, _past_last_layer)),
+    # Checkpoints keep Mixtral's block_sparse_moe names; the bias sits on the block, not on its gate.
+    "minimax_m2": HFAdapter(
+        "minimax_m2", _GQA_LAYER, DENSE_MLP_KEYS,
+        moe_keys=_block_router_keys("block_sparse_moe", fused=False) + _block_router_keys("mlp", fused=True),
+        experts=ExpertKeys(per_expert=_MIXTRAL_PER_EXPERT, fused=_STANDARD_EXPERTS.fused)),
 }
 
 

@@ -28,9 +28,9 @@ from typing import Sequence
 
 import torch
 
-from megamoe import comms
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 
 __all__ = ["MTPDraftOutput", "generate_with_mtp_draft"]
 
@@ -49,9 +49,9 @@ class MTPDraftOutput:
 
 
 def _argmax(model: GPTMoEModel, hidden: torch.Tensor, norm: bool = True) -> torch.Tensor:
-    """The greedy tokens [S] of hidden states [1, S, H] (the vocab shards gathered over TP)."""
+    """The greedy tokens [S] of hidden states [1, S, H] (the vocab shards gathered over TP, padding stripped)."""
     local = model.logits(hidden[0], norm=norm)
-    return comms.gather_from_tensor_parallel_region(local, model.state.tp.group).argmax(dim=-1)
+    return gather_vocab_parallel_logits(local, model.state.tp.group, model.config.vocab_size).argmax(dim=-1)
 
 
 @torch.no_grad()
