@@ -308,13 +308,19 @@ def test_mtp_draft_generation_is_plain_greedy(mtp_hf_dir, monkeypatch):
     from megamoe.inference import mtp_draft
     from megamoe.inference.generation import GenerationConfig, generate
     config = _config(mtp_hf_dir, expert_backend="torch")
+    logical = adapter_for("deepseek_v3").hf_to_megamoe(hf_tensors(mtp_hf_dir), config)
+    # A padded vocabulary (V = 64 -> 96 rows): the padding never wins a draft or a verification.
+    padded = GPTMoEModel(dataclasses.replace(config, make_vocab_size_divisible_by=48),
+                         ParallelState.single_process()).eval()
+    load_logical_state(padded, logical)
     model = GPTMoEModel(config, ParallelState.single_process()).eval()
-    load_logical_state(model, adapter_for("deepseek_v3").hf_to_megamoe(hf_tensors(mtp_hf_dir), config))
+    load_logical_state(model, logical)
     prompts, new = [[5, 9, 2, 7, 11], [3]], 10
     plain = generate(model, ParallelState.single_process(), prompts, GenerationConfig(max_new_tokens=new)).token_ids
     for prompt, expected in zip(prompts, plain):
         out = mtp_draft.generate_with_mtp_draft(model, prompt, new)
         assert out.token_ids == expected and out.finish_reason == "length"
+        assert mtp_draft.generate_with_mtp_draft(padded, prompt, new).token_ids == expected
         assert out.drafted > 0 and out.main_forwards <= new
         stop = expected[4]
         first = expected.index(stop)
