@@ -22,9 +22,17 @@ except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's a
 ``mlp.shared_experts.{gate,up,down}_proj`` (no ``.weight``), and Qwen2-MoE's
 ``mlp.shared_expert_gate.weight`` [1, H] is ``mlp.shared_experts.gate_weight``.
 
+DeepSeek-V3's multi-token-prediction layers (``config.mtp_num_layers``, :mod:`megamoe.models.mtp`): layer
+``L + k`` (L = num_layers) has a decoder layer's keys under ``model.layers.{L+k}.`` like any layer, plus
+``enorm.weight``, ``hnorm.weight``, ``eh_proj.weight`` and ``shared_head.norm.weight`` (logical
+``layers.{L+k}.<same>``), and copies of the main embedding and output layer, ``embed_tokens.weight`` and
+``shared_head.head.weight``: the model shares those, so each joins the main tensor's step, which checks
+on import that the copies are bit-identical to it and writes them back from it on export.
+
 Ignored on import: ``lm_head.weight`` of a model with tied embeddings (``state_dict()`` lists the tied
-alias; checkpoints omit it) and DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
-(``model.layers.{num_layers}.*``, which transformers ignores as well).
+alias; checkpoints omit it) and the multi-token-prediction layers a config leaves out: GLM-4.5's, and
+DeepSeek-V3's past the config's MTP layers (``model.layers.{num_layers + mtp_num_layers}.*``: a checkpoint
+whose MTP weights are not imported), which transformers ignores as well.
 
 Streaming
 ---------
@@ -259,13 +267,18 @@ LOGICAL_EXPERT_KEYS = (f"{_P}mlp.experts.{{e}}.gate_proj.weight", f"{_P}mlp.expe
                        f"{_P}mlp.experts.{{e}}.down_proj.weight")
 
 
+_MTP_OWN_KEYS = tuple(Rename(f"{_L}{n}.weight", f"{_P}{n}.weight", lambda c: (c.hidden_size,))
+                      for n in ("enorm", "hnorm", "shared_head.norm")) + (
+    Rename(f"{_L}eh_proj.weight", f"{_P}eh_proj.weight", lambda c: (c.hidden_size, 2 * c.hidden_size)),)
+
+
 def _past_last_layer(key: str, config: GPTMoEConfig) -> bool:
-    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layers follow the decoder layers; transformers
-    skips them."""
+    """Layers after the decoder and MTP layers the config builds: GLM-4.5's multi-token-prediction layers, and
+    DeepSeek-V3's when the config leaves them out (transformers skips them too)."""
     if not key.startswith("model.layers."):
         return False
     index = key.split(".")[2]
-    return index.isdigit() and int(index) >= config.num_layers
+    return index.isdigit() and int(index) >= config.num_layers + config.mtp_num_layers
 
 
 def _tied_lm_head(key: str, config: GPTMoEConfig) -> bool:
@@ -297,6 +310,43 @@ def _split_down(num_experts: int):
     def to_hf(tensors: Tensors) -> Tensors:
         return [torch.stack(list(tensors))]                      # [E, H, F]
     return to_logical, to_hf
+
+
+def _shared_copies(main: str, copies: list[str]):
+    """One logical tensor stored under ``main`` and as the bit-identical ``copies`` (see the module docstring)."""
+    def to_logical(tensors: Tensors) -> Tensors:
+        for key, copy in zip(copies, tensors[1:]):
+            if copy.device.type != "meta" and not (copy.dtype == tensors[0].dtype and torch.equal(copy, tensors[0])):
+                raise AdapterError(f"{key!r} differs from {main!r}: the MTP layers share the main embedding and "
+                                   "output layer, so their copies must be bit-identical to them (DeepSeek's "
+                                   "releases are)")
+        return tensors[:1]
+
+    def to_hf(tensors: Tensors) -> Tensors:
+        # Copies, not aliases: safetensors writers refuse tensors sharing memory.
+        return [tensors[0]] + [tensors[0].clone() for _ in copies]
+    return to_logical, to_hf
+
+
+def _mtp_shared_steps(config: GPTMoEConfig, global_steps: list[KeyTransform]) -> list[KeyTransform]:
+    """``global_steps`` with the MTP layers' embedding / head copies joined to the main tensors' steps."""
+    layers = list(config.mtp_layer_ids)
+    embed_copies = [f"model.layers.{i}.embed_tokens.weight" for i in layers]
+    head_copies = [f"model.layers.{i}.shared_head.head.weight" for i in layers]
+    joins = {"embed_tokens.weight": embed_copies + (head_copies if config.tie_word_embeddings else []),
+             "lm_head.weight": [] if config.tie_word_embeddings else head_copies}
+    steps = []
+    for step in global_steps:
+        copies = joins.get(step.logical_keys[0]) if step.is_rename else None
+        if not copies:
+            steps.append(step)
+            continue
+        main, shape = step.hf_keys[0], step.hf_shapes[0]
+        to_logical, to_hf = _shared_copies(main, copies)
+        steps.append(KeyTransform((main, *copies), (shape,) * (1 + len(copies)), step.logical_keys,
+                                  step.logical_shapes, to_logical, to_hf,
+                                  what=f"{main} and its MTP copies"))
+    return steps
 
 
 def _expert_steps(keys: ExpertKeys, config: GPTMoEConfig, layer: int, fused: bool) -> list[KeyTransform]:
@@ -337,6 +387,7 @@ class HFAdapter:
     experts: ExpertKeys
     global_keys: tuple[Rename, ...] = GLOBAL_KEYS
     ignored: tuple[Callable[[str, GPTMoEConfig], bool], ...] = (_tied_lm_head,)
+    mtp_keys: tuple[Rename, ...] = ()      # an MTP layer's own keys, besides a decoder layer's (DeepSeek-V3)
     # How the HF side stores block-FP8-quantizable weights; None: as the config's weight_quantization
     # says the megamoe side does (see checkpoint_tools.block_fp8_steps). Set with with_hf_weights().
     hf_weights: HFWeightForm | None = None
@@ -369,14 +420,21 @@ class HFAdapter:
             return [_rename_step(r.hf.format(i=layer), r.logical.format(i=layer), r.shape(config))
                     for r in table if r.fused in (None, fused) and r.when(config)]
 
+        if config.mtp_num_layers and not self.mtp_keys:
+            raise AdapterError(f"{self.model_type} checkpoints have no multi-token-prediction layers, but the config "
+                               f"has mtp_num_layers={config.mtp_num_layers}")
         steps = renames(self.global_keys)
-        for layer in range(config.num_layers):
+        if config.mtp_num_layers:
+            steps = _mtp_shared_steps(config, steps)
+        for layer in range(config.total_layers):
             steps += renames(self.layer_keys, layer)
             if config.is_moe_layer(layer):
                 steps += renames(self.moe_keys, layer)
                 steps += _expert_steps(self.experts, config, layer, fused)
             else:
                 steps += renames(self.dense_keys, layer)
+            if layer >= config.num_layers:
+                steps += renames(self.mtp_keys, layer)
         dtype = torch.float32 if self.hf_weights is None else self.hf_weights.dtype
         try:
             return block_fp8_steps(steps, config.weight_quantization, self._hf_quantization(config), dtype,
@@ -531,7 +589,7 @@ ADAPTERS: dict[str, HFAdapter] = {
                              _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS),
     "deepseek_v3": HFAdapter("deepseek_v3", _MLA_LAYER, DENSE_MLP_KEYS,
                              _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
-                             ignored=(_tied_lm_head, _past_last_layer)),
+                             ignored=(_tied_lm_head, _past_last_layer), mtp_keys=_MTP_OWN_KEYS),
     # DeepSeek-V3's MoE block (router with e_score_correction_bias, shared experts) under GQA attention.
     "glm4_moe": HFAdapter("glm4_moe", _GQA_LAYER, DENSE_MLP_KEYS,
                           _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,

@@ -46,6 +46,7 @@ from checkpoint_tools.scratch import ScratchBuffer
 from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
+from megamoe.models.families import declared_mtp_layers
 from megamoe.quantization.block_fp8 import SCALE_INV_SUFFIX, BlockFP8Config
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf", "check_hf_config_describes"]
@@ -65,6 +66,7 @@ def _model_fields(config: GPTMoEConfig) -> dict:
     data = config.to_dict()
     data.pop("recompute", None)             # activation recomputation: how it was trained, not what it is
     data.pop("sequence_parallel", None)         # an engine choice too (how TP ranks split the work)
+    data.pop("mtp_loss_coeff", None)            # how the MTP layers train, not what they are
     data.pop("make_vocab_size_divisible_by", None)   # the vocabulary padding: never saved
     data.pop("weight_quantization", None)       # how the weights are stored: config.json's quantization_config
     moe = data.get("moe") or {}
@@ -108,7 +110,14 @@ def _hf_config(manifest: dict, config: GPTMoEConfig, checkpoint: str, hf_config_
 def check_hf_config_describes(hf_config: dict, config: GPTMoEConfig, where: str, what: str) -> None:
     """ConversionError unless the HF config.json dict ``hf_config`` maps to ``config`` (engine choices and
     training-only balancing coefficients aside); the message names the differing fields."""
-    mapped = model_config_from_hf(hf_config, where)
+    # A checkpoint may hold fewer MTP layers than config.json declares: none, when the HF checkpoint held no
+    # MTP weights (import_hf.mtp_layers_to_import); the same config.json then describes it.
+    try:
+        declared = declared_mtp_layers(hf_config)
+    except ValueError as e:
+        raise ConversionError(f"{where}: {e}") from None
+    mtp = config.mtp_num_layers if config.mtp_num_layers in (0, declared) else declared
+    mapped = model_config_from_hf(hf_config, where, mtp_num_layers=mtp)
     differing = _differences(_model_fields(mapped), _model_fields(config))
     if differing:
         raise ConversionError(f"{where} does not describe {what} (differing fields: "

@@ -65,6 +65,10 @@ def _deepseek_v3(config: GPTMoEConfig, rope: RopeConfig) -> dict:
     attention, moe = config.attention, config.moe
     router, shared = moe.router, moe.shared_experts
     dense_layers = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    mtp_dense = [i for i in config.mtp_layer_ids if not config.is_moe_layer(i)]
+    if mtp_dense and len(dense_layers) < config.num_layers:
+        raise ConversionError(f"MTP layers {mtp_dense} are dense after MoE decoder layers: DeepSeek-V3's rule "
+                              "(layer i is MoE iff i >= first_k_dense_replace) cannot express it")
     fields = dict(_common(config, rope), num_key_value_heads=attention.num_attention_heads,
                   q_lora_rank=attention.q_lora_rank, kv_lora_rank=attention.kv_lora_rank,
                   qk_nope_head_dim=attention.qk_nope_head_dim, qk_rope_head_dim=attention.qk_rope_head_dim,
@@ -98,6 +102,8 @@ def hf_config_for(config: GPTMoEConfig, where: str) -> dict:
     written.architectures = [_ARCHITECTURES[config.family]]
     hf_config = json.loads(written.to_json_string(use_diff=True))
     hf_config.setdefault("model_type", config.family)
+    if config.family == "deepseek_v3":     # explicit: transformers' default (1) is left out by use_diff
+        hf_config["num_nextn_predict_layers"] = config.mtp_num_layers
     check_hf_config_describes(hf_config, config, f"{where}: the written {config.family} config.json",
                               "this model: the family cannot express it")
     return hf_config

@@ -49,11 +49,11 @@ from checkpoint_tools.scratch import ScratchBuffer
 from checkpoint_tools.side_files import copy_side_files
 from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
-from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
+from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf, declared_mtp_layers
 from megamoe.quantization.block_fp8 import BlockFP8Config, is_block_fp8_weight
 
-__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion",
-           "hf_weights_adapter"]
+__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "mtp_layers_to_import", "hf_key_order",
+           "plan_hf_conversion", "hf_weights_adapter"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,34 @@ def _check_sizes(config: dict, where: str) -> None:
             raise ConversionError(f"{where}: {name} must be a positive integer, got {value!r}; fix config.json")
 
 
-def model_config_from_hf(config: dict, where: str, **engine) -> GPTMoEConfig:
+def mtp_layers_to_import(config: dict, hf_keys, where: str) -> int:
+    """The MTP layers an import of these HF tensors builds: those config.json declares
+    (:func:`declared_mtp_layers`), or 0 when the checkpoint holds no ``model.layers.{L}.*`` tensor at all
+    (L = num_hidden_layers): transformers writes ``num_nextn_predict_layers`` (default 1) into every
+    DeepSeek-V3 config.json but saves no MTP weights. A checkpoint holding some of them must hold them all
+    (the adapter names what is missing)."""
+    try:
+        declared = declared_mtp_layers(config)
+    except ValueError as e:
+        raise ConversionError(f"{where}: {e}") from None
+    if not declared:
+        return 0
+    prefix = f"model.layers.{config.get('num_hidden_layers')}."
+    if not any(key.startswith(prefix) for key in hf_keys):
+        logger.info("%s declares %d MTP layer(s) but the checkpoint holds no %s* tensors: importing without them",
+                    where, declared, prefix)
+        return 0
+    return declared
+
+
+def model_config_from_hf(config: dict, where: str, *, hf_keys=None, **engine) -> GPTMoEConfig:
+    """The model config of a config.json dict. ``hf_keys``: the checkpoint's tensor names, which decide
+    whether its declared MTP layers are built (:func:`mtp_layers_to_import`); None (a config.json alone):
+    none, as transformers declares one in every DeepSeek-V3 config.json it writes. ``engine``:
+    :func:`config_from_hf`'s keywords (an explicit ``mtp_num_layers`` overrides both)."""
     _check_sizes(config, where)
+    if "mtp_num_layers" not in engine:
+        engine["mtp_num_layers"] = 0 if hf_keys is None else mtp_layers_to_import(config, hf_keys, where)
     try:
         return config_from_hf(hf_config_object(config, where), **engine)
     except ValueError as e:
@@ -202,7 +228,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                              replaceable=lambda p: os.path.isfile(os.path.join(p, MANIFEST_FILE)))
     hf = HFCheckpoint.open(hf_dir)
     config = model_config_from_hf(hf.config, os.path.join(hf_dir, "config.json"), dispatcher=dispatcher,
-                                  num_expert_slots=num_expert_slots)
+                                  num_expert_slots=num_expert_slots, hf_keys=hf.tensors)
     if num_expert_slots is not None and config.moe is None:
         raise ConversionError("--num-expert-slots was given but the model has no MoE layers")
     adapter, config = hf_weights_adapter(hf, adapter_for(config.family), config, target)

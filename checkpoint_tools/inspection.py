@@ -80,7 +80,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict:
         "path": os.path.abspath(root),
         "format_version": manifest["format_version"],
         "model": {"family": config.family, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                  "num_layers": config.num_layers, "moe_layers": list(config.moe_layer_ids),
+                  "num_layers": config.num_layers, "mtp_layers": config.mtp_num_layers,
+                  "moe_layers": list(config.moe_layer_ids),
                   "num_experts": moe.num_experts if moe else 0, "top_k": moe.router.top_k if moe else 0,
                   "num_expert_slots": moe.num_expert_slots if moe else 0,
                   "dispatcher": moe.dispatcher if moe else None},
@@ -131,7 +132,9 @@ def format_inspection(info: dict) -> str:
     m, layout, p = info["model"], info["parallel_layout"], info["parameters"]
     lines = [
         f"checkpoint   {info['path']} (format v{info['format_version']}, step {info['step']})",
-        f"model        {m['family']}: {m['num_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}; "
+        f"model        {m['family']}: {m['num_layers']} layers"
+        + (f" + {m['mtp_layers']} MTP" if m.get("mtp_layers") else "")
+        + f", hidden {m['hidden_size']}, vocab {m['vocab_size']}; "
         f"MoE layers {m['moe_layers'] or 'none'}"
         + (f", {m['num_experts']} experts top-{m['top_k']}, {m['num_expert_slots']} slots, {m['dispatcher']}"
            if m["num_experts"] else ""),

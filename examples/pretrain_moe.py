@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true",
                    help="start afresh although --save-dir holds checkpoints: they are first moved aside into "
                         "<save-dir>/replaced_<run id>/ (nothing is deleted)")
+    t.add_argument("--mtp-loss-coeff", type=float, default=None, metavar="C",
+                   help="weight of the multi-token-prediction loss (Megatron's: the mean over MTP depths of each "
+                        "depth's mean token loss, added to the loss times C); needs MTP layers (--mtp-layers, or "
+                        "a DeepSeek-V3 --hf-model / --model-config with them); default: the model config's, 0.1")
     add_packing_arguments(t)
     add_optim_arguments(p)
     add_eplb_arguments(p, unit="steps")
@@ -165,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-size", type=int, default=2048, help="sentencepiece vocabulary size")
     d.add_argument("--hidden", type=int, default=128, help=f"model width (a multiple of {2 * HEADS})")
     d.add_argument("--layers", type=int, default=4, help="decoder layers (layer 0 dense, the rest MoE)")
+    d.add_argument("--mtp-layers", type=int, default=0, metavar="N",
+                   help="DeepSeek-V3-style multi-token-prediction layers after the decoder layers (MoE like them), "
+                        "on the last pipeline stage; trained with --mtp-loss-coeff (default 0: none)")
     d.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
     d.add_argument("--top-k", type=int, default=2, help="experts per token")
     d.add_argument("--hf-model", type=Path, default=None, metavar="DIR",
@@ -208,8 +215,9 @@ def model_config(args, vocab_size: int) -> GPTMoEConfig:
                                 aux_loss_coeff=1e-2, use_expert_bias=True),
             ffn_hidden_size=H, num_expert_slots=args.num_expert_slots, dispatcher=args.dispatcher,
             expert_backend=args.expert_backend, shared_experts=SharedExpertsConfig(H, H, gate=True)),
-        moe_layer_ids=tuple(range(1, args.layers)), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=4 * H),
-        sequence_parallel=args.sequence_parallel, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        moe_layer_ids=tuple(range(1, args.layers + args.mtp_layers)),
+        dense_mlp=MLPConfig(hidden_size=H, intermediate_size=4 * H), sequence_parallel=args.sequence_parallel,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, mtp_num_layers=args.mtp_layers)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,6 +295,9 @@ def _check_model_source(args, source: ModelSource) -> tuple[GPTMoEConfig, HFProv
             raise UsageError(f"{what} has a vocabulary of {vocab} tokens, more than the model's vocab_size "
                              f"{config.vocab_size}: its ids would index past the embedding; use a tokenizer of at "
                              "most that many tokens (--tokenizer) or a model config with a larger vocab_size")
+    if args.mtp_loss_coeff is not None and not config.mtp_num_layers:
+        raise UsageError(f"--mtp-loss-coeff {args.mtp_loss_coeff:g} weighs the MTP layers' loss, but the model has "
+                         "none: add --mtp-layers N (the demo's model) or start from a DeepSeek-V3 checkpoint holding them")
     if data_vocab is not None and data_vocab > config.vocab_size:
         raise UsageError(f"--data was tokenized with a vocabulary of {data_vocab} tokens, more than the model's "
                          f"vocab_size {config.vocab_size}: tokenize it with the model's tokenizer")
@@ -330,6 +341,13 @@ def check_arguments(args, world_size: int) -> ModelSource:
         check_metrics_arguments(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.mtp_layers < 0:
+        raise UsageError(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
+    if args.mtp_layers and (args.hf_model is not None or args.model_config is not None):
+        raise UsageError("--mtp-layers sizes the demo's own model; with --hf-model / --model-config the MTP layers "
+                         "are the model's (DeepSeek-V3's num_nextn_predict_layers)")
+    if args.mtp_loss_coeff is not None and not 0 <= args.mtp_loss_coeff < float("inf"):
+        raise UsageError(f"--mtp-loss-coeff must be a finite number >= 0, got {args.mtp_loss_coeff}")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     if args.make_vocab_size_divisible_by < 1:
@@ -625,6 +643,8 @@ def main(argv=None) -> int:
         model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args),
                             virtual_pipeline_stages=args.virtual_pipeline_stages)
         initialize_parameters(model, args.seed)
+    if args.mtp_loss_coeff is not None:         # a training choice: the model is the same
+        model.config = dataclasses.replace(model.config, mtp_loss_coeff=args.mtp_loss_coeff)
     # An engine choice (like the dispatcher), whatever the model source: a checkpoint resumes under either.
     for layer in model.moe_layers().values():
         layer.config = dataclasses.replace(layer.config, shared_expert_overlap=args.moe_shared_expert_overlap)

@@ -449,3 +449,21 @@ def test_kept_block_fp8_generation_on_meta_creates_every_tensor_on_the_model_dev
             with _meta_run():
                 out = generate(model, state, [[1, 2, 3], [4, 5, 6]], GenerationConfig(max_new_tokens=2))
             assert out.token_ids == [[0, 0], [0, 0]], out
+
+
+def test_mtp_training_step_on_meta_creates_every_tensor_on_the_model_device():
+    """DeepSeek-V3's MTP layers (megamoe.models.mtp, a MoE one here) on the last of two pipeline stages, which
+    embeds the ids the Trainer passes it; every parameter, the last stage's embedding copy included, gets a
+    gradient."""
+    config = tiny_config("alltoall", None)
+    config = dataclasses.replace(config, mtp_num_layers=1, moe_layer_ids=(*config.moe_layer_ids, config.num_layers))
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, pp=2, ep=2) as state:
+            model = GPTMoEModel(config, state, device="meta")
+            assert bool(model.mtp_layer_ids) == state.is_last_pp_stage
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]
+            with _meta_run():
+                trainer.train_step(micro_batches)
+            _accumulated_gradients(model)

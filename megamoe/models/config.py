@@ -58,6 +58,12 @@ class GPTMoEConfig:
     # FP8 releases store them; see megamoe.quantization.block_fp8): the model holds them so and runs them.
     # None: ordinary floating-point weights.
     weight_quantization: BlockFP8Config | None = None
+    # DeepSeek-V3's multi-token-prediction modules (megamoe.models.mtp): ``mtp_num_layers`` of them follow the
+    # decoder layers as layers ``num_layers .. num_layers + mtp_num_layers - 1`` (MoE when in ``moe_layer_ids``)
+    # on the last pipeline stage; 0: none. ``mtp_loss_coeff``: the weight of their training loss (Megatron's
+    # mtp_loss_scaling_factor, default 0.1 as there), a training field: no weight depends on it.
+    mtp_num_layers: int = 0
+    mtp_loss_coeff: float = 0.1
 
     def __post_init__(self):
         if not isinstance(self.recompute, RecomputeConfig):
@@ -73,13 +79,20 @@ class GPTMoEConfig:
         for name in ("vocab_size", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTMoEConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise ValueError(f"GPTMoEConfig.mtp_num_layers must be an int >= 0, got {self.mtp_num_layers!r}")
+        if (isinstance(self.mtp_loss_coeff, bool) or not isinstance(self.mtp_loss_coeff, (int, float))
+                or not 0 <= self.mtp_loss_coeff < float("inf")):
+            raise ValueError(f"GPTMoEConfig.mtp_loss_coeff must be a finite number >= 0, got {self.mtp_loss_coeff!r}")
         self.moe_layer_ids = tuple(sorted(set(self.moe_layer_ids)))
-        bad = [i for i in self.moe_layer_ids if not 0 <= i < self.num_layers]
+        total = self.num_layers + self.mtp_num_layers
+        bad = [i for i in self.moe_layer_ids if not 0 <= i < total]
         if bad:
-            raise ValueError(f"GPTMoEConfig.moe_layer_ids {bad} are outside [0, {self.num_layers})")
+            raise ValueError(f"GPTMoEConfig.moe_layer_ids {bad} are outside [0, {total}) (num_layers "
+                             f"{self.num_layers} + mtp_num_layers {self.mtp_num_layers})")
         if self.moe_layer_ids and self.moe is None:
             raise ValueError("GPTMoEConfig.moe is required when moe_layer_ids is not empty")
-        if len(self.moe_layer_ids) < self.num_layers and self.dense_mlp is None:
+        if len(self.moe_layer_ids) < total and self.dense_mlp is None:
             raise ValueError("GPTMoEConfig.dense_mlp is required: some layers are not in moe_layer_ids")
         if self.attention.hidden_size != self.hidden_size:
             raise ValueError("GPTMoEConfig.attention.hidden_size must equal hidden_size")
@@ -106,6 +119,16 @@ class GPTMoEConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.moe_layer_ids
+
+    @property
+    def mtp_layer_ids(self) -> range:
+        """The layer ids of the multi-token-prediction modules (depth k = id - num_layers + 1)."""
+        return range(self.num_layers, self.num_layers + self.mtp_num_layers)
+
+    @property
+    def total_layers(self) -> int:
+        """Decoder layers plus MTP layers: the size of anything indexed by layer id."""
+        return self.num_layers + self.mtp_num_layers
 
     def to_dict(self) -> dict[str, Any]:
         """Nested dicts of JSON values (tuples become lists); :meth:`from_dict` inverts it."""

@@ -45,8 +45,10 @@ transformers): the mixtral / qwen / olmoe (and, in its own form, minimax_m2) los
 "output_router_logits", no loss for DeepSeek or GLM (the expert bias stays: it is part of their
 routing). Logits never depend on the choice.
 
-Multi-token prediction layers (glm4_moe's "num_nextn_predict_layers", stored as ``model.layers.{L}.*``
-after the L decoder layers) are skipped on import, as transformers skips them.
+Multi-token prediction layers ("num_nextn_predict_layers", stored as ``model.layers.{L}.*`` after the L
+decoder layers): DeepSeek-V3's are built (``config_from_hf(..., mtp_num_layers=...)``,
+:mod:`megamoe.models.mtp`) when the checkpoint holds them; glm4_moe's are skipped on import, as transformers
+skips them.
 """
 
 from __future__ import annotations
@@ -62,14 +64,29 @@ from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.mlp import MLPConfig
 from megamoe.transformer.rope import RopeConfig
 
-__all__ = ["SUPPORTED_FAMILIES", "config_from_hf", "attention_config", "mla_config", "mlp_config",
-           "router_config", "balancing_losses", "moe_layer_ids"]
+__all__ = ["SUPPORTED_FAMILIES", "MTP_FAMILIES", "config_from_hf", "attention_config", "mla_config", "mlp_config",
+           "router_config", "balancing_losses", "moe_layer_ids", "declared_mtp_layers"]
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                       "minimax_m2")
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+MTP_FAMILIES = ("deepseek_v3",)      # families whose checkpoints may carry multi-token-prediction layers
+
+
+def declared_mtp_layers(hf_config: dict) -> int:
+    """How many MTP layers a config.json dict declares: DeepSeek-V3's "num_nextn_predict_layers" (or
+    transformers' alias "num_mtp_layers"), 0 when absent or for another family. Read from the raw dict
+    because transformers 5.24's DeepseekV3Config defaults it to 1 whether or not config.json has it, and
+    ``save_pretrained`` writes that 1 for models that hold no MTP weights."""
+    if hf_config.get("model_type") not in MTP_FAMILIES:
+        return 0
+    value = hf_config.get("num_nextn_predict_layers", hf_config.get("num_mtp_layers", 0))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"num_nextn_predict_layers must be an int >= 0, got {value!r}")
+    return value
+
 # Their HF rotary embeddings read rope_parameters' "partial_rotary_factor" (GLM-4.5: 0.5 by default;
 # MiniMax-M2: "rotary_dim" / "head_dim"): only the first part of each head rotates.
 _PARTIAL_ROTARY_FAMILIES = ("glm4_moe", "minimax_m2")
@@ -146,9 +163,10 @@ def _num_experts(cfg) -> int:
     return cfg.n_routed_experts if family in _MLA_FAMILIES + ("glm4_moe",) else cfg.num_experts
 
 
-def moe_layer_ids(cfg) -> tuple[int, ...]:
-    """The layers transformers builds with a sparse MoE block."""
-    family, layers = cfg.model_type, range(cfg.num_hidden_layers)
+def moe_layer_ids(cfg, mtp_num_layers: int = 0) -> tuple[int, ...]:
+    """The layers transformers builds with a sparse MoE block; with ``mtp_num_layers`` (DeepSeek-V3) also
+    the MTP layers ``num_hidden_layers + k`` the same rule makes MoE (DeepSeek's releases: all of them)."""
+    family, layers = cfg.model_type, range(cfg.num_hidden_layers + mtp_num_layers)
     if family in ("mixtral", "olmoe", "minimax_m2"):
         return tuple(layers)
     if family == "glm4_moe":             # no "moe_layer_freq" in GLM's config
@@ -246,14 +264,18 @@ def _shared_experts(cfg) -> SharedExpertsConfig | None:
 
 
 def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: str = "auto",
-                   num_expert_slots: int | None = None, for_training: bool = True) -> GPTMoEConfig:
+                   num_expert_slots: int | None = None, for_training: bool = True,
+                   mtp_num_layers: int = 0) -> GPTMoEConfig:
     """The :class:`GPTMoEConfig` reproducing a transformers config of a supported family.
 
     ``dispatcher``, ``expert_backend`` and ``num_expert_slots`` are engine choices (see
     :class:`MoEConfig`); everything else comes from ``hf_config``. Training-only randomness HF applies
     (attention dropout, Mixtral's router jitter) is not reproduced and only logged. ``for_training``
     (default) sets the family's load balancing for training, ``False`` the balancing losses HF's own
-    forward adds (see the module docstring); the logits are the same either way.
+    forward adds (see the module docstring); the logits are the same either way. ``mtp_num_layers``:
+    the DeepSeek-V3 multi-token-prediction layers to build (:mod:`megamoe.models.mtp`); the caller decides
+    (:func:`declared_mtp_layers` of the raw config.json, or 0 when the checkpoint holds no MTP weights), as
+    transformers' config object cannot say whether config.json declared them.
     """
     family = getattr(hf_config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
@@ -264,7 +286,10 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
         if getattr(cfg, name, 0.0):
             logger.warning("%s: %s=%s is ignored (training-time noise is not reproduced)", family, name,
                            getattr(cfg, name))
-    layer_ids = moe_layer_ids(cfg)
+    if mtp_num_layers and family not in MTP_FAMILIES:
+        raise ValueError(f"{family}: mtp_num_layers={mtp_num_layers}, but only {', '.join(MTP_FAMILIES)} has "
+                         "multi-token-prediction layers")
+    layer_ids = moe_layer_ids(cfg, mtp_num_layers)
     moe = None
     if layer_ids:
         if cfg.hidden_act != "silu":
@@ -274,9 +299,10 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
         moe = MoEConfig(router=router_config(cfg, for_training), ffn_hidden_size=ffn,
                         num_expert_slots=num_expert_slots, dispatcher=dispatcher, expert_backend=expert_backend,
                         activation="swiglu", shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
-    dense = mlp_config(cfg) if len(layer_ids) < cfg.num_hidden_layers else None
+    dense = mlp_config(cfg) if len(layer_ids) < cfg.num_hidden_layers + mtp_num_layers else None
     return GPTMoEConfig(
         family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
         attention=mla_config(cfg) if family in _MLA_FAMILIES else attention_config(cfg), moe=moe,
         moe_layer_ids=layer_ids, dense_mlp=dense, norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range)
+        tie_word_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range,
+        mtp_num_layers=mtp_num_layers)

@@ -275,6 +275,12 @@ class GPTMoEModel(nn.Module):
     docstring). :meth:`run_layers` stops before the final norm, so that generation computes logits
     for the last position only.
 
+    Multi-token prediction (``config.mtp_num_layers``, :mod:`megamoe.models.mtp`): the last stage also holds
+    the MTP layers ``layers.<num_layers + k>`` (in ``layers``, so ``moe_layers()`` lists their MoE layers)
+    and a copy of the input embedding (shared with them, tied like tied embeddings). They never change the
+    main logits; in training mode a forward with labels adds their loss, and needs the token ids:
+    ``inputs`` on a single stage, ``input_ids`` [B, S] on a last stage of several.
+
     ``layer_spec`` (:class:`~megamoe.models.layer_spec.LayerSpec`) chooses the classes of every decoder
     layer's attention, dense MLP and MoE layer, e.g. ``LayerSpec(moe=MyMoELayer)`` for a MoELayer
     subclass with its own router; the default builds the shipped ones. The model meets
@@ -300,12 +306,15 @@ class GPTMoEModel(nn.Module):
         self.layer_ids = (self.chunk_layer_ids[0] if virtual_pipeline_stages == 1
                           else [i for chunk in self.chunk_layer_ids for i in chunk])
         self.is_first_stage, self.is_last_stage = state.is_first_pp_stage, state.is_last_pp_stage
+        # DeepSeek-V3's multi-token-prediction layers (megamoe.models.mtp) run on the last stage, after its chunk.
+        self.mtp_layer_ids = list(config.mtp_layer_ids) if self.is_last_stage else []
         init = dict(init_method=normal_init(config.init_std))
         # Any vocabulary under any TP: the vocabulary rows are padded (megamoe.tensor_parallel.vocab_padding).
         self.padded_vocab_size = padded_vocab_size(config.vocab_size, state.tp.size,
                                                    config.make_vocab_size_divisible_by)
         self.vocab_start = state.tp.rank * (self.padded_vocab_size // state.tp.size)
-        if self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings):
+        # The last stage embeds too with tied embeddings (the output layer) and with MTP layers (their input).
+        if self.is_first_stage or (self.is_last_stage and (config.tie_word_embeddings or config.mtp_num_layers)):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp,
                                                        padded_num_embeddings=self.padded_vocab_size,
                                                        **sp, **init, **factory)
@@ -318,6 +327,13 @@ class GPTMoEModel(nn.Module):
             if config.weight_quantization is not None:    # one layer at a time: bounded extra memory
                 keep_block_fp8_weights(layer, f"layers.{i}.", config.weight_quantization)
             self.layers[str(i)] = layer
+        if self.mtp_layer_ids:
+            from megamoe.models.mtp import MTPLayer     # here: mtp.py builds on DecoderLayer of this module
+            for i in self.mtp_layer_ids:
+                layer = MTPLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
+                if config.weight_quantization is not None:
+                    keep_block_fp8_weights(layer, f"layers.{i}.", config.weight_quantization)
+                self.layers[str(i)] = layer
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
             if self.sequence_group is not None:
@@ -343,7 +359,8 @@ class GPTMoEModel(nn.Module):
 
     def tied_parameters(self) -> tuple[nn.Parameter, ...]:
         """Parameters whose copies on the first and last stage must stay identical."""
-        if self.config.tie_word_embeddings and self.state.pp.size > 1 and hasattr(self, "embed_tokens"):
+        shared = self.config.tie_word_embeddings or self.config.mtp_num_layers     # the last stage's copy
+        if shared and self.state.pp.size > 1 and hasattr(self, "embed_tokens"):
             return (self.embed_tokens.weight,)
         return ()
 
@@ -374,6 +391,9 @@ class GPTMoEModel(nn.Module):
                 for p in self.layers[str(i)].parameters():
                     owner[id(p)] = chunk
         last = self.virtual_pipeline_stages - 1
+        for i in self.mtp_layer_ids:
+            for p in self.layers[str(i)].parameters():
+                owner[id(p)] = last
         for name in ("norm", "lm_head"):
             if hasattr(self, name):
                 for p in getattr(self, name).parameters():
@@ -394,19 +414,66 @@ class GPTMoEModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, kv_caches=None, attention_mask: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, chunk: int = 0):
+                document_ids: torch.Tensor | None = None, chunk: int = 0, input_ids: torch.Tensor | None = None):
         hidden, aux_loss = self.run_layers(inputs, position_ids, kv_caches, attention_mask, document_ids, chunk=chunk)
         if not self.chunk_is_last(chunk):
             return hidden, aux_loss
         logits_local = self.logits(hidden)
         if labels is None:
             return logits_local, aux_loss
+        loss = self._mean_token_loss(logits_local, labels)
+        if self.mtp_layer_ids and self.training:
+            ids = inputs if self.chunk_is_first(chunk) else input_ids
+            if ids is None:
+                raise ValueError("the MTP layers on the last pipeline stage embed the token ids: pass "
+                                 "input_ids=[batch, seq] to its forward (the Trainer does)")
+            mtp_loss, mtp_aux = self.mtp_loss(hidden, ids, labels, position_ids, document_ids)
+            loss = loss + self.config.mtp_loss_coeff * mtp_loss
+            aux_loss = aux_loss + mtp_aux
+        return loss, aux_loss
+
+    def _mean_token_loss(self, logits_local: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         token_loss = vocab_parallel_cross_entropy(logits_local, slice_for_context_parallel(labels, self.cp_group),
                                                   self.state.tp.group, vocab_size=self.config.vocab_size)
         num_tokens = (labels != -100).sum().clamp(min=1)     # of the WHOLE micro-batch (the full labels)
         # Context parallelism: cp x this rank's share of the micro-batch's mean token loss; the mean over
         # the CP ranks (the trainer's average over dp x cp) is the mean token loss (see the class docstring).
-        return token_loss.sum() * self.state.cp.size / num_tokens, aux_loss
+        return token_loss.sum() * self.state.cp.size / num_tokens
+
+    def mtp_hidden_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids=None, document_ids=None,
+                          kv_caches=None, attention_mask=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The MTP depths' normed hidden states ``[h^1, ...]`` (each [B, S, H], this rank's chunk like
+        ``hidden``) from the main model's last hidden states ``hidden`` (before the final norm, which they
+        then go through: h^0 is its output) and the whole token ids [B, S]; with their aux losses. Last
+        stage only (:mod:`megamoe.models.mtp`)."""
+        from megamoe.models.mtp import shift_left
+        batch, seq = self._full_shape(hidden)
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
+        positions = slice_for_context_parallel(position_ids, self.cp_group)
+        position_embeddings = self.rotary(positions)
+        aux_loss = hidden.new_zeros((), dtype=torch.float32)
+        states, previous = [], self.norm(hidden)
+        for k, layer_id in enumerate(self.mtp_layer_ids, start=1):
+            embeds = self.embed_tokens(slice_for_context_parallel(shift_left(input_ids, k, 0), self.cp_group))
+            cache = None if kv_caches is None else kv_caches[layer_id]
+            layer = self.layers[str(layer_id)]
+            previous, layer_aux = checkpointed(layer.forward_mtp, embeds, previous, positions, cache, attention_mask,
+                                               None, position_embeddings, None, document_ids,
+                                               enabled=self.config.recompute.full and cache is None)
+            aux_loss = aux_loss + layer_aux
+            states.append(previous)
+        return states, aux_loss
+
+    def mtp_loss(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, position_ids=None,
+                 document_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mean over depths of each depth's mean token loss, the MTP layers' aux losses); see
+        :mod:`megamoe.models.mtp` for the targets and the normalisation."""
+        from megamoe.models.mtp import mtp_targets
+        states, aux_loss = self.mtp_hidden_states(hidden, input_ids, position_ids, document_ids)
+        losses = [self._mean_token_loss(self.logits(state, norm=False), mtp_targets(labels, k, document_ids))
+                  for k, state in enumerate(states, start=1)]
+        return torch.stack(losses).mean(), aux_loss
 
     def run_layers(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, kv_caches=None,
                    attention_mask: torch.Tensor | None = None,
@@ -503,20 +570,21 @@ class GPTMoEModel(nn.Module):
             aux_loss = aux_loss + layer_aux
         return hidden, aux_loss
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + output layer: this rank's vocab shard of the logits [..., Vp / tp] (fp32 for the
-        loss). Columns of a padded vocabulary's padding rows are -inf (they never win, take no
-        probability and pass no gradient); :func:`gather_vocab_parallel_logits` strips them."""
-        return mask_padded_logits_(self._output_layer(hidden), self.vocab_start, self.config.vocab_size)
+    def logits(self, hidden: torch.Tensor, norm: bool = True) -> torch.Tensor:
+        """Final norm (unless ``norm=False``: an MTP depth's output, normed already) + output layer: this
+        rank's vocab shard of the logits [..., Vp / tp] (fp32 for the loss). Columns of a padded vocabulary's
+        padding rows are -inf (they never win, take no probability and pass no gradient);
+        :func:`gather_vocab_parallel_logits` strips them."""
+        return mask_padded_logits_(self._output_layer(hidden, norm), self.vocab_start, self.config.vocab_size)
 
-    def _output_layer(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _output_layer(self, hidden: torch.Tensor, norm: bool = True) -> torch.Tensor:
+        normed = self.norm(hidden) if norm else hidden
         if self.sequence_group is not None:
             # The final norm ran on this rank's chunk; the output layer needs the whole sequence (the
             # backward reduce-scatter sums the vocab shards' partial gradients of every position).
-            hidden = comms.gather_from_sequence_parallel_region(self.norm(hidden), self.sequence_group,
-                                                                dim=SEQUENCE_DIM)
+            hidden = comms.gather_from_sequence_parallel_region(normed, self.sequence_group, dim=SEQUENCE_DIM)
         else:
-            hidden = comms.copy_to_tensor_parallel_region(self.norm(hidden), self.state.tp.group)
+            hidden = comms.copy_to_tensor_parallel_region(normed, self.state.tp.group)
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if hidden.device.type == "cpu" and hidden.dim() == 2 and 2 <= hidden.shape[0] <= _FEW_ROWS:
             # Decoding a batch: a few rows against the whole vocabulary shard. MKL runs the GEMM with

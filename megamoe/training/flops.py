@@ -63,7 +63,7 @@ class FlopsPerToken:
     router: int
     routed_experts: int             # top_k active experts per token
     shared_experts: int             # shared experts and their gate
-    lm_head: int
+    lm_head: int                    # the output layer, plus each MTP depth's pass and its eh_proj
 
     @property
     def forward(self) -> int:
@@ -108,8 +108,10 @@ def flops_per_token(config: GPTMoEConfig, seq_len: int) -> FlopsPerToken:
         raise ValueError(f"flops_per_token: seq_len must be >= 1, got {seq_len}")
     H = config.hidden_size
     projections, scores = _attention_flops(config.attention, seq_len)
+    # MTP layers (megamoe.models.mtp) are decoder layers too, each with its own pass through the output layer.
+    layers, mtp = config.num_layers + config.mtp_num_layers, config.mtp_num_layers
     num_moe = len(config.moe_layer_ids)
-    num_dense = config.num_layers - num_moe
+    num_dense = layers - num_moe
     dense = 0
     if num_dense:
         mlp = config.dense_mlp
@@ -123,9 +125,10 @@ def flops_per_token(config: GPTMoEConfig, seq_len: int) -> FlopsPerToken:
             se = moe.shared_experts
             shared = num_moe * (_ffn_flops(H, se.ffn_hidden_size, se.activation == "swiglu")
                                 + (2 * H if se.gate else 0))
-    return FlopsPerToken(attention_projections=config.num_layers * projections,
-                         attention_scores=config.num_layers * scores, dense_mlp=dense, router=router,
-                         routed_experts=routed, shared_experts=shared, lm_head=2 * H * config.vocab_size)
+    return FlopsPerToken(attention_projections=layers * projections,
+                         attention_scores=layers * scores, dense_mlp=dense, router=router,
+                         routed_experts=routed, shared_experts=shared,
+                         lm_head=(1 + mtp) * 2 * H * config.vocab_size + mtp * 2 * (2 * H) * H)   # + eh_proj
 
 
 def training_flops(config: GPTMoEConfig, seq_len: int, num_tokens: int) -> int:

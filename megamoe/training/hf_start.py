@@ -69,7 +69,7 @@ def hf_start_config(hf_dir: str | os.PathLike, *, dispatcher: str = "alltoall", 
 
 
 def _start_of(hf: HFCheckpoint, **engine) -> HFStart:
-    config = model_config_from_hf(hf.config, os.path.join(hf.directory, CONFIG_FILE), **engine)
+    config = model_config_from_hf(hf.config, os.path.join(hf.directory, CONFIG_FILE), hf_keys=hf.tensors, **engine)
     if engine.get("num_expert_slots") is not None and config.moe is None:
         raise ConversionError(f"{hf.directory}: num_expert_slots was given but the model has no MoE layers")
     files = {}

@@ -121,7 +121,9 @@ def _stage_of(model: nn.Module, state, name: str | None) -> int:
     parts = name.split(".")
     chunk = 0
     if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
-        chunk = next((c for c, ids in enumerate(chunk_layers) if int(parts[1]) in ids), 0)
+        # An MTP layer (id >= num_layers, in no chunk's range) runs after the last chunk.
+        mtp = int(parts[1]) >= getattr(model.config, "num_layers", int(parts[1]) + 1)
+        chunk = next((c for c, ids in enumerate(chunk_layers) if int(parts[1]) in ids), virtual_stages - 1 if mtp else 0)
     elif parts[0] in ("norm", "lm_head") or (parts[0] == "embed_tokens" and not model.is_first_stage):
         chunk = virtual_stages - 1
     return chunk * state.pp.size + state.pp.rank

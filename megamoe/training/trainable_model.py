@@ -29,7 +29,8 @@ class TrainableModel(Protocol):
     - ``is_first_stage`` / ``is_last_stage``: whether this stage takes token ids / returns the loss.
     - ``tied_parameters()``: parameters held by both the first and the last stage whose gradients are
       summed over the embedding group (``()`` when none).
-    - ``moe_layers()``: ``{global layer id: MoELayer}`` of this stage (layer ids < ``config.num_layers``);
+    - ``moe_layers()``: ``{global layer id: MoELayer}`` of this stage (layer ids < ``config.num_layers``, plus
+      its ``mtp_num_layers`` if it has the field);
       every MoELayer (subclasses included) in the module tree must be listed.
     - ``forward(inputs, labels=None) -> (output, aux_loss [])``: ``inputs`` are token ids [B, S] on the
       first stage, the previous stage's hidden states otherwise; the output is the mean token loss
@@ -106,9 +107,10 @@ def check_trainable_model(model) -> None:
     for layer_id, layer in layers.items():
         if not isinstance(layer, MoELayer):
             raise TypeError(f"{kind}.moe_layers()[{layer_id!r}] is a {type(layer).__name__}, not a MoELayer; {_FIX}")
-        if not (isinstance(layer_id, int) and 0 <= layer_id < model.config.num_layers):
+        count = model.config.num_layers + getattr(model.config, "mtp_num_layers", 0)     # MTP layers follow
+        if not (isinstance(layer_id, int) and 0 <= layer_id < count):
             raise TypeError(f"{kind}.moe_layers() has the key {layer_id!r}: keys must be layer ids in "
-                            f"[0, config.num_layers={model.config.num_layers}); {_FIX}")
+                            f"[0, config.num_layers + mtp_num_layers = {count}); {_FIX}")
     listed = {id(layer) for layer in layers.values()}
     unlisted = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in listed]
     if unlisted:

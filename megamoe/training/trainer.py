@@ -216,6 +216,11 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused or None)
 
 
+def _layer_count(config) -> int:
+    """Layer ids run from 0 to this: the decoder layers and, after them, any MTP layers (megamoe.models.mtp)."""
+    return config.num_layers + getattr(config, "mtp_num_layers", 0)
+
+
 def _describe_balancing(router_config) -> str | None:
     """The expert load balancing a router config puts in force, in words; None when there is none
     (a z-loss alone keeps the logits small but does not balance the load)."""
@@ -327,13 +332,16 @@ class Trainer:
             # token ids on the chunk holding the first virtual stage, labels and the loss on the last.
             first, last = model_chunk_is_first(model, chunk), model_chunk_is_last(model, chunk)
             keywords = {"chunk": chunk} if virtual_stages > 1 else {}
+            # MTP layers (megamoe.models.mtp) on a last stage that does not embed: they need the token ids too.
+            mtp_ids = last and not first and getattr(model.config, "mtp_num_layers", 0)
 
             def forward_step(input_tensor, index):
                 nonlocal aux_total
                 batch = micro_batches[index]
                 with self._autocast():
                     out, aux = model(batch.inputs if first else input_tensor, labels=batch.labels if last else None,
-                                     **batch.packing_keywords(), **keywords)
+                                     **batch.packing_keywords(), **keywords,
+                                     **({"input_ids": batch.inputs} if mtp_ids else {}))
                 aux_total += aux.detach().double()
                 if last:
                     out = upcast(out) / num_mb
@@ -361,7 +369,7 @@ class Trainer:
         if self.distributed:      # reduce-scatter into the optimizer's shards (ZeRO-2: frees p.grad)
             self.optimizer.reduce_gradients()
         loss, aux_loss, layer_aux_losses = self._global_losses(
-            losses, aux_total, layer_aux.totals(model.config.num_layers, self.device), num_mb, scale or 1.0)
+            losses, aux_total, layer_aux.totals(_layer_count(model.config), self.device), num_mb, scale or 1.0)
         grads = (self.optimizer.gradient_shards() if self.distributed
                  else gradients(model.parameters()))
         if scale is not None and grads:
@@ -492,7 +500,7 @@ class Trainer:
         config = self.model.config
         if config.moe is None:
             return 1.0, {}, None
-        loads = torch.zeros(config.num_layers, config.moe.num_experts, dtype=torch.float64, device=self.device)
+        loads = torch.zeros(_layer_count(config), config.moe.num_experts, dtype=torch.float64, device=self.device)
         moe_layers = self.model.moe_layers()
         for layer_id, layer in moe_layers.items():
             # Count each token once: TP ranks route the same tokens (TP rank 0 counts them), or under
@@ -504,7 +512,7 @@ class Trainer:
         # Each stage knows its own layers' placements: one (TP 0, DP 0) rank per stage reports.
         # stats: [balancedness, 1 where reported] per layer.
         reporter = self.state.tp.rank == 0 and self.state.dp_cp.rank == 0
-        stats = torch.zeros(2, config.num_layers, dtype=torch.float64)
+        stats = torch.zeros(2, _layer_count(config), dtype=torch.float64)
         for layer_id, layer in moe_layers.items():
             if update_biases and layer.router.config.use_expert_bias:
                 layer.router.update_expert_bias(loads[layer_id])
