@@ -21,6 +21,17 @@ except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's
 ``mlp.shared_experts.{gate,up,down}_proj`` (no ``.weight``), and Qwen2-MoE's
 ``mlp.shared_expert_gate.weight`` [1, H] is ``mlp.shared_experts.gate_weight``.
 
+gpt-oss (transformers 5.24 has no conversion mapping for it: both forms are the same) stores its experts
+fused with biases: ``mlp.experts.gate_up_proj`` [E, H, 2F] (gate and up INTERLEAVED along the last dim:
+column 2j is gate feature j, 2j + 1 up feature j), ``gate_up_proj_bias`` [E, 2F] (interleaved alike),
+``down_proj`` [E, F, H] (transposed to nn.Linear's layout) and ``down_proj_bias`` [E, H]; the logical
+tensors are per expert ``experts.{e}.{gate,up,down}_proj.{weight,bias}`` in nn.Linear layout. Its router
+is ``mlp.router.{weight,bias}`` and its attention sinks ``self_attn.sinks``. Import also reads the released
+MXFP4 form (:mod:`megamoe.quantization.mxfp4`): ``gate_up_proj_blocks`` [E, 2F, H / 32, 16] +
+``gate_up_proj_scales`` [E, 2F, H / 32] (rows interleaved gate / up) and ``down_proj_blocks`` /
+``down_proj_scales`` (rows = H), dequantized to fp32 (exact) by an import-only step; export writes the
+unquantized form.
+
 Ignored on import: ``lm_head.weight`` of a model with tied embeddings (``state_dict()`` lists the tied
 alias; checkpoints omit it) and DeepSeek-V3's multi-token-prediction layers
 (``model.layers.{num_layers}.*``, which transformers ignores as well).
@@ -282,6 +293,92 @@ def _split_down(num_experts: int):
     return to_logical, to_hf
 
 
+# ---- gpt-oss: fused, interleaved, biased experts; MXFP4 on import ------------------------------
+_GPT_OSS = f"{_L}mlp.experts."
+LOGICAL_EXPERT_BIAS_KEYS = (f"{_P}mlp.experts.{{e}}.gate_proj.bias", f"{_P}mlp.experts.{{e}}.up_proj.bias",
+                            f"{_P}mlp.experts.{{e}}.down_proj.bias")
+
+
+def _gpt_oss_logical(config: GPTMoEConfig, layer: int, templates) -> list[list[str]]:
+    return [[t.format(i=layer, e=e) for e in range(config.moe.num_experts)] for t in templates]
+
+
+def _interleaved(num_experts: int, transpose: bool):
+    """[E, ..., 2F] (gate, up interleaved in the last dim) <-> E gates + E ups, each transposed to [F, H]
+    (weights) or as they are [F] (biases)."""
+    def to_logical(tensors: Tensors) -> Tensors:
+        fused = tensors[0]
+        gate, up = fused[..., 0::2], fused[..., 1::2]
+        if transpose:
+            gate, up = gate.transpose(-1, -2), up.transpose(-1, -2)
+        return list(gate.unbind(0)) + list(up.unbind(0))
+
+    def to_hf(tensors: Tensors) -> Tensors:
+        gates, ups = torch.stack(list(tensors[:num_experts])), torch.stack(list(tensors[num_experts:]))
+        if transpose:
+            gates, ups = gates.transpose(-1, -2), ups.transpose(-1, -2)
+        return [torch.stack((gates, ups), dim=-1).flatten(-2).contiguous()]
+    return to_logical, to_hf
+
+
+def _per_expert(transpose: bool):
+    def to_logical(tensors: Tensors) -> Tensors:
+        return [t.transpose(-1, -2) if transpose else t for t in tensors[0].unbind(0)]
+
+    def to_hf(tensors: Tensors) -> Tensors:
+        stacked = torch.stack(list(tensors))
+        return [stacked.transpose(-1, -2).contiguous() if transpose else stacked]
+    return to_logical, to_hf
+
+
+def _gpt_oss_expert_steps(config: GPTMoEConfig, layer: int, fused: bool) -> list[KeyTransform]:
+    """The HF form (the same in memory and on disk): fused, interleaved gate/up, biases."""
+    E, F, H = config.moe.num_experts, config.moe.ffn_hidden_size, config.hidden_size
+    gate, up, down = _gpt_oss_logical(config, layer, LOGICAL_EXPERT_KEYS)
+    gate_b, up_b, down_b = _gpt_oss_logical(config, layer, LOGICAL_EXPERT_BIAS_KEYS)
+    prefix = _GPT_OSS.format(i=layer)
+    return [
+        KeyTransform((prefix + "gate_up_proj",), ((E, H, 2 * F),), tuple(gate + up), ((F, H),) * (2 * E),
+                     *_interleaved(E, transpose=True), what="de-interleave fused gate_up into per-expert gate/up"),
+        KeyTransform((prefix + "gate_up_proj_bias",), ((E, 2 * F),), tuple(gate_b + up_b), ((F,),) * (2 * E),
+                     *_interleaved(E, transpose=False), what="de-interleave the fused gate_up bias"),
+        KeyTransform((prefix + "down_proj",), ((E, F, H),), tuple(down), ((H, F),) * E, *_per_expert(transpose=True),
+                     what="split the fused down_proj [E, F, H] into per-expert [H, F]"),
+        KeyTransform((prefix + "down_proj_bias",), ((E, H),), tuple(down_b), ((H,),) * E,
+                     *_per_expert(transpose=False), what="split the fused down bias"),
+    ]
+
+
+def _import_only(tensors: Tensors) -> Tensors:
+    raise AssertionError("an MXFP4 step is import-only: export writes the unquantized form")
+
+
+def _gpt_oss_mxfp4_steps(config: GPTMoEConfig, layer: int) -> list[KeyTransform]:
+    """The released MXFP4 experts (import only): blocks + scales dequantized to fp32 (exact)."""
+    from megamoe.quantization.mxfp4 import dequantize_mxfp4, mxfp4_shapes
+    E, F, H = config.moe.num_experts, config.moe.ffn_hidden_size, config.hidden_size
+    gate, up, down = _gpt_oss_logical(config, layer, LOGICAL_EXPERT_KEYS)
+    prefix = _GPT_OSS.format(i=layer)
+
+    def gate_up(tensors: Tensors) -> Tensors:
+        rows = dequantize_mxfp4(tensors[0], tensors[1])             # [E, 2F, H], rows gate / up interleaved
+        return list(rows[:, 0::2].unbind(0)) + list(rows[:, 1::2].unbind(0))
+
+    def split_down(tensors: Tensors) -> Tensors:
+        return list(dequantize_mxfp4(tensors[0], tensors[1]).unbind(0))     # E x [H, F]
+    try:
+        gate_up_shapes, down_shapes = mxfp4_shapes((E, 2 * F, H)), mxfp4_shapes((E, H, F))
+    except ValueError:
+        return []            # sizes MXFP4 cannot store (not multiples of 32): no such checkpoint exists
+    return [
+        KeyTransform((prefix + "gate_up_proj_blocks", prefix + "gate_up_proj_scales"), gate_up_shapes,
+                     tuple(gate + up), ((F, H),) * (2 * E), gate_up, _import_only,
+                     what="dequantize the MXFP4 gate_up_proj"),
+        KeyTransform((prefix + "down_proj_blocks", prefix + "down_proj_scales"), down_shapes, tuple(down),
+                     ((H, F),) * E, split_down, _import_only, what="dequantize the MXFP4 down_proj"),
+    ]
+
+
 def _expert_steps(keys: ExpertKeys, config: GPTMoEConfig, layer: int, fused: bool) -> list[KeyTransform]:
     moe = config.moe
     if moe.activation != "swiglu":
@@ -320,6 +417,10 @@ class HFAdapter:
     experts: ExpertKeys
     global_keys: tuple[Rename, ...] = GLOBAL_KEYS
     ignored: tuple[Callable[[str, GPTMoEConfig], bool], ...] = (_tied_lm_head,)
+    # A family whose experts ExpertKeys cannot describe: (config, layer, fused) -> its expert steps.
+    expert_steps: Callable[[GPTMoEConfig, int, bool], list[KeyTransform]] | None = None
+    # Steps of a third HF form that only import reads (a quantized release): (config, layer) -> steps.
+    import_only_steps: Callable[[GPTMoEConfig, int], list[KeyTransform]] | None = None
 
     # ---- planning -----------------------------------------------------------------------------
     def transforms(self, config: GPTMoEConfig, fused: bool) -> tuple[KeyTransform, ...]:
@@ -344,7 +445,8 @@ class HFAdapter:
             steps += renames(self.layer_keys, layer)
             if config.is_moe_layer(layer):
                 steps += renames(self.moe_keys, layer)
-                steps += _expert_steps(self.experts, config, layer, fused)
+                steps += (_expert_steps(self.experts, config, layer, fused) if self.expert_steps is None
+                          else self.expert_steps(config, layer, fused))
             else:
                 steps += renames(self.dense_keys, layer)
         return steps
@@ -378,6 +480,8 @@ class HFAdapter:
                 if step.hf_keys not in seen:
                     seen.add(step.hf_keys)
                     steps.append(step)
+        if self.import_only_steps is not None:
+            steps += [step for layer in config.moe_layer_ids for step in self.import_only_steps(config, layer)]
         return steps
 
     # ---- megamoe -> HF ------------------------------------------------------------------------
@@ -497,6 +601,13 @@ ADAPTERS: dict[str, HFAdapter] = {
     "deepseek_v3": HFAdapter("deepseek_v3", _MLA_LAYER, DENSE_MLP_KEYS,
                              _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
                              ignored=(_tied_lm_head, _past_last_layer)),
+    "gpt_oss": HFAdapter(
+        "gpt_oss", _GQA_LAYER + (Rename(f"{_L}self_attn.sinks", f"{_P}self_attn.sinks",
+                                        lambda c: (c.attention.num_attention_heads,)),),
+        DENSE_MLP_KEYS,
+        moe_keys=(Rename(f"{_L}mlp.router.weight", f"{_P}mlp.router.weight", lambda c: (c.moe.num_experts, c.hidden_size)),
+                  Rename(f"{_L}mlp.router.bias", f"{_P}mlp.router.bias", lambda c: (c.moe.num_experts,))),
+        experts=_STANDARD_EXPERTS, expert_steps=_gpt_oss_expert_steps, import_only_steps=_gpt_oss_mxfp4_steps),
 }
 
 

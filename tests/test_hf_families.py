@@ -24,6 +24,8 @@ V, H, S = 64, 32, 9
 ATOL = 1e-4
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=0.707,
             beta_fast=32, beta_slow=1, rope_theta=10000.0)
+GPT_OSS_YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=16, rope_theta=150000.0)
 
 
 @functools.cache
@@ -57,6 +59,12 @@ def hf_config(family):
                                                   topk_method="group_limited_greedy", routed_scaling_factor=2.0),
         "deepseek_v3": lambda: t.DeepseekV3Config(**common, **mla, q_lora_rank=12, n_shared_experts=1,
                                                   routed_scaling_factor=2.5),
+        # Sliding / full / sliding layers (window 4 < S), yarn without truncation as released, a swiglu_limit
+        # the N(0, 0.2^2) weights cross (the clamps act); F = 32 so that MXFP4 (32-blocks) can store it.
+        "gpt_oss": lambda: t.GptOssConfig(**common, num_key_value_heads=2, head_dim=8, num_hidden_layers=3,
+                                          intermediate_size=32, num_local_experts=8, sliding_window=4,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                          swiglu_limit=1.0, rope_parameters=dict(GPT_OSS_YARN)),
     }
     return configs[family]()
 
@@ -127,11 +135,15 @@ def test_family_matches_transformers(family):
     # In-memory (fused) form round trip; the tied lm_head alias is the one key dropped on import.
     kept = {k: v for k, v in fused_state.items() if not adapter.is_ignored(k, config)}
     _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=True), kept, f"{family} fused round trip")
-    # Checkpoint form: save_pretrained writes per-expert keys (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2).
+    # Checkpoint form: save_pretrained writes per-expert keys (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2);
+    # gpt-oss has no conversion mapping: its checkpoint form is the fused one.
     on_disk = _checkpoint_form(hf)
-    assert not any("gate_up_proj" in k for k in on_disk)
-    per_expert = "block_sparse_moe.experts.0.w1.weight" if family == "mixtral" else "mlp.experts.0.gate_proj.weight"
-    assert any(k.endswith(per_expert) for k in on_disk)
+    if family == "gpt_oss":
+        _assert_bitwise(on_disk, fused_state, "gpt_oss checkpoint form = in-memory form")
+    else:
+        assert not any("gate_up_proj" in k for k in on_disk)
+        per_expert = "block_sparse_moe.experts.0.w1.weight" if family == "mixtral" else "mlp.experts.0.gate_proj.weight"
+        assert any(k.endswith(per_expert) for k in on_disk)
     _assert_bitwise(adapter.hf_to_megamoe(on_disk, config), logical, f"{family} from checkpoint form")
     _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=False), on_disk, f"{family} checkpoint round trip")
 

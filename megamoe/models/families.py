@@ -7,7 +7,11 @@ Checked against transformers 5.24's modeling code (HF config names in quotes):
   across heads (olmoe). Biases: q/k/v from "qkv_bias" (qwen2_moe); q/k/v and o from
   "attention_bias" (qwen3_moe, olmoe). Sliding window: "sliding_window" on every layer (mixtral;
   qwen3_moe, whose config clears it unless "use_sliding_window"); qwen2_moe marks layers in
-  "layer_types", and only a window on all layers or none is representable here.
+  "layer_types" (as gpt_oss does): mixed layers give ``GPTMoEConfig.sliding_window_layer_ids``.
+- gpt_oss: GQA with q/k/v/o biases ("attention_bias"), attention sinks (``AttentionConfig.sinks``), yarn
+  rope, sliding layers by "layer_types"; every layer MoE, "intermediate_size" per expert, experts with
+  biases and the clamped SwiGLU ("swiglu_alpha", "swiglu_limit"; activation ``swiglu_clamped``), a router
+  with bias and a softmax over the top-k logits (= renormalised softmax: ``norm_topk_prob``).
 - which layers are MoE: every layer (mixtral, olmoe); qwen2_moe / qwen3_moe: layer ``i`` unless
   ``i in "mlp_only_layers"`` or ``(i + 1) % "decoder_sparse_step" != 0`` (none when "num_experts"
   is 0); deepseek: ``i >= "first_k_dense_replace"`` (transformers ignores DeepSeek's
@@ -50,11 +54,11 @@ from megamoe.transformer.mlp import MLPConfig
 from megamoe.transformer.rope import RopeConfig
 
 __all__ = ["SUPPORTED_FAMILIES", "config_from_hf", "attention_config", "mla_config", "mlp_config",
-           "router_config", "balancing_losses", "moe_layer_ids"]
+           "router_config", "balancing_losses", "moe_layer_ids", "sliding_window_layer_ids"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -63,16 +67,27 @@ def _rope(cfg, dim: int, layout: str = "half") -> RopeConfig:
                               layout=layout)
 
 
+_LAYER_TYPE_FAMILIES = ("qwen2_moe", "gpt_oss")      # sliding layers marked by "layer_types"
+
+
+def sliding_window_layer_ids(cfg) -> tuple[int, ...] | None:
+    """The sliding-window layers when "layer_types" mixes sliding and full attention; None when every
+    layer has the same attention (the window, if any, is then on all of them)."""
+    if cfg.model_type not in _LAYER_TYPE_FAMILIES or getattr(cfg, "sliding_window", None) is None:
+        return None
+    sliding = tuple(i for i, kind in enumerate(cfg.layer_types) if kind == "sliding_attention")
+    return sliding if 0 < len(sliding) < len(cfg.layer_types) else None
+
+
 def _sliding_window(cfg, layer_idx: int | None) -> int | None:
-    if cfg.model_type != "qwen2_moe":
+    if cfg.model_type not in _LAYER_TYPE_FAMILIES:
         return getattr(cfg, "sliding_window", None)
     if layer_idx is not None:
         return cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
     kinds = set(cfg.layer_types)
     if len(kinds) > 1:
-        raise ValueError(f"qwen2_moe: layer_types {cfg.layer_types} mix sliding and full attention; only a "
-                         "window on every layer or on none is supported (set use_sliding_window=False, or "
-                         "max_window_layers=0)")
+        raise ValueError(f"{cfg.model_type}: layer_types {cfg.layer_types} mix sliding and full attention; pass a "
+                         "layer_idx (config_from_hf sets GPTMoEConfig.sliding_window_layer_ids for them)")
     return cfg.sliding_window if kinds == {"sliding_attention"} else None
 
 
@@ -81,14 +96,14 @@ def attention_config(cfg, layer_idx: int | None = None) -> AttentionConfig:
     one config all layers share (ValueError when qwen2_moe's layers differ in their sliding window)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     family = cfg.model_type
-    biased = family in ("qwen3_moe", "olmoe") and cfg.attention_bias
+    biased = family in ("qwen3_moe", "olmoe", "gpt_oss") and cfg.attention_bias
     return AttentionConfig(
         hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim, rope=_rope(cfg, head_dim),
         qkv_bias=cfg.qkv_bias if family == "qwen2_moe" else biased, o_proj_bias=biased,
         qk_norm={"qwen3_moe": "per_head", "olmoe": "full_width"}.get(family), norm_eps=cfg.rms_norm_eps,
         sliding_window=_sliding_window(cfg, layer_idx), clip_qkv=getattr(cfg, "clip_qkv", None),
-        init_std=cfg.initializer_range)
+        init_std=cfg.initializer_range, sinks=family == "gpt_oss")
 
 
 def mla_config(cfg) -> MLAConfig:
@@ -110,7 +125,7 @@ def mlp_config(cfg) -> MLPConfig:
 
 def _num_experts(cfg) -> int:
     family = cfg.model_type
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         return cfg.num_local_experts
     return cfg.n_routed_experts if family in _MLA_FAMILIES else cfg.num_experts
 
@@ -118,7 +133,7 @@ def _num_experts(cfg) -> int:
 def moe_layer_ids(cfg) -> tuple[int, ...]:
     """The layers transformers builds with a sparse MoE block."""
     family, layers = cfg.model_type, range(cfg.num_hidden_layers)
-    if family in ("mixtral", "olmoe"):
+    if family in ("mixtral", "olmoe", "gpt_oss"):
         return tuple(layers)
     if family in ("qwen2_moe", "qwen3_moe"):
         if cfg.num_experts == 0:
@@ -137,7 +152,7 @@ _DEEPSEEK_AUX_LOSS_ALPHA = 0.001   # DeepSeek's configuration_deepseek.py defaul
 def balancing_losses(cfg, for_training: bool = True) -> dict[str, float]:
     """The RouterConfig loss coefficients of the family's load balancing (see the module docstring)."""
     family = cfg.model_type
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):   # HF's load_balancing_loss_func
         on = for_training or cfg.output_router_logits
         return {"aux_loss_coeff": cfg.router_aux_loss_coef * cfg.num_experts_per_tok if on else 0.0}
     if not for_training:
@@ -157,6 +172,8 @@ def router_config(cfg, for_training: bool = True) -> RouterConfig:
                   init_std=cfg.initializer_range, **balancing_losses(cfg, for_training))
     if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return RouterConfig(**common, score_func="softmax", norm_topk_prob=family == "mixtral" or cfg.norm_topk_prob)
+    if family == "gpt_oss":     # softmax over the top-k logits = the top-k softmax scores renormalised
+        return RouterConfig(**common, score_func="softmax", norm_topk_prob=True, bias=True)
     if family == "deepseek_v2":
         if cfg.topk_method == "greedy":
             groups = {}
@@ -209,13 +226,19 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
         if cfg.hidden_act != "silu":
             raise ValueError(f"{family}: hidden_act {cfg.hidden_act!r}: gated experts are supported with 'silu' "
                              "(SwiGLU) only")
-        ffn = cfg.intermediate_size if family in ("mixtral", "olmoe") else cfg.moe_intermediate_size
+        ffn = cfg.intermediate_size if family in ("mixtral", "olmoe", "gpt_oss") else cfg.moe_intermediate_size
+        gpt_oss = family == "gpt_oss"
+        activation = dict(activation="swiglu_clamped", expert_bias=True, swiglu_alpha=cfg.swiglu_alpha,
+                          swiglu_limit=cfg.swiglu_limit) if gpt_oss else dict(activation="swiglu")
         moe = MoEConfig(router=router_config(cfg, for_training), ffn_hidden_size=ffn,
                         num_expert_slots=num_expert_slots, dispatcher=dispatcher, expert_backend=expert_backend,
-                        activation="swiglu", shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
+                        **activation, shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
     dense = mlp_config(cfg) if len(layer_ids) < cfg.num_hidden_layers else None
+    window_layers = sliding_window_layer_ids(cfg)
+    attention = (mla_config(cfg) if family in _MLA_FAMILIES
+                 else attention_config(cfg, window_layers[0] if window_layers else None))
     return GPTMoEConfig(
         family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-        attention=mla_config(cfg) if family in _MLA_FAMILIES else attention_config(cfg), moe=moe,
-        moe_layer_ids=layer_ids, dense_mlp=dense, norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range)
+        attention=attention, moe=moe, moe_layer_ids=layer_ids, dense_mlp=dense, norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range,
+        sliding_window_layer_ids=window_layers)

@@ -226,7 +226,7 @@ def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int
     if F % etp:
         raise ValueError(f"moe.ffn_hidden_size ({F}) must be divisible by etp ({etp})")
     local = slots // ep
-    gated = 2 if moe.activation == "swiglu" else 1
+    gated = 2 if moe.activation in ("swiglu", "swiglu_clamped") else 1
     out = [ParamTensor(f"{prefix}.router.weight", moe.num_experts * H),
            ParamTensor(f"{prefix}.experts.w_gate_up", local * gated * (F // etp) * H, True, local),
            ParamTensor(f"{prefix}.experts.w_down", local * H * (F // etp), True, local)]
@@ -369,7 +369,7 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
     moe = config.moe
     H, E, k = moe.hidden_size, moe.num_experts, moe.router.top_k
     F_l = moe.ffn_hidden_size // etp
-    gated = 2 if moe.activation == "swiglu" else 1
+    gated = 2 if moe.activation in ("swiglu", "swiglu_clamped") else 1
     if moe.dispatcher == "allgather":
         N = T * k * (etp if moe.input_sharded else 1) / (1 if moe.input_sharded else ep)
         n_send = n_recv = float(T)
