@@ -162,6 +162,16 @@ def test_config_mapping():
     assert qwen3.moe_layer_ids == (1,) and qwen3.tie_word_embeddings and qwen3.attention.qk_norm == "per_head"
     assert hf_model("mixtral")[1].attention.sliding_window == 5 and hf_model("mixtral")[1].moe.router.norm_topk_prob
     assert hf_model("olmoe")[1].attention.qk_norm == "full_width"
+    oss = hf_model("gpt_oss")[1]
+    assert oss.sliding_window_layer_ids == (0, 2) and oss.attention.sliding_window == 4 and oss.attention.sinks
+    assert oss.attention.qkv_bias and oss.attention.o_proj_bias and oss.attention.rope.truncate is False
+    assert (oss.moe.activation, oss.moe.expert_bias, oss.moe.swiglu_limit) == ("swiglu_clamped", True, 1.0)
+    assert oss.moe.router.bias and oss.moe.router.norm_topk_prob and oss.moe_layer_ids == (0, 1, 2)
+    # qwen2_moe's mixed layer_types use the same per-layer choice.
+    mixed = lazy_transformers().Qwen2MoeConfig(num_hidden_layers=3, use_sliding_window=True, max_window_layers=1,
+                                               sliding_window=5)
+    sliding = tuple(i for i, kind in enumerate(mixed.layer_types) if kind == "sliding_attention")
+    assert 0 < len(sliding) < 3 and config_from_hf(mixed).sliding_window_layer_ids == sliding
     for family in SUPPORTED_FAMILIES:                          # JSON round trip, nested configs included
         config = hf_model(family)[1]
         assert GPTMoEConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
@@ -179,9 +189,8 @@ def test_config_errors():
     v2.moe_layer_freq = 2
     with pytest.raises(ValueError, match="moe_layer_freq"):
         config_from_hf(v2)
-    mixed = t.Qwen2MoeConfig(num_hidden_layers=2, use_sliding_window=True, max_window_layers=2)
-    with pytest.raises(ValueError, match="layer_types"):
-        config_from_hf(mixed)
+    with pytest.raises(ValueError, match="sliding_window_layer_ids needs attention.sliding_window"):
+        dataclasses.replace(hf_model("olmoe")[1], sliding_window_layer_ids=(0,))
     data = hf_model("olmoe")[1].to_dict()
     data["moe"]["router"]["temperature"] = 1.0
     with pytest.raises(ValueError, match="temperature.*moe.router"):
