@@ -360,12 +360,18 @@ def _gpt_oss_mxfp4_steps(config: GPTMoEConfig, layer: int) -> list[KeyTransform]
     gate, up, down = _gpt_oss_logical(config, layer, LOGICAL_EXPERT_KEYS)
     prefix = _GPT_OSS.format(i=layer)
 
+    def dequantized(tensors: Tensors, what: str) -> torch.Tensor:
+        try:
+            return dequantize_mxfp4(tensors[0], tensors[1])
+        except ValueError as e:      # e.g. blocks that are not uint8
+            raise AdapterError(f"{prefix}{what}_blocks / _scales: {e}") from None
+
     def gate_up(tensors: Tensors) -> Tensors:
-        rows = dequantize_mxfp4(tensors[0], tensors[1])             # [E, 2F, H], rows gate / up interleaved
+        rows = dequantized(tensors, "gate_up_proj")                  # [E, 2F, H], rows gate / up interleaved
         return list(rows[:, 0::2].unbind(0)) + list(rows[:, 1::2].unbind(0))
 
     def split_down(tensors: Tensors) -> Tensors:
-        return list(dequantize_mxfp4(tensors[0], tensors[1]).unbind(0))     # E x [H, F]
+        return list(dequantized(tensors, "down_proj").unbind(0))     # E x [H, F]
     try:
         gate_up_shapes, down_shapes = mxfp4_shapes((E, 2 * F, H)), mxfp4_shapes((E, H, F))
     except ValueError:

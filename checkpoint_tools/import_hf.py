@@ -42,7 +42,14 @@ from checkpoint_tools.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
 
-__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion"]
+__all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "hf_key_order", "plan_hf_conversion",
+           "DEQUANTIZED_ON_IMPORT"]
+
+# Quantization methods whose tensors the family's adapter dequantizes on import (its import-only form):
+# the checkpoint written holds ordinary floating-point weights, and its HF config loses the
+# quantization_config. "mxfp4": gpt-oss's experts (megamoe.quantization.mxfp4).
+DEQUANTIZED_ON_IMPORT = ("mxfp4",)
+_MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +74,8 @@ def hf_config_object(config: dict, where: str):
     if model_type not in SUPPORTED_FAMILIES:
         raise ConversionError(f"{where}: model_type {model_type!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_FAMILIES)}")
-    if config.get("quantization_config"):
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if config.get("quantization_config") and method not in DEQUANTIZED_ON_IMPORT:
         raise ConversionError(f"{where}: quantized checkpoints ({config['quantization_config'].get('quant_method')}) "
                               "are not supported; convert from an unquantized (fp32 / bf16 / fp16) checkpoint")
     try:
@@ -131,7 +139,8 @@ def plan_hf_conversion(hf: HFCheckpoint, adapter: HFAdapter,
     HF keys in reading order, the logical ``(name, dtype, shape)`` they give in that order, and the HF
     keys the model does not use (dropped, as transformers drops them)."""
     for key, info in hf.tensors.items():
-        if not info.dtype.is_floating_point:
+        packed = adapter.import_only_steps is not None and key.endswith(_MXFP4_SUFFIXES)   # uint8 MXFP4 bytes
+        if not info.dtype.is_floating_point and not packed:
             raise ConversionError(f"dtype mismatch: {key!r} in {info.file} is {info.dtype}; model weights are "
                                   "floating point")
     dropped = [k for k in hf.tensors if adapter.is_ignored(k, config)]
@@ -160,6 +169,12 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     output = OutputDirectory(out_dir, overwrite=overwrite, what="a megamoe checkpoint", inputs=[hf_dir],
                              replaceable=lambda p: os.path.isfile(os.path.join(p, MANIFEST_FILE)))
     hf = HFCheckpoint.open(hf_dir)
+    hf_config = dict(hf.config)
+    if (hf_config.get("quantization_config") or {}).get("quant_method") in DEQUANTIZED_ON_IMPORT:
+        if any(key.endswith(_MXFP4_SUFFIXES) for key in hf.tensors) and target not in (torch.float32, torch.bfloat16):
+            raise ConversionError(f"{hf_dir}: the checkpoint holds MXFP4 weights, which import dequantizes: choose "
+                                  f"--dtype bf16 or fp32 (got {dtype!r})")
+        del hf_config["quantization_config"]        # the imported weights are no longer quantized
     config = model_config_from_hf(hf.config, os.path.join(hf_dir, "config.json"), dispatcher=dispatcher,
                                   num_expert_slots=num_expert_slots)
     if num_expert_slots is not None and config.moe is None:
@@ -209,7 +224,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                     writer.write(name, tensor, source, stable=stable)
                     bar.update(tensor.numel() * tensor.element_size())
             hf_files = copy_side_files(hf_dir, hf.side_files, os.path.join(tmp, HF_FILES_DIR))
-            extra = {"step": 0, "sampler_state": None, "has_optimizer_state": False, "hf_config": hf.config,
+            extra = {"step": 0, "sampler_state": None, "has_optimizer_state": False, "hf_config": hf_config,
                      "hf_files": hf_files}
             manifest = writer.finish(manifest_fields(config, layout, placements, extra), layout.world_size)
         except AdapterError as e:
