@@ -383,3 +383,28 @@ def test_blocking_step_on_meta_records_its_waits_on_the_timeline():
                 waits = [e for e in timeline.events if e.tag == tag and e.phase == "wait"]
                 assert waits and len(waits) == len(timeline.select(phase="wait_start", tag=tag)), (rank, tag)
             _accumulated_gradients(model)
+
+
+def _gpt_oss_like(config):
+    """tiny_config with gpt-oss's parts: attention sinks and biases, sliding and full layers, a biased
+    router, biased experts with the clamped SwiGLU."""
+    attention = dataclasses.replace(config.attention, sinks=True, qkv_bias=True, o_proj_bias=True, sliding_window=3)
+    moe = dataclasses.replace(config.moe, router=dataclasses.replace(config.moe.router, bias=True),
+                              activation="swiglu_clamped", expert_bias=True, swiglu_limit=1.0)
+    return dataclasses.replace(config, attention=attention, moe=moe, sliding_window_layer_ids=(0, 2))
+
+
+def test_gpt_oss_parts_on_meta_create_every_tensor_on_the_model_device():
+    """A bf16 training step (tp2 etp2 ep2: sinks sharded with the heads, the down bias added by ETP rank 0
+    only: ranks 0 and 1 are the two roles) and a generation (KV-cache decoding through the sinks' column)."""
+    for rank in (0, 1):
+        with _fake_rank(rank, tp=2, ep=2, etp=2) as state:
+            model = GPTMoEModel(_gpt_oss_like(tiny_config("alltoall")), state, device="meta", dtype=torch.bfloat16)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run():
+                trainer.train_step([(batch[:, :-1], batch[:, 1:])])
+            _accumulated_gradients(model)
+            with _meta_run():
+                out = generate(model, state, [[1, 2, 3], [4, 5, 6]], GenerationConfig(max_new_tokens=2))
+            assert out.token_ids == [[0, 0], [0, 0]], out
