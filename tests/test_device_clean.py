@@ -397,9 +397,15 @@ def _gpt_oss_like(config):
 def test_gpt_oss_parts_on_meta_create_every_tensor_on_the_model_device():
     """A bf16 training step (tp2 etp2 ep2: sinks sharded with the heads, the down bias added by ETP rank 0
     only: ranks 0 and 1 are the two roles) and a generation (KV-cache decoding through the sinks' column)."""
+    from megamoe.training.memory_estimate import estimate_memory
+    config = _gpt_oss_like(tiny_config("alltoall"))
+    estimate = estimate_memory(config, tp=2, pp=1, ep=2, etp=2, dp=2, micro_batch=MICRO_BATCH, seq_len=S,
+                               param_dtype=torch.bfloat16)
     for rank in (0, 1):
         with _fake_rank(rank, tp=2, ep=2, etp=2) as state:
-            model = GPTMoEModel(_gpt_oss_like(tiny_config("alltoall")), state, device="meta", dtype=torch.bfloat16)
+            model = GPTMoEModel(config, state, device="meta", dtype=torch.bfloat16)
+            # The memory estimate counts the sinks, the router bias and the expert biases.
+            assert sum(p.numel() * 2 for p in model.parameters()) == estimate.stages[0].param_bytes
             trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
             batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
             with _meta_run():

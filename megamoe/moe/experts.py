@@ -207,6 +207,7 @@ class GroupedExperts(nn.Module):
         if config.bias:
             self.b_gate_up = nn.Parameter(torch.zeros(S, G * Fs, device=device, dtype=dtype))
             self.b_down = nn.Parameter(torch.zeros(S, H, device=device, dtype=dtype))
+            self.b_down.etp_replicated = True      # whole on every ETP rank: counted once in the gradient norm
         else:
             self.register_parameter("b_gate_up", None)
             self.register_parameter("b_down", None)

@@ -210,6 +210,8 @@ def _attention_params(cfg: AttentionConfig | MLAConfig, tp: int, prefix: str) ->
     out += _linear(f"{prefix}.k_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
     out += _linear(f"{prefix}.v_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
     out += _linear(f"{prefix}.o_proj", H, q_local, H if cfg.o_proj_bias else None)
+    if getattr(cfg, "sinks", False):
+        out += [ParamTensor(f"{prefix}.sinks", heads // tp)]
     if cfg.qk_norm == "per_head":
         out += [ParamTensor(f"{prefix}.q_norm.weight", d), ParamTensor(f"{prefix}.k_norm.weight", d)]
     elif cfg.qk_norm == "full_width":
@@ -230,6 +232,11 @@ def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int
     out = [ParamTensor(f"{prefix}.router.weight", moe.num_experts * H),
            ParamTensor(f"{prefix}.experts.w_gate_up", local * gated * (F // etp) * H, True, local),
            ParamTensor(f"{prefix}.experts.w_down", local * H * (F // etp), True, local)]
+    if moe.router.bias:
+        out += [ParamTensor(f"{prefix}.router.bias", moe.num_experts)]
+    if moe.expert_bias:
+        out += [ParamTensor(f"{prefix}.experts.b_gate_up", local * gated * (F // etp), True, local),
+                ParamTensor(f"{prefix}.experts.b_down", local * H, True, local)]
     if moe.shared_experts is not None:
         se = moe.shared_experts
         n = ep * etp if moe.dispatcher == "allgather" else etp      # the dispatcher's reduction group
