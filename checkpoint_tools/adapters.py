@@ -73,7 +73,7 @@ class KeyTransform:
     """One step: HF tensors ``hf_keys`` <-> logical tensors ``logical_keys`` (each list in order).
 
     ``to_logical`` / ``to_hf`` take and return tensors in those orders; outputs may be views of the
-    inputs. ``what`` names the step in errors.
+    inputs, or an iterator computing each output as it is consumed. ``what`` names the step in errors.
     """
 
     hf_keys: tuple[str, ...]
@@ -366,12 +366,17 @@ def _gpt_oss_mxfp4_steps(config: GPTMoEConfig, layer: int) -> list[KeyTransform]
         except ValueError as e:      # e.g. blocks that are not uint8
             raise AdapterError(f"{prefix}{what}_blocks / _scales: {e}") from None
 
-    def gate_up(tensors: Tensors) -> Tensors:
-        rows = dequantized(tensors, "gate_up_proj")                  # [E, 2F, H], rows gate / up interleaved
-        return list(rows[:, 0::2].unbind(0)) + list(rows[:, 1::2].unbind(0))
+    # Iterators: each expert's rows are dequantized when the conversion consumes them, so one logical
+    # tensor (not a layer's fused [E, 2F, H] in fp32) is held at a time.
+    def gate_up(tensors: Tensors) -> Iterator[torch.Tensor]:
+        blocks, scales = tensors                                     # rows [E, 2F, ...]: gate / up interleaved
+        for parity in (0, 1):                                        # every gate, then every up
+            for e in range(E):
+                yield dequantized((blocks[e, parity::2], scales[e, parity::2]), "gate_up_proj")
 
-    def split_down(tensors: Tensors) -> Tensors:
-        return list(dequantized(tensors, "down_proj").unbind(0))     # E x [H, F]
+    def split_down(tensors: Tensors) -> Iterator[torch.Tensor]:
+        for e in range(E):
+            yield dequantized((tensors[0][e], tensors[1][e]), "down_proj")      # [H, F]
     try:
         gate_up_shapes, down_shapes = mxfp4_shapes((E, 2 * F, H)), mxfp4_shapes((E, H, F))
     except ValueError:
