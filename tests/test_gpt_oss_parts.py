@@ -76,6 +76,18 @@ def test_biased_clamped_experts_match_the_reference_on_every_backend_and_under_e
     loop_shards = [_run(_experts("loop", 2, r), tokens) for r in range(2)]
     torch.testing.assert_close(loop_shards[0][0] + loop_shards[1][0], expected)
     torch.testing.assert_close(loop_shards[1][2]["b_down"], grads_loop["b_down"])
+    # Compiled decoding's pair-by-pair path: the same expert outputs, weighted, the down bias once under ETP.
+    slot_ids, weights = torch.tensor([[0, 2], [2, -1]]), torch.tensor([[0.25, 0.75], [1.0, 0.5]], dtype=torch.float64)
+    pairs = tokens[:2]
+    per_slot = [_reference(full, torch.cat([pairs[t:t + 1].expand(int(n), -1) for n in COUNTS]))
+                for t in range(2)]                          # row s of per_slot[t]: token t through slot s
+    firsts = torch.cumsum(COUNTS, 0) - COUNTS
+    expected_pairs = torch.stack([0.25 * per_slot[0][firsts[0]] + 0.75 * per_slot[0][firsts[2]],
+                                  per_slot[1][firsts[2]]])
+    with torch.no_grad():
+        torch.testing.assert_close(full.forward_per_pair(pairs, slot_ids, weights), expected_pairs)
+        etp = [_experts("torch", 2, r).forward_per_pair(pairs, slot_ids, weights) for r in range(2)]
+    torch.testing.assert_close(etp[0] + etp[1], expected_pairs)
     # Expert migration and checkpoints see the biases as part of the slot.
     assert [p is full.b_gate_up or p is full.b_down for p, _ in full.slot_parameters(1)] == [False, False, True, True]
 
