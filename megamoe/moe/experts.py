@@ -39,15 +39,18 @@ gradient (the output gradient is the same on all of them), keeping the copies eq
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megamoe.gradients import main_grad
 from megamoe.host_values import host_ints
 from megamoe.moe.clamped_swiglu import ClampedSwiGLU
+from megamoe.moe.expert_activations import activate as _activate
+from megamoe.moe.expert_activations import activation_backward as _activation_backward
+from megamoe.moe.expert_activations import activation_forward as _activation_forward
+from megamoe.moe.loop_experts import loop_mlp as _loop_mlp
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 from megamoe.transformer.recompute import checkpointed
 
@@ -428,7 +431,7 @@ def _placeholder_init_(weight: torch.Tensor, generator: torch.Generator) -> None
     weight.copy_(values)
 
 
-# ---- reference backend ------------------------------------------------------------------------
+# ---- row counts on the host (the loop backend, the per-slot GEMMs) ------------------------------
 def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int) -> list[int]:
     # A meta dry run (see megamoe.host_values) spreads the rows evenly over the slots.
     num_slots = tokens_per_slot.numel()
@@ -437,52 +440,6 @@ def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int) -> list[int]:
     if sum(sizes) != num_rows or min(sizes) < 0:
         raise ValueError(f"tokens_per_slot {sizes} must be >= 0 and sum to the number of rows ({num_rows})")
     return sizes
-
-
-def _activate(hidden: torch.Tensor, activation) -> torch.Tensor:
-    """Autograd activation of the gate(/up) projection output [n, G * F] -> [n, F]."""
-    if isinstance(activation, ClampedSwiGLU):
-        return activation.forward(hidden)
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if activation == "gelu":
-        return F.gelu(hidden)
-    if activation == "relu":
-        return F.relu(hidden)
-    return F.silu(hidden)
-
-
-def _loop_mlp(tokens: torch.Tensor, gate_up_weights: Sequence[torch.Tensor],
-              down_weights: Sequence[torch.Tensor], sizes: list[int], activation,
-              recompute_activation: bool = False, gate_up_biases: Sequence[torch.Tensor] | None = None,
-              down_biases: Sequence[torch.Tensor] | None = None, add_down_bias: bool = True) -> torch.Tensor:
-    """Per-slot ``F.linear`` on ``split`` views, plain autograd (the reference); the activation
-    recomputed in backward with ``recompute_activation``. Biases: see the module docstring."""
-    slots = len(sizes)
-    gate_up_biases = gate_up_biases if gate_up_biases is not None else [None] * slots
-    outputs = []
-    for s, (rows, w_gate_up, w_down) in enumerate(zip(tokens.split(sizes), gate_up_weights, down_weights)):
-        act = checkpointed(_activate, F.linear(rows, w_gate_up, gate_up_biases[s]), activation,
-                           enabled=recompute_activation)
-        out = F.linear(act, w_down)
-        if down_biases is not None:
-            out = out + _AddedOnce.apply(down_biases[s], add_down_bias)
-        outputs.append(out)
-    return torch.cat(outputs)
-
-
-class _AddedOnce(torch.autograd.Function):
-    """The down bias as this ETP rank adds it: itself on the adding rank, zeros elsewhere; the gradient
-    reaches every rank's copy (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, bias: torch.Tensor, adds: bool):
-        return bias.clone() if adds else torch.zeros_like(bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 # ---- fused backend ----------------------------------------------------------------------------
@@ -570,40 +527,6 @@ def grouped_linear_weight_grad(grad_y: torch.Tensor, x: torch.Tensor, groups: Sl
     dy_rows, x_rows = grad_y.split(groups.sizes), x.split(groups.sizes)
     _for_each_slot(groups.sizes, lambda s: torch.mm(dy_rows[s].t(), x_rows[s], out=out[s]))
     return out
-
-
-def _activation_forward(hidden: torch.Tensor, activation) -> torch.Tensor:
-    """[N, G * F] -> [N, F], one output allocation."""
-    if isinstance(activation, ClampedSwiGLU):
-        return activation.forward(hidden)
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
-    if activation == "gelu":
-        return F.gelu(hidden)
-    if activation == "relu":
-        return F.relu(hidden)
-    return F.silu(hidden)
-
-
-def _activation_backward(grad_act: torch.Tensor, hidden: torch.Tensor, activation) -> torch.Tensor:
-    """d(act)/d(hidden): grad_act [N, F], hidden [N, G * F] -> [N, G * F]. Consumes ``grad_act``
-    (reused as scratch)."""
-    if isinstance(activation, ClampedSwiGLU):
-        return activation.backward(grad_act, hidden)
-    aten = torch.ops.aten
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        grad_hidden = torch.empty_like(hidden)
-        grad_gate, grad_up = grad_hidden.chunk(2, dim=-1)
-        torch.mul(grad_act, F.silu(gate), out=grad_up)                  # d up = da * silu(g)
-        aten.silu_backward.grad_input(grad_act.mul_(up), gate, grad_input=grad_gate)  # d g = da * u * silu'(g)
-        return grad_hidden
-    if activation == "gelu":
-        return aten.gelu_backward.grad_input(grad_act, hidden, grad_input=grad_act)
-    if activation == "relu":
-        return aten.threshold_backward.grad_input(grad_act, hidden, 0, grad_input=grad_act)
-    return aten.silu_backward.grad_input(grad_act, hidden, grad_input=grad_act)
 
 
 def _row_slots(groups: SlotGroups) -> torch.Tensor:
