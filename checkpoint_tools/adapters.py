@@ -616,7 +616,8 @@ ADAPTERS: dict[str, HFAdapter] = {
         "gpt_oss", _GQA_LAYER + (Rename(f"{_L}self_attn.sinks", f"{_P}self_attn.sinks",
                                         lambda c: (c.attention.num_attention_heads,)),),
         DENSE_MLP_KEYS,
-        moe_keys=(Rename(f"{_L}mlp.router.weight", f"{_P}mlp.router.weight", lambda c: (c.moe.num_experts, c.hidden_size)),
+        moe_keys=(Rename(f"{_L}mlp.router.weight", f"{_P}mlp.router.weight",
+                         lambda c: (c.moe.num_experts, c.hidden_size)),
                   Rename(f"{_L}mlp.router.bias", f"{_P}mlp.router.bias", lambda c: (c.moe.num_experts,))),
         experts=_STANDARD_EXPERTS, expert_steps=_gpt_oss_expert_steps, import_only_steps=_gpt_oss_mxfp4_steps),
 }

@@ -389,7 +389,8 @@ class GroupedExperts(nn.Module):
         if cfg.bias:
             b_gate_up, b_down = views[2:]
             for name, bias, target, size in (("gate_bias", gate_bias, b_gate_up[:Fs], F_),
-                                             ("up_bias", up_bias, b_gate_up[Fs:], F_), ("down_bias", down_bias, b_down, H)):
+                                             ("up_bias", up_bias, b_gate_up[Fs:], F_),
+                                             ("down_bias", down_bias, b_down, H)):
                 if bias is not None and tuple(bias.shape) != (size,):
                     raise ValueError(f"{name} must be the full expert bias of shape [{size}], got {list(bias.shape)}")
                 if bias is None:

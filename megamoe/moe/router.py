@@ -93,7 +93,7 @@ class RouterConfig:
     seq_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     init_std: float = 0.02  # std of the normal init of the gate weight (HF: initializer_range)
-    bias: bool = False      # a learned [E] bias added to the logits (gpt-oss's router.bias); trained, unlike expert_bias
+    bias: bool = False      # a learned [E] logit bias (gpt-oss's router.bias); trained, unlike expert_bias
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "n_group", "topk_group"):
