@@ -264,6 +264,11 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
     HF provenance its checkpoints carry (with --export-hf, written for a model that has none)."""
     provenance = source.provenance
     config = source.config
+    if config is not None and config.weight_quantization is not None:
+        # Kept block-FP8 weights are frozen e4m3 values with block scales: an inference format.
+        raise UsageError(f"{_model_flag(args)} holds kept block-FP8 weights (weight_quantization), which are for "
+                         "inference only and cannot be trained: import the checkpoint with `import-hf --dtype bf16` "
+                         "(or fp32) and train from that")
     data_vocab = data_vocab_size(args, source.tokenizer)
     if data_vocab is None and source.tokenizer is None and args.data is not None and config is None:
         raise UsageError("--data names only Megatron datasets, which record no vocabulary: give the tokenizer that "

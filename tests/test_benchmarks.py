@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,20 @@ def test_checkpoint_load_benchmark_hashes_in_the_verified_load_only(monkeypatch,
     assert [p.name for p in tmp_path.iterdir()] == ["load.json"]      # the checkpoint is gone
 
 
+def test_layout_plan_benchmark_quick_plans_once_per_role_and_matches_the_reference(monkeypatch, tmp_path, capsys):
+    bench = _benchmark("layout_plan", monkeypatch)
+    out = tmp_path / "layout_plan.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["name"] for row in rows] == [case[0] for case in bench.QUICK_CASES]
+    for row in rows:
+        assert row["equal_to_reference"] is True and row["reference_models_built"] == row["world"] == 8
+        assert row["models_built"] == row["pp"] * math.lcm(row["tp"], row["etp"]) < row["world"]
+        assert row["peak_rss"] >= row["base_rss"] > 0 and row["chunks"] >= row["tensors"] > 0
+        assert row["manifest_fields_bytes"] > 0
+    assert "tp2-ep4-pp2-fold" in capsys.readouterr().out
+
+
 def test_eplb_benchmark_simulated_quick(monkeypatch, tmp_path, capsys):
     eplb = _benchmark("eplb", monkeypatch)
     out = tmp_path / "eplb.json"
@@ -168,8 +183,8 @@ def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypa
     assert calls == [7, [{"run": "static"}]] and json.loads(out.read_text()) == {"real": [{"run": "static"}]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "memory", "moe_layer",
-                                  "scaling", "train_step"])
+@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "layout_plan",
+                                  "memory", "moe_layer", "scaling", "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
 

@@ -385,6 +385,25 @@ def test_blocking_step_on_meta_records_its_waits_on_the_timeline():
             _accumulated_gradients(model)
 
 
+def test_kept_block_fp8_generation_on_meta_creates_every_tensor_on_the_model_device():
+    """Kept block-FP8 weights (e4m3 + block scales): dense linears dequantized per call, routed experts on the
+    emulated block recipe, with replica slots and TP-sharded blocks."""
+    from megamoe.moe.fp8 import FP8Config
+    from megamoe.quantization.block_fp8 import BlockFP8Config
+
+    base = tiny_config("allgather", 2 * E)
+    config = dataclasses.replace(base, weight_quantization=BlockFP8Config(block_size=(8, 8)),
+                                 moe=dataclasses.replace(base.moe, expert_fp8=FP8Config(recipe="block"),
+                                                         expert_backend="fp8_emulated"))
+    for rank in (0, 1):           # one TP group, both EP ranks (ranks 2 and 3 are their data-parallel twins)
+        with _fake_rank(rank, tp=2, ep=2) as state:
+            model = GPTMoEModel(config, state, device="meta")
+            assert model.layers["1"].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+            with _meta_run():
+                out = generate(model, state, [[1, 2, 3], [4, 5, 6]], GenerationConfig(max_new_tokens=2))
+            assert out.token_ids == [[0, 0], [0, 0]], out
+
+
 def _gpt_oss_like(config):
     """tiny_config with gpt-oss's parts: attention sinks and biases, sliding and full layers, a biased
     router, biased experts with the clamped SwiGLU."""

@@ -89,6 +89,24 @@ class GPTMoEConfig:
             raise ValueError("GPTMoEConfig.attention.hidden_size must equal hidden_size")
         if self.moe is not None and self.moe.hidden_size != self.hidden_size:
             raise ValueError("GPTMoEConfig.moe.router.hidden_size must equal hidden_size")
+        self._check_weight_quantization()
+
+    def _check_weight_quantization(self) -> None:
+        """The ``block`` FP8 recipe runs kept block-FP8 weights, and kept weights run it (or, with
+        ``moe.expert_fp8=None``, are dequantized at run time): other recipes would re-quantize them."""
+        fp8 = self.moe.expert_fp8 if self.moe is not None else None
+        if fp8 is not None and fp8.recipe == "block" and self.weight_quantization is None:
+            raise ValueError("GPTMoEConfig.moe.expert_fp8.recipe='block' uses the stored block scales of kept FP8 "
+                             "weights, but GPTMoEConfig.weight_quantization is None: import the checkpoint with "
+                             "`--dtype keep`, or use recipe 'delayed' / 'tensorwise' / 'rowwise'")
+        if fp8 is not None and fp8.recipe != "block" and self.weight_quantization is not None:
+            raise ValueError(f"GPTMoEConfig.moe.expert_fp8.recipe={fp8.recipe!r} would re-quantize the kept block-FP8 "
+                             "weights (GPTMoEConfig.weight_quantization): use recipe='block', or expert_fp8=None to "
+                             "dequantize them at run time")
+        if self.weight_quantization is not None and self.moe is not None and self.moe.expert_backend == "te":
+            raise ValueError(f"GPTMoEConfig.moe.expert_backend={self.moe.expert_backend!r} cannot hold kept block-FP8 "
+                             "weights (GPTMoEConfig.weight_quantization): use 'fp8_emulated' (the CPU reference), "
+                             "'torch' or 'auto'")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.moe_layer_ids

@@ -31,6 +31,11 @@ construction: ``full`` checkpoints each decoder layer whole (:meth:`GPTMoEModel.
 selective ``layernorm``, ``moe`` and ``mlp`` wrap the decoder layer's calls of its norms and MLP;
 ``core_attn``, ``mla_up_proj`` and ``moe_act`` are flags of the attention and experts modules.
 Calls with a KV cache are never recomputed.
+
+Kept block-FP8 weights (``config.weight_quantization``, :mod:`megamoe.quantization.kept_weights`): each
+decoder layer's quantized weights become e4m3 parameters with their block scales right after the layer is
+built; dense linears dequantize them per call, routed experts run the ``block`` FP8 recipe (or dequantize
+without one). Inference only (the weights are frozen).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from megamoe.models.sequence_parallel import check_sequence_length, sequence_par
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.pipeline.partition import partition_layers
+from megamoe.quantization.kept_weights import keep_block_fp8_weights
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.transformer import RMSNorm
@@ -298,9 +304,12 @@ class GPTMoEModel(nn.Module):
         # The rotary angles of a forward's positions, computed once and shared by every layer.
         self.rotary = RotaryEmbedding(config.attention.rope, device=device)
         placements = placements or {}
-        self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
-            for i in self.layer_ids})
+        self.layers = nn.ModuleDict()
+        for i in self.layer_ids:
+            layer = DecoderLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
+            if config.weight_quantization is not None:    # one layer at a time: bounded extra memory
+                keep_block_fp8_weights(layer, f"layers.{i}.", config.weight_quantization)
+            self.layers[str(i)] = layer
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
             if self.sequence_group is not None:

@@ -57,6 +57,11 @@ def copy_into_chunks(name: str, chunks: list[LogicalChunk], full: torch.Tensor) 
     if tuple(full.shape) != chunks[0].global_shape:
         raise ValueError(f"logical tensor {name!r} has shape {tuple(full.shape)}, the model expects "
                          f"{chunks[0].global_shape}")
+    held, fp8 = chunks[0].tensor.dtype, (torch.float8_e4m3fn, torch.float8_e5m2)
+    if held != full.dtype and (held in fp8 or full.dtype in fp8):
+        # A cast into (or out of) FP8 values without their block scales is wrong, never a conversion.
+        raise ValueError(f"logical tensor {name!r} is {full.dtype}, the model holds it as {held}: kept block-FP8 "
+                         "weights load from the checkpoint's own FP8 values and scales (or import it dequantized)")
     for chunk in chunks:
         chunk.tensor.copy_(full[_region(chunk)])
 

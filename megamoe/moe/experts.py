@@ -33,7 +33,11 @@ biases on both projections, ``b_gate_up`` [S_local, G * F_shard] (sharded with t
 to) and ``b_down`` [S_local, H], added before the combine weights as in HF. The down bias is part of
 an output the ETP group sums, so only ETP rank 0 adds it, while every rank's copy gets the full
 gradient (the output gradient is the same on all of them), keeping the copies equal. Backends
-``torch`` and ``loop``; TransformerEngine and FP8 refuse biases (ValueError).
+``torch`` and ``loop``; TransformerEngine, FP8 and kept block-FP8 weights refuse biases (ValueError).
+
+Kept block-FP8 weights (a checkpoint's e4m3 values and block scales, held as stored; set by
+:meth:`GroupedExperts.keep_block_fp8`) run the ``block`` FP8 recipe on ``fp8_emulated`` or ``torch``, or
+without an FP8 recipe dequantized per slot at run time: :mod:`megamoe.moe.block_fp8_experts`.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ from torch import nn
 
 from megamoe.gradients import main_grad
 from megamoe.host_values import host_ints
+from megamoe.moe import block_fp8_experts
 from megamoe.moe.clamped_swiglu import ClampedSwiGLU
 from megamoe.moe.expert_activations import activate as _activate
 from megamoe.moe.expert_activations import activation_backward as _activation_backward
 from megamoe.moe.expert_activations import activation_forward as _activation_forward
 from megamoe.moe.loop_experts import loop_mlp as _loop_mlp
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
+from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.transformer.recompute import checkpointed
 
 __all__ = ["ExpertsConfig", "GroupedExperts"]
@@ -171,6 +177,8 @@ class GroupedExperts(nn.Module):
     """
 
     recompute_activation: bool = False
+    # Kept block-FP8 weights (see :meth:`keep_block_fp8`); None: high-precision weights.
+    weight_quantization: BlockFP8Config | None = None
 
     def __init__(self, config: ExpertsConfig, *, fp8_amax_reduction: FP8AmaxReduction = FP8AmaxReduction(),
                  device=None, dtype=None) -> None:
@@ -180,12 +188,14 @@ class GroupedExperts(nn.Module):
         device = torch.device(device) if device is not None else torch.get_default_device()
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.backend = (self._resolve_backend(config.backend, device, te_allowed=not config.bias)
-                        if config.fp8 is None else resolve_fp8_backend(config.backend, device))
+                        if config.fp8 is None else resolve_fp8_backend(config.backend, device, recipe=config.fp8.recipe))
         self.activation = config.activation_function
         self.adds_down_bias = config.etp_rank == 0      # the ETP group sums the outputs: add it once
-        # FP8 scaling state: TE keeps its own; the torch / emulated paths keep theirs here.
+        # FP8 scaling state: TE keeps its own; the torch / emulated paths keep theirs here (the block
+        # recipe scales every tile from its own values: no state).
         self.fp8_state = (FP8ScalingState(config.fp8, config.num_local_slots, device=device)
-                          if config.fp8 is not None and self.backend != "te" else None)
+                          if config.fp8 is not None and self.backend != "te" and config.fp8.recipe != "block"
+                          else None)
         # TE reduces delayed-scaling amaxes over the slot group; over every rank if given none.
         self._te_fp8_recipe = (te_fp8_recipe(config.fp8, reduce_amax=fp8_amax_reduction.slot_group is not None)
                                if config.fp8 is not None and self.backend == "te" else None)
@@ -239,6 +249,9 @@ class GroupedExperts(nn.Module):
                              f"{tokens_per_slot.dtype} {tuple(tokens_per_slot.shape)}")
         if self.backend == "te":
             return self._forward_te(tokens_sorted, tokens_per_slot)
+        if self.weight_quantization is not None or (cfg.fp8 is not None and cfg.fp8.recipe == "block"):
+            return block_fp8_experts.kept_forward(self, tokens_sorted, _host_sizes(tokens_per_slot, len(tokens_sorted)),
+                                                  self._activate)
         if tokens_sorted.dtype != self.w_gate_up.dtype:
             raise ValueError(f"tokens_sorted is {tokens_sorted.dtype} but the expert weights are "
                              f"{self.w_gate_up.dtype}: cast one of them")
@@ -262,7 +275,7 @@ class GroupedExperts(nn.Module):
     @property
     def supports_per_pair(self) -> bool:
         """Whether :meth:`forward_per_pair` is available (stacked high-precision weights)."""
-        return self.backend in ("torch", "loop") and self.config.fp8 is None
+        return self.backend in ("torch", "loop") and self.config.fp8 is None and self.weight_quantization is None
 
     def forward_per_pair(self, tokens: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed output of few tokens, pair by pair, with static shapes (inference only).
@@ -316,6 +329,16 @@ class GroupedExperts(nn.Module):
         return fp8_grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, tokens_per_slot, self._activate,
                                self.config.fp8, self.fp8_state, kernel=kernel, reduction=self.fp8_amax_reduction)
 
+    def keep_block_fp8(self, config: BlockFP8Config, name: str = "experts") -> None:
+        """Hold the weights as kept block-FP8 ones, quantizing the current values (``name``: for errors)."""
+        if self.config.bias:
+            raise ValueError(f"{name}: kept block-FP8 experts have no biases (gpt-oss's experts are not FP8)")
+        block_fp8_experts.keep_expert_weights(self, config, name)
+
+    def expert_scale_shards(self, local_slot: int) -> dict[str, torch.Tensor]:
+        """Kept block-FP8 weights: one slot's scale shards keyed like :meth:`expert_weight_shards`, else {}."""
+        return {} if self.weight_quantization is None else block_fp8_experts.kept_scale_shards(self, local_slot)
+
     def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
         return checkpointed(_activate, hidden, self.activation, enabled=self.recompute_activation)
 
@@ -328,7 +351,14 @@ class GroupedExperts(nn.Module):
         ``param[index]`` is the slot's tensor, and so is ``state[index]`` for any tensor shaped like
         ``param`` (its gradient, its optimizer moments). Stacked backends: ``(w_gate_up, s)``,
         ``(w_down, s)``; ``te``: the slot's own ``weight{s}`` parameters with ``slice(None)``. Layout
-        agnostic: what :func:`megamoe.moe.expert_migration.migrate_layer` moves."""
+        agnostic: what :func:`megamoe.moe.expert_migration.migrate_layer` moves. Kept block-FP8 weights add
+        ``(w_gate_up_scale_inv, s)``, ``(w_down_scale_inv, s)``: the scales move with the weights."""
+        scales = () if self.weight_quantization is None else ((self.w_gate_up_scale_inv, local_slot),
+                                                              (self.w_down_scale_inv, local_slot))
+        return (*self._weight_parameters(local_slot), *scales)
+
+    def _weight_parameters(self, local_slot: int) -> tuple[tuple[nn.Parameter, int | slice], ...]:
+        """The weight parameters of ``local_slot`` (not their block scales), as in :meth:`slot_parameters`."""
         if not 0 <= local_slot < self.config.num_local_slots:
             raise ValueError(f"local_slot must be in [0, {self.config.num_local_slots}), got {local_slot}")
         if self.backend == "te":
@@ -350,7 +380,7 @@ class GroupedExperts(nn.Module):
     def _slot_weights(self, local_slot: int, grad: bool = False) -> tuple[torch.Tensor, ...]:
         """(gate_up [G * F_shard, H], down [H, F_shard], then with biases gate_up bias [G * F_shard] and
         down bias [H]) of one slot: the parameters, or their gradients with ``grad=True``."""
-        params = self.slot_parameters(local_slot)
+        params = self._weight_parameters(local_slot)
         if not grad:
             return tuple(p.detach()[index] for p, index in params)
         # The accumulated gradient: fp32 ``main_grad`` for bf16 parameters under the distributed optimizer.
@@ -378,6 +408,9 @@ class GroupedExperts(nn.Module):
             if tensor is not None and tuple(tensor.shape) != shape:
                 raise ValueError(f"{name} must be the full expert weight of shape {list(shape)} (HF layout), got "
                                  f"{list(tensor.shape)}")
+        if self.weight_quantization is not None:
+            block_fp8_experts.load_kept_expert_weights(self, local_slot, gate, up, down)
+            return
         views = self._slot_weights(local_slot)
         gate_up, w_down = views[:2]
         shard = self._shard()

@@ -16,6 +16,10 @@ Recipes (how amax is chosen, i.e. the scaling granularity and its timing):
   current tensor's own amax.
 - ``rowwise`` (``torch._scaled_grouped_mm``): current scaling per token row of activations and
   gradients and per output row of weights.
+- ``block`` (DeepSeek-V3's inference, TE ``Float8BlockScaling``): for kept block-FP8 weights
+  (``GPTMoEConfig.weight_quantization``) only: the weights' stored 2-D block scales as they are, the
+  activations quantized per 1 x block tile along the contraction dim at run time (current scaling). Inference
+  only; ``margin`` must be 0. See :mod:`megamoe.moe.block_fp8_experts`.
 
 Formats: ``e4m3`` everywhere, or ``hybrid`` (as TE's ``Format.HYBRID``): e4m3 for forward operands
 (activations, weights: more mantissa), e5m2 for gradients (more range).
@@ -43,7 +47,7 @@ from megamoe import comms
 __all__ = ["FP8Config", "FP8ScalingState", "FP8AmaxReduction", "FP8_ROLES", "amax_rows", "compute_scale",
            "dequantize", "fp8_max", "quantize", "resolve_fp8_backend", "te_fp8_recipe"]
 
-_RECIPES = ("delayed", "tensorwise", "rowwise")
+_RECIPES = ("delayed", "tensorwise", "rowwise", "block")
 _FORMATS = ("e4m3", "hybrid")
 _AMAX_ALGOS = ("max", "most_recent")
 # One entry per operand of the expert MLP's two grouped GEMMs (fc1 = gate/up, fc2 = down): the
@@ -64,7 +68,7 @@ class FP8Config:
     applies to every recipe's scale.
     """
 
-    recipe: str = "delayed"            # "delayed" | "tensorwise" | "rowwise"
+    recipe: str = "delayed"            # "delayed" | "tensorwise" | "rowwise" | "block" (kept FP8 weights)
     format: str = "hybrid"             # "e4m3" | "hybrid" (e4m3 forward, e5m2 gradients)
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"     # "max" | "most_recent"
@@ -82,6 +86,9 @@ class FP8Config:
             raise ValueError(f"FP8Config.amax_history_len must be >= 1, got {self.amax_history_len}")
         if self.margin < 0:
             raise ValueError(f"FP8Config.margin must be >= 0 (a power-of-two headroom), got {self.margin}")
+        if self.recipe == "block" and self.margin != 0:
+            raise ValueError(f"FP8Config.margin must be 0 with recipe='block' (tiles are scaled onto the whole FP8 "
+                             f"range, as the checkpoint's weight blocks are), got {self.margin}")
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -234,6 +241,11 @@ def te_fp8_recipe(config: FP8Config, reduce_amax: bool = True):
         if config.margin != 0:
             raise ValueError("TransformerEngine's current scaling has no margin: set FP8Config.margin=0")
         return te_recipe.Float8CurrentScaling(fp8_format=fp8_format)
+    if config.recipe == "block":
+        if not hasattr(te_recipe, "Float8BlockScaling"):
+            raise ValueError("FP8Config.recipe='block' needs TransformerEngine >= 2.3 (Float8BlockScaling): upgrade "
+                             "it, or use backend='torch' / 'fp8_emulated'")
+        return te_recipe.Float8BlockScaling(fp8_format=fp8_format)
     raise ValueError("FP8Config.recipe='rowwise' is the torch backend's (torch._scaled_grouped_mm); with "
                      "backend='te' use recipe='delayed' or 'tensorwise'")
 
@@ -272,13 +284,32 @@ def _scaled_grouped_mm_problem(device: torch.device) -> str | None:
     return None
 
 
-def resolve_fp8_backend(requested: str, device: torch.device) -> str:
+def _blockwise_scaled_mm_problem(device: torch.device) -> str | None:
+    capability = _capability(device)
+    if capability is None or capability < _SCALED_GROUPED_MM_MIN_CAPABILITY:
+        return (f"the block FP8 recipe with backend='torch' needs torch._scaled_mm's blockwise kernels on a CUDA "
+                f"GPU of compute capability >= 9.0 (device {device}, capability {capability})")
+    if not hasattr(torch, "_scaled_mm"):
+        return f"the block FP8 recipe with backend='torch' needs torch._scaled_mm (torch {torch.__version__} lacks it)"
+    return None
+
+
+_TE_BLOCK_PROBLEM = ("kept block-FP8 weights cannot run on backend='te': TransformerEngine's GroupedLinear keeps "
+                     "weights of its own and would not hold the checkpoint's bytes")
+
+
+def resolve_fp8_backend(requested: str, device: torch.device, recipe: str | None = None) -> str:
     """The expert backend that runs FP8 on ``device``: ``te`` (TE >= sm89), ``torch`` (sm90+),
     ``fp8_emulated`` (anywhere). ``auto`` picks ``te``, then ``torch``, and never falls back to the
-    (slow) emulation silently. Raises ValueError naming the fix when ``requested`` cannot run."""
+    (slow) emulation silently. Raises ValueError naming the fix when ``requested`` cannot run.
+    ``recipe='block'`` (kept block-FP8 weights): ``torch`` (``torch._scaled_mm`` blockwise, sm90+) or
+    ``fp8_emulated``; ``te`` is refused."""
     if requested == "fp8_emulated":
         return requested
-    problems = {"te": _te_fp8_problem(device), "torch": _scaled_grouped_mm_problem(device)}
+    if recipe == "block":
+        problems = {"te": _TE_BLOCK_PROBLEM, "torch": _blockwise_scaled_mm_problem(device)}
+    else:
+        problems = {"te": _te_fp8_problem(device), "torch": _scaled_grouped_mm_problem(device)}
     if requested == "auto":
         for backend, problem in problems.items():
             if problem is None:

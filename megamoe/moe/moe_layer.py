@@ -52,6 +52,7 @@ from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config
 from megamoe.moe.router import Router, RouterConfig
 from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
 from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
+from megamoe.quantization.block_fp8 import block_scale_shape, scale_inv_name
 from megamoe.tensor_parallel.init import normal_init, seeded_generator
 from megamoe.transformer.recompute import is_recomputing
 
@@ -343,7 +344,23 @@ class MoELayer(nn.Module):
                 chunks.append(LogicalChunk(f"{key}.gate_proj.bias", shards["gate_bias"], (F,), (f_offset,)))
                 chunks.append(LogicalChunk(f"{key}.up_proj.bias", shards["up_bias"], (F,), (f_offset,)))
                 chunks.append(LogicalChunk(f"{key}.down_proj.bias", shards["down_bias"], (H,), (0,)))
+            chunks += self._scale_chunks(key, local_slot, f_offset)
         return chunks
+
+    def _scale_chunks(self, key: str, local_slot: int, f_offset: int) -> list[LogicalChunk]:
+        """Kept block-FP8 experts: each weight's block scales, ``<weight name>_scale_inv`` [ceil(rows / bo),
+        ceil(cols / bi)], cut like the weight (ETP shards start on block boundaries)."""
+        scale_shards = getattr(self.experts, "expert_scale_shards", lambda s: {})(local_slot)
+        if not scale_shards:
+            return []
+        bo, bi = self.experts.weight_quantization.block_size
+        F, H = self.config.ffn_hidden_size, self.config.hidden_size
+        up_shape = block_scale_shape((F, H), (bo, bi))
+        projections = {"gate": ("gate_proj", up_shape, (f_offset // bo, 0)),
+                       "up": ("up_proj", up_shape, (f_offset // bo, 0)),
+                       "down": ("down_proj", block_scale_shape((H, F), (bo, bi)), (0, f_offset // bi))}
+        return [LogicalChunk(scale_inv_name(f"{key}.{projections[k][0]}.weight"), tensor, projections[k][1],
+                             projections[k][2]) for k, tensor in scale_shards.items()]
 
     def local_replica_counts(self) -> torch.Tensor:
         """[S_local] number of slots (on any rank) holding the expert of each local slot."""

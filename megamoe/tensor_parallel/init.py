@@ -40,6 +40,10 @@ def zeros_init(tensor: torch.Tensor, generator: torch.Generator | None = None) -
 @torch.no_grad()
 def init_sharded_(param: torch.Tensor, init_method: InitMethod, generator: torch.Generator | None = None) -> None:
     """Draw the full logical tensor on CPU in fp32 and copy this rank's chunk into ``param``."""
+    if param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError("a kept block-FP8 weight (GPTMoEConfig.weight_quantization) holds a checkpoint's values and "
+                         "cannot be initialised: load the checkpoint into it, or build the model without "
+                         "weight_quantization to initialise it")
     spec = get_shard_spec(param)
     full = torch.empty(spec.global_shape, dtype=torch.float32)
     init_method(full, generator)

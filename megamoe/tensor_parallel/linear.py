@@ -15,6 +15,9 @@ Gradients: weight and bias shards get complete gradients locally (no reduction o
 row-parallel bias under sequence parallelism, which sees only this rank's tokens and is tagged
 ``sequence_parallel`` so the gradient sync all-reduces it over TP. Data-parallel reduction is the
 training loop's job.
+
+Kept block-FP8 weights (``weight`` e4m3 plus ``weight_scale_inv``, :mod:`megamoe.quantization.kept_weights`)
+are dequantized for each call.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 
@@ -85,7 +89,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = F.linear(x, linear_weight(self, "weight", x.dtype), bias)
         if self.gather_output:
             y = comms.gather_from_tensor_parallel_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
@@ -140,7 +144,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = comms.scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, linear_weight(self, "weight", x.dtype))
         if self.sequence_parallel:
             y = comms.reduce_scatter_to_sequence_parallel_region(y, self.tp_group, dim=self.sequence_dim)
         else:

@@ -246,6 +246,10 @@ class Trainer:
     def __init__(self, model: TrainableModel, state, config: TrainConfig, *, world_group=None,
                  optimizer: torch.optim.Optimizer | None = None, peak_tflops: float | None = None):
         check_trainable_model(model)
+        if getattr(model.config, "weight_quantization", None) is not None:
+            raise ValueError("the model holds kept block-FP8 weights (GPTMoEConfig.weight_quantization): frozen e4m3 "
+                             "values for inference, which cannot be trained; import the checkpoint with "
+                             "`import-hf --dtype bf16` (or fp32) and train that model")
         self.model, self.state, self.config, self.world_group = model, state, config, world_group
         self.peak_tflops = peak_tflops
         self._log_balancing()

@@ -78,6 +78,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import set_shard_spec, shard_parameter
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
@@ -259,12 +260,14 @@ class _ReplicatedHeadLinear(nn.Module):
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` is already inside the TP region (its gradient is all-reduced by the caller)."""
-        return F.linear(x, *self.local_weight_and_bias())
+        return F.linear(x, *self.local_weight_and_bias(x.dtype))
 
-    def local_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight and bias, their gradients summed over the replicas in backward."""
+    def local_weight_and_bias(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight (a kept FP8 one dequantized to ``dtype``) and bias, their gradients summed over the
+        replicas in backward."""
         replicas = self.shard.replicas
-        weight = sum_grad_over_replicas(self.weight, self.weight.shard_spec, self.tp_group, replicas)
+        weight = sum_grad_over_replicas(linear_weight(self, "weight", dtype), self.weight.shard_spec, self.tp_group,
+                                        replicas)
         bias = None if self.bias is None else sum_grad_over_replicas(
             self.bias, self.bias.shard_spec, self.tp_group, replicas)
         return weight, bias
@@ -278,14 +281,15 @@ def _local_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A column shard's matmul on an input that already entered the TP region."""
     if isinstance(layer, _ReplicatedHeadLinear):
         return layer.local_linear(x)
-    return F.linear(x, layer.weight, layer.bias)
+    return F.linear(x, linear_weight(layer, "weight", x.dtype), layer.bias)
 
 
-def _local_weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What :func:`_local_linear` multiplies by (a replicated KV head's, with its replica gradient sum)."""
+def _local_weight_and_bias(layer: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What :func:`_local_linear` multiplies by (a replicated KV head's, with its replica gradient sum; a
+    kept FP8 weight dequantized to ``dtype``)."""
     if isinstance(layer, _ReplicatedHeadLinear):
-        return layer.local_weight_and_bias()
-    return layer.weight, layer.bias
+        return layer.local_weight_and_bias(dtype)
+    return linear_weight(layer, "weight", dtype), layer.bias
 
 
 class Attention(nn.Module):
@@ -377,8 +381,9 @@ class Attention(nn.Module):
                              "build the model with sequence_parallel=False for generation")
         check_no_cache_under_context_parallel(self.cp_group, kv_cache)
         if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for q, k and v
+            layers = (self.q_proj, self.k_proj, self.v_proj)
             q, k, v = gather_linears_from_sequence_parallel_region(
-                hidden, self.tp_group, *zip(*map(_local_weight_and_bias, (self.q_proj, self.k_proj, self.v_proj))),
+                hidden, self.tp_group, *zip(*(_local_weight_and_bias(layer, hidden.dtype) for layer in layers)),
                 dim=SEQUENCE_DIM)
         else:                        # one grad all-reduce for q, k and v
             x = comms.copy_to_tensor_parallel_region(hidden, self.tp_group)

@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
@@ -129,7 +130,7 @@ class _ReplicatedLinear(nn.Module):
             init_sharded_(self.bias, zeros_init, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, linear_weight(self, "weight", x.dtype), self.bias)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -251,7 +252,7 @@ class MultiHeadLatentAttention(nn.Module):
         cfg = self.config
         batch, seq = kv_latent.shape[:2]                                # the whole (gathered) sequence
         if self.q_proj is None:
-            q = F.linear(q, self.q_b_proj.weight)                     # already inside the TP region
+            q = F.linear(q, linear_weight(self.q_b_proj, "weight", q.dtype))   # already inside the TP region
         q = q.unflatten(-1, (self.num_heads_local, cfg.qk_head_dim)).transpose(1, 2)   # [B, heads, S, qk]
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         kv_latent = kv_latent.view(batch, 1, seq, cfg.kv_lora_rank)
@@ -262,7 +263,8 @@ class MultiHeadLatentAttention(nn.Module):
             kv_latent, k_pe, query_positions = cached_keys(kv_cache, kv_latent, k_pe, attention_mask)
         if self.cp_group is not None:   # the whole sequence's latents (few bytes), up-projected here
             (kv_latent, k_pe), query_positions = gather_keys_for_context_parallel((kv_latent, k_pe), self.cp_group)
-        kv = F.linear(kv_latent.squeeze(1), self.kv_b_proj.weight)   # [B, Sk, heads * (nope + v)]
+        kv_b = linear_weight(self.kv_b_proj, "weight", kv_latent.dtype)
+        kv = F.linear(kv_latent.squeeze(1), kv_b)                  # [B, Sk, heads * (nope + v)]
         kv = kv.unflatten(-1, (self.num_heads_local, cfg.qk_nope_head_dim + cfg.v_head_dim)).transpose(1, 2)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads_local, -1, -1)], -1)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.quantization.kept_weights import linear_weight
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
@@ -83,10 +84,11 @@ class MLP(nn.Module):
         layers = (self.up_proj,) if self.gate_proj is None else (self.up_proj, self.gate_proj)
         if self.sequence_parallel:   # one all-gather (and one grad reduce-scatter) for gate and up
             outputs = comms.gather_linears_from_sequence_parallel_region(
-                x, self.tp_group, [l.weight for l in layers], [l.bias for l in layers], dim=SEQUENCE_DIM)
+                x, self.tp_group, [linear_weight(l, "weight", x.dtype) for l in layers], [l.bias for l in layers],
+                dim=SEQUENCE_DIM)
         else:                        # one grad all-reduce for gate and up
             x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
-            outputs = [F.linear(x, l.weight, l.bias) for l in layers]
+            outputs = [F.linear(x, linear_weight(l, "weight", x.dtype), l.bias) for l in layers]
         up = outputs[0]
         hidden = self.act(up) if self.gate_proj is None else self.act(outputs[1]) * up
         return self.down_proj(hidden)
