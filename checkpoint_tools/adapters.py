@@ -8,16 +8,17 @@ Two HF forms (transformers 5.24)
 - **checkpoint** (``fused=False``): what ``save_pretrained`` writes and ``from_pretrained`` reads. Every
   family stores routed experts per expert: ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
   and Mixtral keeps its original ``model.layers.{i}.block_sparse_moe.{gate.weight, experts.{e}.w1/w3/w2.weight}``
-  (w1 = gate, w3 = up, w2 = down).
+  (w1 = gate, w3 = up, w2 = down), as does MiniMax-M2 (plus ``block_sparse_moe.e_score_correction_bias``).
 - **fused** (``fused=True``): what ``model.state_dict()`` returns in memory: per MoE layer
   ``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows first, then up, per expert) and
-  ``model.layers.{i}.mlp.experts.down_proj`` [E, H, F]; Mixtral's module is ``mlp`` there, not
-  ``block_sparse_moe``.
+  ``model.layers.{i}.mlp.experts.down_proj`` [E, H, F]; Mixtral's and MiniMax-M2's module is ``mlp``
+  there, not ``block_sparse_moe``.
 
 Every other key is the same in both forms and differs from the logical name only by the ``model.`` prefix,
-except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's
-``mlp.gate.e_score_correction_bias`` is ``mlp.router.expert_bias``, shared experts
-(``mlp.shared_expert.*`` in Qwen2-MoE, ``mlp.shared_experts.*`` in DeepSeek) are raw parameters
+except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's and GLM-4.5's
+``mlp.gate.e_score_correction_bias`` (MiniMax-M2's ``mlp.e_score_correction_bias``, on the block) is
+``mlp.router.expert_bias``, shared experts (``mlp.shared_expert.*`` in Qwen2-MoE,
+``mlp.shared_experts.*`` in DeepSeek and GLM-4.5) are raw parameters
 ``mlp.shared_experts.{gate,up,down}_proj`` (no ``.weight``), and Qwen2-MoE's
 ``mlp.shared_expert_gate.weight`` [1, H] is ``mlp.shared_experts.gate_weight``.
 
@@ -33,7 +34,7 @@ MXFP4 form (:mod:`megamoe.quantization.mxfp4`): ``gate_up_proj_blocks`` [E, 2F, 
 unquantized form.
 
 Ignored on import: ``lm_head.weight`` of a model with tied embeddings (``state_dict()`` lists the tied
-alias; checkpoints omit it) and DeepSeek-V3's multi-token-prediction layers
+alias; checkpoints omit it) and DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
 (``model.layers.{num_layers}.*``, which transformers ignores as well).
 
 Streaming
@@ -241,9 +242,22 @@ def _shared_expert_keys(module: str) -> tuple[Rename, ...]:
     )
 
 
+def _block_router_keys(module: str, fused: bool) -> tuple[Rename, ...]:
+    """MiniMax-M2's router: ``{module}.gate.weight``, and the selection bias held by the MoE block itself
+    rather than by its gate, ``{module}.e_score_correction_bias``."""
+    return (
+        Rename(f"{_L}{module}.gate.weight", f"{_P}mlp.router.weight", lambda c: (c.moe.num_experts, c.hidden_size),
+               fused=fused),
+        Rename(f"{_L}{module}.e_score_correction_bias", f"{_P}mlp.router.expert_bias", lambda c: (c.moe.num_experts,),
+               when=lambda c: c.moe.router.use_expert_bias, fused=fused),
+    )
+
+
 SHARED_EXPERT_GATE_KEY = Rename(f"{_L}mlp.shared_expert_gate.weight", f"{_P}mlp.shared_experts.gate_weight",
                                 lambda c: (1, c.hidden_size),
                                 when=lambda c: _HAS_SHARED(c) and c.moe.shared_experts.gate)
+
+_MIXTRAL_PER_EXPERT = tuple(f"{_L}block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2"))
 
 _STANDARD_EXPERTS = ExpertKeys(
     per_expert=(f"{_L}mlp.experts.{{e}}.gate_proj.weight", f"{_L}mlp.experts.{{e}}.up_proj.weight",
@@ -255,7 +269,8 @@ LOGICAL_EXPERT_KEYS = (f"{_P}mlp.experts.{{e}}.gate_proj.weight", f"{_P}mlp.expe
 
 
 def _past_last_layer(key: str, config: GPTMoEConfig) -> bool:
-    """DeepSeek-V3's multi-token-prediction layers follow the decoder layers; transformers skips them."""
+    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layers follow the decoder layers; transformers
+    skips them."""
     if not key.startswith("model.layers."):
         return False
     index = key.split(".")[2]
@@ -612,6 +627,15 @@ ADAPTERS: dict[str, HFAdapter] = {
     "deepseek_v3": HFAdapter("deepseek_v3", _MLA_LAYER, DENSE_MLP_KEYS,
                              _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
                              ignored=(_tied_lm_head, _past_last_layer)),
+    # DeepSeek-V3's MoE block (router with e_score_correction_bias, shared experts) under GQA attention.
+    "glm4_moe": HFAdapter("glm4_moe", _GQA_LAYER, DENSE_MLP_KEYS,
+                          _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
+                          ignored=(_tied_lm_head, _past_last_layer)),
+    # Checkpoints keep Mixtral's block_sparse_moe names; the bias sits on the block, not on its gate.
+    "minimax_m2": HFAdapter(
+        "minimax_m2", _GQA_LAYER, DENSE_MLP_KEYS,
+        moe_keys=_block_router_keys("block_sparse_moe", fused=False) + _block_router_keys("mlp", fused=True),
+        experts=ExpertKeys(per_expert=_MIXTRAL_PER_EXPERT, fused=_STANDARD_EXPERTS.fused)),
     "gpt_oss": HFAdapter(
         "gpt_oss", _GQA_LAYER + (Rename(f"{_L}self_attn.sinks", f"{_P}self_attn.sinks",
                                         lambda c: (c.attention.num_attention_heads,)),),

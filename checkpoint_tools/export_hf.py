@@ -61,6 +61,7 @@ def _model_fields(config: GPTMoEConfig) -> dict:
     data = config.to_dict()
     data.pop("recompute", None)             # activation recomputation: how it was trained, not what it is
     data.pop("sequence_parallel", None)         # an engine choice too (how TP ranks split the work)
+    data.pop("make_vocab_size_divisible_by", None)   # the vocabulary padding: never saved
     moe = data.get("moe") or {}
     for name in _ENGINE_FIELDS:
         moe.pop(name, None)

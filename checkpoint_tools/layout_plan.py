@@ -12,7 +12,7 @@ rank's :class:`~megamoe.models.GPTMoEModel` on the meta device and lists
 holds (:func:`_ep_peer_chunks`). Why this rather than storing whole logical
 tensors and relying on lazy slice loads (which would load as well):
 
-- the layout is validated by the model's own checks (heads, KV heads, vocab and FFN sizes divisible,
+- the layout is validated by the model's own checks (heads, KV heads and FFN sizes divisible,
   dispatcher constraints, slots divisible over EP, pipeline split), not by a second copy of the rules;
 - a converted checkpoint is the checkpoint a training run under that layout writes, so one reader
   (``load_checkpoint(path, sharded_state_dict(model))``) serves both, and every rank of the target layout

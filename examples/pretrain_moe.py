@@ -60,12 +60,13 @@ from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.pipeline import describe_pipeline_schedule
 from megamoe.tensor_parallel import initialize_parameters
+from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
 from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoint_run_id,
                                          expert_placements_from_checkpoint, latest_checkpoint,
                                          list_checkpoints, load_training_checkpoint, new_run_id, prune_checkpoints,
                                          save_training_checkpoint)
 from megamoe.training.hf_export import export_final_checkpoint, provenance_for_export, with_tokenizer
-from megamoe.training.hf_start import check_vocab_fits_tp, hf_start_config, start_from_hf
+from megamoe.training.hf_start import hf_start_config, start_from_hf
 from megamoe.training.model_config_file import read_model_config_file
 from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.metric_sinks import step_record
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence parallelism (needs --tp > 1): norms and residuals on [B, S/tp, H] chunks, an "
                         "all-gather and a reduce-scatter around each TP block instead of all-reduces; --seq-len "
                         "must be a multiple of --tp")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=1, metavar="N",
+                   help="pad the embedding and output layer internally to a multiple of N * tp rows (Megatron's "
+                        "flag; its default is 128): any vocabulary runs under any --tp, the padding is masked out "
+                        "of the loss and of sampling and never saved. Default 1: padded to a multiple of --tp only")
     g.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each CP rank holds 2 load-balanced chunks of every sequence "
                         "(S/cp tokens) and attention all-gathers keys and values over CP; --seq-len must be a "
@@ -192,10 +197,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    return vocab_size + (-vocab_size) % tp
-
-
 def model_config(args, vocab_size: int) -> GPTMoEConfig:
     H = args.hidden
     return GPTMoEConfig(
@@ -208,7 +209,7 @@ def model_config(args, vocab_size: int) -> GPTMoEConfig:
             ffn_hidden_size=H, num_expert_slots=args.num_expert_slots, dispatcher=args.dispatcher,
             expert_backend=args.expert_backend, shared_experts=SharedExpertsConfig(H, H, gate=True)),
         moe_layer_ids=tuple(range(1, args.layers)), dense_mlp=MLPConfig(hidden_size=H, intermediate_size=4 * H),
-        sequence_parallel=args.sequence_parallel)
+        sequence_parallel=args.sequence_parallel, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ def model_source(args) -> ModelSource:
     return ModelSource(config, provenance, tokenizer)
 
 
-def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoEConfig, HFProvenance | None]:
+def _check_model_source(args, source: ModelSource) -> tuple[GPTMoEConfig, HFProvenance | None]:
     """The checks of a model given by a file, of the tokenizer and the data against the model; returns
     the model config (for the demo's own model: with the vocabulary the tokenizer will have) and the
     HF provenance its checkpoints carry (with --export-hf, written for a model that has none)."""
@@ -280,12 +281,8 @@ def _check_model_source(args, source: ModelSource, grid_tp: int) -> tuple[GPTMoE
     what = (f"the tokenizer {source.tokenizer.path}" if source.tokenizer is not None else
             f"--data {args.data} (its token ids)" if args.data is not None else f"--vocab-size {args.vocab_size}")
     if config is None:
-        config = model_config(args, padded_vocab_size(vocab, grid_tp))
+        config = model_config(args, vocab)
     else:
-        try:
-            check_vocab_fits_tp(config, grid_tp, _model_flag(args))
-        except ValueError as e:
-            raise UsageError(f"{e} (--tp)") from None
         if vocab > config.vocab_size:
             raise UsageError(f"{what} has a vocabulary of {vocab} tokens, more than the model's vocab_size "
                              f"{config.vocab_size}: its ids would index past the embedding; use a tokenizer of at "
@@ -335,6 +332,8 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(str(e)) from None
     if args.top_k > args.experts:
         raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    if args.make_vocab_size_divisible_by < 1:
+        raise UsageError(f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}")
     if args.sequence_parallel and args.tp < 2:
         raise UsageError(f"--sequence-parallel splits the sequence over the TP group: it needs --tp > 1, got --tp "
                          f"{args.tp}")
@@ -395,12 +394,18 @@ def check_arguments(args, world_size: int) -> ModelSource:
                          f"(m = --global-batch / (dp * --micro-batch) = {micro_batches}) to be a multiple of --pp "
                          f"{args.pp}")
     try:
-        config, provenance = _check_model_source(args, source, args.tp)
+        config, provenance = _check_model_source(args, source)
     except ValueError as e:
         if isinstance(e, UsageError):
             raise
         raise UsageError(f"model flags: {e}") from None
-    config = dataclasses.replace(config, sequence_parallel=args.sequence_parallel)
+    config = dataclasses.replace(config, sequence_parallel=args.sequence_parallel,
+                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    try:
+        padded_vocab_size(config.vocab_size, args.tp, args.make_vocab_size_divisible_by)
+    except ValueError as e:
+        raise UsageError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} with --tp {args.tp}: "
+                         f"{e}") from None
     try:
         check_moe_layout_on_grid(config, grid)
     except ValueError as e:
@@ -577,7 +582,7 @@ def main(argv=None) -> int:
         move_aside(args.save_dir, run_id)
 
     known_vocab = (source.config.vocab_size if source.config is not None else
-                   padded_vocab_size(source.tokenizer.vocab_size, args.tp) if source.tokenizer is not None else None)
+                   source.tokenizer.vocab_size if source.tokenizer is not None else None)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, default_paths = source.tokenizer, []
     if args.data is None:
@@ -602,18 +607,20 @@ def main(argv=None) -> int:
                                  expert_backend=args.expert_backend, device=device, dtype=param_dtype(args),
                                  load_weights=plan.resume_from is None, saved_placements=saved,
                                  recompute=recompute_config_from_args(args), sequence_parallel=args.sequence_parallel,
-                                 virtual_pipeline_stages=args.virtual_pipeline_stages)
+                                 virtual_pipeline_stages=args.virtual_pipeline_stages,
+                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
     else:
         config = source.config
         if config is None:
-            config = model_config(args, padded_vocab_size(tokenizer.vocab_size if tokenizer is not None else max(
-                dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None), args.tp))
-        # Recomputation and sequence parallelism are the engine's choices, whatever the model source (a
-        # checkpoint resumes under any).
+            config = model_config(args, tokenizer.vocab_size if tokenizer is not None else max(
+                dataset.meta.vocab_size for dataset in data.sources if dataset.meta is not None))
+        # Recomputation, sequence parallelism and the vocabulary padding are the engine's choices, whatever
+        # the model source (a checkpoint resumes under any).
         config = dataclasses.replace(config, recompute=recompute_config_from_args(args),
-                                     sequence_parallel=args.sequence_parallel)
+                                     sequence_parallel=args.sequence_parallel,
+                                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         placements = build_placements(config, state.ep.size, expert_load=args.expert_load, saved=saved)
         model = GPTMoEModel(config, state, placements=placements, device=device, dtype=param_dtype(args),
                             virtual_pipeline_stages=args.virtual_pipeline_stages)

@@ -74,9 +74,10 @@ class LogicalChunk:
 
 
 def chunk_from_shard_spec(name: str, tensor: torch.Tensor) -> LogicalChunk:
-    """The chunk a (possibly sharded) parameter or buffer holds, from its :class:`ShardSpec`."""
+    """The chunk a (possibly sharded) parameter or buffer holds, from its :class:`ShardSpec`: its real
+    rows only, where the spec pads the split dim (a padded vocabulary: the padding is never saved)."""
     spec = get_shard_spec(tensor)
-    return LogicalChunk(name, tensor.detach(), spec.global_shape, spec.offsets)
+    return LogicalChunk(name, spec.logical_part(tensor.detach()), spec.global_shape, spec.offsets)
 
 
 def sharded_state_dict(module: nn.Module, prefix: str = "") -> list[LogicalChunk]:

@@ -36,50 +36,87 @@ __all__ = ["ShardSpec", "set_shard_spec", "get_shard_spec", "shard_parameter"]
 @dataclass(frozen=True)
 class ShardSpec:
     """A local tensor is chunk ``index`` of ``count`` equal chunks of ``global_shape`` along ``dim``
-    (``dim=None``: the local tensor is the whole logical tensor, replicated)."""
+    (``dim=None``: the local tensor is the whole logical tensor, replicated).
+
+    ``padded_size`` (the vocabulary rows of the embedding and output layer,
+    :mod:`megamoe.tensor_parallel.vocab_padding`): ``dim`` is padded to that size before the split, so
+    the local tensor is chunk ``index`` of the PADDED tensor, and its rows at and beyond
+    ``global_shape[dim]`` are padding: not part of the logical tensor, never saved. :attr:`logical_shape`
+    and :attr:`offsets` describe the real rows only; :meth:`logical_part` is their view of the local tensor.
+    """
 
     global_shape: tuple[int, ...]
     dim: int | None = None
     index: int = 0
     count: int = 1
+    padded_size: int | None = None
 
     def __post_init__(self):
         if self.dim is None:
             if self.count != 1:
                 raise ValueError(f"ShardSpec: a replicated tensor (dim=None) has count 1, got {self.count}")
+            if self.padded_size is not None:
+                raise ValueError("ShardSpec: padded_size pads the split dim; a replicated tensor (dim=None) has none")
             return
         if not 0 <= self.dim < len(self.global_shape):
             raise ValueError(f"ShardSpec.dim {self.dim} out of range for shape {self.global_shape}")
-        if self.global_shape[self.dim] % self.count:
+        size = self.global_shape[self.dim]
+        if self.padded_size is not None and (self.padded_size < size or self.padded_size % self.count):
+            raise ValueError(f"ShardSpec.padded_size {self.padded_size} must be >= the logical size {size} of dim "
+                             f"{self.dim} and divisible into {self.count} shards")
+        if self.padded_size is None and size % self.count:
             raise ValueError(
-                f"ShardSpec: dim {self.dim} of size {self.global_shape[self.dim]} is not divisible into "
-                f"{self.count} shards")
+                f"ShardSpec: dim {self.dim} of size {size} is not divisible into {self.count} shards")
         if not 0 <= self.index < self.count:
             raise ValueError(f"ShardSpec.index {self.index} not in [0, {self.count})")
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        """The local tensor's shape (padding rows included)."""
         if self.dim is None:
             return self.global_shape
         shape = list(self.global_shape)
-        shape[self.dim] //= self.count
+        shape[self.dim] = self._split_size // self.count
+        return tuple(shape)
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The shape of the local tensor's real part (:meth:`logical_part`): ``local_shape`` less padding."""
+        if self.dim is None:
+            return self.global_shape
+        shape = list(self.local_shape)
+        shape[self.dim] = max(0, min(shape[self.dim], self.global_shape[self.dim] - self._start))
         return tuple(shape)
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        """Offset of the local chunk in the logical tensor, per dim."""
+        """Offset of the local chunk's real part in the logical tensor, per dim."""
         off = [0] * len(self.global_shape)
         if self.dim is not None:
-            off[self.dim] = self.index * self.local_shape[self.dim]
+            off[self.dim] = min(self._start, self.global_shape[self.dim])
         return tuple(off)
 
+    @property
+    def _split_size(self) -> int:
+        return self.padded_size if self.padded_size is not None else self.global_shape[self.dim]
+
+    @property
+    def _start(self) -> int:
+        return self.index * (self._split_size // self.count)
+
+    def logical_part(self, local: torch.Tensor) -> torch.Tensor:
+        """The real rows of the local tensor ``local`` (a view; ``local`` itself without padding)."""
+        if self.dim is None or self.padded_size is None:
+            return local
+        return local.narrow(self.dim, 0, self.logical_shape[self.dim])
+
     def slice_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of the logical tensor ``full`` (a view)."""
+        """The part of the logical tensor ``full`` this rank holds (a view, shaped :attr:`logical_shape`)."""
         if tuple(full.shape) != self.global_shape:
             raise ValueError(f"expected the logical shape {self.global_shape}, got {tuple(full.shape)}")
         if self.dim is None:
             return full
-        return full.chunk(self.count, dim=self.dim)[self.index]
+        return full.narrow(self.dim, self.offsets[self.dim], self.logical_shape[self.dim])
 
 
 def set_shard_spec(param: torch.Tensor, spec: ShardSpec) -> None:

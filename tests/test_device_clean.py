@@ -210,6 +210,53 @@ def test_generation_on_meta_creates_every_tensor_on_the_model_device():
             assert out.token_ids == [[0, 0, 0], [0, 0, 0]] and out.decode_steps == 2, out
 
 
+def test_padded_vocabulary_on_meta_creates_every_tensor_on_the_model_device():
+    """A vocabulary TP does not divide (67 under tp 2, padded to 72 by make_vocab_size_divisible_by 4; tied
+    embeddings across pp 2): the padded embedding / output layer, the masking of the padding logits in the
+    loss and the stripping of them in generation stay on the model's device, and the parameters are the
+    estimate's, which counts the padding rows. TP rank 1 of both stages (the ranks holding padding)."""
+    from megamoe.training.memory_estimate import estimate_memory
+    config = dataclasses.replace(tiny_config("allgather"), vocab_size=67, tie_word_embeddings=True,
+                                 make_vocab_size_divisible_by=4)
+    estimate = estimate_memory(config, tp=2, pp=2, dp=1, micro_batch=MICRO_BATCH, seq_len=S)
+    for rank in (1, 3):
+        with _fake_rank(rank, tp=2, pp=2) as state:
+            assert state.tp.rank == 1
+            model = GPTMoEModel(config, state, device="meta")
+            assert model.embed_tokens.weight.shape == (36, config.hidden_size)
+            assert sum(p.numel() * 4 for p in model.parameters()) == estimate.stages[state.pp.rank].param_bytes
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run():
+                trainer.train_step([(batch[:, :-1], batch[:, 1:])])
+            _accumulated_gradients(model)
+            with _meta_run():
+                out = generate(model, state, [[1, 2, 3]], GenerationConfig(max_new_tokens=2))
+            assert out.token_ids == [[0, 0]], out
+
+
+def test_glm_and_minimax_paths_on_meta_create_every_tensor_on_the_model_device():
+    """The paths glm4_moe / minimax_m2 add: partial rotary (4 of 8 head dims), q/k norms across heads on
+    one KV head replicated over TP 2, sigmoid routing with groups and scaling; a training step and a
+    generation (tp 2, ep 2)."""
+    base = tiny_config("allgather")
+    attention = dataclasses.replace(base.attention, num_key_value_heads=1, rope=dataclasses.replace(
+        base.attention.rope, dim=4), qk_norm="full_width")
+    router = dataclasses.replace(base.moe.router, score_func="sigmoid", n_group=2, topk_group=1,
+                                 group_score="top2_sum", routed_scaling_factor=2.5)
+    config = dataclasses.replace(base, attention=attention, moe=dataclasses.replace(base.moe, router=router))
+    for rank in range(WORLD_SIZE):
+        with _fake_rank(rank, tp=2, ep=2, etp=1) as state:
+            model = GPTMoEModel(config, state, device="meta")
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run():
+                metrics = trainer.train_step([(batch[:, :-1], batch[:, 1:])])
+                out = generate(model, state, [[1, 2, 3]], GenerationConfig(max_new_tokens=2))
+            _accumulated_gradients(model)
+            assert math.isnan(metrics.loss) and out.token_ids == [[0, 0]], out
+
+
 def test_train_step_moves_host_micro_batches_to_the_model_device():
     from parallel_state import ParallelState
     state = ParallelState.single_process()

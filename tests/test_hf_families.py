@@ -59,6 +59,16 @@ def hf_config(family):
                                                   topk_method="group_limited_greedy", routed_scaling_factor=2.0),
         "deepseek_v3": lambda: t.DeepseekV3Config(**common, **mla, q_lora_rank=12, n_shared_experts=1,
                                                   routed_scaling_factor=2.5),
+        # head_dim * heads != hidden; partial rotary 0.5 (rotates 6 of 12 dims); per-head qk norm; q/k/v bias
+        "glm4_moe": lambda: t.Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=12, num_hidden_layers=3,
+                                            first_k_dense_replace=1, intermediate_size=24, moe_intermediate_size=16,
+                                            n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+                                            routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True,
+                                            num_nextn_predict_layers=0, eos_token_id=None),
+        # rotary_dim 8 of head_dim 12; one KV head (replicated under TP 2) with the across-heads k norm
+        "minimax_m2": lambda: t.MiniMaxM2Config(**common, num_key_value_heads=1, head_dim=12, rotary_dim=8,
+                                                num_hidden_layers=2, intermediate_size=16, num_local_experts=8,
+                                                bos_token_id=None, eos_token_id=None),
         # Sliding / full / sliding layers (window 4 < S), yarn without truncation as released, a swiglu_limit
         # the N(0, 0.2^2) weights cross (the clamps act); F = 32 so that MXFP4 (32-blocks) can store it.
         "gpt_oss": lambda: t.GptOssConfig(**common, num_key_value_heads=2, head_dim=8, num_hidden_layers=3,
@@ -142,7 +152,8 @@ def test_family_matches_transformers(family):
         _assert_bitwise(on_disk, fused_state, "gpt_oss checkpoint form = in-memory form")
     else:
         assert not any("gate_up_proj" in k for k in on_disk)
-        per_expert = "block_sparse_moe.experts.0.w1.weight" if family == "mixtral" else "mlp.experts.0.gate_proj.weight"
+        per_expert = ("block_sparse_moe.experts.0.w1.weight" if family in ("mixtral", "minimax_m2")
+                      else "mlp.experts.0.gate_proj.weight")
         assert any(k.endswith(per_expert) for k in on_disk)
     _assert_bitwise(adapter.hf_to_megamoe(on_disk, config), logical, f"{family} from checkpoint form")
     _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=False), on_disk, f"{family} checkpoint round trip")
@@ -162,6 +173,29 @@ def test_config_mapping():
     assert qwen3.moe_layer_ids == (1,) and qwen3.tie_word_embeddings and qwen3.attention.qk_norm == "per_head"
     assert hf_model("mixtral")[1].attention.sliding_window == 5 and hf_model("mixtral")[1].moe.router.norm_topk_prob
     assert hf_model("olmoe")[1].attention.qk_norm == "full_width"
+    glm = hf_model("glm4_moe")[1]
+    assert glm.moe_layer_ids == (1, 2) and glm.dense_mlp.intermediate_size == 24 and glm.moe.ffn_hidden_size == 16
+    rg = glm.moe.router
+    assert (rg.score_func, rg.n_group, rg.topk_group, rg.group_score, rg.routed_scaling_factor) == (
+        "sigmoid", 2, 1, "top2_sum", 1.5)
+    assert rg.use_expert_bias and rg.norm_topk_prob and (rg.aux_loss_coeff, rg.seq_aux_loss_coeff) == (0.0, 0.0)
+    assert glm.moe.shared_experts.ffn_hidden_size == 16 and not glm.moe.shared_experts.gate
+    ga = glm.attention
+    assert (ga.head_dim, ga.rope.dim, ga.rope.layout, ga.qk_norm, ga.qkv_bias, ga.o_proj_bias) == (
+        12, 6, "half", "per_head", True, False)
+    minimax = hf_model("minimax_m2")[1]
+    assert minimax.moe_layer_ids == (0, 1) and minimax.dense_mlp is None and minimax.moe.shared_experts is None
+    rm = minimax.moe.router
+    assert (rm.score_func, rm.n_group, rm.routed_scaling_factor, rm.norm_topk_prob, rm.use_expert_bias) == (
+        "sigmoid", 1, 1.0, True, True)
+    assert rm.aux_loss_coeff == pytest.approx(0.001 * 2)      # router_aux_loss_coef * top_k, for training
+    assert config_from_hf(hf_config("minimax_m2"), for_training=False).moe.router.aux_loss_coeff == 0.0
+    ma = minimax.attention
+    assert (ma.num_key_value_heads, ma.head_dim, ma.rope.dim, ma.rope.theta, ma.qk_norm) == (
+        1, 12, 8, 5e6, "full_width")
+    no_qk_norm = hf_config("glm4_moe")
+    no_qk_norm.use_qk_norm = False
+    assert config_from_hf(no_qk_norm).attention.qk_norm is None
     oss = hf_model("gpt_oss")[1]
     assert oss.sliding_window_layer_ids == (0, 2) and oss.attention.sliding_window == 4 and oss.attention.sinks
     assert oss.attention.qkv_bias and oss.attention.o_proj_bias and oss.attention.rope.truncate is False
@@ -191,6 +225,35 @@ def test_config_errors():
         config_from_hf(v2)
     with pytest.raises(ValueError, match="sliding_window_layer_ids needs attention.sliding_window"):
         dataclasses.replace(hf_model("olmoe")[1], sliding_window_layer_ids=(0,))
+    odd = hf_config("glm4_moe")
+    odd.rope_parameters["partial_rotary_factor"] = 0.25              # 3 of 12 head dims: not pairs
+    with pytest.raises(ValueError, match="partial_rotary_factor.*rotates 3 of the 12"):
+        config_from_hf(odd)
+    partial_qwen = hf_config("qwen3_moe")                           # transformers' qwen3_moe rotates whole heads
+    partial_qwen.rope_parameters["partial_rotary_factor"] = 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor.*only glm4_moe and minimax_m2"):
+        config_from_hf(partial_qwen)
+    softmax = hf_config("minimax_m2")
+    softmax.scoring_func = "softmax"                                 # config.json field transformers never reads
+    with pytest.raises(ValueError, match="minimax_m2: scoring_func='softmax' is not supported"):
+        config_from_hf(softmax)
+    per_head = hf_config("minimax_m2")
+    per_head.qk_norm_type = "per_head"
+    with pytest.raises(ValueError, match="qk_norm_type='per_head'"):
+        config_from_hf(per_head)
+    lightning = hf_config("minimax_m2")
+    lightning.attn_type_list = [1, 0]
+    with pytest.raises(ValueError, match=r"attn_type_list \[1, 0\] has layers other than 1"):
+        config_from_hf(lightning)
+    released = hf_config("minimax_m2")                               # the fields MiniMax-M2's config.json sets
+    for name, value in dict(scoring_func="sigmoid", use_routing_bias=True, shared_intermediate_size=0,
+                            use_qk_norm=True, qk_norm_type="per_layer", attn_type_list=[1, 1]).items():
+        setattr(released, name, value)
+    assert config_from_hf(released, expert_backend="torch") == hf_model("minimax_m2")[1]
+    gelu = hf_config("minimax_m2")
+    gelu.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="minimax_m2: hidden_act 'gelu'"):
+        config_from_hf(gelu)
     data = hf_model("olmoe")[1].to_dict()
     data["moe"]["router"]["temperature"] = 1.0
     with pytest.raises(ValueError, match="temperature.*moe.router"):
@@ -223,6 +286,29 @@ def test_adapter_rejects_bad_input():
     logical["layers.2.mlp.experts.5.up_proj.weight"] = torch.zeros(16, 31)
     with pytest.raises(ValueError, match=r"experts.5.up_proj.weight' has shape \(16, 31\)"):
         load_logical_state(model, logical)
+
+
+def test_new_family_adapters_reject_bad_input():
+    """MiniMax-M2's block-level expert bias is required in either form; GLM-4.5's MTP layer (after the
+    last layer) is skipped, as transformers does."""
+    hf, config = hf_model("minimax_m2")
+    adapter = adapter_for("minimax_m2")
+    on_disk = _checkpoint_form(hf)
+    key = "model.layers.1.block_sparse_moe.e_score_correction_bias"
+    assert key in on_disk and "model.layers.1.mlp.e_score_correction_bias" in hf.state_dict()
+    with pytest.raises(AdapterError, match=f"missing HF key for 'layers.1.mlp.router.expert_bias'.*'{key}'"):
+        adapter.hf_to_megamoe({k: v for k, v in on_disk.items() if k != key}, config)
+    with pytest.raises(AdapterError, match=f"'{key}' has shape \\(4,\\)"):
+        adapter.hf_to_megamoe({**on_disk, key: torch.zeros(4)}, config)
+    hf, config = hf_model("glm4_moe")
+    adapter = adapter_for("glm4_moe")
+    state = dict(hf.state_dict())
+    mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(32, 64),
+           "model.layers.3.enorm.weight": torch.ones(32)}
+    assert set(adapter.hf_to_megamoe(mtp, config)) == set(adapter.hf_to_megamoe(state, config))
+    q_norm = "model.layers.2.self_attn.q_norm.weight"
+    with pytest.raises(AdapterError, match="missing HF key for 'layers.2.self_attn.q_norm.weight'"):
+        adapter.hf_to_megamoe({k: v for k, v in state.items() if k != q_norm}, config)
 
 
 def test_adapter_streams_in_any_order():

@@ -32,6 +32,8 @@ def _hf():
     from transformers import masking_utils, modeling_rope_utils
     from transformers.models.deepseek_v2 import modeling_deepseek_v2
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.glm4_moe import modeling_glm4_moe
+    from transformers.models.minimax_m2 import modeling_minimax_m2
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.olmoe import modeling_olmoe
     from transformers.models.qwen2_moe import modeling_qwen2_moe
@@ -42,13 +44,17 @@ def _hf():
         attention={"mixtral": modeling_mixtral.MixtralAttention, "qwen2_moe": modeling_qwen2_moe.Qwen2MoeAttention,
                    "qwen3_moe": modeling_qwen3_moe.Qwen3MoeAttention, "olmoe": modeling_olmoe.OlmoeAttention,
                    "deepseek_v2": modeling_deepseek_v2.DeepseekV2Attention,
-                   "deepseek_v3": modeling_deepseek_v3.DeepseekV3Attention},
+                   "deepseek_v3": modeling_deepseek_v3.DeepseekV3Attention,
+                   "glm4_moe": modeling_glm4_moe.Glm4MoeAttention,
+                   "minimax_m2": modeling_minimax_m2.MiniMaxM2Attention},
         rotary={"mixtral": modeling_mixtral.MixtralRotaryEmbedding,
                 "qwen2_moe": modeling_qwen2_moe.Qwen2MoeRotaryEmbedding,
                 "qwen3_moe": modeling_qwen3_moe.Qwen3MoeRotaryEmbedding,
                 "olmoe": modeling_olmoe.OlmoeRotaryEmbedding,
                 "deepseek_v2": modeling_deepseek_v2.DeepseekV2RotaryEmbedding,
-                "deepseek_v3": modeling_deepseek_v3.DeepseekV3RotaryEmbedding},
+                "deepseek_v3": modeling_deepseek_v3.DeepseekV3RotaryEmbedding,
+                "glm4_moe": modeling_glm4_moe.Glm4MoeRotaryEmbedding,
+                "minimax_m2": modeling_minimax_m2.MiniMaxM2RotaryEmbedding},
         mlp={"qwen2_moe": modeling_qwen2_moe.Qwen2MoeMLP, "deepseek_v2": modeling_deepseek_v2.DeepseekV2MLP})
 
 
@@ -96,6 +102,15 @@ def hf_configs():
         "deepseek_v3": t.DeepseekV3Config(**common, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12,
                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                                           attention_bias=True, rope_parameters=dict(YARN_V3)),
+        # partial rotary: yarn over the first 6 of 12 head dims; q/k/v biases; per-head q/k norm
+        "glm4_moe": t.Glm4MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                    attention_bias=True, use_qk_norm=True,
+                                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                     "original_max_position_embeddings": 16,
+                                                     "partial_rotary_factor": 0.5}),
+        # rotary_dim 4 of 8; q/k norms across heads
+        "minimax_m2": t.MiniMaxM2Config(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        rotary_dim=4, bos_token_id=None, eos_token_id=None),
     }
 
 
@@ -161,7 +176,7 @@ def _hf_attention(kind, cfg):
 # ----------------------------------------------------------------------------------------------
 # Single-rank tests against HF
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2"])
 def test_attention_matches_hf(kind):
     cfg = hf_configs()[kind]
     hf, run_hf = _hf_attention(kind, cfg)
@@ -179,6 +194,11 @@ def test_attention_config_mapping():
     assert qwen3.qk_norm == "per_head" and qwen3.head_dim == 12 and qwen3.o_proj_bias
     olmoe = attention_config(configs["olmoe"])
     assert olmoe.qk_norm == "full_width" and olmoe.clip_qkv == 2.5
+    glm = attention_config(configs["glm4_moe"])
+    assert (glm.rope.dim, glm.head_dim, glm.rope.rope_type, glm.qk_norm) == (6, 12, "yarn", "per_head")
+    assert glm.qkv_bias and not glm.o_proj_bias
+    minimax = attention_config(configs["minimax_m2"])
+    assert (minimax.rope.dim, minimax.head_dim, minimax.qk_norm, minimax.qkv_bias) == (4, 8, "full_width", False)
     # Qwen2-MoE with use_sliding_window: HF marks layers 0, 2, 4, ... below max_window_layers as sliding.
     sliding = _hf().transformers.Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
                                                 num_hidden_layers=2, use_sliding_window=True, sliding_window=5,
@@ -358,7 +378,7 @@ def test_configs_validate_themselves():
     with pytest.raises(ValueError, match="num_attention_heads"):
         AttentionConfig(hidden_size=H, num_attention_heads=6, num_key_value_heads=4, head_dim=8, rope=rope)
     with pytest.raises(ValueError, match="rope.dim"):
-        AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope=rope)
+        AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=4, rope=rope)
     with pytest.raises(ValueError, match="qk_norm"):
         AttentionConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope=rope,
                         qk_norm="olmo")
@@ -372,6 +392,15 @@ def test_configs_validate_themselves():
         RopeConfig.from_hf({"rope_type": "longrope"}, dim=8, max_position_embeddings=16)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         RopeConfig.from_hf({"rope_type": "default", "partial_rotary_factor": 0.5}, dim=8, max_position_embeddings=16)
+    partial = dict(dim=12, max_position_embeddings=16, partial_rotary=True)
+    assert RopeConfig.from_hf({"partial_rotary_factor": 0.5}, **partial).dim == 6
+    assert RopeConfig.from_hf({}, **partial).dim == 12
+    with pytest.raises(ValueError, match="rotates 3 of the 12 head dims"):
+        RopeConfig.from_hf({"partial_rotary_factor": 0.25}, **partial)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\], got 1.5"):
+        RopeConfig.from_hf({"partial_rotary_factor": 1.5}, **partial)
+    with pytest.raises(ValueError, match="8 rotary dims exceed the 6 features"):
+        apply_rotary(torch.zeros(1, 1, 2, 6), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), "half")
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
         RopeConfig(dim=8, rope_type="yarn", factor=4.0)
     with pytest.raises(ValueError, match="RopeConfig.dim"):

@@ -3,7 +3,8 @@
 Every rank of the model calls :func:`generate` (it is collective). Per step, each pipeline stage
 receives the previous stage's hidden states (:mod:`megamoe.comms` send / recv), runs its layers on
 its own :class:`~megamoe.inference.kv_cache.StaticKVCache` per layer, and the last stage gathers the
-vocabulary shards of the LAST position's logits over TP, picks the next tokens
+vocabulary shards of the LAST position's logits over TP (a padded vocabulary's padding stripped:
+:func:`~megamoe.tensor_parallel.vocab_padding.gather_vocab_parallel_logits`), picks the next tokens
 (:mod:`megamoe.inference.sampling`) and broadcasts them over the pipeline group, so every rank
 knows them and the next step starts.
 
@@ -50,6 +51,7 @@ from megamoe.host_values import host_ints
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 
 __all__ = ["GenerationConfig", "GenerationOutput", "generate", "left_padded_batch"]
@@ -175,7 +177,7 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
                                       prev_rank, state.pp.group)
         output = forward(model, chunk_inputs, positions, caches, attention_mask, token_mask, chunk)
         if model.chunk_is_last(chunk):
-            logits = comms.gather_from_tensor_parallel_region(output, state.tp.group)          # [B, V]
+            logits = gather_vocab_parallel_logits(output, state.tp.group, model.config.vocab_size)   # [B, V]
             tokens = sample_next_tokens(logits.float(), sampling, generators)
         else:
             comms.send(output, next_rank, state.pp.group)

@@ -8,6 +8,7 @@ import torch
 
 from megamoe import comms
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 
 __all__ = ["pipeline_logits"]
 
@@ -18,7 +19,8 @@ def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor, *, posit
     """input_ids [B, S] (identical on every rank of the pipeline and TP groups) -> logits [B, S, V] fp32.
 
     Stages run in turn: each receives the previous stage's hidden states, the last stage gathers the
-    vocab shards over TP, and the logits are broadcast back over the pipeline group. ``position_ids``
+    vocab shards over TP (the padding of a padded vocabulary stripped: V columns), and the logits are
+    broadcast back over the pipeline group. ``position_ids``
     / ``document_ids`` [B, S] (packed documents, :mod:`megamoe.data.packing`) go to every stage.
     """
     batch, seq = input_ids.shape
@@ -37,7 +39,7 @@ def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor, *, posit
             inputs = comms.recv(torch.empty(batch, seq, hidden_size, dtype=dtype, device=device), prev_rank, pp.group)
         output, _ = model(inputs, position_ids, document_ids=document_ids, chunk=chunk)
         if model.chunk_is_last(chunk):
-            logits = comms.gather_from_tensor_parallel_region(output, state.tp.group).float()
+            logits = gather_vocab_parallel_logits(output, state.tp.group, model.config.vocab_size).float()
         else:
             comms.send(output, next_rank, pp.group)
     if logits is None:

@@ -70,8 +70,9 @@ def _filtered_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
 
 def sample_next_tokens(logits: torch.Tensor, config: SamplingConfig,
                        generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """logits [B, V] (full vocabulary) -> next token ids [B] int64. ``generators``: one per row, each
-    advanced by one draw (not used when greedy)."""
+    """logits [B, V] (full vocabulary: the padding of a padded one stripped, as
+    :func:`~megamoe.tensor_parallel.vocab_padding.gather_vocab_parallel_logits` gives them) -> next token
+    ids [B] int64. ``generators``: one per row, each advanced by one draw (not used when greedy)."""
     if config.greedy:
         return logits.argmax(dim=-1)
     if len(generators) != logits.shape[0]:

@@ -49,6 +49,11 @@ class GPTMoEConfig:
     # Under tensor parallelism: norms, residuals and dropout run on sequence shards [B, S / tp, H]
     # (see megamoe.models.sequence_parallel). An engine field: a checkpoint resumes with either choice.
     sequence_parallel: bool = False
+    # The embedding and output layer are padded internally to a multiple of this times the TP size (as
+    # Megatron's --make-vocab-size-divisible-by; its default is 128): any vocab_size runs under any TP
+    # size (megamoe.tensor_parallel.vocab_padding). 1: padded only where TP does not divide vocab_size.
+    # An engine field: the padding is never saved, a checkpoint resumes under any value and any TP.
+    make_vocab_size_divisible_by: int = 1
     # The checkpoint's linear weights are kept block-quantized (float8_e4m3fn + block scales, as DeepSeek's
     # FP8 releases store them; see megamoe.quantization.block_fp8): the model holds them so and runs them.
     # None: ordinary floating-point weights.
@@ -66,6 +71,9 @@ class GPTMoEConfig:
                              f"{type(self.weight_quantization).__name__}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"GPTMoEConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        divisible_by = self.make_vocab_size_divisible_by
+        if isinstance(divisible_by, bool) or not isinstance(divisible_by, int) or divisible_by < 1:
+            raise ValueError(f"GPTMoEConfig.make_vocab_size_divisible_by must be an int >= 1, got {divisible_by!r}")
         for name in ("vocab_size", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTMoEConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -2,24 +2,28 @@
 
 Checked against transformers 5.24's modeling code (HF config names in quotes):
 
-- attention: GQA for mixtral, qwen2_moe, qwen3_moe, olmoe; MLA for deepseek_v2 / deepseek_v3
-  (interleaved rope for V2, and for V3 when "rope_interleave"). q/k norm: per head (qwen3_moe),
-  across heads (olmoe). Biases: q/k/v from "qkv_bias" (qwen2_moe); q/k/v and o from
-  "attention_bias" (qwen3_moe, olmoe). Sliding window: "sliding_window" on every layer (mixtral;
-  qwen3_moe, whose config clears it unless "use_sliding_window"); qwen2_moe marks layers in
-  "layer_types" (as gpt_oss does): mixed layers give ``GPTMoEConfig.sliding_window_layer_ids``.
+- attention: GQA for mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, minimax_m2; MLA for deepseek_v2 /
+  deepseek_v3 (interleaved rope for V2, and for V3 when "rope_interleave"). q/k norm: per head (qwen3_moe;
+  glm4_moe when "use_qk_norm"), across heads (olmoe, minimax_m2, always). Biases: q/k/v from "qkv_bias"
+  (qwen2_moe) or "attention_bias" (glm4_moe); q/k/v and o from "attention_bias" (qwen3_moe, olmoe).
+  Partial rotary (glm4_moe, minimax_m2): the first ``int(head_dim * "partial_rotary_factor")`` features
+  of each head rotate in the ``half`` layout (GLM's default factor is 0.5; MiniMax-M2's config derives it
+  from "rotary_dim"); the other families refuse a factor other than 1. Sliding window:
+  "sliding_window" on every layer (mixtral; qwen3_moe, whose config clears it unless
+  "use_sliding_window"); qwen2_moe marks layers in "layer_types" (as gpt_oss does): mixed layers give
+  ``GPTMoEConfig.sliding_window_layer_ids``.
 - gpt_oss: GQA with q/k/v/o biases ("attention_bias"), attention sinks (``AttentionConfig.sinks``), yarn
   rope, sliding layers by "layer_types"; every layer MoE, "intermediate_size" per expert, experts with
   biases and the clamped SwiGLU ("swiglu_alpha", "swiglu_limit"; activation ``swiglu_clamped``), a router
   with bias and a softmax over the top-k logits (= renormalised softmax: ``norm_topk_prob``).
-- which layers are MoE: every layer (mixtral, olmoe); qwen2_moe / qwen3_moe: layer ``i`` unless
-  ``i in "mlp_only_layers"`` or ``(i + 1) % "decoder_sparse_step" != 0`` (none when "num_experts"
-  is 0); deepseek: ``i >= "first_k_dense_replace"`` (transformers ignores DeepSeek's
-  "moe_layer_freq"; a value other than 1 is refused rather than silently reinterpreted).
-- expert FFN size: "intermediate_size" (mixtral, olmoe), "moe_intermediate_size" (qwen, deepseek);
-  dense layers use "intermediate_size".
+- which layers are MoE: every layer (mixtral, olmoe, minimax_m2); qwen2_moe / qwen3_moe: layer ``i``
+  unless ``i in "mlp_only_layers"`` or ``(i + 1) % "decoder_sparse_step" != 0`` (none when
+  "num_experts" is 0); deepseek, glm4_moe: ``i >= "first_k_dense_replace"`` (transformers ignores
+  DeepSeek's "moe_layer_freq"; a value other than 1 is refused rather than silently reinterpreted).
+- expert FFN size: "intermediate_size" (mixtral, olmoe, minimax_m2), "moe_intermediate_size" (qwen,
+  deepseek, glm4_moe); dense layers use "intermediate_size".
 - shared experts: qwen2_moe: "shared_expert_intermediate_size" with a sigmoid gate; deepseek:
-  "n_shared_experts" * "moe_intermediate_size", no gate.
+  "n_shared_experts" * "moe_intermediate_size", no gate (glm4_moe likewise); minimax_m2 has none.
 - router: see :mod:`megamoe.moe.router`. The balancing loss HF adds when "output_router_logits"
   (mixtral, qwen, olmoe) is reproduced with ``aux_loss_coeff = "router_aux_loss_coef" * top_k``.
 
@@ -29,15 +33,24 @@ default (``for_training=True``) the config therefore carries the family's balanc
 
 - mixtral, qwen2_moe, qwen3_moe, olmoe: ``aux_loss_coeff = "router_aux_loss_coef" * top_k`` whatever
   "output_router_logits" says;
+- minimax_m2: the same coefficient, plus its expert bias (``use_expert_bias``: it routes by sigmoid score +
+  "e_score_correction_bias", like DeepSeek-V3). HF computes its balancing loss from a softmax over the
+  router logits, which its routing never uses; here the loss is the switch loss of the normalised
+  sigmoid scores the router does use (as for DeepSeek-V3), so its value differs from HF's;
 - deepseek_v2: DeepSeek's sequence-wise balance loss, ``seq_aux_loss_coeff = "aux_loss_alpha"``
   ("seq_aux" False: the batch-wise ``aux_loss_coeff``), defaulting to DeepSeek's 0.001 when the config
   has no "aux_loss_alpha" (transformers' own config class drops it; checkpoints' config.json carry it);
-- deepseek_v3: the aux-loss-free expert bias (``use_expert_bias``, update rate 1e-3 as in the paper),
-  plus the sequence-wise loss when the config carries "aux_loss_alpha".
+- deepseek_v3 and glm4_moe (whose router is DeepSeek-V3's: GLM-4.5 trains with loss-free balance routing):
+  the aux-loss-free expert bias (``use_expert_bias``, update rate 1e-3 as in the paper), plus the
+  sequence-wise loss when the config carries "aux_loss_alpha".
 
 ``for_training=False`` gives what HF's forward computes (for comparing training losses with
-transformers): the mixtral / qwen / olmoe loss only when "output_router_logits", no loss for DeepSeek
-(the expert bias stays: it is part of DeepSeek-V3's routing). Logits never depend on the choice.
+transformers): the mixtral / qwen / olmoe (and, in its own form, minimax_m2) loss only when
+"output_router_logits", no loss for DeepSeek or GLM (the expert bias stays: it is part of their
+routing). Logits never depend on the choice.
+
+Multi-token prediction layers (glm4_moe's "num_nextn_predict_layers", stored as ``model.layers.{L}.*``
+after the L decoder layers) are skipped on import, as transformers skips them.
 """
 
 from __future__ import annotations
@@ -58,13 +71,26 @@ __all__ = ["SUPPORTED_FAMILIES", "config_from_hf", "attention_config", "mla_conf
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                      "minimax_m2", "gpt_oss")
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# Their HF rotary embeddings read rope_parameters' "partial_rotary_factor" (GLM-4.5: 0.5 by default;
+# MiniMax-M2: "rotary_dim" / "head_dim"): only the first part of each head rotates.
+_PARTIAL_ROTARY_FAMILIES = ("glm4_moe", "minimax_m2")
 
 
 def _rope(cfg, dim: int, layout: str = "half") -> RopeConfig:
     return RopeConfig.from_hf(cfg.rope_parameters, dim=dim, max_position_embeddings=cfg.max_position_embeddings,
-                              layout=layout)
+                              layout=layout, partial_rotary=cfg.model_type in _PARTIAL_ROTARY_FAMILIES)
+
+
+def _qk_norm(cfg) -> str | None:
+    """The q/k norm: per head (qwen3_moe; glm4_moe when "use_qk_norm"), across heads (olmoe, minimax_m2:
+    one RMSNorm over all q heads' features, one over all k heads')."""
+    family = cfg.model_type
+    if family == "glm4_moe":
+        return "per_head" if cfg.use_qk_norm else None
+    return {"qwen3_moe": "per_head", "olmoe": "full_width", "minimax_m2": "full_width"}.get(family)
 
 
 _LAYER_TYPE_FAMILIES = ("qwen2_moe", "gpt_oss")      # sliding layers marked by "layer_types"
@@ -92,16 +118,21 @@ def _sliding_window(cfg, layer_idx: int | None) -> int | None:
 
 
 def attention_config(cfg, layer_idx: int | None = None) -> AttentionConfig:
-    """GQA attention of mixtral, qwen2_moe, qwen3_moe and olmoe: of layer ``layer_idx``, or (None) the
-    one config all layers share (ValueError when qwen2_moe's layers differ in their sliding window)."""
+    """GQA attention of mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe and minimax_m2: of layer
+    ``layer_idx``, or (None) the one config all layers share (ValueError when qwen2_moe's layers differ in
+    their sliding window)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     family = cfg.model_type
     biased = family in ("qwen3_moe", "olmoe", "gpt_oss") and cfg.attention_bias
+    qkv_bias = biased
+    if family == "qwen2_moe":
+        qkv_bias = cfg.qkv_bias
+    elif family == "glm4_moe":           # "attention_bias" biases q/k/v only: its o_proj never has one
+        qkv_bias = cfg.attention_bias
     return AttentionConfig(
         hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim, rope=_rope(cfg, head_dim),
-        qkv_bias=cfg.qkv_bias if family == "qwen2_moe" else biased, o_proj_bias=biased,
-        qk_norm={"qwen3_moe": "per_head", "olmoe": "full_width"}.get(family), norm_eps=cfg.rms_norm_eps,
+        qkv_bias=qkv_bias, o_proj_bias=biased, qk_norm=_qk_norm(cfg), norm_eps=cfg.rms_norm_eps,
         sliding_window=_sliding_window(cfg, layer_idx), clip_qkv=getattr(cfg, "clip_qkv", None),
         init_std=cfg.initializer_range, sinks=family == "gpt_oss")
 
@@ -125,16 +156,18 @@ def mlp_config(cfg) -> MLPConfig:
 
 def _num_experts(cfg) -> int:
     family = cfg.model_type
-    if family in ("mixtral", "gpt_oss"):
+    if family in ("mixtral", "minimax_m2", "gpt_oss"):
         return cfg.num_local_experts
-    return cfg.n_routed_experts if family in _MLA_FAMILIES else cfg.num_experts
+    return cfg.n_routed_experts if family in _MLA_FAMILIES + ("glm4_moe",) else cfg.num_experts
 
 
 def moe_layer_ids(cfg) -> tuple[int, ...]:
     """The layers transformers builds with a sparse MoE block."""
     family, layers = cfg.model_type, range(cfg.num_hidden_layers)
-    if family in ("mixtral", "olmoe", "gpt_oss"):
+    if family in ("mixtral", "olmoe", "minimax_m2", "gpt_oss"):
         return tuple(layers)
+    if family == "glm4_moe":             # no "moe_layer_freq" in GLM's config
+        return tuple(i for i in layers if i >= cfg.first_k_dense_replace)
     if family in ("qwen2_moe", "qwen3_moe"):
         if cfg.num_experts == 0:
             return ()
@@ -146,13 +179,37 @@ def moe_layer_ids(cfg) -> tuple[int, ...]:
     return tuple(i for i in layers if i >= cfg.first_k_dense_replace)
 
 
+# config.json fields transformers' modeling code never reads, whose other values would describe another
+# model than the one it (and megamoe) computes: refused rather than silently run as this one.
+_UNREAD_FIELDS = {
+    "minimax_m2": {"scoring_func": "sigmoid", "use_routing_bias": True, "shared_intermediate_size": 0,
+                   "use_qk_norm": True, "qk_norm_type": "per_layer"},
+}
+
+
+def _refuse_unread_fields(cfg) -> None:
+    family = cfg.model_type
+    for name, computed in _UNREAD_FIELDS.get(family, {}).items():
+        value = getattr(cfg, name, computed)
+        if value != computed:
+            raise ValueError(f"{family}: {name}={value!r} is not supported: transformers' {family} (and megamoe) "
+                             f"compute {name}={computed!r} and ignore the field")
+    # MiniMax's "attn_type_list": 1 = softmax attention per layer (0, MiniMax-01's lightning attention, is
+    # another model); MiniMax-M2 releases list 1 for every layer.
+    kinds = getattr(cfg, "attn_type_list", None) if family == "minimax_m2" else None
+    if kinds is not None and any(kind != 1 for kind in kinds):
+        raise ValueError(f"minimax_m2: attn_type_list {list(kinds)} has layers other than 1 (softmax attention); "
+                         "transformers' minimax_m2 (and megamoe) run softmax attention on every layer")
+
+
 _DEEPSEEK_AUX_LOSS_ALPHA = 0.001   # DeepSeek's configuration_deepseek.py default ("aux_loss_alpha", "seq_aux" True)
 
 
 def balancing_losses(cfg, for_training: bool = True) -> dict[str, float]:
     """The RouterConfig loss coefficients of the family's load balancing (see the module docstring)."""
     family = cfg.model_type
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):   # HF's load_balancing_loss_func
+    # HF's load_balancing_loss_func:
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "minimax_m2", "gpt_oss"):
         on = for_training or cfg.output_router_logits
         return {"aux_loss_coeff": cfg.router_aux_loss_coef * cfg.num_experts_per_tok if on else 0.0}
     if not for_training:
@@ -172,6 +229,10 @@ def router_config(cfg, for_training: bool = True) -> RouterConfig:
                   init_std=cfg.initializer_range, **balancing_losses(cfg, for_training))
     if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return RouterConfig(**common, score_func="softmax", norm_topk_prob=family == "mixtral" or cfg.norm_topk_prob)
+    if family == "minimax_m2":
+        # sigmoid scores, selection by score + e_score_correction_bias, the selected scores renormalised;
+        # no groups, no scaling (transformers' MiniMaxM2TopKRouter).
+        return RouterConfig(**common, score_func="sigmoid", norm_topk_prob=True, use_expert_bias=True)
     if family == "gpt_oss":     # softmax over the top-k logits = the top-k softmax scores renormalised
         return RouterConfig(**common, score_func="softmax", norm_topk_prob=True, bias=True)
     if family == "deepseek_v2":
@@ -194,7 +255,7 @@ def _shared_experts(cfg) -> SharedExpertsConfig | None:
     if family == "qwen2_moe":
         return SharedExpertsConfig(cfg.hidden_size, cfg.shared_expert_intermediate_size, gate=True,
                                    init_std=cfg.initializer_range)
-    if family in _MLA_FAMILIES and cfg.n_shared_experts:
+    if family in _MLA_FAMILIES + ("glm4_moe",) and cfg.n_shared_experts:
         if getattr(cfg, "mlp_bias", False):
             raise ValueError(f"{family}: mlp_bias=True gives the shared experts biases, which are not supported")
         return SharedExpertsConfig(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size,
@@ -216,6 +277,7 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
     cfg = hf_config
+    _refuse_unread_fields(cfg)
     for name in ("attention_dropout", "router_jitter_noise"):
         if getattr(cfg, name, 0.0):
             logger.warning("%s: %s=%s is ignored (training-time noise is not reproduced)", family, name,
@@ -226,7 +288,8 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
         if cfg.hidden_act != "silu":
             raise ValueError(f"{family}: hidden_act {cfg.hidden_act!r}: gated experts are supported with 'silu' "
                              "(SwiGLU) only")
-        ffn = cfg.intermediate_size if family in ("mixtral", "olmoe", "gpt_oss") else cfg.moe_intermediate_size
+        ffn = (cfg.intermediate_size if family in ("mixtral", "olmoe", "minimax_m2", "gpt_oss")
+               else cfg.moe_intermediate_size)
         gpt_oss = family == "gpt_oss"
         activation = dict(activation="swiglu_clamped", expert_bias=True, swiglu_alpha=cfg.swiglu_alpha,
                           swiglu_limit=cfg.swiglu_limit) if gpt_oss else dict(activation="swiglu")

@@ -60,6 +60,8 @@ from megamoe.pipeline.partition import partition_layers
 from megamoe.quantization.kept_weights import keep_block_fp8_weights
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
+from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits  # noqa: F401 (doc)
+from megamoe.tensor_parallel.vocab_padding import mask_padded_logits_, padded_vocab_size
 from megamoe.transformer import RMSNorm
 from megamoe.transformer.attention import check_no_cache_with_documents
 from megamoe.transformer.context_parallel import (check_context_parallel_length, cp_token_index,  # noqa: F401 (doc)
@@ -255,7 +257,8 @@ class GPTMoEModel(nn.Module):
     document_ids=None) -> (output, aux_loss)``: ``inputs`` are token ids [B, S] on the first stage and
     hidden states [B, S, H] elsewhere; the output is the hidden states for the next stage, or on the
     last stage the mean token loss (with ``labels``; -100 ignored) or this rank's vocab shard of the
-    logits [B, S, V / tp]. Under sequence parallelism (``config.sequence_parallel``, tp > 1; see
+    logits [B, S, Vp / tp] (``Vp = padded_vocab_size``: the vocabulary padded to a multiple of tp, the
+    padding columns -inf; see :meth:`logits`). Under sequence parallelism (``config.sequence_parallel``, tp > 1; see
     :mod:`megamoe.models.sequence_parallel`) the hidden states in and out of a stage are this TP rank's
     chunk [B, S / tp, H], while ids, labels, ``position_ids`` and ``document_ids`` stay [B, S].
     Under context parallelism (cp > 1, :mod:`megamoe.transformer.context_parallel`) every CP rank gets
@@ -298,8 +301,13 @@ class GPTMoEModel(nn.Module):
                           else [i for chunk in self.chunk_layer_ids for i in chunk])
         self.is_first_stage, self.is_last_stage = state.is_first_pp_stage, state.is_last_pp_stage
         init = dict(init_method=normal_init(config.init_std))
+        # Any vocabulary under any TP: the vocabulary rows are padded (megamoe.tensor_parallel.vocab_padding).
+        self.padded_vocab_size = padded_vocab_size(config.vocab_size, state.tp.size,
+                                                   config.make_vocab_size_divisible_by)
+        self.vocab_start = state.tp.rank * (self.padded_vocab_size // state.tp.size)
         if self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp,
+                                                       padded_num_embeddings=self.padded_vocab_size,
                                                        **sp, **init, **factory)
         # The rotary angles of a forward's positions, computed once and shared by every layer.
         self.rotary = RotaryEmbedding(config.attention.rope, device=device)
@@ -316,7 +324,7 @@ class GPTMoEModel(nn.Module):
                 self.norm.weight.sequence_parallel = True
             if not config.tie_word_embeddings:
                 self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, tp_group=tp, bias=False,
-                                                    **init, **factory)
+                                                    padded_out_features=self.padded_vocab_size, **init, **factory)
 
     def without_sequence_parallel(self) -> GPTMoEModel:
         """This model, or under sequence parallelism a copy built without it holding the same weights
@@ -394,7 +402,7 @@ class GPTMoEModel(nn.Module):
         if labels is None:
             return logits_local, aux_loss
         token_loss = vocab_parallel_cross_entropy(logits_local, slice_for_context_parallel(labels, self.cp_group),
-                                                  self.state.tp.group)
+                                                  self.state.tp.group, vocab_size=self.config.vocab_size)
         num_tokens = (labels != -100).sum().clamp(min=1)     # of the WHOLE micro-batch (the full labels)
         # Context parallelism: cp x this rank's share of the micro-batch's mean token loss; the mean over
         # the CP ranks (the trainer's average over dp x cp) is the mean token loss (see the class docstring).
@@ -496,7 +504,12 @@ class GPTMoEModel(nn.Module):
         return hidden, aux_loss
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + output layer: this rank's vocab shard of the logits (fp32 for the loss)."""
+        """Final norm + output layer: this rank's vocab shard of the logits [..., Vp / tp] (fp32 for the
+        loss). Columns of a padded vocabulary's padding rows are -inf (they never win, take no
+        probability and pass no gradient); :func:`gather_vocab_parallel_logits` strips them."""
+        return mask_padded_logits_(self._output_layer(hidden), self.vocab_start, self.config.vocab_size)
+
+    def _output_layer(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_group is not None:
             # The final norm ran on this rank's chunk; the output layer needs the whole sequence (the
             # backward reduce-scatter sums the vocab shards' partial gradients of every position).

@@ -17,6 +17,12 @@ top_k = "num_experts_per_tok", init_std = "initializer_range".
                routed_scaling_factor = "routed_scaling_factor", n_group = "n_group",
                topk_group = "topk_group", group_score = top2_sum, use_expert_bias = True
                (buffer expert_bias <- "e_score_correction_bias").
+- glm4_moe:    DeepSeek-V3's router (transformers' Glm4MoeTopkRouter is the same computation), with
+               num_experts = "n_routed_experts".
+- minimax_m2:  num_experts = "num_local_experts", score_func = sigmoid, norm_topk_prob = True (HF always
+               renormalises), use_expert_bias = True (its MoE block's "e_score_correction_bias"); no
+               groups, no scaling. HF computes these logits in the gate weight's dtype, here in fp32 as
+               for every family (the same in fp32; in bf16 the routing here is the more precise).
 - gpt_oss:     num_experts = "num_local_experts", score_func = softmax, norm_topk_prob = True (HF's
                softmax over the top-k logits), bias = True (the gate's ``router.bias``).
 

@@ -47,7 +47,10 @@ def init_sharded_(param: torch.Tensor, init_method: InitMethod, generator: torch
     spec = get_shard_spec(param)
     full = torch.empty(spec.global_shape, dtype=torch.float32)
     init_method(full, generator)
-    param.copy_(spec.slice_of(full))
+    real = spec.logical_part(param)
+    if real.shape != param.shape:       # a padded vocabulary (see ShardSpec): the padding rows are zero
+        param.zero_()
+    real.copy_(spec.slice_of(full))
 
 
 def seeded_generator(seed: int, name: str) -> torch.Generator:

@@ -51,12 +51,16 @@ class ColumnParallelLinear(nn.Module):
             (default the first; 1 for batch-first [B, S, H]); it is all-gathered forward and the
             input gradient reduce-scattered backward.
         init_method: draws the FULL weight, ``init(tensor, generator)``; default N(0, 0.02).
+        padded_out_features: the output features are padded to this many (a multiple of the TP
+            size) before the split: the output layer of a vocabulary TP does not divide
+            (:mod:`megamoe.tensor_parallel.vocab_padding`). The padding rows of the weight (and
+            bias) are zero and not part of the logical weight; masking their outputs is the caller's.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup | None = None,
                  bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, sequence_dim: int = 0, init_method: InitMethod | None = None,
-                 device=None, dtype=None):
+                 padded_out_features: int | None = None, device=None, dtype=None):
         super().__init__()
         self.sequence_dim = sequence_dim
         if gather_output and sequence_parallel:
@@ -65,15 +69,21 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = comms.group_size(tp_group), comms.group_rank(tp_group)
         self.in_features, self.out_features = in_features, out_features
-        self.out_features_per_rank = _divide(out_features, self.tp_size, "ColumnParallelLinear out_features")
+        if padded_out_features is not None and padded_out_features < out_features:
+            raise ValueError(f"ColumnParallelLinear padded_out_features ({padded_out_features}) must be >= "
+                             f"out_features ({out_features})")
+        padded = padded_out_features if padded_out_features != out_features else None
+        what = "ColumnParallelLinear " + ("padded_out_features" if padded else "out_features")
+        self.out_features_per_rank = _divide(padded or out_features, self.tp_size, what)
         self.gather_output, self.skip_bias_add, self.sequence_parallel = gather_output, skip_bias_add, sequence_parallel
         self.init_method = init_method or normal_init()
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
-        set_shard_spec(self.weight, ShardSpec((out_features, in_features), 0, self.tp_rank, self.tp_size))
+        set_shard_spec(self.weight, ShardSpec((out_features, in_features), 0, self.tp_rank, self.tp_size,
+                                              padded_size=padded))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features_per_rank, **factory))
-            set_shard_spec(self.bias, ShardSpec((out_features,), 0, self.tp_rank, self.tp_size))
+            set_shard_spec(self.bias, ShardSpec((out_features,), 0, self.tp_rank, self.tp_size, padded_size=padded))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()

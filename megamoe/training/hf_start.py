@@ -16,11 +16,11 @@ generation config, ...) as :class:`~megamoe.training.checkpoint.HFProvenance`, t
 :func:`~megamoe.training.checkpoint.save_training_checkpoint`: its checkpoints then export to HF with the
 original config's fields.
 
-Vocabulary and TP. The embedding and the output layer are split over TP by rows, so the HF
-``vocab_size`` must be a multiple of the TP size. It is not padded here: padding would change the model's
-shape (the export must give back the original's) and its softmax (padding rows would take probability
-mass), so a ``vocab_size`` TP does not divide is refused, naming the TP sizes that fit
-(:func:`check_vocab_fits_tp`).
+Vocabulary and TP. The embedding and the output layer are split over TP by rows; a ``vocab_size`` the
+TP size does not divide (added tokens: 32001, 151669, ...) is padded inside the model
+(:mod:`megamoe.tensor_parallel.vocab_padding`): the padding rows are outside the logical tensors, so the
+checkpoints keep the HF shape and export back to it, and their logits are masked out of the loss and
+of generation.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 from megamoe.models.hf_loading import chunks_by_name, copy_into_chunks
 from megamoe.training.checkpoint import HFProvenance
 
-__all__ = ["HFStart", "hf_start_config", "check_vocab_fits_tp", "load_hf_weights", "start_from_hf"]
+__all__ = ["HFStart", "hf_start_config", "load_hf_weights", "start_from_hf"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +76,6 @@ def _start_of(hf: HFCheckpoint, **engine) -> HFStart:
         with open(os.path.join(hf.directory, name), "rb") as f:
             files[name] = f.read()
     return HFStart(hf.directory, config, HFProvenance(dict(hf.config), files))
-
-
-def check_vocab_fits_tp(config: GPTMoEConfig, tp: int, where: str) -> None:
-    """ValueError when ``tp`` does not divide the vocabulary (see the module docstring: not padded)."""
-    if config.vocab_size % tp:
-        fitting = [t for t in range(1, min(config.vocab_size, 64) + 1) if config.vocab_size % t == 0]
-        raise ConversionError(
-            f"{where}: vocab_size {config.vocab_size} is not a multiple of the tensor-parallel size {tp}: the "
-            "embedding and output layer are split by rows over TP, and an HF model's vocabulary is not padded "
-            f"(its export must keep the original shape); choose a TP size dividing it ({fitting[-4:]} do)")
 
 
 def load_hf_weights(model: GPTMoEModel, hf: HFCheckpoint, *, progress: bool | None = None) -> int:
@@ -136,27 +126,29 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
                   expert_backend: str = "auto", device=None, dtype=None, layer_spec: LayerSpec | None = None,
                   load_weights: bool = True, saved_placements: dict | None = None,
                   progress: bool | None = None, recompute: RecomputeConfig | None = None,
-                  sequence_parallel: bool = False, virtual_pipeline_stages: int = 1) -> tuple[GPTMoEModel, HFStart]:
+                  sequence_parallel: bool = False, virtual_pipeline_stages: int = 1,
+                  make_vocab_size_divisible_by: int = 1) -> tuple[GPTMoEModel, HFStart]:
     """This rank's stage of the HF model in ``hf_dir`` under ``state`` (a ParallelState), filled from its
     safetensors, and the :class:`HFStart` the run keeps (pass ``start.provenance`` to every save).
 
     ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
     placements) choose the expert slots as ``import-hf`` does; ``dispatcher`` and ``expert_backend`` are
     the engine's, and so are ``recompute`` (activation recomputation; default: none) and
-    ``sequence_parallel`` (``GPTMoEConfig.sequence_parallel``) and ``virtual_pipeline_stages`` (model
+    ``sequence_parallel`` (``GPTMoEConfig.sequence_parallel``), ``make_vocab_size_divisible_by`` (the
+    vocabulary padding, ``GPTMoEConfig.make_vocab_size_divisible_by``) and ``virtual_pipeline_stages`` (model
     chunks per pipeline rank, for the interleaved schedule).
     ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
     overwrites every weight); such a run passes the checkpoint's ``saved_placements`` ({layer id:
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
     (:func:`checkpoint_tools.placements.build_placements`). Every rank must call it (no collective is used: each reads its own part).
     Raises :class:`ConversionError` (a ValueError) for a directory, config, weights, slot count or
-    expert-load file that cannot be used, and for a vocabulary the TP size does not divide.
+    expert-load file that cannot be used.
     """
     hf = HFCheckpoint.open(hf_dir)
     start = _start_of(hf, dispatcher=dispatcher, num_expert_slots=num_expert_slots, expert_backend=expert_backend)
-    check_vocab_fits_tp(start.config, state.tp.size, os.path.join(hf.directory, CONFIG_FILE))
     placements = build_placements(start.config, state.ep.size, expert_load=expert_load, saved=saved_placements)
-    config = dataclasses.replace(start.config, sequence_parallel=sequence_parallel)
+    config = dataclasses.replace(start.config, sequence_parallel=sequence_parallel,
+                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     if recompute is not None:
         config = dataclasses.replace(config, recompute=recompute)
     model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype, layer_spec=layer_spec,

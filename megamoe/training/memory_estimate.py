@@ -7,7 +7,8 @@ built: a DeepSeek-V3-shaped config at EP 64, PP 16 takes milliseconds.
 
 State (exact: the same shard rules as the modules):
 
-- parameters: every parameter tensor of the stage's modules, at its local shape: vocabulary, heads,
+- parameters: every parameter tensor of the stage's modules, at its local shape: vocabulary (padded to
+  a multiple of ``make_vocab_size_divisible_by * tp``, padding rows counted), heads,
   dense FFN and the output layer split over TP (KV heads over ``min(tp, kv_heads)`` shards, replicated
   beyond), expert slots ``num_expert_slots / ep`` per rank with their FFN split over ETP, shared
   experts' FFN over the MoE layer's reduction group (EP x ETP for the all-gather dispatcher, ETP for
@@ -51,7 +52,7 @@ fp32, 4 bytes):
   exchange adds the send index ``8 n_send``, the pair mask ``k n_send`` and the tokens the second
   exchange returns, ``e n_send H``.
 - first stage: the token ids ``8 T``; last stage: the final norm, the output layer's input ``e T H``,
-  the fp32 logits ``4 T V/tp`` and the labels / masks ``10 T``.
+  the fp32 logits ``4 T Vp/tp`` (padded vocabulary) and the labels / masks ``10 T``.
 
 Sequence parallelism (``sequence_parallel``): the decoder norms, the q / k / v and dense gate / up
 projections' saved input (the chunk: their weight gradients gather it again) and a fully recomputed
@@ -90,6 +91,7 @@ import torch
 
 from megamoe.models.config import GPTMoEConfig
 from megamoe.pipeline.partition import partition_layers
+from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
 from megamoe.transformer.attention import AttentionConfig
 from megamoe.transformer.mla import MLAConfig
 
@@ -254,15 +256,13 @@ def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int
 def stage_parameters(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
                      etp: int = 1, num_expert_slots: int | None = None, pp_split=None) -> list[ParamTensor]:
     """Every parameter tensor a rank of pipeline stage ``pp_rank`` holds, at its local size."""
-    if config.vocab_size % tp:
-        raise ValueError(f"vocab_size ({config.vocab_size}) must be divisible by tp ({tp})")
     slots = num_expert_slots or (config.moe.num_expert_slots if config.moe is not None else 0)
     layer_ids = partition_layers(config.num_layers, pp, pp_split)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
-    H, V = config.hidden_size, config.vocab_size
+    H, V_local = config.hidden_size, _vocab_rows_per_rank(config, tp)
     out: list[ParamTensor] = []
     if first or (last and config.tie_word_embeddings):
-        out.append(ParamTensor("embed_tokens.weight", V // tp * H))
+        out.append(ParamTensor("embed_tokens.weight", V_local * H))
     for i in layer_ids:
         p = f"layers.{i}"
         out += [ParamTensor(f"{p}.input_layernorm.weight", H), ParamTensor(f"{p}.post_attention_layernorm.weight", H)]
@@ -282,8 +282,14 @@ def stage_parameters(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, pp_rank:
     if last:
         out.append(ParamTensor("norm.weight", H))
         if not config.tie_word_embeddings:
-            out.append(ParamTensor("lm_head.weight", V // tp * H))
+            out.append(ParamTensor("lm_head.weight", V_local * H))
     return out
+
+
+def _vocab_rows_per_rank(config: GPTMoEConfig, tp: int) -> int:
+    """The vocabulary rows of a TP rank's embedding / output layer: the padded vocabulary's share
+    (megamoe.tensor_parallel.vocab_padding), padding rows included."""
+    return padded_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
 
 
 # ---- activations ----------------------------------------------------------------------------------
@@ -520,8 +526,7 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
     if first:
         out["embedding"] += 8 * T
     if layer_ids:
-        rope_dim = (config.attention.qk_rope_head_dim if isinstance(config.attention, MLAConfig)
-                    else config.attention.head_dim)
+        rope_dim = config.attention.rope.dim          # qk_rope_head_dim (MLA); <= head_dim (partial rotary)
         rope = 2 * 4 * B * S * (rope_dim // 2)                   # fp32 cos / sin, shared by the layers
         full = getattr(recompute, "granularity", "none") == "full"
         if e != 4 and not full:
@@ -540,10 +545,10 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
                                                    recompute=recompute, sdpa_backend=sdpa_backend, cp=cp).items():
             out[category] += nbytes
     if last:
-        H, V = config.hidden_size, config.vocab_size
+        H, V_local = config.hidden_size, _vocab_rows_per_rank(config, tp)
         T_norm = T // tp if sp else T
         out["norm"] += _norm_bytes(T_norm, H, T_norm, e)
-        out["lm_head"] += e * T * H + 4 * T * (V // tp) + 10 * T
+        out["lm_head"] += e * T * H + 4 * T * V_local + 10 * T
     return out
 
 

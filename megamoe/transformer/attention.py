@@ -140,7 +140,8 @@ def check_no_cache_under_context_parallel(cp_group, kv_cache) -> None:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """One GQA attention layer. ``rope.dim`` must equal ``head_dim``."""
+    """One GQA attention layer. ``rope.dim`` is ``head_dim``, or less for a partial rotary embedding
+    (GLM-4.5, MiniMax-M2: the first ``rope.dim`` features of each head rotate, the rest pass through)."""
 
     hidden_size: int
     num_attention_heads: int
@@ -163,9 +164,8 @@ class AttentionConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"AttentionConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")
-        if self.rope.dim != self.head_dim:
-            raise ValueError(f"AttentionConfig.rope.dim ({self.rope.dim}) must equal head_dim ({self.head_dim}); "
-                             "partial rotary embeddings are not supported")
+        if self.rope.dim > self.head_dim:
+            raise ValueError(f"AttentionConfig.rope.dim ({self.rope.dim}) must be <= head_dim ({self.head_dim})")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"AttentionConfig.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.sliding_window is not None and self.sliding_window < 1:

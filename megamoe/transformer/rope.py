@@ -27,6 +27,11 @@ Layouts (``RopeConfig.layout``), the rotation of pair ``(a, b)`` by angle ``t`` 
 
 cos / sin are returned at half width ``[..., dim/2]`` (one angle per pair); HF returns
 ``cat(freqs, freqs)``, whose first half is the same tensor.
+
+Partial rotary (GLM-4.5's ``partial_rotary_factor``, MiniMax-M2's ``rotary_dim``): ``dim`` is then less
+than the head dim; the frequencies are those of a ``dim``-wide embedding, the first ``dim`` features of
+each head are rotated in the configured layout and the others pass through unchanged, as HF's
+``apply_rotary_pos_emb`` does with its ``q[..., :rotary_dim]`` / ``q[..., rotary_dim:]`` split.
 """
 
 from __future__ import annotations
@@ -97,18 +102,31 @@ class RopeConfig:
 
     @classmethod
     def from_hf(cls, rope_parameters: dict, *, dim: int, max_position_embeddings: int,
-                layout: str = "half") -> "RopeConfig":
+                layout: str = "half", partial_rotary: bool = False) -> "RopeConfig":
         """From a transformers ``config.rope_parameters`` dict (or a legacy ``rope_scaling`` dict with
         ``type``; ``rope_theta`` defaults to 10000 as in HF). ``dim`` is the rotated head dim
-        (``head_dim``, or ``qk_rope_head_dim`` for MLA)."""
+        (``head_dim``, or ``qk_rope_head_dim`` for MLA).
+
+        ``partial_rotary`` (families whose HF rotary embedding reads ``partial_rotary_factor``: glm4_moe,
+        minimax_m2): ``dim`` is the head dim and the rotated part is ``int(dim * partial_rotary_factor)``
+        (default factor 1), computed as HF does. Otherwise a factor other than 1 is refused."""
         params = dict(rope_parameters or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_parameters['rope_type'] = {rope_type!r} is not supported; "
                              f"supported: {ROPE_TYPES}")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("rope_parameters['partial_rotary_factor'] != 1 is not supported "
-                             "(none of the supported families uses it)")
+        factor = params.get("partial_rotary_factor", 1.0)
+        if partial_rotary:
+            if not (isinstance(factor, (int, float)) and 0 < factor <= 1):
+                raise ValueError(f"rope_parameters['partial_rotary_factor'] must be in (0, 1], got {factor!r}")
+            rotated = int(dim * factor)
+            if rotated < 2 or rotated % 2:
+                raise ValueError(f"rope_parameters['partial_rotary_factor'] = {factor} rotates {rotated} of the "
+                                 f"{dim} head dims; that must be a positive even number")
+            dim = rotated
+        elif factor != 1.0:
+            raise ValueError("rope_parameters['partial_rotary_factor'] != 1 is not supported for this family "
+                             "(only glm4_moe and minimax_m2 rotate part of each head)")
         original = params.get("original_max_position_embeddings")
         if rope_type in ("yarn", "llama3") and original is None:
             original = max_position_embeddings          # HF's standardize_rope_params default
@@ -194,7 +212,13 @@ class RopeConfig:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """Rotate ``x`` [B, heads, S, dim] by the angles of ``cos`` / ``sin`` [B, S, dim/2]."""
+    """Rotate ``x`` [B, heads, S, D] by the angles of ``cos`` / ``sin`` [B, S, dim/2]: all of it when
+    ``D == dim``; when ``D > dim`` (partial rotary) its first ``dim`` features, the rest unchanged."""
+    rotated = 2 * cos.shape[-1]
+    if x.shape[-1] != rotated:
+        if x.shape[-1] < rotated:
+            raise ValueError(f"apply_rotary: {rotated} rotary dims exceed the {x.shape[-1]} features of x")
+        return torch.cat((apply_rotary(x[..., :rotated], cos, sin, layout), x[..., rotated:]), dim=-1)
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     if layout == "half":
         a, b = x.chunk(2, dim=-1)
@@ -229,7 +253,8 @@ class RotaryEmbedding(nn.Module):
         return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Apply the rotation to ``x`` [B, heads, S, dim] in this config's layout."""
+        """Apply the rotation to ``x`` [B, heads, S, D >= dim] in this config's layout (its first ``dim``
+        features when ``D > dim``)."""
         return apply_rotary(x, cos, sin, self.config.layout)
 
     def extra_repr(self) -> str:
