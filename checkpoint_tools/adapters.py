@@ -29,6 +29,17 @@ DeepSeek-V3's multi-token-prediction layers (``config.mtp_num_layers``, :mod:`me
 ``shared_head.head.weight``: the model shares those, so each joins the main tensor's step, which checks
 on import that the copies are bit-identical to it and writes them back from it on export.
 
+gpt-oss (transformers 5.24 has no conversion mapping for it: both forms are the same) stores its experts
+fused with biases: ``mlp.experts.gate_up_proj`` [E, H, 2F] (gate and up INTERLEAVED along the last dim:
+column 2j is gate feature j, 2j + 1 up feature j), ``gate_up_proj_bias`` [E, 2F] (interleaved alike),
+``down_proj`` [E, F, H] (transposed to nn.Linear's layout) and ``down_proj_bias`` [E, H]; the logical
+tensors are per expert ``experts.{e}.{gate,up,down}_proj.{weight,bias}`` in nn.Linear layout. Its router
+is ``mlp.router.{weight,bias}`` and its attention sinks ``self_attn.sinks``. Import also reads the released
+MXFP4 form (:mod:`megamoe.quantization.mxfp4`): ``gate_up_proj_blocks`` [E, 2F, H / 32, 16] +
+``gate_up_proj_scales`` [E, 2F, H / 32] (rows interleaved gate / up) and ``down_proj_blocks`` /
+``down_proj_scales`` (rows = H), dequantized to fp32 (exact) by an import-only step; export writes the
+unquantized form.
+
 Ignored on import: ``lm_head.weight`` of a model with tied embeddings (``state_dict()`` lists the tied
 alias; checkpoints omit it) and the multi-token-prediction layers a config leaves out: GLM-4.5's, and
 DeepSeek-V3's past the config's MTP layers (``model.layers.{num_layers + mtp_num_layers}.*``: a checkpoint
@@ -73,7 +84,7 @@ class KeyTransform:
     """One step: HF tensors ``hf_keys`` <-> logical tensors ``logical_keys`` (each list in order).
 
     ``to_logical`` / ``to_hf`` take and return tensors in those orders; outputs may be views of the
-    inputs. ``what`` names the step in errors.
+    inputs, or an iterator computing each output as it is consumed. ``what`` names the step in errors.
     """
 
     hf_keys: tuple[str, ...]
@@ -349,6 +360,17 @@ def _mtp_shared_steps(config: GPTMoEConfig, global_steps: list[KeyTransform]) ->
     return steps
 
 
+# ---- gpt-oss: fused, interleaved, biased experts; MXFP4 on import (checkpoint_tools/gpt_oss_keys.py) ---
+def _gpt_oss_expert_steps(config: GPTMoEConfig, layer: int, fused: bool) -> list[KeyTransform]:
+    from checkpoint_tools.gpt_oss_keys import expert_steps       # imports this module
+    return expert_steps(config, layer, fused)
+
+
+def _gpt_oss_mxfp4_steps(config: GPTMoEConfig, layer: int) -> list[KeyTransform]:
+    from checkpoint_tools.gpt_oss_keys import mxfp4_steps        # imports this module
+    return mxfp4_steps(config, layer)
+
+
 def _expert_steps(keys: ExpertKeys, config: GPTMoEConfig, layer: int, fused: bool) -> list[KeyTransform]:
     moe = config.moe
     if moe.activation != "swiglu":
@@ -398,6 +420,10 @@ class HFAdapter:
 
     def _hf_quantization(self, config: GPTMoEConfig):
         return config.weight_quantization if self.hf_weights is None else self.hf_weights.quantization
+    # A family whose experts ExpertKeys cannot describe: (config, layer, fused) -> its expert steps.
+    expert_steps: Callable[[GPTMoEConfig, int, bool], list[KeyTransform]] | None = None
+    # Steps of a third HF form that only import reads (a quantized release): (config, layer) -> steps.
+    import_only_steps: Callable[[GPTMoEConfig, int], list[KeyTransform]] | None = None
 
     # ---- planning -----------------------------------------------------------------------------
     def transforms(self, config: GPTMoEConfig, fused: bool) -> tuple[KeyTransform, ...]:
@@ -430,7 +456,8 @@ class HFAdapter:
             steps += renames(self.layer_keys, layer)
             if config.is_moe_layer(layer):
                 steps += renames(self.moe_keys, layer)
-                steps += _expert_steps(self.experts, config, layer, fused)
+                steps += (_expert_steps(self.experts, config, layer, fused) if self.expert_steps is None
+                          else self.expert_steps(config, layer, fused))
             else:
                 steps += renames(self.dense_keys, layer)
             if layer >= config.num_layers:
@@ -471,6 +498,8 @@ class HFAdapter:
                 if step.hf_keys not in seen:
                     seen.add(step.hf_keys)
                     steps.append(step)
+        if self.import_only_steps is not None:
+            steps += [step for layer in config.moe_layer_ids for step in self.import_only_steps(config, layer)]
         return steps
 
     # ---- megamoe -> HF ------------------------------------------------------------------------
@@ -599,6 +628,14 @@ ADAPTERS: dict[str, HFAdapter] = {
         "minimax_m2", _GQA_LAYER, DENSE_MLP_KEYS,
         moe_keys=_block_router_keys("block_sparse_moe", fused=False) + _block_router_keys("mlp", fused=True),
         experts=ExpertKeys(per_expert=_MIXTRAL_PER_EXPERT, fused=_STANDARD_EXPERTS.fused)),
+    "gpt_oss": HFAdapter(
+        "gpt_oss", _GQA_LAYER + (Rename(f"{_L}self_attn.sinks", f"{_P}self_attn.sinks",
+                                        lambda c: (c.attention.num_attention_heads,)),),
+        DENSE_MLP_KEYS,
+        moe_keys=(Rename(f"{_L}mlp.router.weight", f"{_P}mlp.router.weight",
+                         lambda c: (c.moe.num_experts, c.hidden_size)),
+                  Rename(f"{_L}mlp.router.bias", f"{_P}mlp.router.bias", lambda c: (c.moe.num_experts,))),
+        experts=_STANDARD_EXPERTS, expert_steps=_gpt_oss_expert_steps, import_only_steps=_gpt_oss_mxfp4_steps),
 }
 
 

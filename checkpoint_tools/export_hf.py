@@ -206,6 +206,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     # Logical tensors that are an HF tensor under another name: copied from the checkpoint's files if the
     # dtype is kept and the stored chunks hold the bytes in order.
     renamed_to = adapter.renames(config)
+    # Inputs of a step with several of them (gpt-oss's fused experts) are held until the step has them all,
+    # so they must not be the reader's reused buffer: those are copied (one fused HF tensor's worth at most).
+    held = {key for step in adapter.transforms(config, fused=False) if len(step.logical_keys) > 1
+            for key in step.logical_keys}
 
     with output as tmp, LogicalTensorReader(checkpoint, manifest, verify_checksums=verify_checksums) as reader:
         writers: list[SafetensorsStreamWriter] = []

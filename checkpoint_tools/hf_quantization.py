@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from checkpoint_tools.errors import ConversionError
 from megamoe.quantization.block_fp8 import SCALE_INV_SUFFIX, BlockFP8Config
 
-__all__ = ["QUANTIZATION_METHODS", "hf_quantization", "without_quantization", "module_is_listed",
+__all__ = ["QUANTIZATION_METHODS", "DequantizedByAdapter", "hf_quantization", "without_quantization", "module_is_listed",
            "resolve_block_fp8"]
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,24 @@ def _block_fp8(quantization: Mapping[str, Any], where: str) -> BlockFP8Config:
         raise ConversionError(f"{where}: {e}; {_FIX}") from None
 
 
+@dataclass(frozen=True)
+class DequantizedByAdapter:
+    """A method whose packed tensors the family's adapter dequantizes on import (its import-only steps) into
+    an ordinary checkpoint, which drops the quantization_config: ``mxfp4``, gpt-oss's experts
+    (``*_blocks`` + ``*_scales``, :mod:`megamoe.quantization.mxfp4`)."""
+
+    method: str
+    packed_suffixes: tuple[str, ...]          # the integer tensors it packs values into
+
+
+def _mxfp4(quantization: Mapping[str, Any], where: str) -> DequantizedByAdapter:
+    return DequantizedByAdapter("mxfp4", ("_blocks", "_scales"))
+
+
 # quant_method -> reader of the quantization_config (raises ConversionError naming the field).
 QUANTIZATION_METHODS: dict[str, Callable[[Mapping[str, Any], str], Any]] = {
     "fp8": _block_fp8,
+    "mxfp4": _mxfp4,
 }
 
 

@@ -38,7 +38,8 @@ from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, Checkp
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.format import MANIFEST_FILE
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
-from checkpoint_tools.hf_quantization import hf_quantization, resolve_block_fp8, without_quantization
+from checkpoint_tools.hf_quantization import (DequantizedByAdapter, hf_quantization, resolve_block_fp8,
+                                              without_quantization)
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import plan_layout
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields
@@ -172,6 +173,8 @@ def hf_weights_adapter(hf: HFCheckpoint, adapter: HFAdapter, config: GPTMoEConfi
                                       "saying how its values are scaled (a block-FP8 release has quant_method 'fp8' "
                                       "and weight_block_size)")
         return adapter, config
+    if isinstance(quantization, DequantizedByAdapter):    # the adapter's import-only steps read the files
+        return adapter, config
     if not isinstance(quantization, BlockFP8Config):      # a method of QUANTIZATION_METHODS without a reader here
         raise ConversionError(f"{where}: internal: no weight reader for quantization_config "
                               f"{hf.config['quantization_config'].get('quant_method')!r}")
@@ -197,8 +200,11 @@ def plan_hf_conversion(hf: HFCheckpoint, adapter: HFAdapter,
     """Dry run on meta tensors: every check on the HF keys, dtypes and shapes, nothing read. Returns the
     HF keys in reading order, the logical ``(name, dtype, shape)`` they give in that order, and the HF
     keys the model does not use (dropped, as transformers drops them)."""
+    quantization = hf_quantization(hf.config, os.path.join(hf.directory, "config.json"))
+    packed_suffixes = quantization.packed_suffixes if isinstance(quantization, DequantizedByAdapter) else ()
     for key, info in hf.tensors.items():
-        if not info.dtype.is_floating_point:
+        packed = packed_suffixes and key.endswith(packed_suffixes)      # e.g. uint8 MXFP4 bytes
+        if not info.dtype.is_floating_point and not packed:
             raise ConversionError(f"dtype mismatch: {key!r} in {info.file} is {info.dtype}; model weights are "
                                   "floating point")
     dropped = [k for k in hf.tensors if adapter.is_ignored(k, config)]
@@ -227,6 +233,14 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     output = OutputDirectory(out_dir, overwrite=overwrite, what="a megamoe checkpoint", inputs=[hf_dir],
                              replaceable=lambda p: os.path.isfile(os.path.join(p, MANIFEST_FILE)))
     hf = HFCheckpoint.open(hf_dir)
+    hf_config = dict(hf.config)
+    quantization = hf_quantization(hf_config, os.path.join(hf_dir, "config.json"))
+    if isinstance(quantization, DequantizedByAdapter):
+        if any(key.endswith(quantization.packed_suffixes) for key in hf.tensors) and target not in (torch.float32,
+                                                                                                    torch.bfloat16):
+            raise ConversionError(f"{hf_dir}: the checkpoint holds {quantization.method.upper()} weights, which "
+                                  f"import dequantizes: choose --dtype bf16 or fp32 (got {dtype!r})")
+        del hf_config["quantization_config"]        # the imported weights are no longer quantized
     config = model_config_from_hf(hf.config, os.path.join(hf_dir, "config.json"), dispatcher=dispatcher,
                                   num_expert_slots=num_expert_slots, hf_keys=hf.tensors)
     if num_expert_slots is not None and config.moe is None:
@@ -276,7 +290,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                     writer.write(name, tensor, source, stable=stable)
                     bar.update(tensor.numel() * tensor.element_size())
             hf_files = copy_side_files(hf_dir, hf.side_files, os.path.join(tmp, HF_FILES_DIR))
-            extra = {"step": 0, "sampler_state": None, "has_optimizer_state": False, "hf_config": hf.config,
+            extra = {"step": 0, "sampler_state": None, "has_optimizer_state": False, "hf_config": hf_config,
                      "hf_files": hf_files}
             manifest = writer.finish(manifest_fields(config, layout, placements, extra), layout.world_size)
         except AdapterError as e:

@@ -116,6 +116,8 @@ ROUND_TRIP_LAYOUTS = {   # import layout (CLI options) and a reshard layout, per
                  ["--tp", 1, "--pp", 3, "--ep", 2]),
     "minimax_m2": (["--tp", 2, "--pp", 2, "--ep", 2, "--dispatcher", "allgather"],
                    ["--tp", 1, "--pp", 1, "--ep", 4, "--dispatcher", "alltoall", "--num-expert-slots", 16]),
+    "gpt_oss": (["--tp", 2, "--pp", 1, "--ep", 2, "--etp", 2, "--num-expert-slots", 12],
+                ["--tp", 1, "--pp", 3, "--ep", 4, "--num-expert-slots", 16]),
 }
 
 
@@ -429,6 +431,7 @@ CONVERSIONS = {   # family: two (layout, expert slots); each checkpoint loads un
     "deepseek_v3": [("tp2 pp2 ep2 allgather", 16), ("ep4 alltoall", 12)],
     "glm4_moe": [("tp2 pp2 ep2 allgather", 12), ("tp2 etp2 ep2 alltoall", 16)],
     "minimax_m2": [("tp2 etp2 ep2 alltoall", 8), ("ep4 alltoall", 12)],
+    "gpt_oss": [("tp2 etp2 ep2 alltoall", 12), ("tp2 pp2 ep2 allgather", 16)],
 }
 
 

@@ -466,4 +466,32 @@ def test_mtp_training_step_on_meta_creates_every_tensor_on_the_model_device():
             micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]
             with _meta_run():
                 trainer.train_step(micro_batches)
+
+
+def _gpt_oss_like(config):
+    """tiny_config with gpt-oss's parts: attention sinks and biases, sliding and full layers, a biased
+    router, biased experts with the clamped SwiGLU."""
+    attention = dataclasses.replace(config.attention, sinks=True, qkv_bias=True, o_proj_bias=True, sliding_window=3)
+    moe = dataclasses.replace(config.moe, router=dataclasses.replace(config.moe.router, bias=True),
+                              activation="swiglu_clamped", expert_bias=True, swiglu_limit=1.0)
+    return dataclasses.replace(config, attention=attention, moe=moe, sliding_window_layer_ids=(0, 2))
+
+
+def test_gpt_oss_parts_on_meta_create_every_tensor_on_the_model_device():
+    """A bf16 training step (tp2 etp2 ep2: sinks sharded with the heads, the down bias added by ETP rank 0
+    only: ranks 0 and 1 are the two roles). Decoding runs the same sink code (causal_attention) as this
+    step's forward."""
+    from megamoe.training.memory_estimate import estimate_memory
+    config = _gpt_oss_like(tiny_config("alltoall"))
+    estimate = estimate_memory(config, tp=2, pp=1, ep=2, etp=2, dp=2, micro_batch=MICRO_BATCH, seq_len=S,
+                               param_dtype=torch.bfloat16)
+    for rank in (0, 1):
+        with _fake_rank(rank, tp=2, ep=2, etp=2) as state:
+            model = GPTMoEModel(config, state, device="meta", dtype=torch.bfloat16)
+            # The memory estimate counts the sinks, the router bias and the expert biases.
+            assert sum(p.numel() * 2 for p in model.parameters()) == estimate.stages[0].param_bytes
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
+            batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            with _meta_run():
+                trainer.train_step([(batch[:, :-1], batch[:, 1:])])
             _accumulated_gradients(model)

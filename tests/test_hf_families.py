@@ -24,6 +24,8 @@ V, H, S = 64, 32, 9
 ATOL = 1e-4
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=0.707,
             beta_fast=32, beta_slow=1, rope_theta=10000.0)
+GPT_OSS_YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=16, rope_theta=150000.0)
 
 
 @functools.cache
@@ -67,6 +69,12 @@ def hf_config(family):
         "minimax_m2": lambda: t.MiniMaxM2Config(**common, num_key_value_heads=1, head_dim=12, rotary_dim=8,
                                                 num_hidden_layers=2, intermediate_size=16, num_local_experts=8,
                                                 bos_token_id=None, eos_token_id=None),
+        # Sliding / full / sliding layers (window 4 < S), yarn without truncation as released, a swiglu_limit
+        # the N(0, 0.2^2) weights cross (the clamps act); F = 32 so that MXFP4 (32-blocks) can store it.
+        "gpt_oss": lambda: t.GptOssConfig(**common, num_key_value_heads=2, head_dim=8, num_hidden_layers=3,
+                                          intermediate_size=32, num_local_experts=8, sliding_window=4,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                          swiglu_limit=1.0, rope_parameters=dict(GPT_OSS_YARN)),
     }
     return configs[family]()
 
@@ -137,12 +145,16 @@ def test_family_matches_transformers(family):
     # In-memory (fused) form round trip; the tied lm_head alias is the one key dropped on import.
     kept = {k: v for k, v in fused_state.items() if not adapter.is_ignored(k, config)}
     _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=True), kept, f"{family} fused round trip")
-    # Checkpoint form: save_pretrained writes per-expert keys (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2).
+    # Checkpoint form: save_pretrained writes per-expert keys (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2);
+    # gpt-oss has no conversion mapping: its checkpoint form is the fused one.
     on_disk = _checkpoint_form(hf)
-    assert not any("gate_up_proj" in k for k in on_disk)
-    per_expert = ("block_sparse_moe.experts.0.w1.weight" if family in ("mixtral", "minimax_m2")
-                  else "mlp.experts.0.gate_proj.weight")
-    assert any(k.endswith(per_expert) for k in on_disk)
+    if family == "gpt_oss":
+        _assert_bitwise(on_disk, fused_state, "gpt_oss checkpoint form = in-memory form")
+    else:
+        assert not any("gate_up_proj" in k for k in on_disk)
+        per_expert = ("block_sparse_moe.experts.0.w1.weight" if family in ("mixtral", "minimax_m2")
+                      else "mlp.experts.0.gate_proj.weight")
+        assert any(k.endswith(per_expert) for k in on_disk)
     _assert_bitwise(adapter.hf_to_megamoe(on_disk, config), logical, f"{family} from checkpoint form")
     _assert_bitwise(adapter.megamoe_to_hf(logical, config, fused=False), on_disk, f"{family} checkpoint round trip")
 
@@ -184,6 +196,16 @@ def test_config_mapping():
     no_qk_norm = hf_config("glm4_moe")
     no_qk_norm.use_qk_norm = False
     assert config_from_hf(no_qk_norm).attention.qk_norm is None
+    oss = hf_model("gpt_oss")[1]
+    assert oss.sliding_window_layer_ids == (0, 2) and oss.attention.sliding_window == 4 and oss.attention.sinks
+    assert oss.attention.qkv_bias and oss.attention.o_proj_bias and oss.attention.rope.truncate is False
+    assert (oss.moe.activation, oss.moe.expert_bias, oss.moe.swiglu_limit) == ("swiglu_clamped", True, 1.0)
+    assert oss.moe.router.bias and oss.moe.router.norm_topk_prob and oss.moe_layer_ids == (0, 1, 2)
+    # qwen2_moe's mixed layer_types use the same per-layer choice.
+    mixed = lazy_transformers().Qwen2MoeConfig(num_hidden_layers=3, use_sliding_window=True, max_window_layers=1,
+                                               sliding_window=5)
+    sliding = tuple(i for i, kind in enumerate(mixed.layer_types) if kind == "sliding_attention")
+    assert 0 < len(sliding) < 3 and config_from_hf(mixed).sliding_window_layer_ids == sliding
     for family in SUPPORTED_FAMILIES:                          # JSON round trip, nested configs included
         config = hf_model(family)[1]
         assert GPTMoEConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
@@ -201,9 +223,8 @@ def test_config_errors():
     v2.moe_layer_freq = 2
     with pytest.raises(ValueError, match="moe_layer_freq"):
         config_from_hf(v2)
-    mixed = t.Qwen2MoeConfig(num_hidden_layers=2, use_sliding_window=True, max_window_layers=2)
-    with pytest.raises(ValueError, match="layer_types"):
-        config_from_hf(mixed)
+    with pytest.raises(ValueError, match="sliding_window_layer_ids needs attention.sliding_window"):
+        dataclasses.replace(hf_model("olmoe")[1], sliding_window_layer_ids=(0,))
     odd = hf_config("glm4_moe")
     odd.rope_parameters["partial_rotary_factor"] = 0.25              # 3 of 12 head dims: not pairs
     with pytest.raises(ValueError, match="partial_rotary_factor.*rotates 3 of the 12"):

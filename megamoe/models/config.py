@@ -64,6 +64,10 @@ class GPTMoEConfig:
     # mtp_loss_scaling_factor, default 0.1 as there), a training field: no weight depends on it.
     mtp_num_layers: int = 0
     mtp_loss_coeff: float = 0.1
+    # Which layers use ``attention.sliding_window`` (HF "layer_types": gpt-oss alternates sliding and full
+    # layers, qwen2_moe may mix them); the others attend to every earlier key. None: the window, if any,
+    # applies to every layer.
+    sliding_window_layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.recompute, RecomputeConfig):
@@ -90,6 +94,14 @@ class GPTMoEConfig:
         if bad:
             raise ValueError(f"GPTMoEConfig.moe_layer_ids {bad} are outside [0, {total}) (num_layers "
                              f"{self.num_layers} + mtp_num_layers {self.mtp_num_layers})")
+        if self.sliding_window_layer_ids is not None:
+            self.sliding_window_layer_ids = tuple(sorted(set(self.sliding_window_layer_ids)))
+            if getattr(self.attention, "sliding_window", None) is None:
+                raise ValueError("GPTMoEConfig.sliding_window_layer_ids needs attention.sliding_window (the window "
+                                 "those layers use)")
+            bad = [i for i in self.sliding_window_layer_ids if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"GPTMoEConfig.sliding_window_layer_ids {bad} are outside [0, {self.num_layers})")
         if self.moe_layer_ids and self.moe is None:
             raise ValueError("GPTMoEConfig.moe is required when moe_layer_ids is not empty")
         if len(self.moe_layer_ids) < total and self.dense_mlp is None:
@@ -129,6 +141,13 @@ class GPTMoEConfig:
     def total_layers(self) -> int:
         """Decoder layers plus MTP layers: the size of anything indexed by layer id."""
         return self.num_layers + self.mtp_num_layers
+
+    def attention_of(self, layer_id: int) -> AttentionConfig | MLAConfig:
+        """The attention config of layer ``layer_id``: ``attention``, without its sliding window when
+        ``sliding_window_layer_ids`` leaves the layer out."""
+        if self.sliding_window_layer_ids is None or layer_id in self.sliding_window_layer_ids:
+            return self.attention
+        return dataclasses.replace(self.attention, sliding_window=None)
 
     def to_dict(self) -> dict[str, Any]:
         """Nested dicts of JSON values (tuples become lists); :meth:`from_dict` inverts it."""

@@ -10,8 +10,12 @@ Checked against transformers 5.24's modeling code (HF config names in quotes):
   of each head rotate in the ``half`` layout (GLM's default factor is 0.5; MiniMax-M2's config derives it
   from "rotary_dim"); the other families refuse a factor other than 1. Sliding window:
   "sliding_window" on every layer (mixtral; qwen3_moe, whose config clears it unless
-  "use_sliding_window"); qwen2_moe marks layers in "layer_types", and only a window on all layers or
-  none is representable here.
+  "use_sliding_window"); qwen2_moe marks layers in "layer_types" (as gpt_oss does): mixed layers give
+  ``GPTMoEConfig.sliding_window_layer_ids``.
+- gpt_oss: GQA with q/k/v/o biases ("attention_bias"), attention sinks (``AttentionConfig.sinks``), yarn
+  rope, sliding layers by "layer_types"; every layer MoE, "intermediate_size" per expert, experts with
+  biases and the clamped SwiGLU ("swiglu_alpha", "swiglu_limit"; activation ``swiglu_clamped``), a router
+  with bias and a softmax over the top-k logits (= renormalised softmax: ``norm_topk_prob``).
 - which layers are MoE: every layer (mixtral, olmoe, minimax_m2); qwen2_moe / qwen3_moe: layer ``i``
   unless ``i in "mlp_only_layers"`` or ``(i + 1) % "decoder_sparse_step" != 0`` (none when
   "num_experts" is 0); deepseek, glm4_moe: ``i >= "first_k_dense_replace"`` (transformers ignores
@@ -65,12 +69,13 @@ from megamoe.transformer.mlp import MLPConfig
 from megamoe.transformer.rope import RopeConfig
 
 __all__ = ["SUPPORTED_FAMILIES", "MTP_FAMILIES", "config_from_hf", "attention_config", "mla_config", "mlp_config",
-           "router_config", "balancing_losses", "moe_layer_ids", "declared_mtp_layers"]
+           "router_config", "balancing_losses", "moe_layer_ids", "declared_mtp_layers",
+           "sliding_window_layer_ids"]
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                      "minimax_m2")
+                      "minimax_m2", "gpt_oss")
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 MTP_FAMILIES = ("deepseek_v3",)      # families whose checkpoints may carry multi-token-prediction layers
 
@@ -106,16 +111,27 @@ def _qk_norm(cfg) -> str | None:
     return {"qwen3_moe": "per_head", "olmoe": "full_width", "minimax_m2": "full_width"}.get(family)
 
 
+_LAYER_TYPE_FAMILIES = ("qwen2_moe", "gpt_oss")      # sliding layers marked by "layer_types"
+
+
+def sliding_window_layer_ids(cfg) -> tuple[int, ...] | None:
+    """The sliding-window layers when "layer_types" mixes sliding and full attention; None when every
+    layer has the same attention (the window, if any, is then on all of them)."""
+    if cfg.model_type not in _LAYER_TYPE_FAMILIES or getattr(cfg, "sliding_window", None) is None:
+        return None
+    sliding = tuple(i for i, kind in enumerate(cfg.layer_types) if kind == "sliding_attention")
+    return sliding if 0 < len(sliding) < len(cfg.layer_types) else None
+
+
 def _sliding_window(cfg, layer_idx: int | None) -> int | None:
-    if cfg.model_type != "qwen2_moe":
+    if cfg.model_type not in _LAYER_TYPE_FAMILIES:
         return getattr(cfg, "sliding_window", None)
     if layer_idx is not None:
         return cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
     kinds = set(cfg.layer_types)
     if len(kinds) > 1:
-        raise ValueError(f"qwen2_moe: layer_types {cfg.layer_types} mix sliding and full attention; only a "
-                         "window on every layer or on none is supported (set use_sliding_window=False, or "
-                         "max_window_layers=0)")
+        raise ValueError(f"{cfg.model_type}: layer_types {cfg.layer_types} mix sliding and full attention; pass a "
+                         "layer_idx (config_from_hf sets GPTMoEConfig.sliding_window_layer_ids for them)")
     return cfg.sliding_window if kinds == {"sliding_attention"} else None
 
 
@@ -125,7 +141,7 @@ def attention_config(cfg, layer_idx: int | None = None) -> AttentionConfig:
     their sliding window)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     family = cfg.model_type
-    biased = family in ("qwen3_moe", "olmoe") and cfg.attention_bias
+    biased = family in ("qwen3_moe", "olmoe", "gpt_oss") and cfg.attention_bias
     qkv_bias = biased
     if family == "qwen2_moe":
         qkv_bias = cfg.qkv_bias
@@ -136,7 +152,7 @@ def attention_config(cfg, layer_idx: int | None = None) -> AttentionConfig:
         num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim, rope=_rope(cfg, head_dim),
         qkv_bias=qkv_bias, o_proj_bias=biased, qk_norm=_qk_norm(cfg), norm_eps=cfg.rms_norm_eps,
         sliding_window=_sliding_window(cfg, layer_idx), clip_qkv=getattr(cfg, "clip_qkv", None),
-        init_std=cfg.initializer_range)
+        init_std=cfg.initializer_range, sinks=family == "gpt_oss")
 
 
 def mla_config(cfg) -> MLAConfig:
@@ -158,7 +174,7 @@ def mlp_config(cfg) -> MLPConfig:
 
 def _num_experts(cfg) -> int:
     family = cfg.model_type
-    if family in ("mixtral", "minimax_m2"):
+    if family in ("mixtral", "minimax_m2", "gpt_oss"):
         return cfg.num_local_experts
     return cfg.n_routed_experts if family in _MLA_FAMILIES + ("glm4_moe",) else cfg.num_experts
 
@@ -167,7 +183,7 @@ def moe_layer_ids(cfg, mtp_num_layers: int = 0) -> tuple[int, ...]:
     """The layers transformers builds with a sparse MoE block; with ``mtp_num_layers`` (DeepSeek-V3) also
     the MTP layers ``num_hidden_layers + k`` the same rule makes MoE (DeepSeek's releases: all of them)."""
     family, layers = cfg.model_type, range(cfg.num_hidden_layers + mtp_num_layers)
-    if family in ("mixtral", "olmoe", "minimax_m2"):
+    if family in ("mixtral", "olmoe", "minimax_m2", "gpt_oss"):
         return tuple(layers)
     if family == "glm4_moe":             # no "moe_layer_freq" in GLM's config
         return tuple(i for i in layers if i >= cfg.first_k_dense_replace)
@@ -211,7 +227,8 @@ _DEEPSEEK_AUX_LOSS_ALPHA = 0.001   # DeepSeek's configuration_deepseek.py defaul
 def balancing_losses(cfg, for_training: bool = True) -> dict[str, float]:
     """The RouterConfig loss coefficients of the family's load balancing (see the module docstring)."""
     family = cfg.model_type
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "minimax_m2"):
+    # HF's load_balancing_loss_func:
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "minimax_m2", "gpt_oss"):
         on = for_training or cfg.output_router_logits
         return {"aux_loss_coeff": cfg.router_aux_loss_coef * cfg.num_experts_per_tok if on else 0.0}
     if not for_training:
@@ -235,6 +252,8 @@ def router_config(cfg, for_training: bool = True) -> RouterConfig:
         # sigmoid scores, selection by score + e_score_correction_bias, the selected scores renormalised;
         # no groups, no scaling (transformers' MiniMaxM2TopKRouter).
         return RouterConfig(**common, score_func="sigmoid", norm_topk_prob=True, use_expert_bias=True)
+    if family == "gpt_oss":     # softmax over the top-k logits = the top-k softmax scores renormalised
+        return RouterConfig(**common, score_func="softmax", norm_topk_prob=True, bias=True)
     if family == "deepseek_v2":
         if cfg.topk_method == "greedy":
             groups = {}
@@ -295,14 +314,20 @@ def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: s
         if cfg.hidden_act != "silu":
             raise ValueError(f"{family}: hidden_act {cfg.hidden_act!r}: gated experts are supported with 'silu' "
                              "(SwiGLU) only")
-        ffn = cfg.intermediate_size if family in ("mixtral", "olmoe", "minimax_m2") else cfg.moe_intermediate_size
+        ffn = (cfg.intermediate_size if family in ("mixtral", "olmoe", "minimax_m2", "gpt_oss")
+               else cfg.moe_intermediate_size)
+        gpt_oss = family == "gpt_oss"
+        activation = dict(activation="swiglu_clamped", expert_bias=True, swiglu_alpha=cfg.swiglu_alpha,
+                          swiglu_limit=cfg.swiglu_limit) if gpt_oss else dict(activation="swiglu")
         moe = MoEConfig(router=router_config(cfg, for_training), ffn_hidden_size=ffn,
                         num_expert_slots=num_expert_slots, dispatcher=dispatcher, expert_backend=expert_backend,
-                        activation="swiglu", shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
+                        **activation, shared_experts=_shared_experts(cfg), init_std=cfg.initializer_range)
     dense = mlp_config(cfg) if len(layer_ids) < cfg.num_hidden_layers + mtp_num_layers else None
+    window_layers = sliding_window_layer_ids(cfg)
+    attention = (mla_config(cfg) if family in _MLA_FAMILIES
+                 else attention_config(cfg, window_layers[0] if window_layers else None))
     return GPTMoEConfig(
         family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-        attention=mla_config(cfg) if family in _MLA_FAMILIES else attention_config(cfg), moe=moe,
-        moe_layer_ids=layer_ids, dense_mlp=dense, norm_eps=cfg.rms_norm_eps,
+        attention=attention, moe=moe, moe_layer_ids=layer_ids, dense_mlp=dense, norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range,
-        mtp_num_layers=mtp_num_layers)
+        sliding_window_layer_ids=window_layers, mtp_num_layers=mtp_num_layers)

@@ -174,8 +174,8 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         cp_group = state.cp.group if state.cp.size > 1 else None
-        self.self_attn = spec.build_attention(config.attention, tp_group=tp, sequence_parallel=sp, cp_group=cp_group,
-                                              **factory)
+        self.self_attn = spec.build_attention(config.attention_of(layer_id), tp_group=tp, sequence_parallel=sp,
+                                              cp_group=cp_group, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         if config.is_moe_layer(layer_id):
             extra = {"sequence_group": sequence_group} if sp else {}

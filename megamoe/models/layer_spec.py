@@ -6,7 +6,8 @@ hooks of :class:`~megamoe.models.gpt_moe.GPTMoEModel`.
 returns a custom router); the other parts keep the shipped classes. Each field is a class or any
 callable with that class's constructor signature, called once per decoder layer with:
 
-- ``attention(config.attention, tp_group=..., device=..., dtype=...)``: a module whose
+- ``attention(config.attention_of(i), tp_group=..., device=..., dtype=...)`` (``config.attention``, without
+  its sliding window on the layers ``sliding_window_layer_ids`` leaves out): a module whose
   ``forward(hidden [B, S, H], position_ids [B, S], kv_cache, attention_mask [B, S_past + S] | None,
   position_embeddings (cos, sin) | None) -> [B, S, H]`` is complete on every TP rank (like
   :class:`~megamoe.transformer.attention.Attention`). Default (None): ``Attention`` for an

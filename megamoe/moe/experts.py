@@ -28,6 +28,13 @@ FP8 (``ExpertsConfig.fp8``, an :class:`~megamoe.moe.fp8.FP8Config`) applies to a
 numerical reference (quantise, dequantise, fp32 GEMMs); ``auto`` picks ``te`` then ``torch`` and
 raises rather than fall back to the emulation. See :mod:`megamoe.moe.fp8_experts`.
 
+gpt-oss experts (``ExpertsConfig.bias``, activation ``swiglu_clamped``: :mod:`megamoe.moe.clamped_swiglu`):
+biases on both projections, ``b_gate_up`` [S_local, G * F_shard] (sharded with the rows it is added
+to) and ``b_down`` [S_local, H], added before the combine weights as in HF. The down bias is part of
+an output the ETP group sums, so only ETP rank 0 adds it, while every rank's copy gets the full
+gradient (the output gradient is the same on all of them), keeping the copies equal. Backends
+``torch`` and ``loop``; TransformerEngine, FP8 and kept block-FP8 weights refuse biases (ValueError).
+
 Kept block-FP8 weights (a checkpoint's e4m3 values and block scales, held as stored; set by
 :meth:`GroupedExperts.keep_block_fp8`) run the ``block`` FP8 recipe on ``fp8_emulated`` or ``torch``, or
 without an FP8 recipe dequantized per slot at run time: :mod:`megamoe.moe.block_fp8_experts`.
@@ -36,22 +43,26 @@ without an FP8 recipe dequantized per slot at run time: :mod:`megamoe.moe.block_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megamoe.gradients import main_grad
 from megamoe.host_values import host_ints
 from megamoe.moe import block_fp8_experts
+from megamoe.moe.clamped_swiglu import ClampedSwiGLU
+from megamoe.moe.expert_activations import activate as _activate
+from megamoe.moe.expert_activations import activation_backward as _activation_backward
+from megamoe.moe.expert_activations import activation_forward as _activation_forward
+from megamoe.moe.loop_experts import loop_mlp as _loop_mlp
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.transformer.recompute import checkpointed
 
 __all__ = ["ExpertsConfig", "GroupedExperts"]
 
-_ACTIVATIONS = ("swiglu", "gelu", "relu", "silu")
+_ACTIVATIONS = ("swiglu", "gelu", "relu", "silu", "swiglu_clamped")
 _BACKENDS = ("auto", "torch", "loop", "te", "fp8_emulated")
 # Construction must not draw from the global RNG (the MoE layer seeds its layout-invariant expert
 # init from it right after building its children), so the placeholder init uses its own generator.
@@ -71,6 +82,9 @@ class ExpertsConfig:
     etp_size: int = 1
     etp_rank: int = 0
     fp8: FP8Config | None = None  # FP8 GEMMs on the chosen backend; see megamoe.moe.fp8_experts
+    bias: bool = False            # biases on gate/up and down (gpt-oss)
+    swiglu_alpha: float = 1.702   # activation "swiglu_clamped" only (megamoe.moe.clamped_swiglu)
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("num_local_slots", "hidden_size", "ffn_hidden_size", "etp_size"):
@@ -91,10 +105,24 @@ class ExpertsConfig:
                 f"({self.etp_size}); change the ETP size")
         if not 0 <= self.etp_rank < self.etp_size:
             raise ValueError(f"ExpertsConfig.etp_rank must be in [0, {self.etp_size}), got {self.etp_rank}")
+        if self.fp8 is not None and (self.bias or self.activation == "swiglu_clamped"):
+            raise ValueError("ExpertsConfig.fp8: FP8 experts support neither expert biases (bias=True) nor the "
+                             "'swiglu_clamped' activation (gpt-oss); run them in high precision (fp8=None)")
+        if self.bias and self.backend == "te":
+            raise ValueError("ExpertsConfig.bias: the 'te' backend has no expert biases; use backend 'torch' or 'loop'")
+        if self.activation == "swiglu_clamped":
+            ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit)           # validates the constants
 
     @property
     def gated(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "swiglu_clamped")
+
+    @property
+    def activation_function(self) -> str | ClampedSwiGLU:
+        """What the activation helpers take: the name, or the clamped SwiGLU with its constants."""
+        if self.activation == "swiglu_clamped":
+            return ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit)
+        return self.activation
 
     @property
     def ffn_shard_size(self) -> int:
@@ -159,8 +187,10 @@ class GroupedExperts(nn.Module):
         self.fp8_amax_reduction = fp8_amax_reduction      # groups FP8 amaxes are reduced over
         device = torch.device(device) if device is not None else torch.get_default_device()
         dtype = dtype if dtype is not None else torch.get_default_dtype()
-        self.backend = (self._resolve_backend(config.backend, device) if config.fp8 is None
-                        else resolve_fp8_backend(config.backend, device, recipe=config.fp8.recipe))
+        self.backend = (self._resolve_backend(config.backend, device, te_allowed=not config.bias)
+                        if config.fp8 is None else resolve_fp8_backend(config.backend, device, recipe=config.fp8.recipe))
+        self.activation = config.activation_function
+        self.adds_down_bias = config.etp_rank == 0      # the ETP group sums the outputs: add it once
         # FP8 scaling state: TE keeps its own; the torch / emulated paths keep theirs here (the block
         # recipe scales every tile from its own values: no state).
         self.fp8_state = (FP8ScalingState(config.fp8, config.num_local_slots, device=device)
@@ -187,11 +217,18 @@ class GroupedExperts(nn.Module):
             self.w_down = nn.Parameter(torch.empty(S, H, Fs, device=device, dtype=dtype))
             _placeholder_init_(self.w_gate_up, generator)
             _placeholder_init_(self.w_down, generator)
+        if config.bias:
+            self.b_gate_up = nn.Parameter(torch.zeros(S, G * Fs, device=device, dtype=dtype))
+            self.b_down = nn.Parameter(torch.zeros(S, H, device=device, dtype=dtype))
+            self.b_down.etp_replicated = True      # whole on every ETP rank: counted once in the gradient norm
+        else:
+            self.register_parameter("b_gate_up", None)
+            self.register_parameter("b_down", None)
 
     @staticmethod
-    def _resolve_backend(requested: str, device: torch.device) -> str:
+    def _resolve_backend(requested: str, device: torch.device, te_allowed: bool = True) -> str:
         if requested == "auto":
-            return "te" if transformer_engine_usable(device) else "torch"
+            return "te" if te_allowed and transformer_engine_usable(device) else "torch"
         if requested == "te" and not transformer_engine_usable(device):
             raise RuntimeError(
                 f"ExpertsConfig.backend='te' needs TransformerEngine and a CUDA device (device is {device}, "
@@ -222,14 +259,18 @@ class GroupedExperts(nn.Module):
             return self._forward_fp8(tokens_sorted, tokens_per_slot)
         if self.backend == "loop":
             sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
+            biases = {} if self.b_gate_up is None else dict(
+                gate_up_biases=self.b_gate_up.unbind(0), down_biases=self.b_down.unbind(0),
+                add_down_bias=self.adds_down_bias)
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
-                             cfg.activation, recompute_activation=self.recompute_activation)
+                             self.activation, recompute_activation=self.recompute_activation, **biases)
         groups = SlotGroups.from_counts(tokens_per_slot.to(tokens_sorted.device), tokens_sorted.shape[0],
                                         dtype=tokens_sorted.dtype)
+        biases = (self.b_gate_up, self.b_down, self.adds_down_bias)
         if torch.is_grad_enabled():
-            return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation,
-                                            self.recompute_activation)
-        return _grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, groups, cfg.activation)[0]  # inference
+            return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, self.activation,
+                                            self.recompute_activation, *biases)
+        return _grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, groups, self.activation, *biases)[0]
 
     @property
     def supports_per_pair(self) -> bool:
@@ -258,8 +299,13 @@ class GroupedExperts(nn.Module):
         slots = torch.where(valid, slot_ids, 0).reshape(-1)                     # [T * K]
         rows = tokens.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, tokens.shape[-1], 1)   # [T * K, H, 1]
         hidden = torch.bmm(self.w_gate_up[slots], rows).squeeze(-1)             # [T * K, G * F_shard]
-        act = _activation_forward(hidden, self.config.activation)
-        out = torch.bmm(self.w_down[slots], act.unsqueeze(-1)).view(num_tokens, top_k, -1)   # [T, K, H]
+        if self.b_gate_up is not None:
+            hidden = hidden + self.b_gate_up[slots]
+        act = _activation_forward(hidden, self.activation)
+        out = torch.bmm(self.w_down[slots], act.unsqueeze(-1)).squeeze(-1)      # [T * K, H]
+        if self.b_down is not None and self.adds_down_bias:
+            out = out + self.b_down[slots]
+        out = out.view(num_tokens, top_k, -1)                                    # [T, K, H]
         acc_dtype = torch.promote_types(out.dtype, torch.float32)
         pair_weights = torch.where(valid, weights, 0).to(acc_dtype).unsqueeze(-1)
         return (out.to(acc_dtype) * pair_weights).sum(1).to(tokens.dtype)
@@ -269,7 +315,7 @@ class GroupedExperts(nn.Module):
         if tokens_sorted.shape[0] == 0:
             # Keep every weight in the graph (zero gradients) without asking TE for empty GEMMs.
             return _loop_mlp(tokens_sorted, self._te_weights(self.te_gate_up),
-                             self._te_weights(self.te_down), sizes, self.config.activation)
+                             self._te_weights(self.te_down), sizes, self.activation)
         if self._te_fp8_recipe is not None:
             from megamoe.moe.fp8_experts import te_fp8_grouped_mlp  # imports this module
             return te_fp8_grouped_mlp(self.te_gate_up, self.te_down, tokens_sorted, tokens_per_slot,
@@ -285,6 +331,8 @@ class GroupedExperts(nn.Module):
 
     def keep_block_fp8(self, config: BlockFP8Config, name: str = "experts") -> None:
         """Hold the weights as kept block-FP8 ones, quantizing the current values (``name``: for errors)."""
+        if self.config.bias:
+            raise ValueError(f"{name}: kept block-FP8 experts have no biases (gpt-oss's experts are not FP8)")
         block_fp8_experts.keep_expert_weights(self, config, name)
 
     def expert_scale_shards(self, local_slot: int) -> dict[str, torch.Tensor]:
@@ -292,7 +340,7 @@ class GroupedExperts(nn.Module):
         return {} if self.weight_quantization is None else block_fp8_experts.kept_scale_shards(self, local_slot)
 
     def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
-        return checkpointed(_activate, hidden, self.config.activation, enabled=self.recompute_activation)
+        return checkpointed(_activate, hidden, self.activation, enabled=self.recompute_activation)
 
     def _te_weights(self, module: nn.Module) -> list[torch.Tensor]:
         return [getattr(module, f"weight{s}") for s in range(self.config.num_local_slots)]
@@ -316,6 +364,9 @@ class GroupedExperts(nn.Module):
         if self.backend == "te":
             return ((getattr(self.te_gate_up, f"weight{local_slot}"), slice(None)),
                     (getattr(self.te_down, f"weight{local_slot}"), slice(None)))
+        if self.b_gate_up is not None:
+            return ((self.w_gate_up, local_slot), (self.w_down, local_slot), (self.b_gate_up, local_slot),
+                    (self.b_down, local_slot))
         return ((self.w_gate_up, local_slot), (self.w_down, local_slot))
 
     def slot_buffers(self, local_slot: int) -> tuple[torch.Tensor, ...]:
@@ -326,9 +377,9 @@ class GroupedExperts(nn.Module):
             return ()
         return self.fp8_state.slot_state(local_slot)
 
-    def _slot_weights(self, local_slot: int, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [G * F_shard, H], down [H, F_shard]) of one slot: the parameters, or their
-        gradients with ``grad=True``."""
+    def _slot_weights(self, local_slot: int, grad: bool = False) -> tuple[torch.Tensor, ...]:
+        """(gate_up [G * F_shard, H], down [H, F_shard], then with biases gate_up bias [G * F_shard] and
+        down bias [H]) of one slot: the parameters, or their gradients with ``grad=True``."""
         params = self._weight_parameters(local_slot)
         if not grad:
             return tuple(p.detach()[index] for p, index in params)
@@ -340,10 +391,12 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def load_expert_weights(self, local_slot: int, gate: torch.Tensor, up: torch.Tensor | None,
-                            down: torch.Tensor) -> None:
+                            down: torch.Tensor, *, gate_bias: torch.Tensor | None = None,
+                            up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
         """Write one expert's FULL weights (HF nn.Linear layout: ``gate`` / ``up`` [F, H], ``down``
         [H, F]; ``up`` is None for a non-gated activation) into ``local_slot``, keeping this rank's
-        ETP shard."""
+        ETP shard. With ``ExpertsConfig.bias``: the biases ``gate_bias`` / ``up_bias`` [F] and
+        ``down_bias`` [H] (None: zeros)."""
         cfg = self.config
         F_, H = cfg.ffn_hidden_size, cfg.hidden_size
         if cfg.gated and up is None:
@@ -358,24 +411,41 @@ class GroupedExperts(nn.Module):
         if self.weight_quantization is not None:
             block_fp8_experts.load_kept_expert_weights(self, local_slot, gate, up, down)
             return
-        gate_up, w_down = self._slot_weights(local_slot)
+        views = self._slot_weights(local_slot)
+        gate_up, w_down = views[:2]
         shard = self._shard()
         Fs = cfg.ffn_shard_size
         gate_up[:Fs].copy_(gate[shard])
         if cfg.gated:
             gate_up[Fs:].copy_(up[shard])
         w_down.copy_(down[:, shard])
+        if cfg.bias:
+            b_gate_up, b_down = views[2:]
+            for name, bias, target, size in (("gate_bias", gate_bias, b_gate_up[:Fs], F_),
+                                             ("up_bias", up_bias, b_gate_up[Fs:], F_),
+                                             ("down_bias", down_bias, b_down, H)):
+                if bias is not None and tuple(bias.shape) != (size,):
+                    raise ValueError(f"{name} must be the full expert bias of shape [{size}], got {list(bias.shape)}")
+                if bias is None:
+                    target.zero_()
+                else:
+                    target.copy_(bias if size == H else bias[shard])
 
     def expert_weight_shards(self, local_slot: int, grad: bool = False) -> dict[str, torch.Tensor]:
         """This rank's shards of one slot in HF layout: ``{"gate": [F_shard, H], "up": [F_shard, H],
         "down": [H, F_shard]}`` (no "up" when not gated); ``grad=True`` gives their gradients.
         The tensors are detached views of the stacked storage: clone before modifying."""
-        gate_up, down = self._slot_weights(local_slot, grad=grad)
+        views = self._slot_weights(local_slot, grad=grad)
+        gate_up, down = views[:2]
         Fs = self.config.ffn_shard_size
         shards = {"gate": gate_up[:Fs]}
         if self.config.gated:
             shards["up"] = gate_up[Fs:]
         shards["down"] = down
+        if self.config.bias:        # this rank's bias shards: gate / up [F_shard], down [H] (the whole bias)
+            shards["gate_bias"] = views[2][:Fs]
+            shards["up_bias"] = views[2][Fs:]
+            shards["down_bias"] = views[3]
         return shards
 
     def _shard(self) -> slice:
@@ -395,7 +465,7 @@ def _placeholder_init_(weight: torch.Tensor, generator: torch.Generator) -> None
     weight.copy_(values)
 
 
-# ---- reference backend ------------------------------------------------------------------------
+# ---- row counts on the host (the loop backend, the per-slot GEMMs) ------------------------------
 def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int) -> list[int]:
     # A meta dry run (see megamoe.host_values) spreads the rows evenly over the slots.
     num_slots = tokens_per_slot.numel()
@@ -404,31 +474,6 @@ def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int) -> list[int]:
     if sum(sizes) != num_rows or min(sizes) < 0:
         raise ValueError(f"tokens_per_slot {sizes} must be >= 0 and sum to the number of rows ({num_rows})")
     return sizes
-
-
-def _activate(hidden: torch.Tensor, activation: str) -> torch.Tensor:
-    """Autograd activation of the gate(/up) projection output [n, G * F] -> [n, F]."""
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if activation == "gelu":
-        return F.gelu(hidden)
-    if activation == "relu":
-        return F.relu(hidden)
-    return F.silu(hidden)
-
-
-def _loop_mlp(tokens: torch.Tensor, gate_up_weights: Sequence[torch.Tensor],
-              down_weights: Sequence[torch.Tensor], sizes: list[int], activation: str,
-              recompute_activation: bool = False) -> torch.Tensor:
-    """Per-slot ``F.linear`` on ``split`` views, plain autograd (the reference); the activation
-    recomputed in backward with ``recompute_activation``."""
-    outputs = [
-        F.linear(checkpointed(_activate, F.linear(rows, w_gate_up), activation, enabled=recompute_activation),
-                 w_down)
-        for rows, w_gate_up, w_down in zip(tokens.split(sizes), gate_up_weights, down_weights)
-    ]
-    return torch.cat(outputs)
 
 
 # ---- fused backend ----------------------------------------------------------------------------
@@ -518,41 +563,25 @@ def grouped_linear_weight_grad(grad_y: torch.Tensor, x: torch.Tensor, groups: Sl
     return out
 
 
-def _activation_forward(hidden: torch.Tensor, activation: str) -> torch.Tensor:
-    """[N, G * F] -> [N, F], one output allocation."""
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
-    if activation == "gelu":
-        return F.gelu(hidden)
-    if activation == "relu":
-        return F.relu(hidden)
-    return F.silu(hidden)
+def _row_slots(groups: SlotGroups) -> torch.Tensor:
+    """[N] the local slot of every sorted row (no host sync: the row count is known)."""
+    counts = groups.tokens_per_slot
+    return torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                   output_size=groups.num_rows)
 
 
-def _activation_backward(grad_act: torch.Tensor, hidden: torch.Tensor, activation: str) -> torch.Tensor:
-    """d(act)/d(hidden): grad_act [N, F], hidden [N, G * F] -> [N, G * F]. Consumes ``grad_act``
-    (reused as scratch)."""
-    aten = torch.ops.aten
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        grad_hidden = torch.empty_like(hidden)
-        grad_gate, grad_up = grad_hidden.chunk(2, dim=-1)
-        torch.mul(grad_act, F.silu(gate), out=grad_up)                  # d up = da * silu(g)
-        aten.silu_backward.grad_input(grad_act.mul_(up), gate, grad_input=grad_gate)  # d g = da * u * silu'(g)
-        return grad_hidden
-    if activation == "gelu":
-        return aten.gelu_backward.grad_input(grad_act, hidden, grad_input=grad_act)
-    if activation == "relu":
-        return aten.threshold_backward.grad_input(grad_act, hidden, 0, grad_input=grad_act)
-    return aten.silu_backward.grad_input(grad_act, hidden, grad_input=grad_act)
-
-
-def _grouped_mlp(tokens, w_gate_up, w_down, groups: SlotGroups, activation: str):
+def _grouped_mlp(tokens, w_gate_up, w_down, groups: SlotGroups, activation, b_gate_up=None, b_down=None,
+                 add_down_bias: bool = True):
     """The expert MLP of all slots: (output [N, H], hidden [N, G * F], activation output [N, F])."""
     hidden = grouped_linear(tokens, w_gate_up, groups)                  # [N, G * F]
+    rows = _row_slots(groups) if b_gate_up is not None else None
+    if b_gate_up is not None:
+        hidden += b_gate_up.index_select(0, rows)
     act = _activation_forward(hidden, activation)                       # [N, F]
-    return grouped_linear(act, w_down, groups), hidden, act             # [N, H]
+    out = grouped_linear(act, w_down, groups)                           # [N, H]
+    if b_down is not None and add_down_bias:
+        out += b_down.index_select(0, rows)
+    return out, hidden, act
 
 
 class GroupedMLPFunction(torch.autograd.Function):
@@ -569,9 +598,11 @@ class GroupedMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tokens, w_gate_up, w_down, groups: SlotGroups, activation: str,
-                recompute_activation: bool = False):
-        out, hidden, act = _grouped_mlp(tokens, w_gate_up, w_down, groups, activation)
+    def forward(ctx, tokens, w_gate_up, w_down, groups: SlotGroups, activation,
+                recompute_activation: bool = False, b_gate_up=None, b_down=None, add_down_bias: bool = True):
+        out, hidden, act = _grouped_mlp(tokens, w_gate_up, w_down, groups, activation, b_gate_up, b_down,
+                                        add_down_bias)
+        ctx.has_bias = b_gate_up is not None
         ctx.recompute_activation = recompute_activation
         if recompute_activation:
             ctx.save_for_backward(tokens, w_gate_up, w_down, hidden)
@@ -599,4 +630,10 @@ class GroupedMLPFunction(torch.autograd.Function):
                           if ctx.needs_input_grad[1] else None)
         grad_tokens = (grouped_linear_input_grad(grad_hidden, w_gate_up, groups)
                        if ctx.needs_input_grad[0] else None)
-        return grad_tokens, grad_w_gate_up, grad_w_down, None, None, None
+        grad_b_gate_up = grad_b_down = None
+        if ctx.has_bias:     # per-slot row sums; the down bias's reaches every ETP rank's copy
+            rows = _row_slots(groups)
+            num_slots = groups.tokens_per_slot.shape[0]
+            grad_b_gate_up = grad_hidden.new_zeros(num_slots, grad_hidden.shape[1]).index_add_(0, rows, grad_hidden)
+            grad_b_down = grad_out.new_zeros(num_slots, grad_out.shape[1]).index_add_(0, rows, grad_out)
+        return grad_tokens, grad_w_gate_up, grad_w_down, None, None, None, grad_b_gate_up, grad_b_down, None

@@ -72,7 +72,10 @@ class MoEConfig:
     input_sharded: bool = False                # allgather: tokens sharded over the EP x ETP group
     expert_backend: str = "auto"               # "auto" | "torch" | "loop" | "te" | "fp8_emulated"
     expert_fp8: FP8Config | None = None        # FP8 expert GEMMs (see megamoe.moe.fp8)
-    activation: str = "swiglu"
+    activation: str = "swiglu"                 # see ExpertsConfig ("swiglu_clamped": gpt-oss)
+    expert_bias: bool = False                  # routed experts with gate/up and down biases (gpt-oss)
+    swiglu_alpha: float = 1.702                # activation "swiglu_clamped" only
+    swiglu_limit: float = 7.0
     shared_experts: SharedExpertsConfig | None = None
     capacity_factor: float | None = None       # None: dropless
     init_std: float = 0.02
@@ -250,7 +253,8 @@ class MoELayer(nn.Module):
             num_local_slots=len(self.local_slots), hidden_size=config.hidden_size,
             ffn_hidden_size=config.ffn_hidden_size, activation=config.activation,
             backend=config.expert_backend, etp_size=self.etp_size, etp_rank=self.etp_rank,
-            fp8=config.expert_fp8),
+            fp8=config.expert_fp8, bias=config.expert_bias, swiglu_alpha=config.swiglu_alpha,
+            swiglu_limit=config.swiglu_limit),
             fp8_amax_reduction=(FP8AmaxReduction(etp_group=self.etp_group, slot_group=self.etp_edp_group)
                                 if config.expert_fp8 is not None else FP8AmaxReduction()),
             **factory)
@@ -308,7 +312,7 @@ class MoELayer(nn.Module):
             return                          # no values to hold (e.g. a layout being planned)
         init = normal_init(self.config.init_std)
         H, F = self.config.hidden_size, self.config.ffn_hidden_size
-        gated = self.config.activation == "swiglu"
+        gated = self.config.activation in ("swiglu", "swiglu_clamped")
         for local_slot, slot in enumerate(self.local_slots):
             g = seeded_generator(base_seed, f"expert.{int(self.placement.slot_to_expert[slot])}")
             gate, up, down = torch.empty(F, H), torch.empty(F, H), torch.empty(H, F)
@@ -318,8 +322,10 @@ class MoELayer(nn.Module):
 
     def sharded_state_dict(self, prefix: str = "") -> list[LogicalChunk]:
         """Router and shared experts as usual; routed experts under per-EXPERT logical names in HF
-        layout (``experts.<id>.gate_proj.weight`` [F, H], ``up_proj`` [F, H], ``down_proj`` [H, F]),
-        each slot contributing its ETP chunk. Replicas yield the same chunk: stored once."""
+        layout (``experts.<id>.gate_proj.weight`` [F, H], ``up_proj`` [F, H], ``down_proj`` [H, F];
+        with ``expert_bias`` also ``gate_proj.bias`` / ``up_proj.bias`` [F] and ``down_proj.bias`` [H]),
+        each slot contributing its ETP chunk. Replicas (and the ETP ranks' copies of the down bias)
+        yield the same chunk: stored once."""
         chunks = []
         for name, child in self.named_children():
             if name != "experts":
@@ -334,6 +340,10 @@ class MoELayer(nn.Module):
             if "up" in shards:
                 chunks.append(LogicalChunk(f"{key}.up_proj.weight", shards["up"], (F, H), (f_offset, 0)))
             chunks.append(LogicalChunk(f"{key}.down_proj.weight", shards["down"], (H, F), (0, f_offset)))
+            if "down_bias" in shards:
+                chunks.append(LogicalChunk(f"{key}.gate_proj.bias", shards["gate_bias"], (F,), (f_offset,)))
+                chunks.append(LogicalChunk(f"{key}.up_proj.bias", shards["up_bias"], (F,), (f_offset,)))
+                chunks.append(LogicalChunk(f"{key}.down_proj.bias", shards["down_bias"], (H,), (0,)))
             chunks += self._scale_chunks(key, local_slot, f_offset)
         return chunks
 

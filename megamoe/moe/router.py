@@ -23,6 +23,8 @@ top_k = "num_experts_per_tok", init_std = "initializer_range".
                renormalises), use_expert_bias = True (its MoE block's "e_score_correction_bias"); no
                groups, no scaling. HF computes these logits in the gate weight's dtype, here in fp32 as
                for every family (the same in fp32; in bf16 the routing here is the more precise).
+- gpt_oss:     num_experts = "num_local_experts", score_func = softmax, norm_topk_prob = True (HF's
+               softmax over the top-k logits), bias = True (the gate's ``router.bias``).
 
 Every family applies the score function over all experts before top-k; renormalising the top-k softmax
 probabilities equals a softmax over the top-k logits, so no "softmax after top-k" option is needed.
@@ -97,6 +99,7 @@ class RouterConfig:
     seq_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     init_std: float = 0.02  # std of the normal init of the gate weight (HF: initializer_range)
+    bias: bool = False      # a learned [E] logit bias (gpt-oss's router.bias); trained, unlike expert_bias
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "n_group", "topk_group"):
@@ -179,6 +182,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(config.num_experts, config.hidden_size, device=device, dtype=dtype)
         )  # [E, H]
+        if config.bias:
+            self.bias = nn.Parameter(torch.empty(config.num_experts, device=device, dtype=dtype))  # [E]
+        else:
+            self.register_parameter("bias", None)
         if config.use_expert_bias:
             bias = torch.zeros(config.num_experts, device=device, dtype=torch.float32)  # [E]
             self.register_buffer("expert_bias", bias)
@@ -188,7 +195,7 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) gate weight, zero expert bias.
+        """Normal(0, init_std) gate weight, zero gate bias and expert bias.
 
         The values are drawn in fp32 on the generator's device (CPU without one) and then copied, so a
         given generator state yields the same weight on every device and in every parameter dtype.
@@ -197,6 +204,8 @@ class Router(nn.Module):
         init = torch.empty(self.weight.shape, dtype=torch.float32, device=draw_device)
         init.normal_(0.0, self.config.init_std, generator=generator)
         self.weight.copy_(init)
+        if self.bias is not None:
+            self.bias.zero_()
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
@@ -209,10 +218,11 @@ class Router(nn.Module):
         dtype = compute_dtype(hidden.dtype, self.weight.dtype)
         # autocast would run the GEMM in bf16/fp16 whatever its inputs' dtype: routing decisions and the
         # router's gradient (which overflows fp16 under loss scaling) need the full precision.
+        bias = None if self.bias is None else self.bias.to(dtype)
         if not torch.amp.is_autocast_available(hidden.device.type):      # e.g. meta: no autocast to leave
-            return F.linear(hidden.to(dtype), self.weight.to(dtype))
+            return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
         with torch.autocast(hidden.device.type, enabled=False):
-            return F.linear(hidden.to(dtype), self.weight.to(dtype))
+            return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
 
     def forward(self, hidden: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
         """Route ``hidden`` [T, H]: T = num_sequences * seq_len tokens, sequence-major.

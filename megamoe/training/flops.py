@@ -120,7 +120,8 @@ def flops_per_token(config: GPTMoEConfig, seq_len: int) -> FlopsPerToken:
     if num_moe:
         moe = config.moe
         router = num_moe * 2 * H * moe.num_experts
-        routed = num_moe * moe.router.top_k * _ffn_flops(H, moe.ffn_hidden_size, moe.activation == "swiglu")
+        gated = moe.activation in ("swiglu", "swiglu_clamped")
+        routed = num_moe * moe.router.top_k * _ffn_flops(H, moe.ffn_hidden_size, gated)
         if moe.shared_experts is not None:
             se = moe.shared_experts
             shared = num_moe * (_ffn_flops(H, se.ffn_hidden_size, se.activation == "swiglu")

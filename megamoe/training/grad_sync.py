@@ -212,7 +212,8 @@ class GradientSync:
 def _replication(param: nn.Parameter, state, tied: bool) -> float:
     """How many ranks hold an identical copy of this parameter's gradient."""
     if getattr(param, "expert_parallel", False):
-        return float(state.edp.size)
+        # A tensor every ETP rank holds whole (gpt-oss's expert down bias) is copied over ETP as well.
+        return float(state.edp.size * (state.etp.size if getattr(param, "etp_replicated", False) else 1))
     copies = state.dp_cp.size
     if get_shard_spec(param).count == 1:
         copies *= state.tp.size           # not split: replicated over TP
@@ -245,8 +246,9 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
             extra = torch.zeros((), dtype=torch.float64, device=device)
             for local_slot, count in enumerate(counts.tolist()):
                 if count > 1:
-                    sq = sum(g.double().pow(2).sum() for g in
-                             layer.experts.expert_weight_shards(local_slot, grad=True).values())
+                    shards = layer.experts.expert_weight_shards(local_slot, grad=True)
+                    sq = sum(g.double().pow(2).sum() / (state.etp.size if name == "down_bias" else 1)
+                             for name, g in shards.items())
                     extra += sq * (1.0 / count - 1.0)
             total += extra / state.edp.size
     comms.all_reduce_(total, world_group)

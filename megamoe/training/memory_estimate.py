@@ -212,6 +212,8 @@ def _attention_params(cfg: AttentionConfig | MLAConfig, tp: int, prefix: str) ->
     out += _linear(f"{prefix}.k_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
     out += _linear(f"{prefix}.v_proj", kv_local, H, kv_local if cfg.qkv_bias else None)
     out += _linear(f"{prefix}.o_proj", H, q_local, H if cfg.o_proj_bias else None)
+    if getattr(cfg, "sinks", False):
+        out += [ParamTensor(f"{prefix}.sinks", heads // tp)]
     if cfg.qk_norm == "per_head":
         out += [ParamTensor(f"{prefix}.q_norm.weight", d), ParamTensor(f"{prefix}.k_norm.weight", d)]
     elif cfg.qk_norm == "full_width":
@@ -228,10 +230,15 @@ def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int
     if F % etp:
         raise ValueError(f"moe.ffn_hidden_size ({F}) must be divisible by etp ({etp})")
     local = slots // ep
-    gated = 2 if moe.activation == "swiglu" else 1
+    gated = 2 if moe.activation in ("swiglu", "swiglu_clamped") else 1
     out = [ParamTensor(f"{prefix}.router.weight", moe.num_experts * H),
            ParamTensor(f"{prefix}.experts.w_gate_up", local * gated * (F // etp) * H, True, local),
            ParamTensor(f"{prefix}.experts.w_down", local * H * (F // etp), True, local)]
+    if moe.router.bias:
+        out += [ParamTensor(f"{prefix}.router.bias", moe.num_experts)]
+    if moe.expert_bias:
+        out += [ParamTensor(f"{prefix}.experts.b_gate_up", local * gated * (F // etp), True, local),
+                ParamTensor(f"{prefix}.experts.b_down", local * H, True, local)]
     if moe.shared_experts is not None:
         se = moe.shared_experts
         n = ep * etp if moe.dispatcher == "allgather" else etp      # the dispatcher's reduction group
@@ -375,7 +382,7 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
     moe = config.moe
     H, E, k = moe.hidden_size, moe.num_experts, moe.router.top_k
     F_l = moe.ffn_hidden_size // etp
-    gated = 2 if moe.activation == "swiglu" else 1
+    gated = 2 if moe.activation in ("swiglu", "swiglu_clamped") else 1
     if moe.dispatcher == "allgather":
         N = T * k * (etp if moe.input_sharded else 1) / (1 if moe.input_sharded else ep)
         n_send = n_recv = float(T)

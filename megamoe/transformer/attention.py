@@ -58,6 +58,13 @@ Context parallelism (``cp_group=``, :mod:`megamoe.transformer.context_parallel`)
 CP rank's S / cp tokens (load-balanced chunks) and ``position_ids`` their positions; after RoPE the
 KV heads are all-gathered over CP (backward: reduce-scatter) and the queries attend with
 ``query_positions`` = their indices in the whole sequence; ``document_ids`` is the FULL [B, S]. No KV cache.
+
+Attention sinks (``AttentionConfig.sinks``, gpt-oss): one learned logit per query head joins every
+softmax as an extra column that no value row goes with, so a query may put weight on "nothing". The
+parameter ``sinks`` [heads] is sharded with the query heads under TP. :func:`causal_attention` runs it
+as one extra key column through the same SDPA call (zero key, zero value, the sink as that column's
+additive mask), so the KV cache, packed documents, sliding windows and context parallelism (which
+all reach attention through that function) see it unchanged.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from torch.distributed import ProcessGroup
 
 from megamoe import comms
 from megamoe.quantization.kept_weights import linear_weight
-from megamoe.sharding import set_shard_spec
+from megamoe.sharding import set_shard_spec, shard_parameter
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.comms import gather_linears_from_sequence_parallel_region
@@ -148,6 +155,7 @@ class AttentionConfig:
     sliding_window: int | None = None      # key j is visible to query i iff i - window < j <= i
     clip_qkv: float | None = None          # OLMoE: clamp q, k, v to [-clip, clip] after the norms
     init_std: float = 0.02
+    sinks: bool = False                    # gpt-oss: a learned per-head logit in every softmax
 
     def __post_init__(self):
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -169,7 +177,7 @@ class AttentionConfig:
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                      sliding_window: int | None = None, attention_mask: torch.Tensor | None = None,
                      query_positions: torch.Tensor | None = None,
-                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     document_ids: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of query [B, Hq, Sq, D] over key [B, Hk, Sk, D] / value [B, Hk, Sk, Dv] (``Hq`` a
     multiple of ``Hk``), the queries being the LAST ``Sq`` of the ``Sk`` positions, or those at the
     key indices ``query_positions`` [Sq] (a static-shape KV cache). Returns [B, Hq, Sq, Dv].
@@ -183,7 +191,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     document id at the query's own key index), on top of the causal / sliding-window / padding mask."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     gqa = query.shape[1] != key.shape[1]
-    if (query_positions is None and attention_mask is None and document_ids is None
+    if (query_positions is None and attention_mask is None and document_ids is None and sinks is None
             and (sliding_window is None or k_len <= sliding_window)):
         if q_len == k_len:
             return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -205,7 +213,24 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                              f"{list(document_ids.shape)}")
         query_documents = document_ids.index_select(1, q_pos[:, 0])                       # [B, Sq]
         visible = visible & (query_documents[:, None, :, None] == document_ids[:, None, None, :])   # [B, 1, Sq, Sk]
+    if sinks is not None:
+        return _attention_with_sinks(query, key, value, scale, visible, sinks, gqa)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=gqa)
+
+
+def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor, sinks: torch.Tensor,
+                          gqa: bool) -> torch.Tensor:
+    """SDPA whose softmax has one more column per query head: the logit ``sinks[h]`` with a zero value
+    (HF gpt-oss: ``softmax(cat(scores, sink))[..., :-1] @ V``). The column is a zero key (score 0) whose
+    additive mask is the sink, so the one SDPA call computes it; ``visible`` [Sq, Sk] or [B, 1, Sq, Sk]."""
+    batch, heads, q_len = query.shape[0], query.shape[1], query.shape[-2]
+    key = torch.cat([key, key.new_zeros((*key.shape[:-2], 1, key.shape[-1]))], dim=-2)
+    value = torch.cat([value, value.new_zeros((*value.shape[:-2], 1, value.shape[-1]))], dim=-2)
+    visible = visible.expand(batch, 1, q_len, visible.shape[-1])
+    bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+    sink_column = sinks.to(query.dtype).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+    bias = torch.cat([bias.expand(batch, heads, q_len, bias.shape[-1]), sink_column], dim=-1)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=gqa)
 
 
 class _ReplicatedHeadLinear(nn.Module):
@@ -317,6 +342,11 @@ class Attention(nn.Module):
                                   **factory)
         else:
             self.q_norm = self.k_norm = None
+        if config.sinks:     # this rank's query heads' sink logits
+            self.sinks = shard_parameter(nn.Parameter(torch.empty(self.num_heads_local, **factory)), 0, tp_group)
+            init_sharded_(self.sinks, init, None)
+        else:
+            self.register_parameter("sinks", None)
         self.rotary = RotaryEmbedding(config.rope, device=device)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -324,6 +354,8 @@ class Attention(nn.Module):
         for module in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.q_norm, self.k_norm):
             if module is not None:
                 module.reset_parameters(generator)
+        if self.sinks is not None:
+            init_sharded_(self.sinks, normal_init(self.config.init_std), generator)
 
     def _qk_norm(self, norm: RMSNorm | None, x: torch.Tensor, heads: int) -> torch.Tensor:
         """[B, S, heads * D] -> normed [B, S, heads, D]."""
@@ -371,5 +403,5 @@ class Attention(nn.Module):
         if self.cp_group is not None:  # the whole sequence's KV heads; the queries stay this rank's
             (k, v), query_positions = gather_keys_for_context_parallel((k, v), self.cp_group)
         out = checkpointed(causal_attention, q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window,
-                           attention_mask, query_positions, document_ids, enabled=self.recompute_core_attn)
+                           attention_mask, query_positions, document_ids, self.sinks, enabled=self.recompute_core_attn)
         return self.o_proj(out.transpose(1, 2).flatten(2))                     # [B, S, heads_local * D] in
