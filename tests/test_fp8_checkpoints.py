@@ -296,7 +296,7 @@ BAD_FP8 = {   # name: (make_fp8_release options, expected message)
     "static activations": (dict(activation_scheme="static"), "activation_scheme 'static' is not supported"),
     "fp8 without quantization_config": (dict(quant_method=None), r"'model\.layers\.[\w.]+\.weight' is "
                                         "torch.float8_e4m3fn, but config.json has no quantization_config"),
-    "gptq": (dict(quant_method="gptq", bits=4), r"quant_method 'gptq' is not supported \(supported: fp8\)"),
+    "gptq": (dict(quant_method="gptq", bits=4), r"quant_method 'gptq' is not supported \(supported: fp8, mxfp4\)"),
     "bitsandbytes": (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
 }
 
