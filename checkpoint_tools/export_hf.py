@@ -206,10 +206,6 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     # Logical tensors that are an HF tensor under another name: copied from the checkpoint's files if the
     # dtype is kept and the stored chunks hold the bytes in order.
     renamed_to = adapter.renames(config)
-    # Inputs of a step with several of them (gpt-oss's fused experts) are held until the step has them all,
-    # so they must not be the reader's reused buffer: those are copied (one fused HF tensor's worth at most).
-    held = {key for step in adapter.transforms(config, fused=False) if len(step.logical_keys) > 1
-            for key in step.logical_keys}
 
     with output as tmp, LogicalTensorReader(checkpoint, manifest, verify_checksums=verify_checksums) as reader:
         writers: list[SafetensorsStreamWriter] = []
@@ -217,7 +213,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         copies: dict[str, tuple[torch.Tensor, list[FileExtent]]] = {}    # HF key -> (placeholder, its bytes)
 
         # The inputs of a step of several wait for each other, but the reader's buffer they may lie in is
-        # reused by the next read: they are copied (a block-FP8 weight and its scales: one byte an element).
+        # reused by the next read: they are copied (a block-FP8 weight and its scales, gpt-oss's per-expert
+        # tensors of one fused HF tensor).
         waiting = {key for step in adapter.transforms(config, fused=False) if len(step.logical_keys) > 1
                    for key in step.logical_keys}
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.moe import experts as experts_module
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts, GroupedMLPFunction, SlotGroups
+from megamoe.moe.experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.grouped_mlp import GroupedMLPFunction, SlotGroups
 
 H, FFN = 12, 8
 ACTIVATIONS = ("swiglu", "gelu", "relu", "silu")
