@@ -21,6 +21,7 @@ from checkpoint_tools.format import iter_logical_tensors, read_manifest
 from megamoe.quantization.block_fp8 import is_block_fp8_weight, quantize_block_fp8
 from test_convert import assert_same_tensors, convert, hf_tensors, ids, save_hf_model
 from test_hf_families import V, lazy_transformers
+from test_mtp import mtp_hf_dir  # noqa: F401 - a fixture: a tiny deepseek_v3 whose checkpoint holds MTP layers
 
 SCALE = "_scale_inv"
 
@@ -53,7 +54,7 @@ def _quantizable_hf_keys(hf_dir):
     from checkpoint_tools.adapters import adapter_for
     from checkpoint_tools.import_hf import model_config_from_hf
     with open(os.path.join(hf_dir, "config.json")) as f:
-        config = model_config_from_hf(json.load(f), hf_dir)
+        config = model_config_from_hf(json.load(f), hf_dir, hf_keys=hf_tensors(hf_dir))     # MTP layers too
     return {hf for name, hf in adapter_for(config.family).renames(config).items() if is_block_fp8_weight(name)}
 
 
@@ -141,7 +142,8 @@ def partial(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 # Dequantized import: transformers' FP8 loader is the oracle
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family, block", [("deepseek_v3", (4, 4)), ("qwen3_moe", (8, 8))])
+@pytest.mark.parametrize("family, block", [("deepseek_v3", (4, 4)), ("qwen3_moe", (8, 8)), ("glm4_moe", (4, 4)),
+                                           ("minimax_m2", (4, 4))])
 def test_dequantized_import_matches_transformers_fp8_loader(family, block, tmp_path):
     """Blocks dividing every weight (what transformers' dequantization handles), several per weight."""
     t = lazy_transformers()
@@ -335,3 +337,28 @@ def test_training_starts_from_an_fp8_release_dequantized(partial):
     assert start.config.weight_quantization is None and "quantization_config" in start.provenance.config
     assert_same_tensors(gather_logical_state(model), _logical(dequantized_by_definition(hf_tensors(fp8_dir), (8, 8)),
                                                               hf_dir), "training start")
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "deepseek_v3 with MTP layers"])
+def test_kept_round_trip_of_other_fp8_families(family, mtp_hf_dir, tmp_path, capsys):
+    """The families released in block FP8 beside DeepSeek-V3: GLM-4.5's GQA layout, MiniMax-M2's Mixtral-style
+    expert names (w1 / w3 / w2 and their scales), and DeepSeek-V3 with its (quantized) MTP layers: kept
+    under TP 2 x EP 2, exported byte-identical."""
+    if family.startswith("deepseek_v3"):
+        hf_dir = mtp_hf_dir
+    else:
+        hf_dir = tmp_path / "hf"
+        save_hf_model(hf_dir, family)
+    fp8_dir = make_fp8_release(hf_dir, tmp_path / "fp8", (4, 4))
+    original = hf_tensors(fp8_dir)
+    assert sum(t.dtype == torch.float8_e4m3fn for t in original.values()) > 20
+    if family.startswith("deepseek_v3"):
+        assert original["model.layers.3.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn   # MTP layer L
+    assert convert("import-hf", fp8_dir, tmp_path / "ckpt", "--tp", 2, "--pp", 1, "--ep", 2, "--dtype", "keep") == 0
+    assert read_manifest(tmp_path / "ckpt")["model_config"]["weight_quantization"] is not None
+    assert convert("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0
+    exported = hf_tensors(tmp_path / "out")
+    assert set(exported) == set(original)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key].view(torch.uint8),
+                                                                   tensor.view(torch.uint8)), key
