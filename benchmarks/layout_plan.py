@@ -2,7 +2,7 @@
 
     python benchmarks/layout_plan.py [--reference] [--json benchmarks/results/layout_plan.json]
 
-DeepSeek-V3's full config (61 layers, 256 routed experts on 320 slots; built here, nothing is
+DeepSeek-V3's full config (61 layers + its MTP layer, 256 routed experts on 320 slots; built here, nothing is
 downloaded), no weights, one layout per row:
 
 - ``ep64-pp8``: EP 64 x PP 8 (world 512), the figure of issue #19;
@@ -71,7 +71,8 @@ def measure(case: tuple, quick: bool, reference: bool) -> dict:
         hf_config = TINY_DEEPSEEK_V3
     else:
         from memory import DEEPSEEK_V3_HF as hf_config  # sibling module
-    config = config_from_hf(DeepseekV3Config(**hf_config), num_expert_slots=slots)
+    # With its MTP layer (num_nextn_predict_layers 1): layer 61, MoE, on the last stage.
+    config = config_from_hf(DeepseekV3Config(**hf_config), num_expert_slots=slots, mtp_num_layers=1)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp)
     row = {"name": name, "tp": tp, "ep": ep, "etp": etp, "pp": pp, "slots": slots, "world": layout.world_size,
            "base_rss": _rss_bytes()}
