@@ -22,7 +22,7 @@ except: the router ``mlp.gate.weight`` is ``mlp.router.weight``, DeepSeek-V3's a
 ``mlp.shared_experts.{gate,up,down}_proj`` (no ``.weight``), and Qwen2-MoE's
 ``mlp.shared_expert_gate.weight`` [1, H] is ``mlp.shared_experts.gate_weight``.
 
-DeepSeek-V3's multi-token-prediction layers (``config.mtp_num_layers``, :mod:`megamoe.models.mtp`): layer
+DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (``config.mtp_num_layers``, :mod:`megamoe.models.mtp`): layer
 ``L + k`` (L = num_layers) has a decoder layer's keys under ``model.layers.{L+k}.`` like any layer, plus
 ``enorm.weight``, ``hnorm.weight``, ``eh_proj.weight`` and ``shared_head.norm.weight`` (logical
 ``layers.{L+k}.<same>``), and copies of the main embedding and output layer, ``embed_tokens.weight`` and
@@ -41,9 +41,9 @@ MXFP4 form (:mod:`megamoe.quantization.mxfp4`): ``gate_up_proj_blocks`` [E, 2F, 
 unquantized form.
 
 Ignored on import: ``lm_head.weight`` of a model with tied embeddings (``state_dict()`` lists the tied
-alias; checkpoints omit it) and the multi-token-prediction layers a config leaves out: GLM-4.5's, and
-DeepSeek-V3's past the config's MTP layers (``model.layers.{num_layers + mtp_num_layers}.*``: a checkpoint
-whose MTP weights are not imported), which transformers ignores as well.
+alias; checkpoints omit it) and the multi-token-prediction layers past the config's
+(``model.layers.{num_layers + mtp_num_layers}.*``: the MTP weights of a config built without them), which
+transformers ignores as well.
 
 Streaming
 ---------
@@ -242,8 +242,8 @@ _MTP_OWN_KEYS = tuple(Rename(f"{_L}{n}.weight", f"{_P}{n}.weight", lambda c: (c.
 
 
 def _past_last_layer(key: str, config: GPTMoEConfig) -> bool:
-    """Layers after the decoder and MTP layers the config builds: GLM-4.5's multi-token-prediction layers, and
-    DeepSeek-V3's when the config leaves them out (transformers skips them too)."""
+    """Layers after the decoder and MTP layers the config builds: DeepSeek-V3's and GLM-4.5's MTP layers when
+    the config leaves them out (transformers skips them too)."""
     if not key.startswith("model.layers."):
         return False
     index = key.split(".")[2]
@@ -503,7 +503,7 @@ ADAPTERS: dict[str, HFAdapter] = {
     # DeepSeek-V3's MoE block (router with e_score_correction_bias, shared experts) under GQA attention.
     "glm4_moe": HFAdapter("glm4_moe", _GQA_LAYER, DENSE_MLP_KEYS,
                           _router_keys("mlp") + _shared_expert_keys("shared_experts"), _STANDARD_EXPERTS,
-                          ignored=(_tied_lm_head, _past_last_layer)),
+                          ignored=(_tied_lm_head, _past_last_layer), mtp_keys=_MTP_OWN_KEYS),
     # Checkpoints keep Mixtral's block_sparse_moe names; the bias sits on the block, not on its gate.
     "minimax_m2": HFAdapter(
         "minimax_m2", _GQA_LAYER, DENSE_MLP_KEYS,

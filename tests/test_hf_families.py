@@ -290,7 +290,7 @@ def test_adapter_rejects_bad_input():
 
 def test_new_family_adapters_reject_bad_input():
     """MiniMax-M2's block-level expert bias is required in either form; GLM-4.5's MTP layer (after the
-    last layer) is skipped, as transformers does."""
+    last layer) is skipped by a config built without it, as transformers skips it."""
     hf, config = hf_model("minimax_m2")
     adapter = adapter_for("minimax_m2")
     on_disk = _checkpoint_form(hf)

@@ -33,12 +33,17 @@ L, DEPTHS, S = 3, 2, 9          # the tiny deepseek_v3 has 3 layers; MTP layers 
 ATOL = 1e-4
 
 
+def _decoder_layer_class(family):
+    t = lazy_transformers()
+    return {"deepseek_v3": t.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer,
+            "glm4_moe": t.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer}[family]
+
+
 def _mtp_layer_tensors(hf_cfg, layer_id: int, generator) -> dict[str, torch.Tensor]:
     """One MTP layer's HF checkpoint tensors under ``model.layers.{layer_id}.`` (without the embedding / head
     copies): transformers' own decoder layer with random weights, its fused experts split per expert as
     ``save_pretrained`` writes them, plus enorm / hnorm / eh_proj / shared_head.norm."""
-    t = lazy_transformers()
-    layer = t.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(hf_cfg, layer_id)
+    layer = _decoder_layer_class(hf_cfg.model_type)(hf_cfg, layer_id)
     H = hf_cfg.hidden_size
     own = {"enorm.weight": torch.empty(H), "hnorm.weight": torch.empty(H), "shared_head.norm.weight": torch.empty(H),
            "eh_proj.weight": torch.empty(H, 2 * H)}
@@ -61,25 +66,30 @@ def _mtp_layer_tensors(hf_cfg, layer_id: int, generator) -> dict[str, torch.Tens
     return out
 
 
-@pytest.fixture(scope="module")
-def mtp_hf_dir(tmp_path_factory):
-    """A tiny deepseek_v3 HF directory whose checkpoint also holds 2 MTP layers (with the embedding / head
-    copies DeepSeek's releases store), config.json declaring them."""
+def _save_hf_with_mtp(directory, family, depths):
+    """A tiny HF directory of ``family`` whose checkpoint also holds ``depths`` MTP layers (with the embedding /
+    head copies DeepSeek's and GLM's releases store), config.json declaring them."""
     from test_convert import save_hf_model
-    directory = tmp_path_factory.mktemp("hf_mtp") / "deepseek_v3"
-    save_hf_model(directory, "deepseek_v3")
+    save_hf_model(directory, family)
     state = load_file(directory / "model.safetensors")
-    hf_cfg = hf_config("deepseek_v3")
+    hf_cfg = hf_config(family)
+    L = hf_cfg.num_hidden_layers
     g = torch.Generator().manual_seed(11)
-    for k in range(DEPTHS):
+    for k in range(depths):
         state.update(_mtp_layer_tensors(hf_cfg, L + k, g))
         state[f"model.layers.{L + k}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
         state[f"model.layers.{L + k}.shared_head.head.weight"] = state["lm_head.weight"].clone()
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config["num_nextn_predict_layers"] = DEPTHS
+    config["num_nextn_predict_layers"] = depths
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+@pytest.fixture(scope="module")
+def mtp_hf_dir(tmp_path_factory):
+    """A tiny deepseek_v3 with 2 MTP layers (see _save_hf_with_mtp)."""
+    return _save_hf_with_mtp(tmp_path_factory.mktemp("hf_mtp") / "deepseek_v3", "deepseek_v3", DEPTHS)
 
 
 def hf_tensors(directory):
@@ -145,20 +155,21 @@ def _reference(hf_dir, hf, ids):
     return main, depths
 
 
-def _transformers_mtp_logits(hf, ids, monkeypatch):
+def _transformers_mtp_logits(hf, ids, monkeypatch, depths=DEPTHS):
     """transformers 5.24's own MTP module (``modeling_layers.MtpModel``, which its ``generate(use_mtp=True)``
     drafts with) on our checkpoint: each depth's logits over the whole sequence, position i embedding
     t[i + k] at RoPE position i, from the final norm's output of the main model."""
     from transformers.modeling_layers import MtpModel
     # Its DeepSeek-V3 MTP key pattern names layer 61 (the full model's); the tiny model's are 3 and 4.
-    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{L + k}\..*"
-                                                                    for k in range(DEPTHS)])
+    layers = hf.config.num_hidden_layers
+    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{layers + k}\..*"
+                                                                    for k in range(depths)])
     mtp = MtpModel.from_pretrained(hf).eval()
     B = ids.shape[0]
     positions = torch.arange(S).expand(B, S)
     hidden = hf(input_ids=ids, output_hidden_states=True).hidden_states[-1]        # after the final norm
     logits = []
-    for k in range(1, DEPTHS + 1):
+    for k in range(1, depths + 1):
         tokens = torch.cat([ids[:, k:], torch.zeros(B, k, dtype=ids.dtype)], dim=1)
         hidden = mtp.forward_layer(k - 1, hidden, positions, None, input_ids=tokens)
         logits.append(mtp._project_to_logits(hidden))
@@ -414,3 +425,25 @@ def test_training_step_under_parallel_layouts(mtp_hf_dir):
             assert worst <= 1e-5, f"{name}: parameters after the step differ by up to {worst:.2e}"
             checked.add(name)
     assert checked == set(TRAIN_LAYOUTS)
+
+
+def test_glm_mtp_layer_imports_runs_as_transformers_and_round_trips(tmp_path, monkeypatch):
+    """GLM-4.5 stores its MTP layer as DeepSeek-V3 does (over GQA attention with partial rotary): imported,
+    its logits are transformers' MtpModel's, and import -> export is bit-exact under tp 2 x ep 2."""
+    from test_convert import assert_same_tensors, convert
+    hf_dir = _save_hf_with_mtp(tmp_path / "glm4_moe", "glm4_moe", 1)
+    config = _config(hf_dir, expert_backend="torch")
+    assert config.mtp_num_layers == 1 and config.num_layers in config.moe_layer_ids
+    model = GPTMoEModel(config, ParallelState.single_process()).eval()
+    assert load_logical_state(model, adapter_for("glm4_moe").hf_to_megamoe(hf_tensors(hf_dir), config)) == []
+    hf = _hf_model(hf_dir)
+    ids = _ids()
+    with torch.no_grad():
+        logits, _ = model(ids)
+        assert (logits - hf(input_ids=ids).logits).abs().max().item() <= ATOL
+        states, _ = model.mtp_hidden_states(model.run_layers(ids)[0], ids)
+        diff = (model.logits(states[0], norm=False) - _transformers_mtp_logits(hf, ids, monkeypatch, 1)[0]).abs().max()
+    assert diff.item() <= ATOL, f"GLM MTP logits differ from transformers' MtpModel by {diff:.2e}"
+    assert convert("import-hf", hf_dir, tmp_path / "ckpt", "--tp", 2, "--pp", 1, "--ep", 2) == 0
+    assert convert("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0
+    assert_same_tensors(hf_tensors(tmp_path / "out"), hf_tensors(hf_dir), "glm4_moe MTP import -> export")

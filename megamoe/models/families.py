@@ -51,8 +51,8 @@ routing). Logits never depend on the choice.
 
 Multi-token prediction layers ("num_nextn_predict_layers", stored as ``model.layers.{L}.*`` after the L
 decoder layers): DeepSeek-V3's are built (``config_from_hf(..., mtp_num_layers=...)``,
-:mod:`megamoe.models.mtp`) when the checkpoint holds them; glm4_moe's are skipped on import, as transformers
-skips them.
+:mod:`megamoe.models.mtp`) when the checkpoint holds them, and so are GLM-4.5's (the same module and key
+layout over GQA attention; transformers skips both).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                       "minimax_m2", "gpt_oss")
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
-MTP_FAMILIES = ("deepseek_v3",)      # families whose checkpoints may carry multi-token-prediction layers
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")    # families whose checkpoints may carry multi-token-prediction layers
 
 
 def declared_mtp_layers(hf_config: dict) -> int:
