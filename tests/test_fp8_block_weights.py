@@ -232,7 +232,7 @@ def test_configuration_errors():
         dataclasses.replace(config, moe=dataclasses.replace(config.moe, expert_backend="te"))
     with pytest.raises(ValueError, match="margin must be 0 with recipe='block'"):
         FP8Config(recipe="block", margin=1)
-    for backend, match in (("te", "cannot run on backend='te'"), ("torch", "blockwise kernels on a CUDA GPU"),
+    for backend, match in (("te", "cannot run on backend='te'"), ("torch", "needs torch._scaled_mm on a CUDA GPU"),
                            ("auto", "no FP8 expert backend runs here")):
         with pytest.raises(ValueError, match=match):
             resolve_fp8_backend(backend, torch.device("cpu"), recipe="block")

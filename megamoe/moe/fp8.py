@@ -274,23 +274,14 @@ def _te_fp8_problem(device: torch.device) -> str | None:
     return None
 
 
-def _scaled_grouped_mm_problem(device: torch.device) -> str | None:
+def _torch_kernel_problem(device: torch.device, kernel: str, what: str) -> str | None:
+    """Why ``torch.<kernel>`` cannot run ``what`` on ``device`` (None: it can)."""
     capability = _capability(device)
     if capability is None or capability < _SCALED_GROUPED_MM_MIN_CAPABILITY:
-        return (f"FP8 with backend='torch' needs torch._scaled_grouped_mm on a CUDA GPU of compute capability "
-                f">= 9.0 (device {device}, capability {capability})")
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"FP8 with backend='torch' needs torch._scaled_grouped_mm (torch {torch.__version__} lacks it)"
-    return None
-
-
-def _blockwise_scaled_mm_problem(device: torch.device) -> str | None:
-    capability = _capability(device)
-    if capability is None or capability < _SCALED_GROUPED_MM_MIN_CAPABILITY:
-        return (f"the block FP8 recipe with backend='torch' needs torch._scaled_mm's blockwise kernels on a CUDA "
-                f"GPU of compute capability >= 9.0 (device {device}, capability {capability})")
-    if not hasattr(torch, "_scaled_mm"):
-        return f"the block FP8 recipe with backend='torch' needs torch._scaled_mm (torch {torch.__version__} lacks it)"
+        return (f"{what} with backend='torch' needs torch.{kernel} on a CUDA GPU of compute capability >= 9.0 "
+                f"(device {device}, capability {capability})")
+    if not hasattr(torch, kernel):
+        return f"{what} with backend='torch' needs torch.{kernel} (torch {torch.__version__} lacks it)"
     return None
 
 
@@ -307,9 +298,9 @@ def resolve_fp8_backend(requested: str, device: torch.device, recipe: str | None
     if requested == "fp8_emulated":
         return requested
     if recipe == "block":
-        problems = {"te": _TE_BLOCK_PROBLEM, "torch": _blockwise_scaled_mm_problem(device)}
+        problems = {"te": _TE_BLOCK_PROBLEM, "torch": _torch_kernel_problem(device, "_scaled_mm", "the block FP8 recipe")}
     else:
-        problems = {"te": _te_fp8_problem(device), "torch": _scaled_grouped_mm_problem(device)}
+        problems = {"te": _te_fp8_problem(device), "torch": _torch_kernel_problem(device, "_scaled_grouped_mm", "FP8")}
     if requested == "auto":
         for backend, problem in problems.items():
             if problem is None:
