@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe.quantization.block_fp8 import (SCALE_INV_SUFFIX, BlockFP8Config, block_scale_shape,
-                                            quantize_block_fp8, scale_inv_name)
+                                            dequantize_block_fp8, quantize_block_fp8, scale_inv_name)
 
 __all__ = ["HFWeightForm", "block_fp8_steps", "dequantize_in_bands"]
 
@@ -45,29 +45,21 @@ class HFWeightForm:
 
 def dequantize_in_bands(q: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int],
                         dtype: torch.dtype) -> torch.Tensor:
-    """:func:`~megamoe.quantization.block_fp8.dequantize_block_fp8` of a 2-D weight (the same fp32 products,
-    so the same values), a band of whole block rows at a time. Each band's scales are spread over its
-    columns only and broadcast over the rows of each block: about half the memory traffic of spreading
-    them over every element, which is most of the import's time."""
+    """:func:`~megamoe.quantization.block_fp8.dequantize_block_fp8` of a 2-D weight, a band of whole block
+    rows at a time: the fp32 temporaries are one band's, not the whole weight's."""
     if q.is_meta:
         return torch.empty(q.shape, dtype=dtype, device="meta")
     expected = block_scale_shape(q.shape, block_size)
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"block scales have shape {tuple(scale_inv.shape)}; a weight of shape {tuple(q.shape)} "
                          f"with blocks {tuple(block_size)} needs {expected}")
-    bo, bi = block_size
+    bo = block_size[0]
     rows, cols = q.shape
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     band = max(1, _BAND_ELEMENTS // max(1, bo * cols)) * bo
     for start in range(0, rows, band):
         stop = min(rows, start + band)
-        per_column = scale_inv[start // bo:-(-stop // bo)].float().repeat_interleave(bi, dim=1)[:, :cols]
-        whole = (stop - start) // bo * bo            # rows of the band in whole blocks; the rest: one partial block
-        if whole:
-            values = q[start:start + whole].float().view(-1, bo, cols).mul_(per_column[:whole // bo, None, :])
-            out[start:start + whole] = values.view(whole, cols)
-        if start + whole < stop:
-            out[start + whole:stop] = q[start + whole:stop].float().mul_(per_column[whole // bo:])
+        out[start:stop] = dequantize_block_fp8(q[start:stop], scale_inv[start // bo:-(-stop // bo)], block_size, dtype)
     return out
 
 
