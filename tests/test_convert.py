@@ -31,12 +31,12 @@ SIDE_FILES = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.
               "special_tokens_map.json": '{"eos_token": "</s>"}'}
 
 
-def save_hf_model(directory, family, *, seed=0, dtype=torch.float32, sharded=False):
-    """A random HF model written with save_pretrained (norms around 1, weights N(0, 0.2^2)) plus side files;
-    returns its logits on ``ids()``."""
+def save_hf_model(directory, family, *, seed=0, dtype=torch.float32, sharded=False, config=None):
+    """A random HF model of ``family``'s tiny config (or ``config``) written with save_pretrained (norms
+    around 1, weights N(0, 0.2^2)) plus side files; returns its logits on ``ids()``."""
     t = lazy_transformers()
     torch.manual_seed(seed)
-    model = t.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager").eval()
+    model = t.AutoModelForCausalLM.from_config(config or hf_config(family), attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(seed + len(family))
     with torch.no_grad():
         for name, tensor in model.state_dict().items():

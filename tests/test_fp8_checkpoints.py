@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from checkpoint_tools.format import iter_logical_tensors, read_manifest
 from megamoe.quantization.block_fp8 import is_block_fp8_weight, quantize_block_fp8
@@ -35,19 +35,6 @@ def _partial_block_config():
         v_head_dim=8, q_lora_rank=12, intermediate_size=32, moe_intermediate_size=24, n_routed_experts=8,
         n_shared_experts=2, first_k_dense_replace=1, num_hidden_layers=2, n_group=4, topk_group=2,
         routed_scaling_factor=2.5)
-
-
-def _save_random(directory, config):
-    """What test_convert.save_hf_model writes, for a config of our own."""
-    t = lazy_transformers()
-    torch.manual_seed(0)
-    model = t.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            noise = torch.randn(tensor.shape, generator=g) * 0.2
-            tensor.copy_(1.0 + noise if "norm" in name else noise)
-    model.save_pretrained(directory)
 
 
 def _quantizable_hf_keys(hf_dir):
@@ -135,7 +122,7 @@ def _bytes_equal(actual, expected, what):
 def partial(tmp_path_factory):
     """(unquantized HF directory, its [8, 8]-block FP8 release) of the partial-block DeepSeek-V3."""
     root = tmp_path_factory.mktemp("fp8")
-    _save_random(root / "ds", _partial_block_config())
+    save_hf_model(root / "ds", "deepseek_v3", config=_partial_block_config())
     return str(root / "ds"), make_fp8_release(root / "ds", root / "ds_fp8", (8, 8))
 
 
