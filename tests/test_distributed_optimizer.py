@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 H, V, E, F, SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS, SAVE_AT = 32, 64, 4, 16, 8, 8, 2, 10, 5
 REL_TOL = 1e-5          # fp32 over STEPS steps (the issue's bound)
 NORM_REL_TOL = 1e-6     # the first step's gradient norm: same parameters, sharded vs plain sum of squares
+FP16_REL_TOL = torch.finfo(torch.float16).eps   # 2^-10: fp16 autocast steps after the first update
 CLIP = 0.5              # below the tiny model's gradient norms: every step is clipped
 WORLD = 4
 SKEW = (0.0, 0.05, 0.0, 0.03)     # router bias: experts 1 and 3 hot, so a rebalancing round moves slots
@@ -524,8 +525,15 @@ def test_fp16_loss_scaling_and_skipped_steps_match_the_plain_optimizer():
         curves.append(curve)
     plain, sharded = curves
     assert plain[0][0] and not plain[-1][0], f"the test needs skipped steps, then finite ones: {plain}"
-    for got, want in zip(sharded, plain):
-        assert got[:2] == want[:2] and _close(got[2:], want[2:], REL_TOL), (got, want)
+    first_real = next(i for i, row in enumerate(plain) if not row[0])
+    for step, (got, want) in enumerate(zip(sharded, plain)):
+        # Skips and loss scales are exact. Up to the first real step both runs hold the same parameters, so the
+        # fp16 forward is the same and only the fp32 sum of squares differs (REL_TOL). After it the sharded and
+        # plain updates round differently in fp32; fed back through fp16 matmuls, that difference is amplified
+        # by the fp16 kernel the CPU picks (AMX / AVX512-FP16 kernels accumulate differently from AVX2 ones),
+        # so the bound is fp16's own precision. A wrong unscale or a dropped shard is off by far more.
+        rel = REL_TOL if step <= first_real else FP16_REL_TOL
+        assert got[:2] == want[:2] and _close(got[2:], want[2:], rel), (step, got, want)
 
 
 def test_config_errors_name_the_field():
