@@ -94,7 +94,8 @@ def test_script_flags_build_the_schedule_and_bad_ones_name_the_flag():
                                                      wsd_decay_fraction=0.2)
     assert kwargs["max_skipped_steps"] == 0 and kwargs["loss_scale"].initial_scale == 2.0 ** 16
     assert kwargs["loss_scale"].min_scale == 1.0
-    assert train_config_kwargs(parser.parse_args(["--min-loss-scale", "4"]), train_steps=100)["loss_scale"].min_scale == 4
+    given = train_config_kwargs(parser.parse_args(["--min-loss-scale", "4"]), train_steps=100)
+    assert given["loss_scale"].min_scale == 4
     assert train_config_kwargs(parser.parse_args([]), train_steps=100)["lr_schedule"] == LRScheduleConfig()
     TrainConfig(lr=1e-3, **kwargs)
     for argv, message in ((["--lr-schedule", "cosine", "--warmup-steps", "100"],
