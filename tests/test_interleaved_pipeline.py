@@ -367,12 +367,23 @@ def _non_finite_step(trainer, state) -> tuple[bool, list[str]]:
     return metrics.skipped, [m for m in messages if "skipped" in m]
 
 
+def _step_with_m_equal_to_pp(state, world_group):
+    """A fresh model's first step with as many micro-batches per DP rank as pipeline ranks (m == pp: the
+    interleaved order without an "every forward first" warm-up, see interleaved_1f1b_order): its first-step
+    gradients and (loss, grad norm)."""
+    trainer = _trainer(state, 2 if state.pp.size > 1 else 1, world_group)
+    grads = _capture_first_step_gradients(trainer)
+    rows = 2 * MICRO_BATCH * DP // state.dp_cp.size
+    metrics = trainer.train_step(_micro_batches(_my_rows(state, rows, _global_batch()[:2 * MICRO_BATCH * DP])))
+    return grads, (metrics.loss, metrics.grad_norm)
+
+
 def _reference() -> dict:
     state = ParallelState.single_process()
     trainer = _trainer(state, 1, None)
     grads = _capture_first_step_gradients(trainer)
     curve = _train(trainer, state, STEPS)
-    return {"grads": grads, "curve": curve}
+    return {"grads": grads, "curve": curve, "m=pp": _step_with_m_equal_to_pp(state, None)}
 
 
 def _worker(rank, world_size, checkpoint):
@@ -390,9 +401,11 @@ def _worker(rank, world_size, checkpoint):
             curve = _train(trainer, state, STEPS, save=checkpoint if name == SAVED else None, world_group=world)
         if name == SAVED:
             results["non-finite"] = _non_finite_step(trainer, state)
+        m_equal_pp_grads, m_equal_pp_metrics = _step_with_m_equal_to_pp(state, world)
         results[name] = {"grads": grads, "curve": curve, "eval": eval_before, "logits": logits, "tokens": tokens,
                          "p2p": (counter.calls("send", group=state.pp.ranks), counter.calls("recv", group=state.pp.ranks),
-                                 counter.bytes("send", group=state.pp.ranks))}
+                                 counter.bytes("send", group=state.pp.ranks)),
+                         "m=pp grads": m_equal_pp_grads, "m=pp": m_equal_pp_metrics}
         destroy_model_parallel()
     # The V = 2 checkpoint (saved at SAVE_AT) resumes at pp 2 with one chunk per rank (and dp 2, ep 1).
     state = initialize_model_parallel(pp=2)
@@ -401,7 +414,8 @@ def _worker(rank, world_size, checkpoint):
     results["resumed-pp2-v1"] = _train(trainer, state, STEPS - SAVE_AT)
     destroy_model_parallel()
     for name in LAYOUTS:     # plain arrays: tensors would travel through shared memory the exiting rank frees
-        results[name]["grads"] = {k: (g.numpy(), e) for k, (g, e) in results[name]["grads"].items()}
+        for key in ("grads", "m=pp grads"):
+            results[name][key] = {k: (g.numpy(), e) for k, (g, e) in results[name][key].items()}
     return results
 
 
@@ -434,18 +448,22 @@ def test_interleaved_pipeline_matches_the_single_process_model(tmp_path):
             sends, recvs, nbytes = run["p2p"]
             assert sends == recvs == STEPS * 3 * MICRO_BATCHES, (what, run["p2p"])
             assert nbytes == sends * MICRO_BATCH * SEQ * _config().hidden_size * 4, what
-        # Every parameter's first-step gradient, on the rank(s) that hold it, equals the reference's.
-        seen = set()
+        # Every parameter's first-step gradient, on the rank(s) that hold it, equals the reference's; also
+        # in a step with m == pp micro-batches per DP rank.
+        for key, reference_grads in (("grads", reference["grads"]), ("m=pp grads", reference["m=pp"][0])):
+            seen = set()
+            for rank, results in enumerate(per_rank):
+                for param, (grad, experts) in results[name][key].items():
+                    grad = torch.from_numpy(grad)
+                    want = reference_grads[param][0]
+                    if experts is not None:
+                        want = want[experts]
+                    assert torch.allclose(grad, want, **GRAD_TOL), \
+                        f"{name} rank {rank} {key} {param}: max diff {(grad - want).abs().max().item():.3e}"
+                    seen.add(param)
+            assert seen == set(reference_grads), f"{name}: parameters held by no rank {set(reference_grads) - seen}"
         for rank, results in enumerate(per_rank):
-            for param, (grad, experts) in results[name]["grads"].items():
-                grad = torch.from_numpy(grad)
-                want = reference["grads"][param][0]
-                if experts is not None:
-                    want = want[experts]
-                assert torch.allclose(grad, want, **GRAD_TOL), \
-                    f"{name} rank {rank} {param}: max diff {(grad - want).abs().max().item():.3e}"
-                seen.add(param)
-        assert seen == set(reference["grads"]), f"{name}: parameters held by no rank {set(reference['grads']) - seen}"
+            assert _close(results[name]["m=pp"], reference["m=pp"][1]), (name, rank, results[name]["m=pp"])
         # The tied embedding: its copies on the first and the last rank have identical gradients.
         assert (per_rank[0][name]["grads"]["embed_tokens.weight"][0] ==
                     per_rank[1][name]["grads"]["embed_tokens.weight"][0]).all()

@@ -6,6 +6,7 @@ import logging
 import math
 
 import pytest
+import torch
 
 from checkpoint_tools.format import CheckpointError
 from checkpointed_training import build_sampler, build_trainer, dataset
@@ -92,6 +93,9 @@ def test_script_flags_build_the_schedule_and_bad_ones_name_the_flag():
     assert kwargs["lr_schedule"] == LRScheduleConfig(style="wsd", warmup_steps=5, decay_steps=100, min_lr_ratio=0.1,
                                                      wsd_decay_fraction=0.2)
     assert kwargs["max_skipped_steps"] == 0 and kwargs["loss_scale"].initial_scale == 2.0 ** 16
+    assert kwargs["loss_scale"].min_scale == 1.0
+    given = train_config_kwargs(parser.parse_args(["--min-loss-scale", "4"]), train_steps=100)
+    assert given["loss_scale"].min_scale == 4
     assert train_config_kwargs(parser.parse_args([]), train_steps=100)["lr_schedule"] == LRScheduleConfig()
     TrainConfig(lr=1e-3, **kwargs)
     for argv, message in ((["--lr-schedule", "cosine", "--warmup-steps", "100"],
@@ -101,6 +105,9 @@ def test_script_flags_build_the_schedule_and_bad_ones_name_the_flag():
                            "--lr-wsd-decay-fraction"),
                           (["--lr-wsd-decay-steps", "3"], "need --lr-schedule wsd"),
                           (["--loss-scale-window", "0"], "^--loss-scale-window must be"),
+                          (["--initial-loss-scale", "0.5"],
+                           r"^--min-loss-scale must be > 0 and at most --initial-loss-scale \(0.5\), got 1"),
+                          (["--initial-loss-scale", "inf"], "^--initial-loss-scale must be a finite number > 0"),
                           (["--max-skipped-steps", "-1"], "^--max-skipped-steps must be >= 0")):
         with pytest.raises(UsageError, match=message):
             train_config_kwargs(parser.parse_args(argv), train_steps=100)
@@ -163,3 +170,47 @@ def test_trainer_sets_each_steps_lr_and_a_resume_continues_the_schedule_exactly(
         load_training_checkpoint(path, overridden, world_group=None, override_lr_schedule=True)
     assert "overriding it" in caplog.text and "peak_lr 0.01 -> 0.02" in caplog.text
     assert _run(overridden, build_sampler(state), data, 1)[0][0] == SCHEDULE.lr_at(4, 2e-2)
+
+
+def _nan_forward(trainer):
+    """A hook that makes the forward non-finite (the step is skipped); remove() it to end that."""
+    norm = trainer.model.layers["1"].post_attention_layernorm
+    return norm.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+
+
+def test_skipped_steps_do_not_advance_the_schedule_and_a_resume_keeps_its_position(tmp_path):
+    """As Megatron's train_step (opt_param_scheduler.step only if update_successful): the LR of the update
+    after k skipped steps is the LR the run without them has at that update, before and after a resume."""
+    state, data = _single(), dataset()
+    clean = build_trainer(state, config=CONFIG)
+    want = _run(clean, build_sampler(state), data, 6)
+
+    trainer, sampler = build_trainer(state, config=CONFIG), build_sampler(state)
+    got = _run(trainer, sampler, data, 2)
+    hook = _nan_forward(trainer)
+    off_sampler = [(data[rows][:, :-1], data[rows][:, 1:]) for rows in torch.arange(4).split(2)]
+    skipped = [trainer.train_step(off_sampler) for _ in range(3)]
+    hook.remove()
+    assert all(m.skipped for m in skipped) and trainer.step == 5
+    assert [m.lr for m in skipped] == [SCHEDULE.lr_at(3, 1e-2)] * 3     # the LR the next update gets
+    assert trainer.lr_schedule_steps == 2
+    got += _run(trainer, sampler, data, 1)
+    path = checkpoint_path(tmp_path, trainer.step)
+    save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=None)
+    then = _run(trainer, sampler, data, 3)
+    assert got + then == want                     # same LRs and losses, bitwise, as without the skips
+
+    resumed, resumed_sampler = build_trainer(state, config=CONFIG), build_sampler(state)
+    resumed_sampler.load_state_dict(load_training_checkpoint(path, resumed, world_group=None)["sampler_state"])
+    assert (resumed.step, resumed.lr_schedule_steps, resumed.skipped_steps) == (6, 3, 3)
+    assert _run(resumed, resumed_sampler, data, 3) == then
+
+
+def test_a_checkpoint_without_the_schedule_position_continues_from_its_step_and_a_bad_one_is_refused():
+    trainer = build_trainer(_single(), config=CONFIG)
+    trainer.step = 7
+    trainer.load_training_state({"skipped_steps": 2})      # saved before the position was recorded
+    assert trainer.lr_schedule_steps == 7
+    for bad in (8, -1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match=r"training_state\.lr_schedule_steps must be an int in \[0, step=7\]"):
+            trainer.load_training_state({"lr_schedule_steps": bad})

@@ -237,6 +237,20 @@ def test_capacity_factor_drops_overflow_deterministically():
     assert torch.equal(same, ~lost)
 
 
+def test_capacity_is_megatrons_get_capacity_in_its_order_of_evaluation():
+    """Megatron-Core's get_capacity: ceil((T * K / E) * cf). At cf 1.1, E 160 and T * K 1600 it gives 11;
+    ceil(cf * T * K / E) gives 12 (1.1 * 1600 rounds up in floating point)."""
+    from megamoe.moe.moe_layer import expert_capacity
+    assert expert_capacity(1600, 160, 1.1) == 11
+    assert expert_capacity(1600, 160, 1.1, min_capacity=12) == 12 and expert_capacity(1600, 160, 1.1, 4) == 11
+    # The layer keeps that many pairs of an expert every token chose: 800 tokens x top-2 over 160 experts.
+    router = RouterConfig(hidden_size=4, num_experts=160, top_k=2)
+    layer = MoELayer(MoEConfig(router=router, ffn_hidden_size=4, expert_backend="loop", capacity_factor=1.1))
+    expert_ids = torch.stack([torch.zeros(800, dtype=torch.long), torch.arange(800) % 159 + 1], dim=1)
+    kept = layer.experts_to_slots(expert_ids) >= 0
+    assert int(kept[:, 0].sum()) == 11 and kept[:11, 0].all()
+
+
 def test_config_errors_name_the_field():
     router = RouterConfig(hidden_size=H, num_experts=E, top_k=K)
     with pytest.raises(ValueError, match="num_expert_slots"):

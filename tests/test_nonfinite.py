@@ -72,7 +72,7 @@ def test_poisoned_weight_skips_the_step_names_it_and_stops_after_max_skipped_ste
         assert "step 2 skipped" in caplog.text and f"parameter {name!r} holds NaN or Inf (rank 0)" in caplog.text
         with pytest.raises(NonFiniteTrainingError, match=rf"3 consecutive steps .* parameter '{name}' holds NaN"):
             trainer.train_step(_micro_batches())
-    assert trainer.step == 4 and trainer.skipped_steps == 3           # skipped steps still count (Megatron)
+    assert trainer.step == 4 and trainer.skipped_steps == 3           # skipped steps still count (Megatron's iteration)
     _assert_unchanged(trainer, snapshot)
 
     # Repaired, the run goes on and the count of consecutive skips restarts.
@@ -190,6 +190,19 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps():
         LossScaleConfig(backoff_factor=1.0)
 
 
+def test_loss_scale_backs_off_down_to_its_minimum_and_says_whether_it_lowered_it():
+    scaler = DynamicLossScaler(LossScaleConfig(initial_scale=4.0, min_scale=2.0))
+    assert scaler.update(False) and scaler.scale == 2.0           # lowered: calibrating
+    assert not scaler.update(False) and scaler.scale == 2.0       # at the minimum: not lowered
+    assert not scaler.update(True)
+    assert DynamicLossScaler(LossScaleConfig(initial_scale=3.0, min_scale=2.0)).update(False)   # 3 -> 2
+    for kwargs, message in (({"initial_scale": 0.5}, r"min_scale must be > 0 and at most initial_scale \(0.5\)"),
+                            ({"min_scale": 0.0}, "min_scale must be > 0"),
+                            ({"initial_scale": math.inf}, "initial_scale must be a finite number > 0")):
+        with pytest.raises(ValueError, match=message):
+            LossScaleConfig(**kwargs)
+
+
 def test_fp16_training_backs_off_from_an_overflowing_scale_then_grows_and_checkpoints_its_scale(tmp_path):
     state, data = _single(), dataset()
     config = TrainConfig(lr=1e-2, autocast="fp16", max_skipped_steps=0,
@@ -221,6 +234,42 @@ def test_fp16_training_backs_off_from_an_overflowing_scale_then_grows_and_checkp
     assert resumed.loss_scaler.state_dict() == trainer.loss_scaler.state_dict()
     assert (resumed.consecutive_skips, resumed.skipped_steps) == (trainer.consecutive_skips, trainer.skipped_steps)
     assert resumed.skipped_steps == sum(skipped) > 0
+
+
+def test_fp16_from_megatrons_initial_scale_calibrates_without_stopping_but_divergence_still_stops(caplog):
+    """Megatron's default initial scale, 2**32, overflows this model's fp16 backward for more steps than
+    max_skipped_steps (10): those skips only lower the scale and do not count. A non-finite loss, or an
+    overflow at the minimum scale, still counts."""
+    state, data = _single(), dataset()
+    config = TrainConfig(lr=1e-2, autocast="fp16", loss_scale=LossScaleConfig(initial_scale=2.0 ** 32))
+    trainer, sampler = build_trainer(state, config=config), build_sampler(state)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        metrics = [trainer.train_step([(data[i][:, :-1], data[i][:, 1:]) for i in sampler.next_micro_batches()])
+                   for _ in range(16)]
+    skipped = [m.skipped for m in metrics]
+    calibration = skipped.index(False)
+    assert calibration > config.max_skipped_steps and all(skipped[:calibration]), skipped
+    assert [m.loss_scale for m in metrics[:calibration + 1]] == [2.0 ** (32 - k) for k in range(calibration + 1)]
+    assert all(m.consecutive_skips == 0 for m in metrics) and trainer.skipped_steps == sum(skipped)
+    # Measured: 2**32 .. 2**21 overflow (12 skips), 2**20 sometimes; the run then trains.
+    assert all(math.isfinite(m.loss) for m in metrics) and trainer.lr_schedule_steps == skipped.count(False) >= 3
+    assert "calibrating: not counted toward max_skipped_steps" in caplog.text and "WARNING" not in caplog.text
+
+    # Overflows at the minimum scale count: the scale cannot back off further.
+    stuck = build_trainer(state, config=TrainConfig(lr=1e-2, autocast="fp16", max_skipped_steps=3, loss_scale=
+                                                    LossScaleConfig(initial_scale=2.0 ** 32, min_scale=2.0 ** 32)))
+    with pytest.raises(NonFiniteTrainingError, match="3 consecutive steps"):
+        for _ in range(3):
+            stuck.train_step(_micro_batches())
+    assert stuck.loss_scaler.scale == 2.0 ** 32 and stuck.step == 3
+
+    # A non-finite loss counts at once, far above the minimum scale (the forward does not depend on it).
+    poisoned = build_trainer(state, config=TrainConfig(lr=1e-2, autocast="fp16", max_skipped_steps=2))
+    _poison(poisoned.model, "layers.2.self_attn.o_proj.weight")
+    with pytest.raises(NonFiniteTrainingError, match="2 consecutive steps .* holds NaN or Inf"):
+        for _ in range(2):
+            poisoned.train_step(_micro_batches())
+    assert poisoned.loss_scaler.scale == 2.0 ** 14
 
 
 def test_fp16_with_loss_scaling_tracks_fp32():

@@ -139,3 +139,34 @@ def test_low_precision_expert_output_accumulates_in_fp32():
         results[dtype] = (out.float(), e.grad.float(), w.grad)
     for a, b in zip(results[torch.float32], results[torch.bfloat16]):
         assert torch.allclose(a, b, atol=5e-2, rtol=2e-2)
+
+
+def test_bf16_combine_multiplies_by_the_fp32_weight_and_rounds_once():
+    """Weight 0.9 (fp32, as the router gives it) times 3.0 in bf16: bf16(2.7) = 2.703125 forward and backward,
+    as Megatron-Core's unpermute (the product in fp32, rounded once); the weight rounded to bf16 first
+    (0.8984375) gave 2.6875. Through the combine itself and through each dispatcher's combine."""
+    from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
+    exact = torch.tensor(2.7).bfloat16().item()
+    assert exact == 2.703125
+    slot_ids = torch.tensor([[0]])
+
+    def through_the_combine(x, weights):
+        rows, _, state = permute_by_slot(x, slot_ids, 1)
+        return unpermute_and_combine(rows, weights, state)
+
+    def through(dispatcher):
+        def run(x, weights):
+            expert_input, _ = dispatcher.dispatch(x, slot_ids, weights)
+            return dispatcher.combine(expert_input)          # the identity as the expert
+        return run
+
+    paths = {"unpermute_and_combine": through_the_combine, "allgather": through(AllGatherDispatcher(1)),
+             "alltoall": through(AllToAllDispatcher(1))}
+    for name, path in paths.items():
+        x = torch.full((1, 4), 3.0, dtype=torch.bfloat16, requires_grad=True)
+        weights = torch.tensor([[0.9]], requires_grad=True)
+        out = path(x, weights)
+        assert out.dtype == torch.bfloat16 and out.tolist() == [[exact] * 4], (name, out)
+        out.backward(torch.full((1, 4), 3.0, dtype=torch.bfloat16))
+        assert x.grad.tolist() == [[exact] * 4], (name, x.grad)
+        assert weights.grad.dtype == torch.float32 and weights.grad.item() == 36.0, (name, weights.grad)

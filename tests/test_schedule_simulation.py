@@ -81,7 +81,8 @@ def test_1f1b_order_small_case_spelled_out():
     assert one_f_one_b_order(4, 0, 2) == [f(0), f(1), b(0), b(1)]   # warm-up capped at m
 
 
-@pytest.mark.parametrize("pp, m, v", [(2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 4), (1, 3, 2), (2, 6, 2)])
+@pytest.mark.parametrize("pp, m, v", [(2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 4), (1, 3, 2), (2, 6, 2), (2, 2, 2),
+                                     (4, 4, 2)])
 def test_interleaved_order_follows_megatron_mapping(pp, m, v):
     for rank in range(pp):
         ops = interleaved_1f1b_order(pp, rank, m, v)
@@ -97,13 +98,29 @@ def test_interleaved_order_follows_megatron_mapping(pp, m, v):
             assert op == PipelineOp("F", (k // group_size) * pp + k % pp, (k % group_size) // pp)
         for k, op in enumerate(backwards):
             assert op == PipelineOp("B", (k // group_size) * pp + k % pp, v - 1 - (k % group_size) // pp)
-        # Warm-up: the forwards before the first backward.
-        warmup = m * v if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+        # Warm-up: the forwards before the first backward; Megatron-Core's rule, also at m == pp (no
+        # "every forward first" there since its November 2024 schedule).
+        warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
         first_backward = ops.index(backwards[0])
         assert first_backward == warmup + (1 if warmup < m * v else 0)
         # Then strictly alternating F, B until the forwards run out.
         steady = ops[warmup:warmup + 2 * (m * v - warmup)]
         assert [op.kind for op in steady] == ["F", "B"] * (m * v - warmup)
+
+
+def test_interleaved_order_at_as_many_micro_batches_as_stages_spelled_out():
+    """m == pp: the last rank starts its steady 1F1B after the first chunk's forwards, as Megatron-Core's
+    get_pp_rank_microbatches counts the warm-up; only the first rank's warm-up covers every forward."""
+    f, b = (lambda i, c: PipelineOp("F", i, c)), (lambda i, c: PipelineOp("B", i, c))
+    assert interleaved_1f1b_order(2, 1, 2, 2) == [f(0, 0), f(1, 0), f(0, 1), b(0, 1), f(1, 1), b(1, 1),
+                                                  b(0, 0), b(1, 0)]
+    assert interleaved_1f1b_order(2, 0, 2, 2) == [f(0, 0), f(1, 0), f(0, 1), f(1, 1), b(0, 1), b(1, 1),
+                                                  b(0, 0), b(1, 0)]
+    # pp 4, V 2, m 4: a warm-up of 2 (pp - rank - 1) + pp forwards, capped at the 8 there are (ranks 0
+    # and 1); the first backward follows it, after one more forward where the warm-up left some.
+    first_backward = [next(k for k, op in enumerate(interleaved_1f1b_order(4, rank, 4, 2)) if op.kind == "B")
+                      for rank in range(4)]
+    assert first_backward == [8, 8, 6 + 1, 4 + 1]
 
 
 def test_interleaved_needs_micro_batches_divisible_by_pp():

@@ -56,9 +56,21 @@ from megamoe.quantization.block_fp8 import block_scale_shape, scale_inv_name
 from megamoe.tensor_parallel.init import normal_init, seeded_generator
 from megamoe.transformer.recompute import is_recomputing
 
-__all__ = ["MoEConfig", "MoELayer"]
+__all__ = ["MoEConfig", "MoELayer", "expert_capacity"]
 
 _DISPATCHERS = ("alltoall", "allgather")
+
+
+def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float, min_capacity: int | None = None) -> int:
+    """The most (token, expert) pairs an expert keeps under ``capacity_factor``: ``ceil((num_pairs /
+    num_experts) * capacity_factor)``, raised to ``min_capacity`` when given; Megatron-Core's
+    ``get_capacity`` (megatron/core/transformer/moe/moe_utils.py), called with T * K pairs. Its order of
+    evaluation matters in floating point: at cf 1.1, 160 experts and 1600 pairs it gives 11, where
+    ``ceil(cf * pairs / experts)`` gives 12 (1.1 * 1600 is 1760.0000000000002)."""
+    capacity = math.ceil((num_pairs / num_experts) * capacity_factor)
+    if min_capacity is not None and capacity < min_capacity:
+        capacity = min_capacity
+    return capacity
 
 
 @dataclass
@@ -401,9 +413,9 @@ class MoELayer(nn.Module):
         return slot_ids
 
     def _within_capacity(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Keep each expert's first ``ceil(cf * T * K / E)`` pairs in (token, k) order; drop the rest."""
+        """Keep each expert's first :func:`expert_capacity` pairs in (token, k) order; drop the rest."""
         num_pairs = expert_ids.numel()
-        capacity = math.ceil(self.config.capacity_factor * num_pairs / self.config.num_experts)
+        capacity = expert_capacity(num_pairs, self.config.num_experts, self.config.capacity_factor)
         flat = expert_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         sorted_ids = flat[order]

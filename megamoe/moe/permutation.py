@@ -95,6 +95,12 @@ class _WeightedCombine(torch.autograd.Function):
 
     Backward, with g = grad_out[token(i)] gathered once per row: de[i] = w[pair(i)] * g and
     dw[pair(i)] = <e[i], g> (in fp32 or wider); undispatched pairs get dw = 0.
+
+    Both products take the routing weight as it is (fp32 from the router), in fp32 or wider, and round
+    once to the expert output's dtype, as Megatron-Core's ``unpermute``
+    (megatron/core/transformer/moe/moe_utils.py: ``permuted_tokens * permuted_probs`` promotes to the probs'
+    fp32, and autograd rounds the gradient once to the tokens' dtype). In bf16, weight 0.9 times gradient
+    3.0 is bf16(2.7) = 2.703125; rounding the weight first (0.8984375) would give 2.6875.
     """
 
     @staticmethod
@@ -117,5 +123,8 @@ class _WeightedCombine(torch.autograd.Function):
             grad_weights = grad_weights.view(ctx.weights_shape).to(ctx.weights_dtype)
         grad_expert_output = None
         if ctx.needs_input_grad[0]:
-            grad_expert_output = grad_rows.mul_(row_weights.unsqueeze(1).to(grad_rows.dtype))
+            if grad_rows.dtype == row_weights.dtype:
+                grad_expert_output = grad_rows.mul_(row_weights.unsqueeze(1))
+            else:        # the product in the weights' precision, rounded once (see the class docstring)
+                grad_expert_output = (grad_rows.to(row_weights.dtype) * row_weights.unsqueeze(1)).to(grad_rows.dtype)
         return grad_expert_output, grad_weights, None, None

@@ -111,8 +111,11 @@ def interleaved_1f1b_order(pp: int, rank: int, num_micro_batches: int, virtual_s
     model chunks per rank.
 
     The rank runs ``m * V`` forwards and as many backwards. Warm-up: ``min((pp - rank - 1) * 2 + (V - 1)
-    * pp, m * V)`` forwards (all ``m * V`` when ``m == pp``, as Megatron-Core does); then steady steps of one forward and one backward; then the remaining
-    backwards. The ``k``-th forward is micro-batch ``(k // (pp V)) * pp + k % pp`` on chunk ``(k % (pp V))
+    * pp, m * V)`` forwards, the rule of Megatron-Core's ``get_pp_rank_microbatches``
+    (megatron/core/pipeline_parallel/schedules.py, with its default ``microbatch_group_size_per_vp_stage =
+    pp``), also when ``m == pp``: Megatron-Core ran every forward first in that case until its commit
+    4295be1a6c (November 2024) dropped the rule; then steady steps of one forward and one backward; then the
+    remaining backwards. The ``k``-th forward is micro-batch ``(k // (pp V)) * pp + k % pp`` on chunk ``(k % (pp V))
     // pp``; the ``k``-th backward the same micro-batch on chunk ``V - 1 -`` that. Requires ``m % pp ==
     0`` (ValueError otherwise). With ``V = 1`` this is a valid 1F1B order, but its warm-up (``2 (pp - rank - 1)``)
     is longer than megamoe's; Megatron never takes its interleaved path with V = 1, and neither does
@@ -126,8 +129,7 @@ def interleaved_1f1b_order(pp: int, rank: int, num_micro_batches: int, virtual_s
         raise ValueError(f"interleaved 1F1B needs num_micro_batches (m={m}) divisible by the pipeline size "
                          f"(pp={pp})")
     total = m * v
-    # With exactly one group of micro-batches Megatron-Core runs every forward first (all warm-up).
-    num_warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    num_warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
     ops = [_interleaved_op(k, pp, v, True) for k in range(num_warmup)]
     for step in range(total - num_warmup):
         ops.append(_interleaved_op(num_warmup + step, pp, v, True))

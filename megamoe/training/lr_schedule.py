@@ -13,9 +13,13 @@ The definitions are those of Megatron-LM's ``OptimizerParamScheduler`` (``--lr-d
   ``minus_sqrt`` ``1 - sqrt(q)``;
 - after ``decay_steps``: ``min`` (every style but constant).
 
-Steps count from 1: ``step`` is the number of the optimizer step the LR is for (``StepMetrics.step``),
-so the first step already trains (Megatron's first iteration runs at its ``init_lr``, 0 by default).
-The LR is a pure function of the step, so a resumed run continues the schedule exactly.
+Steps count from 1: ``step`` is the number of the optimizer step the LR is for, so the first step already
+trains (Megatron's first iteration runs at its ``init_lr``, 0 by default). Skipped (non-finite) steps are
+not optimizer steps: the trainer does not advance the schedule on them (``Trainer.lr_schedule_steps``), as
+Megatron's ``train_step`` steps its ``OptimizerParamScheduler`` only on a successful update; so
+``StepMetrics.step`` runs ahead of the schedule by the steps skipped, and with ``decay_steps`` set to the
+run's length a run that skipped steps ends before the end of its decay, as in Megatron. The LR is a pure
+function of that count, which checkpoints save, so a resumed run continues the schedule exactly.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ optimizer's memory layout (``--distributed-optimizer``, ``--zero-stage``, ``--pa
 ``--use-distributed-optimizer`` and ``--bf16``),
 ``--lr-schedule {constant,linear,cosine,wsd}`` (Megatron-LM's ``--lr-decay-style``) and ``--warmup-steps``,
 the others named as Megatron-LM's (``--lr-wsd-decay-style``, ``--override-opt-param-scheduler``,
-``--initial-loss-scale``, ``--loss-scale-window``)::
+``--initial-loss-scale``, ``--loss-scale-window``, ``--min-loss-scale``)::
 
     add_optim_arguments(parser)
     ...
@@ -28,7 +28,8 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _FLAGS = {"style": "--lr-schedule", "warmup_steps": "--warmup-steps", "decay_steps": "--lr-decay-steps",
           "min_lr_ratio": "--min-lr-ratio", "wsd_decay_style": "--lr-wsd-decay-style",
           "wsd_decay_steps": "--lr-wsd-decay-steps", "wsd_decay_fraction": "--lr-wsd-decay-fraction",
-          "initial_scale": "--initial-loss-scale", "growth_interval": "--loss-scale-window"}
+          "initial_scale": "--initial-loss-scale", "growth_interval": "--loss-scale-window",
+          "min_scale": "--min-loss-scale"}
 
 
 def add_optim_arguments(parser) -> None:
@@ -53,6 +54,9 @@ def add_optim_arguments(parser) -> None:
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: the initial loss scale")
     g.add_argument("--loss-scale-window", type=int, default=2000,
                    help="fp16: good steps in a row before the loss scale doubles")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="fp16: the loss scale never backs off below this; overflows above it lower the scale "
+                        "and do not count toward --max-skipped-steps")
     m = parser.add_argument_group("optimizer memory")
     m.add_argument("--distributed-optimizer", action="store_true",
                    help="shard the Adam moments (and the fp32 master weights of bf16 parameters) over the data-"
@@ -104,7 +108,8 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
             min_lr_ratio=args.min_lr_ratio, wsd_decay_style=args.lr_wsd_decay_style,
             wsd_decay_steps=args.lr_wsd_decay_steps if style == "wsd" else None,
             wsd_decay_fraction=wsd_fraction if style == "wsd" else None)
-        loss_scale = LossScaleConfig(initial_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window)
+        loss_scale = LossScaleConfig(initial_scale=args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                                     min_scale=args.min_loss_scale)
     except ValueError as e:
         raise UsageError(_with_flag_names(str(e))) from None
     return {"lr_schedule": schedule, "max_skipped_steps": args.max_skipped_steps, "loss_scale": loss_scale,

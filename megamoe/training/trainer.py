@@ -7,22 +7,30 @@ divided by ``num_micro_batches``), and the reported loss is the mean over micro-
 Micro-batches are the same token sets under every layout (see ``ResumableSampler``), so a layout
 change leaves the loss curve unchanged.
 
-Each step's LR is ``TrainConfig.lr_schedule.lr_at(step, TrainConfig.lr)``, set on every param group just
-before the optimizer step (:mod:`megamoe.training.lr_schedule`).
+Each step's LR is ``TrainConfig.lr_schedule.lr_at(n + 1, TrainConfig.lr)``, set on every param group just
+before the optimizer step (:mod:`megamoe.training.lr_schedule`), where ``n`` (``Trainer.lr_schedule_steps``)
+counts the optimizer steps taken so far: skipped steps do not advance the schedule.
 
 Non-finite steps. A step whose reduced loss, aux loss or global gradient norm is NaN or Inf (values every
 rank holds identically) is skipped on every rank alike: no optimizer step, no expert-bias update (the
 step's routing may have run on NaN scores), so parameters, optimizer state and biases stay as they were.
 (Megatron updates the expert bias in ``finalize_model_grads``, before its optimizer's inf check, so also
-on a skipped step; here a skipped step changes no trained state.) As in Megatron, a skipped step still
-counts: ``Trainer.step`` and hence the LR schedule advance (Adam's own step count does not). The
-warning names what went non-finite (:func:`~megamoe.training.non_finite.locate_non_finite`; that search
-runs only on such a step). After ``TrainConfig.max_skipped_steps`` consecutive skips the step raises
-:class:`~megamoe.training.non_finite.NonFiniteTrainingError`.
+on a skipped step; here a skipped step changes no trained state.) As in Megatron, ``Trainer.step`` (its
+iteration) counts a skipped step, but the LR schedule does not advance on it: Megatron's ``train_step``
+(megatron/training/training.py) calls ``opt_param_scheduler.step`` only ``if update_successful``, so the
+LR of the next update is that of a run without the skipped steps (and Adam's own step count does not
+advance either). The warning names what went non-finite (:func:`~megamoe.training.non_finite.locate_non_finite`;
+that search runs only on such a step). After ``TrainConfig.max_skipped_steps`` consecutive skips the step
+raises :class:`~megamoe.training.non_finite.NonFiniteTrainingError`.
 
 fp16 (``autocast="fp16"``): dynamic loss scaling (:mod:`megamoe.training.loss_scaling`). The backward
 starts from the loss times the scale; the synced gradients are unscaled before the norm, clipping and
-the optimizer step; an overflow is a non-finite step as above, and backs the scale off.
+the optimizer step; an overflow is a non-finite step as above, and backs the scale off. A skip whose
+loss was finite and whose overflow lowered the scale (it was above ``LossScaleConfig.min_scale``) is the
+scale calibrating, not divergence: it is logged (INFO), counted in ``skipped_steps``, but neither counts
+toward ``max_skipped_steps`` nor resets the count (Megatron, whose default initial scale is 2**32, skips
+such iterations without stopping). A non-finite loss (the forward does not depend on the scale), or an
+overflow at the minimum scale, counts as in bf16 and fp32.
 
 Optimizer. fp32 parameters train with :func:`build_optimizer` (AdamW; the parameters are the master weights)
 unless ``TrainConfig.distributed_optimizer``: then :class:`~megamoe.training.distributed_optimizer.DistributedOptimizer`
@@ -178,7 +186,7 @@ class StepMetrics:
     balancedness: float         # mean over MoE layers of mean/max EP-rank load under the placement
     lr: float = 0.0             # the LR of this step (set on the optimizer, or that it would have had if skipped)
     skipped: bool = False       # non-finite: the optimizer step was skipped (on every rank)
-    consecutive_skips: int = 0  # skipped steps in a row, this one included
+    consecutive_skips: int = 0  # skipped steps in a row counted toward max_skipped_steps (fp16 calibration: not)
     loss_scale: float | None = None   # fp16: the scale this step's backward used
     # Model TFLOP/s per rank: the whole model's training FLOPs of the global batch / step time / world
     # size (megamoe.training.mfu); None for a model whose config is not a GPTMoEConfig.
@@ -283,6 +291,9 @@ class Trainer:
                         "(after the TP / tied / replica sums)", reducer.num_buckets, config.grad_bucket_mb,
                         "reduce-scattered" if sharded else "all-reduced", reducer.num_deferred_buckets)
         self.step = 0
+        # The optimizer steps taken (skipped steps excluded): the LR schedule's position, like Megatron's
+        # OptimizerParamScheduler.num_steps (megatron/core/optimizer_param_scheduler.py; in samples there).
+        self.lr_schedule_steps = 0
         self.consecutive_skips = 0      # saved in training checkpoints, so the limit holds across a resume
         self.skipped_steps = 0
         self.loss_scaler = DynamicLossScaler(config.loss_scale) if config.autocast == "fp16" else None
@@ -324,7 +335,7 @@ class Trainer:
         for layer in model.moe_layers().values():
             layer.load_counter.reset()
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        lr = self.config.lr_schedule.lr_at(self.step + 1, self.config.lr)
+        lr = self.config.lr_schedule.lr_at(self.lr_schedule_steps + 1, self.config.lr)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
 
         def chunk_step(chunk: int):
@@ -387,12 +398,14 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            self.lr_schedule_steps += 1
         balancedness, layer_balance, loads = self._update_expert_biases(update_biases=finite)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(finite)
+        scale_lowered = self.loss_scaler is not None and self.loss_scaler.update(finite)
         self.step += 1
         if finite:
             self.consecutive_skips = 0
+        elif scale_lowered and math.isfinite(loss) and math.isfinite(aux_loss):
+            self._skip_calibrating(scale)
         else:
             # The re-run forwards the fewest micro-batches the schedule takes: 1, or pp when interleaved
             # (its micro-batch count is a multiple of pp).
@@ -454,6 +467,12 @@ class Trainer:
         values = host_floats(totals / state.dp_cp.size)
         return values[0], values[1], values[2:]
 
+    def _skip_calibrating(self, scale: float) -> None:
+        """An fp16 overflow that lowered the loss scale: skipped, not counted toward max_skipped_steps."""
+        self.skipped_steps += 1
+        logger.info("step %d skipped: the fp16 gradients overflowed at loss scale %g, lowered to %g (calibrating: "
+                    "not counted toward max_skipped_steps)", self.step, scale, self.loss_scaler.scale)
+
     def _skip(self, loss: float, aux_loss: float, grad_norm: float, scale: float | None, rerun_forward) -> None:
         """Count a skipped step, say what went non-finite (collective), raise after too many in a row."""
         self.consecutive_skips += 1
@@ -476,16 +495,26 @@ class Trainer:
                 "gradient clipping")
 
     def training_state(self) -> dict:
-        """What a training checkpoint stores besides the step: the LR schedule with its peak, the skip
-        counters and the fp16 loss scale (JSON)."""
+        """What a training checkpoint stores besides the step: the LR schedule with its peak and its
+        position (``lr_schedule_steps``), the skip counters and the fp16 loss scale (JSON)."""
         return {"lr_schedule": {"peak_lr": self.config.lr, **self.config.lr_schedule.to_dict()},
+                "lr_schedule_steps": self.lr_schedule_steps,
                 "consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps,
                 "loss_scale": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     def load_training_state(self, saved: dict) -> None:
         """Restore the counters and the loss scale of :meth:`training_state` (the schedule is this
-        trainer's config; :func:`~megamoe.training.checkpoint.load_training_checkpoint` compares them).
-        A loss scale saved by a non-fp16 run leaves an fp16 trainer at its initial scale."""
+        trainer's config; :func:`~megamoe.training.checkpoint.load_training_checkpoint` compares them),
+        after ``self.step`` was set to the saved step. A loss scale saved by a non-fp16 run leaves an fp16
+        trainer at its initial scale. A checkpoint without ``lr_schedule_steps`` was saved when every step
+        advanced the schedule: its schedule continues from its step. ValueError naming the field unless
+        ``lr_schedule_steps`` is an int in [0, step]."""
+        schedule_steps = saved.get("lr_schedule_steps", self.step)
+        if isinstance(schedule_steps, bool) or not isinstance(schedule_steps, int) \
+                or not 0 <= schedule_steps <= self.step:
+            raise ValueError(f"training_state.lr_schedule_steps must be an int in [0, step={self.step}] (the "
+                             f"optimizer steps taken), got {schedule_steps!r}")
+        self.lr_schedule_steps = schedule_steps
         self.consecutive_skips = int(saved.get("consecutive_skips", 0))
         self.skipped_steps = int(saved.get("skipped_steps", 0))
         if self.loss_scaler is not None and saved.get("loss_scale") is not None:
