@@ -1,4 +1,4 @@
-"""BlendedDataset (exact Megatron-style greedy counts, repeats, determinism, resumable sampling over it) and the
+"""BlendedDataset (Megatron-LM's greedy blend exactly, repeats, determinism, resumable sampling over it) and the
 held-out eval split and eval batches (disjoint, deterministic, independent of the DP layout)."""
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ class TaggedDataset:
 
 
 def _oracle_choice(weights, num_samples):
-    """Megatron's rule restated: position i goes to argmax_d w_d * (i + 1) - count_d, first maximum on ties."""
-    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    """Megatron-LM's build_blending_indices (megatron/core/datasets/helpers.cpp) restated: position i goes to
+    argmax_d w_d * max(i, 1) - count_d, first maximum on ties, w normalised by its float64 sum."""
+    w = np.asarray(weights, dtype=np.float64) / np.sum(np.asarray(weights, dtype=np.float64))
     counts = np.zeros(len(w))
     choice = []
     for i in range(num_samples):
-        d = int(np.argmax(w * (i + 1) - counts))
+        d = int(np.argmax(w * max(i, 1) - counts))
         counts[d] += 1
         choice.append(d)
     return choice
@@ -62,14 +63,19 @@ def test_blend_counts_follow_the_weights_to_the_sample(weights, num_samples):
     assert blend.dataset_index.tolist() == _oracle_choice(weights, num_samples)
     counts = np.bincount(_oracle_choice(weights, num_samples), minlength=len(weights))
     assert blend.dataset_sample_counts == tuple(counts.tolist()) and sum(blend.dataset_sample_counts) == num_samples
-    shares = np.asarray(weights) / np.sum(weights) * num_samples
-    assert np.all(np.abs(counts - shares) < 1)  # each dataset gets its share to within one sample
-    integral = np.isclose(shares, np.round(shares))
-    assert np.array_equal(counts[integral], np.round(shares[integral]))  # and exactly where the share is whole
-    # Every prefix is balanced too (the greedy rule), not just the total.
+    # Every prefix is balanced (the greedy rule), the total included: below its share + 1, above its share - 2.
     prefix_counts = np.cumsum(np.eye(len(weights))[blend.dataset_index], axis=0)
     positions = np.arange(1, num_samples + 1)[:, None]
-    assert np.all(np.abs(prefix_counts - positions * np.asarray(weights) / np.sum(weights)) < 1)
+    errors = prefix_counts - positions * np.asarray(weights) / np.sum(weights)
+    assert np.all(errors < 1) and np.all(errors > -2)
+
+
+def test_blend_matches_megatron_where_a_greedy_over_i_plus_1_does_not():
+    """Megatron-LM's blend of weights [0.3, 0.7] over 8 samples (its helpers.cpp, run side by side): the last
+    position goes to dataset 0; a greedy on w_d * (i + 1) - count_d gives it to dataset 1."""
+    assert blend_dataset_index([0.3, 0.7], 8).tolist() == [1, 0, 1, 1, 0, 1, 1, 0]
+    blend = BlendedDataset([TaggedDataset(0, 5), TaggedDataset(1, 5)], [3, 7], num_samples=8)
+    assert blend.dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 0] and blend.dataset_sample_counts == (3, 5)
 
 
 def test_blend_repeats_each_dataset_in_seeded_passes_and_is_deterministic(caplog):
@@ -100,8 +106,9 @@ def test_default_size_sees_every_dataset_whole(weights):
     blend = BlendedDataset([TaggedDataset(d, n) for d, n in enumerate(lengths)], weights)
     counts = np.asarray(blend.dataset_sample_counts)
     assert np.all(counts >= lengths)  # every dataset at least one full pass
+    one_fewer = np.bincount(blend_dataset_index(weights, len(blend) - 1), minlength=len(weights))
+    assert np.any(one_fewer < lengths)  # and no blend sample more than that needs
     size_needed = np.asarray(lengths) / (np.asarray(weights) / np.sum(weights))
-    assert len(blend) - 1 < size_needed.max() <= len(blend)  # and no blend sample more than that needs
     limiting = int(np.argmax(size_needed))
     assert counts[limiting] - lengths[limiting] <= 1  # the dataset shortest for its weight is seen about once
     decoded = _decode(blend, range(len(blend)))
