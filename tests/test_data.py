@@ -301,9 +301,10 @@ def test_dataset_rejects_truncated_corrupt_and_incomplete_files(sp_tokenizer, tm
     with pytest.raises(ValueError, match="truncated or corrupt"):
         TokenDataset(out, 4)
     out.write_bytes(good_bin)
-    sidecar.write_text(good_json[:-5])
-    with pytest.raises(ValueError, match="sidecar .* is corrupt"):
-        TokenDataset(out, 4)
+    for corrupt in (good_json[:-5], "[" * 100_000 + "]" * 100_000):
+        sidecar.write_text(corrupt)
+        with pytest.raises(ValueError, match="sidecar .* is corrupt"):
+            TokenDataset(out, 4)
     for key, value in (("format_version", 99), ("dtype", "int8"), ("num_tokens", -1), ("eos_id", 10**6)):
         sidecar.write_text(json.dumps({**json.loads(good_json), key: value}))
         with pytest.raises(ValueError, match=key):

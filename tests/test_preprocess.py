@@ -196,6 +196,7 @@ def _bad_input_cases(tmp_path: Path, hf_dir: Path) -> dict[str, tuple[list, str]
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "garbage.json").write_text("this is not a tokenizer")
     (tmp_path / "words.jsonl").write_text('{"text": "a b"}\n{"text": "a zebra b"}\n')
+    (tmp_path / "deep.jsonl").write_text('{"text": "a"}\n{"text": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     words = _word_level_dir(tmp_path / "words")
     return {  # bad_json runs with the default --workers (every core)
         "bad_json": (["--input", tmp_path / "bad.jsonl", "--tokenizer", hf_dir],
@@ -214,6 +215,8 @@ def _bad_input_cases(tmp_path: Path, hf_dir: Path) -> dict[str, tuple[list, str]
                    "has no EOS token to end each document with"),
         "worker_error": (["--input", tmp_path / "words.jsonl", "--tokenizer", words, "--workers", "2"],
                          f"{tmp_path / 'words.jsonl'}:2: tokenizer {words / 'tokenizer.json'} cannot encode"),
+        "deep_json": (["--input", tmp_path / "deep.jsonl", "--tokenizer", hf_dir, "--workers", "1"],
+                      f"{tmp_path / 'deep.jsonl'}:2: JSON nested too deeply"),
     }
 
 

@@ -98,6 +98,8 @@ class TokenFileMeta:
             fields = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"token file sidecar {path} is corrupt: {error}") from None
+        except RecursionError:  # json's parser recurses once per level of nesting
+            raise ValueError(f"token file sidecar {path} is corrupt: JSON nested too deeply to read") from None
         expected = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(fields, dict) or set(fields) != expected:
             got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
