@@ -183,6 +183,11 @@ class Tokenizer(abc.ABC):
     def sha256(self) -> str:
         return _file_sha256(self.path)
 
+    def files(self) -> list[Path]:
+        """The files this tokenizer was read from (``path`` and, for some formats, files beside it): what
+        a writer must not overwrite."""
+        return [self.path]
+
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
         ...
@@ -254,6 +259,9 @@ class HFTokenizer(Tokenizer):
     older ``special_tokens_map.json`` (as ``transformers`` reads them). A named token missing from the
     vocabulary is an error. ``vocab_size`` is the largest id + 1, added tokens included."""
 
+    # The files beside tokenizer.json that name its special tokens (read by __init__, as transformers does).
+    COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.available():
@@ -272,6 +280,10 @@ class HFTokenizer(Tokenizer):
         })
         self.bos_id, self.eos_id, self.pad_id = (self._special_id(special, name)
                                                  for name in ("bos_token", "eos_token", "pad_token"))
+
+    def files(self) -> list[Path]:
+        return [self.path] + [self.path.parent / name for name in self.COMPANION_FILES
+                              if (self.path.parent / name).is_file()]
 
     def _special_id(self, special: dict[str, str | None], name: str) -> int | None:
         token = special.get(name)
