@@ -83,6 +83,19 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
     Path(f"{bad_idx}.bin").write_bytes(Path(f"{bad_idx}.bin").read_bytes()[:-4])   # one token short
     big = tmp_path / "bigtok"
     save_tokenizer(big, extra_words=[f"w{i}" for i in range(200)])
+    # Ids at the tokenizer's vocabulary size, far past the samples one step draws: the model's vocabulary,
+    # padded to a multiple of 64, would hold them.
+    vocab = Tokenizer.from_path(root / "tok").vocab_size
+    past_vocab = {}
+    for name, dtype in (("c.bin", "<u2"), ("meg", "<i4")):
+        copy = tmp_path / f"past_{name}"
+        for suffix in ((".json", "") if name == "c.bin" else (".idx", ".bin")):
+            Path(f"{copy}{suffix}").write_bytes(Path(f"{root / name}{suffix}").read_bytes())
+        data_file = copy if name == "c.bin" else Path(f"{copy}.bin")
+        ids = np.fromfile(data_file, dtype=dtype)
+        ids[-3] = vocab
+        ids.tofile(data_file)
+        past_vocab[name] = (copy, len(ids) - 3)
     return {
         "not JSON": (["--data", bad_jsonl], (f"{bad_jsonl}:2",)),
         "no text field": (["--data", no_field], (f"{no_field}:2", "'text'")),
@@ -94,11 +107,16 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
         "eval flags": (["--data", root / "c.bin", "--eval-data", root / "meg", "--eval-fraction", 0.1],
                        ("--eval-fraction and --eval-data",)),
         "other tokenizer's token file": (["--data", root / "c.bin", "--tokenizer", big], ("was tokenized with",)),
+        **{f"ids past the vocabulary: {name}": (
+            ["--data", copy, "--make-vocab-size-divisible-by", 64],
+            (f"{copy}: token {position} is id {vocab}, outside the vocabulary [0, {vocab}) of the tokenizer",))
+           for name, (copy, position) in past_vocab.items()},
     }
 
 
 @pytest.mark.parametrize("case", ["not JSON", "no text field", "empty dataset", "idx vs bin", "weights", "missing",
-                                  "eval flags", "other tokenizer's token file"])
+                                  "eval flags", "other tokenizer's token file", "ids past the vocabulary: c.bin",
+                                  "ids past the vocabulary: meg"])
 def test_bad_data_ends_in_one_error_line_and_leaves_no_token_file(demo, inputs, tmp_path, case, capsys):
     root, _ = inputs
     flags, fragments = _bad_cases(root, tmp_path)[case]

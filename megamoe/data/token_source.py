@@ -19,14 +19,17 @@ from megamoe.data.token_dataset import TokenFileMeta, sidecar_path
 
 __all__ = ["TokenSource", "open_token_source", "open_token_file"]
 
+# Tokens the id check reads at a time: bounds its memory for files of any size.
+_ID_CHECK_CHUNK = 1 << 24
+
 
 @dataclass(frozen=True, eq=False)
 class TokenSource:
     """A flat, read-only sequence of token ids and what is known about them.
 
     ``vocab_size`` and ``eos_id`` are None where the format does not record them (Megatron datasets):
-    the caller then knows them from its tokenizer and model (``TokenDataset(..., vocab_size=...)``
-    checks the ids). ``meta`` is the sidecar of a megamoe token file, None for Megatron datasets.
+    the caller then knows them from its tokenizer (``TokenDataset(..., vocab_size=...)`` checks the ids,
+    with :meth:`check_ids`). ``meta`` is the sidecar of a megamoe token file, None for Megatron datasets.
     """
 
     path: Path
@@ -43,6 +46,25 @@ class TokenSource:
 
     def __str__(self) -> str:
         return f"{self.format} token source {self.path}"
+
+    def check_ids(self, vocab_size: int) -> None:
+        """ValueError naming the first token id outside ``[0, vocab_size)`` and where it is. One vectorised
+        pass over the file (min and max per chunk; a dtype that cannot hold such an id is not read)."""
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        limits = np.iinfo(self.tokens.dtype)
+        if limits.min >= 0 and limits.max < vocab_size:
+            return
+        for start in range(0, self.num_tokens, _ID_CHECK_CHUNK):
+            chunk = self.tokens[start:start + _ID_CHECK_CHUNK]
+            if chunk.min() >= 0 and chunk.max() < vocab_size:
+                continue
+            position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+            raise ValueError(
+                f"{self}: token {start + position} is id {int(chunk[position])}, outside the vocabulary "
+                f"[0, {vocab_size}) of the tokenizer: the data was tokenized with another tokenizer, or the file "
+                "is damaged; tokenize the documents again with the run's tokenizer"
+            )
 
 
 def open_token_file(path: str | os.PathLike) -> TokenSource:
