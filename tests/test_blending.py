@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megamoe.data.blending import BlendedDataset, blend_dataset_index
-from megamoe.data.eval_split import IGNORE_INDEX, ConcatenatedDataset, SampleRange, eval_batches, split_train_eval
+from megamoe.data.eval_split import IGNORE_INDEX, ConcatenatedDataset, eval_batches, split_train_eval
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.token_dataset import TokenDataset
 from megamoe.data.training_data import build_train_eval_data, check_data_weights
@@ -167,41 +167,79 @@ def test_resumable_sampler_over_a_blend_resumes_exactly():
 # ---------------------------------------------------------------- eval split
 
 
-def test_eval_split_is_a_disjoint_deterministic_tail():
-    dataset = TaggedDataset(0, 10)
-    for fraction, num_eval in ((0.1, 1), (0.25, 2), (0.5, 5), (0.01, 1), (0.99, 9)):
-        train, held_out = split_train_eval(dataset, fraction)
-        assert (len(train), len(held_out)) == (10 - num_eval, num_eval)
-        train_ids = [i for _, i in _decode(train, range(len(train)))]
-        eval_ids = [i for _, i in _decode(held_out, range(len(held_out)))]
-        assert train_ids + eval_ids == list(range(10))  # disjoint, nothing lost, in order
-        again_train, again_eval = split_train_eval(dataset, fraction)
-        assert _decode(again_eval, range(num_eval)) == _decode(held_out, range(num_eval))
-    for bad in (0, 1, -0.5, 1.5, float("nan"), True, "0.1"):
-        with pytest.raises(ValueError, match="eval_fraction must be a number in \\(0, 1\\)"):
-            split_train_eval(dataset, bad)
-    with pytest.raises(ValueError, match="at least 2"):
-        split_train_eval(TaggedDataset(0, 1), 0.5)
+def _documents_file(path, documents, *, append_eos=True):
+    """A megamoe token file (uint16, EOS 0, vocabulary 100) of ``documents``, each followed by EOS."""
+    tokens = [t for document in documents for t in list(document) + ([0] if append_eos else [])]
+    path.write_bytes(np.asarray(tokens, dtype="<u2").tobytes())
+    path.with_name(path.name + ".json").write_text(json.dumps({
+        "format_version": 1, "dtype": "uint16", "num_tokens": len(tokens), "num_documents": len(documents),
+        "vocab_size": 100, "eos_id": 0 if append_eos else None, "append_eos": append_eos, "tokenizer_path": "t",
+        "tokenizer_sha256": "0"}))
+    return path
+
+
+def _stream(part):
+    """Every token of a split side, in its order (seq_len 1: inputs are the stream, the last label ends it)."""
+    inputs, labels = part.batch(range(len(part)))
+    return inputs[:, 0].tolist() + labels[-1:, 0].tolist()
+
+
+def _document_ids(tokens):
+    """Runs of one document's id in a stream of 'every token of document d is d + 1' files, EOS (0) dropped."""
+    return [t - 1 for i, t in enumerate(tokens) if t and (i == 0 or tokens[i - 1] != t)]
+
+
+def test_eval_split_holds_out_seeded_random_documents_of_a_sorted_corpus(tmp_path):
+    """60 documents sorted by topic, the last 10 off-topic (a tail split's whole eval set): the held-out
+    documents come from everywhere, whole, in a seeded random order; the same seed gives the same split,
+    as a Megatron dataset of the same documents does; nothing is lost or shared."""
+    from test_indexed_dataset import write_megatron
+
+    documents = [[d + 1] * (2 + d % 4) for d in range(60)]  # every token of document d is d + 1
+    path = _documents_file(tmp_path / "sorted.bin", documents)
+    train, held_out = split_train_eval(TokenDataset(path, 1), 0.2, seed=3)
+    eval_documents, train_documents = _document_ids(_stream(held_out)), _document_ids(_stream(train))
+    assert len(eval_documents) == 60 - round(0.8 * 60) == 12                 # Megatron's count for (0.8, 0.2)
+    assert sorted(eval_documents + train_documents) == list(range(60))      # each document on one side, whole
+    assert train_documents == sorted(train_documents) and eval_documents != sorted(eval_documents)
+    assert len([d for d in eval_documents if d >= 50]) < 6 and min(eval_documents) < 30  # not the off-topic tail
+    for side, ids in ((held_out, eval_documents), (train, train_documents)):  # whole documents, each with its EOS
+        assert _stream(side) == [t for d in ids for t in documents[d] + [0]][:side.num_tokens]
+    again = split_train_eval(TokenDataset(path, 1), 0.2, seed=3)[1]
+    assert _stream(again) == _stream(held_out)
+    assert _document_ids(_stream(split_train_eval(TokenDataset(path, 1), 0.2, seed=4)[1])) != eval_documents
+    write_megatron(tmp_path / "meg", [[document[:1], document[1:] + [0]] for document in documents], 4)
+    assert _stream(split_train_eval(TokenDataset(tmp_path / "meg", 1), 0.2, seed=3)[1]) == _stream(held_out)
+
+    # Windows of a longer seq_len stay inside their side: no eval label is a training input or label.
+    train, held_out = split_train_eval(TokenDataset(path, 4), 0.2, seed=3)
+    train_tokens = set(torch.cat(train.batch(range(len(train)))).flatten().tolist()) - {0}
+    assert not train_tokens & set(held_out.batch(range(len(held_out)))[1].flatten().tolist())
     with pytest.raises(IndexError):
         held_out.batch([len(held_out)])
-    with pytest.raises(ValueError, match="SampleRange"):
-        SampleRange(dataset, 3, 3)
 
 
-def test_eval_split_of_a_token_dataset_shares_no_label(tmp_path):
-    """Over real token windows: no eval label is a training input or label (a contiguous tail)."""
-    tokens = np.arange(1, 42, dtype="<u2")  # token values = positions + 1, all distinct
-    (tmp_path / "t.bin").write_bytes(tokens.tobytes())
-    (tmp_path / "t.bin.json").write_text(
-        '{"format_version": 1, "dtype": "uint16", "num_tokens": 41, "num_documents": 1, "vocab_size": 100, '
-        '"eos_id": 0, "append_eos": true, "tokenizer_path": "t", "tokenizer_sha256": "0"}')
-    train, held_out = split_train_eval(TokenDataset(tmp_path / "t.bin", 4), 0.3)
-    assert (len(train), len(held_out)) == (7, 3)
-    train_inputs, train_labels = train.batch(range(len(train)))
-    eval_inputs, eval_labels = held_out.batch(range(len(held_out)))
-    seen = set(train_inputs.flatten().tolist()) | set(train_labels.flatten().tolist())
-    assert not seen & set(eval_labels.flatten().tolist())
-    assert eval_inputs[0, 0] == 1 + 7 * 4  # the eval part starts right after the training part
+def test_eval_split_refuses_what_it_cannot_hold_out(tmp_path):
+    dataset = TokenDataset(_documents_file(tmp_path / "d.bin", [[5, 6, 7]] * 10), 2)
+    for bad in (0, 1, -0.5, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="eval_fraction must be a number in \\(0, 1\\)"):
+            split_train_eval(dataset, bad, seed=0)
+    assert [len(part) for part in split_train_eval(dataset, 0.01, seed=0)] == [17, 1]  # at least one each way
+    assert [len(part) for part in split_train_eval(dataset, 0.99, seed=0)] == [1, 17]
+    one = TokenDataset(_documents_file(tmp_path / "one.bin", [list(range(1, 30))]), 2)
+    with pytest.raises(ValueError, match="has 1 document\\(s\\) and needs at least 2"):
+        split_train_eval(one, 0.1, seed=0)
+    no_eos = TokenDataset(_documents_file(tmp_path / "no_eos.bin", [[5, 6, 7]] * 10, append_eos=False), 2)
+    with pytest.raises(ValueError, match="cannot hold out whole documents: .*no_eos.bin records no document "
+                                         "boundaries.*--eval-data"):
+        split_train_eval(no_eos, 0.1, seed=0)
+    short = TokenDataset(_documents_file(tmp_path / "short.bin", [[5]] * 20), 8)   # 2 tokens a document
+    with pytest.raises(ValueError, match="the eval side of --eval-fraction 0.1 \\(2 of 20 documents held out\\) has "
+                                         "4 tokens, too few for one sample of seq_len 8"):
+        split_train_eval(short, 0.1, seed=0)
+    with pytest.raises(ValueError, match="the training side of --eval-fraction 0.9 \\(18 of 20 documents held "
+                                         "out\\) has 4 tokens"):
+        split_train_eval(short, 0.9, seed=0)
 
 
 def _eval_stream(dataset, *, dp_size, micro_batch_size, global_batch_size, num_samples=None):
@@ -252,15 +290,6 @@ def test_eval_batches_cover_every_sample_once_whatever_the_layout():
 # ---------------------------------------------------------------- the run's datasets from --data
 
 
-def _token_file(path, tokens):
-    """A megamoe token file of ``tokens`` (uint16) with its sidecar, as build_token_file writes them."""
-    path.write_bytes(np.asarray(tokens, dtype="<u2").tobytes())
-    sidecar = {"format_version": 1, "dtype": "uint16", "num_tokens": len(tokens), "num_documents": 1,
-               "vocab_size": 100, "eos_id": 0, "append_eos": True, "tokenizer_path": "t", "tokenizer_sha256": "0"}
-    path.with_name(path.name + ".json").write_text(json.dumps(sidecar))
-    return path
-
-
 def test_check_data_weights():
     assert check_data_weights(["a", "b"], None) is None
     assert check_data_weights(["a", "b"], [3, 0.5]) == [3.0, 0.5]
@@ -274,25 +303,29 @@ def test_check_data_weights():
 def test_build_train_eval_data_blends_splits_and_checks(tmp_path):
     from test_indexed_dataset import write_megatron
 
-    _token_file(tmp_path / "a.bin", list(range(1, 42)))  # 10 samples of seq_len 4
-    write_megatron(tmp_path / "m", [[list(range(50, 71))]], 4)  # 21 tokens: 5 samples
+    _documents_file(tmp_path / "a.bin", [[d + 1] * 3 for d in range(20)])  # 80 tokens: 19 samples of seq_len 4
+    write_megatron(tmp_path / "m", [[[50 + d] * 3 + [0]] for d in range(10)], 4)  # 40 tokens: 9 samples
     single = build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100)
-    assert isinstance(single.train, TokenDataset) and single.eval is None and len(single.train) == 10
+    assert isinstance(single.train, TokenDataset) and single.eval is None and len(single.train) == 19
 
     data = build_train_eval_data([tmp_path / "a.bin", tmp_path / "m"], weights=[3, 1], seq_len=4,
                                  vocab_size=100, num_samples=16, eval_fraction=0.2, seed=5)
     assert isinstance(data.train, BlendedDataset) and data.train.dataset_sample_counts == (12, 4)
     assert [source.source.format for source in data.sources] == ["megamoe", "megatron"]
-    eval_inputs, eval_labels = data.eval.batch(range(len(data.eval)))  # tails: 2 of a's 10, 1 of m's 5
-    assert eval_inputs[:, 0].tolist() == [1 + 8 * 4, 1 + 9 * 4, 50 + 4 * 4]
-    train_labels = set(data.train.batch(range(len(data.train)))[1].flatten().tolist())
-    assert not train_labels & set(eval_labels.flatten().tolist())  # held out before blending: no overlap
+    # 4 of a's 20 documents (16 tokens: 3 samples) and 2 of m's 10 (8 tokens: 1 sample), chosen by the seed.
+    eval_inputs, eval_labels = data.eval.batch(range(len(data.eval)))
+    assert len(data.eval) == 4 and eval_inputs[:3].max() < 50 and min(set(eval_inputs[3].tolist()) - {0}) >= 50
+    assert data.eval.batch(range(4))[0].tolist() == build_train_eval_data(
+        [tmp_path / "a.bin", tmp_path / "m"], seq_len=4, vocab_size=100, eval_fraction=0.2, seed=5).eval.batch(
+        range(4))[0].tolist()                                                       # the seed decides, not the blend
+    train_tokens = set(torch.cat(data.train.batch(range(len(data.train)))).flatten().tolist())
+    assert not train_tokens & set(eval_labels.flatten().tolist()) - {0}  # held out before blending: no overlap
 
     unweighted = build_train_eval_data([str(tmp_path / "a.bin"), str(tmp_path / "m")], seq_len=4, vocab_size=100,
                                        eval_paths=[str(tmp_path / "m")])
-    assert unweighted.train.dataset_sample_counts == (10, 5) and len(unweighted.eval) == 5  # weights = sizes
+    assert unweighted.train.dataset_sample_counts == (19, 9) and len(unweighted.eval) == 9  # weights = sizes
     with pytest.raises(ValueError, match="not both"):
         build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100, eval_fraction=0.1,
                               eval_paths=[str(tmp_path / "m")])
-    with pytest.raises(ValueError, match="token 10 is id 60, outside the vocabulary \\[0, 60\\)"):
-        build_train_eval_data([str(tmp_path / "m")], seq_len=4, vocab_size=60)
+    with pytest.raises(ValueError, match="token 20 is id 55, outside the vocabulary \\[0, 55\\)"):
+        build_train_eval_data([str(tmp_path / "m")], seq_len=4, vocab_size=55)

@@ -146,3 +146,29 @@ def test_a_megatron_dataset_gives_the_samples_of_the_same_documents_as_jsonl(inp
     assert len(megatron) == len(from_jsonl) > 10
     for got, expected in zip(megatron.batch(range(len(megatron))), from_jsonl.batch(range(len(from_jsonl)))):
         assert torch.equal(got, expected)
+
+
+def test_a_resumed_run_holds_out_the_same_documents(demo, inputs, tmp_path, capsys):
+    """--eval-fraction picks its documents by --seed alone: a run stopped after step 1 and resumed logs the
+    training and eval losses of the run that went straight to step 2 (the same held-out documents, the
+    same training samples)."""
+    root, _ = inputs
+
+    def run(name: str, steps: int) -> list[dict]:
+        argv = ["--tokenizer", root / "tok", "--work-dir", tmp_path / name, "--save-dir", tmp_path / f"{name}_ckpt",
+                *TINY, "--data", root / "c.bin", "--eval-fraction", 0.2, "--eval-every", 1, "--eval-iters", 1,
+                "--save-every", 1, "--steps", steps]
+        code, _, err = _run(demo, argv, capsys)
+        assert code == 0, err
+        return [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+
+    def losses(records: list[dict], key: str) -> dict[int, float]:
+        return {r["step"]: r[key] for r in records if key in r}
+
+    straight = run("straight", 2)
+    first = run("stopped", 1)
+    resumed = run("stopped", 2)
+    for key in ("loss", "eval_loss"):
+        steps = {**losses(first, key), **losses(resumed, key)}
+        assert sorted(steps) == sorted(losses(straight, key)) == [1, 2], key
+        assert steps == pytest.approx(losses(straight, key), rel=1e-6), key

@@ -47,7 +47,8 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, default_data_help: st
     e.add_argument("--eval-data", type=Path, nargs="+", default=[], metavar="PATH",
                    help="held-out data, in the formats of --data (documents tokenized with the run's tokenizer)")
     e.add_argument("--eval-fraction", type=float, default=None, metavar="F",
-                   help="hold out the last fraction F (0 < F < 1) of every training source instead")
+                   help="hold out a random fraction F (0 < F < 1) of every training source's documents instead (the "
+                        "same documents for the same --seed)")
     e.add_argument("--eval-every", type=int, default=20, metavar="N",
                    help="with held-out data: the eval loss every N steps and at the end")
     e.add_argument("--eval-iters", type=int, default=10, metavar="N",
