@@ -75,6 +75,8 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
     bad_jsonl.write_text('{"text": "the cat ."}\n{"text": "the dog"\n')
     no_field = tmp_path / "nofield.jsonl"
     no_field.write_text('{"text": "the cat ."}\n{"body": "the dog ."}\n')
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"text": "the cat ."}\n{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     bad_idx = tmp_path / "badidx"
@@ -99,6 +101,7 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
     return {
         "not JSON": (["--data", bad_jsonl], (f"{bad_jsonl}:2",)),
         "no text field": (["--data", no_field], (f"{no_field}:2", "'text'")),
+        "nested 100k deep": (["--data", deep], (f"{deep}:2: JSON nested too deeply",)),
         "empty dataset": (["--data", empty], (f"{empty}",)),
         "idx vs bin": (["--data", bad_idx], (f"{bad_idx}", ".bin")),
         "weights": (["--data", root / "c.bin", root / "meg", "--data-weights", 1], ("--data-weights", "1 weight",
@@ -114,7 +117,7 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
     }
 
 
-@pytest.mark.parametrize("case", ["not JSON", "no text field", "empty dataset", "idx vs bin", "weights", "missing",
+@pytest.mark.parametrize("case", ["not JSON", "no text field", "nested 100k deep", "empty dataset", "idx vs bin", "weights", "missing",
                                   "eval flags", "other tokenizer's token file", "ids past the vocabulary: c.bin",
                                   "ids past the vocabulary: meg"])
 def test_bad_data_ends_in_one_error_line_and_leaves_no_token_file(demo, inputs, tmp_path, case, capsys):
