@@ -117,8 +117,8 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
     }
 
 
-@pytest.mark.parametrize("case", ["not JSON", "no text field", "nested 100k deep", "empty dataset", "idx vs bin", "weights", "missing",
-                                  "eval flags", "other tokenizer's token file", "ids past the vocabulary: c.bin",
+@pytest.mark.parametrize("case", ["not JSON", "no text field", "nested 100k deep", "empty dataset", "idx vs bin",
+                                  "weights", "missing", "eval flags", "other tokenizer's token file", "ids past the vocabulary: c.bin",
                                   "ids past the vocabulary: meg"])
 def test_bad_data_ends_in_one_error_line_and_leaves_no_token_file(demo, inputs, tmp_path, case, capsys):
     root, _ = inputs

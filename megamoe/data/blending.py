@@ -1,4 +1,4 @@
-"""A Megatron-style blend of sample datasets by weight, with exact per-dataset counts.
+"""A blend of sample datasets by weight, by Megatron-LM's rule, with the counts per dataset logged.
 
 Blend position ``i`` (of ``num_samples``) goes to the dataset whose share is furthest behind its
 weight: ``argmax_d weight_d * max(i, 1) - count_d`` in float64 (ties to the lowest ``d``), with

@@ -1,4 +1,4 @@
-"""Held-out evaluation data: a train / eval split of a token dataset by documents, and the eval batches of a DP rank.
+"""Held-out evaluation data: a train / eval split of a token dataset by documents; the eval batches of a DP rank.
 
 ``split_train_eval(dataset, F, seed=S)`` holds out ``n - round((1 - F) * n)`` of the dataset's ``n``
 (non-empty) documents, at least one and at least one left to train on, chosen at random by a seeded

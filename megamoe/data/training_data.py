@@ -110,8 +110,8 @@ def build_train_eval_data(
     seed: int = 0,
 ) -> TrainEvalData:
     """Open the token sources ``data_paths`` (megamoe token files or Megatron datasets; see
-    :func:`tokenized_path` for documents) as ``TokenDataset``\\ s checked against the model's
-    ``vocab_size``; hold out eval data; blend several sources by ``weights`` (default: each source's
+    :func:`tokenized_path` for documents) as ``TokenDataset``\\ s, their ids checked against
+    ``vocab_size`` (the tokenizer's); hold out eval data; blend several sources by ``weights`` (default: each source's
     number of samples) into ``num_samples`` samples (default: ``full_pass_num_samples``, every source
     seen whole). ``seed`` picks the held-out documents and orders each source's passes. One source
     without a weight is used as is."""
