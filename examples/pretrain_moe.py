@@ -599,8 +599,10 @@ def main(argv=None) -> int:
     if rank == 0 and plan.move_aside:
         move_aside(args.save_dir, run_id)
 
-    known_vocab = (source.config.vocab_size if source.config is not None else
-                   source.tokenizer.vocab_size if source.tokenizer is not None else None)
+    # Token ids are checked against the tokenizer's vocabulary where there is one: the model's may be
+    # larger (padded, or an HF config's round number), and would let ids no tokenizer makes train silently.
+    known_vocab = (source.tokenizer.vocab_size if source.tokenizer is not None else
+                   source.config.vocab_size if source.config is not None else None)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, default_paths = source.tokenizer, []
     if args.data is None:

@@ -1,4 +1,4 @@
-"""BlendedDataset (exact Megatron-style greedy counts, repeats, determinism, resumable sampling over it) and the
+"""BlendedDataset (Megatron-LM's greedy blend exactly, repeats, determinism, resumable sampling over it) and the
 held-out eval split and eval batches (disjoint, deterministic, independent of the DP layout)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megamoe.data.blending import BlendedDataset, blend_dataset_index
-from megamoe.data.eval_split import IGNORE_INDEX, ConcatenatedDataset, SampleRange, eval_batches, split_train_eval
+from megamoe.data.eval_split import IGNORE_INDEX, ConcatenatedDataset, eval_batches, split_train_eval
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.token_dataset import TokenDataset
 from megamoe.data.training_data import build_train_eval_data, check_data_weights
@@ -35,12 +35,13 @@ class TaggedDataset:
 
 
 def _oracle_choice(weights, num_samples):
-    """Megatron's rule restated: position i goes to argmax_d w_d * (i + 1) - count_d, first maximum on ties."""
-    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    """Megatron-LM's build_blending_indices (megatron/core/datasets/helpers.cpp) restated: position i goes to
+    argmax_d w_d * max(i, 1) - count_d, first maximum on ties, w normalised by its float64 sum."""
+    w = np.asarray(weights, dtype=np.float64) / np.sum(np.asarray(weights, dtype=np.float64))
     counts = np.zeros(len(w))
     choice = []
     for i in range(num_samples):
-        d = int(np.argmax(w * (i + 1) - counts))
+        d = int(np.argmax(w * max(i, 1) - counts))
         counts[d] += 1
         choice.append(d)
     return choice
@@ -62,14 +63,19 @@ def test_blend_counts_follow_the_weights_to_the_sample(weights, num_samples):
     assert blend.dataset_index.tolist() == _oracle_choice(weights, num_samples)
     counts = np.bincount(_oracle_choice(weights, num_samples), minlength=len(weights))
     assert blend.dataset_sample_counts == tuple(counts.tolist()) and sum(blend.dataset_sample_counts) == num_samples
-    shares = np.asarray(weights) / np.sum(weights) * num_samples
-    assert np.all(np.abs(counts - shares) < 1)  # each dataset gets its share to within one sample
-    integral = np.isclose(shares, np.round(shares))
-    assert np.array_equal(counts[integral], np.round(shares[integral]))  # and exactly where the share is whole
-    # Every prefix is balanced too (the greedy rule), not just the total.
+    # Every prefix is balanced (the greedy rule), the total included: below its share + 1, above its share - 2.
     prefix_counts = np.cumsum(np.eye(len(weights))[blend.dataset_index], axis=0)
     positions = np.arange(1, num_samples + 1)[:, None]
-    assert np.all(np.abs(prefix_counts - positions * np.asarray(weights) / np.sum(weights)) < 1)
+    errors = prefix_counts - positions * np.asarray(weights) / np.sum(weights)
+    assert np.all(errors < 1) and np.all(errors > -2)
+
+
+def test_blend_matches_megatron_where_a_greedy_over_i_plus_1_does_not():
+    """Megatron-LM's blend of weights [0.3, 0.7] over 8 samples (its helpers.cpp, run side by side): the last
+    position goes to dataset 0; a greedy on w_d * (i + 1) - count_d gives it to dataset 1."""
+    assert blend_dataset_index([0.3, 0.7], 8).tolist() == [1, 0, 1, 1, 0, 1, 1, 0]
+    blend = BlendedDataset([TaggedDataset(0, 5), TaggedDataset(1, 5)], [3, 7], num_samples=8)
+    assert blend.dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 0] and blend.dataset_sample_counts == (3, 5)
 
 
 def test_blend_repeats_each_dataset_in_seeded_passes_and_is_deterministic(caplog):
@@ -100,8 +106,9 @@ def test_default_size_sees_every_dataset_whole(weights):
     blend = BlendedDataset([TaggedDataset(d, n) for d, n in enumerate(lengths)], weights)
     counts = np.asarray(blend.dataset_sample_counts)
     assert np.all(counts >= lengths)  # every dataset at least one full pass
+    one_fewer = np.bincount(blend_dataset_index(weights, len(blend) - 1), minlength=len(weights))
+    assert np.any(one_fewer < lengths)  # and no blend sample more than that needs
     size_needed = np.asarray(lengths) / (np.asarray(weights) / np.sum(weights))
-    assert len(blend) - 1 < size_needed.max() <= len(blend)  # and no blend sample more than that needs
     limiting = int(np.argmax(size_needed))
     assert counts[limiting] - lengths[limiting] <= 1  # the dataset shortest for its weight is seen about once
     decoded = _decode(blend, range(len(blend)))
@@ -160,41 +167,79 @@ def test_resumable_sampler_over_a_blend_resumes_exactly():
 # ---------------------------------------------------------------- eval split
 
 
-def test_eval_split_is_a_disjoint_deterministic_tail():
-    dataset = TaggedDataset(0, 10)
-    for fraction, num_eval in ((0.1, 1), (0.25, 2), (0.5, 5), (0.01, 1), (0.99, 9)):
-        train, held_out = split_train_eval(dataset, fraction)
-        assert (len(train), len(held_out)) == (10 - num_eval, num_eval)
-        train_ids = [i for _, i in _decode(train, range(len(train)))]
-        eval_ids = [i for _, i in _decode(held_out, range(len(held_out)))]
-        assert train_ids + eval_ids == list(range(10))  # disjoint, nothing lost, in order
-        again_train, again_eval = split_train_eval(dataset, fraction)
-        assert _decode(again_eval, range(num_eval)) == _decode(held_out, range(num_eval))
-    for bad in (0, 1, -0.5, 1.5, float("nan"), True, "0.1"):
-        with pytest.raises(ValueError, match="eval_fraction must be a number in \\(0, 1\\)"):
-            split_train_eval(dataset, bad)
-    with pytest.raises(ValueError, match="at least 2"):
-        split_train_eval(TaggedDataset(0, 1), 0.5)
+def _documents_file(path, documents, *, append_eos=True):
+    """A megamoe token file (uint16, EOS 0, vocabulary 100) of ``documents``, each followed by EOS."""
+    tokens = [t for document in documents for t in list(document) + ([0] if append_eos else [])]
+    path.write_bytes(np.asarray(tokens, dtype="<u2").tobytes())
+    path.with_name(path.name + ".json").write_text(json.dumps({
+        "format_version": 1, "dtype": "uint16", "num_tokens": len(tokens), "num_documents": len(documents),
+        "vocab_size": 100, "eos_id": 0 if append_eos else None, "append_eos": append_eos, "tokenizer_path": "t",
+        "tokenizer_sha256": "0"}))
+    return path
+
+
+def _stream(part):
+    """Every token of a split side, in its order (seq_len 1: inputs are the stream, the last label ends it)."""
+    inputs, labels = part.batch(range(len(part)))
+    return inputs[:, 0].tolist() + labels[-1:, 0].tolist()
+
+
+def _document_ids(tokens):
+    """Runs of one document's id in a stream of 'every token of document d is d + 1' files, EOS (0) dropped."""
+    return [t - 1 for i, t in enumerate(tokens) if t and (i == 0 or tokens[i - 1] != t)]
+
+
+def test_eval_split_holds_out_seeded_random_documents_of_a_sorted_corpus(tmp_path):
+    """60 documents sorted by topic, the last 10 off-topic (a tail split's whole eval set): the held-out
+    documents come from everywhere, whole, in a seeded random order; the same seed gives the same split,
+    as a Megatron dataset of the same documents does; nothing is lost or shared."""
+    from test_indexed_dataset import write_megatron
+
+    documents = [[d + 1] * (2 + d % 4) for d in range(60)]  # every token of document d is d + 1
+    path = _documents_file(tmp_path / "sorted.bin", documents)
+    train, held_out = split_train_eval(TokenDataset(path, 1), 0.2, seed=3)
+    eval_documents, train_documents = _document_ids(_stream(held_out)), _document_ids(_stream(train))
+    assert len(eval_documents) == 60 - round(0.8 * 60) == 12                 # Megatron's count for (0.8, 0.2)
+    assert sorted(eval_documents + train_documents) == list(range(60))      # each document on one side, whole
+    assert train_documents == sorted(train_documents) and eval_documents != sorted(eval_documents)
+    assert len([d for d in eval_documents if d >= 50]) < 6 and min(eval_documents) < 30  # not the off-topic tail
+    for side, ids in ((held_out, eval_documents), (train, train_documents)):  # whole documents, each with its EOS
+        assert _stream(side) == [t for d in ids for t in documents[d] + [0]][:side.num_tokens]
+    again = split_train_eval(TokenDataset(path, 1), 0.2, seed=3)[1]
+    assert _stream(again) == _stream(held_out)
+    assert _document_ids(_stream(split_train_eval(TokenDataset(path, 1), 0.2, seed=4)[1])) != eval_documents
+    write_megatron(tmp_path / "meg", [[document[:1], document[1:] + [0]] for document in documents], 4)
+    assert _stream(split_train_eval(TokenDataset(tmp_path / "meg", 1), 0.2, seed=3)[1]) == _stream(held_out)
+
+    # Windows of a longer seq_len stay inside their side: no eval label is a training input or label.
+    train, held_out = split_train_eval(TokenDataset(path, 4), 0.2, seed=3)
+    train_tokens = set(torch.cat(train.batch(range(len(train)))).flatten().tolist()) - {0}
+    assert not train_tokens & set(held_out.batch(range(len(held_out)))[1].flatten().tolist())
     with pytest.raises(IndexError):
         held_out.batch([len(held_out)])
-    with pytest.raises(ValueError, match="SampleRange"):
-        SampleRange(dataset, 3, 3)
 
 
-def test_eval_split_of_a_token_dataset_shares_no_label(tmp_path):
-    """Over real token windows: no eval label is a training input or label (a contiguous tail)."""
-    tokens = np.arange(1, 42, dtype="<u2")  # token values = positions + 1, all distinct
-    (tmp_path / "t.bin").write_bytes(tokens.tobytes())
-    (tmp_path / "t.bin.json").write_text(
-        '{"format_version": 1, "dtype": "uint16", "num_tokens": 41, "num_documents": 1, "vocab_size": 100, '
-        '"eos_id": 0, "append_eos": true, "tokenizer_path": "t", "tokenizer_sha256": "0"}')
-    train, held_out = split_train_eval(TokenDataset(tmp_path / "t.bin", 4), 0.3)
-    assert (len(train), len(held_out)) == (7, 3)
-    train_inputs, train_labels = train.batch(range(len(train)))
-    eval_inputs, eval_labels = held_out.batch(range(len(held_out)))
-    seen = set(train_inputs.flatten().tolist()) | set(train_labels.flatten().tolist())
-    assert not seen & set(eval_labels.flatten().tolist())
-    assert eval_inputs[0, 0] == 1 + 7 * 4  # the eval part starts right after the training part
+def test_eval_split_refuses_what_it_cannot_hold_out(tmp_path):
+    dataset = TokenDataset(_documents_file(tmp_path / "d.bin", [[5, 6, 7]] * 10), 2)
+    for bad in (0, 1, -0.5, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="eval_fraction must be a number in \\(0, 1\\)"):
+            split_train_eval(dataset, bad, seed=0)
+    assert [len(part) for part in split_train_eval(dataset, 0.01, seed=0)] == [17, 1]  # at least one each way
+    assert [len(part) for part in split_train_eval(dataset, 0.99, seed=0)] == [1, 17]
+    one = TokenDataset(_documents_file(tmp_path / "one.bin", [list(range(1, 30))]), 2)
+    with pytest.raises(ValueError, match="has 1 document\\(s\\) and needs at least 2"):
+        split_train_eval(one, 0.1, seed=0)
+    no_eos = TokenDataset(_documents_file(tmp_path / "no_eos.bin", [[5, 6, 7]] * 10, append_eos=False), 2)
+    with pytest.raises(ValueError, match="cannot hold out whole documents: .*no_eos.bin records no document "
+                                         "boundaries.*--eval-data"):
+        split_train_eval(no_eos, 0.1, seed=0)
+    short = TokenDataset(_documents_file(tmp_path / "short.bin", [[5]] * 20), 8)   # 2 tokens a document
+    with pytest.raises(ValueError, match="the eval side of --eval-fraction 0.1 \\(2 of 20 documents held out\\) has "
+                                         "4 tokens, too few for one sample of seq_len 8"):
+        split_train_eval(short, 0.1, seed=0)
+    with pytest.raises(ValueError, match="the training side of --eval-fraction 0.9 \\(18 of 20 documents held "
+                                         "out\\) has 4 tokens"):
+        split_train_eval(short, 0.9, seed=0)
 
 
 def _eval_stream(dataset, *, dp_size, micro_batch_size, global_batch_size, num_samples=None):
@@ -245,15 +290,6 @@ def test_eval_batches_cover_every_sample_once_whatever_the_layout():
 # ---------------------------------------------------------------- the run's datasets from --data
 
 
-def _token_file(path, tokens):
-    """A megamoe token file of ``tokens`` (uint16) with its sidecar, as build_token_file writes them."""
-    path.write_bytes(np.asarray(tokens, dtype="<u2").tobytes())
-    sidecar = {"format_version": 1, "dtype": "uint16", "num_tokens": len(tokens), "num_documents": 1,
-               "vocab_size": 100, "eos_id": 0, "append_eos": True, "tokenizer_path": "t", "tokenizer_sha256": "0"}
-    path.with_name(path.name + ".json").write_text(json.dumps(sidecar))
-    return path
-
-
 def test_check_data_weights():
     assert check_data_weights(["a", "b"], None) is None
     assert check_data_weights(["a", "b"], [3, 0.5]) == [3.0, 0.5]
@@ -267,27 +303,29 @@ def test_check_data_weights():
 def test_build_train_eval_data_blends_splits_and_checks(tmp_path):
     from test_indexed_dataset import write_megatron
 
-    _token_file(tmp_path / "a.bin", list(range(1, 42)))  # 10 samples of seq_len 4
-    write_megatron(tmp_path / "m", [[list(range(50, 71))]], 4)  # 21 tokens: 5 samples
+    _documents_file(tmp_path / "a.bin", [[d + 1] * 3 for d in range(20)])  # 80 tokens: 19 samples of seq_len 4
+    write_megatron(tmp_path / "m", [[[50 + d] * 3 + [0]] for d in range(10)], 4)  # 40 tokens: 9 samples
     single = build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100)
-    assert isinstance(single.train, TokenDataset) and single.eval is None and len(single.train) == 10
+    assert isinstance(single.train, TokenDataset) and single.eval is None and len(single.train) == 19
 
     data = build_train_eval_data([tmp_path / "a.bin", tmp_path / "m"], weights=[3, 1], seq_len=4,
                                  vocab_size=100, num_samples=16, eval_fraction=0.2, seed=5)
     assert isinstance(data.train, BlendedDataset) and data.train.dataset_sample_counts == (12, 4)
     assert [source.source.format for source in data.sources] == ["megamoe", "megatron"]
-    eval_inputs, eval_labels = data.eval.batch(range(len(data.eval)))  # tails: 2 of a's 10, 1 of m's 5
-    assert eval_inputs[:, 0].tolist() == [1 + 8 * 4, 1 + 9 * 4, 50 + 4 * 4]
-    train_labels = set(data.train.batch(range(len(data.train)))[1].flatten().tolist())
-    assert not train_labels & set(eval_labels.flatten().tolist())  # held out before blending: no overlap
+    # 4 of a's 20 documents (16 tokens: 3 samples) and 2 of m's 10 (8 tokens: 1 sample), chosen by the seed.
+    eval_inputs, eval_labels = data.eval.batch(range(len(data.eval)))
+    assert len(data.eval) == 4 and eval_inputs[:3].max() < 50 and min(set(eval_inputs[3].tolist()) - {0}) >= 50
+    assert data.eval.batch(range(4))[0].tolist() == build_train_eval_data(
+        [tmp_path / "a.bin", tmp_path / "m"], seq_len=4, vocab_size=100, eval_fraction=0.2, seed=5).eval.batch(
+        range(4))[0].tolist()                                                       # the seed decides, not the blend
+    train_tokens = set(torch.cat(data.train.batch(range(len(data.train)))).flatten().tolist())
+    assert not train_tokens & set(eval_labels.flatten().tolist()) - {0}  # held out before blending: no overlap
 
     unweighted = build_train_eval_data([str(tmp_path / "a.bin"), str(tmp_path / "m")], seq_len=4, vocab_size=100,
                                        eval_paths=[str(tmp_path / "m")])
-    assert unweighted.train.dataset_sample_counts == (10, 5) and len(unweighted.eval) == 5  # weights = sizes
+    assert unweighted.train.dataset_sample_counts == (19, 9) and len(unweighted.eval) == 9  # weights = sizes
     with pytest.raises(ValueError, match="not both"):
         build_train_eval_data([str(tmp_path / "a.bin")], seq_len=4, vocab_size=100, eval_fraction=0.1,
                               eval_paths=[str(tmp_path / "m")])
-    small_vocab = build_train_eval_data([str(tmp_path / "m")], seq_len=4, vocab_size=60).train
-    assert small_vocab.batch([1])[0].tolist() == [[54, 55, 56, 57]]  # ids below 60 pass
-    with pytest.raises(ValueError, match="sample 4 holds token id 66 \\(at token 16\\), outside the model's vocab"):
-        small_vocab.batch([4])
+    with pytest.raises(ValueError, match="token 20 is id 55, outside the vocabulary \\[0, 55\\)"):
+        build_train_eval_data([str(tmp_path / "m")], seq_len=4, vocab_size=55)

@@ -23,6 +23,8 @@ from megamoe.data.token_dataset import (
 from megamoe.data.tokenizer import (
     BOS_ID, EOS_ID, PAD_ID, UNK_ID, HFTokenizer, SentencePieceTokenizer, Tokenizer, train_sentencepiece,
 )
+from megamoe.launch import run_script
+
 
 CORPUS_BYTES = 150_000
 VOCAB = 600
@@ -128,9 +130,29 @@ def test_training_errors_leave_no_files(corpus_files, tmp_path):
         train_sentencepiece(corpus_files, tmp_path / "m", 100)
     with pytest.raises(ValueError, match="model_type"):
         train_sentencepiece(corpus_files, tmp_path / "m", VOCAB, model_type="wordpiece")
-    with pytest.raises(RuntimeError, match="[Vv]ocab"):  # sentencepiece: too many pieces for this text
-        train_sentencepiece(corpus_files[:1], tmp_path / "m", 50_000)
+    with pytest.raises(ValueError, match="cannot train a 50000-piece model on this corpus: Vocabulary size too high"):
+        train_sentencepiece(corpus_files[:1], tmp_path / "m", 50_000)   # sentencepiece: too many pieces for this text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_a_vocabulary_too_small_for_the_corpus_says_the_smallest_that_fits(corpus_files, tmp_path, demo, capsys,
+                                                                           monkeypatch):
+    """Fewer pieces than the corpus's characters + 260 (special and byte pieces): one error naming the
+    minimum, which then trains; and in pretrain_moe.py one error line, no traceback."""
+    with pytest.raises(ValueError, match=r"vocabulary of 270 pieces is too small for this corpus: it needs at "
+                                         r"least (\d+) .* \(--vocab-size\) of \1 or more") as error:
+        train_sentencepiece(corpus_files, tmp_path / "m", 270)
+    needed = int(str(error.value).split("at least ")[1].split()[0])
+    assert 270 < needed < VOCAB
+    assert Tokenizer.from_path(train_sentencepiece(corpus_files, tmp_path / "m", needed)).vocab_size == needed
+    monkeypatch.delenv("MEGAMOE_TRACEBACK", raising=False)
+    code = run_script(demo.main, ["--vocab-size", "270", "--corpus-bytes", str(CORPUS_BYTES), "--steps", "1",
+                                  "--work-dir", str(tmp_path / "work"), "--save-dir", str(tmp_path / "ckpt")],
+                      prog=demo.PROG)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pretrain_moe.py: error: "), lines
+    assert f"needs at least {needed}" in lines[0] and "--vocab-size" in lines[0]
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
 def test_atomic_write_keeps_old_file_on_error(tmp_path):
@@ -301,9 +323,10 @@ def test_dataset_rejects_truncated_corrupt_and_incomplete_files(sp_tokenizer, tm
     with pytest.raises(ValueError, match="truncated or corrupt"):
         TokenDataset(out, 4)
     out.write_bytes(good_bin)
-    sidecar.write_text(good_json[:-5])
-    with pytest.raises(ValueError, match="sidecar .* is corrupt"):
-        TokenDataset(out, 4)
+    for corrupt in (good_json[:-5], "[" * 100_000 + "]" * 100_000):
+        sidecar.write_text(corrupt)
+        with pytest.raises(ValueError, match="sidecar .* is corrupt"):
+            TokenDataset(out, 4)
     for key, value in (("format_version", 99), ("dtype", "int8"), ("num_tokens", -1), ("eos_id", 10**6)):
         sidecar.write_text(json.dumps({**json.loads(good_json), key: value}))
         with pytest.raises(ValueError, match=key):

@@ -55,6 +55,8 @@ def test_jsonl_lines_are_documents_with_line_numbers(tmp_path):
     ("[1, 2]", r"bad\.jsonl:2: expected a JSON object with a 'text' field, got a JSON list"),
     ('{"body": "x", "id": 3}', r"bad\.jsonl:2: no field 'text' \(fields: 'body', 'id'\)"),
     ('{"text": 7}', r"bad\.jsonl:2: field 'text' must be a string, got int"),
+    pytest.param('{"text": "x", "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                 r"bad\.jsonl:2: JSON nested too deeply", id="nested 100k deep"),
 ])
 def test_jsonl_bad_line_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"

@@ -123,16 +123,34 @@ def test_token_dataset_over_megatron_equals_token_file(tmp_path):
     assert TokenDataset(tmp_path / "mega8", seq_len).batch([1])[0].tolist() == reference.batch([1])[0].tolist()
 
 
-def test_token_dataset_checks_megatron_ids_against_the_model_vocab(tmp_path):
+def test_token_dataset_checks_every_id_once_when_it_opens_the_data(tmp_path):
+    """Against the tokenizer's vocabulary (vocab_size) and the one a token file records, whichever is
+    smaller, when the dataset opens: an id no sample of a short run would reach is refused too."""
     write_megatron(tmp_path / "ds", [[[1, 2, 3, 4]], [[5, 6, 2000, 7, 8]]], 4)
-    dataset = TokenDataset(tmp_path / "ds", 2, vocab_size=1000)
-    assert dataset.batch([0, 1])[0].tolist() == [[1, 2], [3, 4]]  # ids in range pass
-    with pytest.raises(ValueError, match=r"sample 3 holds token id 2000 \(at token 6\).*\[0, 1000\)"):
-        dataset.batch([0, 3])
-    write_megatron(tmp_path / "neg", [[[1, 2, -3, 4, 5]]], 2)
-    with pytest.raises(ValueError, match="token id -3"):
-        TokenDataset(tmp_path / "neg", 2, vocab_size=1000).batch([1])
-    assert TokenDataset(tmp_path / "ds", 2).batch([3])[0].tolist() == [[2000, 7]]  # no vocab given: no check
+    with pytest.raises(ValueError, match=r"megatron token source .*ds: token 6 is id 2000, outside the vocabulary "
+                                         r"\[0, 1000\) of the tokenizer"):
+        TokenDataset(tmp_path / "ds", 2, vocab_size=1000)
+    assert TokenDataset(tmp_path / "ds", 2, vocab_size=2001).batch([3])[0].tolist() == [[2000, 7]]
+    assert TokenDataset(tmp_path / "ds", 2).batch([3])[0].tolist() == [[2000, 7]]  # no vocab known: no check
+    write_megatron(tmp_path / "neg", [[[1, 2, -3, 4, 5]]], 2)  # int8
+    with pytest.raises(ValueError, match="token 2 is id -3"):
+        TokenDataset(tmp_path / "neg", 2, vocab_size=1000)
+
+    # A megamoe token file is held to the vocabulary its sidecar records, vocab_size given or not.
+    ids = np.arange(40, dtype="<u2") % 30
+    ids[33] = 30
+    (tmp_path / "t.bin").write_bytes(ids.tobytes())
+    (tmp_path / "t.bin.json").write_text(json.dumps({
+        "format_version": 1, "dtype": "uint16", "num_tokens": 40, "num_documents": 1, "vocab_size": 30,
+        "eos_id": 0, "append_eos": True, "tokenizer_path": "t", "tokenizer_sha256": "0"}))
+    for vocab_size in (None, 30, 64):
+        with pytest.raises(ValueError, match=r"t\.bin: token 33 is id 30, outside the vocabulary \[0, 30\)"):
+            TokenDataset(tmp_path / "t.bin", 4, vocab_size=vocab_size)
+    with pytest.raises(ValueError, match=r"token 20 is id 20, outside the vocabulary \[0, 20\)"):
+        TokenDataset(tmp_path / "t.bin", 4, vocab_size=20)
+    ids[33] = 3
+    (tmp_path / "t.bin").write_bytes(ids.tobytes())
+    assert len(TokenDataset(tmp_path / "t.bin", 4, vocab_size=64)) == 9
 
 
 @pytest.mark.parametrize("code", (6, 7))

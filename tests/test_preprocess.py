@@ -196,6 +196,7 @@ def _bad_input_cases(tmp_path: Path, hf_dir: Path) -> dict[str, tuple[list, str]
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "garbage.json").write_text("this is not a tokenizer")
     (tmp_path / "words.jsonl").write_text('{"text": "a b"}\n{"text": "a zebra b"}\n')
+    (tmp_path / "deep.jsonl").write_text('{"text": "a"}\n{"text": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     words = _word_level_dir(tmp_path / "words")
     return {  # bad_json runs with the default --workers (every core)
         "bad_json": (["--input", tmp_path / "bad.jsonl", "--tokenizer", hf_dir],
@@ -214,6 +215,8 @@ def _bad_input_cases(tmp_path: Path, hf_dir: Path) -> dict[str, tuple[list, str]
                    "has no EOS token to end each document with"),
         "worker_error": (["--input", tmp_path / "words.jsonl", "--tokenizer", words, "--workers", "2"],
                          f"{tmp_path / 'words.jsonl'}:2: tokenizer {words / 'tokenizer.json'} cannot encode"),
+        "deep_json": (["--input", tmp_path / "deep.jsonl", "--tokenizer", hf_dir, "--workers", "1"],
+                      f"{tmp_path / 'deep.jsonl'}:2: JSON nested too deeply"),
     }
 
 
@@ -233,6 +236,44 @@ def test_cli_bad_input_one_error_line_exit_1_no_output(tmp_path, hf_dir, capsys,
         out_dir.mkdir(parents=True)
         rc = run_script(main, [*map(str, args), "--output", str(out_dir / "tokens.bin")], prog=PROG)
         _check_error(name, rc, capsys.readouterr().err, message, out_dir)
+
+
+def test_cli_output_onto_the_tokenizer_is_refused_and_leaves_it_whole(tmp_path, hf_dir, capsys, monkeypatch):
+    """--output (or its sidecar) naming the tokenizer's file or a companion file it reads, directly, by a
+    relative path, a symbolic or a hard link: one error line, exit 1, every file as it was."""
+    monkeypatch.delenv("MEGAMOE_TRACEBACK", raising=False)
+    (tmp_path / "docs.jsonl").write_text('{"text": "the quick brown fox"}\n')
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tok / name).write_bytes((hf_dir / name).read_bytes())
+    (tmp_path / "bare").mkdir()                         # an HF tokenizer file not named tokenizer.json
+    for name, copy in (("tokenizer.json", "t.json"), ("tokenizer_config.json", "tokenizer_config.json")):
+        (tmp_path / "bare" / copy).write_bytes((hf_dir / name).read_bytes())
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "symbolic.bin").symlink_to(tok / "tokenizer.json")
+    os.link(tok / "tokenizer.json", tmp_path / "links" / "hard.bin")
+    monkeypatch.chdir(tok)
+    cases = {
+        "the file": (tok, tok / "tokenizer.json", "tokenizer.json"),
+        "relative": (tok, Path("tokenizer.json"), "tokenizer.json"),
+        "through ..": (tok, Path("../tok/tokenizer.json"), "tokenizer.json"),
+        "symbolic link": (tok, tmp_path / "links" / "symbolic.bin", "tokenizer.json"),
+        "hard link": (tok, tmp_path / "links" / "hard.bin", "tokenizer.json"),
+        "companion": (tok, Path("tokenizer_config.json"), "tokenizer_config.json"),
+        "sidecar": (tmp_path / "bare" / "t.json", tmp_path / "bare" / "t", "t.json"),
+    }
+    before = {path: path.read_bytes() for path in [*tok.iterdir(), *(tmp_path / "bare").iterdir()]}
+    listing = sorted(tmp_path.rglob("*"))
+    for name, (tokenizer, output, hit) in cases.items():
+        rc = run_script(main, ["--input", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tokenizer),
+                               "--output", str(output), "--workers", "1"], prog=PROG)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(lines) == 1, (name, lines)
+        assert lines[0].startswith(f"{PROG}: error: output ") and "is the tokenizer's file" in lines[0], (name, lines)
+        assert hit in lines[0], (name, lines[0])
+        assert {path: path.read_bytes() for path in before} == before, name
+        assert sorted(tmp_path.rglob("*")) == listing, name
 
 
 def test_cli_parquet_without_pyarrow_says_how_to_install(tmp_path, hf_dir, capsys, monkeypatch):

@@ -75,6 +75,8 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
     bad_jsonl.write_text('{"text": "the cat ."}\n{"text": "the dog"\n')
     no_field = tmp_path / "nofield.jsonl"
     no_field.write_text('{"text": "the cat ."}\n{"body": "the dog ."}\n')
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"text": "the cat ."}\n{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     bad_idx = tmp_path / "badidx"
@@ -83,9 +85,23 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
     Path(f"{bad_idx}.bin").write_bytes(Path(f"{bad_idx}.bin").read_bytes()[:-4])   # one token short
     big = tmp_path / "bigtok"
     save_tokenizer(big, extra_words=[f"w{i}" for i in range(200)])
+    # Ids at the tokenizer's vocabulary size, far past the samples one step draws: the model's vocabulary,
+    # padded to a multiple of 64, would hold them.
+    vocab = Tokenizer.from_path(root / "tok").vocab_size
+    past_vocab = {}
+    for name, dtype in (("c.bin", "<u2"), ("meg", "<i4")):
+        copy = tmp_path / f"past_{name}"
+        for suffix in ((".json", "") if name == "c.bin" else (".idx", ".bin")):
+            Path(f"{copy}{suffix}").write_bytes(Path(f"{root / name}{suffix}").read_bytes())
+        data_file = copy if name == "c.bin" else Path(f"{copy}.bin")
+        ids = np.fromfile(data_file, dtype=dtype)
+        ids[-3] = vocab
+        ids.tofile(data_file)
+        past_vocab[name] = (copy, len(ids) - 3)
     return {
         "not JSON": (["--data", bad_jsonl], (f"{bad_jsonl}:2",)),
         "no text field": (["--data", no_field], (f"{no_field}:2", "'text'")),
+        "nested 100k deep": (["--data", deep], (f"{deep}:2: JSON nested too deeply",)),
         "empty dataset": (["--data", empty], (f"{empty}",)),
         "idx vs bin": (["--data", bad_idx], (f"{bad_idx}", ".bin")),
         "weights": (["--data", root / "c.bin", root / "meg", "--data-weights", 1], ("--data-weights", "1 weight",
@@ -94,11 +110,16 @@ def _bad_cases(root: Path, tmp_path: Path) -> dict[str, tuple[list, tuple[str, .
         "eval flags": (["--data", root / "c.bin", "--eval-data", root / "meg", "--eval-fraction", 0.1],
                        ("--eval-fraction and --eval-data",)),
         "other tokenizer's token file": (["--data", root / "c.bin", "--tokenizer", big], ("was tokenized with",)),
+        **{f"ids past the vocabulary: {name}": (
+            ["--data", copy, "--make-vocab-size-divisible-by", 64],
+            (f"{copy}: token {position} is id {vocab}, outside the vocabulary [0, {vocab}) of the tokenizer",))
+           for name, (copy, position) in past_vocab.items()},
     }
 
 
-@pytest.mark.parametrize("case", ["not JSON", "no text field", "empty dataset", "idx vs bin", "weights", "missing",
-                                  "eval flags", "other tokenizer's token file"])
+@pytest.mark.parametrize("case", ["not JSON", "no text field", "nested 100k deep", "empty dataset", "idx vs bin",
+                                  "weights", "missing", "eval flags", "other tokenizer's token file", "ids past the vocabulary: c.bin",
+                                  "ids past the vocabulary: meg"])
 def test_bad_data_ends_in_one_error_line_and_leaves_no_token_file(demo, inputs, tmp_path, case, capsys):
     root, _ = inputs
     flags, fragments = _bad_cases(root, tmp_path)[case]
@@ -128,3 +149,29 @@ def test_a_megatron_dataset_gives_the_samples_of_the_same_documents_as_jsonl(inp
     assert len(megatron) == len(from_jsonl) > 10
     for got, expected in zip(megatron.batch(range(len(megatron))), from_jsonl.batch(range(len(from_jsonl)))):
         assert torch.equal(got, expected)
+
+
+def test_a_resumed_run_holds_out_the_same_documents(demo, inputs, tmp_path, capsys):
+    """--eval-fraction picks its documents by --seed alone: a run stopped after step 1 and resumed logs the
+    training and eval losses of the run that went straight to step 2 (the same held-out documents, the
+    same training samples)."""
+    root, _ = inputs
+
+    def run(name: str, steps: int) -> list[dict]:
+        argv = ["--tokenizer", root / "tok", "--work-dir", tmp_path / name, "--save-dir", tmp_path / f"{name}_ckpt",
+                *TINY, "--data", root / "c.bin", "--eval-fraction", 0.2, "--eval-every", 1, "--eval-iters", 1,
+                "--save-every", 1, "--steps", steps]
+        code, _, err = _run(demo, argv, capsys)
+        assert code == 0, err
+        return [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+
+    def losses(records: list[dict], key: str) -> dict[int, float]:
+        return {r["step"]: r[key] for r in records if key in r}
+
+    straight = run("straight", 2)
+    first = run("stopped", 1)
+    resumed = run("stopped", 2)
+    for key in ("loss", "eval_loss"):
+        steps = {**losses(first, key), **losses(resumed, key)}
+        assert sorted(steps) == sorted(losses(straight, key)) == [1, 2], key
+        assert steps == pytest.approx(losses(straight, key), rel=1e-6), key

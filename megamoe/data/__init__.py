@@ -11,8 +11,9 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``indexed_dataset``: ``MegatronIndexedDataset``, a validated zero-copy reader of Megatron-LM ``.bin/.idx``.
 - ``token_source``: ``open_token_source``, a megamoe token file or a Megatron dataset as one flat id array.
 - ``sample_dataset``: the ``SampleDataset`` protocol (``len`` + ``batch``) and helpers of composite datasets.
-- ``blending``: ``BlendedDataset``, Megatron-style weighted blending with exact per-dataset counts.
-- ``eval_split``: ``split_train_eval`` (held-out tail), ``ConcatenatedDataset``, ``eval_batches`` (per DP rank).
+- ``blending``: ``BlendedDataset``, weighted blending by Megatron-LM's rule.
+- ``eval_split``: ``split_train_eval`` (seeded random held-out documents), ``ConcatenatedDataset``,
+  ``eval_batches`` (per DP rank).
 - ``training_data``: ``tokenized_path`` (documents tokenized once, cached) and ``build_train_eval_data``:
   the run's train and eval datasets from ``--data`` / ``--data-weights``, what scripts call.
 - ``resumable_sampler``: ``ResumableSampler``, the layout-independent, resumable order of samples.

@@ -47,7 +47,8 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, default_data_help: st
     e.add_argument("--eval-data", type=Path, nargs="+", default=[], metavar="PATH",
                    help="held-out data, in the formats of --data (documents tokenized with the run's tokenizer)")
     e.add_argument("--eval-fraction", type=float, default=None, metavar="F",
-                   help="hold out the last fraction F (0 < F < 1) of every training source instead")
+                   help="hold out a random fraction F (0 < F < 1) of every training source's documents instead (the "
+                        "same documents for the same --seed)")
     e.add_argument("--eval-every", type=int, default=20, metavar="N",
                    help="with held-out data: the eval loss every N steps and at the end")
     e.add_argument("--eval-iters", type=int, default=10, metavar="N",
@@ -100,7 +101,7 @@ def data_vocab_size(args, tokenizer: Tokenizer | None) -> int | None:
         except (ValueError, OSError) as e:
             raise UsageError(f"{flag}: {e}") from None
         if source.meta is None:
-            continue                                 # Megatron: the ids are checked against the model per batch
+            continue                                 # Megatron: its ids are checked when training opens it
         if tokenizer is not None and source.meta.tokenizer_sha256 != tokenizer.sha256:
             raise UsageError(f"{flag} {path} was tokenized with {source.meta.tokenizer_path}, not with the run's "
                              f"tokenizer {tokenizer.path}: tokenize it again (megamoe-preprocess) or pass the "
@@ -127,8 +128,9 @@ def on_rank_0(work, rank: int, world_group):
 def prepare_training_data(args, rank: int, world_group, tokenizer: Tokenizer | None, *, vocab_size: int | None,
                           work_dir: Path, default_train_paths: list[Path] = ()) -> TrainEvalData:
     """The run's train and eval datasets: --data (or ``default_train_paths`` without it), documents
-    tokenized by rank 0 into ``work_dir / "data_cache"``; ``vocab_size`` (the model's; None: sized by
-    the data) bounds every token id. Collective."""
+    tokenized by rank 0 into ``work_dir / "data_cache"``; ``vocab_size`` (the tokenizer's, else the
+    model's; None: what each token file records) bounds every token id, checked as each source opens.
+    Collective."""
     cache = work_dir / "data_cache"
 
     def tokenized(paths) -> list[str]:

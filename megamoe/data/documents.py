@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -138,6 +139,11 @@ def read_jsonl_file(path: str | os.PathLike, text_field: str = "text") -> Iterat
                 raise ValueError(
                     f"{where}: not valid JSON ({error.msg} at column {error.colno}); a JSON Lines file "
                     "holds one JSON object per line"
+                ) from None
+            except RecursionError:  # json's parser recurses once per level of nesting
+                raise ValueError(
+                    f"{where}: JSON nested too deeply to read (over about {sys.getrecursionlimit()} levels); a "
+                    "JSON Lines file holds one JSON object per line, its text in a string field"
                 ) from None
             if not isinstance(record, dict):
                 raise ValueError(

@@ -1,11 +1,25 @@
-"""Held-out evaluation data: a train / eval split of a dataset, and the eval batches of a DP rank.
+"""Held-out evaluation data: a train / eval split of a token dataset by documents; the eval batches of a DP rank.
 
-``split_train_eval(dataset, F)`` holds out the dataset's last ``round(F * len)`` samples (at least one,
-and at least one left to train on). A contiguous tail, not a random subset: samples are consecutive
-windows of one token stream, so a random subset would put neighbours of every eval sample (often the
-same document) in training; with a tail only the one document at the cut is shared, and no eval label
-is ever a training input or label. A separate eval dataset (any token source) is just a second
-``TokenDataset``; several eval parts (one per blended dataset) are joined by ``ConcatenatedDataset``.
+``split_train_eval(dataset, F, seed=S)`` holds out ``n - round((1 - F) * n)`` of the dataset's ``n``
+(non-empty) documents, at least one and at least one left to train on, chosen at random by a seeded
+permutation: the same documents for the same data, ``F`` and ``S`` (a resumed run passes its ``--seed``
+again, which its sampler state checks), and drawn from the whole file, so that a corpus sorted by topic
+or source still gets a representative eval set. Each side is its documents' tokens back to back (training
+documents in file order, eval documents in the permutation's order, so that the first eval batches are
+a random sample too) cut into the same fixed-length windows as ``TokenDataset``; no document has a token
+on both sides.
+
+Megatron-LM's train/valid/test split (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``
+in megatron/core/datasets/blended_megatron_dataset_builder.py, read at commit d98e8a6 of 2026-08-22)
+matches in two things: it splits by whole units, and for split weights ``(1 - F, F)`` its validation
+part holds ``n - round((1 - F) * n)`` of them, the count used here. It differs in two: its unit is a
+sequence (a document with ``tools/preprocess_data.py``'s default of one sequence per document; here
+always a document), and its validation part is the contiguous range ``[round((1 - F) * n), n)`` in file
+order, the dataset's tail; it shuffles documents and samples only inside each part. So Megatron's split
+is not random: this one is, on purpose.
+
+A separate eval dataset (any token source) is just a second ``TokenDataset``; several eval parts (one per
+blended dataset) are joined by ``ConcatenatedDataset``.
 
 ``eval_batches`` visits every eval sample once, in order, and gives each DP rank the same slice of each
 eval step that ``ResumableSampler`` would, so the token-weighted eval loss over all ranks does not depend
@@ -14,6 +28,7 @@ on the DP size or the micro-batch size.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from typing import Iterator, Sequence
@@ -22,28 +37,47 @@ import numpy as np
 import torch
 
 from megamoe.data.sample_dataset import SampleDataset, checked_sample_indices, common_seq_len, gather_samples
+from megamoe.data.token_dataset import TokenDataset
 
-__all__ = ["IGNORE_INDEX", "SampleRange", "ConcatenatedDataset", "split_train_eval", "eval_batches"]
+__all__ = ["IGNORE_INDEX", "DocumentSamples", "ConcatenatedDataset", "split_train_eval", "eval_batches"]
 
 # Labels the model's loss ignores (GPTMoEModel, vocab_parallel_cross_entropy): padding of the last eval step.
 IGNORE_INDEX = -100
 
 
-class SampleRange:
-    """Samples ``[start, stop)`` of ``dataset`` as a dataset of their own (index 0 is ``start``)."""
+class DocumentSamples:
+    """Fixed-length samples, as ``TokenDataset`` cuts them, of some documents of ``tokens`` put back to back:
+    the token ranges ``[starts[k], ends[k])`` in that order. Sample ``i`` is the window ``[i * seq_len,
+    i * seq_len + seq_len + 1)`` of that stream, (inputs, labels) = (window[:-1], window[1:])."""
 
-    def __init__(self, dataset: SampleDataset, start: int, stop: int):
-        if not 0 <= start < stop <= len(dataset):
-            raise ValueError(f"SampleRange needs 0 <= start < stop <= len(dataset) = {len(dataset)}, got "
-                             f"[{start}, {stop})")
-        self.dataset, self.start, self.stop = dataset, start, stop
-        self.seq_len = dataset.seq_len
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, seq_len: int):
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        if starts.shape != ends.shape or starts.ndim != 1 or np.any(ends < starts) or (
+                starts.size and (starts.min() < 0 or ends.max() > tokens.shape[0])):
+            raise ValueError(f"DocumentSamples needs ranges [start, end) inside the {tokens.shape[0]} tokens")
+        # Ranges that continue one another are one range: fewer to search per token.
+        follows = np.flatnonzero(starts[1:] == ends[:-1]) + 1
+        keep = np.ones(starts.size, dtype=bool)
+        keep[follows] = False
+        self._starts = starts[keep]
+        lengths = ends[np.append(keep[1:], True)] - self._starts
+        self._stream_ends = np.cumsum(lengths)                       # where each range ends in the stream
+        self._stream_starts = self._stream_ends - lengths
+        self.num_tokens = int(self._stream_ends[-1]) if self._stream_ends.size else 0
+        self.tokens, self.seq_len = tokens, seq_len
+        self.num_samples = max(0, (self.num_tokens - 1) // seq_len)
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return self.num_samples
 
     def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dataset.batch(checked_sample_indices(indices, len(self)) + self.start)
+        """Samples ``indices`` stacked: (inputs [B, S], labels [B, S]), int64."""
+        indices_b = checked_sample_indices(indices, self.num_samples)
+        positions_bw = indices_b[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        ranges_bw = np.searchsorted(self._stream_ends, positions_bw, side="right")
+        file_positions_bw = self._starts[ranges_bw] + positions_bw - self._stream_starts[ranges_bw]
+        windows_bw = torch.from_numpy(self.tokens[file_positions_bw].astype(np.int64))
+        return windows_bw[:, :-1].contiguous(), windows_bw[:, 1:].contiguous()
 
 
 class ConcatenatedDataset:
@@ -64,19 +98,46 @@ class ConcatenatedDataset:
         return gather_samples(self.datasets, self.seq_len, datasets_b, indices_b - starts[datasets_b])
 
 
-def split_train_eval(dataset: SampleDataset, eval_fraction: float) -> tuple[SampleRange, SampleRange]:
-    """(train, eval): the first samples and the held-out tail of ``dataset`` (module docstring);
-    ``eval_fraction`` in (0, 1), e.g. ``--eval-fraction``."""
+def _split_seed(seed: int) -> int:
+    """A 63-bit generator seed for the split; hashed so that it is unrelated to the sampler's streams."""
+    digest = hashlib.sha256(f"megamoe.split_train_eval:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def split_train_eval(dataset: TokenDataset, eval_fraction: float, *, seed: int) -> tuple[DocumentSamples,
+                                                                                          DocumentSamples]:
+    """(train, eval): ``dataset``'s documents split as the module docstring says; ``eval_fraction`` in
+    (0, 1), e.g. ``--eval-fraction``. ValueError when the documents are unknown (a token file built
+    without EOS) or too few, or when a side holds too few tokens for one sample."""
     if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, numbers.Real) \
             or not math.isfinite(eval_fraction) or not 0 < eval_fraction < 1:
         raise ValueError(f"eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
-    num_samples = len(dataset)
-    if num_samples < 2:
-        raise ValueError(f"cannot hold out eval samples from a dataset of {num_samples} sample(s): it needs at "
-                         "least 2 (use more data, a shorter seq_len, or a separate eval dataset)")
-    num_eval = min(num_samples - 1, max(1, round(eval_fraction * num_samples)))
-    cut = num_samples - num_eval
-    return SampleRange(dataset, 0, cut), SampleRange(dataset, cut, num_samples)
+    source = dataset.source
+    try:
+        bounds = source.document_bounds()
+    except ValueError as error:
+        raise ValueError(f"cannot hold out whole documents: {error}; rebuild it with an EOS after each document, "
+                         "or give separate eval data (--eval-data)") from None
+    starts, ends = bounds[:-1], bounds[1:]
+    non_empty = ends > starts
+    starts, ends = starts[non_empty], ends[non_empty]
+    num_documents = starts.size
+    if num_documents < 2:
+        raise ValueError(f"cannot hold out eval documents from {source}: it has {num_documents} document(s) and "
+                         "needs at least 2 (use more documents, or give separate eval data, --eval-data)")
+    num_eval = min(num_documents - 1, max(1, num_documents - round((1 - eval_fraction) * num_documents)))
+    order = torch.randperm(num_documents, generator=torch.Generator().manual_seed(_split_seed(seed))).numpy()
+    held_out = order[:num_eval]                                      # eval: in the permutation's order
+    kept = np.sort(order[num_eval:])                                 # training: in file order
+    train = DocumentSamples(source.tokens, starts[kept], ends[kept], dataset.seq_len)
+    held = DocumentSamples(source.tokens, starts[held_out], ends[held_out], dataset.seq_len)
+    for side, part in (("training", train), ("eval", held)):
+        if len(part) < 1:
+            raise ValueError(
+                f"{source}: the {side} side of --eval-fraction {eval_fraction:g} ({num_eval} of {num_documents} "
+                f"documents held out) has {part.num_tokens} tokens, too few for one sample of seq_len "
+                f"{dataset.seq_len}: use another fraction, more data, or separate eval data (--eval-data)")
+    return train, held
 
 
 def eval_batches(

@@ -184,6 +184,13 @@ class MegatronIndexedDataset:
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize
         return self.tokens[start:start + int(self.sequence_lengths[index])]
 
+    def document_token_bounds(self) -> np.ndarray:
+        """Where each document's tokens begin in ``tokens``, and where the last ends: int64 [num_documents + 1],
+        rising from 0 to ``num_tokens`` (an empty document begins where the next does)."""
+        sequence_starts = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(self.sequence_lengths, out=sequence_starts[1:])
+        return sequence_starts[np.asarray(self.document_indices)]
+
     def document(self, index: int) -> np.ndarray:
         """Every token of document ``index`` (its sequences, contiguous): a view."""
         if not 0 <= index < self.num_documents:

@@ -82,14 +82,19 @@ def preprocess(
             f"tokenizer {tokenizer.path} has no EOS token to end each document with: name one (eos_token in "
             "tokenizer_config.json for an HF tokenizer), or do without (--no-append-eos, append_eos=False)"
         )
-    outputs = {output.resolve(), sidecar_path(output).resolve()}
+    outputs = (output, sidecar_path(output))
     for path in inputs:
-        if path.resolve() in outputs:
+        if any(_same_file(path, written) for written in outputs):
             raise ValueError(f"input {path} is the output or its sidecar: write the token file elsewhere")
+    for path in tokenizer.files():
+        written = next((written for written in outputs if _same_file(path, written)), None)
+        if written is not None:
+            raise ValueError(f"output {written} is the tokenizer's file {path}: writing token ids there would destroy "
+                             "the tokenizer; write the token file elsewhere")
     # A rerun writing into an input directory must not read its own sidecar (a .json) as documents.
     files = [(path, file_format)
              for path, file_format in list_document_files(inputs, format=format, text_suffixes=text_suffixes)
-             if path.resolve() not in outputs]
+             if not any(_same_file(path, written) for written in outputs)]
     if any(file_format == "parquet" for _, file_format in files):
         import_pyarrow()  # the "pip install" error now rather than after the files before it
     documents = read_document_files(files, text_field=text_field)
@@ -106,6 +111,14 @@ def preprocess(
         if output.is_file() and not sidecar_path(output).exists():
             output.unlink()  # an old token file whose sidecar the failed write removed: leave no token file
         raise
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: through links (symbolic or hard) and relative paths alike."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:                                  # one does not exist (yet): compare where they lead
+        return a.resolve() == b.resolve()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -1,5 +1,5 @@
 """What blends, splits and samplers need of a dataset of fixed-length samples, and the shared helpers
-of datasets made of other datasets (``BlendedDataset``, ``ConcatenatedDataset``, ``SampleRange``)."""
+of datasets made of other datasets (``BlendedDataset``, ``ConcatenatedDataset``)."""
 
 from __future__ import annotations
 

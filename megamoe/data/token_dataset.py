@@ -98,6 +98,8 @@ class TokenFileMeta:
             fields = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"token file sidecar {path} is corrupt: {error}") from None
+        except RecursionError:  # json's parser recurses once per level of nesting
+            raise ValueError(f"token file sidecar {path} is corrupt: JSON nested too deeply to read") from None
         expected = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(fields, dict) or set(fields) != expected:
             got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
@@ -228,9 +230,10 @@ class TokenDataset:
 
     ``source`` is a :class:`~megamoe.data.token_source.TokenSource` or a path for
     :func:`~megamoe.data.token_source.open_token_source` (a megamoe token file, or a Megatron dataset's
-    prefix, ``.bin`` or ``.idx``). ``vocab_size``, the model's vocabulary, makes :meth:`batch` check
-    every id against it, unless the source records a vocabulary no larger (megamoe token files do; Megatron
-    datasets do not): an id out of range raises a ValueError instead of indexing past the embedding.
+    prefix, ``.bin`` or ``.idx``). Every id is checked once, here, against the smaller of ``vocab_size``
+    (the tokenizer's vocabulary: not the model's, which padding may make larger and so hide a wrong id)
+    and the vocabulary the source records (megamoe token files do, Megatron datasets do not): an id out
+    of range is a ValueError before any training, not a row of the embedding that no token should reach.
     """
 
     def __init__(self, source: TokenSource | str | os.PathLike, seq_len: int, *, vocab_size: int | None = None):
@@ -245,9 +248,10 @@ class TokenDataset:
         self.path = self.source.path
         self.meta = self.source.meta
         self.seq_len = seq_len
-        self.vocab_size = vocab_size
-        self._check_ids = vocab_size is not None and (self.source.vocab_size is None
-                                                      or self.source.vocab_size > vocab_size)
+        known = [size for size in (vocab_size, self.source.vocab_size) if size is not None]
+        self.vocab_size = min(known) if known else None
+        if self.vocab_size is not None:
+            self.source.check_ids(self.vocab_size)
         self.num_samples = (self.source.num_tokens - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
@@ -269,22 +273,8 @@ class TokenDataset:
         """Samples ``indices`` stacked: (inputs [B, S], labels [B, S]), int64."""
         indices_b = checked_sample_indices(indices, self.num_samples)
         starts_b = indices_b * self.seq_len
-        windows_bw = self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)].astype(np.int64)
-        if self._check_ids and windows_bw.size:
-            self._check_vocab(indices_b, windows_bw)
-        windows_bw = torch.from_numpy(windows_bw)
+        windows_bw = torch.from_numpy(self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
         return windows_bw[:, :-1].contiguous(), windows_bw[:, 1:].contiguous()
-
-    def _check_vocab(self, indices_b: np.ndarray, windows_bw: np.ndarray) -> None:
-        bad_bw = (windows_bw < 0) | (windows_bw >= self.vocab_size)
-        if bad_bw.any():
-            row, column = np.argwhere(bad_bw)[0]
-            raise ValueError(
-                f"{self.source}: sample {int(indices_b[row])} holds token id {int(windows_bw[row, column])} (at "
-                f"token {int(indices_b[row]) * self.seq_len + int(column)}), outside the model's vocabulary "
-                f"[0, {self.vocab_size}): the data was tokenized with another tokenizer, or the model's vocabulary "
-                "is too small"
-            )
 
 
 def micro_batches(dataset: TokenDataset, sampler: ResumableSampler) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -128,23 +129,26 @@ def train_sentencepiece(
             f"{max_sentence_length} bytes"
         )
     model_bytes = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=model_bytes,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-        max_sentence_length=max_sentence_length,
-        input_sentence_size=0,  # sampling already done above, deterministically
-        num_threads=num_threads,
-        minloglevel=1,  # sentencepiece's per-step INFO lines would flood the training log
-    )
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model_bytes,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            max_sentence_length=max_sentence_length,
+            input_sentence_size=0,  # sampling already done above, deterministically
+            num_threads=num_threads,
+            minloglevel=1,  # sentencepiece's per-step INFO lines would flood the training log
+        )
+    except RuntimeError as error:  # how sentencepiece refuses a request, e.g. a vocabulary too small
+        raise _training_error(error, vocab_size) from None
     model_path = Path(f"{os.fspath(model_prefix)}.model")
     model_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(model_path) as file:
@@ -154,6 +158,26 @@ def train_sentencepiece(
         model_type, vocab_size, len(lines), lines_seen, time.perf_counter() - started, model_path,
     )
     return model_path
+
+
+# sentencepiece's words when the vocabulary cannot hold every character the corpus needs (trainer_interface.cc).
+_TOO_FEW_PIECES = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)\.")
+
+
+def _training_error(error: RuntimeError, vocab_size: int) -> ValueError:
+    """sentencepiece's refusal as one line saying what to change: for a vocabulary too small for the
+    corpus's characters, the smallest that fits (sentencepiece's count: the characters it must keep,
+    the 4 special and the 256 byte pieces)."""
+    message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    too_few = _TOO_FEW_PIECES.search(message)
+    if too_few is not None:
+        needed = int(too_few.group(2))
+        return ValueError(f"a sentencepiece vocabulary of {vocab_size} pieces is too small for this corpus: it "
+                          f"needs at least {needed} (its characters, 4 special and 256 byte pieces); pass a "
+                          f"vocab_size (--vocab-size) of {needed} or more")
+    # Drop sentencepiece's "INTERNAL: src/file.cc(line) [condition] " prefix: the reason follows it.
+    reason = re.sub(r"^\w+: \S+\(\d+\) \[.*?\] ", "", message)
+    return ValueError(f"sentencepiece cannot train a {vocab_size}-piece model on this corpus: {reason}")
 
 
 def _file_sha256(path: Path) -> str:
@@ -182,6 +206,11 @@ class Tokenizer(abc.ABC):
     @functools.cached_property
     def sha256(self) -> str:
         return _file_sha256(self.path)
+
+    def files(self) -> list[Path]:
+        """The files this tokenizer was read from (``path`` and, for some formats, files beside it): what
+        a writer must not overwrite."""
+        return [self.path]
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -254,6 +283,9 @@ class HFTokenizer(Tokenizer):
     older ``special_tokens_map.json`` (as ``transformers`` reads them). A named token missing from the
     vocabulary is an error. ``vocab_size`` is the largest id + 1, added tokens included."""
 
+    # The files beside tokenizer.json that name its special tokens (read by __init__, as transformers does).
+    COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.available():
@@ -272,6 +304,10 @@ class HFTokenizer(Tokenizer):
         })
         self.bos_id, self.eos_id, self.pad_id = (self._special_id(special, name)
                                                  for name in ("bos_token", "eos_token", "pad_token"))
+
+    def files(self) -> list[Path]:
+        return [self.path] + [self.path.parent / name for name in self.COMPANION_FILES
+                              if (self.path.parent / name).is_file()]
 
     def _special_id(self, special: dict[str, str | None], name: str) -> int | None:
         token = special.get(name)

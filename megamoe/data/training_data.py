@@ -4,8 +4,9 @@
 (text, JSON Lines, Parquet, directories of them), which :func:`tokenized_path` tokenizes once into a
 cache; ``--data-weights`` gives each its weight. Several sources are blended (:class:`~megamoe.data.blending.BlendedDataset`); without weights each
 weighs its number of samples, so a pass of the blend is a pass of every source. Held-out eval data is
-either the tail of every source (``eval_fraction``, split before blending so that no eval sample is
-also drawn for training) or separate sources (``eval_paths``, concatenated).
+either a seeded random set of every source's documents (``eval_fraction``, :mod:`megamoe.data.eval_split`,
+split before blending so that no eval document is also drawn for training) or separate sources
+(``eval_paths``, concatenated).
 """
 
 from __future__ import annotations
@@ -109,17 +110,18 @@ def build_train_eval_data(
     seed: int = 0,
 ) -> TrainEvalData:
     """Open the token sources ``data_paths`` (megamoe token files or Megatron datasets; see
-    :func:`tokenized_path` for documents) as ``TokenDataset``\\ s checked against the model's
-    ``vocab_size``; hold out eval data; blend several sources by ``weights`` (default: each source's
+    :func:`tokenized_path` for documents) as ``TokenDataset``\\ s, their ids checked against
+    ``vocab_size`` (the tokenizer's); hold out eval data; blend several sources by ``weights`` (default: each source's
     number of samples) into ``num_samples`` samples (default: ``full_pass_num_samples``, every source
-    seen whole; ``seed`` orders each source's passes). One source without a weight is used as is."""
+    seen whole). ``seed`` picks the held-out documents and orders each source's passes. One source
+    without a weight is used as is."""
     if eval_fraction is not None and eval_paths:
         raise ValueError("give eval_fraction (--eval-fraction) or eval_paths (--eval-data), not both")
     paths = [Path(path) for path in data_paths]
     weights = check_data_weights(paths, weights)
     sources = tuple(TokenDataset(path, seq_len, vocab_size=vocab_size) for path in paths)
     if eval_fraction is not None:
-        splits = [split_train_eval(source, eval_fraction) for source in sources]
+        splits = [split_train_eval(source, eval_fraction, seed=seed) for source in sources]
         train_parts, eval_parts = [train for train, _ in splits], [held_out for _, held_out in splits]
     else:
         train_parts = list(sources)
