@@ -173,8 +173,8 @@ def check_paths(args) -> None:
 
 def flag_error(error: ValueError) -> UsageError:
     """A GenerationConfig / SamplingConfig error as the user knows it: each field named by its flag."""
-    return UsageError(re.sub(r"\b(?:GenerationConfig|SamplingConfig)\.(\w+)", lambda m: FLAG_OF_FIELD[m.group(1)],
-                             str(error)))
+    return UsageError(re.sub(r"\b(?:GenerationConfig|SamplingConfig)\.(\w+)",
+                             lambda m: FLAG_OF_FIELD.get(m.group(1), m.group(0)), str(error)))
 
 
 def generation_config(args) -> GenerationConfig:

@@ -187,6 +187,17 @@ def test_an_output_that_is_not_a_regular_file_is_refused_untouched(flag, target,
     assert os.listdir(tmp_path) == [path.name]
 
 
+def test_a_tokenizer_eos_outside_the_vocabulary_is_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    """The default stop token, the tokenizer's EOS, is no token of the model (another model's tokenizer)."""
+    from tokenizers import Tokenizer as TokenizerFile
+    from tokenizers.models import WordLevel
+    TokenizerFile(WordLevel({f"t{i}": i for i in range(V + 8)}, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{V + 7}"}))
+    code, stderr = _run_main([checkpoint, *_prompt_args(), "--tokenizer", tmp_path], monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, f"the tokenizer's EOS id {V + 7} (the default stop token) is outside the "
+                           f"model's vocabulary [0, {V})", "--stop-token-id")
+
+
 def test_a_failed_output_write_is_one_line_naming_the_file(checkpoint, tmp_path, monkeypatch, capsys):
     """A full disk when --output-json is synced: one error line naming the file, no "wrote", the old file
     kept."""
