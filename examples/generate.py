@@ -47,18 +47,18 @@ from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_man
 from checkpoint_tools.model_loading import build_model_from_checkpoint, config_for_engine
 from megamoe import comms
 from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
-from megamoe.available_memory import available_memory_bytes
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, check_generation_request, generate
+from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
                            init_distributed, launch_rank, launch_world_size, resolve_device, run_script)
+from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
-from megamoe.training.memory_estimate import estimate_generation_memory
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
 
@@ -295,7 +295,7 @@ def check_memory(args, model_config: GPTMoEConfig, dispatcher: str | None, world
     cannot fit in the memory free now: on the CPU the ranks of this host share it (LOCAL_WORLD_SIZE), on
     a GPU each rank has its own. The estimate is a lower bound (no activations), so nothing that fits
     is refused."""
-    available = available_memory_bytes(device)
+    available, what = available_memory_bytes(device)
     if available is None:
         return
     rows = len(prompt_ids)
@@ -311,21 +311,13 @@ def check_memory(args, model_config: GPTMoEConfig, dispatcher: str | None, world
         return
     slots = model_config.moe.num_expert_slots if model_config.moe is not None else 0
     ranks = f" x {sharing} ranks on this host" if sharing > 1 else ""
-    where = "this host" if device.type == "cpu" else f"GPU {device}"
     raise UsageError(
-        f"generating needs at least {_bytes(estimate.total * sharing)} of memory: {_bytes(estimate.param_bytes)} of "
-        f"parameters (of which {_bytes(estimate.expert_param_bytes)} are expert slots, {slots} per MoE layer) and "
-        f"{_bytes(estimate.kv_cache_bytes)} of KV cache ({rows} prompt(s) x {positions} positions: the longest "
-        f"prompt + --max-new-tokens {config.max_new_tokens}){ranks}, but {where} has {_bytes(available)} free: "
-        "lower --max-new-tokens or --num-expert-slots, or spread the model over more ranks (--tp / --pp / --ep)")
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n:.4g} TiB"
+        f"generating needs at least {format_bytes(estimate.total * sharing)}: {format_bytes(estimate.param_bytes)} "
+        f"of parameters (of which {format_bytes(estimate.expert_param_bytes)} are expert slots, {slots} per MoE "
+        f"layer) and {format_bytes(estimate.kv_cache_bytes)} of KV cache ({rows} prompt(s) x {positions} positions: "
+        f"the longest prompt + --max-new-tokens {config.max_new_tokens}){ranks}, against {format_bytes(available)} "
+        f"of {what}: lower --max-new-tokens or --num-expert-slots, or spread the model over more ranks "
+        "(--tp / --pp / --ep)")
 
 
 def engine_choices(args, saved: GPTMoEConfig, dispatcher: str | None) -> dict:

@@ -34,7 +34,7 @@ from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.moe.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
 from megamoe.testing import run_on_ranks
-from megamoe.training.memory_estimate import estimate_generation_memory
+from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.transformer import MultiHeadLatentAttention
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.rope import RopeConfig

@@ -98,8 +98,7 @@ from megamoe.transformer.mla import MLAConfig
 if TYPE_CHECKING:
     from megamoe.transformer.recompute import RecomputeConfig
 
-__all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor", "GenerationMemoryEstimate",
-           "estimate_generation_memory"]
+__all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -583,45 +582,3 @@ def _grad_and_optimizer_bytes(params: list[ParamTensor], *, e: int, distributed:
         return not distributed or (edp if p.expert else dp) == 1
     grads = sum(4 * p.numel + (0 if is_solo(p) else 4 * shard_numel(p)) for p in params)
     return grads, opt[False], opt[True]
-
-
-# ---- generation ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GenerationMemoryEstimate:
-    """What a rank of the lightest pipeline stage holds at least to generate (a lower bound for every
-    rank: the prefill's activations and the kernels' temporaries are left out)."""
-
-    param_bytes: int                      # its stage's parameters, expert slots included
-    expert_param_bytes: int               # of those, the routed experts' slots on this rank
-    kv_cache_bytes: int                   # the KV caches of its layers, for every row and position
-
-    @property
-    def total(self) -> int:
-        return self.param_bytes + self.kv_cache_bytes
-
-
-def estimate_generation_memory(config: GPTMoEConfig, *, batch: int, sequence_length: int, tp: int = 1, pp: int = 1,
-                               ep: int = 1, etp: int = 1, num_expert_slots: int | None = None,
-                               dtype: torch.dtype | str = torch.float32) -> GenerationMemoryEstimate:
-    """The parameters and KV caches of generating ``batch`` rows of ``sequence_length`` positions (the
-    longest prompt + new tokens) under the layout: ``megamoe.inference.generation`` gives every layer a
-    :class:`~megamoe.inference.kv_cache.StaticKVCache` of that length, holding GQA's keys and values
-    (``kv_heads / min(tp, kv_heads)`` heads per rank) or MLA's latent and rope key (not split over TP)
-    in ``dtype``. Kept block-FP8 weights count one byte per element."""
-    e = torch.empty((), dtype=_resolve_dtype(dtype)).element_size()
-    weight_bytes = 1 if config.weight_quantization is not None else e
-    attention = config.attention
-    if isinstance(attention, MLAConfig):
-        per_position = attention.kv_lora_rank + attention.qk_rope_head_dim
-    else:
-        kv = attention.num_key_value_heads
-        per_position = 2 * (kv // min(tp, kv)) * attention.head_dim
-    stages = []
-    for stage, layer_ids in enumerate(partition_layers(config.num_layers, pp)):
-        params = stage_parameters(config, tp=tp, pp=pp, pp_rank=stage, ep=ep, etp=etp,
-                                  num_expert_slots=num_expert_slots)
-        stages.append(GenerationMemoryEstimate(
-            param_bytes=weight_bytes * sum(p.numel for p in params),
-            expert_param_bytes=weight_bytes * sum(p.numel for p in params if p.expert),
-            kv_cache_bytes=len(layer_ids) * batch * sequence_length * per_position * e))
-    return min(stages, key=lambda estimate: estimate.total)
