@@ -5,7 +5,9 @@ attention with uneven requests incl. a rank with none, a checkpoint resharded on
 sampling is identical across layouts; the expert load recorded during generation counts real tokens
 only and round-trips through the expert-load file into a balanced placement; uneven gathers and
 reduce-scatters; the example script on a checkpoint converted by megamoe-convert, whose import-hf
---expert-load takes the load file the script records.
+--expert-load takes the load file the script records; generation refuses what it cannot do (positions
+past max_position_embeddings, stop tokens outside the vocabulary, a non-finite temperature, a negative
+seed), and the generation memory estimate equals the KV caches' and parameters' bytes.
 """
 
 import dataclasses
@@ -27,6 +29,7 @@ from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch, max_sequence_length
+from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models import GPTMoEModel
@@ -34,7 +37,6 @@ from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.moe.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
 from megamoe.testing import run_on_ranks
-from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.transformer import MultiHeadLatentAttention
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.rope import RopeConfig

@@ -18,8 +18,8 @@ MLP / MoE layers and are not counted in the expert load.
 Positions. Every prompt plus ``max_new_tokens`` must fit in the model's positions, its rope's
 ``max_position_embeddings`` (:func:`max_sequence_length`): transformers caps its default ``max_length``
 there and, past it, warns that a model may give "exceptions, performance degradation, or nothing at
-all"; :func:`generate` refuses instead (the text past the trained positions degrades silently), naming
-how many new tokens fit. No limit where the model declares none (a config built by hand or by
+all"; :func:`generate` refuses instead (the model would run, on positions it was never trained on),
+naming how many new tokens fit. No limit where the model declares none (a config built by hand or by
 ``pretrain_moe.py``) nor for dynamic-NTK rope, which grows its base past that length by design: there
 memory is the bound (``examples/generate.py`` estimates the KV cache before loading).
 
