@@ -21,7 +21,10 @@ compiling, which is reported apart), and ``--record-expert-load`` the per-layer 
 counts (the file ``megamoe-convert import-hf / reshard --expert-load`` reads to balance placements).
 
 Arguments, paths and the layout are checked before anything is loaded: a mistake is one ``error:``
-line (from rank 0) and exit code 1 (MEGAMOE_TRACEBACK=1 shows the traceback).
+line (from rank 0) and exit code 1 (MEGAMOE_TRACEBACK=1 shows the traceback). So are the requests
+(every prompt plus --max-new-tokens within the model's max_position_embeddings, stop tokens in its
+vocabulary) and the memory: the parameters (expert slots included) and KV caches a rank needs at
+least, against what the machine has free (the ranks on one host share its memory).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -42,13 +46,15 @@ from checkpoint_tools.format import read_manifest
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
 from checkpoint_tools.model_loading import build_model_from_checkpoint, config_for_engine
 from megamoe import comms
-from megamoe.atomic_file import atomic_write
+from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
-from megamoe.inference.generation import GenerationConfig, generate
+from megamoe.inference.generation import GenerationConfig, check_generation_request, generate
+from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
                            init_distributed, launch_rank, launch_world_size, resolve_device, run_script)
+from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
@@ -60,6 +66,9 @@ logger = logging.getLogger("generate")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DISPATCHERS = ("alltoall", "allgather")
+# The flag that sets each GenerationConfig / SamplingConfig field: their ValueErrors name the field.
+FLAG_OF_FIELD = {"max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop-token-id",
+                 "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,12 +159,31 @@ def check_paths(args) -> None:
             continue
         if path.is_dir():
             raise UsageError(f"{flag} {path} is a directory; name a file in it, e.g. {path / 'out.json'}")
+        try:
+            check_output_target(path)          # a FIFO or a device would be replaced by a regular file
+        except AtomicWriteError as e:
+            raise UsageError(f"{flag} {e}") from None
         folder = path.parent
         if not folder.is_dir():
             raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it first "
                              f"(mkdir -p {folder})")
     if not (args.prompt or args.prompt_file or args.prompt_ids):
         raise UsageError("no prompt: give --prompt, --prompt-file or --prompt-ids")
+
+
+def flag_error(error: ValueError) -> UsageError:
+    """A GenerationConfig / SamplingConfig error as the user knows it: each field named by its flag."""
+    return UsageError(re.sub(r"\b(?:GenerationConfig|SamplingConfig)\.(\w+)",
+                             lambda m: FLAG_OF_FIELD.get(m.group(1), m.group(0)), str(error)))
+
+
+def generation_config(args) -> GenerationConfig:
+    """The generation flags, checked (the stop tokens: --stop-token-id's; main adds the tokenizer's EOS)."""
+    try:
+        return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_token_id or ()),
+                                sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
+    except ValueError as e:
+        raise flag_error(e) from None
 
 
 def dispatcher_problem(args, config: GPTMoEConfig, dispatcher: str, world: int) -> str | None:
@@ -247,6 +275,49 @@ def read_prompts(args, tokenizer: Tokenizer | None, prompt_ids: list[list[int]],
             raise UsageError(f"prompt {shown!r} holds token ids {bad[:4]} outside the model's vocabulary "
                              f"[0, {vocab_size})")
     return texts + [None] * len(prompt_ids), ids
+
+
+def with_default_stop_token(args, config: GenerationConfig, tokenizer: Tokenizer | None,
+                            vocab_size: int) -> GenerationConfig:
+    """Without --stop-token-id: stop at the tokenizer's EOS, if any (which must be a token of the model)."""
+    if args.stop_token_id is not None or tokenizer is None or tokenizer.eos_id is None:
+        return config
+    if not tokenizer.eos_id < vocab_size:
+        raise UsageError(f"the tokenizer's EOS id {tokenizer.eos_id} (the default stop token) is outside the "
+                         f"model's vocabulary [0, {vocab_size}): is {tokenizer.path} this model's tokenizer? Pass "
+                         "its --tokenizer, or choose the stop token with --stop-token-id")
+    return dataclasses.replace(config, stop_token_ids=(tokenizer.eos_id,))
+
+
+def check_memory(args, model_config: GPTMoEConfig, dispatcher: str | None, world: int, prompt_ids: list[list[int]],
+                 config: GenerationConfig, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a run whose parameters (expert slots included) and KV caches
+    cannot fit in the memory free now: on the CPU the ranks of this host share it (LOCAL_WORLD_SIZE), on
+    a GPU each rank has its own. The estimate is a lower bound (no activations), so nothing that fits
+    is refused."""
+    available, what = available_memory_bytes(device)
+    if available is None:
+        return
+    rows = len(prompt_ids)
+    if args.data_parallel_attention:            # each data-parallel rank serves its share of the prompts
+        dp = world // (args.tp * args.pp)
+        rows = -(-rows // dp)
+    positions = max(len(p) for p in prompt_ids) + config.max_new_tokens
+    estimate = estimate_generation_memory(model_config, batch=rows, sequence_length=positions, tp=args.tp, pp=args.pp,
+                                          ep=args.ep, etp=default_etp(args.tp, dispatcher, args.etp),
+                                          dtype=DTYPES[args.dtype])
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    if estimate.total * sharing <= available:
+        return
+    slots = model_config.moe.num_expert_slots if model_config.moe is not None else 0
+    ranks = f" x {sharing} ranks on this host" if sharing > 1 else ""
+    raise UsageError(
+        f"generating needs at least {format_bytes(estimate.total * sharing)}: {format_bytes(estimate.param_bytes)} "
+        f"of parameters (of which {format_bytes(estimate.expert_param_bytes)} are expert slots, {slots} per MoE "
+        f"layer) and {format_bytes(estimate.kv_cache_bytes)} of KV cache ({rows} prompt(s) x {positions} positions: "
+        f"the longest prompt + --max-new-tokens {config.max_new_tokens}){ranks}, against {format_bytes(available)} "
+        f"of {what}: lower --max-new-tokens or --num-expert-slots, or spread the model over more ranks "
+        "(--tp / --pp / --ep)")
 
 
 def engine_choices(args, saved: GPTMoEConfig, dispatcher: str | None) -> dict:
@@ -371,6 +442,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     # Every check that needs no process group nor weights first: a mistake costs seconds, not a load.
     check_paths(args)
+    config = generation_config(args)
     eplb = eplb_config_from_args(args)
     if eplb is not None and args.compile:
         raise UsageError("--eplb-interval with --compile: the compiled decode step keeps the placement it was "
@@ -386,12 +458,13 @@ def main(argv=None) -> int:
         raise UsageError("--eplb-interval: the checkpoint's model has no MoE layer, so there is no expert to rebalance")
     tokenizer = load_tokenizer(args)
     texts, prompt_ids = read_prompts(args, tokenizer, prompt_ids, saved.vocab_size)
-    stop_ids = args.stop_token_id
-    if stop_ids is None:
-        stop_ids = [tokenizer.eos_id] if tokenizer is not None and tokenizer.eos_id is not None else []
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stop_ids),
-                              sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
+    config = with_default_stop_token(args, config, tokenizer, saved.vocab_size)
+    try:
+        check_generation_request(saved, prompt_ids, config)     # positions and stop tokens; generate() checks again
+    except ValueError as e:
+        raise flag_error(e) from None
     engine = engine_choices(args, saved, dispatcher)
+    check_memory(args, config_for_engine(saved, **engine), dispatcher, world, prompt_ids, config, device)
 
     state = join_layout(args, dispatcher, world, device)
     model = load_model(args, engine, state, device)

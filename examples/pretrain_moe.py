@@ -328,6 +328,8 @@ def check_arguments(args, world_size: int) -> ModelSource:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.sample_tokens < 0:
         raise UsageError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
+    if args.seed < 0:           # now, not when the samples' SamplingConfig refuses it after the run
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if not 0 < args.lr < float("inf"):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     if args.hidden % (2 * HEADS):

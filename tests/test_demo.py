@@ -94,6 +94,7 @@ USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error l
     "foreign --save-dir": (["--load-dir", "{cut}", "--save-dir", "{cut}/../other"], None,
                            ["--save-dir", "--overwrite"]),
     "bad flag value": (["--global-batch", "0"], None, ["--global-batch must be >= 1"]),
+    "negative --seed": (["--seed", "-1"], None, ["--seed must be >= 0, got -1"]),
     "--mtp-loss-coeff without MTP layers": (["--mtp-loss-coeff", "0.3"], None, ["--mtp-loss-coeff 0.3", "has none"]),
     "negative --mtp-loss-coeff": (["--mtp-layers", "1", "--mtp-loss-coeff", "-1"], None,
                                   ["--mtp-loss-coeff must be a finite number >= 0"]),

@@ -1,7 +1,9 @@
 """examples/generate.py as a user meets it: a mistake (missing or damaged checkpoint, a cut manifest, a
-missing prompt file or tokenizer, bad --prompt-ids, an output in a missing folder, a layout the world
-size or the dispatcher cannot run) is ONE ``generate.py: error:`` line naming the problem and the
-flag, exit code 1, no traceback, nothing written; without --dispatcher a layout the checkpoint's
+missing prompt file or tokenizer, bad --prompt-ids, an output in a missing folder or that is not a
+regular file, a layout the world size or the dispatcher cannot run, a prompt or --max-new-tokens past
+the model's positions, a temperature, stop token or seed it cannot use, a run the free memory cannot
+hold, a write that fails) is ONE ``generate.py: error:`` line naming the problem and the flag, exit
+code 1, no traceback, nothing written; without --dispatcher a layout the checkpoint's
 dispatcher cannot run picks the one that can (and generates the single-process tokens); decode
 tokens/s leave the compile time out; --help shows every default.
 
@@ -9,6 +11,8 @@ The user-error cases run the script's ``__main__`` in this process (runpy): they
 weight is read. Cases that need two ranks go through torchrun (slow).
 """
 
+import dataclasses
+import errno
 import json
 import os
 import re
@@ -26,7 +30,10 @@ from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.generation import GenerationConfig, GenerationOutput, generate
 from megamoe.models import GPTMoEModel
 from megamoe.tensor_parallel import initialize_parameters
+from megamoe.inference.generation_memory import estimate_generation_memory
+from megamoe.transformer.rope import RopeConfig
 from parallel_state import ParallelState
+from test_atomic_file import NOT_REGULAR   # FIFO, links to /dev/null and /dev/full, a directory
 from test_training import V, tiny_config   # a tiny MoE model (4 experts, top-2, a dense first layer)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,16 +44,28 @@ NEW = 5
 OUR_FRAME = re.compile(r'File ".*(examples|megamoe|checkpoint_tools|parallel_state)[/\\]')
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny MoE checkpoint saved single-process with the all-gather dispatcher (as the pretraining
-    demo saves at tp=1): EP over 2 ranks then needs the all-to-all one."""
-    path = tmp_path_factory.mktemp("generate") / "ckpt"
-    config = tiny_config("allgather")
+def _save_tiny_checkpoint(path, config):
     model = GPTMoEModel(config, ParallelState.single_process())
     initialize_parameters(model, seed=0)
     save_checkpoint(path, sharded_state_dict(model), manifest_fields={"model_config": config.to_dict()})
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny MoE checkpoint saved single-process with the all-gather dispatcher (as the pretraining
+    demo saves at tp=1): EP over 2 ranks then needs the all-to-all one. Its rope declares no
+    max_position_embeddings (as pretrain_moe.py's): no position limit."""
+    return _save_tiny_checkpoint(tmp_path_factory.mktemp("generate") / "ckpt", tiny_config("allgather"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_512(tmp_path_factory):
+    """The same model declaring 512 positions (max_position_embeddings, as an HF model does)."""
+    config = tiny_config("allgather")
+    attention = dataclasses.replace(config.attention, rope=RopeConfig(dim=8, max_position_embeddings=512))
+    return _save_tiny_checkpoint(tmp_path_factory.mktemp("generate") / "ckpt512",
+                                 dataclasses.replace(config, attention=attention))
 
 
 def _prompt_args():
@@ -88,7 +107,8 @@ def _flip_a_weight_byte(path):
     shard.write_bytes(bytes(data))
 
 
-# case -> (the checkpoint: None missing, "ckpt" the fixture, "copy" a copy damaged by the third field;
+# case -> (the checkpoint: None missing, "ckpt" the fixture, "ckpt512" the one with 512 positions, "copy" a copy
+#          damaged by the third field;
 #          the arguments after it ({tmp}: the test's folder); what the error line holds)
 USER_ERRORS = {
     "missing checkpoint": (None, _prompt_args(), None, ["no checkpoint at"]),
@@ -111,6 +131,22 @@ USER_ERRORS = {
                             ["--eplb-interval with --compile"]),
     "eplb flag without an interval": ("ckpt", [*_prompt_args(), "--eplb-max-layers", "1"], None,
                                       ["--eplb-max-layers need --eplb-interval"]),
+    "prompt longer than the positions": ("ckpt512", ["--prompt-ids", ",".join(["1"] * 20000)], None,
+                                         ["prompt 0 (20000 tokens)", "the model's 512 (max_position_embeddings)",
+                                          "shorten it to at most 511 tokens"]),
+    "new tokens past the positions": ("ckpt512", [*_prompt_args(), "--max-new-tokens", "40000"], None,
+                                      ["prompt 0 (4 tokens) with --max-new-tokens 40000 needs 40004 positions",
+                                       "at most 508 new tokens fit after it"]),
+    "infinite temperature": ("ckpt", [*_prompt_args(), "--temperature", "inf"], None,
+                             ["--temperature must be a finite number >= 0", "got inf"]),
+    "NaN temperature": ("ckpt", [*_prompt_args(), "--temperature", "nan"], None,
+                        ["--temperature must be a finite number >= 0", "got nan"]),
+    "negative temperature": ("ckpt", [*_prompt_args(), "--temperature", "-0.5"], None,
+                             ["--temperature must be a finite number >= 0", "got -0.5"]),
+    "stop token outside the vocabulary": ("ckpt", [*_prompt_args(), "--stop-token-id", "3", "--stop-token-id", str(V)],
+                                          None, [f"--stop-token-id [{V}]", f"outside the model's vocabulary [0, {V})"]),
+    "negative seed": ("ckpt", [*_prompt_args(), "--temperature", "1", "--seed", "-1"], None,
+                      ["--seed must be an integer >= 0, got -1"]),
 }
 if not torch.cuda.is_available():
     USER_ERRORS["cuda without a GPU"] = ("ckpt", [*_prompt_args(), "--device", "cuda"], None,
@@ -118,11 +154,13 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("case", USER_ERRORS)
-def test_user_error_is_one_line(case, checkpoint, tmp_path, monkeypatch, capsys):
+def test_user_error_is_one_line(case, checkpoint, tmp_path, monkeypatch, capsys, request):
     source, args, damage, expected = USER_ERRORS[case]
     path = tmp_path / "missing"
     if source == "ckpt":
         path = checkpoint
+    elif source == "ckpt512":
+        path = request.getfixturevalue("checkpoint_512")
     elif source == "copy":
         path = tmp_path / "ckpt"
         shutil.copytree(checkpoint, path)
@@ -131,6 +169,80 @@ def test_user_error_is_one_line(case, checkpoint, tmp_path, monkeypatch, capsys)
     code, stderr = _run_main(argv, monkeypatch, capsys)
     _assert_one_error_line(code, stderr, *expected)
     assert not (tmp_path / "out.json").exists(), "an output was written by a failed run"
+
+
+@pytest.mark.parametrize("flag", ["--output-json", "--record-expert-load"])
+@pytest.mark.parametrize("target", [name for name in NOT_REGULAR if name != "directory"])
+def test_an_output_that_is_not_a_regular_file_is_refused_untouched(flag, target, checkpoint, tmp_path, monkeypatch,
+                                                                    capsys):
+    """A FIFO or a character device (/dev/null, /dev/full, through links in the test's folder) would be
+    replaced by a regular file: refused before anything is loaded, and left as it was."""
+    make, kind = NOT_REGULAR[target]
+    path = make(tmp_path)
+    before = os.lstat(path)
+    code, stderr = _run_main([checkpoint, *_prompt_args(), flag, path], monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, f"{flag} {path} is {kind}", "name a regular file or a new path")
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_a_tokenizer_eos_outside_the_vocabulary_is_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    """The default stop token, the tokenizer's EOS, is no token of the model (another model's tokenizer)."""
+    from tokenizers import Tokenizer as TokenizerFile
+    from tokenizers.models import WordLevel
+    TokenizerFile(WordLevel({f"t{i}": i for i in range(V + 8)}, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{V + 7}"}))
+    code, stderr = _run_main([checkpoint, *_prompt_args(), "--tokenizer", tmp_path], monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, f"the tokenizer's EOS id {V + 7} (the default stop token) is outside the "
+                           f"model's vocabulary [0, {V})", "--stop-token-id")
+
+
+def test_a_failed_output_write_is_one_line_naming_the_file(checkpoint, tmp_path, monkeypatch, capsys):
+    """A full disk when --output-json is synced: one error line naming the file, no "wrote", the old file
+    kept."""
+    out = tmp_path / "out.json"
+    out.write_text("old")
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", full_disk)
+    code, stderr = _run_main([checkpoint, *_prompt_args(), "--max-new-tokens", 2, "--output-json", out],
+                             monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, f"writing {out} failed: No space left on device")
+    assert f"wrote {out}" not in stderr and out.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+
+
+# flags -> what the error line holds, with 1 GiB free
+MEMORY_ERRORS = {
+    "max new tokens": (["--max-new-tokens", 10**9], ["--max-new-tokens 1000000000", "GiB of KV cache",
+                                                     "2 prompt(s) x 1000000004 positions"]),
+    "expert slots": (["--num-expert-slots", 10**6], ["are expert slots, 1000000 per MoE layer"]),
+}
+
+
+@pytest.mark.parametrize("case", MEMORY_ERRORS)
+def test_a_run_the_memory_cannot_hold_is_refused_before_loading(case, checkpoint, monkeypatch, capsys):
+    """The parameters (expert slots included) and KV caches against the memory free (1 GiB here), before
+    anything is allocated."""
+    args, expected = MEMORY_ERRORS[case]
+    monkeypatch.setattr("megamoe.machine_memory.available_memory_bytes", lambda device: (2**30, "free memory"))
+    code, stderr = _run_main([checkpoint, *_prompt_args(), *args], monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, *expected, "against 1 GiB of free memory",
+                           "lower --max-new-tokens or --num-expert-slots")
+
+
+def test_the_ranks_of_a_host_share_its_memory(checkpoint, tmp_path, monkeypatch, capsys):
+    """Free memory for two ranks' parameters and caches but not four: one rank generates, four ranks on
+    the host (LOCAL_WORLD_SIZE) are refused."""
+    needed = estimate_generation_memory(tiny_config("allgather"), batch=2, sequence_length=4 + 2).total
+    monkeypatch.setattr("megamoe.machine_memory.available_memory_bytes", lambda device: (2 * needed, "free memory"))
+    run = [checkpoint, *_prompt_args(), "--max-new-tokens", 2]
+    code, stderr = _run_main(run, monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    code, stderr = _run_main(run, monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, "x 4 ranks on this host")
 
 
 def test_damaged_checkpoint_loads_with_no_verify_checksums(checkpoint, tmp_path, monkeypatch, capsys):

@@ -5,7 +5,9 @@ attention with uneven requests incl. a rank with none, a checkpoint resharded on
 sampling is identical across layouts; the expert load recorded during generation counts real tokens
 only and round-trips through the expert-load file into a balanced placement; uneven gathers and
 reduce-scatters; the example script on a checkpoint converted by megamoe-convert, whose import-hf
---expert-load takes the load file the script records.
+--expert-load takes the load file the script records; generation refuses what it cannot do (positions
+past max_position_embeddings, stop tokens outside the vocabulary, a non-finite temperature, a negative
+seed), and the generation memory estimate equals the KV caches' and parameters' bytes.
 """
 
 import dataclasses
@@ -26,7 +28,8 @@ from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
-from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
+from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch, max_sequence_length
+from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models import GPTMoEModel
@@ -165,8 +168,53 @@ def test_padding_and_batching_do_not_change_results():
         generate(model, SOLO, [[1], []], config)
     with pytest.raises(ValueError, match=f"outside the vocabulary \\[0, {V}\\)"):
         generate(model, SOLO, [[1, V]], config)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        GenerationConfig(max_new_tokens=0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+            GenerationConfig(max_new_tokens=bad)
+
+
+def test_generation_refuses_what_it_cannot_do():
+    """Before anything is allocated: a prompt, or a prompt with its new tokens, past the model's
+    max_position_embeddings (64 here), a stop token outside the vocabulary or negative. The last fitting
+    length generates. Dynamic-NTK rope and a model declaring no positions have no limit."""
+    model = _our_model("qwen3_moe")
+    assert max_sequence_length(model.config) == 64
+    with pytest.raises(ValueError, match=r"prompt 1 \(65 tokens\).* more than the model's 64 "
+                                         r"\(max_position_embeddings\): shorten it to at most 63 tokens"):
+        generate(model, SOLO, [[1], [1] * 65], GenerationConfig(max_new_tokens=1))
+    with pytest.raises(ValueError, match=r"prompt 0 \(60 tokens\) with GenerationConfig.max_new_tokens 5 needs 65 "
+                                         r"positions.*at most 4 new tokens fit after it"):
+        generate(model, SOLO, [[1] * 60], GenerationConfig(max_new_tokens=5))
+    out = generate(model, SOLO, [[1] * 59], GenerationConfig(max_new_tokens=5))
+    assert len(out.token_ids[0]) == 5
+    with pytest.raises(ValueError, match=f"stop_token_ids \\[{V}\\] are outside the model's vocabulary"):
+        generate(model, SOLO, [[1, 2]], GenerationConfig(max_new_tokens=2, stop_token_ids=(2, V)))
+    with pytest.raises(ValueError, match=r"stop_token_ids \[-1\] are negative"):
+        GenerationConfig(stop_token_ids=(-1,))
+    rope = model.config.attention.rope
+    for other, limit in ((dataclasses.replace(rope, rope_type="dynamic", factor=2.0), None),
+                         (dataclasses.replace(rope, max_position_embeddings=None), None)):
+        config = dataclasses.replace(model.config, attention=dataclasses.replace(model.config.attention, rope=other))
+        assert max_sequence_length(config) == limit
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])     # GQA; MLA (latent + rope key)
+def test_generation_memory_estimate_is_the_caches_and_parameters(family):
+    """estimate_generation_memory: the KV caches' bytes after a prefill into caches of the full length,
+    and the model's parameter bytes (the routed experts' apart)."""
+    model = _our_model(family)
+    batch, prompt, new = 3, 5, 7
+    caches = {int(i): StaticKVCache(prompt + new) for i in model.layers}
+    ids = torch.randint(0, V, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.run_layers(ids, None, caches, torch.ones(batch, prompt, dtype=torch.bool))
+    estimate = estimate_generation_memory(model.config, batch=batch, sequence_length=prompt + new)
+    assert estimate.kv_cache_bytes == sum(cache.nbytes for cache in caches.values()) > 0
+    parameters = dict(model.named_parameters())
+    assert estimate.param_bytes == sum(p.numel() * p.element_size() for p in parameters.values())
+    assert estimate.expert_param_bytes == sum(p.numel() * p.element_size() for name, p in parameters.items()
+                                              if ".mlp.experts." in name) > 0
+    assert estimate.total == estimate.param_bytes + estimate.kv_cache_bytes
 
 
 def test_sampling():
@@ -192,7 +240,8 @@ def test_sampling():
         generator = request_generator(7, request_id)
         return [sample_next_tokens(logits[1:], config, [generator]).item() for _ in range(20)]
     assert draws(3) == draws(3) != draws(4)
-    for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)):
+    for bad in (dict(temperature=-1.0), dict(temperature=float("inf")), dict(temperature=float("nan")), dict(top_k=0),
+                dict(top_k=2.5), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1), dict(seed=1.5)):
         with pytest.raises(ValueError, match=f"SamplingConfig.{next(iter(bad))}"):
             SamplingConfig(**bad)
 

@@ -337,6 +337,11 @@ def test_mtp_draft_generation_is_plain_greedy(mtp_hf_dir, monkeypatch):
         first = expected.index(stop)
         stopped = mtp_draft.generate_with_mtp_draft(model, prompt, new, stop_token_ids=[stop])
         assert stopped.token_ids == expected[:first + 1] and stopped.finish_reason == "stop"
+    # What generate() refuses (the model has 64 positions, a vocabulary of 64).
+    with pytest.raises(ValueError, match=r"max_new_tokens 60 needs 65 positions, more than the model's 64"):
+        mtp_draft.generate_with_mtp_draft(model, prompts[0], 60)
+    with pytest.raises(ValueError, match=r"stop_token_ids \[64\] are outside the model's vocabulary"):
+        mtp_draft.generate_with_mtp_draft(model, prompts[0], new, stop_token_ids=[64])
 
     # Forced drafts: the oracle is plain greedy's continuation. forward_mtp records (depth, last position).
     seen = {}

@@ -18,6 +18,7 @@ from megamoe.data.preprocess import PROG, main, preprocess
 from megamoe.data.token_dataset import TokenDataset, sidecar_path
 from megamoe.data.tokenizer import HFTokenizer, Tokenizer, check_tokenizer_fits
 from megamoe.launch import run_script
+from test_atomic_file import NOT_REGULAR   # FIFO, links to /dev/null and /dev/full
 
 EOS = "</s>"
 TRAINING_TEXT = ["the quick brown fox jumps over the lazy dog", "def f(x):\n    return x * 2\n", "ünïcödé ✓"]
@@ -274,6 +275,34 @@ def test_cli_output_onto_the_tokenizer_is_refused_and_leaves_it_whole(tmp_path, 
         assert hit in lines[0], (name, lines[0])
         assert {path: path.read_bytes() for path in before} == before, name
         assert sorted(tmp_path.rglob("*")) == listing, name
+
+
+@pytest.mark.parametrize("which", ["output", "sidecar"])
+@pytest.mark.parametrize("target", ["fifo", "/dev/null", "/dev/full"])
+def test_cli_output_that_is_not_a_regular_file_is_refused_untouched(which, target, tmp_path, hf_dir, capsys,
+                                                                    monkeypatch):
+    """--output (or its sidecar OUT.json) naming a FIFO or a character device (/dev/null, /dev/full, through a
+    link in the test's folder) would be replaced by a regular file: one error line before any document is
+    read, and the target left as it was."""
+    monkeypatch.delenv("MEGAMOE_TRACEBACK", raising=False)
+    make, kind = NOT_REGULAR[target]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    made = make(out_dir)
+    output = made if which == "output" else out_dir / "tokens.bin"
+    if which == "sidecar":
+        made.rename(sidecar_path(output))
+        made = sidecar_path(output)
+    (tmp_path / "docs.txt").write_text("some text\n")
+    before = os.lstat(made)
+    rc = run_script(main, ["--input", str(tmp_path / "docs.txt"), "--tokenizer", str(hf_dir), "--workers", "1",
+                           "--output", str(output)], prog=PROG)
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert rc == 1 and "Traceback" not in stderr and len(errors) == 1, stderr
+    assert f"megamoe-preprocess: error: {made} is {kind}" in errors[0] and "regular file or a new path" in errors[0]
+    after = os.lstat(made)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode) and os.listdir(out_dir) == [made.name]
 
 
 def test_cli_parquet_without_pyarrow_says_how_to_install(tmp_path, hf_dir, capsys, monkeypatch):

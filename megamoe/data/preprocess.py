@@ -28,7 +28,7 @@ from megamoe.data.documents import (
     DEFAULT_TEXT_SUFFIXES, FORMATS, import_pyarrow, list_document_files, read_document_files,
 )
 from megamoe.data.parallel_encode import DEFAULT_CHUNK_CHARS, DocumentEncoder, default_workers
-from megamoe.data.token_dataset import TokenFileMeta, sidecar_path, write_token_file
+from megamoe.data.token_dataset import TokenFileMeta, check_token_file_targets, sidecar_path, write_token_file
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.launch import HelpFormatter, UsageError, run_script
 
@@ -77,6 +77,7 @@ def preprocess(
     output = Path(output)
     if output.is_dir():
         raise ValueError(f"output {output} is a directory; name the token file to write")
+    check_token_file_targets(output)     # a FIFO or a device there would be replaced by a regular file
     if append_eos and tokenizer.eos_id is None:
         raise ValueError(
             f"tokenizer {tokenizer.path} has no EOS token to end each document with: name one (eos_token in "

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megamoe.atomic_file import atomic_write
+from megamoe.atomic_file import atomic_write, check_output_target
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.sample_dataset import checked_sample_indices
 from megamoe.data.tokenizer import Tokenizer
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from megamoe.data.token_source import TokenSource
 
 __all__ = [
-    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "build_token_file", "write_token_file", "token_file_matches",
-    "TokenDataset", "micro_batches",
+    "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "check_token_file_targets", "build_token_file",
+    "write_token_file", "token_file_matches", "TokenDataset", "micro_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,13 @@ def build_token_file(
     return write_token_file(encoded, tokenizer, out_path, append_eos=append_eos, total=total)
 
 
+def check_token_file_targets(out_path: str | os.PathLike) -> None:
+    """The token file ``out_path`` and its sidecar must be regular files or new paths (see
+    :func:`~megamoe.atomic_file.check_output_target`): AtomicWriteError otherwise."""
+    for target in (Path(out_path), sidecar_path(out_path)):
+        check_output_target(target)
+
+
 def write_token_file(
     encoded_documents: Iterable[Sequence[int] | np.ndarray],
     tokenizer: Tokenizer,
@@ -164,6 +171,7 @@ def write_token_file(
     dtype_name = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
     dtype = _DTYPES[dtype_name]
     sidecar = sidecar_path(out_path)
+    check_token_file_targets(out_path)     # before the unlink: a FIFO or a device there stays as it was
     sidecar.unlink(missing_ok=True)  # from here on the old pair reads as incomplete until the new sidecar lands
     eos = np.asarray([tokenizer.eos_id], dtype=np.int64) if append_eos else None
     num_tokens = num_documents = buffered = 0

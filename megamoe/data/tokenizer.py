@@ -41,7 +41,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece
 
-from megamoe.atomic_file import atomic_write
+from megamoe.atomic_file import atomic_write, check_output_target
 
 __all__ = [
     "UNK_ID", "BOS_ID", "EOS_ID", "PAD_ID", "train_sentencepiece",
@@ -120,6 +120,8 @@ def train_sentencepiece(
                         ("input_sentence_size", input_sentence_size), ("num_threads", num_threads)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    model_path = Path(f"{os.fspath(model_prefix)}.model")
+    check_output_target(model_path)           # before the training, not after it
 
     started = time.perf_counter()
     lines, lines_seen = _training_lines(input_paths, max_sentence_length, input_sentence_size, seed)
@@ -149,7 +151,6 @@ def train_sentencepiece(
         )
     except RuntimeError as error:  # how sentencepiece refuses a request, e.g. a vocabulary too small
         raise _training_error(error, vocab_size) from None
-    model_path = Path(f"{os.fspath(model_prefix)}.model")
     model_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(model_path) as file:
         file.write(model_bytes.getvalue())

@@ -15,6 +15,14 @@ token, and the index-based causal and sliding-window masks stay exact. A boolean
 that has finished (stop token) keeps running as padding: its later tokens are masked, skip the
 MLP / MoE layers and are not counted in the expert load.
 
+Positions. Every prompt plus ``max_new_tokens`` must fit in the model's positions, its rope's
+``max_position_embeddings`` (:func:`max_sequence_length`): transformers caps its default ``max_length``
+there and, past it, warns that a model may give "exceptions, performance degradation, or nothing at
+all"; :func:`generate` refuses instead (the model would run, on positions it was never trained on),
+naming how many new tokens fit. No limit where the model declares none (a config built by hand or by
+``pretrain_moe.py``) nor for dynamic-NTK rope, which grows its base past that length by design: there
+memory is the bound (``examples/generate.py`` estimates the KV cache before loading).
+
 Compiled decoding (``generate(..., compiled=True)``): the prefill runs eagerly; every decode step
 runs the model through ``torch.compile`` without host syncs (:meth:`GPTMoEModel.run_layers_static`):
 the caches are written at a position held in a tensor, finished rows stay in the batch as padding
@@ -50,11 +58,13 @@ from megamoe import comms
 from megamoe.host_values import host_ints
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
+from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import GPTMoEModel
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 
-__all__ = ["GenerationConfig", "GenerationOutput", "generate", "left_padded_batch"]
+__all__ = ["GenerationConfig", "GenerationOutput", "check_generation_request", "generate", "left_padded_batch",
+           "max_sequence_length"]
 
 
 @dataclass(frozen=True)
@@ -67,9 +77,12 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"GenerationConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"GenerationConfig.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        negative = [t for t in self.stop_token_ids if t < 0]
+        if negative:
+            raise ValueError(f"GenerationConfig.stop_token_ids {negative} are negative: token ids are >= 0")
 
 
 @dataclass
@@ -125,7 +138,26 @@ def _left_padded(prompts: list[list[int]], max_new_tokens: int, real: bool):
     return ids, mask, positions
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+def max_sequence_length(model_config: GPTMoEConfig) -> int | None:
+    """The most positions (prompt + new tokens) one sequence may take: the model's
+    ``max_position_embeddings``; None where it declares none or its rope is dynamic NTK (see the module
+    docstring)."""
+    rope = model_config.attention.rope
+    return None if rope.rope_type == "dynamic" else rope.max_position_embeddings
+
+
+def check_generation_request(model_config: GPTMoEConfig, prompts: Sequence[Sequence[int]],
+                             config: GenerationConfig) -> list[list[int]]:
+    """What :func:`generate` checks before it allocates anything (callable before a model is built, with
+    its config): every prompt holds tokens, all of them and every stop token in the vocabulary, and
+    each prompt with ``max_new_tokens`` fits in :func:`max_sequence_length`. ValueError naming the
+    prompt (by index) or field; returns the prompts as lists of ints."""
+    vocab_size = model_config.vocab_size
+    outside = [t for t in config.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise ValueError(f"GenerationConfig.stop_token_ids {outside} are outside the model's vocabulary "
+                         f"[0, {vocab_size}): no generated token could match them")
+    limit = max_sequence_length(model_config)
     checked = []
     for index, prompt in enumerate(prompts):
         prompt = [int(t) for t in prompt]
@@ -134,6 +166,12 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[li
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {index} holds token ids {bad[:4]} outside the vocabulary [0, {vocab_size})")
+        if limit is not None and len(prompt) + config.max_new_tokens > limit:
+            fix = (f"at most {limit - len(prompt)} new tokens fit after it" if len(prompt) < limit else
+                   f"shorten it to at most {limit - 1} tokens")
+            raise ValueError(f"prompt {index} ({len(prompt)} tokens) with GenerationConfig.max_new_tokens "
+                             f"{config.max_new_tokens} needs {len(prompt) + config.max_new_tokens} positions, more "
+                             f"than the model's {limit} (max_position_embeddings): {fix}")
         checked.append(prompt)
     return checked
 
@@ -233,7 +271,7 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
         raise ValueError(f"generation cannot split the sequence over the CP group (cp={state.cp.size}): the KV cache "
                          "and single-token decoding need every position on one rank; generate with a layout of cp=1 "
                          "(the same checkpoint loads into it)")
-    prompts = _check_prompts(prompts, model.config.vocab_size)
+    prompts = check_generation_request(model.config, prompts, config)
     request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
     if len(request_ids) != len(prompts):
         raise ValueError(f"request_ids has {len(request_ids)} entries for {len(prompts)} prompts")

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from megamoe.inference.generation import GenerationConfig, check_generation_request
 from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.models.gpt_moe import GPTMoEModel
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
@@ -58,18 +59,18 @@ def _argmax(model: GPTMoEModel, hidden: torch.Tensor, norm: bool = True) -> torc
 def generate_with_mtp_draft(model: GPTMoEModel, prompt: Sequence[int], max_new_tokens: int,
                             stop_token_ids: Sequence[int] = ()) -> MTPDraftOutput:
     """Greedy continuation of ``prompt`` (token ids) by ``model``, drafted by its MTP layers; see the
-    module docstring. ValueError for a model without MTP layers, a pipeline, or a bad prompt."""
+    module docstring. ValueError for a model without MTP layers, a pipeline, or a request
+    :func:`~megamoe.inference.generation.generate` refuses (a bad prompt or stop token, a prompt with its
+    new tokens past the model's positions)."""
     config = model.config
     if not model.mtp_layer_ids:
         raise ValueError("generate_with_mtp_draft needs a model with MTP layers (config.mtp_num_layers > 0)")
     if model.state.pp.size != 1 or getattr(model, "virtual_pipeline_stages", 1) != 1:
         raise ValueError("generate_with_mtp_draft runs one pipeline stage (pp = 1): the MTP draft needs the main "
                          "model's hidden states and the verification its logits on one rank")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompt = [int(t) for t in prompt]
-    if not prompt or not all(0 <= t < config.vocab_size for t in prompt):
-        raise ValueError(f"the prompt must be 1 or more token ids in [0, {config.vocab_size})")
+    # generate()'s checks: tokens and stop tokens in the vocabulary, prompt + new tokens within the positions.
+    request = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+    prompt = check_generation_request(config, [prompt], request)[0]
     model = model.without_sequence_parallel()
     depths = len(model.mtp_layer_ids)
     device = next(model.parameters()).device

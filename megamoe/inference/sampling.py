@@ -36,16 +36,24 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"SamplingConfig.temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"SamplingConfig.top_k must be >= 1 or None, got {self.top_k}")
+        # inf would divide every logit to 0 (a uniform draw), NaN would make every probability NaN.
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"SamplingConfig.temperature must be a finite number >= 0 (0: greedy), got "
+                             f"{self.temperature}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"SamplingConfig.top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.seed) or self.seed < 0:       # as numpy's seeds: a negative one is a slip
+            raise ValueError(f"SamplingConfig.seed must be an integer >= 0, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def request_generator(seed: int, request_id: int) -> torch.Generator:
