@@ -586,8 +586,11 @@ def move_aside(save_dir: Path, run_id: str, after_step: int = -1) -> None:
         if save_dir.is_dir() else []
     if not entries:
         return
-    destination = save_dir / f"replaced_{run_id}"
-    destination.mkdir(exist_ok=True)
+    destination, attempt = save_dir / f"replaced_{run_id}", 1
+    while destination.exists():         # a run that rolls back twice keeps both timelines it abandoned
+        attempt += 1
+        destination = save_dir / f"replaced_{run_id}.{attempt}"
+    destination.mkdir()
     for entry in entries:
         os.replace(entry, destination / entry.name)
     logger.info("%s: moved %d entries of the previous run to %s", "--overwrite" if after_step < 0 else
