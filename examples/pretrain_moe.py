@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-dir", type=Path, default=None,
                    help="checkpoints are written here (atomically, keeping the last --keep-checkpoints of this run "
                         "and the newest good one); if it holds checkpoints already, the run resumes from the newest; "
-                        "locked while the run lasts (a second run into it is refused) (default: checkpoints/ in --work-dir)")
+                        "locked while the run lasts (a second run into it is refused) "
+                        "(default: checkpoints/ in --work-dir)")
     t.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
                    help="checkpoints of this run kept in --save-dir (older ones are deleted; the newest good one, "
                         "written before any divergence, is always kept)")
@@ -513,8 +514,8 @@ def plan_start(args) -> StartPlan:
     own = args.load_dir is not None and (args.load_dir.resolve() == save_dir or (
         args.load_dir.resolve().parent == save_dir and args.load_dir.name.startswith("step_")))
     if args.overwrite and own:
-        raise UsageError(f"--overwrite with --load-dir {args.load_dir} in --save-dir ({args.save_dir}) would move aside "
-                         "the checkpoint to load; drop one of them")
+        raise UsageError(f"--overwrite with --load-dir {args.load_dir} in --save-dir ({args.save_dir}) would move "
+                         "aside the checkpoint to load; drop one of them")
     if args.load_dir is not None and not own:
         resume_from = _resume_checkpoint("--load-dir", args.load_dir, args.load_step)
         if saved and not args.overwrite:
@@ -687,9 +688,6 @@ def main(argv=None) -> int:
     # checkpoints of the run; a fresh start (or another --load-dir) is a new run.
     inherited = checkpoint_run_id(plan.resume_from) if plan.resumes_save_dir else None
     run_id = comms.all_gather_object(inherited or new_run_id(), world_group)[0]
-    save_dir_lock = lock_save_dir(args.save_dir, run_id, world_group=world_group)   # before anything is written
-    if rank == 0 and plan.move_aside_after is not None:
-        move_aside(args.save_dir, run_id, plan.move_aside_after)
 
     known_vocab = (source.config.vocab_size if source.config is not None else
                    source.tokenizer.vocab_size if source.tokenizer is not None else None)
@@ -763,6 +761,10 @@ def main(argv=None) -> int:
                                          override_lr_schedule=args.override_opt_param_scheduler)
         sampler.load_state_dict(extra["sampler_state"])
         logger.info("resuming from %s at step %d (run %s)", plan.resume_from, trainer.step, run_id)
+    # Before the first write into --save-dir (and after every check a user error can fail: none leaves it behind).
+    save_dir_lock = lock_save_dir(args.save_dir, run_id, world_group=world_group)
+    if rank == 0 and plan.move_aside_after is not None:
+        move_aside(args.save_dir, run_id, plan.move_aside_after)
     if trainer.step >= args.steps:
         logger.info("nothing to train: the run is at step %d and --steps is %d (raise --steps to train further)",
                     trainer.step, args.steps)

@@ -147,7 +147,8 @@ def test_token_files_bring_their_tokenizer_and_every_checkpoint_generates(demo, 
     checkpoints = sorted((tmp_path / "work" / "checkpoints").glob("step_*"))
     assert [p.name for p in checkpoints] == ["step_00000001", "step_00000002"]
     for checkpoint in checkpoints:
-        assert (checkpoint / "hf_files" / "tokenizer.json").read_bytes() == (root / "tok" / "tokenizer.json").read_bytes()
+        tokenizer_file = checkpoint / "hf_files" / "tokenizer.json"
+        assert tokenizer_file.read_bytes() == (root / "tok" / "tokenizer.json").read_bytes()
         monkeypatch.setattr(sys, "argv", [GENERATE, str(checkpoint), "--prompt", "the cat", "--max-new-tokens", "3"])
         with pytest.raises(SystemExit) as exited:
             runpy.run_path(GENERATE, run_name="__main__")

@@ -676,21 +676,21 @@ def test_a_diverged_run_keeps_the_last_good_checkpoint_and_names_it(demo, data_i
     marked suspect, the newest good checkpoint survives pruning, and the final error names it."""
     work = tmp_path / "work"
     ckpt = work / "checkpoints"
-    code, _, err = _train(demo, capsys, work, "--steps", 4, "--save-every", 2)
+    code, _, err = _train(demo, capsys, work, "--steps", 2, "--save-every", 1)
     assert code == 0, err
-    good = read_manifest(ckpt / "step_00000004")["extra"]["health"]
+    good = read_manifest(ckpt / "step_00000002")["extra"]["health"]
     assert good["suspect"] is None and good["skipped_steps"] == 0 and good["weight_norm"] > 0
     code, _, err = _train(demo, capsys, work, "--steps", 16, "--save-every", 1, "--lr", 1e30,
-                          "--override-opt-param-scheduler", "--max-skipped-steps", 3)
+                          "--override-opt-param-scheduler", "--max-skipped-steps", 2)
     line = _one_error_line(code, err, "training stopped at step", "consecutive steps were non-finite",
-                           f"The last good checkpoint is {ckpt / 'step_00000004'}")
+                           f"The last good checkpoint is {ckpt / 'step_00000002'}")
     stopped = int(line.split("training stopped at step ")[1].split(":")[0])
-    saved = _steps(ckpt)            # step 2 pruned (keep 2), step 4 kept: the newest good one
-    assert saved == [4, stopped - 2, stopped - 1], saved
+    saved = _steps(ckpt)            # step 1 pruned (keep 2), step 2 kept: the newest good one
+    assert saved == [2, stopped - 2, stopped - 1] and stopped > 4, saved
     for step in saved[1:]:
         health = read_manifest(checkpoint_path(ckpt, step))["extra"]["health"]
         assert health["suspect"] and read_manifest(checkpoint_path(ckpt, step))["extra"]["verified_finite"], health
-    assert last_good_checkpoint(ckpt) == checkpoint_path(ckpt, 4)
+    assert last_good_checkpoint(ckpt) == checkpoint_path(ckpt, 2)
 
 
 def test_a_second_run_into_a_locked_save_dir_is_refused(demo, data_inputs, tmp_path, capsys):

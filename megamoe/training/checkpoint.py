@@ -71,7 +71,8 @@ from megamoe.precision import has_non_finite
 __all__ = [
     "HFProvenance", "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
     "checkpoint_path", "list_checkpoints", "latest_checkpoint", "prune_checkpoints", "new_run_id", "checkpoint_run_id",
-    "resolve_resume_checkpoint", "verify_resume_checkpoint", "is_good_checkpoint", "last_good_checkpoint", "previous_intact_checkpoint",
+    "resolve_resume_checkpoint", "verify_resume_checkpoint", "is_good_checkpoint", "last_good_checkpoint",
+    "previous_intact_checkpoint",
     "foreign_checkpoint_differences", "TOKENIZER_FILE_NAMES",
 ]
 
