@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools import integrity
+from checkpoint_tools import checksums, integrity
 from checkpoint_tools.format import CheckpointError, read_manifest, save_checkpoint
 from checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps
 from megamoe.launch import run_script
@@ -565,7 +565,7 @@ def test_foreign_checkpoint_differences_name_the_model_fields_and_the_tokenizer(
     other["moe"]["router"]["aux_loss_coeff"] = 0.5            # a balancing coefficient: neither
     path = checkpoint_path(tmp_path, 1)
     save_checkpoint(path, [], manifest_fields={"model_config": other, "extra": {"step": 1, "hf_files": {
-        "tokenizer.model": {"bytes": 3, "xxh3_128": "0"}}}}, extra_files={"hf_files/tokenizer.model": b"old"})
+        "tokenizer.model": checksums.bytes_entry(b"old")}}}, extra_files={"hf_files/tokenizer.model": b"old"})
     assert foreign_checkpoint_differences(path, config.to_dict(), {"tokenizer.model": b"old"}) == [
         f"hidden_size 64 -> {config.hidden_size}"]
     differences = foreign_checkpoint_differences(path, other, {"tokenizer.model": b"new"})

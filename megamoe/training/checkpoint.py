@@ -72,8 +72,7 @@ __all__ = [
     "HFProvenance", "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
     "checkpoint_path", "list_checkpoints", "latest_checkpoint", "prune_checkpoints", "new_run_id", "checkpoint_run_id",
     "resolve_resume_checkpoint", "verify_resume_checkpoint", "is_good_checkpoint", "last_good_checkpoint",
-    "previous_intact_checkpoint",
-    "foreign_checkpoint_differences", "TOKENIZER_FILE_NAMES",
+    "previous_intact_checkpoint", "foreign_checkpoint_differences",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ _TRAINING_FIELDS = {"moe.router.aux_loss_coeff", "moe.router.seq_aux_loss_coeff"
                     "moe.router.expert_bias_update_rate"}
 # The side files that ARE the tokenizer (its companions only name special tokens): a run's tokenizer
 # and a checkpoint's are the same when these files are.
-TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -244,7 +243,7 @@ def _flatten(value, prefix: str = "") -> dict:
 
 
 def _config_differences(saved: dict, current: dict, ignore=_ENGINE_FIELDS) -> list[str]:
-    """Dotted names of the model-defining fields that differ (engine fields may change freely)."""
+    """Dotted names of the model-defining fields that differ (the fields in ``ignore`` may change freely)."""
     saved, current = _flatten(saved), _flatten(current)
     return sorted(k for k in saved.keys() | current.keys()
                   if k not in ignore and saved.get(k) != current.get(k))
@@ -258,14 +257,15 @@ def foreign_checkpoint_differences(path: str | os.PathLike, model_config: dict,
     checkpoint records one (``extra.hf_files``) that is not this one. Empty: the same model. Engine choices
     and the load-balancing coefficients may differ (they change no weight's meaning)."""
     manifest = read_manifest(path)
-    saved, current = _flatten(manifest.get("model_config") or {}), _flatten(model_config)
+    saved_config = manifest.get("model_config") or {}
+    saved, current = _flatten(saved_config), _flatten(model_config)
     differences = [f"{name} {saved.get(name)!r} -> {current.get(name)!r}" for name in _config_differences(
-        manifest.get("model_config") or {}, model_config, ignore=_ENGINE_FIELDS | _TRAINING_FIELDS)]
+        saved_config, model_config, ignore=_ENGINE_FIELDS | _TRAINING_FIELDS)]
     recorded = sorted(name for name in (manifest.get("extra") or {}).get("hf_files") or {}
-                      if name in TOKENIZER_FILE_NAMES)
+                      if name in _TOKENIZER_FILES)
     if recorded and tokenizer_files is not None:
         directory = os.path.join(resolve_checkpoint(path), HF_FILES_DIR)
-        ours = {name: data for name, data in tokenizer_files.items() if name in TOKENIZER_FILE_NAMES}
+        ours = {name: data for name, data in tokenizer_files.items() if name in _TOKENIZER_FILES}
         if sorted(ours) != recorded or any(_read_or_none(os.path.join(directory, name)) != ours[name]
                                            for name in recorded):
             differences.append(f"the tokenizer ({', '.join(recorded)} in {directory} is not this run's "
