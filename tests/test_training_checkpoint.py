@@ -591,6 +591,27 @@ def test_save_dir_lock_refuses_a_second_run_and_takes_over_a_stale_lock(tmp_path
     taken.release()
 
 
+def test_save_dir_lock_without_flock_goes_by_the_recorded_owner(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    lock_file = tmp_path / ".lock"
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    for host, pid, busy in ((socket.gethostname(), os.getppid(), True), ("another-host", dead, True),
+                            (socket.gethostname(), dead, False)):
+        lock_file.write_text(json.dumps({"host": host, "pid": pid, "run_id": "other"}))
+        if busy:
+            with pytest.raises(SaveDirBusyError, match=f"run other \\(host {host}, pid {pid}.*has no flock"):
+                lock_save_dir(tmp_path, "mine")
+        else:
+            lock_save_dir(tmp_path, "mine").release()
+
+
 # The training script on a tiny model and a token file whose sidecar names its tokenizer.
 def _train(demo, capsys, work, *more):
     root, _ = _data_inputs

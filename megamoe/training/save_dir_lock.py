@@ -115,8 +115,9 @@ def _lock(save_dir: str, run_id: str) -> SaveDirLock:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
             # No flock on this filesystem: the recorded owner decides.
-            if owner is not None and (owner.get("host") != host or _pid_alive(owner.get("pid"))) \
-                    and owner.get("pid") != os.getpid():
+            live = owner is not None and (owner.get("host") != host or (
+                _pid_alive(owner.get("pid")) and owner.get("pid") != os.getpid()))
+            if live:
                 raise SaveDirBusyError(
                     f"--save-dir {save_dir} is in use by another training run, {_describe(owner)} (lock file "
                     f"{path}; this filesystem has no flock, so a run of another host cannot be checked): wait for "
