@@ -613,8 +613,8 @@ def test_save_dir_lock_without_flock_goes_by_the_recorded_owner(tmp_path, monkey
 
 
 # The training script on a tiny model and a token file whose sidecar names its tokenizer.
-def _train(demo, capsys, work, *more):
-    root, _ = _data_inputs
+def _train(demo, capsys, inputs, work, *more):
+    root, _ = inputs
     argv = ["--work-dir", work, *DATA_TINY, "--data", root / "c.bin", *more]
     code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
     out, err = capsys.readouterr()
@@ -629,36 +629,29 @@ def _one_error_line(code, err, *fragments):
     return lines[0]
 
 
-@pytest.fixture
-def data_inputs(inputs):
-    global _data_inputs
-    _data_inputs = inputs
-    return inputs
-
-
-def test_script_resumes_a_step_folder_or_a_chosen_step_and_keeps_n(demo, data_inputs, tmp_path, capsys, caplog):
+def test_script_resumes_a_step_folder_or_a_chosen_step_and_keeps_n(demo, inputs, tmp_path, capsys, caplog):
     caplog.set_level(logging.INFO, logger="pretrain_moe")
     work = tmp_path / "work"
     ckpt = work / "checkpoints"                                  # the default: under --work-dir
-    code, _, err = _train(demo, capsys, work, "--steps", 3, "--save-every", 1, "--keep-checkpoints", 3)
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 3, "--save-every", 1, "--keep-checkpoints", 3)
     assert code == 0, err
     assert _steps(ckpt) == [1, 2, 3]
     # A step folder of the save dir: that step, and its later checkpoints move aside (not pruned, not resumed).
-    code, _, err = _train(demo, capsys, work, "--steps", 3, "--save-every", 1, "--keep-checkpoints", 3,
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 3, "--save-every", 1, "--keep-checkpoints", 3,
                           "--load-dir", ckpt / "step_00000002")
     assert code == 0, err
     assert f"resuming from {ckpt / 'step_00000002'} at step 2" in caplog.text
     replaced, = ckpt.glob("replaced_*")
     assert [p.name for p in replaced.iterdir()] == ["step_00000003"] and _steps(ckpt) == [1, 2, 3]
     caplog.clear()
-    code, _, err = _train(demo, capsys, work, "--steps", 2, "--save-every", 1, "--keep-checkpoints", 1,
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 2, "--save-every", 1, "--keep-checkpoints", 1,
                           "--load-step", 1)
     assert code == 0, err
     assert f"resuming from {ckpt / 'step_00000001'} at step 1" in caplog.text and _steps(ckpt) == [2]
     assert sorted(p.name for p in ckpt.glob("replaced_*/*")) == ["step_00000002", "step_00000003", "step_00000003"]
-    code, _, err = _train(demo, capsys, work, "--steps", 3, "--load-step", 9)
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 3, "--load-step", 9)
     _one_error_line(code, err, "--load-step 9", "holds no checkpoint of step 9; its steps: 2")
-    code, _, err = _train(demo, capsys, work, "--keep-checkpoints", 0)
+    code, _, err = _train(demo, capsys, inputs, work, "--keep-checkpoints", 0)
     _one_error_line(code, err, "--keep-checkpoints must be >= 1")
 
 
@@ -673,35 +666,35 @@ def _same_size_other_tokenizer(source, target):
     shutil.copy(source / "tokenizer_config.json", target)
 
 
-def test_script_refuses_a_checkpoint_of_another_model_or_tokenizer(demo, data_inputs, tmp_path, capsys):
-    root, _ = data_inputs
+def test_script_refuses_a_checkpoint_of_another_model_or_tokenizer(demo, inputs, tmp_path, capsys):
+    root, _ = inputs
     work = tmp_path / "work"
     documents = ["--data", root / "a.jsonl", "--text-field", "body"]     # (the last --data wins)
-    code, _, err = _train(demo, capsys, work, "--steps", 1, *documents, "--tokenizer", root / "tok")
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 1, *documents, "--tokenizer", root / "tok")
     assert code == 0, err
     _same_size_other_tokenizer(root / "tok", tmp_path / "tok2")
-    code, _, err = _train(demo, capsys, work, "--steps", 2, *documents, "--tokenizer", tmp_path / "tok2")
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 2, *documents, "--tokenizer", tmp_path / "tok2")
     _one_error_line(code, err, "step_00000001 was saved with another model or tokenizer than this run's",
                     "the tokenizer (tokenizer.json in", "--allow-foreign-checkpoint")
-    code, _, err = _train(demo, capsys, work, "--steps", 2, "--hidden", 32)
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 2, "--hidden", 32)
     _one_error_line(code, err, "hidden_size 16 -> 32")
     assert _steps(work / "checkpoints") == [1]
-    code, _, err = _train(demo, capsys, work, "--steps", 2, *documents, "--tokenizer", tmp_path / "tok2",
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 2, *documents, "--tokenizer", tmp_path / "tok2",
                           "--allow-foreign-checkpoint")
     assert code == 0, err
     assert _steps(work / "checkpoints") == [1, 2]
 
 
-def test_a_diverged_run_keeps_the_last_good_checkpoint_and_names_it(demo, data_inputs, tmp_path, capsys):
+def test_a_diverged_run_keeps_the_last_good_checkpoint_and_names_it(demo, inputs, tmp_path, capsys):
     """Resumed with --lr 1e30: one update to weights ~1e30, then every step is skipped. Its saves are
     marked suspect, the newest good checkpoint survives pruning, and the final error names it."""
     work = tmp_path / "work"
     ckpt = work / "checkpoints"
-    code, _, err = _train(demo, capsys, work, "--steps", 2, "--save-every", 1)
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 2, "--save-every", 1)
     assert code == 0, err
     good = read_manifest(ckpt / "step_00000002")["extra"]["health"]
     assert good["suspect"] is None and good["skipped_steps"] == 0 and good["weight_norm"] > 0
-    code, _, err = _train(demo, capsys, work, "--steps", 16, "--save-every", 1, "--lr", 1e30,
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 16, "--save-every", 1, "--lr", 1e30,
                           "--override-opt-param-scheduler", "--max-skipped-steps", 2)
     line = _one_error_line(code, err, "training stopped at step", "consecutive steps were non-finite",
                            f"The last good checkpoint is {ckpt / 'step_00000002'}")
@@ -714,15 +707,15 @@ def test_a_diverged_run_keeps_the_last_good_checkpoint_and_names_it(demo, data_i
     assert last_good_checkpoint(ckpt) == checkpoint_path(ckpt, 2)
 
 
-def test_a_second_run_into_a_locked_save_dir_is_refused(demo, data_inputs, tmp_path, capsys):
+def test_a_second_run_into_a_locked_save_dir_is_refused(demo, inputs, tmp_path, capsys):
     work = tmp_path / "work"
     held = lock_save_dir(work / "checkpoints", "the-first-run")
     try:
-        code, _, err = _train(demo, capsys, work, "--steps", 2)
+        code, _, err = _train(demo, capsys, inputs, work, "--steps", 2)
         _one_error_line(code, err, f"--save-dir {work / 'checkpoints'} is in use by another training run, run "
                                    f"the-first-run (host {socket.gethostname()}, pid {os.getpid()}")
         assert _steps(work / "checkpoints") == []
     finally:
         held.release()
-    code, _, err = _train(demo, capsys, work, "--steps", 2)
+    code, _, err = _train(demo, capsys, inputs, work, "--steps", 2)
     assert code == 0, err
