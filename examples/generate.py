@@ -14,7 +14,7 @@ Without --dispatcher the MoE layers run the checkpoint's dispatcher if it fits t
 one that does (e.g. alltoall with etp = tp for EP over data-parallel ranks), and the log says so.
 
 Prompts are tokenized with the checkpoint's tokenizer: ``--tokenizer``, by default the files a
-conversion keeps in ``CKPT/hf_files/``, else ``CKPT`` itself (``tokenizer.json`` or a sentencepiece
+conversion or a training run keeps in ``CKPT/hf_files/``, else ``CKPT`` itself (``tokenizer.json`` or a sentencepiece
 ``.model``). ``--prompt-ids`` needs no tokenizer. Rank 0 prints every generation; ``--output-json``
 also saves prompts, ids, texts and timings (decode tokens/s leave out the time --compile spends
 compiling, which is reported apart), and ``--record-expert-load`` the per-layer router token

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import read_manifest
+from checkpoint_tools.format import CheckpointError, read_manifest
 from checkpoint_tools.placements import build_placements
 from megamoe import comms
 from megamoe.data.corpus import stdlib_corpus_files
@@ -45,7 +45,7 @@ from megamoe.data.data_arguments import (add_data_arguments, check_data_argument
 from megamoe.data.eval_split import eval_batches
 from megamoe.data.packing import add_packing_arguments, packed_micro_batch, packing_config_from_args
 from megamoe.data.resumable_sampler import ResumableSampler
-from megamoe.data.token_dataset import build_token_file, token_file_matches
+from megamoe.data.token_dataset import build_token_file, recorded_tokenizer, sidecar_path, token_file_matches
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
@@ -62,10 +62,16 @@ from megamoe.pipeline import describe_pipeline_schedule
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
 from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoint_run_id,
-                                         expert_placements_from_checkpoint, latest_checkpoint,
+                                         expert_placements_from_checkpoint, foreign_checkpoint_differences,
                                          list_checkpoints, load_training_checkpoint, new_run_id, prune_checkpoints,
-                                         save_training_checkpoint)
-from megamoe.training.hf_export import export_final_checkpoint, provenance_for_export, with_tokenizer
+                                         resolve_resume_checkpoint, save_training_checkpoint,
+                                         verify_resume_checkpoint)
+from megamoe.training.checkpoint_health import Health, HealthMonitor
+from megamoe.training.grad_sync import global_param_norm
+from megamoe.training.hf_export import (export_final_checkpoint, provenance_for_export, tokenizer_side_files,
+                                        with_tokenizer)
+from megamoe.training.non_finite import NonFiniteTrainingError
+from megamoe.training.save_dir_lock import lock_save_dir
 from megamoe.training.hf_start import hf_start_config, start_from_hf
 from megamoe.training.model_config_file import read_model_config_file
 from megamoe.training.evaluation import evaluate_loss
@@ -84,7 +90,6 @@ logger = logging.getLogger("pretrain_moe")
 
 PROG = "pretrain_moe.py"
 HEADS = 4
-KEEP_LAST_CHECKPOINTS = 2
 # A few samples at a moderate temperature show what the model learnt better than the greedy one alone,
 # which a small model soon locks into a loop (e.g. a run of digits).
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K, NUM_SAMPLES = 0.8, 40, 3
@@ -140,13 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     t.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
     t.add_argument("--seed", type=int, default=1234, help="seed of the weights, the data order and the samples")
-    t.add_argument("--save-dir", type=Path, default=Path("runs/pretrain_moe/checkpoints"),
-                   help="checkpoints are written here (atomically, keeping the last two of this run); if it "
-                        "holds checkpoints already, the run resumes from the newest")
+    t.add_argument("--save-dir", type=Path, default=None,
+                   help="checkpoints are written here (atomically, keeping the last --keep-checkpoints of this run "
+                        "and the newest good one); if it holds checkpoints already, the run resumes from the newest; "
+                        "locked while the run lasts (a second run into it is refused) "
+                        "(default: checkpoints/ in --work-dir)")
+    t.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                   help="checkpoints of this run kept in --save-dir (older ones are deleted; the newest good one, "
+                        "written before any divergence, is always kept)")
     t.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
     t.add_argument("--load-dir", type=Path, default=None,
-                   help="start from the newest checkpoint in this directory (any layout); default: --save-dir's "
-                        "newest, if any")
+                   help="start from the newest checkpoint in this directory, or from this checkpoint folder (a "
+                        "step_N folder; any layout); default: --save-dir's newest, if any")
+    t.add_argument("--load-step", type=int, default=None, metavar="N",
+                   help="start from the checkpoint of step N (in --load-dir, else --save-dir) instead of the newest; "
+                        "resuming an earlier step of --save-dir moves its later checkpoints aside into "
+                        "<save-dir>/replaced_<run id>/")
+    t.add_argument("--allow-foreign-checkpoint", action="store_true",
+                   help="resume a checkpoint although it was saved with another model config or tokenizer than this "
+                        "run's (refused by default, naming what differs)")
     add_no_verify_checksums_argument(t)
     t.add_argument("--overwrite", action="store_true",
                    help="start afresh although --save-dir holds checkpoints: they are first moved aside into "
@@ -187,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "placements over the slots, as megamoe-convert import-hf applies them")
     d.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
                    help="tokenizer file or directory (sentencepiece .model or HF tokenizer.json); default: the "
-                        "--hf-model directory's own, else a sentencepiece model trained on the corpus")
+                        "--hf-model directory's own; with --data token files, the tokenizer their sidecars record "
+                        "(when it is still there, unchanged); without --data, a sentencepiece model trained on the "
+                        "corpus")
     d.add_argument("--export-hf", type=Path, default=None, metavar="OUT",
                    help="at the end, write the final checkpoint as a HuggingFace model directory (with the "
                         "tokenizer and side files) that transformers loads; OUT must not exist")
@@ -201,7 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.save_dir is None:       # each --work-dir its own checkpoints: another run never resumes the demo's
+        args.save_dir = args.work_dir / "checkpoints"
+    return args
 
 
 def model_config(args, vocab_size: int) -> GPTMoEConfig:
@@ -259,12 +281,25 @@ def model_source(args) -> ModelSource:
     except ValueError as e:
         raise UsageError(f"{_model_flag(args).split()[0]}: {e}") from None
     tokenizer_path = args.tokenizer if args.tokenizer is not None else args.hf_model
+    if tokenizer_path is None:
+        tokenizer_path = data_tokenizer_path(args)
     if tokenizer_path is not None:
         try:
             tokenizer = Tokenizer.from_path(tokenizer_path)
         except (ValueError, OSError, ImportError) as e:
             raise UsageError(f"--tokenizer {tokenizer_path}: {e}") from None
     return ModelSource(config, provenance, tokenizer)
+
+
+def data_tokenizer_path(args) -> Path | None:
+    """The tokenizer the sidecars of the --data / --eval-data token files record, when they all record the
+    same one and it is still there unchanged (None otherwise: --tokenizer is needed, as before)."""
+    tokenizers = [recorded_tokenizer(path) for path in [*(args.data or []), *args.eval_data]
+                  if sidecar_path(path).is_file()]
+    if not tokenizers or None in tokenizers or len({t.sha256 for t in tokenizers}) != 1:
+        return None
+    logger.info("tokenizer: %s, which the --data token files record", tokenizers[0].path)
+    return tokenizers[0].path
 
 
 def _check_model_source(args, source: ModelSource) -> tuple[GPTMoEConfig, HFProvenance | None]:
@@ -445,42 +480,64 @@ def _check_directory_flag(flag: str, path: Path) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StartPlan:
-    """Where a run starts: ``resume_from`` (a checkpoint, or None: fresh weights), whether that is
-    --save-dir's own newest checkpoint, and whether --overwrite moves --save-dir's checkpoints aside."""
+    """Where a run starts: ``resume_from`` (a checkpoint, or None: fresh weights), whether that is one of
+    --save-dir's own checkpoints, and which of --save-dir's checkpoints are moved aside first: those of
+    steps after ``move_aside_after`` (None: none; -1: all, --overwrite; a step: the later ones, when a run
+    resumes an earlier step of its own directory)."""
 
     resume_from: str | None
     resumes_save_dir: bool
-    move_aside: bool
+    move_aside_after: int | None
+
+
+def _resume_checkpoint(flag: str, location: Path, step: int | None) -> str:
+    try:
+        return resolve_resume_checkpoint(location, step)
+    except CheckpointError as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 def plan_start(args) -> StartPlan:
     """Check the output paths and decide where the run starts; reads, never writes."""
     _check_directory_flag("--work-dir", args.work_dir)
     _check_directory_flag("--save-dir", args.save_dir)
+    if args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
+    if args.load_step is not None and args.load_step < 0:
+        raise UsageError(f"--load-step must be >= 0, got {args.load_step}")
     log = log_path(args)
     if log.is_dir():
         raise UsageError(f"--log-json {log} is a directory; name a file")
     if args.log_json is not None and not log.parent.is_dir():
         raise UsageError(f"--log-json {log}: folder {log.parent} does not exist; create it or choose another path")
     saved = list_checkpoints(args.save_dir)
-    same_dir = args.load_dir is not None and args.load_dir.resolve() == args.save_dir.resolve()
-    if args.overwrite and same_dir:
-        raise UsageError(f"--overwrite with --load-dir equal to --save-dir ({args.save_dir}) would move aside the "
-                         "checkpoint to load; drop one of them")
-    if args.load_dir is not None and not same_dir:
-        resume_from = latest_checkpoint(args.load_dir)
-        if resume_from is None:
-            raise UsageError(f"--load-dir {args.load_dir}: no complete checkpoint found there")
+    save_dir = args.save_dir.resolve()
+    # --load-dir naming --save-dir, or one of its step folders, continues this directory's run.
+    own = args.load_dir is not None and (args.load_dir.resolve() == save_dir or (
+        args.load_dir.resolve().parent == save_dir and args.load_dir.name.startswith("step_")))
+    if args.overwrite and own:
+        raise UsageError(f"--overwrite with --load-dir {args.load_dir} in --save-dir ({args.save_dir}) would move "
+                         "aside the checkpoint to load; drop one of them")
+    if args.load_dir is not None and not own:
+        resume_from = _resume_checkpoint("--load-dir", args.load_dir, args.load_step)
         if saved and not args.overwrite:
             raise UsageError(f"--save-dir {args.save_dir} already holds checkpoints of another run (newest: step "
                              f"{saved[-1][0]}); pass --overwrite to move them aside, or choose another --save-dir")
-        plan = StartPlan(resume_from, False, args.overwrite)
+        plan = StartPlan(resume_from, False, -1 if args.overwrite else None)
     elif args.overwrite:
-        plan = StartPlan(None, False, True)
+        if args.load_step is not None:
+            raise UsageError(f"--load-step {args.load_step} with --overwrite: --overwrite starts afresh; drop one of "
+                             "them (or give --load-dir to start from another directory's checkpoint)")
+        plan = StartPlan(None, False, -1)
+    elif saved or own or args.load_step is not None:
+        resume_from = (_resume_checkpoint("--load-dir", args.load_dir, args.load_step) if own else
+                       _resume_checkpoint("--save-dir" if args.load_step is None else
+                                          f"--load-step {args.load_step}: --save-dir", args.save_dir, args.load_step))
+        step = next((s for s, path in saved if Path(path).resolve() == Path(resume_from).resolve()), None)
+        later = step is not None and step < saved[-1][0]
+        plan = StartPlan(resume_from, True, step if later else None)
     else:
-        if same_dir and not saved:
-            raise UsageError(f"--load-dir {args.load_dir}: no complete checkpoint found there")
-        plan = StartPlan(saved[-1][1] if saved else None, bool(saved), False)
+        plan = StartPlan(None, False, None)
     if plan.resume_from is not None:
         manifest = read_manifest(plan.resume_from)              # a cut or foreign manifest fails here, early
         if not isinstance(manifest.get("extra"), dict) or "step" not in manifest["extra"]:
@@ -523,17 +580,30 @@ def stdlib_token_file(args, rank: int, world_group, tokenizer: Tokenizer | None)
     return tokenizer, token_file
 
 
-def move_aside(save_dir: Path, run_id: str) -> None:
-    """--overwrite: move the previous run's checkpoints (and what interrupted saves left) out of the way,
-    into ``<save_dir>/replaced_<run_id>/``, which checkpoint listing and pruning ignore."""
-    entries = sorted(save_dir.glob("step_*")) if save_dir.is_dir() else []
+def move_aside(save_dir: Path, run_id: str, after_step: int = -1) -> None:
+    """Move --save-dir's checkpoints of steps after ``after_step`` (and what interrupted saves of those steps
+    left) out of the way, into ``<save_dir>/replaced_<run_id>/``, which checkpoint listing and pruning
+    ignore: all of them for --overwrite (-1), the later ones when a run resumes an earlier step of its own
+    directory (they belong to the timeline it abandons, and would otherwise be pruned or resumed as its own)."""
+    entries = sorted(entry for entry in save_dir.glob("step_*") if _step_of_entry(entry) > after_step) \
+        if save_dir.is_dir() else []
     if not entries:
         return
-    destination = save_dir / f"replaced_{run_id}"
+    destination, attempt = save_dir / f"replaced_{run_id}", 1
+    while destination.exists():         # a run that rolls back twice keeps both timelines it abandoned
+        attempt += 1
+        destination = save_dir / f"replaced_{run_id}.{attempt}"
     destination.mkdir()
     for entry in entries:
         os.replace(entry, destination / entry.name)
-    logger.info("--overwrite: moved %d entries of the previous run to %s", len(entries), destination)
+    logger.info("%s: moved %d entries of the previous run to %s", "--overwrite" if after_step < 0 else
+                f"resuming step {after_step}", len(entries), destination)
+
+
+def _step_of_entry(entry: Path) -> int:
+    """The step of a ``step_<N>[.old|.tmp-...]`` entry of a save directory (-1: none)."""
+    digits = entry.name.removeprefix("step_").split(".")[0]
+    return int(digits) if digits.isdigit() else -1
 
 
 def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
@@ -550,6 +620,28 @@ def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
         text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed}) "
                  f"---\n{args.sample_prompt}{tokenizer.decode(ids)}" for i, ids in enumerate(sampled.token_ids)]
         print("\n" + "\n".join(text) + "\n---------------------", flush=True)
+
+
+def check_same_model(args, checkpoint: str, model, tokenizer_files: dict[str, bytes] | None) -> None:
+    """Refuse (UsageError naming what differs) to resume a checkpoint of another model config or tokenizer
+    than this run's, unless --allow-foreign-checkpoint (then a warning)."""
+    differences = foreign_checkpoint_differences(checkpoint, model.config.to_dict(), tokenizer_files)
+    if not differences:
+        return
+    if args.allow_foreign_checkpoint:
+        logger.warning("--allow-foreign-checkpoint: resuming %s, saved with another model: %s", checkpoint,
+                       "; ".join(differences))
+        return
+    raise UsageError(f"{checkpoint} was saved with another model or tokenizer than this run's: "
+                     f"{'; '.join(differences[:8])}{'; ...' if len(differences) > 8 else ''}. Give this run its own "
+                     "--save-dir (or --work-dir), --overwrite to move those checkpoints aside, or "
+                     "--allow-foreign-checkpoint to load them anyway")
+
+
+def _suspect_reason(checkpoint: str) -> str:
+    extra = read_manifest(checkpoint).get("extra") or {}
+    recorded = Health.from_dict(extra.get("health"))
+    return recorded.suspect if recorded is not None and recorded.suspect else "not verified finite"
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -598,8 +690,6 @@ def main(argv=None) -> int:
     # checkpoints of the run; a fresh start (or another --load-dir) is a new run.
     inherited = checkpoint_run_id(plan.resume_from) if plan.resumes_save_dir else None
     run_id = comms.all_gather_object(inherited or new_run_id(), world_group)[0]
-    if rank == 0 and plan.move_aside:
-        move_aside(args.save_dir, run_id)
 
     # Token ids are checked against the tokenizer's vocabulary where there is one: the model's may be
     # larger (padded, or an HF config's round number), and would let ids no tokenizer makes train silently.
@@ -614,6 +704,8 @@ def main(argv=None) -> int:
                                  default_train_paths=default_paths)
     packing = packing_config_from_args(args, tokenizer.eos_id if tokenizer is not None else
                                        data.sources[0].source.eos_id)
+    # Every checkpoint carries the tokenizer, as a conversion's does: generate.py finds it there.
+    tokenizer_files = tokenizer_side_files(tokenizer) if tokenizer is not None else None
     logger.info("packed documents: %s", packing or "off (plain causal rows)")
     torch.manual_seed(args.seed)
     provenance = source.provenance
@@ -665,11 +757,18 @@ def main(argv=None) -> int:
     logger.info("%s", describe_pipeline_schedule(state.pp.size, sampler.num_micro_batches,
                                                  args.virtual_pipeline_stages))
     if plan.resume_from is not None:
+        check_same_model(args, plan.resume_from, model, tokenizer_files)
+        if args.verify_checksums:
+            verify_resume_checkpoint(plan.resume_from, world_group=world_group)
         extra = load_training_checkpoint(plan.resume_from, trainer, world_group=world_group,
                                          verify_checksums=args.verify_checksums,
                                          override_lr_schedule=args.override_opt_param_scheduler)
         sampler.load_state_dict(extra["sampler_state"])
         logger.info("resuming from %s at step %d (run %s)", plan.resume_from, trainer.step, run_id)
+    # Before the first write into --save-dir (and after every check a user error can fail: none leaves it behind).
+    save_dir_lock = lock_save_dir(args.save_dir, run_id, world_group=world_group)
+    if rank == 0 and plan.move_aside_after is not None:
+        move_aside(args.save_dir, run_id, plan.move_aside_after)
     if trainer.step >= args.steps:
         logger.info("nothing to train: the run is at step %d and --steps is %d (raise --steps to train further)",
                     trainer.step, args.steps)
@@ -686,13 +785,21 @@ def main(argv=None) -> int:
                                dp_rank=state.dp.rank, dp_size=state.dp.size, num_samples=num_samples)
         return evaluate_loss(model, state, packed([mb for step in batches for mb in step]), world_group=world_group)
 
+    health = HealthMonitor.resuming(plan.resume_from)
+    if plan.resume_from is not None and health.reference_path != plan.resume_from:
+        logger.warning("%s is not a good checkpoint (%s). %s", plan.resume_from,
+                       _suspect_reason(plan.resume_from), health.rollback_advice())
     records, last_saved = [], plan.resume_from
     with metric_sinks_from_arguments(args, rank=rank, jsonl_path=log_path(args), run_config=_json_args(args)) as sinks:
         sinks.start_run({"run_id": run_id, "resumed_from": plan.resume_from,
                          "resumed_from_step": trainer.step if plan.resume_from is not None else None,
                          "args": _json_args(args)})
         while trainer.step < args.steps:
-            m = trainer.train_step(packed([data.train.batch(indices) for indices in sampler.next_micro_batches()]))
+            try:
+                m = trainer.train_step(packed([data.train.batch(indices) for indices in sampler.next_micro_batches()]))
+            except NonFiniteTrainingError as e:
+                raise NonFiniteTrainingError(f"{e}. {health.rollback_advice()}") from None
+            health.record(m)
             record = step_record(m)
             record.pop("eplb")                  # a rebalance has its own line, below
             records.append(record)
@@ -711,11 +818,18 @@ def main(argv=None) -> int:
                 logger.info("step %4d  eval loss %.4f", m.step, eval_loss)
             if m.step % args.save_every == 0 or m.step == args.steps:
                 path = checkpoint_path(args.save_dir, m.step)
+                verdict = health.judge(global_param_norm(model, state, world_group,
+                                                         tied_params=model.tied_parameters()))
                 save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group,
-                                         run_id=run_id, hf_provenance=provenance)
+                                         run_id=run_id, hf_provenance=provenance, side_files=tokenizer_files,
+                                         health=verdict.to_dict())
+                health.saved(verdict, path)
                 if rank == 0:
-                    prune_checkpoints(args.save_dir, keep_last=KEEP_LAST_CHECKPOINTS, run_id=run_id)
-                logger.info("saved %s", path)
+                    prune_checkpoints(args.save_dir, keep_last=args.keep_checkpoints, run_id=run_id)
+                if verdict.suspect is None:
+                    logger.info("saved %s", path)
+                else:
+                    logger.warning("saved %s, marked suspect: %s. %s", path, verdict.suspect, health.rollback_advice())
                 last_saved = path
 
     if args.export_hf is not None:
@@ -730,6 +844,8 @@ def main(argv=None) -> int:
         print_samples(model, state, tokenizer, args, rank)
     if rank == 0 and records:
         plot(records, args.work_dir / "loss.png")
+    if save_dir_lock is not None:
+        save_dir_lock.release()
     if dist.is_initialized():
         destroy_model_parallel()
     return 0

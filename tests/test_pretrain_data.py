@@ -3,6 +3,9 @@ weight, held-out eval, packing; and every bad-data case ends in one ``error:`` l
 (and line) before any training, with nothing half-written."""
 
 import json
+import re
+import runpy
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ from megamoe.launch import run_script
 from test_hf_start import save_tokenizer, sentences
 from test_indexed_dataset import write_megatron
 
+GENERATE = str(Path(__file__).resolve().parent.parent / "examples" / "generate.py")
 TINY = ["--hidden", 16, "--layers", 2, "--experts", 4, "--top-k", 2, "--seq-len", 16, "--global-batch", 4,
         "--micro-batch", 2, "--sample-tokens", 0, "--save-every", 100, "--expert-backend", "torch"]
 
@@ -175,3 +179,26 @@ def test_a_resumed_run_holds_out_the_same_documents(demo, inputs, tmp_path, caps
         steps = {**losses(first, key), **losses(resumed, key)}
         assert sorted(steps) == sorted(losses(straight, key)) == [1, 2], key
         assert steps == pytest.approx(losses(straight, key), rel=1e-6), key
+
+
+def test_token_files_bring_their_tokenizer_and_every_checkpoint_generates(demo, inputs, tmp_path, capsys,
+                                                                          monkeypatch):
+    """--data tokens.bin without --tokenizer: the tokenizer its sidecar records (samples need one). The
+    checkpoints go under --work-dir and carry the tokenizer, so generate.py CKPT --prompt runs on each."""
+    root, tokenizer = inputs
+    argv = ["--work-dir", tmp_path / "work", *TINY, "--data", root / "c.bin", "--steps", 2, "--save-every", 1,
+            "--sample-tokens", 2]
+    code, out, err = _run(demo, argv, capsys)
+    assert code == 0, err
+    assert "--- greedy sample ---" in out
+    checkpoints = sorted((tmp_path / "work" / "checkpoints").glob("step_*"))
+    assert [p.name for p in checkpoints] == ["step_00000001", "step_00000002"]
+    for checkpoint in checkpoints:
+        tokenizer_file = checkpoint / "hf_files" / "tokenizer.json"
+        assert tokenizer_file.read_bytes() == (root / "tok" / "tokenizer.json").read_bytes()
+        monkeypatch.setattr(sys, "argv", [GENERATE, str(checkpoint), "--prompt", "the cat", "--max-new-tokens", "3"])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(GENERATE, run_name="__main__")
+        out, err = capsys.readouterr()
+        assert exited.value.code == 0, err
+        assert re.search(r"--- request 0 \(length, 3 tokens\) ---\nthe cat", out), out

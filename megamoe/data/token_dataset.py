@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "check_token_file_targets", "build_token_file",
-    "write_token_file", "token_file_matches", "TokenDataset", "micro_batches",
+    "write_token_file", "token_file_matches", "TokenDataset", "micro_batches", "recorded_tokenizer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -228,6 +228,17 @@ def token_file_matches(path: str | os.PathLike, tokenizer: Tokenizer) -> bool:
                 and path.stat().st_size == meta.num_tokens * meta.numpy_dtype.itemsize)
     except (OSError, ValueError):
         return False
+
+
+def recorded_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
+    """The tokenizer the sidecar of the token file ``path`` records (``tokenizer_path``), when it is still
+    there with the recorded digest; None when there is no valid sidecar or the tokenizer moved or changed."""
+    try:
+        meta = TokenFileMeta.read(sidecar_path(path))
+        tokenizer = Tokenizer.from_path(meta.tokenizer_path)
+        return tokenizer if tokenizer.sha256 == meta.tokenizer_sha256 else None
+    except (OSError, ValueError, ImportError):
+        return None
 
 
 class TokenDataset:

@@ -29,8 +29,12 @@ older checkpoints intact); :func:`latest_checkpoint` finds what a resumed run lo
 place, so that a run can be rolled back past a bad step (a loss spike, a NaN) to an earlier checkpoint.
 
 What pruning keeps. A save refuses non-finite parameters or optimizer state (a diverged run must not
-replace good checkpoints with NaNs) and records ``verified_finite``; pruning never deletes the newest
-checkpoint so verified (older checkpoints without the flag count as unknown). A save records the
+replace good checkpoints with NaNs) and records ``verified_finite``. Finite is not enough (weights of
+1e30 are finite): a save may also record ``health`` (:mod:`megamoe.training.checkpoint_health`), the
+run's loss, grad norm and weight norm against the last good checkpoint's, with ``suspect`` naming what
+went wrong. Pruning never deletes the newest GOOD checkpoint: verified finite and not suspect (older
+checkpoints without the flag count as unknown), so a run that went bad can be rolled back to the newest
+checkpoint written before the trouble began (:func:`last_good_checkpoint`). A save records the
 ``run_id`` it is given; pruning with a ``run_id`` deletes only that run's checkpoints, so a run never
 loses its new checkpoints to the higher steps of another run sharing the directory, nor deletes them.
 
@@ -67,6 +71,8 @@ from megamoe.precision import has_non_finite
 __all__ = [
     "HFProvenance", "save_training_checkpoint", "load_training_checkpoint", "expert_placements_from_checkpoint",
     "checkpoint_path", "list_checkpoints", "latest_checkpoint", "prune_checkpoints", "new_run_id", "checkpoint_run_id",
+    "resolve_resume_checkpoint", "verify_resume_checkpoint", "is_good_checkpoint", "last_good_checkpoint",
+    "previous_intact_checkpoint", "foreign_checkpoint_differences",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +82,13 @@ _STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
 _ENGINE_FIELDS = {"moe.num_expert_slots", "moe.dispatcher", "moe.expert_backend", "moe.input_sharded",
                   "moe.shared_expert_overlap", "recompute.granularity", "recompute.modules", "sequence_parallel",
                   "mtp_loss_coeff", "make_vocab_size_divisible_by"}
+# How training balances the expert load: no weight depends on them, so a run may resume with others
+# (as export_hf sets them aside).
+_TRAINING_FIELDS = {"moe.router.aux_loss_coeff", "moe.router.seq_aux_loss_coeff", "moe.router.z_loss_coeff",
+                    "moe.router.expert_bias_update_rate"}
+# The side files that ARE the tokenizer (its companions only name special tokens): a run's tokenizer
+# and a checkpoint's are the same when these files are.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -179,11 +192,16 @@ def _refuse_non_finite(path, chunks, step: int, world_group) -> None:
 
 
 def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state: dict | None, world_group,
-                             hf_provenance: HFProvenance | None = None, run_id: str | None = None) -> None:
+                             hf_provenance: HFProvenance | None = None, run_id: str | None = None,
+                             side_files: dict[str, bytes] | None = None, health: dict | None = None) -> None:
     """Save ``trainer``'s model, optimizer state and step, ``sampler_state`` (the data position) and every
     rank's RNG states as the checkpoint directory ``path``, atomically. ``hf_provenance`` (of the
     checkpoint the run started from) is stored as ``import-hf`` stores it, so the result exports to HF.
-    ``run_id`` (see :func:`new_run_id`) marks the checkpoint as this run's for :func:`prune_checkpoints`.
+    ``side_files`` (name -> bytes, e.g. the run's tokenizer files) are stored with the provenance's, as
+    conversions store them (``hf_files/``, recorded in ``extra.hf_files``; these win over the provenance's
+    files of the same name), so that generation finds the tokenizer in every checkpoint.
+    ``run_id`` (see :func:`new_run_id`) marks the checkpoint as this run's for :func:`prune_checkpoints`;
+    ``health`` (:meth:`megamoe.training.checkpoint_health.Health.to_dict`) is recorded as ``extra.health``.
 
     Collective over ``world_group`` (every rank of the run; ``None`` for one process): each rank passes
     its own trainer (its pipeline stage and shards) and the same ``path`` and ``run_id``. ``sampler_state``
@@ -204,10 +222,13 @@ def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state:
         "extra": {"step": trainer.step, "sampler_state": sampler_state, "has_optimizer_state": with_optimizer,
                   "verified_finite": True, "training_state": trainer.training_state(),
                   **({"run_id": run_id} if run_id is not None else {}),
+                  **({"health": health} if health is not None else {}),
                   **(hf_provenance.manifest_extra() if hf_provenance is not None else {})},
     }
-    extra_files = {} if hf_provenance is None else {
-        f"{HF_FILES_DIR}/{name}": data for name, data in hf_provenance.files.items()}
+    files = {**(hf_provenance.files if hf_provenance is not None else {}), **(side_files or {})}
+    if files:
+        fields["extra"]["hf_files"] = {name: checksums.bytes_entry(data) for name, data in sorted(files.items())}
+    extra_files = {f"{HF_FILES_DIR}/{name}": data for name, data in files.items()}
     # verify_replicas: copies of one chunk (DP replicas, expert replicas in several slots) must be
     # bitwise equal; they are stored once, so a divergence is caught here, naming the tensor.
     save_checkpoint(path, chunks, group=world_group, manifest_fields=fields,
@@ -221,11 +242,43 @@ def _flatten(value, prefix: str = "") -> dict:
     return {prefix.rstrip("."): value}
 
 
-def _config_differences(saved: dict, current: dict) -> list[str]:
-    """Dotted names of the model-defining fields that differ (engine fields may change freely)."""
+def _config_differences(saved: dict, current: dict, ignore=_ENGINE_FIELDS) -> list[str]:
+    """Dotted names of the model-defining fields that differ (the fields in ``ignore`` may change freely)."""
     saved, current = _flatten(saved), _flatten(current)
     return sorted(k for k in saved.keys() | current.keys()
-                  if k not in _ENGINE_FIELDS and saved.get(k) != current.get(k))
+                  if k not in ignore and saved.get(k) != current.get(k))
+
+
+def foreign_checkpoint_differences(path: str | os.PathLike, model_config: dict,
+                                   tokenizer_files: dict[str, bytes] | None) -> list[str]:
+    """What makes the checkpoint ``path`` another model than a run of ``model_config``
+    (:meth:`GPTMoEConfig.to_dict`) with the tokenizer ``tokenizer_files`` (name -> bytes, None: no
+    tokenizer): each differing model field as ``name saved -> current``, and the tokenizer when the
+    checkpoint records one (``extra.hf_files``) that is not this one. Empty: the same model. Engine choices
+    and the load-balancing coefficients may differ (they change no weight's meaning)."""
+    manifest = read_manifest(path)
+    saved_config = manifest.get("model_config") or {}
+    saved, current = _flatten(saved_config), _flatten(model_config)
+    differences = [f"{name} {saved.get(name)!r} -> {current.get(name)!r}" for name in _config_differences(
+        saved_config, model_config, ignore=_ENGINE_FIELDS | _TRAINING_FIELDS)]
+    recorded = sorted(name for name in (manifest.get("extra") or {}).get("hf_files") or {}
+                      if name in _TOKENIZER_FILES)
+    if recorded and tokenizer_files is not None:
+        directory = os.path.join(resolve_checkpoint(path), HF_FILES_DIR)
+        ours = {name: data for name, data in tokenizer_files.items() if name in _TOKENIZER_FILES}
+        if sorted(ours) != recorded or any(_read_or_none(os.path.join(directory, name)) != ours[name]
+                                           for name in recorded):
+            differences.append(f"the tokenizer ({', '.join(recorded)} in {directory} is not this run's "
+                               f"{', '.join(sorted(ours)) or 'tokenizer'})")
+    return differences
+
+
+def _read_or_none(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _check_lr_schedule(path, extra: dict, trainer, override_lr_schedule: bool) -> None:
@@ -359,6 +412,85 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
+def _checkpoint_step(path: str) -> int | None:
+    step = _saved_extra(path).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def resolve_resume_checkpoint(location: str | os.PathLike, step: int | None = None) -> str:
+    """The checkpoint to resume from ``location``: a checkpoint directory itself (e.g. one ``step_N``
+    folder), or a directory of step-numbered checkpoints, whose ``step`` (default: the newest) is taken.
+    Raises CheckpointError saying what ``location`` holds instead."""
+    location = os.fspath(location)
+    if os.path.isfile(os.path.join(location, MANIFEST_FILE)):
+        saved = _checkpoint_step(location)
+        if step is not None and saved != step:
+            raise CheckpointError(f"{location} is the checkpoint of step {saved}, not of step {step}: name the folder "
+                                  "that holds it, or its step folder")
+        return location
+    checkpoints = dict(list_checkpoints(location))
+    if not checkpoints:
+        raise CheckpointError(f"{location}: no complete checkpoint found there (neither a checkpoint folder nor a "
+                              "folder of step_N checkpoints)")
+    if step is None:
+        return checkpoints[max(checkpoints)]
+    if step not in checkpoints:
+        raise CheckpointError(f"{location} holds no checkpoint of step {step}; its steps: "
+                              f"{', '.join(str(s) for s in sorted(checkpoints))}")
+    return checkpoints[step]
+
+
+def is_good_checkpoint(extra: dict) -> bool:
+    """Whether a checkpoint's manifest ``extra`` says it is good: verified finite, and not found suspect
+    against the run's last good checkpoint (:mod:`megamoe.training.checkpoint_health`)."""
+    health = extra.get("health")
+    return extra.get("verified_finite") is True and not (isinstance(health, dict) and health.get("suspect"))
+
+
+def last_good_checkpoint(directory: str | os.PathLike, *, before_step: int | None = None) -> str | None:
+    """The newest good checkpoint (:func:`is_good_checkpoint`) in ``directory``, of a step below
+    ``before_step`` if given; None: there is none."""
+    good = [path for step, path in list_checkpoints(directory)
+            if (before_step is None or step < before_step) and is_good_checkpoint(_saved_extra(path))]
+    return good[-1] if good else None
+
+
+def previous_intact_checkpoint(path: str | os.PathLike, *, world_group=None) -> str | None:
+    """The newest checkpoint before ``path`` (a ``step_N`` folder) in its directory whose files all match
+    its manifest (sizes and checksums): what to resume from when ``path`` turns out damaged. Collective
+    over ``world_group``: the ranks share out the hashing. None: no earlier checkpoint is intact."""
+    directory, name = os.path.split(os.path.normpath(os.fspath(path)))
+    match = _STEP_DIR.fullmatch(name)
+    if match is None:
+        return None
+    for _, candidate in reversed([c for c in list_checkpoints(directory) if c[0] < int(match.group(1))]):
+        try:
+            root = resolve_checkpoint(candidate)
+            manifest = read_manifest(root)
+            integrity.verify_files(root, manifest, manifest["files"], group=world_group)
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+            continue
+        return candidate
+    return None
+
+
+def verify_resume_checkpoint(path: str | os.PathLike, *, world_group) -> None:
+    """Check every file of the checkpoint ``path`` against its manifest (sizes and checksums) before a run
+    resumes from it: collective over ``world_group``, the ranks share out the hashing, and the load that
+    follows finds the files verified (no second hashing). A damaged file raises CheckpointError naming it
+    and the newest earlier checkpoint of the same directory that is intact (:func:`previous_intact_checkpoint`)."""
+    root = resolve_checkpoint(path)
+    manifest = read_manifest(root)
+    try:
+        integrity.verify_files(root, manifest, manifest["files"], group=world_group)
+    except CheckpointError as e:
+        previous = previous_intact_checkpoint(path, world_group=world_group)
+        advice = (f"the previous intact checkpoint is {previous} (step {_checkpoint_step(previous)}): resume from it "
+                  f"(pretrain_moe.py: --load-step {_checkpoint_step(previous)})" if previous is not None else
+                  f"no earlier checkpoint in {os.path.dirname(os.path.normpath(os.fspath(path)))} is intact")
+        raise CheckpointError(f"{e}; {advice}") from None
+
+
 def new_run_id() -> str:
     """A fresh run id for :func:`save_training_checkpoint` / :func:`prune_checkpoints`: the UTC start
     time and a random suffix. Create it on one rank and share it: every rank must pass the same."""
@@ -386,16 +518,16 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int, *, run_id: s
 
     With ``run_id`` only that run's checkpoints (saved with the same ``run_id``) count and may go:
     another run's, or one without a run id, is never deleted, whatever its step, and nor is what an
-    interrupted save left at a step that is not pruned here. In every case the
-    newest checkpoint verified finite (``extra.verified_finite``) is kept, so a run whose last
-    checkpoints went bad can still be rolled back.
+    interrupted save left at a step that is not pruned here. In every case the newest good checkpoint
+    (:func:`is_good_checkpoint`: verified finite, not suspect) is kept, so a run whose last checkpoints
+    went bad can still be rolled back to the newest one written before the trouble began.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
     checkpoints = list_checkpoints(directory)
     extras = {path: _saved_extra(path) for _, path in checkpoints}
-    finite = [path for _, path in checkpoints if extras[path].get("verified_finite") is True]
-    protected = set(finite[-1:])
+    good = [path for _, path in checkpoints if is_good_checkpoint(extras[path])]
+    protected = set(good[-1:])
     if run_id is not None:
         checkpoints = [(step, path) for step, path in checkpoints if extras[path].get("run_id") == run_id]
     if not checkpoints:

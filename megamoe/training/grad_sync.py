@@ -45,7 +45,7 @@ from megamoe.sharding import get_shard_spec
 from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
                                            plan_buckets)
 
-__all__ = ["GradientSync", "clip_grad_norm_", "global_grad_norm"]
+__all__ = ["GradientSync", "clip_grad_norm_", "global_grad_norm", "global_param_norm"]
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float = 1.0) -> None:
@@ -230,10 +230,21 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
     ranks holding the same value): DP replicas, TP-replicated parameters, tied copies, and expert
     replicas (several slots of one expert). One all-reduce over the world.
     """
+    return _global_norm(model, state, world_group, tied_params=tied_params, grad=True)
+
+
+@torch.no_grad()
+def global_param_norm(model: nn.Module, state, world_group, *, tied_params=()) -> float:
+    """L2 norm of the parameters of the whole (unsharded, deduplicated) model, identical on every rank:
+    :func:`global_grad_norm` of the weights themselves (e.g. to tell a diverged run by its weights)."""
+    return _global_norm(model, state, world_group, tied_params=tied_params, grad=False)
+
+
+def _global_norm(model: nn.Module, state, world_group, *, tied_params, grad: bool) -> float:
     tied_ids = {id(p) for p in tied_params}
-    params = [p for p in model.parameters() if main_grad(p) is not None]
-    # Per-tensor norms in the gradients' dtype (one fused kernel), squared and weighted in float64.
-    norms = torch._foreach_norm(gradients(params)) if params else []
+    params = [p for p in model.parameters() if main_grad(p) is not None] if grad else list(model.parameters())
+    # Per-tensor norms in the tensors' dtype (one fused kernel), squared and weighted in float64.
+    norms = torch._foreach_norm(gradients(params) if grad else [p.detach() for p in params]) if params else []
     device = params[0].device if params else next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for param, norm in zip(params, norms):
@@ -246,7 +257,7 @@ def global_grad_norm(model: nn.Module, state, world_group, *, tied_params=()) ->
             extra = torch.zeros((), dtype=torch.float64, device=device)
             for local_slot, count in enumerate(counts.tolist()):
                 if count > 1:
-                    shards = layer.experts.expert_weight_shards(local_slot, grad=True)
+                    shards = layer.experts.expert_weight_shards(local_slot, grad=grad)
                     sq = sum(g.double().pow(2).sum() / (state.etp.size if name == "down_bias" else 1)
                              for name, g in shards.items())
                     extra += sq * (1.0 / count - 1.0)
