@@ -200,8 +200,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The flags that size the demo's own model, and those of them that also size its tokenizer: a model read from
+# a file has its own sizes (and --hf-model its own tokenizer), so giving them there is a mistake, not a wish.
+_MODEL_SHAPE_FLAGS = ("hidden", "layers", "experts", "top_k", "mtp_layers", "vocab_size")
+_TOKENIZER_SHAPE_FLAGS = ("vocab_size",)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The flags; UsageError for a model-shape flag given next to what already decides it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = _given_flags(parser, argv)
+    for chooser, value, ignored in (
+            ("--hf-model", args.hf_model, _MODEL_SHAPE_FLAGS),
+            ("--model-config", args.model_config, tuple(f for f in _MODEL_SHAPE_FLAGS if f not in _TOKENIZER_SHAPE_FLAGS)),
+            ("--tokenizer", args.tokenizer, _TOKENIZER_SHAPE_FLAGS)):
+        conflicting = [f"--{name.replace('_', '-')}" for name in ignored if name in given]
+        if value is not None and conflicting:
+            decided = "the vocabulary is that tokenizer's" if chooser == "--tokenizer" else \
+                "the model's sizes (its MTP layers included) are that model's"
+            raise UsageError(f"{', '.join(conflicting)} cannot be combined with {chooser} {value}: {decided}; drop "
+                             + ("it" if len(conflicting) == 1 else "them"))
+    return args
+
+
+def _given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The destinations of the flags on the command line (a default value given explicitly included)."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def model_config(args, vocab_size: int) -> GPTMoEConfig:
@@ -343,9 +370,6 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(str(e)) from None
     if args.mtp_layers < 0:
         raise UsageError(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
-    if args.mtp_layers and (args.hf_model is not None or args.model_config is not None):
-        raise UsageError("--mtp-layers sizes the demo's own model; with --hf-model / --model-config the MTP layers "
-                         "are the model's (DeepSeek-V3's num_nextn_predict_layers)")
     if args.mtp_loss_coeff is not None and not 0 <= args.mtp_loss_coeff < float("inf"):
         raise UsageError(f"--mtp-loss-coeff must be a finite number >= 0, got {args.mtp_loss_coeff}")
     if args.top_k > args.experts:

@@ -97,6 +97,19 @@ USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error l
     "--mtp-loss-coeff without MTP layers": (["--mtp-loss-coeff", "0.3"], None, ["--mtp-loss-coeff 0.3", "has none"]),
     "negative --mtp-loss-coeff": (["--mtp-layers", "1", "--mtp-loss-coeff", "-1"], None,
                                   ["--mtp-loss-coeff must be a finite number >= 0"]),
+    # Model-shape flags next to what decides the shape were ignored without a word (the default value too).
+    "shape flags with --hf-model": (["--hf-model", "{tmp}/hf", "--experts", "8"], None,
+                                    ["--hidden, --layers, --experts, --vocab-size cannot be combined with --hf-model",
+                                     "drop them"]),
+    "--mtp-layers with --model-config": (["--model-config", "{tmp}/two_fields.json", "--mtp-layers", "1"], None,
+                                         ["--mtp-layers cannot be combined with --model-config", "MTP layers"]),
+    "--vocab-size with --tokenizer": (["--tokenizer", "{tmp}/tok"], None,
+                                      ["--vocab-size cannot be combined with --tokenizer", "drop it"]),
+    # Two fields: transformers filled in Qwen3-MoE's full size (24 layers, 128 experts, a 151,936 vocabulary).
+    "incomplete --model-config": (["--model-config", "{tmp}/two_fields.json"], None,
+                                  ["two_fields.json does not give the model's size: vocab_size, num_hidden_layers, "
+                                   "num_attention_heads, num_experts_per_tok, num_experts or num_local_experts or "
+                                   "n_routed_experts missing"]),
 }
 
 
@@ -104,6 +117,7 @@ USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error l
 def test_user_errors_end_in_one_line_before_any_work(demo, case, tmp_path, capsys, monkeypatch):
     extra, world, fragments = USER_ERRORS[case]
     cut = _cut_manifest_dir(tmp_path)
+    (tmp_path / "two_fields.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64}')
     if case == "foreign --save-dir":        # --save-dir holds a run's checkpoints, --load-dir names another
         (tmp_path / "other" / "step_00000001").mkdir(parents=True)
         (tmp_path / "other" / "step_00000001" / "manifest.json").write_text("{}")
@@ -111,6 +125,8 @@ def test_user_errors_end_in_one_line_before_any_work(demo, case, tmp_path, capsy
         monkeypatch.setenv("WORLD_SIZE", world)
     work = tmp_path / "work"
     argv = ["--work-dir", work, "--save-dir", tmp_path / "ckpt", *TINY]
+    if "--model-config" in extra:           # TINY's shape flags would be refused first
+        argv = [a for a in argv if a not in ("--hidden", "32", "--layers", "2")]
     argv += [a.format(tmp=tmp_path, cut=cut) for a in extra]
     code, out, err = _run(demo, argv, capsys)
     _assert_one_error_line(code, err, *fragments)
