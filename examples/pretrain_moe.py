@@ -644,8 +644,10 @@ def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
                        GenerationConfig(max_new_tokens=args.sample_tokens, sampling=sampling))
     if rank == 0:
         text = [f"--- greedy sample ---\n{args.sample_prompt}{tokenizer.decode(greedy.token_ids[0])}"]
-        text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed}) "
-                 f"---\n{args.sample_prompt}{tokenizer.decode(ids)}" for i, ids in enumerate(sampled.token_ids)]
+        # One batch, one seed: each request draws from its own stream, seeded by (seed, request number).
+        text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed} "
+                 f"request {i}) ---\n{args.sample_prompt}{tokenizer.decode(ids)}"
+                 for i, ids in enumerate(sampled.token_ids)]
         print("\n" + "\n".join(text) + "\n---------------------", flush=True)
 
 

@@ -229,8 +229,7 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
         # Another rank ended (its own error line, if it could print one, says why): no gloo traceback here.
         # The line comes after torchrun's report (before the failed rank's own), or if the job outlives
         # the wait.
-        message = (f"a peer rank left the job during a collective ({str(e).splitlines()[0][:200]}); see that "
-                   "rank's error, if it printed one")
+        message = "a peer rank's process ended during a collective; see that rank's error, if it printed one"
         _repeat_after_torchrun(f"{prog}: error: on rank {_rank()}: {message}", cause=False)
         return _report(prog, message, False)
     except KeyboardInterrupt:

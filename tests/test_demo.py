@@ -418,3 +418,24 @@ def test_make_install_keeps_an_installed_torch_and_stamps_each_interpreter(tmp_p
     assert "-m pip install -q torch==2.13.0" in without_torch and "-m pip install -q -e .[test]" in without_torch
     assert len(list(tmp_path.glob(".deps-installed-*"))) == 2
     assert not install(_fake_python(tmp_path / "gpu_python2", has_torch=True))[1:], "stamped: nothing to do"
+
+
+def test_each_sample_is_labelled_with_what_seeds_it(demo, capsys):
+    """The three temperature samples all said "seed 1234": one seed, but each request has its own stream,
+    seeded by (seed, request number), and the label says which."""
+    from megamoe.models import GPTMoEModel
+    from parallel_state import ParallelState
+    from test_training import tiny_config
+
+    class Tokens:
+        def encode(self, text):
+            return [1, 2, 3]
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config(num_layers=2), state)
+    demo.print_samples(model, state, Tokens(), demo.parse_args(["--sample-tokens", "3"]), rank=0)
+    labels = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--- sample")]
+    assert labels == [f"--- sample {i + 1} (temperature 0.8, top-k 40, seed 1234 request {i}) ---" for i in range(3)]

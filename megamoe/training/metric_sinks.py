@@ -143,13 +143,18 @@ class JsonlSink:
             self._file.write(json.dumps(_json_safe(dict(record))) + "\n")
             self._file.flush()
         except OSError as e:        # a full disk, say: the error names the file (the OS's does not)
-            raise OSError(e.errno, f"cannot write the metrics log {self.path}: {e.strerror or e}") from None
+            raise self._write_error(e) from None
 
     def close(self) -> None:
         try:
             self._file.close()
         except OSError as e:        # what a failed write left in the buffer fails again: name the file
-            raise OSError(e.errno, f"cannot write the metrics log {self.path}: {e.strerror or e}") from None
+            raise self._write_error(e) from None
+
+    def _write_error(self, e: OSError) -> OSError:
+        error = OSError(f"cannot write the metrics log {self.path}: {e.strerror or e}")
+        error.errno = e.errno
+        return error
 
 
 class TensorBoardSink:
