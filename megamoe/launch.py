@@ -24,6 +24,11 @@ by :class:`~megamoe.training.non_finite.NonFiniteTrainingError` (a diverged run:
 and what to do). Set
 ``MEGAMOE_TRACEBACK=1`` to get the traceback instead (for a bug report).
 
+Under torchrun, :class:`ScriptArgumentParser` prints usage, ``--help`` and argparse's errors on local rank 0
+only, and an error line is printed again once torchrun has printed its own ChildFailedError report, so that
+it is the last line on the screen. A rank left in a collective by a peer whose process ended (gloo:
+"Connection closed by peer") prints no traceback: a short line, after the failed rank's own.
+
 A collective that times out (a stuck, dead or much slower rank) raises
 :class:`~megamoe.collective_timeout.CollectiveTimeout` on the ranks waiting for it; the first of them
 to report prints it as one ``error:`` line naming the operation, its ranks and the rank(s) that did not
@@ -211,7 +216,8 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
 def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) -> int:
     """Run ``main(argv)``; a user error (see the module docstring) prints ``<prog>: error: <message>``
     on rank 0 (the other ranks stay quiet unless the job outlives a short wait) and returns 1; so does
-    a collective timeout, printed by the first rank that reports it. Other exceptions propagate."""
+    a collective timeout, printed by the first rank that reports it, and a collective a peer left. Other
+    exceptions propagate."""
     prog = prog or os.path.basename(sys.argv[0])
     try:
         return main(argv)
