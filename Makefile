@@ -3,7 +3,8 @@ PYTHON ?= python3
 # version where pip is set up to find one (README: CPU or CUDA torch).
 TORCH_PIN ?= torch==2.13.0
 # One stamp per interpreter (its sys.prefix, hashed): a second virtualenv gets its own install.
-STAMP := .deps-installed-$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])')
+STAMP := .deps-installed-$(shell $(PYTHON) -c \
+	'import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])')
 
 .PHONY: install test test-fast demo
 $(STAMP): setup.py pyproject.toml

@@ -49,9 +49,9 @@ from megamoe.data.token_dataset import build_token_file, token_file_matches
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import (HelpFormatter, ScriptArgumentParser, UsageError, add_device_argument, add_launch_arguments,
-                           add_no_verify_checksums_argument, default_autocast, init_distributed, launch_world_size,
-                           resolve_device, run_script)
+from megamoe.launch import (HelpFormatter, ScriptArgumentParser, UsageError, add_device_argument,
+                           add_launch_arguments, add_no_verify_checksums_argument, default_autocast, init_distributed,
+                           launch_world_size, resolve_device, run_script)
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
@@ -216,7 +216,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     given = _given_flags(parser, argv)
     for chooser, value, ignored in (
             ("--hf-model", args.hf_model, _MODEL_SHAPE_FLAGS),
-            ("--model-config", args.model_config, tuple(f for f in _MODEL_SHAPE_FLAGS if f not in _TOKENIZER_SHAPE_FLAGS)),
+            ("--model-config", args.model_config,
+             tuple(f for f in _MODEL_SHAPE_FLAGS if f not in _TOKENIZER_SHAPE_FLAGS)),
             ("--tokenizer", args.tokenizer, _TOKENIZER_SHAPE_FLAGS)):
         conflicting = [f"--{name.replace('_', '-')}" for name in ignored if name in given]
         if value is not None and conflicting:
@@ -472,8 +473,8 @@ def check_arguments(args, world_size: int, device: torch.device = torch.device("
                          f"{e}") from None
     heads = config.attention.num_attention_heads
     if heads % args.tp:
-        raise UsageError(f"--tp {args.tp} splits the attention heads over the TP ranks: {_model_flag(args)} has {heads}, "
-                         f"not divisible by {args.tp}; choose a --tp that divides {heads}")
+        raise UsageError(f"--tp {args.tp} splits the attention heads over the TP ranks: {_model_flag(args)} has "
+                         f"{heads} heads, not divisible by {args.tp}; choose a --tp that divides {heads}")
     footprint = _check_memory(args, config, world_size=world_size, dp=dp, etp=etp, micro_batches=micro_batches,
                               device=device)
     return dataclasses.replace(source, provenance=provenance, footprint=footprint)

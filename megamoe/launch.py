@@ -51,10 +51,10 @@ import torch.distributed as dist
 
 from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
 
-__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser", "add_launch_arguments",
-           "add_device_argument", "add_no_verify_checksums_argument", "check_comm_timeout", "launch_rank", "launch_world_size",
-           "launch_local_rank", "resolve_device", "default_autocast", "distributed_backend", "init_distributed",
-           "run_script"]
+__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
+           "add_launch_arguments", "add_device_argument", "add_no_verify_checksums_argument", "check_comm_timeout",
+           "launch_rank", "launch_world_size", "launch_local_rank", "resolve_device", "default_autocast",
+           "distributed_backend", "init_distributed", "run_script"]
 
 logger = logging.getLogger(__name__)
 

@@ -106,7 +106,8 @@ USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error l
     "--vocab-size with --tokenizer": (["--tokenizer", "{tmp}/tok"], None,
                                       ["--vocab-size cannot be combined with --tokenizer", "drop it"]),
     # Checked before rank 0 tokenizes the corpus (the heads were checked when the model was built).
-    "--tp 3 on a 4-head model": (["--tp", "3"], "3", ["--tp 3 splits the attention heads", "has 4, not divisible by 3"]),
+    "--tp 3 on a 4-head model": (["--tp", "3"], "3", ["--tp 3 splits the attention heads",
+                                                      "has 4 heads, not divisible by 3"]),
     "empty --sample-prompt": (["--sample-prompt", ""], None, ["--sample-prompt is empty", "--sample-tokens 0"]),
     # A directory of .py files: no --text-suffixes flag here; say what works.
     "directory of .py files": (["--data", "{tmp}/pyfiles"], None,

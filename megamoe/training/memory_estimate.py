@@ -13,7 +13,8 @@ State (exact: the same shard rules as the modules):
   beyond), expert slots ``num_expert_slots / ep`` per rank with their FFN split over ETP, shared
   experts' FFN over the MoE layer's reduction group (EP x ETP for the all-gather dispatcher, ETP for
   all-to-all), norms, the router and MLA's low-rank projections replicated. The tied embedding's copy
-  on the last stage when ``tie_word_embeddings`` and PP > 1.
+  on the last stage when ``tie_word_embeddings`` and PP > 1. The MTP layers' parameters on the last stage
+  (their activations are not modelled).
 - gradients, as held at the optimizer step: one per parameter, of its dtype (``p.grad``) for fp32
   parameters, in fp32 for the others (their fp32 accumulation buffer ``p.main_grad``, 4 bytes per
   element: :mod:`megamoe.gradients`); with the distributed optimizer also its fp32 reduced-gradient
