@@ -381,14 +381,14 @@ def test_the_start_logs_parameter_counts_and_memory_per_rank(demo, monkeypatch):
         demo.check_arguments(args, 1)
 
 
-def _fake_python(path: Path, has_torch: bool) -> Path:
+def _fake_python(path: Path, has_torch: bool, interpreter: str = sys.executable) -> Path:
     """An interpreter stand-in for the Makefile: logs its arguments, has torch or not, pretends pip works,
-    and runs anything else with the real interpreter (the stamp's sys.prefix: this test's)."""
+    and runs anything else with ``interpreter`` (whose sys.prefix names the stamp)."""
     path.write_text(f"""#!/bin/sh
 echo "$*" >> "{path}.log"
 if [ "$2" = "import torch" ]; then exit {0 if has_torch else 1}; fi
 if [ "$1" = "-m" ]; then exit 0; fi
-exec {sys.executable} "$@"
+exec {interpreter} "$@"
 """)
     path.chmod(0o755)
     return path
@@ -412,10 +412,8 @@ def test_make_install_keeps_an_installed_torch_and_stamps_each_interpreter(tmp_p
     assert "-m pip install -q -e .[test]" in with_torch
     other = tmp_path / "venv"       # another interpreter (sys.prefix): not covered by the first one's stamp
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True, timeout=120)
-    (tmp_path / "venv_python").write_text(_fake_python(tmp_path / "x", False).read_text().replace(
-        sys.executable, str(other / "bin" / "python")).replace(str(tmp_path / "x"), str(tmp_path / "venv_python")))
-    (tmp_path / "venv_python").chmod(0o755)
-    without_torch = install(tmp_path / "venv_python")
+    without_torch = install(_fake_python(tmp_path / "venv_python", has_torch=False,
+                                         interpreter=str(other / "bin" / "python")))
     assert "-m pip install -q torch==2.13.0" in without_torch and "-m pip install -q -e .[test]" in without_torch
     assert len(list(tmp_path.glob(".deps-installed-*"))) == 2
     assert not install(_fake_python(tmp_path / "gpu_python2", has_torch=True))[1:], "stamped: nothing to do"
