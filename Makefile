@@ -1,23 +1,27 @@
 PYTHON ?= python3
-# torch is pinned first so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+# Installed only where the interpreter has no torch (a user's CUDA build is kept): the CPU wheel of this
+# version where pip is set up to find one (README: CPU or CUDA torch).
 TORCH_PIN ?= torch==2.13.0
+# One stamp per interpreter (its sys.prefix, hashed): a second virtualenv gets its own install.
+STAMP := .deps-installed-$(shell $(PYTHON) -c \
+	'import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])')
 
 .PHONY: install test test-fast demo
-.deps-installed: setup.py pyproject.toml
-	$(PYTHON) -m pip install -q "$(TORCH_PIN)"
+$(STAMP): setup.py pyproject.toml
+	$(PYTHON) -c 'import torch' 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_PIN)"
 	$(PYTHON) -m pip install -q -e ".[test]"
-	touch .deps-installed
+	touch $@
 
-install: .deps-installed
+install: $(STAMP)
 
 # The whole suite, slow multi-rank cases included (this is what CI runs).
-test: .deps-installed
+test: $(STAMP)
 	$(PYTHON) -m pytest -q
 
 # Skips the cases marked slow: for the edit-test loop.
-test-fast: .deps-installed
+test-fast: $(STAMP)
 	$(PYTHON) -m pytest -q -m "not slow"
 
 # The torchrun pretraining demo on 4 CPU ranks: tp=2 x ep=2 (all-gather EP inside the TP group), dp=2.
-demo: .deps-installed
+demo: $(STAMP)
 	$(PYTHON) -m torch.distributed.run --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather

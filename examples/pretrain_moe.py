@@ -49,9 +49,10 @@ from megamoe.data.token_dataset import build_token_file, recorded_tokenizer, sid
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import (HelpFormatter, UsageError, add_device_argument, add_launch_arguments,
-                           add_no_verify_checksums_argument, default_autocast, init_distributed, launch_world_size,
-                           resolve_device, run_script)
+from megamoe.launch import (HelpFormatter, ScriptArgumentParser, UsageError, add_device_argument,
+                           add_launch_arguments, add_no_verify_checksums_argument, default_autocast, init_distributed,
+                           launch_world_size, resolve_device, run_script)
+from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
 from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
@@ -78,10 +79,12 @@ from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.metric_sinks import step_record
 from megamoe.training.metrics_arguments import (add_metrics_arguments, check_metrics_arguments,
                                                 metric_sinks_from_arguments)
+from megamoe.training.memory_estimate import estimate_memory, model_parameter_counts
 from megamoe.training.mfu import resolve_peak_tflops
 from megamoe.training.optim_arguments import add_optim_arguments, param_dtype, train_config_kwargs
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
+from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.recompute_arguments import add_recompute_arguments, recompute_config_from_args
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
@@ -96,7 +99,7 @@ SAMPLE_TEMPERATURE, SAMPLE_TOP_K, NUM_SAMPLES = 0.8, 40, 3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
+    p = ScriptArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("parallel layout (world size = tp * cp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
     g.add_argument("--pp", type=int, default=1,
@@ -219,11 +222,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The flags that size the demo's own model, and those of them that also size its tokenizer: a model read from
+# a file has its own sizes (and --hf-model its own tokenizer), so giving them there is a mistake, not a wish.
+_MODEL_SHAPE_FLAGS = ("hidden", "layers", "experts", "top_k", "mtp_layers", "vocab_size")
+_TOKENIZER_SHAPE_FLAGS = ("vocab_size",)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    """The flags; UsageError for a model-shape flag given next to what already decides it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = _given_flags(parser, argv)
+    for chooser, value, ignored in (
+            ("--hf-model", args.hf_model, _MODEL_SHAPE_FLAGS),
+            ("--model-config", args.model_config,
+             tuple(f for f in _MODEL_SHAPE_FLAGS if f not in _TOKENIZER_SHAPE_FLAGS)),
+            ("--tokenizer", args.tokenizer, _TOKENIZER_SHAPE_FLAGS)):
+        conflicting = [f"--{name.replace('_', '-')}" for name in ignored if name in given]
+        if value is not None and conflicting:
+            decided = "the vocabulary is that tokenizer's" if chooser == "--tokenizer" else \
+                "the model's sizes (its MTP layers included) are that model's"
+            raise UsageError(f"{', '.join(conflicting)} cannot be combined with {chooser} {value}: {decided}; drop "
+                             + ("it" if len(conflicting) == 1 else "them"))
     if args.save_dir is None:       # each --work-dir its own checkpoints: another run never resumes the demo's
         args.save_dir = args.work_dir / "checkpoints"
     return args
+
+
+def _given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The destinations of the flags on the command line (a default value given explicitly included)."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def model_config(args, vocab_size: int) -> GPTMoEConfig:
@@ -254,6 +284,16 @@ class ModelSource:
     config: GPTMoEConfig | None
     provenance: HFProvenance | None
     tokenizer: Tokenizer | None
+    footprint: "Footprint | None" = None        # set by check_arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """The model's parameter counts and the estimated bytes each rank holds (for the start's log line)."""
+
+    total_params: int
+    active_params: int
+    bytes_per_rank: int
 
 
 def _model_flag(args) -> str:
@@ -354,9 +394,10 @@ def _check_model_source(args, source: ModelSource) -> tuple[GPTMoEConfig, HFProv
     return config, provenance
 
 
-def check_arguments(args, world_size: int) -> ModelSource:
-    """Flag values and the layout against ``world_size`` ranks; raises UsageError naming the flag.
-    Returns the model source (read from --hf-model / --model-config / --tokenizer: configs, no weights)."""
+def check_arguments(args, world_size: int, device: torch.device = torch.device("cpu")) -> ModelSource:
+    """Flag values, the layout against ``world_size`` ranks and the memory it needs on ``device``; raises
+    UsageError naming the flag. Returns the model source (read from --hf-model / --model-config /
+    --tokenizer: configs, no weights) with its footprint."""
     for flag in ("steps", "global_batch", "micro_batch", "seq_len", "save_every", "corpus_bytes", "hidden",
                  "layers", "experts", "top_k", "cp"):
         if getattr(args, flag) < 1:
@@ -365,6 +406,9 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
     if args.seed < 0:           # now, not when the samples' SamplingConfig refuses it after the run
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.sample_tokens and not args.sample_prompt:
+        raise UsageError("--sample-prompt is empty: the samples continue a prompt; give one, or --sample-tokens 0 "
+                         "for no samples")
     if not 0 < args.lr < float("inf"):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     if args.hidden % (2 * HEADS):
@@ -380,9 +424,6 @@ def check_arguments(args, world_size: int) -> ModelSource:
         raise UsageError(str(e)) from None
     if args.mtp_layers < 0:
         raise UsageError(f"--mtp-layers must be >= 0, got {args.mtp_layers}")
-    if args.mtp_layers and (args.hf_model is not None or args.model_config is not None):
-        raise UsageError("--mtp-layers sizes the demo's own model; with --hf-model / --model-config the MTP layers "
-                         "are the model's (DeepSeek-V3's num_nextn_predict_layers)")
     if args.mtp_loss_coeff is not None and not 0 <= args.mtp_loss_coeff < float("inf"):
         raise UsageError(f"--mtp-loss-coeff must be a finite number >= 0, got {args.mtp_loss_coeff}")
     if args.top_k > args.experts:
@@ -466,7 +507,65 @@ def check_arguments(args, world_size: int) -> ModelSource:
     except ValueError as e:
         raise UsageError(f"--dispatcher {args.dispatcher} with --tp {args.tp} --ep {args.ep} (etp {etp}): "
                          f"{e}") from None
-    return dataclasses.replace(source, provenance=provenance)
+    heads = config.attention.num_attention_heads
+    if heads % args.tp:
+        raise UsageError(f"--tp {args.tp} splits the attention heads over the TP ranks: {_model_flag(args)} has "
+                         f"{heads} heads, not divisible by {args.tp}; choose a --tp that divides {heads}")
+    footprint = _check_memory(args, config, world_size=world_size, dp=dp, etp=etp, micro_batches=micro_batches,
+                              device=device)
+    return dataclasses.replace(source, provenance=provenance, footprint=footprint)
+
+
+def _check_memory(args, config: GPTMoEConfig, *, world_size: int, dp: int, etp: int, micro_batches: int,
+                  device: torch.device) -> Footprint:
+    """Refuse a run whose estimated memory exceeds what the machine has, before anything is allocated (sizes
+    like --hidden 65536 otherwise end in an allocator traceback or the OOM killer). The estimate is a floor
+    (weights, gradients, optimizer state, saved activations, the samples' KV cache; no temporaries), so a
+    run it lets through may still not fit."""
+    total, active = model_parameter_counts(config)
+    # Counted at once, and a floor of what a rank holds: its share of the weights alone. Sizes far too large
+    # are refused by it before the per-layer estimate, which takes seconds for 10^5 layers.
+    weights_share = total * param_dtype(args).itemsize // (args.tp * args.pp * args.ep)
+    available, what = available_memory_bytes(device)
+    try:
+        estimate = None if available is not None and weights_share > available else estimate_memory(
+            config, tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, dp=dp, cp=args.cp, micro_batch=args.micro_batch,
+            seq_len=args.seq_len, num_micro_batches=micro_batches, distributed_optimizer=args.distributed_optimizer,
+            zero_stage=args.zero_stage, recompute=recompute_config_from_args(args),
+            sequence_parallel=args.sequence_parallel, param_dtype=param_dtype(args),
+            num_expert_slots=args.num_expert_slots)
+    except ValueError as e:
+        raise UsageError(f"{_model_flag(args)} under --tp {args.tp} --pp {args.pp} --ep {args.ep}: {e}") from None
+    if estimate is None:
+        per_rank, held = weights_share, "its share of the weights alone"
+    else:
+        state = estimate.param_bytes + estimate.grad_bytes + estimate.optimizer_bytes
+        per_rank = max(estimate.total, state + _sample_cache_bytes(args, config))
+        held = (f"weights, gradients, optimizer state, activations of --micro-batch {args.micro_batch} x --seq-len "
+                f"{args.seq_len}, the samples' KV cache")
+    # CPU ranks of a node share its memory; each GPU is its rank's own.
+    sharing = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if available is not None and per_rank * sharing > available:
+        ranks = f" x {sharing} ranks = {format_bytes(per_rank * sharing)}" if sharing > 1 else ""
+        raise UsageError(f"the run needs at least {format_bytes(per_rank)} per rank{ranks} ({held}; "
+                         f"{total:,} parameters) but the {what} is {format_bytes(available)}: choose smaller sizes, "
+                         "more ranks (--tp / --pp / --ep), or --distributed-optimizer / --recompute")
+    return Footprint(total, active, per_rank)
+
+
+def _sample_cache_bytes(args, config: GPTMoEConfig) -> int:
+    """The KV cache of the samples printed at the end: NUM_SAMPLES sequences of the prompt (at most one
+    token per byte, plus BOS) and --sample-tokens, over this rank's layers and KV heads."""
+    if not args.sample_tokens or args.cp > 1:
+        return 0
+    attention = config.attention
+    if isinstance(attention, MLAConfig):
+        per_token = attention.kv_lora_rank + attention.qk_rope_head_dim
+    else:
+        per_token = 2 * -(-attention.num_key_value_heads // args.tp) * attention.head_dim
+    positions = len(args.sample_prompt.encode()) + 1 + args.sample_tokens
+    layers = -(-(config.num_layers + config.mtp_num_layers) // args.pp)
+    return NUM_SAMPLES * positions * layers * per_token * param_dtype(args).itemsize
 
 
 def log_path(args) -> Path:
@@ -617,8 +716,10 @@ def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
                        GenerationConfig(max_new_tokens=args.sample_tokens, sampling=sampling))
     if rank == 0:
         text = [f"--- greedy sample ---\n{args.sample_prompt}{tokenizer.decode(greedy.token_ids[0])}"]
-        text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed}) "
-                 f"---\n{args.sample_prompt}{tokenizer.decode(ids)}" for i, ids in enumerate(sampled.token_ids)]
+        # One batch, one seed: each request draws from its own stream, seeded by (seed, request number).
+        text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed} "
+                 f"request {i}) ---\n{args.sample_prompt}{tokenizer.decode(ids)}"
+                 for i, ids in enumerate(sampled.token_ids)]
         print("\n" + "\n".join(text) + "\n---------------------", flush=True)
 
 
@@ -669,9 +770,9 @@ def _json_args(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    source = check_arguments(args, launch_world_size())
-    plan = plan_start(args)
     device = resolve_device(args.device)
+    source = check_arguments(args, launch_world_size(), device)
+    plan = plan_start(args)
     autocast = default_autocast(device) if args.autocast == "auto" else None if args.autocast == "none" else args.autocast
     rank, world = init_distributed(comm_timeout_s=args.comm_timeout, device=device)
     if device.type == "cpu":
@@ -686,6 +787,10 @@ def main(argv=None) -> int:
     logger.info("world %d: tp %d cp %d pp %d dp %d ep %d etp %d, dispatcher %s; device %s%s, autocast %s", world,
                 args.tp, state.cp.size, args.pp, state.dp.size, args.ep, etp, args.dispatcher, device,
                 f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "", autocast or "none (fp32)")
+    footprint = source.footprint
+    logger.info("model: %s parameters, %s active per token; estimated memory per rank %s (weights, gradients, "
+                "optimizer state, saved activations; temporaries come on top)", f"{footprint.total_params:,}",
+                f"{footprint.active_params:,}", format_bytes(footprint.bytes_per_rank))
     # A run resumed from its own save directory continues that run's id, so it prunes the older
     # checkpoints of the run; a fresh start (or another --load-dir) is a new run.
     inherited = checkpoint_run_id(plan.resume_from) if plan.resumes_save_dir else None

@@ -27,7 +27,7 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveTimeout", "is_timeout"]
+__all__ = ["CollectiveTimeout", "is_timeout", "is_peer_failure"]
 
 _STORE_PREFIX = "megamoe/collective_timeouts/"
 # The grace period for the group's other ranks to report their own timeout: a quarter of the
@@ -90,6 +90,16 @@ class CollectiveTimeout(RuntimeError):
 def is_timeout(error: BaseException) -> bool:
     """Whether ``error`` (raised by a torch.distributed call) is a collective timeout."""
     return isinstance(error, RuntimeError) and "timed out" in str(error).lower()
+
+
+# What gloo says on the ranks left in a collective when a peer's process ended (its sockets closed).
+_PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                         "connection refused")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (raised by a torch.distributed call) says that another rank's process went away."""
+    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _PEER_FAILURE_MARKERS)
 
 
 def _timeout_seconds(message: str) -> float | None:

@@ -24,6 +24,11 @@ by :class:`~megamoe.training.non_finite.NonFiniteTrainingError` (a diverged run:
 and what to do). Set
 ``MEGAMOE_TRACEBACK=1`` to get the traceback instead (for a bug report).
 
+Under torchrun, :class:`ScriptArgumentParser` prints usage, ``--help`` and argparse's errors on local rank 0
+only, and an error line is printed again once torchrun has printed its own ChildFailedError report, so that
+it is the last line on the screen. A rank left in a collective by a peer whose process ended (gloo:
+"Connection closed by peer") prints no traceback: a short line, after the failed rank's own.
+
 A collective that times out (a stuck, dead or much slower rank) raises
 :class:`~megamoe.collective_timeout.CollectiveTimeout` on the ranks waiting for it; the first of them
 to report prints it as one ``error:`` line naming the operation, its ranks and the rank(s) that did not
@@ -36,6 +41,7 @@ import argparse
 import datetime
 import logging
 import os
+import subprocess
 import sys
 import time
 from typing import Callable
@@ -43,22 +49,26 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megamoe.collective_timeout import CollectiveTimeout
+from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
 
-__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "add_launch_arguments",
-           "add_device_argument", "add_no_verify_checksums_argument", "launch_rank", "launch_world_size",
-           "launch_local_rank", "resolve_device", "default_autocast", "distributed_backend", "init_distributed",
-           "run_script"]
+__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
+           "add_launch_arguments", "add_device_argument", "add_no_verify_checksums_argument", "check_comm_timeout",
+           "launch_rank", "launch_world_size", "launch_local_rank", "resolve_device", "default_autocast",
+           "distributed_backend", "init_distributed", "run_script"]
 
 logger = logging.getLogger(__name__)
 
 # Minutes, not gloo's default 30 s (a slow checkpoint load on one rank is no hang) nor NCCL's 10 min + hang.
 DEFAULT_COMM_TIMEOUT_S = 600.0
+_MAX_COMM_TIMEOUT_S = 365 * 24 * 3600.0
 # torchrun terminates the other workers as soon as one exits: ranks other than the one that prints
 # wait this long before printing and exiting on an error, so that the printing rank (which usually hits
 # the same error or timeout) prints the only line and the job ends during the wait. A rank still alive
 # afterwards had an error of its own (a file only it reads, say) and prints it.
 _QUIET_RANK_EXIT_DELAY_S = 10.0
+# Under torchrun, lines repeated after its report (see _repeat_after_torchrun): the error's own comes this
+# much after a rank's note that a peer left, so that it is the last line.
+_CAUSE_LAST_DELAY_S = 0.5
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,6 +79,25 @@ _CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
 class UsageError(ValueError):
     """Bad input a script's user fixes (a flag, a path, a layout): the message says what and how."""
+
+
+class ScriptArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` for a torchrun entry point: usage, ``--help`` and argparse's errors are
+    printed by local rank 0 only (every rank parses the same flags and exits with the same code; four ranks
+    printed ``--help`` four times), and under torchrun an error is repeated after torchrun's own report
+    (see :func:`run_script`)."""
+
+    def _print_message(self, message, file=None):
+        if launch_local_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        line = f"{self.prog}: error: {message}"
+        if launch_local_rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+            _repeat_after_torchrun(line)
+        self.exit(2)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -84,9 +113,26 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def add_launch_arguments(parser) -> None:
     """Add ``--comm-timeout SECONDS`` (collective timeout, see :func:`init_distributed`)."""
-    parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT_S, metavar="SECONDS",
+    parser.add_argument("--comm-timeout", type=_comm_timeout, default=DEFAULT_COMM_TIMEOUT_S, metavar="SECONDS",
                         help="a collective that waits longer than this for another rank fails, naming the "
                              "operation (a stuck or dead rank ends the job instead of hanging it)")
+
+
+def check_comm_timeout(seconds: float) -> float:
+    """``seconds`` if it is a collective timeout the process group can take; UsageError otherwise (inf
+    overflows torch's timedelta conversion under torchrun, NaN and <= 0 never wait)."""
+    if not 0 < seconds <= _MAX_COMM_TIMEOUT_S:
+        raise UsageError(f"--comm-timeout must be a number of seconds > 0 and at most {_MAX_COMM_TIMEOUT_S:g} "
+                         f"(a year), got {seconds}")
+    return seconds
+
+
+def _comm_timeout(text: str) -> float:
+    try:
+        return check_comm_timeout(float(text))
+    except ValueError as e:         # UsageError included; argparse names the flag
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--comm-timeout ") if isinstance(e, UsageError) else
+                                         f"must be a number of seconds, got {text!r}") from None
 
 
 def add_device_argument(parser) -> None:
@@ -156,8 +202,7 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
     so that one process drives one GPU, and the backend (default: :func:`distributed_backend`) runs
     NCCL. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1 and
     creates no group."""
-    if not comm_timeout_s > 0:
-        raise UsageError(f"--comm-timeout must be positive, got {comm_timeout_s}")
+    check_comm_timeout(comm_timeout_s)
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device.index if device.index is not None else launch_local_rank())
@@ -171,7 +216,8 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
 def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) -> int:
     """Run ``main(argv)``; a user error (see the module docstring) prints ``<prog>: error: <message>``
     on rank 0 (the other ranks stay quiet unless the job outlives a short wait) and returns 1; so does
-    a collective timeout, printed by the first rank that reports it. Other exceptions propagate."""
+    a collective timeout, printed by the first rank that reports it, and a collective a peer left. Other
+    exceptions propagate."""
     prog = prog or os.path.basename(sys.argv[0])
     try:
         return main(argv)
@@ -183,6 +229,15 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
         return _report(prog, str(e), _rank() == 0)
+    except RuntimeError as e:
+        if os.environ.get("MEGAMOE_TRACEBACK") or not (dist.is_initialized() and is_peer_failure(e)):
+            raise
+        # Another rank ended (its own error line, if it could print one, says why): no gloo traceback here.
+        # The line comes after torchrun's report (before the failed rank's own), or if the job outlives
+        # the wait.
+        message = "a peer rank's process ended during a collective; see that rank's error, if it printed one"
+        _repeat_after_torchrun(f"{prog}: error: on rank {_rank()}: {message}", cause=False)
+        return _report(prog, message, False)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
@@ -202,10 +257,51 @@ def _report(prog: str, message: str, prints: bool) -> int:
     one_line = " ".join(message.split("\n"))
     if prints:
         print(f"{prog}: error: {one_line}", file=sys.stderr, flush=True)
+        _repeat_after_torchrun(f"{prog}: error: {one_line}")
     else:
         time.sleep(_QUIET_RANK_EXIT_DELAY_S)
         print(f"{prog}: error: on rank {_rank()}: {one_line}", file=sys.stderr, flush=True)
     return 1
+
+
+# Run by a detached helper: wait until torchrun (the pid in argv[1]) has exited (or is a zombie), then
+# argv[3] seconds more, and print argv[2]. Bounded, so that nothing lingers if torchrun lives on.
+_REPEAT_AFTER_EXIT = """
+import os, sys, time
+pid, end = int(sys.argv[1]), time.monotonic() + 300
+def gone():
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] == "Z"
+    except OSError:
+        return False
+while not gone() and time.monotonic() < end:
+    time.sleep(0.05)
+if gone():
+    time.sleep(float(sys.argv[3]))
+    sys.stderr.write(sys.argv[2] + "\\n")
+"""
+
+
+def _repeat_after_torchrun(line: str, *, cause: bool = True) -> None:
+    """Under torchrun, have ``line`` printed again once torchrun has exited: a failed worker makes torchrun end
+    with its own ~40-line ChildFailedError report, which would bury the line (torchrun prints it after the
+    workers have exited, so no worker can print after it; a detached helper process can). A ``cause`` (the
+    error itself, not a rank's note that a peer left) comes a moment after the others: the last line."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    try:
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", _REPEAT_AFTER_EXIT, str(os.getppid()), line,
+                          str(_CAUSE_LAST_DELAY_S if cause else 0.0)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        pass                # the line was printed once already
 
 
 def _non_finite_training_error() -> type[Exception]:

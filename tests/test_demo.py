@@ -98,6 +98,29 @@ USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error l
     "--mtp-loss-coeff without MTP layers": (["--mtp-loss-coeff", "0.3"], None, ["--mtp-loss-coeff 0.3", "has none"]),
     "negative --mtp-loss-coeff": (["--mtp-layers", "1", "--mtp-loss-coeff", "-1"], None,
                                   ["--mtp-loss-coeff must be a finite number >= 0"]),
+    # Model-shape flags next to what decides the shape were ignored without a word (the default value too).
+    "shape flags with --hf-model": (["--hf-model", "{tmp}/hf", "--experts", "8"], None,
+                                    ["--hidden, --layers, --experts, --vocab-size cannot be combined with --hf-model",
+                                     "drop them"]),
+    "--mtp-layers with --model-config": (["--model-config", "{tmp}/two_fields.json", "--mtp-layers", "1"], None,
+                                         ["--mtp-layers cannot be combined with --model-config", "MTP layers"]),
+    "--vocab-size with --tokenizer": (["--tokenizer", "{tmp}/tok"], None,
+                                      ["--vocab-size cannot be combined with --tokenizer", "drop it"]),
+    # Checked before rank 0 tokenizes the corpus (the heads were checked when the model was built).
+    "--tp 3 on a 4-head model": (["--tp", "3"], "3", ["--tp 3 splits the attention heads",
+                                                      "has 4 heads, not divisible by 3"]),
+    "empty --sample-prompt": (["--sample-prompt", ""], None, ["--sample-prompt is empty", "--sample-tokens 0"]),
+    # A directory of .py files: no --text-suffixes flag here; say what works.
+    "directory of .py files": (["--data", "{tmp}/pyfiles"], None,
+                               ["--data input directory", "holds no file ending in", "name its files instead",
+                                "pyfiles/*.py", "megamoe-preprocess --text-suffixes .py"]),
+    "warmup longer than the run": (["--warmup-steps", "500", "--lr-schedule", "cosine", "--steps", "100"], None,
+                                   ["--warmup-steps 500 is too long for the run (--steps 100)"]),
+    # Two fields: transformers filled in Qwen3-MoE's full size (24 layers, 128 experts, a 151,936 vocabulary).
+    "incomplete --model-config": (["--model-config", "{tmp}/two_fields.json"], None,
+                                  ["two_fields.json does not give the model's size: vocab_size, num_hidden_layers, "
+                                   "num_attention_heads, num_experts_per_tok, num_experts or num_local_experts or "
+                                   "n_routed_experts missing"]),
 }
 
 
@@ -105,6 +128,9 @@ USER_ERRORS = {   # name: (extra arguments, WORLD_SIZE, fragments of the error l
 def test_user_errors_end_in_one_line_before_any_work(demo, case, tmp_path, capsys, monkeypatch):
     extra, world, fragments = USER_ERRORS[case]
     cut = _cut_manifest_dir(tmp_path)
+    (tmp_path / "two_fields.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64}')
+    (tmp_path / "pyfiles").mkdir()
+    (tmp_path / "pyfiles" / "a.py").write_text("x = 1\n")
     if case == "foreign --save-dir":        # --save-dir holds a run's checkpoints, --load-dir names another
         (tmp_path / "other" / "step_00000001").mkdir(parents=True)
         (tmp_path / "other" / "step_00000001" / "manifest.json").write_text("{}")
@@ -112,6 +138,8 @@ def test_user_errors_end_in_one_line_before_any_work(demo, case, tmp_path, capsy
         monkeypatch.setenv("WORLD_SIZE", world)
     work = tmp_path / "work"
     argv = ["--work-dir", work, "--save-dir", tmp_path / "ckpt", *TINY]
+    if "--model-config" in extra:           # TINY's shape flags would be refused first
+        argv = [a for a in argv if a not in ("--hidden", "32", "--layers", "2")]
     argv += [a.format(tmp=tmp_path, cut=cut) for a in extra]
     code, out, err = _run(demo, argv, capsys)
     _assert_one_error_line(code, err, *fragments)
@@ -167,6 +195,8 @@ def test_a_rerun_resumes_and_loses_nothing_and_overwrite_moves_aside(demo, tmp_p
     messages = [r.getMessage() for r in caplog.records]
     assert f"resuming from {first[1][1]} at step 2 (run {run_id})" in messages
     assert any(m.startswith("nothing to train: the run is at step 2") for m in messages)
+    assert any(re.fullmatch(r"model: [\d,]+ parameters, [\d,]+ active per token; estimated memory per rank "
+                            r"[\d.]+ [KMG]iB \(.*\)", m) for m in messages), messages
     assert any(m.startswith("reusing tokenizer") for m in messages) and any(
         m.startswith("reusing token file") for m in messages)
     records = _records(work / "log.jsonl")
@@ -202,26 +232,53 @@ def test_demo_help_explains_the_flags():
     assert "(default: checkpoints/ in --work-dir)" in text.replace("- ", "-")    # not runs/pretrain_moe's
 
 
+def _assert_ends_with_our_line(stderr: str, line: str) -> None:
+    """Our error line is printed by rank 0 only, and again once torchrun has printed its ChildFailedError
+    report: the last line on the screen."""
+    errors = [text for text in stderr.splitlines() if ": error:" in text]
+    assert errors == [line, line], stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == line, stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_torchrun_layout_error_is_one_line_from_rank_0(tmp_path):
     result = _torchrun([str(REPO / "examples/pretrain_moe.py"), "--tp", "3", "--work-dir", str(tmp_path / "w"),
                         *TINY], 2, 300, tmp_path)
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "pretrain_moe.py: error:" in line]
-    assert errors == ["pretrain_moe.py: error: the layout --tp 3 --pp 1 --ep 1 (etp 3) does not fit 2 rank(s): "
-                      "world_size 2 is not divisible by tp*cp*pp = 3*1*1 = 3; change the flags or the number of "
-                      "ranks (torchrun --nproc-per-node)"], result.stderr
+    _assert_ends_with_our_line(
+        result.stderr, "pretrain_moe.py: error: the layout --tp 3 --pp 1 --ep 1 (etp 3) does not fit 2 rank(s): "
+                       "world_size 2 is not divisible by tp*cp*pp = 3*1*1 = 3; change the flags or the number of "
+                       "ranks (torchrun --nproc-per-node)")
     assert "examples/pretrain_moe.py\", line" not in result.stderr, "no traceback of the script's code"
     assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow
+def test_torchrun_bad_flag_and_help_are_printed_by_one_rank(tmp_path):
+    # A bad flag (--comm-timeout inf: an OverflowError under torchrun before): argparse's usage and error once,
+    # the error last.
+    bad = _torchrun([str(REPO / "examples/pretrain_moe.py"), "--comm-timeout", "inf"], 2, 300, tmp_path)
+    assert bad.returncode != 0 and bad.stderr.count("usage: pretrain_moe.py") == 1, bad.stderr[-3000:]
+    _assert_ends_with_our_line(bad.stderr, "pretrain_moe.py: error: argument --comm-timeout: must be a number of "
+                                           "seconds > 0 and at most 3.1536e+07 (a year), got inf")
+    assert "OverflowError" not in bad.stderr
+    helped = _torchrun([str(REPO / "examples/pretrain_moe.py"), "--help"], 2, 300, tmp_path)
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert helped.stdout.count("usage: pretrain_moe.py") == 1 and helped.stdout.count("show this help message") == 1
+
+
+@pytest.mark.slow
 def test_failing_rank_ends_the_job_promptly(tmp_path):
-    # Promptness without a clock: the script sets no collective timeout (gloo's default: 30 min), so
-    # a job that waited for one would run into this 300 s limit (TimeoutExpired) instead of ending.
+    # Promptness without a clock: the collective timeout is the default 10 min, so a job that waited for one
+    # would run into this 300 s limit (TimeoutExpired) instead of ending. Rank 0 fails alone (a full disk under
+    # its metrics log): its error names the file and is the last line; rank 1, left in a collective, prints
+    # no gloo traceback (at most a line saying that a peer left).
     result = _torchrun([str(REPO / "tests/torchrun_failing_rank.py")], 2, 300, tmp_path)
     assert result.returncode != 0
-    assert "injected failure on rank 1" in result.stderr + result.stdout
+    line = "torchrun_failing_rank.py: error: cannot write the metrics log /dev/full: No space left on device"
+    assert result.stderr.strip().splitlines()[-1] == line, result.stderr[-3000:]
+    assert result.stderr.count("Traceback (most recent call last)") == 1, "torchrun's own only: " + result.stderr
+    assert "torchrun_failing_rank.py\", line" not in result.stderr, "no traceback of a worker"
 
 
 def _alive(pid: int) -> bool:
@@ -282,7 +339,103 @@ def test_stopped_rank_ends_the_job_with_one_error_naming_it(tmp_path):
         job.wait()
     assert job.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("torchrun_stuck_rank.py: error:")]
-    assert len(errors) == 1, stderr[-3000:]
+    assert len(errors) == 2 and errors[0] == errors[1], stderr[-3000:]      # again after torchrun's report
+    assert stderr.strip().splitlines()[-1] == errors[0], "the error is the last line: " + stderr[-3000:]
     assert re.search(r"error: all_to_all over ranks \[0, 1\] timed out after 10 s on rank 0: rank 1 did not "
                      r"arrive", errors[0]), errors[0]
     assert "CollectiveTimeout" not in stderr, "no worker traceback: " + stderr[-3000:]   # torchrun's own is fine
+
+
+# Each of these exhausted memory (an allocator traceback, or the OOM killer for the last two); the estimate
+# refuses them before anything is allocated, with the machine's memory (here a 16 GiB machine).
+HUGE = {"--hidden 1e6": ["--hidden", "1000000"], "--experts 1e6": ["--experts", "1000000"],
+        "--layers 1e5": ["--layers", "100000"], "--mtp-layers 1e6": ["--mtp-layers", "1000000"],
+        "--sample-tokens 1e9": ["--sample-tokens", "1000000000"],
+        "--micro-batch 1e6": ["--micro-batch", "1000000", "--global-batch", "1000000"],
+        "--hidden 65536": ["--hidden", "65536"]}
+
+
+@pytest.mark.parametrize("case", HUGE)
+def test_sizes_beyond_the_machines_memory_are_refused_before_any_work(demo, case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(demo, "available_memory_bytes", lambda device: (16 * 2**30, "available host memory"))
+    work = tmp_path / "work"
+    argv = ["--work-dir", work, "--save-dir", tmp_path / "ckpt", "--corpus-bytes", "200000", "--vocab-size", "512"]
+    code, out, err = _run(demo, [*argv, *HUGE[case]], capsys)
+    _assert_one_error_line(code, err, "the run needs at least", "per rank", "parameters) but the available host "
+                           "memory is 16 GiB: choose smaller sizes")
+    assert not work.exists() and not out
+
+
+def test_the_start_logs_parameter_counts_and_memory_per_rank(demo, monkeypatch):
+    """The footprint the start logs: the parameters the model really has, and the estimate per rank."""
+    from megamoe.models import GPTMoEModel
+    from parallel_state import ParallelState
+    args = demo.parse_args(["--hidden", "32", "--layers", "3", "--experts", "4", "--mtp-layers", "1"])
+    footprint = demo.check_arguments(args, 1).footprint
+    model = GPTMoEModel(demo.model_config(args, args.vocab_size), ParallelState.single_process())
+    assert footprint.total_params == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert footprint.active_params == footprint.total_params - experts + experts * args.top_k // args.experts
+    assert 0 < footprint.bytes_per_rank < 2**30
+    monkeypatch.setattr(demo, "available_memory_bytes", lambda device: (footprint.bytes_per_rank - 1, "test"))
+    with pytest.raises(demo.UsageError, match="the run needs at least"):
+        demo.check_arguments(args, 1)
+
+
+def _fake_python(path: Path, has_torch: bool, interpreter: str = sys.executable) -> Path:
+    """An interpreter stand-in for the Makefile: logs its arguments, has torch or not, pretends pip works,
+    and runs anything else with ``interpreter`` (whose sys.prefix names the stamp)."""
+    path.write_text(f"""#!/bin/sh
+echo "$*" >> "{path}.log"
+if [ "$2" = "import torch" ]; then exit {0 if has_torch else 1}; fi
+if [ "$1" = "-m" ]; then exit 0; fi
+exec {interpreter} "$@"
+""")
+    path.chmod(0o755)
+    return path
+
+
+def test_make_install_keeps_an_installed_torch_and_stamps_each_interpreter(tmp_path):
+    """A second virtualenv gets its own install (the stamp belonged to the checkout: `make demo` then failed
+    with "No module named 'torch'"), and the torch pin is only installed where there is no torch (it would
+    replace a GPU user's CUDA build)."""
+    for name in ("Makefile", "setup.py", "pyproject.toml"):
+        (tmp_path / name).write_bytes((REPO / name).read_bytes())
+
+    def install(python: Path) -> list[str]:
+        subprocess.run(["make", "-s", "-C", str(tmp_path), "install", f"PYTHON={python}"], check=True, timeout=60,
+                       capture_output=True)
+        log = Path(f"{python}.log")
+        return log.read_text().splitlines() if log.exists() else []
+
+    with_torch = install(_fake_python(tmp_path / "gpu_python", has_torch=True))
+    assert "-c import torch" in with_torch and not any("torch==" in line for line in with_torch)
+    assert "-m pip install -q -e .[test]" in with_torch
+    other = tmp_path / "venv"       # another interpreter (sys.prefix): not covered by the first one's stamp
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True, timeout=120)
+    without_torch = install(_fake_python(tmp_path / "venv_python", has_torch=False,
+                                         interpreter=str(other / "bin" / "python")))
+    assert "-m pip install -q torch==2.13.0" in without_torch and "-m pip install -q -e .[test]" in without_torch
+    assert len(list(tmp_path.glob(".deps-installed-*"))) == 2
+    assert not install(_fake_python(tmp_path / "gpu_python2", has_torch=True))[1:], "stamped: nothing to do"
+
+
+def test_each_sample_is_labelled_with_what_seeds_it(demo, capsys):
+    """The three temperature samples all said "seed 1234": one seed, but each request has its own stream,
+    seeded by (seed, request number), and the label says which."""
+    from megamoe.models import GPTMoEModel
+    from parallel_state import ParallelState
+    from test_training import tiny_config
+
+    class Tokens:
+        def encode(self, text):
+            return [1, 2, 3]
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config(num_layers=2), state)
+    demo.print_samples(model, state, Tokens(), demo.parse_args(["--sample-tokens", "3"]), rank=0)
+    labels = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--- sample")]
+    assert labels == [f"--- sample {i + 1} (temperature 0.8, top-k 40, seed 1234 request {i}) ---" for i in range(3)]

@@ -126,3 +126,67 @@ def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
     assert launch.init_distributed(device=torch.device("cuda", 1)) == (1, 2)
     assert launch.init_distributed(device="cuda") == (1, 2)            # no index: the local rank's GPU
     assert calls == ["gloo", ("set_device", 1), "cpu:gloo,cuda:nccl", ("set_device", 1), "cpu:gloo,cuda:nccl"]
+
+
+# ---- --comm-timeout, torchrun's other ranks, a rank left by a failed peer -------------------------------
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "1e300"])
+def test_a_comm_timeout_the_process_group_cannot_take_is_refused_at_parse_time(value, monkeypatch, capsys):
+    # inf was accepted, then ended in an OverflowError under torchrun.
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    parser = launch.ScriptArgumentParser(prog="tool.py")
+    launch.add_launch_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--comm-timeout", value])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"tool.py: error: argument --comm-timeout: must be a number of seconds > 0 and at most 3.1536e+07 (a "
+        f"year), got {float(value)}")
+    with pytest.raises(UsageError, match="--comm-timeout must be a number of seconds > 0"):
+        launch.init_distributed(comm_timeout_s=float(value))
+    assert parser.parse_args(["--comm-timeout", "30"]).comm_timeout == 30.0
+
+
+def test_usage_help_and_parse_errors_come_from_local_rank_0_only(demo, monkeypatch, capsys):
+    # Four ranks printed --help four times (1,376 lines) and a bad flag's usage once per rank.
+    for argv, code in ((["--help"], 0), (["--steps", "many"], 2)):
+        for local_rank, prints in (("1", False), ("0", True)):
+            monkeypatch.setenv("LOCAL_RANK", local_rank)
+            with pytest.raises(SystemExit) as exited:
+                demo.parse_args(argv)
+            out, err = capsys.readouterr()
+            assert exited.value.code == code and bool(out + err) == prints, (argv, local_rank, out + err)
+
+
+def test_a_rank_left_by_a_failed_peer_prints_no_traceback(monkeypatch, capsys):
+    # Rank 0 failed alone (a full disk): rank 1's gloo error was a traceback; now one line, after the wait.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(launch.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(launch.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+
+    def left_alone(argv):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:29500")
+
+    assert run_script(left_alone, [], prog="tool.py") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tool.py: error: on rank 1: a peer rank's process ended during a collective; see that rank's error, if it "
+        "printed one"]
+    with pytest.raises(RuntimeError, match="a bug"):        # any other RuntimeError is still a bug
+        run_script(lambda argv: (_ for _ in ()).throw(RuntimeError("a bug")), [], prog="tool.py")
+
+
+def test_a_full_disk_under_the_metrics_log_names_the_file(monkeypatch, capsys):
+    from megamoe.training.metric_sinks import build_metric_sinks
+    monkeypatch.delenv("RANK", raising=False)
+
+    def logs(argv):
+        with build_metric_sinks(rank=0, jsonl_path="/dev/full") as sinks:
+            sinks.start_run({"run_id": "x"})
+        return 0
+
+    assert run_script(logs, [], prog="tool.py") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tool.py: error: cannot write the metrics log /dev/full: No space left on device"]

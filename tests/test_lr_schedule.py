@@ -98,8 +98,14 @@ def test_script_flags_build_the_schedule_and_bad_ones_name_the_flag():
     assert given["loss_scale"].min_scale == 4
     assert train_config_kwargs(parser.parse_args([]), train_steps=100)["lr_schedule"] == LRScheduleConfig()
     TrainConfig(lr=1e-3, **kwargs)
-    for argv, message in ((["--lr-schedule", "cosine", "--warmup-steps", "100"],
+    for argv, message in ((["--lr-schedule", "cosine", "--warmup-steps", "100", "--lr-decay-steps", "100"],
                            r"^--lr-decay-steps must be an int > --warmup-steps \(100\)"),
+                          # --lr-decay-steps not given: the warmup is too long for --steps, which the user gave.
+                          (["--lr-schedule", "cosine", "--warmup-steps", "100"],
+                           r"^--warmup-steps 100 is too long for the run \(--steps 100\): --lr-schedule cosine "
+                           "decays after the warmup until the last step; lower --warmup-steps or raise --steps$"),
+                          (["--lr-warmup-steps", "101"], r"^--warmup-steps 101 is too long for the run \(--steps "
+                                                          r"100\): the LR would never reach --lr"),
                           (["--lr-schedule", "wsd", "--lr-wsd-decay-steps", "2", "--lr-wsd-decay-fraction", "0.1"],
                            "^--lr-schedule 'wsd' needs exactly one of --lr-wsd-decay-steps and "
                            "--lr-wsd-decay-fraction"),

@@ -176,3 +176,30 @@ def test_tp2_matches_single_process_over_30_steps_in_fp64():
         for step, (got, want) in enumerate(zip(curve, reference), start=1):
             for name, g, w in zip(("loss", "grad_norm", "aux_loss"), got, want):
                 assert abs(g - w) <= FP64_REL_TOL * abs(w), f"{layout} step {step} {name}: {g!r} vs {w!r}"
+
+
+def test_the_adamw_flags_reach_the_optimizer(demo):
+    """--weight-decay, --adam-beta1/2, --adam-eps and --clip-grad (Megatron's names) set TrainConfig, and so
+    the optimizer's groups (biases and norms are not decayed) and the clipping the trainer applies."""
+    from parallel_state import ParallelState
+    from megamoe.launch import UsageError
+    from megamoe.training.optim_arguments import train_config_kwargs
+    args = demo.parse_args(["--weight-decay", "0.1", "--adam-beta1", "0.8", "--adam-beta2", "0.99",
+                            "--adam-eps", "1e-6", "--clip-grad", "0.5"])
+    config = TrainConfig(lr=1e-2, **train_config_kwargs(args, train_steps=args.steps))
+    assert (config.weight_decay, config.betas, config.eps, config.grad_clip) == (0.1, (0.8, 0.99), 1e-6, 0.5)
+    model = GPTMoEModel(tiny_config(num_layers=2), ParallelState.single_process())
+    trainer = Trainer(model, ParallelState.single_process(), config)
+    groups = trainer.optimizer.param_groups
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.1]
+    assert {(g["betas"], g["eps"]) for g in groups} == {((0.8, 0.99), 1e-6)}
+    assert trainer.config.grad_clip == 0.5
+    defaults = demo.parse_args([])          # unchanged defaults: TrainConfig's
+    assert TrainConfig(**train_config_kwargs(defaults, train_steps=10)) == TrainConfig(
+        lr_schedule=config.lr_schedule, loss_scale=config.loss_scale)
+    for argv, message in ((["--adam-beta2", "1"], r"^--adam-beta2 must be in \[0, 1\), got 1.0$"),
+                          (["--adam-eps", "0"], r"^--adam-eps must be a finite number > 0"),
+                          (["--weight-decay", "nan"], r"^--weight-decay must be a finite number >= 0, got nan"),
+                          (["--clip-grad", "-1"], r"^--clip-grad must be a finite number >= 0")):
+        with pytest.raises(UsageError, match=message):
+            train_config_kwargs(demo.parse_args(argv), train_steps=10)

@@ -60,12 +60,28 @@ def _data_paths(args) -> list[tuple[str, Path]]:
     return [("--data", path) for path in args.data or []] + [("--eval-data", path) for path in args.eval_data]
 
 
+def _check_document_directory(flag: str, path: Path) -> None:
+    """A directory of files this script does not read (e.g. ``.py``): one line saying what does work, as the
+    training script has no flag for the suffixes (megamoe-preprocess's ``--text-suffixes``)."""
+    from megamoe.data.documents import list_document_files
+    try:
+        list_document_files([path])
+    except ValueError as e:
+        suffixes = sorted({f.suffix.lower() for f in path.rglob("*") if f.is_file() and f.suffix})
+        example = suffixes[0] if suffixes else ".py"
+        raise UsageError(f"{flag} {e.args[0].split(' (hidden')[0]}: name its files instead (a file named directly is "
+                         f"read as text whatever its suffix), e.g. {flag} {path}/*{example}, or tokenize the directory "
+                         f"first with megamoe-preprocess --text-suffixes {example} and pass the token file") from None
+
+
 def check_data_arguments(args) -> None:
     """The flags on their own (paths exist, weights, eval flags); UsageError naming the flag."""
     for flag, path in _data_paths(args):
         if not (is_token_source(path) or path.exists()):
             raise UsageError(f"{flag} {path} does not exist (expected a token file, a Megatron dataset prefix, "
                              "or documents: a text, .jsonl or .parquet file or a directory)")
+        if path.is_dir() and not is_token_source(path):
+            _check_document_directory(flag, path)
     if args.data_weights is not None:
         if args.data is None:
             raise UsageError("--data-weights needs --data")

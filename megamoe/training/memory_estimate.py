@@ -13,7 +13,8 @@ State (exact: the same shard rules as the modules):
   beyond), expert slots ``num_expert_slots / ep`` per rank with their FFN split over ETP, shared
   experts' FFN over the MoE layer's reduction group (EP x ETP for the all-gather dispatcher, ETP for
   all-to-all), norms, the router and MLA's low-rank projections replicated. The tied embedding's copy
-  on the last stage when ``tie_word_embeddings`` and PP > 1.
+  on the last stage when ``tie_word_embeddings`` and PP > 1. The MTP layers' parameters on the last stage
+  (their activations are not modelled).
 - gradients, as held at the optimizer step: one per parameter, of its dtype (``p.grad``) for fp32
   parameters, in fp32 for the others (their fp32 accumulation buffer ``p.main_grad``, 4 bytes per
   element: :mod:`megamoe.gradients`); with the distributed optimizer also its fp32 reduced-gradient
@@ -83,6 +84,7 @@ balanced (EP ranks' token counts vary around it), attention as the kernel ``sdpa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -98,7 +100,7 @@ from megamoe.transformer.mla import MLAConfig
 if TYPE_CHECKING:
     from megamoe.transformer.recompute import RecomputeConfig
 
-__all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor"]
+__all__ = ["MemoryEstimate", "StageEstimate", "estimate_memory", "ParamTensor", "model_parameter_counts"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -263,27 +265,59 @@ def stage_parameters(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, pp_rank:
     out: list[ParamTensor] = []
     if first or (last and config.tie_word_embeddings):
         out.append(ParamTensor("embed_tokens.weight", V_local * H))
+    moe_ids = frozenset(config.moe_layer_ids)       # config.is_moe_layer scans a tuple: quadratic in layers
     for i in layer_ids:
-        p = f"layers.{i}"
-        out += [ParamTensor(f"{p}.input_layernorm.weight", H), ParamTensor(f"{p}.post_attention_layernorm.weight", H)]
-        out += _attention_params(config.attention, tp, f"{p}.self_attn")
-        if config.is_moe_layer(i):
-            out += _moe_params(config, f"{p}.mlp", tp=tp, ep=ep, etp=etp, slots=slots)
-        else:
-            mlp = config.dense_mlp
-            if mlp.intermediate_size % tp:
-                raise ValueError(f"dense_mlp.intermediate_size ({mlp.intermediate_size}) must be divisible by tp")
-            f_local = mlp.intermediate_size // tp
-            bias = f_local if mlp.bias else None
-            if mlp.gated:
-                out += _linear(f"{p}.mlp.gate_proj", f_local, H, bias)
-            out += _linear(f"{p}.mlp.up_proj", f_local, H, bias)
-            out += _linear(f"{p}.mlp.down_proj", H, f_local, H if mlp.bias else None)
+        out += _layer_params(config, i, i in moe_ids, tp=tp, ep=ep, etp=etp, slots=slots)
     if last:
+        # The MTP depths (megamoe.models.mtp) after the decoder layers: a decoder layer each, plus enorm,
+        # hnorm, eh_proj [H, 2H] and shared_head.norm, replicated over TP.
+        for i in range(config.num_layers, config.num_layers + config.mtp_num_layers):
+            out += _layer_params(config, i, i in moe_ids, tp=tp, ep=ep, etp=etp, slots=slots)
+            out += [ParamTensor(f"layers.{i}.{name}.weight", H) for name in ("enorm", "hnorm", "shared_head.norm")]
+            out += [ParamTensor(f"layers.{i}.eh_proj.weight", 2 * H * H)]
         out.append(ParamTensor("norm.weight", H))
         if not config.tie_word_embeddings:
             out.append(ParamTensor("lm_head.weight", V_local * H))
     return out
+
+
+def _layer_params(config: GPTMoEConfig, i: int, moe: bool, *, tp: int, ep: int, etp: int,
+                  slots: int) -> list[ParamTensor]:
+    p, H = f"layers.{i}", config.hidden_size
+    out = [ParamTensor(f"{p}.input_layernorm.weight", H), ParamTensor(f"{p}.post_attention_layernorm.weight", H)]
+    out += _attention_params(config.attention, tp, f"{p}.self_attn")
+    if moe:
+        return out + _moe_params(config, f"{p}.mlp", tp=tp, ep=ep, etp=etp, slots=slots)
+    mlp = config.dense_mlp
+    if mlp.intermediate_size % tp:
+        raise ValueError(f"dense_mlp.intermediate_size ({mlp.intermediate_size}) must be divisible by tp")
+    f_local = mlp.intermediate_size // tp
+    bias = f_local if mlp.bias else None
+    if mlp.gated:
+        out += _linear(f"{p}.mlp.gate_proj", f_local, H, bias)
+    out += _linear(f"{p}.mlp.up_proj", f_local, H, bias)
+    return out + _linear(f"{p}.mlp.down_proj", H, f_local, H if mlp.bias else None)
+
+
+def model_parameter_counts(config: GPTMoEConfig) -> tuple[int, int]:
+    """``(total, active)`` parameters of the whole model (MTP layers included): every expert once (replica
+    slots are copies), and of them what a token runs through, ``top_k`` of ``num_experts`` per MoE layer.
+    Counted per kind of layer (every MoE layer, and every dense one, holds the same), so that an absurd
+    layer count is counted at once."""
+    experts = config.moe.num_experts if config.moe is not None else 0
+    H, V = config.hidden_size, _vocab_rows_per_rank(config, 1)
+    params = [ParamTensor("embed_tokens.weight", V * H), ParamTensor("norm.weight", H)]
+    if not config.tie_word_embeddings:
+        params.append(ParamTensor("lm_head.weight", V * H))
+    layer_ids = range(config.num_layers + config.mtp_num_layers)
+    moe_layers = len(frozenset(config.moe_layer_ids).intersection(layer_ids))
+    for moe, count in ((True, moe_layers), (False, len(layer_ids) - moe_layers)):
+        if count:
+            one = _layer_params(config, 0, moe, tp=1, ep=1, etp=1, slots=experts)
+            params += [dataclasses.replace(p, numel=p.numel * count) for p in one]
+    dense = sum(p.numel for p in params if not p.expert) + config.mtp_num_layers * (3 * H + 2 * H * H)
+    expert = sum(p.numel for p in params if p.expert)
+    return dense + expert, dense + (expert * config.moe.router.top_k // experts if experts else 0)
 
 
 def _vocab_rows_per_rank(config: GPTMoEConfig, tp: int) -> int:
@@ -540,9 +574,12 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
             out["other"] += 8 * S
         else:
             out["attention"] += rope
+    moe_ids, per_kind = frozenset(config.moe_layer_ids), {}     # the same bytes for every MoE / dense layer
     for i in layer_ids:
-        for category, nbytes in _layer_activations(config, i, T=T, B=B, S=S, tp=tp, ep=ep, etp=etp, e=e, sp=sp,
-                                                   recompute=recompute, sdpa_backend=sdpa_backend, cp=cp).items():
+        if (i in moe_ids) not in per_kind:
+            per_kind[i in moe_ids] = _layer_activations(config, i, T=T, B=B, S=S, tp=tp, ep=ep, etp=etp, e=e, sp=sp,
+                                                        recompute=recompute, sdpa_backend=sdpa_backend, cp=cp)
+        for category, nbytes in per_kind[i in moe_ids].items():
             out[category] += nbytes
     if last:
         H, V_local = config.hidden_size, _vocab_rows_per_rank(config, tp)

@@ -139,11 +139,22 @@ class JsonlSink:
         self._write(record)
 
     def _write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(_json_safe(dict(record))) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(_json_safe(dict(record))) + "\n")
+            self._file.flush()
+        except OSError as e:        # a full disk, say: the error names the file (the OS's does not)
+            raise self._write_error(e) from None
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as e:        # what a failed write left in the buffer fails again: name the file
+            raise self._write_error(e) from None
+
+    def _write_error(self, e: OSError) -> OSError:
+        error = OSError(f"cannot write the metrics log {self.path}: {e.strerror or e}")
+        error.errno = e.errno
+        return error
 
 
 class TensorBoardSink:

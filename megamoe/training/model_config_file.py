@@ -31,6 +31,11 @@ from megamoe.models import GPTMoEConfig
 
 __all__ = ["ModelConfigFile", "read_model_config_file"]
 
+# The fields that size a model in every supported family's config.json; the routed experts' count is named
+# per family (Qwen / OLMoE, Mixtral / MiniMax / gpt-oss, DeepSeek / GLM).
+_HF_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok")
+_HF_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
 
 @dataclass(frozen=True)
 class ModelConfigFile:
@@ -60,7 +65,8 @@ def read_model_config_file(path: str | os.PathLike, *, dispatcher: str | None = 
         raise ConversionError(f"model config {path} must hold a JSON object, got {type(data).__name__}")
     engine = dict(dispatcher=dispatcher, num_expert_slots=num_expert_slots, expert_backend=expert_backend)
     if "model_type" in data:
-        config, hf_config = model_config_from_hf(data, path), data
+        config, hf_config = model_config_from_hf(data, path), data       # an unsupported family fails here
+        _require_hf_sizes(data, path)
     elif "family" in data:
         config, hf_config = _megamoe_fields(data, path), None
     else:
@@ -74,6 +80,19 @@ def read_model_config_file(path: str | os.PathLike, *, dispatcher: str | None = 
     except ValueError as e:
         raise ConversionError(f"model config {path}: {e}") from None
     return ModelConfigFile(path, config, hf_config)
+
+
+def _require_hf_sizes(data: dict, path: str) -> None:
+    """A config.json's missing fields take transformers' defaults, which are the family's full-size model
+    (Qwen3-MoE's: 24 layers, 128 experts, a 151,936-token vocabulary): a model trained from scratch must
+    state its size."""
+    missing = [name for name in _HF_SIZE_FIELDS if name not in data]
+    if not any(name in data for name in _HF_EXPERT_COUNT_FIELDS):
+        missing.append(" or ".join(_HF_EXPERT_COUNT_FIELDS))
+    if missing:
+        raise ConversionError(
+            f"model config {path} does not give the model's size: {', '.join(missing)} missing (transformers would "
+            f"fill in the full-size defaults of {data['model_type']!r}); give every size field")
 
 
 def _megamoe_fields(data: dict, path: str) -> GPTMoEConfig:

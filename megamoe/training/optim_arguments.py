@@ -3,7 +3,8 @@ optimizer's memory layout (``--distributed-optimizer``, ``--zero-stage``, ``--pa
 ``--use-distributed-optimizer`` and ``--bf16``),
 ``--lr-schedule {constant,linear,cosine,wsd}`` (Megatron-LM's ``--lr-decay-style``) and ``--warmup-steps``,
 the others named as Megatron-LM's (``--lr-wsd-decay-style``, ``--override-opt-param-scheduler``,
-``--initial-loss-scale``, ``--loss-scale-window``, ``--min-loss-scale``)::
+``--initial-loss-scale``, ``--loss-scale-window``, ``--min-loss-scale``), and the AdamW hyperparameters under
+Megatron-LM's names (``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``)::
 
     add_optim_arguments(parser)
     ...
@@ -13,6 +14,7 @@ the others named as Megatron-LM's (``--lr-wsd-decay-style``, ``--override-opt-pa
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -20,10 +22,12 @@ import torch
 from megamoe.launch import UsageError
 from megamoe.training.loss_scaling import LossScaleConfig
 from megamoe.training.lr_schedule import LR_SCHEDULE_STYLES, WSD_DECAY_STYLES, LRScheduleConfig
+from megamoe.training.trainer import TrainConfig
 
 __all__ = ["add_optim_arguments", "train_config_kwargs", "param_dtype", "PARAM_DTYPES"]
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_ADAMW = TrainConfig()          # the flags' defaults are TrainConfig's
 
 _FLAGS = {"style": "--lr-schedule", "warmup_steps": "--warmup-steps", "decay_steps": "--lr-decay-steps",
           "min_lr_ratio": "--min-lr-ratio", "wsd_decay_style": "--lr-wsd-decay-style",
@@ -37,7 +41,8 @@ def add_optim_arguments(parser) -> None:
     g = parser.add_argument_group("LR schedule and guard rails")
     g.add_argument("--lr-schedule", choices=list(LR_SCHEDULE_STYLES), type=str.lower, default="constant", help="LR after the warmup: constant at --lr, or decaying to --min-lr-ratio "
                                             "of it (WSD: warmup-stable-decay)")
-    g.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup from 0 to --lr")
+    g.add_argument("--warmup-steps", "--lr-warmup-steps", type=int, default=0,
+                   help="steps of linear warmup from 0 to --lr (at most the run's --steps)")
     g.add_argument("--lr-decay-steps", type=int, default=None,
                    help="the step at which the decay ends (default: the run's last step)")
     g.add_argument("--min-lr-ratio", type=float, default=0.0, help="the LR the decay ends at, as a fraction of --lr")
@@ -57,6 +62,13 @@ def add_optim_arguments(parser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0,
                    help="fp16: the loss scale never backs off below this; overflows above it lower the scale "
                         "and do not count toward --max-skipped-steps")
+    a = parser.add_argument_group("AdamW (Megatron-LM's flag names; biases and norms are not decayed)")
+    a.add_argument("--weight-decay", type=float, default=_ADAMW.weight_decay, help="decoupled weight decay")
+    a.add_argument("--adam-beta1", type=float, default=_ADAMW.betas[0], help="decay of the first moment, in [0, 1)")
+    a.add_argument("--adam-beta2", type=float, default=_ADAMW.betas[1], help="decay of the second moment, in [0, 1)")
+    a.add_argument("--adam-eps", type=float, default=_ADAMW.eps, help="added to the second moment's root, > 0")
+    a.add_argument("--clip-grad", type=float, default=_ADAMW.grad_clip,
+                   help="clip the global gradient norm to this; 0: no clipping")
     m = parser.add_argument_group("optimizer memory")
     m.add_argument("--distributed-optimizer", action="store_true",
                    help="shard the Adam moments (and the fp32 master weights of bf16 parameters) over the data-"
@@ -85,7 +97,8 @@ def _with_flag_names(message: str) -> str:
 def train_config_kwargs(args, *, train_steps: int) -> dict:
     """``TrainConfig`` keyword arguments (``lr_schedule``, ``max_skipped_steps``, ``loss_scale``) from the
     flags of :func:`add_optim_arguments`; the decay ends at ``train_steps`` unless ``--lr-decay-steps``.
-    Also ``distributed_optimizer``, ``zero_stage``, ``overlap_grad_reduce`` and ``grad_bucket_mb``. Raises :class:`~megamoe.launch.UsageError` naming the
+    Also ``distributed_optimizer``, ``zero_stage``, ``overlap_grad_reduce``, ``grad_bucket_mb`` and AdamW's
+    ``weight_decay``, ``betas``, ``eps``, ``grad_clip``. Raises :class:`~megamoe.launch.UsageError` naming the
     flag."""
     style = args.lr_schedule
     wsd_fraction = args.lr_wsd_decay_fraction
@@ -101,6 +114,22 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
                          "shards the distributed optimizer keeps)")
     if not 0 < args.grad_bucket_mb < float("inf"):
         raise UsageError(f"--grad-bucket-mb must be a number > 0 (MB of gradient per bucket), got {args.grad_bucket_mb}")
+    for flag, value, valid, rule in (
+            ("--weight-decay", args.weight_decay, 0 <= args.weight_decay < math.inf, "a finite number >= 0"),
+            ("--adam-beta1", args.adam_beta1, 0 <= args.adam_beta1 < 1, "in [0, 1)"),
+            ("--adam-beta2", args.adam_beta2, 0 <= args.adam_beta2 < 1, "in [0, 1)"),
+            ("--adam-eps", args.adam_eps, 0 < args.adam_eps < math.inf, "a finite number > 0"),
+            ("--clip-grad", args.clip_grad, 0 <= args.clip_grad < math.inf, "a finite number >= 0 (0: no clipping)")):
+        if not valid:
+            raise UsageError(f"{flag} must be {rule}, got {value}")
+    # The decay ends at the run's last step unless --lr-decay-steps says otherwise: a warmup too long for the
+    # run blames the flags the user gave.
+    decays_to_run_end = style != "constant" and args.lr_decay_steps is None
+    if args.warmup_steps > train_steps or (decays_to_run_end and args.warmup_steps >= train_steps):
+        raise UsageError(f"--warmup-steps {args.warmup_steps} is too long for the run (--steps {train_steps})"
+                         + (f": --lr-schedule {style} decays after the warmup until the last step" if decays_to_run_end
+                            else ": the LR would never reach --lr")
+                         + "; lower --warmup-steps or raise --steps")
     decay_steps = train_steps if args.lr_decay_steps is None else args.lr_decay_steps
     try:
         schedule = LRScheduleConfig(
@@ -114,7 +143,9 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
         raise UsageError(_with_flag_names(str(e))) from None
     return {"lr_schedule": schedule, "max_skipped_steps": args.max_skipped_steps, "loss_scale": loss_scale,
             "distributed_optimizer": args.distributed_optimizer, "zero_stage": args.zero_stage,
-            "overlap_grad_reduce": args.overlap_grad_reduce, "grad_bucket_mb": args.grad_bucket_mb}
+            "overlap_grad_reduce": args.overlap_grad_reduce, "grad_bucket_mb": args.grad_bucket_mb,
+            "weight_decay": args.weight_decay, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_eps,
+            "grad_clip": args.clip_grad}
 
 
 def param_dtype(args) -> torch.dtype:
