@@ -26,7 +26,7 @@ import torch
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.read_window import ReadWindow
-from checkpoint_tools.safe_names import hub_cache_roots, resolve_inside
+from checkpoint_tools.safe_names import check_regular_file, hub_cache_roots, resolve_inside
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "HFTensorInfo", "HFCheckpoint", "is_weight_file"]
@@ -131,11 +131,14 @@ class HFCheckpoint:
 
     @staticmethod
     def side_files_of(directory: str) -> list[str]:
-        """The top-level files of an HF directory that are neither config.json nor weights (a link
-        leading outside the directory, or a link loop, is refused)."""
+        """The top-level files of an HF directory that are neither config.json nor weights. A link
+        leading outside the directory, a link loop, and anything but a regular file (a FIFO, whose
+        opening would block; a socket, a device) are refused, found by ``stat`` alone: nothing is opened."""
         names = sorted(n for n in os.listdir(directory)
                        if not is_weight_file(n) and not os.path.isdir(os.path.join(directory, n)))
-        return [n for n in names if os.path.isfile(_inside(directory, n, f"{directory}: side file"))]
+        for name in names:
+            check_regular_file(_inside(directory, name, f"{directory}: side file"), "side file", ConversionError)
+        return names
 
     @staticmethod
     def _read_header(directory: str, name: str, seen: dict[str, HFTensorInfo]) -> dict[str, HFTensorInfo]:

@@ -441,6 +441,69 @@ def test_a_hub_cache_snapshot_with_links_into_its_blobs_imports(sources, tmp_pat
     assert "tokenizer.json" in read_manifest(tmp_path / "out")["extra"]["hf_files"]
 
 
+def test_a_hub_cache_blobs_directory_linking_out_of_the_cache_is_refused(sources, tmp_path, capsys):
+    repo, outside = tmp_path / "models--tiny", tmp_path / "outside"
+    snapshot = repo / "snapshots" / "0123abc"
+    os.makedirs(snapshot)
+    os.makedirs(outside)
+    os.symlink(outside, repo / "blobs")                 # the blobs themselves lie outside the cache
+    for name in os.listdir(sources / "hf"):
+        shutil.copy(sources / "hf" / name, outside / f"blob-{name}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob-{name}"), snapshot / name)
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["import-hf", snapshot, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     "symbolic link leading outside", out)
+
+
+def test_a_side_file_that_is_not_a_regular_file_is_refused_unopened(sources, tmp_path, capsys):
+    directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), lambda s: None)
+    os.mkfifo(os.path.join(directory, "tokenizer.json"))           # opening it would block: never opened
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     r"side file .*tokenizer.json is a FIFO, not a regular file", out)
+    assert_cli_fails(capsys, ["export-hf", sources / "imported", out, "--hf-config", directory],
+                     r"tokenizer.json is a FIFO", out)
+    from megamoe.training.hf_start import hf_start_config
+    with pytest.raises(ConversionError, match="tokenizer.json is a FIFO"):
+        hf_start_config(directory)
+    checkpoint = _copy(sources, "imported", tmp_path)             # a checkpoint's recorded side file
+    os.unlink(checkpoint / "hf_files" / "tokenizer.json")
+    os.mkfifo(checkpoint / "hf_files" / "tokenizer.json")
+    for verify in ([], ["--no-verify-checksums"]):
+        assert_cli_fails(capsys, ["export-hf", checkpoint, out, *verify], "tokenizer.json is a FIFO", out)
+        assert_cli_fails(capsys, ["reshard", checkpoint, out, "--tp", 1, "--pp", 1, "--ep", 1, *verify],
+                         "tokenizer.json is a FIFO", out)
+    assert convert("inspect", checkpoint) == 1
+    assert "tokenizer.json is a FIFO" in capsys.readouterr().out
+
+
+def test_a_linked_hf_files_directory_must_stay_inside_the_checkpoint(sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    shutil.move(checkpoint / "hf_files", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", checkpoint / "hf_files")
+    out = str(tmp_path / "out")
+    message = r"hf_files: it is a symbolic link leading outside"
+    assert_cli_fails(capsys, ["inspect", checkpoint], message)
+    assert_cli_fails(capsys, ["export-hf", checkpoint, out], message, out)
+    assert_cli_fails(capsys, ["reshard", checkpoint, out, "--tp", 1, "--pp", 1, "--ep", 1], message, out)
+    os.unlink(checkpoint / "hf_files")                  # a link inside the checkpoint is fine
+    shutil.move(tmp_path / "elsewhere", checkpoint / "side")
+    os.symlink("side", checkpoint / "hf_files")
+    assert convert("export-hf", checkpoint, out) == 0
+
+
+def test_export_overwrite_refuses_a_linked_output_directory(sources, tmp_path, capsys):
+    real, link = tmp_path / "real", tmp_path / "link"
+    assert convert("export-hf", sources / "imported", real) == 0
+    before = sorted(os.listdir(real))
+    os.symlink(real, link)
+    for _ in range(2):                  # the same one-line refusal every time: nothing was renamed
+        assert_cli_fails(capsys, ["export-hf", sources / "imported", link, "--overwrite"],
+                         rf"{re.escape(str(link))} is a symbolic link .*refusing to replace it")
+        assert os.path.islink(link) and sorted(os.listdir(real)) == before
+        assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
 @pytest.mark.parametrize("field", ["num_attention_heads", "num_key_value_heads", "hidden_size"])
 def test_zero_sizes_in_config_json_name_the_field(field, sources, tmp_path, capsys):
     directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), lambda s: None)
