@@ -40,6 +40,7 @@ from checkpoint_tools.format import MANIFEST_FILE
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
 from checkpoint_tools.hf_quantization import (DequantizedByAdapter, hf_quantization, resolve_block_fp8,
                                               without_quantization)
+from checkpoint_tools.hf_sizes import check_layout_sizes, check_sizes_against_weights
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import plan_layout
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields
@@ -84,12 +85,28 @@ def hf_config_object(config: dict, where: str):
         import transformers
     except ImportError:
         raise ConversionError("reading HuggingFace configs needs transformers: pip install transformers") from None
+    with _automatic_gc_paused():
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    _refuse_conflicting_aliases(config, getattr(config_class, "attribute_map", {}), where)
     try:
-        with _automatic_gc_paused():
-            config_class = transformers.CONFIG_MAPPING[model_type]
         return config_class.from_dict(without_quantization(config))
     except Exception as e:  # noqa: BLE001 - transformers validates configs with several exception types
         raise ConversionError(f"{where}: transformers rejects the config: {e}") from None
+
+
+def _refuse_conflicting_aliases(config: dict, aliases: dict, where: str) -> None:
+    """transformers reads one of two names of a field (``num_experts`` / ``num_local_experts``, a top-level
+    ``rope_theta`` / the one in ``rope_parameters``) and silently drops the other: two different values
+    are refused, naming both."""
+    pairs = [(alias, canonical, config[alias], config[canonical]) for alias, canonical in aliases.items()
+             if alias in config and canonical in config]
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" in config:
+        pairs.append(("rope_theta", "rope_parameters.rope_theta", config["rope_theta"], rope["rope_theta"]))
+    for first, second, a, b in pairs:
+        if a != b:          # NaN included: it equals nothing
+            raise ConversionError(f"{where}: {first} is {a!r} but {second} is {b!r}; transformers reads only one of "
+                                  "them: keep one, or give both the same value")
 
 
 # config.json sizes and counts for which 0 or less means nothing (several divide by them). Checked before
@@ -245,10 +262,14 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                                   num_expert_slots=num_expert_slots, hf_keys=hf.tensors)
     if num_expert_slots is not None and config.moe is None:
         raise ConversionError("--num-expert-slots was given but the model has no MoE layers")
+    # Every size is checked before anything is built from it: config.json against the weight files (the
+    # dry run checks every shape, on meta tensors), the layout against the heads and this machine's memory.
+    check_sizes_against_weights(config, hf.config, hf.tensors, os.path.join(hf_dir, "config.json"))
+    check_layout_sizes(config, layout)
     adapter, config = hf_weights_adapter(hf, adapter_for(config.family), config, target)
+    order, produced, dropped = plan_hf_conversion(hf, adapter, config)
     placements = build_placements(config, layout.ep, expert_load=expert_load)
     plan = plan_layout(config, layout, placements)
-    order, produced, dropped = plan_hf_conversion(hf, adapter, config)
     names = {name for name, _, _ in produced}
     if names != set(plan.tensors):
         raise ConversionError(f"internal: the {config.family} adapter and the model disagree on the logical tensors: "

@@ -8,6 +8,7 @@ loss on that data has clearly fallen; bad input ends in one error line before an
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,12 @@ def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
         start_from_hf(tmp_path / "empty", ParallelState.single_process())
     with pytest.raises(ConversionError, match=r"config.json: MoEConfig.num_expert_slots \(7\) must be >= num_experts"):
         hf_start_config(directory, num_expert_slots=7)
+    # An absurd size is refused against the weight files' headers before the model is built (allocated).
+    shutil.copytree(directory, tmp_path / "huge")
+    config = json.loads((tmp_path / "huge" / "config.json").read_text())
+    (tmp_path / "huge" / "config.json").write_text(json.dumps({**config, "hidden_size": 10**9}))
+    with pytest.raises(ConversionError, match="hidden_size is 1000000000, but model.embed_tokens.weight"):
+        hf_start_config(tmp_path / "huge")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from checkpoint_tools.adapters import AdapterError, adapter_for
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.hf_checkpoint import CONFIG_FILE, HFCheckpoint
+from checkpoint_tools.hf_sizes import check_sizes_against_weights
 from checkpoint_tools.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
 from checkpoint_tools.placements import build_placements
 from checkpoint_tools.read_window import ReadWindow
@@ -69,7 +70,9 @@ def hf_start_config(hf_dir: str | os.PathLike, *, dispatcher: str = "alltoall", 
 
 
 def _start_of(hf: HFCheckpoint, **engine) -> HFStart:
-    config = model_config_from_hf(hf.config, os.path.join(hf.directory, CONFIG_FILE), hf_keys=hf.tensors, **engine)
+    where = os.path.join(hf.directory, CONFIG_FILE)
+    config = model_config_from_hf(hf.config, where, hf_keys=hf.tensors, **engine)
+    check_sizes_against_weights(config, hf.config, hf.tensors, where)    # before a model is built of them
     if engine.get("num_expert_slots") is not None and config.moe is None:
         raise ConversionError(f"{hf.directory}: num_expert_slots was given but the model has no MoE layers")
     files = {}
