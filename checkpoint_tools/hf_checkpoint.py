@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Collection, Iterable, Iterator
+from typing import Callable, Collection, Iterable, Iterator
 
 import torch
 
@@ -174,14 +174,16 @@ class HFCheckpoint:
         info = self.tensors[key]
         return FileExtent(os.path.join(self.directory, info.file), info.offset, info.nbytes)
 
-    def iter_tensors(self, keys: Iterable[str], window: ReadWindow,
-                     placeholders: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, keys: Iterable[str], window: ReadWindow, placeholders: Collection[str] = (),
+                     scan: Callable[[str, torch.Tensor], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(key, tensor)`` for ``keys`` in that order, each read when the consumer asks for it; tensors
         view the mapped file (no copy). Keys in ``placeholders`` are not read: their tensor is a meta
-        tensor of the right dtype and shape (for a consumer that copies the bytes at :meth:`extent`)."""
+        tensor of the right dtype and shape (for a consumer that copies the bytes at :meth:`extent`).
+        ``scan(key, tensor)`` sees every tensor's values first, the placeholders' included (a view of the
+        mapping: the pages the file-to-file copy reads next)."""
         for key in keys:
             info = self.tensors[key]
-            if key in placeholders:
+            if key in placeholders and scan is None:
                 yield key, torch.empty(info.shape, dtype=info.dtype, device="meta")
                 continue
             path = os.path.join(self.directory, info.file)
@@ -192,4 +194,8 @@ class HFCheckpoint:
             except Exception as e:  # noqa: BLE001 - whatever safetensors raises for a damaged file
                 raise _corrupt(path, e) from e
             window.account(info.nbytes)
+            if scan is not None:
+                scan(key, tensor)
+            if key in placeholders:
+                tensor = torch.empty(info.shape, dtype=info.dtype, device="meta")
             yield key, tensor

@@ -6,11 +6,11 @@ from its sizes: a ``hidden_size`` of 1e9 or a ``vocab_size`` of 1e12 asks the al
 already say how large the model is, so config.json is checked against them first, cheaply and naming the
 field; the adapter's dry run then checks every shape (:func:`checkpoint_tools.import_hf.plan_hf_conversion`).
 
-Two sizes come from the command line instead, and are checked before the plan walks the layout: the TP
-size against the heads (every TP rank holds whole heads) and the PP size against the layers (a TP or PP
-size of 1e6 would otherwise be discovered after building the rank groups of a world of 1e6), and the expert slots against this machine's memory
-(each EP rank holds ``slots / ep`` experts of every MoE layer of its stage, replicas included; the
-checkpoint stores each expert once, but no rank could load it).
+Sizes of the layout are checked before the plan walks its ranks: the TP size against the heads (every
+TP rank holds whole heads), the PP size against the layers (a TP or PP size of 1e6 would otherwise be
+found only after building the rank groups of a world of 1e6), and the expert slots against this
+machine's memory (each EP rank holds ``slots / ep`` experts of every MoE layer of its stage, replicas
+included; the checkpoint stores each expert once, but no rank could load it).
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def machine_memory_bytes() -> int:
 
 def check_layout_sizes(config: GPTMoEConfig, layout: ParallelLayout) -> None:
     """ConversionError, before any rank of ``layout`` is planned, for a TP size that does not divide the
-    attention heads, a PP size that leaves a stage without layers, and for expert slots whose weights alone exceed this machine's memory on one EP
-    rank (a lower bound: bf16, the stage with the fewest MoE layers a pipeline split can give)."""
+    attention heads, a PP size that leaves a stage without layers, and expert slots whose weights alone
+    exceed this machine's memory on one EP rank (a lower bound: bf16 weights, and ceil(MoE layers / pp)
+    layers, which some stage holds at least)."""
     heads = config.attention.num_attention_heads
     if heads % layout.tp:
         raise ConversionError(f"layout {layout} is impossible for this model: --tp {layout.tp} must divide the "

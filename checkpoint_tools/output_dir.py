@@ -42,8 +42,9 @@ class OutputDirectory:
     """``with OutputDirectory(path, ...) as tmp:`` write into ``tmp``; it becomes ``path`` on success.
 
     Checked at construction, before any work: ``path`` must not be a symbolic link, must not exist unless
-    ``overwrite``, and then must be empty or pass ``replaceable`` (e.g. "holds a manifest.json": a directory of something else is
-    never deleted); ``path`` must not be or contain any of ``inputs``, nor lie inside one.
+    ``overwrite``, and then must be empty or pass ``replaceable`` (e.g. "holds a manifest.json": a
+    directory of something else is never deleted); ``path`` must not be or contain any of ``inputs``, nor
+    lie inside one.
     """
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool, what: str,

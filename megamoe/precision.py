@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "upcast", "has_non_finite"]
+__all__ = ["compute_dtype", "upcast", "has_non_finite", "count_non_finite"]
 
 _SCAN_BLOCK = 1 << 22      # elements checked at once: a widened fp8 block is 16 MiB, whatever the tensor
 
@@ -40,3 +40,17 @@ def has_non_finite(tensor: torch.Tensor) -> bool:
         if not bool(torch.isfinite(block if block.element_size() > 1 else block.float()).all()):
             return True
     return False
+
+
+def count_non_finite(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NaN values, infinite values) of the floating-point ``tensor`` ((0, 0) for other dtypes), counted
+    block by block as :func:`has_non_finite` scans."""
+    if not tensor.is_floating_point():
+        return 0, 0
+    flat, nan, inf = tensor.reshape(-1), 0, 0
+    for start in range(0, flat.numel(), _SCAN_BLOCK):
+        block = flat[start:start + _SCAN_BLOCK]
+        block = block if block.element_size() > 1 else block.float()
+        nan += int(torch.isnan(block).sum())
+        inf += int(torch.isinf(block).sum())
+    return nan, inf

@@ -521,6 +521,21 @@ def test_zero_sizes_in_config_json_name_the_field(field, sources, tmp_path, caps
 # ----------------------------------------------------------------------------------------------
 # inspect: NaN / Inf; --help: defaults
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["model.norm.weight",                  # copied file to file: scanned only
+                                 "model.layers.0.self_attn.o_proj.weight"])   # TP 2 cuts its columns: read
+def test_non_finite_hf_weights_are_refused_at_import_unless_allowed(key, sources, tmp_path, capsys, caplog):
+    def poison(state):
+        state[key].view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), poison)
+    out = str(tmp_path / "ckpt")
+    numel = hf_tensors(directory)[key].numel()
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 2, "--pp", 1, "--ep", 1],
+                     rf"{re.escape(key)} holds 1 NaN and 2 infinite values \(of {numel}\); refusing to import "
+                     r"non-finite weights \(pass --allow-non-finite to import them anyway\)", out)
+    assert convert("import-hf", directory, out, "--tp", 2, "--pp", 1, "--ep", 1, "--allow-non-finite") == 0
+    assert f"{key} holds 1 NaN and 2 infinite values" in caplog.text
+
+
 def test_inspect_reports_non_finite_tensors(sources, tmp_path, capsys):
     assert convert("inspect", sources / "imported") == 0
     assert "values       all finite" in capsys.readouterr().out
@@ -529,7 +544,8 @@ def test_inspect_reports_non_finite_tensors(sources, tmp_path, capsys):
         state["model.layers.1.mlp.experts.3.up_proj.weight"][0, 0] = float("nan")
         state["model.norm.weight"][2] = float("inf")
     directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), poison)
-    assert convert("import-hf", directory, tmp_path / "ckpt", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    assert convert("import-hf", directory, tmp_path / "ckpt", "--tp", 1, "--pp", 1, "--ep", 1,
+                   "--allow-non-finite") == 0
     assert convert("inspect", tmp_path / "ckpt") == 1
     text = capsys.readouterr().out
     assert re.search(r"NON-FINITE: 2 tensors hold NaN or Inf: .*layers\.1\.mlp\.experts\.3\.up_proj\.weight", text)

@@ -153,6 +153,25 @@ def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
         hf_start_config(tmp_path / "huge")
 
 
+def test_start_from_hf_refuses_non_finite_weights_unless_allowed(hf_dir, tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    from checkpoint_tools.errors import ConversionError
+    from megamoe.training.hf_start import start_from_hf
+    directory = tmp_path / "nan"
+    shutil.copytree(hf_dir[0], directory)
+    state = load_file(directory / "model.safetensors")
+    key = "model.layers.1.mlp.experts.5.down_proj.weight"
+    state[key][3, 4] = float("nan")
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=rf"{key} holds 1 NaN and 0 infinite values \(of 512\); refusing to "
+                                              r"load non-finite weights \(pass --allow-non-finite"):
+        start_from_hf(directory, ParallelState.single_process(), expert_backend="torch")
+    model, _ = start_from_hf(directory, ParallelState.single_process(), expert_backend="torch", allow_non_finite=True)
+    assert f"{key} holds 1 NaN" in caplog.text
+    assert any(torch.isnan(p).any() for p in model.parameters())
+
+
 # ----------------------------------------------------------------------------------------------
 # In process, two ranks: EP 2 with replica slots from an expert-load file
 # ----------------------------------------------------------------------------------------------
