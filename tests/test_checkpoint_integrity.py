@@ -535,6 +535,19 @@ def test_non_finite_hf_weights_are_refused_at_import_unless_allowed(key, sources
     assert convert("import-hf", directory, out, "--tp", 2, "--pp", 1, "--ep", 1, "--allow-non-finite") == 0
     assert f"{key} holds 1 NaN and 2 infinite values" in caplog.text
 
+    # A checkpoint holding them (allowed here; or saved with verification off): loading it for generation
+    # and exporting it scan the values they read, and refuse alike.
+    name = key.removeprefix("model.")
+    assert_cli_fails(capsys, ["export-hf", out, tmp_path / "hf_out"],
+                     rf"{re.escape(name)} holds 1 NaN and 2 infinite values .*refusing to export non-finite "
+                     r"weights \(pass --allow-non-finite", str(tmp_path / "hf_out"))
+    assert convert("export-hf", out, tmp_path / "hf_out", "--allow-non-finite") == 0
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} holds 1 NaN and 2 infinite values .*refusing to "
+                                              "load non-finite weights"):
+        build_model_from_checkpoint(out, ParallelState.single_process())
+    model = build_model_from_checkpoint(out, ParallelState.single_process(), allow_non_finite=True)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
 
 def test_inspect_reports_non_finite_tensors(sources, tmp_path, capsys):
     assert convert("inspect", sources / "imported") == 0
