@@ -227,7 +227,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
                 dtype = _DTYPES[entries[name]["dtype"]]
                 extents = reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype else None
                 tensor = reader.read(name)
-                finite(name, tensor)        # a copied tensor is read for this only (its bytes were just hashed)
+                finite(name, tensor)        # a tensor copied file to file is read for this alone
                 if extents is None:
                     yield name, tensor.clone() if name in waiting else tensor
                 else:                           # shapes are all the adapter looks at

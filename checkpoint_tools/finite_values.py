@@ -1,10 +1,11 @@
 """Weights holding NaN or infinite values, refused as they stream through an import, a load or an export.
 
 A checkpoint or an HF release with such a weight computes NaN logits or losses from its first step, far
-from the cause. Each tensor is scanned where its values are in memory anyway (a view of the mapped file
-the conversion reads, a chunk just loaded): one ``isfinite`` reduction per block, no other read. The
-first tensor found is refused by name with its counts, unless the user allows it (``--allow-non-finite``),
-which warns once per such tensor instead.
+from the cause. Each tensor is scanned as it passes through (a view of the mapped file the conversion
+reads, a chunk just loaded): one ``isfinite`` reduction per block. Only a tensor a conversion would copy
+file to file without reading it is read for the scan alone, from the same mapping. The first tensor
+found is refused by name with its counts, unless the user allows it (``--allow-non-finite``), which
+warns once per such tensor instead.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def check_regular_file(path: str, what: str, error=CheckpointError) -> str:
     if not stat.S_ISREG(mode):
         kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
                 "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a directory" if stat.S_ISDIR(mode)
-                else "not a regular file")
+                else "a special file")
         raise error(f"{what} {path} is {kind}, not a regular file; refusing to read it (replace it with the file "
                     "itself)")
     return path

@@ -432,6 +432,8 @@ def test_bad_checkpoints_fail_cleanly(hf_models, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")
     assert convert("reshard", tmp_path / "scratch", tmp_path / "out", "--tp", 3, "--pp", 1, "--ep", 1) == 1
     assert "impossible" in capsys.readouterr().err
+    assert convert("reshard", tmp_path / "scratch", tmp_path / "out", "--tp", 100000, "--pp", 1, "--ep", 1) == 1
+    assert "--tp 100000 must divide the 4 attention heads" in capsys.readouterr().err    # at once, not in minutes
 
 
 def test_module_entry_point_reports_errors_without_traceback(tmp_path):
