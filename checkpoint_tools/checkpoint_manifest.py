@@ -65,8 +65,10 @@ def _check_manifest_names(root: str, manifest_path: str, manifest: dict) -> None
         if not isinstance(entry.get("file"), str) or entry["file"] not in files:
             raise CheckpointError(f"{manifest_path}: {what} is stored in {entry.get('file')!r}, which the manifest "
                                   "does not list among its files")
-    side_dir = os.path.join(root, HF_FILES_DIR)
-    for name in (manifest.get("extra") or {}).get("hf_files") or {}:
+    side_files = (manifest.get("extra") or {}).get("hf_files") or {}
+    # A linked hf_files/ must lead inside the checkpoint too: its files are checked against it below.
+    side_dir = resolve_inside(root, HF_FILES_DIR, f"{manifest_path}: extra.hf_files") if side_files else root
+    for name in side_files:
         resolve_inside(side_dir, name, f"{manifest_path}: extra.hf_files", single_component=True)
         if is_weight_file(name):      # export-hf writes these itself: a side file must not replace them
             raise CheckpointError(f"{manifest_path}: extra.hf_files names {name!r}, which is config.json or a "

@@ -20,6 +20,7 @@ import sys
 
 from checkpoint_tools.adapters import AdapterError
 from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.finite_values import ALLOW_FLAG
 from checkpoint_tools.format import CheckpointError
 from checkpoint_tools.target_dtype import TARGET_DTYPES
 from megamoe.launch import HelpFormatter, add_no_verify_checksums_argument
@@ -70,6 +71,11 @@ def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | N
                        help=f"token dispatcher recorded in the model config (default: {dispatcher_default or saved})")
 
 
+def _allow_non_finite_option(parser: argparse.ArgumentParser, doing: str) -> None:
+    parser.add_argument(ALLOW_FLAG, action="store_true",
+                        help=f"{doing} weights holding NaN or Inf (a warning names each) instead of refusing them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=_PROG, description="Convert checkpoints between HuggingFace and megamoe, "
                                      "reshard them, inspect and verify them.", formatter_class=HelpFormatter)
@@ -87,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cast floating tensors; of a block-FP8 release (quant_method fp8), keep stores the e4m3 "
                         "weights and their block scales as they are, the others dequantize them")
     p.add_argument("--overwrite", action="store_true", help="replace an existing megamoe checkpoint at OUT_DIR")
+    _allow_non_finite_option(p, "import")
 
     p = add("export-hf", help="megamoe checkpoint -> HF model directory",
             description="Write a HuggingFace model directory (config.json, safetensors shards + "
@@ -102,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take config.json and tokenizer files from this HF directory (for checkpoints saved by "
                         "training, which do not keep them)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing HF model directory at OUT_DIR")
+    _allow_non_finite_option(p, "export")
     add_no_verify_checksums_argument(p)
 
     p = add("reshard", help="megamoe checkpoint -> another layout / slots / placement",
@@ -145,7 +153,8 @@ def _run(args) -> int:
         from checkpoint_tools.import_hf import import_hf
         summary = import_hf(args.hf_dir, args.out_dir, _layout(args, args.dispatcher),
                             num_expert_slots=args.num_expert_slots, expert_load=args.expert_load, dtype=args.dtype,
-                            dispatcher=args.dispatcher, overwrite=args.overwrite)
+                            dispatcher=args.dispatcher, overwrite=args.overwrite,
+                            allow_non_finite=args.allow_non_finite)
         print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['logical_tensors']} logical tensors, "
               f"{summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, layout "
               + " ".join(f"{k}={v}" for k, v in summary["layout"].items()))
@@ -154,7 +163,7 @@ def _run(args) -> int:
         from checkpoint_tools.export_hf import export_hf
         summary = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
                             max_shard_bytes=args.max_shard_size, hf_config_dir=args.hf_config,
-                            verify_checksums=args.verify_checksums)
+                            verify_checksums=args.verify_checksums, allow_non_finite=args.allow_non_finite)
         print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['tensors']} tensors in {summary['shards']} "
               f"shards, {summary['bytes'] / 2**20:.1f} MiB")
         return 0

@@ -8,9 +8,10 @@ Each expert is written once: the checkpoint stores one copy of each logical chun
 and a save that finds replicas differing fails (``save_checkpoint(..., verify_replicas=True)``).
 
 A tensor that keeps its dtype and whose stored chunks hold its bytes in order (cut along the first
-dimension only, or not cut) is copied file to file without being read (see
-:mod:`checkpoint_tools.safetensors_stream`); the others are assembled in memory. Each shard is written
-and fsynced by its own threads, a finished one while the next one is being written.
+dimension only, or not cut) is copied file to file (see :mod:`checkpoint_tools.safetensors_stream`); the
+others are assembled in memory. Every tensor's values are scanned for NaN and Inf as they are read (a
+copied one is read for the scan only); one is refused by name unless ``allow_non_finite``. Each shard
+is written and fsynced by its own threads, a finished one while the next one is being written.
 
 The config.json and side files come from the checkpoint (kept there by ``import-hf`` and ``reshard``) or,
 with ``hf_config_dir``, from a HF directory (e.g. the one a fine-tuned model was imported from, when its
@@ -35,6 +36,7 @@ from checkpoint_tools.adapters import ADAPTERS, AdapterError, HFAdapter, adapter
 from checkpoint_tools.block_fp8_steps import HFWeightForm
 from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
 from checkpoint_tools.errors import CheckpointError, ConversionError
+from checkpoint_tools.finite_values import NonFiniteCheck
 from checkpoint_tools.hf_checkpoint import CONFIG_FILE, INDEX_FILE, HFCheckpoint
 from checkpoint_tools.hf_quantization import hf_quantization, without_quantization
 from checkpoint_tools.import_hf import model_config_from_hf
@@ -154,14 +156,15 @@ def _shard_names(count: int) -> list[str]:
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "keep",
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               hf_config_dir: str | os.PathLike | None = None, progress: bool | None = None,
-              verify_checksums: bool = True) -> dict:
+              verify_checksums: bool = True, allow_non_finite: bool = False) -> dict:
     """Write the HF model directory ``out_dir`` for the megamoe checkpoint ``checkpoint``.
 
     ``dtype``: ``keep`` (each tensor as stored: bit-exact round trip of an import) | ``fp32`` | ``bf16`` |
     ``fp16``. ``hf_config_dir``: take config.json and the side files from this HF directory instead of
     the checkpoint. Optimizer state (``optim.*``) is not exported. Every checkpoint file read (and every
     side file) is checked against the manifest before its bytes are used, checksums included unless
-    ``verify_checksums=False``. Raises :class:`ConversionError` or
+    ``verify_checksums=False``. A weight holding NaN or Inf (each is scanned as it is read) is refused by
+    name unless ``allow_non_finite`` (then a warning names it). Raises :class:`ConversionError` or
     :class:`~checkpoint_tools.format.CheckpointError` (nothing is left at ``out_dir``). Returns a summary.
     """
     checkpoint = os.fspath(checkpoint)
@@ -207,6 +210,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     # dtype is kept and the stored chunks hold the bytes in order.
     renamed_to = adapter.renames(config)
 
+    finite = NonFiniteCheck(checkpoint, allow=allow_non_finite, error=CheckpointError, doing="export")
     with output as tmp, LogicalTensorReader(checkpoint, manifest, verify_checksums=verify_checksums) as reader:
         writers: list[SafetensorsStreamWriter] = []
         casts = ScratchBuffer()
@@ -222,8 +226,9 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
             for name in model_names:
                 dtype = _DTYPES[entries[name]["dtype"]]
                 extents = reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype else None
+                tensor = reader.read(name)
+                finite(name, tensor)        # a tensor copied file to file is read for this alone
                 if extents is None:
-                    tensor = reader.read(name)
                     yield name, tensor.clone() if name in waiting else tensor
                 else:                           # shapes are all the adapter looks at
                     placeholder = meta(name)

@@ -20,13 +20,13 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Collection, Iterable, Iterator
+from typing import Callable, Collection, Iterable, Iterator
 
 import torch
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.read_window import ReadWindow
-from checkpoint_tools.safe_names import hub_cache_roots, resolve_inside
+from checkpoint_tools.safe_names import check_regular_file, hub_cache_roots, resolve_inside
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "HFTensorInfo", "HFCheckpoint", "is_weight_file"]
@@ -131,11 +131,14 @@ class HFCheckpoint:
 
     @staticmethod
     def side_files_of(directory: str) -> list[str]:
-        """The top-level files of an HF directory that are neither config.json nor weights (a link
-        leading outside the directory, or a link loop, is refused)."""
+        """The top-level files of an HF directory that are neither config.json nor weights. A link
+        leading outside the directory, a link loop, and anything but a regular file (a FIFO, whose
+        opening would block; a socket, a device) are refused, found by ``stat`` alone: nothing is opened."""
         names = sorted(n for n in os.listdir(directory)
                        if not is_weight_file(n) and not os.path.isdir(os.path.join(directory, n)))
-        return [n for n in names if os.path.isfile(_inside(directory, n, f"{directory}: side file"))]
+        for name in names:
+            check_regular_file(_inside(directory, name, f"{directory}: side file"), "side file", ConversionError)
+        return names
 
     @staticmethod
     def _read_header(directory: str, name: str, seen: dict[str, HFTensorInfo]) -> dict[str, HFTensorInfo]:
@@ -171,14 +174,16 @@ class HFCheckpoint:
         info = self.tensors[key]
         return FileExtent(os.path.join(self.directory, info.file), info.offset, info.nbytes)
 
-    def iter_tensors(self, keys: Iterable[str], window: ReadWindow,
-                     placeholders: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, keys: Iterable[str], window: ReadWindow, placeholders: Collection[str] = (),
+                     scan: Callable[[str, torch.Tensor], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(key, tensor)`` for ``keys`` in that order, each read when the consumer asks for it; tensors
         view the mapped file (no copy). Keys in ``placeholders`` are not read: their tensor is a meta
-        tensor of the right dtype and shape (for a consumer that copies the bytes at :meth:`extent`)."""
+        tensor of the right dtype and shape (for a consumer that copies the bytes at :meth:`extent`).
+        ``scan(key, tensor)`` sees every tensor's values first, the placeholders' included (a view of the
+        mapping: the pages the file-to-file copy reads next)."""
         for key in keys:
             info = self.tensors[key]
-            if key in placeholders:
+            if key in placeholders and scan is None:
                 yield key, torch.empty(info.shape, dtype=info.dtype, device="meta")
                 continue
             path = os.path.join(self.directory, info.file)
@@ -189,4 +194,8 @@ class HFCheckpoint:
             except Exception as e:  # noqa: BLE001 - whatever safetensors raises for a damaged file
                 raise _corrupt(path, e) from e
             window.account(info.nbytes)
+            if scan is not None:
+                scan(key, tensor)
+            if key in placeholders:
+                tensor = torch.empty(info.shape, dtype=info.dtype, device="meta")
             yield key, tensor

@@ -7,11 +7,11 @@ Order of work (nothing is written before every check has passed):
    chunks (:func:`plan_layout`, which runs the model's own layout checks).
 2. Dry run: the family's adapter converts the HF keys as meta tensors (shapes and dtypes only), which
    reports every missing, unexpected or mis-shaped tensor and fixes the order tensors are produced in.
-3. Stream: each HF tensor is read once (a view of the mapped file), converted by the adapter, cast if
-   asked, cut into the layout's chunks and appended to the output files, whose headers were planned in
-   step 2 (:class:`CheckpointStreamWriter`). A tensor the adapter only renames and that keeps its dtype
-   is not read at all for its chunks that are runs of its bytes: those are copied file to file.
-   Memory: about one tensor and the read window.
+3. Stream: each HF tensor is read once (a view of the mapped file), scanned for NaN and Inf (refused
+   unless ``allow_non_finite``), converted by the adapter, cast if asked, cut into the layout's chunks
+   and appended to the output files, whose headers were planned in step 2 (:class:`CheckpointStreamWriter`).
+   A tensor the adapter only renames and that keeps its dtype is only scanned for its chunks that are
+   runs of its bytes: those are copied file to file. Memory: about one tensor and the read window.
 4. Copy the side files (tokenizer, ...), write the manifest, rename the directory into place.
 
 Block-FP8 releases (``quantization_config.quant_method == "fp8"``, checked against the files by
@@ -36,10 +36,12 @@ from checkpoint_tools.adapters import AdapterError, HFAdapter, adapter_for
 from checkpoint_tools.block_fp8_steps import HFWeightForm
 from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.finite_values import NonFiniteCheck
 from checkpoint_tools.format import MANIFEST_FILE
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
 from checkpoint_tools.hf_quantization import (DequantizedByAdapter, hf_quantization, resolve_block_fp8,
                                               without_quantization)
+from checkpoint_tools.hf_sizes import check_layout_sizes, check_sizes_against_weights
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import plan_layout
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields
@@ -84,12 +86,28 @@ def hf_config_object(config: dict, where: str):
         import transformers
     except ImportError:
         raise ConversionError("reading HuggingFace configs needs transformers: pip install transformers") from None
+    with _automatic_gc_paused():
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    _refuse_conflicting_aliases(config, getattr(config_class, "attribute_map", {}), where)
     try:
-        with _automatic_gc_paused():
-            config_class = transformers.CONFIG_MAPPING[model_type]
         return config_class.from_dict(without_quantization(config))
     except Exception as e:  # noqa: BLE001 - transformers validates configs with several exception types
         raise ConversionError(f"{where}: transformers rejects the config: {e}") from None
+
+
+def _refuse_conflicting_aliases(config: dict, aliases: dict, where: str) -> None:
+    """transformers reads one of two names of a field (``num_experts`` / ``num_local_experts``, a top-level
+    ``rope_theta`` / the one in ``rope_parameters``) and silently drops the other: two different values
+    are refused, naming both."""
+    pairs = [(alias, canonical, config[alias], config[canonical]) for alias, canonical in aliases.items()
+             if alias in config and canonical in config]
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" in config:
+        pairs.append(("rope_theta", "rope_parameters.rope_theta", config["rope_theta"], rope["rope_theta"]))
+    for first, second, a, b in pairs:
+        if a != b:          # NaN included: it equals nothing
+            raise ConversionError(f"{where}: {first} is {a!r} but {second} is {b!r}; transformers reads only one of "
+                                  "them: keep one, or give both the same value")
 
 
 # config.json sizes and counts for which 0 or less means nothing (several divide by them). Checked before
@@ -220,13 +238,15 @@ def plan_hf_conversion(hf: HFCheckpoint, adapter: HFAdapter,
 def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: ParallelLayout, *,
               num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
               dtype: str = "keep", dispatcher: str = "alltoall", overwrite: bool = False,
-              max_file_bytes: int = CONVERSION_MAX_FILE_BYTES, progress: bool | None = None) -> dict:
+              max_file_bytes: int = CONVERSION_MAX_FILE_BYTES, progress: bool | None = None,
+              allow_non_finite: bool = False) -> dict:
     """Convert the HF model directory ``hf_dir`` into the megamoe checkpoint ``out_dir`` for ``layout``.
 
     ``num_expert_slots`` (default: one per expert) and ``expert_load`` (a per-layer load file: balanced
     placements) choose the expert slots; ``dtype``: ``keep`` | ``fp32`` | ``bf16`` | ``fp16`` (floating
-    tensors only); ``dispatcher`` is recorded in the model config. Raises :class:`ConversionError` (nothing
-    is left at ``out_dir``) for bad input. Returns a summary dict.
+    tensors only); ``dispatcher`` is recorded in the model config. A weight holding NaN or Inf (each is
+    scanned as it streams) is refused by name unless ``allow_non_finite`` (then a warning names it).
+    Raises :class:`ConversionError` (nothing is left at ``out_dir``) for bad input. Returns a summary dict.
     """
     hf_dir = os.fspath(hf_dir)
     target = target_dtype(dtype)
@@ -245,10 +265,14 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                                   num_expert_slots=num_expert_slots, hf_keys=hf.tensors)
     if num_expert_slots is not None and config.moe is None:
         raise ConversionError("--num-expert-slots was given but the model has no MoE layers")
+    # Every size is checked before anything is built from it: config.json against the weight files (the
+    # dry run checks every shape, on meta tensors), the layout against the heads and this machine's memory.
+    check_sizes_against_weights(config, hf.config, hf.tensors, os.path.join(hf_dir, "config.json"))
+    check_layout_sizes(config, layout)
     adapter, config = hf_weights_adapter(hf, adapter_for(config.family), config, target)
+    order, produced, dropped = plan_hf_conversion(hf, adapter, config)
     placements = build_placements(config, layout.ep, expert_load=expert_load)
     plan = plan_layout(config, layout, placements)
-    order, produced, dropped = plan_hf_conversion(hf, adapter, config)
     names = {name for name, _, _ in produced}
     if names != set(plan.tensors):
         raise ConversionError(f"internal: the {config.family} adapter and the model disagree on the logical tensors: "
@@ -259,13 +283,14 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     streamed = [StreamedTensor(name, cast(dt, target), shape, plan.tensors[name].regions)
                 for name, dt, shape in produced]
     # Logical tensors that are an HF tensor under another name: their bytes lie in the HF file as they are.
-    # Those whose chunks are all runs of those bytes are not even read (a meta placeholder goes through the
-    # adapter), the others only for their chunks cut along a later dimension.
+    # Those whose chunks are all runs of those bytes are only scanned (a meta placeholder goes through the
+    # adapter), the others are copied through memory only for their chunks cut along a later dimension.
     renamed_from = adapter.renames(config)
     placeholders = {renamed_from[t.name] for t in streamed
                     if renamed_from.get(t.name) in hf.tensors and hf.tensors[renamed_from[t.name]].dtype == t.dtype
                     and t.chunks_are_runs}
 
+    finite = NonFiniteCheck(hf_dir, allow=allow_non_finite)
     with output as tmp:
         writer = CheckpointStreamWriter(tmp, streamed, max_file_bytes=max_file_bytes)
         casts = ScratchBuffer()
@@ -275,7 +300,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
                 latest: dict[str, torch.Tensor] = {}        # the HF tensor read last (a rename's input)
 
                 def items():
-                    for key, tensor in hf.iter_tensors(order, window, placeholders):
+                    for key, tensor in hf.iter_tensors(order, window, placeholders, scan=finite):
                         latest.clear()
                         latest[key] = tensor
                         yield key, tensor
@@ -302,7 +327,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: Par
     summary = {"out_dir": output.path, "family": config.family, "layout": layout.to_manifest(),
                "logical_tensors": len(streamed), "files": len(manifest["files"]),
                "bytes": sum(f["bytes"] for f in manifest["files"].values()), "side_files": sorted(hf_files),
-               "dropped_hf_tensors": dropped,
+               "dropped_hf_tensors": dropped, "non_finite_tensors": finite.found,
                "block_fp8": "kept" if config.weight_quantization is not None else
                "dequantized" if adapter.hf_weights is not None else None}
     logger.info("imported %s into %s (%s)", hf_dir, output.path, layout)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from checkpoint_tools.errors import CheckpointError
+from checkpoint_tools.finite_values import NonFiniteCheck
 from checkpoint_tools.format import load_checkpoint, read_manifest
 from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
 from checkpoint_tools.placements import build_placements
+from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 
@@ -43,7 +46,7 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
                                 input_sharded: bool | None = None, sequence_parallel: bool | None = None,
                                 device=None, dtype=None,
                                 verify_checksums: bool = True, world_group=None,
-                                layer_spec: LayerSpec | None = None) -> GPTMoEModel:
+                                layer_spec: LayerSpec | None = None, allow_non_finite: bool = False) -> GPTMoEModel:
     """This rank's stage of the checkpoint's model under ``state`` (a ParallelState), weights loaded
     onto ``device`` in ``dtype``; the engine choices as in :func:`config_for_engine`.
 
@@ -54,8 +57,13 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
     each rank hashes the files it reads. ``layer_spec``: the classes the model was built with
     (:class:`~megamoe.models.LayerSpec`; a checkpoint does not record them).
 
+    Every weight loaded is scanned for NaN and Inf (a checkpoint saved with verification off may hold
+    them): refused, naming the first, unless ``allow_non_finite`` (then a warning names each); with
+    ``world_group`` every rank refuses alike.
+
     Raises :class:`~checkpoint_tools.format.CheckpointError` if the checkpoint lacks a tensor, holds
-    one of another shape or a damaged file; ValueError if the layout does not fit the model.
+    one of another shape, a damaged file or a non-finite weight; ValueError if the layout does not fit
+    the model.
     """
     manifest = read_manifest(path)
     config = config_for_engine(model_config_from_manifest(manifest), dispatcher=dispatcher,
@@ -64,5 +72,23 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
     placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))
     model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype,
                         layer_spec=layer_spec)
-    load_checkpoint(path, sharded_state_dict(model), verify_checksums=verify_checksums, group=world_group)
+    chunks = sharded_state_dict(model)
+    load_checkpoint(path, chunks, verify_checksums=verify_checksums, group=world_group)
+    _refuse_non_finite(path, chunks, allow_non_finite, world_group)
     return model
+
+
+def _refuse_non_finite(path, chunks, allow: bool, world_group) -> None:
+    """CheckpointError on every rank of ``world_group`` (or this process) when a rank's loaded chunks
+    hold NaN or Inf, naming the first; only warnings with ``allow``."""
+    finite = NonFiniteCheck(os.fspath(path), allow=allow, error=CheckpointError, doing="load")
+    problem = None
+    try:
+        for chunk in chunks:
+            finite(chunk.name, chunk.tensor)
+    except CheckpointError as e:
+        problem = str(e)
+    if world_group is not None:
+        problem = next((p for p in comms.all_gather_object(problem, world_group) if p), None)
+    if problem is not None:
+        raise CheckpointError(problem)

@@ -29,12 +29,22 @@ def _inside(path: str, other: str) -> bool:
     return path == other or path.startswith(other.rstrip(os.sep) + os.sep)
 
 
+def _remove(path: str) -> None:
+    """Delete the directory ``path`` if it exists; a link there (left by an older version that replaced a
+    linked OUT_DIR) is unlinked, never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+    elif os.path.exists(path):
+        shutil.rmtree(path)
+
+
 class OutputDirectory:
     """``with OutputDirectory(path, ...) as tmp:`` write into ``tmp``; it becomes ``path`` on success.
 
-    Checked at construction, before any work: ``path`` must not exist unless ``overwrite``, and then must
-    be empty or pass ``replaceable`` (e.g. "holds a manifest.json": a directory of something else is
-    never deleted); ``path`` must not be or contain any of ``inputs``, nor lie inside one.
+    Checked at construction, before any work: ``path`` must not be a symbolic link, must not exist unless
+    ``overwrite``, and then must be empty or pass ``replaceable`` (e.g. "holds a manifest.json": a
+    directory of something else is never deleted); ``path`` must not be or contain any of ``inputs``, nor
+    lie inside one.
     """
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool, what: str,
@@ -44,6 +54,10 @@ class OutputDirectory:
             source = os.fspath(source)
             if _inside(self.path, source) or _inside(source, self.path):
                 raise ConversionError(f"the output {self.path} overlaps the input {source}; choose another OUT_DIR")
+        if os.path.islink(self.path):       # replacing renames the link, and its target stays where it was
+            raise ConversionError(f"{self.path} is a symbolic link (to {os.path.realpath(self.path)}); refusing to "
+                                  "replace it, even with --overwrite: name the directory itself as OUT_DIR, or remove "
+                                  "the link")
         if os.path.lexists(self.path):
             if not overwrite:
                 raise ConversionError(f"{self.path} already exists; pass --overwrite to replace it")
@@ -74,14 +88,12 @@ class OutputDirectory:
         try:
             fsync_dir(self.tmp)
             old = self.path + ".old"
-            if os.path.exists(old):
-                shutil.rmtree(old)
+            _remove(old)
             if os.path.exists(self.path):
                 os.rename(self.path, old)
             os.rename(self.tmp, self.path)
             fsync_dir(os.path.dirname(self.path))
-            if os.path.exists(old):
-                shutil.rmtree(old)
+            _remove(old)
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise

@@ -20,6 +20,7 @@ from checkpoint_tools.checkpoint_load import load_rank_state
 from checkpoint_tools.checkpoint_manifest import _DTYPES, MANIFEST_FILE, read_manifest
 from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.hf_sizes import check_layout_sizes
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import LayoutPlan, plan_layout
 from checkpoint_tools.logical_reader import LogicalTensorReader
@@ -77,6 +78,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, layout: P
                                    num_expert_slots=num_expert_slots)
     except ValueError as e:
         raise ConversionError(f"cannot apply the new engine choices: {e}") from None
+    check_layout_sizes(config, layout)          # before the plan walks a world of that size
     placements = build_placements(config, layout.ep, expert_load=expert_load, saved=placements_from_manifest(manifest))
     plan = plan_layout(config, layout, placements)
 

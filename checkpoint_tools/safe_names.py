@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 from checkpoint_tools.errors import CheckpointError
 
-__all__ = ["check_name", "resolve_inside", "hub_cache_roots"]
+__all__ = ["check_name", "resolve_inside", "hub_cache_roots", "check_regular_file"]
 
 
 def check_name(name, what: str, *, single_component: bool = False, error=CheckpointError) -> str:
@@ -40,13 +41,33 @@ def check_name(name, what: str, *, single_component: bool = False, error=Checkpo
 
 
 def hub_cache_roots(directory: str) -> tuple[str, ...]:
-    """``(<repo>/blobs,)`` when ``directory`` is a HuggingFace hub cache snapshot, else ``()``."""
+    """``(<repo>/blobs,)`` when ``directory`` is a HuggingFace hub cache snapshot, else ``()``. The blobs
+    directory counts only as a real directory of the cache: were it a link, everything its target holds
+    (``/`` itself) would pass as inside the cache."""
     real = os.path.realpath(directory)
     snapshots = os.path.dirname(real)
     blobs = os.path.join(os.path.dirname(snapshots), "blobs")
-    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs):
+    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs) and not os.path.islink(blobs):
         return (blobs,)
     return ()
+
+
+def check_regular_file(path: str, what: str, error=CheckpointError) -> str:
+    """``path`` if it is a regular file (links followed), else ``error`` naming it: a FIFO (whose opening
+    blocks until a writer comes), a socket, a device or a directory is never opened. Only ``stat`` is called."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error(f"{what} {path} is missing (or a link to nothing)") from None
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a special file")
+        raise error(f"{what} {path} is {kind}, not a regular file; refusing to read it (replace it with the file "
+                    "itself)")
+    return path
 
 
 def _inside(path: str, root: str) -> bool:

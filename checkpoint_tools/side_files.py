@@ -14,7 +14,7 @@ import shutil
 
 from checkpoint_tools import checksums
 from checkpoint_tools.errors import CheckpointError
-from checkpoint_tools.safe_names import check_name
+from checkpoint_tools.safe_names import check_name, check_regular_file
 
 __all__ = ["copy_side_files", "verify_side_files"]
 
@@ -34,7 +34,7 @@ def copy_side_files(source_dir: str, names: list[str], target_dir: str, *,
     copied = {}
     for name in sorted(names):
         target = os.path.join(target_dir, name)
-        shutil.copyfile(os.path.join(source_dir, name), target)
+        shutil.copyfile(check_regular_file(os.path.join(source_dir, name), "side file"), target)
         copied[name] = checksums.file_entry(target)
     return copied
 
@@ -44,8 +44,10 @@ def verify_side_files(directory: str, recorded: dict[str, dict]) -> list[str]:
     problems = []
     for name, info in sorted(recorded.items()):
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            problems.append(f"side file {path} is missing")
+        try:
+            check_regular_file(path, "side file")
+        except CheckpointError as e:
+            problems.append(str(e))
             continue
         problem = checksums.check_entry(path, info)
         if problem is not None:

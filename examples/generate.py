@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and activation dtype")
     add_launch_arguments(g)
     add_no_verify_checksums_argument(g)
+    g.add_argument("--allow-non-finite", action="store_true",
+                   help="generate from weights holding NaN or Inf (a warning names each) instead of refusing them")
     q = p.add_argument_group("prompts (at least one)")
     q.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
     q.add_argument("--prompt-file", type=Path, default=None, help="a text file, one prompt per non-empty line")
@@ -352,7 +354,8 @@ def load_model(args, engine: dict, state, device: torch.device) -> GPTMoEModel:
     model = build_model_from_checkpoint(args.checkpoint, state, device=device, dtype=DTYPES[args.dtype],
                                         sequence_parallel=False,
                                         verify_checksums=args.verify_checksums,
-                                        world_group=dist.group.WORLD if dist.is_initialized() else None, **engine)
+                                        world_group=dist.group.WORLD if dist.is_initialized() else None,
+                                        allow_non_finite=args.allow_non_finite, **engine)
     return model.eval()
 
 

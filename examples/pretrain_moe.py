@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this HuggingFace model directory (config, weights, tokenizer), loaded in "
                         "process into the run's layout; the model flags (--hidden, --layers, --experts, --top-k, "
                         "--vocab-size) do not apply")
+    d.add_argument("--allow-non-finite", action="store_true",
+                   help="load --hf-model weights holding NaN or Inf (a warning names each) instead of refusing them")
     d.add_argument("--model-config", type=Path, default=None, metavar="FILE",
                    help="train from scratch a model sized by this JSON file: an HF config.json of a supported "
                         "family, or megamoe config fields (GPTMoEConfig.to_dict, as checkpoints store it); "
@@ -827,7 +829,8 @@ def main(argv=None) -> int:
                                  load_weights=plan.resume_from is None, saved_placements=saved,
                                  recompute=recompute_config_from_args(args), sequence_parallel=args.sequence_parallel,
                                  virtual_pipeline_stages=args.virtual_pipeline_stages,
-                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                 allow_non_finite=args.allow_non_finite)
         logger.info("started from %s (%s)%s", args.hf_model, model.config.family,
                     "" if plan.resume_from is None else ": model only, the weights come from the checkpoint")
     else:

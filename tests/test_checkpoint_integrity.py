@@ -237,9 +237,10 @@ def test_a_file_is_hashed_once_per_process_until_it_changes(sources, tmp_path, m
     assert counts == {path.name: 2}
 
 
-def _collective_worker(rank, world_size, checkpoint, trained, damaged):
+def _collective_worker(rank, world_size, checkpoint, trained, damaged, poisoned):
     """On 2 ranks (data parallel: both read every file): hashes per file on this rank while building the
-    model and resuming the training checkpoint, and the error each rank gets from a damaged checkpoint."""
+    model and resuming the training checkpoint, and the error each rank gets from a damaged checkpoint;
+    then (EP 2: each rank holds half the experts) the error each gets from a NaN in one rank's expert."""
     import torch.distributed as dist
 
     from checkpointed_training import build_trainer
@@ -260,9 +261,16 @@ def _collective_worker(rank, world_size, checkpoint, trained, damaged):
             error = None
         except CheckpointError as e:
             error = str(e)
+        destroy_model_parallel()
+        state = initialize_model_parallel(ep=2)
+        try:
+            build_model_from_checkpoint(poisoned, state, world_group=dist.group.WORLD)
+            non_finite = None
+        except CheckpointError as e:
+            non_finite = str(e)
     finally:
         destroy_model_parallel()
-    return built, resumed, error
+    return built, resumed, error, non_finite
 
 
 @pytest.mark.slow
@@ -282,13 +290,20 @@ def test_ranks_loading_together_hash_each_file_once(sources, tmp_path):
     victim.write_bytes(bytes(data))
     trained = _copy(sources, "trained", tmp_path)
 
-    (built0, resumed0, error0), (built1, resumed1, error1) = run_on_ranks(
-        _collective_worker, 2, args=(str(checkpoint), str(trained), str(damaged)), timeout_s=300)
+    def poison(state):                  # an expert EP rank 1 holds (experts 4-7 of 8)
+        state["model.layers.1.mlp.experts.6.up_proj.weight"][0, 0] = float("nan")
+    poisoned_hf = _single_file_copy(sources / "hf", str(tmp_path / "poisoned_hf"), poison)
+    poisoned = tmp_path / "poisoned"
+    import_hf(poisoned_hf, poisoned, ParallelLayout(tp=1, pp=1, ep=1, etp=1), allow_non_finite=True)
+
+    (built0, resumed0, error0, nan0), (built1, resumed1, error1, nan1) = run_on_ranks(
+        _collective_worker, 2, args=(str(checkpoint), str(trained), str(damaged), str(poisoned)), timeout_s=300)
     total = {name: built0.get(name, 0) + built1.get(name, 0) for name in files}
     assert total == {name: 1 for name in files}, (built0, built1)        # each file once, over both ranks
     assert built0 and built1                                            # the hashing was shared out
     assert sum(resumed0.values()) + sum(resumed1.values()) == 1          # the training checkpoint's one file
     assert error0 == error1 and re.search(f"checksum mismatch for .*{victim.name}", error0)
+    assert nan0 == nan1 and "layers.1.mlp.experts.6.up_proj.weight holds 1 NaN" in nan0   # rank 0 refuses too
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,6 +456,69 @@ def test_a_hub_cache_snapshot_with_links_into_its_blobs_imports(sources, tmp_pat
     assert "tokenizer.json" in read_manifest(tmp_path / "out")["extra"]["hf_files"]
 
 
+def test_a_hub_cache_blobs_directory_linking_out_of_the_cache_is_refused(sources, tmp_path, capsys):
+    repo, outside = tmp_path / "models--tiny", tmp_path / "outside"
+    snapshot = repo / "snapshots" / "0123abc"
+    os.makedirs(snapshot)
+    os.makedirs(outside)
+    os.symlink(outside, repo / "blobs")                 # the blobs themselves lie outside the cache
+    for name in os.listdir(sources / "hf"):
+        shutil.copy(sources / "hf" / name, outside / f"blob-{name}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob-{name}"), snapshot / name)
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["import-hf", snapshot, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     "symbolic link leading outside", out)
+
+
+def test_a_side_file_that_is_not_a_regular_file_is_refused_unopened(sources, tmp_path, capsys):
+    directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), lambda s: None)
+    os.mkfifo(os.path.join(directory, "tokenizer.json"))           # opening it would block: never opened
+    out = str(tmp_path / "out")
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 1, "--pp", 1, "--ep", 1],
+                     r"side file .*tokenizer.json is a FIFO, not a regular file", out)
+    assert_cli_fails(capsys, ["export-hf", sources / "imported", out, "--hf-config", directory],
+                     r"tokenizer.json is a FIFO", out)
+    from megamoe.training.hf_start import hf_start_config
+    with pytest.raises(ConversionError, match="tokenizer.json is a FIFO"):
+        hf_start_config(directory)
+    checkpoint = _copy(sources, "imported", tmp_path)             # a checkpoint's recorded side file
+    os.unlink(checkpoint / "hf_files" / "tokenizer.json")
+    os.mkfifo(checkpoint / "hf_files" / "tokenizer.json")
+    for verify in ([], ["--no-verify-checksums"]):
+        assert_cli_fails(capsys, ["export-hf", checkpoint, out, *verify], "tokenizer.json is a FIFO", out)
+        assert_cli_fails(capsys, ["reshard", checkpoint, out, "--tp", 1, "--pp", 1, "--ep", 1, *verify],
+                         "tokenizer.json is a FIFO", out)
+    assert convert("inspect", checkpoint) == 1
+    assert "tokenizer.json is a FIFO" in capsys.readouterr().out
+
+
+def test_a_linked_hf_files_directory_must_stay_inside_the_checkpoint(sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    shutil.move(checkpoint / "hf_files", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", checkpoint / "hf_files")
+    out = str(tmp_path / "out")
+    message = r"hf_files: it is a symbolic link leading outside"
+    assert_cli_fails(capsys, ["inspect", checkpoint], message)
+    assert_cli_fails(capsys, ["export-hf", checkpoint, out], message, out)
+    assert_cli_fails(capsys, ["reshard", checkpoint, out, "--tp", 1, "--pp", 1, "--ep", 1], message, out)
+    os.unlink(checkpoint / "hf_files")                  # a link inside the checkpoint is fine
+    shutil.move(tmp_path / "elsewhere", checkpoint / "side")
+    os.symlink("side", checkpoint / "hf_files")
+    assert convert("export-hf", checkpoint, out) == 0
+
+
+def test_export_overwrite_refuses_a_linked_output_directory(sources, tmp_path, capsys):
+    real, link = tmp_path / "real", tmp_path / "link"
+    assert convert("export-hf", sources / "imported", real) == 0
+    before = sorted(os.listdir(real))
+    os.symlink(real, link)
+    for _ in range(2):                  # the same one-line refusal every time: nothing was renamed
+        assert_cli_fails(capsys, ["export-hf", sources / "imported", link, "--overwrite"],
+                         rf"{re.escape(str(link))} is a symbolic link .*refusing to replace it")
+        assert os.path.islink(link) and sorted(os.listdir(real)) == before
+        assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
 @pytest.mark.parametrize("field", ["num_attention_heads", "num_key_value_heads", "hidden_size"])
 def test_zero_sizes_in_config_json_name_the_field(field, sources, tmp_path, capsys):
     directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), lambda s: None)
@@ -458,6 +536,34 @@ def test_zero_sizes_in_config_json_name_the_field(field, sources, tmp_path, caps
 # ----------------------------------------------------------------------------------------------
 # inspect: NaN / Inf; --help: defaults
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["model.norm.weight",                  # copied file to file: scanned only
+                                 "model.layers.0.self_attn.o_proj.weight"])   # TP 2 cuts its columns: read
+def test_non_finite_hf_weights_are_refused_at_import_unless_allowed(key, sources, tmp_path, capsys, caplog):
+    def poison(state):
+        state[key].view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), poison)
+    out = str(tmp_path / "ckpt")
+    numel = hf_tensors(directory)[key].numel()
+    assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 2, "--pp", 1, "--ep", 1],
+                     rf"{re.escape(key)} holds 1 NaN and 2 infinite values \(of {numel}\); refusing to import "
+                     r"non-finite weights \(pass --allow-non-finite to import them anyway\)", out)
+    assert convert("import-hf", directory, out, "--tp", 2, "--pp", 1, "--ep", 1, "--allow-non-finite") == 0
+    assert f"{key} holds 1 NaN and 2 infinite values" in caplog.text
+
+    # A checkpoint holding them (allowed here; or saved with verification off): loading it for generation
+    # and exporting it scan the values they read, and refuse alike.
+    name = key.removeprefix("model.")
+    assert_cli_fails(capsys, ["export-hf", out, tmp_path / "hf_out"],
+                     rf"{re.escape(name)} holds 1 NaN and 2 infinite values .*refusing to export non-finite "
+                     r"weights \(pass --allow-non-finite", str(tmp_path / "hf_out"))
+    assert convert("export-hf", out, tmp_path / "hf_out", "--allow-non-finite") == 0
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} holds 1 NaN and 2 infinite values .*refusing to "
+                                              "load non-finite weights"):
+        build_model_from_checkpoint(out, ParallelState.single_process())
+    model = build_model_from_checkpoint(out, ParallelState.single_process(), allow_non_finite=True)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_inspect_reports_non_finite_tensors(sources, tmp_path, capsys):
     assert convert("inspect", sources / "imported") == 0
     assert "values       all finite" in capsys.readouterr().out
@@ -466,7 +572,8 @@ def test_inspect_reports_non_finite_tensors(sources, tmp_path, capsys):
         state["model.layers.1.mlp.experts.3.up_proj.weight"][0, 0] = float("nan")
         state["model.norm.weight"][2] = float("inf")
     directory = _single_file_copy(sources / "hf", str(tmp_path / "hf"), poison)
-    assert convert("import-hf", directory, tmp_path / "ckpt", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    assert convert("import-hf", directory, tmp_path / "ckpt", "--tp", 1, "--pp", 1, "--ep", 1,
+                   "--allow-non-finite") == 0
     assert convert("inspect", tmp_path / "ckpt") == 1
     text = capsys.readouterr().out
     assert re.search(r"NON-FINITE: 2 tensors hold NaN or Inf: .*layers\.1\.mlp\.experts\.3\.up_proj\.weight", text)

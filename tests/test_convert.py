@@ -168,13 +168,14 @@ def test_round_trip_keeps_bf16_and_casts_on_request(tmp_path):
 
 def test_streaming_reads_every_hf_tensor_once(hf_models, tmp_path, monkeypatch):
     """Each HF tensor goes through the adapter once; those that are only renamed and cut along their first
-    dimension are not even mapped (a meta placeholder: their bytes are copied file to file)."""
+    dimension go through as meta placeholders (their bytes are copied file to file; only the NaN/Inf scan
+    reads them, from the mapping)."""
     hf_dir, _ = hf_models("deepseek_v3")
     reads, placeholders = collections.Counter(), set()
     original = HFCheckpoint.iter_tensors
 
-    def counting(self, keys, window, placeholders_for=()):
-        for key, tensor in original(self, keys, window, placeholders_for):
+    def counting(self, keys, window, placeholders_for=(), scan=None):
+        for key, tensor in original(self, keys, window, placeholders_for, scan):
             reads[key] += 1
             if tensor.is_meta:
                 placeholders.add(key)
@@ -307,10 +308,30 @@ BAD_HF = {   # name: (edit of the state dict, edit of the directory, expected me
     "truncated file": (None, _truncate, "truncated or corrupt"),
     "corrupt header": (None, _corrupt_header, "truncated or corrupt"),
     "config inconsistent with the weights": (None, lambda d: _edit_config(d, num_hidden_layers=4),
-                                             "do not match config.json.*layers.3"),
+                                             "num_hidden_layers is 4, but the weight files hold 3 layers"),
+    "config with a wider expert": (None, lambda d: _edit_config(d, moe_intermediate_size=17),
+                                   "do not match config.json.*experts.0.gate_proj.weight"),
     "unknown model_type": (None, lambda d: _edit_config(d, model_type="llama"),
                            "model_type 'llama' is not supported; supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "
                            "deepseek_v2, deepseek_v3"),
+    # Absurd sizes: refused against the weight files' headers before anything is allocated or looped over.
+    "hidden_size 1e9": (None, lambda d: _edit_config(d, hidden_size=10**9),
+                        r"hidden_size is 1000000000, but model.embed_tokens.weight in model.safetensors has 32"),
+    "vocab_size 1e12": (None, lambda d: _edit_config(d, vocab_size=10**12),
+                        r"vocab_size is 1000000000000, but model.embed_tokens.weight .* has 64"),
+    "num_hidden_layers 1e6": (None, lambda d: _edit_config(d, num_hidden_layers=10**6),
+                              r"num_hidden_layers is 1000000, but the weight files hold 3 layers"),
+    "num_experts 1e6": (None, lambda d: _edit_config(d, num_local_experts=10**6),
+                        r"num_local_experts is 1000000, but the weight files hold 8 routed experts"),
+    "num_experts beside num_local_experts": (None, lambda d: _edit_config(d, num_experts=10**6),
+                                             r"num_experts is 1000000 but num_local_experts is 8"),
+    "rope_theta NaN": (None, lambda d: _edit_config(d, rope_parameters={"rope_type": "default",
+                                                                        "rope_theta": float("nan")}),
+                       r"RopeConfig.theta must be a finite number > 0, got nan"),
+    "mlp_only_layers out of range": (None, lambda d: _edit_config(d, mlp_only_layers=[3]),
+                                     r"mlp_only_layers \[3\] holds 3, not a layer index in \[0, num_hidden_layers=3\)"),
+    "mlp_only_layers negative": (None, lambda d: _edit_config(d, mlp_only_layers=[-1]),
+                                 r"mlp_only_layers \[-1\] holds -1"),
 }
 
 
@@ -330,6 +351,8 @@ def test_bad_hf_input_fails_cleanly(case, hf_models, tmp_path, capsys):
 
 def test_bad_layouts_and_options_fail_cleanly(hf_models, tmp_path, capsys):
     hf_dir, _ = hf_models("qwen3_moe")
+    # Slots whose bf16 expert weights (3 matrices of 32 x 16 in the one MoE layer) exceed this machine's memory.
+    too_many_slots = 8 * (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (3 * 32 * 16 * 2) // 8 + 1)
     cases = [
         (["--tp", 3, "--pp", 1, "--ep", 1], "impossible for this model.*3"),                  # 4 heads
         (["--tp", 1, "--pp", 4, "--ep", 1], "impossible for this model"),                      # 3 layers
@@ -337,6 +360,13 @@ def test_bad_layouts_and_options_fail_cleanly(hf_models, tmp_path, capsys):
         (["--tp", 1, "--pp", 1, "--ep", 3], "cannot be divided evenly over EP 3"),
         (["--tp", 1, "--pp", 1, "--ep", 1, "--num-expert-slots", 6], "num_expert_slots"),      # < 8 experts
         (["--tp", 1, "--pp", 1, "--ep", 1, "--expert-load", tmp_path / "nope.json"], "expert-load file"),
+        # Refused before the plan walks a world of that size (minutes), or builds 1e7 slots per layer:
+        (["--tp", 1000000, "--pp", 1, "--ep", 1], "--tp 1000000 must divide the 4 attention heads"),
+        (["--tp", 100000, "--pp", 1, "--ep", 1], "--tp 100000 must divide the 4 attention heads"),
+        (["--tp", 1, "--pp", 1000000, "--ep", 1], r"impossible for this model: num_layers \(3\) < pp_size"),
+        (["--tp", 1, "--pp", 1, "--ep", 1, "--num-expert-slots", too_many_slots],
+         rf"--num-expert-slots {too_many_slots}: each EP rank would hold .* GiB of expert weights .*, more than "
+         r"this machine's memory"),
     ]
     for options, message in cases:
         assert convert("import-hf", hf_dir, tmp_path / "out", *options) == 1, options
@@ -402,6 +432,8 @@ def test_bad_checkpoints_fail_cleanly(hf_models, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")
     assert convert("reshard", tmp_path / "scratch", tmp_path / "out", "--tp", 3, "--pp", 1, "--ep", 1) == 1
     assert "impossible" in capsys.readouterr().err
+    assert convert("reshard", tmp_path / "scratch", tmp_path / "out", "--tp", 100000, "--pp", 1, "--ep", 1) == 1
+    assert "--tp 100000 must divide the 4 attention heads" in capsys.readouterr().err    # at once, not in minutes
 
 
 def test_module_entry_point_reports_errors_without_traceback(tmp_path):

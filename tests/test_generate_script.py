@@ -255,6 +255,23 @@ def test_damaged_checkpoint_loads_with_no_verify_checksums(checkpoint, tmp_path,
     assert code == 0, stderr[-3000:]
 
 
+def test_a_checkpoint_with_a_nan_weight_is_refused_unless_allowed(tmp_path, monkeypatch, capsys, caplog):
+    """Saved with verification off (the library's save_checkpoint does not scan): the load scans what it
+    fills and refuses by name; --allow-non-finite generates anyway."""
+    config = tiny_config("allgather")
+    model = GPTMoEModel(config, ParallelState.single_process())
+    initialize_parameters(model, seed=0)
+    with torch.no_grad():
+        model.norm.weight[1] = float("nan")
+    save_checkpoint(tmp_path / "ckpt", sharded_state_dict(model), manifest_fields={"model_config": config.to_dict()})
+    argv = [tmp_path / "ckpt", *_prompt_args(), "--max-new-tokens", 2]
+    code, stderr = _run_main(argv, monkeypatch, capsys)
+    _assert_one_error_line(code, stderr, "norm.weight holds 1 NaN and 0 infinite values", "--allow-non-finite")
+    code, stderr = _run_main([*argv, "--allow-non-finite"], monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    assert "norm.weight holds 1 NaN and 0 infinite values" in caplog.text
+
+
 def test_eplb_rounds_are_in_the_output_json(checkpoint, tmp_path, monkeypatch, capsys):
     """--eplb-interval 2: a round after forward passes 2 and 4 (of 1 prefill + 4 decode steps), each in the
     JSON (one EP rank here: nothing moves; tests/test_eplb.py moves slots over 4 ranks)."""

@@ -8,6 +8,7 @@ loss on that data has clearly fallen; bad input ends in one error line before an
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,31 @@ def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
         start_from_hf(tmp_path / "empty", ParallelState.single_process())
     with pytest.raises(ConversionError, match=r"config.json: MoEConfig.num_expert_slots \(7\) must be >= num_experts"):
         hf_start_config(directory, num_expert_slots=7)
+    # An absurd size is refused against the weight files' headers before the model is built (allocated).
+    shutil.copytree(directory, tmp_path / "huge")
+    config = json.loads((tmp_path / "huge" / "config.json").read_text())
+    (tmp_path / "huge" / "config.json").write_text(json.dumps({**config, "hidden_size": 10**9}))
+    with pytest.raises(ConversionError, match="hidden_size is 1000000000, but model.embed_tokens.weight"):
+        hf_start_config(tmp_path / "huge")
+
+
+def test_start_from_hf_refuses_non_finite_weights_unless_allowed(hf_dir, tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    from checkpoint_tools.errors import ConversionError
+    from megamoe.training.hf_start import start_from_hf
+    directory = tmp_path / "nan"
+    shutil.copytree(hf_dir[0], directory)
+    state = load_file(directory / "model.safetensors")
+    key = "model.layers.1.mlp.experts.5.down_proj.weight"
+    state[key][3, 4] = float("nan")
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=rf"{key} holds 1 NaN and 0 infinite values \(of 512\); refusing to "
+                                              r"load non-finite weights \(pass --allow-non-finite"):
+        start_from_hf(directory, ParallelState.single_process(), expert_backend="torch")
+    model, _ = start_from_hf(directory, ParallelState.single_process(), expert_backend="torch", allow_non_finite=True)
+    assert f"{key} holds 1 NaN" in caplog.text
+    assert any(torch.isnan(p).any() for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------------------------

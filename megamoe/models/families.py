@@ -188,9 +188,14 @@ def moe_layer_ids(cfg, mtp_num_layers: int = 0) -> tuple[int, ...]:
     if family == "glm4_moe":             # no "moe_layer_freq" in GLM's config
         return tuple(i for i in layers if i >= cfg.first_k_dense_replace)
     if family in ("qwen2_moe", "qwen3_moe"):
+        dense = cfg.mlp_only_layers
+        bad = [i for i in dense if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_hidden_layers]
+        if bad:             # transformers only tests membership: such an entry would silently name no layer
+            raise ValueError(f"{family}: mlp_only_layers {list(dense)} holds {bad[0]!r}, not a layer index in "
+                             f"[0, num_hidden_layers={cfg.num_hidden_layers})")
         if cfg.num_experts == 0:
             return ()
-        return tuple(i for i in layers if i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0)
+        return tuple(i for i in layers if i not in dense and (i + 1) % cfg.decoder_sparse_step == 0)
     freq = getattr(cfg, "moe_layer_freq", 1)
     if freq != 1:
         raise ValueError(f"{family}: moe_layer_freq={freq} is not supported: transformers ignores it (every layer "

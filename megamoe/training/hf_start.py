@@ -35,7 +35,9 @@ from tqdm import tqdm
 
 from checkpoint_tools.adapters import AdapterError, adapter_for
 from checkpoint_tools.errors import ConversionError
+from checkpoint_tools.finite_values import NonFiniteCheck
 from checkpoint_tools.hf_checkpoint import CONFIG_FILE, HFCheckpoint
+from checkpoint_tools.hf_sizes import check_sizes_against_weights
 from checkpoint_tools.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
 from checkpoint_tools.placements import build_placements
 from checkpoint_tools.read_window import ReadWindow
@@ -69,7 +71,9 @@ def hf_start_config(hf_dir: str | os.PathLike, *, dispatcher: str = "alltoall", 
 
 
 def _start_of(hf: HFCheckpoint, **engine) -> HFStart:
-    config = model_config_from_hf(hf.config, os.path.join(hf.directory, CONFIG_FILE), hf_keys=hf.tensors, **engine)
+    where = os.path.join(hf.directory, CONFIG_FILE)
+    config = model_config_from_hf(hf.config, where, hf_keys=hf.tensors, **engine)
+    check_sizes_against_weights(config, hf.config, hf.tensors, where)    # before a model is built of them
     if engine.get("num_expert_slots") is not None and config.moe is None:
         raise ConversionError(f"{hf.directory}: num_expert_slots was given but the model has no MoE layers")
     files = {}
@@ -79,10 +83,12 @@ def _start_of(hf: HFCheckpoint, **engine) -> HFStart:
     return HFStart(hf.directory, config, HFProvenance(dict(hf.config), files))
 
 
-def load_hf_weights(model: GPTMoEModel, hf: HFCheckpoint, *, progress: bool | None = None) -> int:
+def load_hf_weights(model: GPTMoEModel, hf: HFCheckpoint, *, progress: bool | None = None,
+                    allow_non_finite: bool = False) -> int:
     """Fill ``model`` (this rank's stage and shards, of the config ``hf`` maps to) from the HF
     checkpoint ``hf``, reading only the HF tensors it holds part of; returns the bytes read.
-    Raises :class:`ConversionError` when the weights do not match config.json (before reading any)."""
+    Raises :class:`ConversionError` when the weights do not match config.json (before reading any), and
+    for a tensor read holding NaN or Inf unless ``allow_non_finite`` (then a warning names it)."""
     config = model.config
     # A block-FP8 release starts a run dequantized (fp32, then the parameters' dtype), unless the model
     # keeps its weights quantized itself.
@@ -106,7 +112,9 @@ def load_hf_weights(model: GPTMoEModel, hf: HFCheckpoint, *, progress: bool | No
     try:
         with ReadWindow() as window, tqdm(total=to_read, unit="B", unit_scale=True, desc="loading HF weights",
                                           disable=None if progress is None else not progress) as bar:
-            for name, logical in adapter.iter_hf_to_megamoe(_counted(hf, order, window, placeholders, bar), config):
+            finite = NonFiniteCheck(hf.directory, allow=allow_non_finite, doing="load")
+            for name, logical in adapter.iter_hf_to_megamoe(_counted(hf, order, window, placeholders, bar, finite),
+                                                            config):
                 if name in held:
                     copy_into_chunks(name, held[name], logical)
                     filled.add(name)
@@ -118,10 +126,11 @@ def load_hf_weights(model: GPTMoEModel, hf: HFCheckpoint, *, progress: bool | No
     return to_read
 
 
-def _counted(hf: HFCheckpoint, order, window, placeholders, bar):
+def _counted(hf: HFCheckpoint, order, window, placeholders, bar, finite: NonFiniteCheck):
     for key, tensor in hf.iter_tensors(order, window, placeholders):
-        if key not in placeholders:
+        if key not in placeholders:         # each rank scans what it reads: every tensor is some rank's
             bar.update(hf.tensors[key].nbytes)
+            finite(key, tensor)
         yield key, tensor
 
 
@@ -131,7 +140,8 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
                   load_weights: bool = True, saved_placements: dict | None = None,
                   progress: bool | None = None, recompute: RecomputeConfig | None = None,
                   sequence_parallel: bool = False, virtual_pipeline_stages: int = 1,
-                  make_vocab_size_divisible_by: int = 1) -> tuple[GPTMoEModel, HFStart]:
+                  make_vocab_size_divisible_by: int = 1,
+                  allow_non_finite: bool = False) -> tuple[GPTMoEModel, HFStart]:
     """This rank's stage of the HF model in ``hf_dir`` under ``state`` (a ParallelState), filled from its
     safetensors, and the :class:`HFStart` the run keeps (pass ``start.provenance`` to every save).
 
@@ -146,7 +156,8 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
     (:func:`checkpoint_tools.placements.build_placements`). Every rank must call it (no collective is used: each reads its own part).
     Raises :class:`ConversionError` (a ValueError) for a directory, config, weights, slot count or
-    expert-load file that cannot be used.
+    expert-load file that cannot be used, and for weights holding NaN or Inf unless ``allow_non_finite``
+    (each rank scans the tensors it reads: :func:`load_hf_weights`).
     """
     hf = HFCheckpoint.open(hf_dir)
     start = _start_of(hf, dispatcher=dispatcher, num_expert_slots=num_expert_slots, expert_backend=expert_backend)
@@ -158,7 +169,7 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
     model = GPTMoEModel(config, state, placements=placements, device=device, dtype=dtype, layer_spec=layer_spec,
                         virtual_pipeline_stages=virtual_pipeline_stages)
     if load_weights:
-        read = load_hf_weights(model, hf, progress=progress)
+        read = load_hf_weights(model, hf, progress=progress, allow_non_finite=allow_non_finite)
         logger.info("loaded %s (%s) into this rank's part of the model: read %d of its %d bytes", hf.directory,
                     start.config.family, read, hf.total_bytes)
     return model, start

@@ -81,14 +81,14 @@ class RopeConfig:
     def __post_init__(self):
         if self.dim < 2 or self.dim % 2:
             raise ValueError(f"RopeConfig.dim must be a positive even number, got {self.dim}")
-        if self.theta <= 0:
-            raise ValueError(f"RopeConfig.theta must be > 0, got {self.theta}")
+        if not 0 < self.theta < math.inf:              # NaN fails both comparisons
+            raise ValueError(f"RopeConfig.theta must be a finite number > 0, got {self.theta}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"RopeConfig.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"RopeConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.factor <= 0:
-            raise ValueError(f"RopeConfig.factor must be > 0, got {self.factor}")
+        if not 0 < self.factor < math.inf:
+            raise ValueError(f"RopeConfig.factor must be a finite number > 0, got {self.factor}")
         if self.rope_type == "dynamic" and not self.max_position_embeddings:
             raise ValueError("RopeConfig.max_position_embeddings is required for rope_type 'dynamic'")
         if self.rope_type in ("yarn", "llama3") and not self.original_max_position_embeddings:
