@@ -5,7 +5,7 @@
 (the one module that issues point-to-point operations): every ``send`` / ``recv`` / ``isend`` /
 ``irecv`` and ``batch_isend_irecv`` becomes a :class:`P2PPost` of the calling rank, every wait on its
 handle (or a blocking call) is noted, and nothing moves: receive buffers keep what they held. Run each
-rank's code in turn over torch's fake process group, one process, no model needed."""
+rank's code in turn over torch's fake process group (:func:`fake_rank`), one process, no model needed."""
 
 from __future__ import annotations
 
@@ -18,6 +18,20 @@ import torch.distributed as dist
 from megamoe.comms import group_ranks
 from megamoe.comms import point_to_point
 from megamoe.pipeline.nccl_ordering import P2PPost, P2PTransfer
+from parallel_state import destroy_model_parallel, initialize_model_parallel
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int, **layout):
+    """This process plays global rank ``rank`` of ``world_size`` over torch's fake process group (every
+    collective a no-op, receive buffers left as allocated); yields the ParallelState of ``layout``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # not imported by spawned ranks
+    dist.init_process_group("cpu:fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield initialize_model_parallel(**layout)
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 class _Work:

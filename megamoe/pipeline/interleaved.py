@@ -22,13 +22,22 @@ Communication
 -------------
 The forward output of chunk ``c`` on rank ``r`` goes to chunk ``c`` on rank ``r + 1``; the last rank's
 chunk ``c`` feeds rank 0's chunk ``c + 1`` (a ring over the pipeline group). Gradients flow the reverse
-way. Every send is asynchronous (:func:`megamoe.comms.isend`; its handle is kept until it completed, at
-the latest until the end of the step) and every receive blocks right before the op that needs it. A
-rank therefore never waits for its consumer, only for its producer, which is exactly the machine model of
-the simulation: its dependency-driven replay of these orders finishes for every ``(pp, V, m)``, so the
-execution cannot deadlock. Each message carries a tag naming its (direction, receiving virtual stage,
-micro-batch), so the receiver matches it whatever the order the ranks post in. Per micro-batch and
-virtual stage boundary: one activation forward and one gradient backward, ``tensor_shape`` and ``dtype``.
+way: per micro-batch and virtual stage boundary, one activation forward and one gradient backward, all
+``tensor_shape`` and ``dtype``.
+
+Every transfer is part of a batched exchange (:func:`megamoe.comms.batch_send_recv`, one
+``batch_isend_irecv`` group, waited), as Megatron-Core's ``batch_p2p_comm`` does. The exchanges follow a
+clock that all ranks share: :func:`exchange_plan` replays the op orders of every rank with one tick per op
+(:func:`~megamoe.pipeline.schedule_simulation.replay_orders`); a message produced by an op ending at tick
+``t`` is sent AND received at tick ``t``, the receiver keeping it until the op that reads it (which starts
+at ``t`` or later). Each rank posts its exchange of tick ``t`` after its ops that ended by ``t`` and before
+the ones that start at ``t``. So each exchange pairs with its neighbours' exchanges of the same tick, and
+all of a tick's exchanges complete once every rank got there, which it does once the earlier ticks
+completed: no cycle of waits, whatever the buffering (NCCL posts the operations between two ranks on one
+stream, in order, and a large send waits for its receive; unbatched ``isend`` + blocking ``recv``
+deadlocked there, :mod:`megamoe.pipeline.nccl_ordering` shows it). Between two ranks, messages of one
+direction are posted in tick order on both sides, so NCCL, which ignores tags, pairs the right ones; the
+tags still name (direction, receiving virtual stage, micro-batch) for gloo and for the ordering model.
 
 Gradients are accumulated into ``.grad`` exactly as under 1F1B (each micro-batch's backward is that of
 ``<output, grad_from_next> + aux_loss``); nothing is reduced here. ``on_last_backward(chunk)`` is called
