@@ -78,12 +78,13 @@ def batch_send_recv(
     ops = []
     for tensor, dst, *tag in sends:
         _record("send", group, tensor)
-        ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer=dst, group=group, tag=_tag(tag)))
+        ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer=dst, group=group,
+                              tag=_tag_or_zero(tag)))
     for buffer, src, *tag in recvs:
         if not buffer.is_contiguous():
             raise ValueError("batch_send_recv: receive buffers must be contiguous (received in place)")
         _record("recv", group, buffer)
-        ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group, tag=_tag(tag)))
+        ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group, tag=_tag_or_zero(tag)))
     peers = [dst for _, dst, *_ in sends] + [src for _, src, *_ in recvs]
     record_event("batch_send_recv", "wait_start", PIPELINE_TAG)
     with _timeout_named("batch_send_recv", group, peers=peers):
@@ -93,5 +94,5 @@ def batch_send_recv(
     return [buffer for buffer, *_ in recvs]
 
 
-def _tag(optional: list[int]) -> int:
+def _tag_or_zero(optional: list[int]) -> int:
     return optional[0] if optional else 0

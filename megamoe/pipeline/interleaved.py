@@ -61,7 +61,7 @@ from megamoe.pipeline.schedule_simulation import PipelineOp, interleaved_1f1b_or
 if TYPE_CHECKING:
     from parallel_state import ParallelState
 
-__all__ = ["check_interleaved_layout", "forward_backward_interleaved", "forward_only_interleaved"]
+__all__ = ["check_interleaved_layout", "exchange_plan", "forward_backward_interleaved", "forward_only_interleaved"]
 
 logger = logging.getLogger(__name__)
 
