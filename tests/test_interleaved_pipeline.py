@@ -154,7 +154,7 @@ def _recording_steps(rank, pp, v, executed, shape):
 
 
 @pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (2, 2, 2), (4, 2, 8), (3, 3, 6), (2, 4, 6)])
-def test_executed_order_is_the_simulated_one(pp, v, m, monkeypatch):
+def test_executed_order_is_the_simulated_one(pp, v, m):
     shape = (2, 3)
     simulated_bubble = simulate_pipeline(pp, m, v).mean_bubble_fraction
     assert simulated_bubble == pytest.approx((pp - 1) / (v * m + pp - 1))
