@@ -39,7 +39,7 @@ Where things live
   keys / values over the CP group: all-gather forward, reduce-scatter backward).
 - :mod:`~megamoe.comms.expert_parallel`: ``all_to_all_counts``, the autograd ``all_to_all`` (uneven splits)
   and ``exchange_expert_slots`` (expert migration).
-- :mod:`~megamoe.comms.point_to_point`: ``send``, ``recv``, ``batch_send_recv``, ``isend`` / ``wait_sends``
+- :mod:`~megamoe.comms.point_to_point`: ``send``, ``recv``, ``batch_send_recv``
   (pipeline parallelism).
 - :mod:`~megamoe.comms.async_collectives`: started-now, waited-later collectives (``async_op=True``) for
   overlapping communication with compute: ``all_reduce_async``, ``reduce_scatter_flat_async`` (return a
@@ -80,7 +80,7 @@ from megamoe.comms.sequence_parallel_regions import (
 )
 from megamoe.comms.context_parallel_regions import gather_from_context_parallel_region
 from megamoe.comms.expert_parallel import all_to_all, all_to_all_counts, exchange_expert_slots
-from megamoe.comms.point_to_point import PendingSend, batch_send_recv, isend, recv, send, wait_sends
+from megamoe.comms.point_to_point import batch_send_recv, recv, send
 from megamoe.comms.async_collectives import (
     CommHandle,
     PendingAllToAll,
@@ -95,7 +95,7 @@ __all__ = [
     "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
     "all_reduce_", "all_gather_into", "all_gather_sizes", "all_gather_object", "all_to_all_counts", "broadcast_",
     "reduce_scatter_flat", "all_gather_flat", "send", "recv",
-    "batch_send_recv", "isend", "wait_sends", "PendingSend", "barrier",
+    "batch_send_recv", "barrier",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

@@ -1,6 +1,5 @@
-"""Point-to-point operations of pipeline parallelism: blocking send / recv, the batched
-:func:`batch_send_recv` (every send and receive of a rank posted at once), and the asynchronous
-:func:`isend` whose handles :func:`wait_sends` completes (the interleaved schedule's sends).
+"""Point-to-point operations of pipeline parallelism: blocking send / recv and the batched
+:func:`batch_send_recv` (every send and receive of a rank posted at once, what the schedules use).
 
 Inside :func:`~megamoe.comms.comm_timeline` each of them records ``wait_start`` / ``wait`` events tagged
 :data:`PIPELINE_TAG` around the time it blocks, so ``blocked_seconds("pipeline")`` is a stage's time waiting
@@ -8,7 +7,6 @@ on its neighbours."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -45,51 +43,26 @@ def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None 
     return tensor
 
 
-@dataclass
-class PendingSend:
-    """An :func:`isend` in flight: its handle, the tensor it reads (kept alive until the send completes)
-    and its peer (for a timeout's diagnosis)."""
-    work: object
-    tensor: torch.Tensor
-    dst_global_rank: int
-    group: ProcessGroup | None
-
-
-def isend(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None, *,
-          tag: int = 0) -> PendingSend:
-    """Asynchronous point-to-point send, counted as one "send" (its bytes) keyed by ``group``: posts
-    the send and returns at once, so a rank never waits for its consumer. Complete it with
-    :func:`wait_sends` (until then the tensor must not change; the handle keeps it alive). ``tag``
-    pairs it with the :func:`recv` of the same tag, whatever order the receiver posts its receives in."""
-    _record("send", group, tensor)
-    tensor = tensor.detach().contiguous()
-    with _timeout_named("isend", group, peers=(dst_global_rank,)):
-        work = dist.isend(tensor, dst=dst_global_rank, group=group, tag=tag)
-    return PendingSend(work, tensor, dst_global_rank, group)
-
-
-def wait_sends(pending: Sequence[PendingSend]) -> None:
-    """Wait for every :func:`isend` in ``pending`` to complete (no traffic of its own, not counted)."""
-    for send_ in pending:
-        record_event("isend", "wait_start", PIPELINE_TAG)
-        with _timeout_named("isend", send_.group, peers=(send_.dst_global_rank,)):
-            send_.work.wait()
-        record_event("isend", "wait", PIPELINE_TAG)
-
-
 def batch_send_recv(
-    sends: Sequence[tuple[torch.Tensor, int]],
-    recvs: Sequence[tuple[torch.Tensor, int]],
+    sends: Sequence[tuple],
+    recvs: Sequence[tuple],
     group: ProcessGroup | None,
 ) -> list[torch.Tensor]:
-    """Post every send ``(tensor, dst_global_rank)`` and receive ``(buffer, src_global_rank)`` of this
-    rank at once, then wait for all of them; returns the receive buffers (filled in place), in order.
+    """Post every send ``(tensor, dst_global_rank[, tag])`` and receive ``(buffer, src_global_rank[,
+    tag])`` of this rank as ONE ``dist.batch_isend_irecv`` group, then wait for all of them; returns the
+    receive buffers (filled in place), in order. No autograd: forward and backward of a pipeline move
+    their activations and gradients with separate calls (the schedules pair them).
 
     Why batched: two neighbouring pipeline stages often exchange in both directions at the same
-    moment (activation one way, gradient the other). With blocking ``send`` then ``recv`` on both
-    sides, each waits for the other's receive (gloo) and they deadlock; posting everything before
-    waiting cannot. Messages between the same pair of ranks in the same direction are matched in
-    the order they are posted, on both sides.
+    moment (activation one way, gradient the other, or both ways around the interleaved ring). Posted
+    one by one, NCCL runs the operations between two ranks on one stream, in posting order, and a send
+    larger than its buffer (a few MiB) completes only once the receiver reached the matching receive:
+    two ranks that both send before they receive wait on each other forever (gloo buffers the sends
+    and hides it). A group is posted as a whole and its operations complete in any order, so a
+    schedule whose ranks post matching groups cannot deadlock (:mod:`megamoe.pipeline.nccl_ordering`
+    checks the schedules' posts). Messages between the same pair of ranks in the same direction are
+    matched in the order they are posted, on both sides: NCCL ignores ``tag`` (default 0), gloo
+    matches by it, so the orders must agree and the tags only label the messages.
 
     Peers are GLOBAL ranks that belong to ``group``. Each send counts as one "send" (its bytes) and
     each receive as one "recv" (the buffer's bytes), both keyed by ``group``. ``group=None`` is one
@@ -103,18 +76,23 @@ def batch_send_recv(
             "process group, or no sends/recvs"
         )
     ops = []
-    for tensor, dst in sends:
+    for tensor, dst, *tag in sends:
         _record("send", group, tensor)
-        ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer=dst, group=group))
-    for buffer, src in recvs:
+        ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer=dst, group=group,
+                              tag=_tag_or_zero(tag)))
+    for buffer, src, *tag in recvs:
         if not buffer.is_contiguous():
             raise ValueError("batch_send_recv: receive buffers must be contiguous (received in place)")
         _record("recv", group, buffer)
-        ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group))
-    peers = [dst for _, dst in sends] + [src for _, src in recvs]
+        ops.append(dist.P2POp(dist.irecv, buffer, peer=src, group=group, tag=_tag_or_zero(tag)))
+    peers = [dst for _, dst, *_ in sends] + [src for _, src, *_ in recvs]
     record_event("batch_send_recv", "wait_start", PIPELINE_TAG)
     with _timeout_named("batch_send_recv", group, peers=peers):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     record_event("batch_send_recv", "wait", PIPELINE_TAG)
-    return [buffer for buffer, _ in recvs]
+    return [buffer for buffer, *_ in recvs]
+
+
+def _tag_or_zero(optional: list[int]) -> int:
+    return optional[0] if optional else 0

@@ -40,10 +40,10 @@ is plain 1F1B: ``(pp - 1) / (m + pp - 1)``. The simulation reproduces these exac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 __all__ = ["PipelineOp", "PipelineSimulation", "TimedOp", "describe_pipeline_schedule", "interleaved_1f1b_order",
-           "one_f_one_b_order", "simulate_pipeline"]
+           "one_f_one_b_order", "replay_orders", "simulate_pipeline"]
 
 
 class PipelineOp(NamedTuple):
@@ -190,8 +190,30 @@ def simulate_pipeline(pp: int, num_micro_batches: int, virtual_stages: int = 1, 
     else:
         orders = [interleaved_1f1b_order(pp, r, m, v) for r in range(pp)]
     duration = {"F": forward_time / v, "B": backward_time / v}
-    last_stage = pp * v - 1
+    timelines = replay_orders(orders, v, duration["F"], duration["B"], p2p_time)
+    free = [line[-1].end if line else 0.0 for line in timelines]
+    makespan = max(free)
+    busy = tuple(sum(duration[t.op.kind] for t in line) for line in timelines)
+    ideal = m * (forward_time + backward_time)
+    fractions = tuple(1.0 - b / makespan for b in busy)
+    return PipelineSimulation(
+        pp=pp, num_micro_batches=m, virtual_stages=v, makespan=makespan, ideal_time=ideal, busy_time=busy,
+        bubble_fraction=fractions, mean_bubble_fraction=sum(fractions) / pp, max_bubble_fraction=max(fractions),
+        bubble_time=makespan - ideal, bubble_over_ideal=(makespan - ideal) / ideal,
+        timelines=timelines,
+    )
 
+
+def replay_orders(orders: Sequence[Sequence[PipelineOp]], virtual_stages: int, op_forward_time: float = 1.0,
+                  op_backward_time: float = 1.0, p2p_time: float = 0.0) -> tuple[tuple[TimedOp, ...], ...]:
+    """Run the op lists ``orders[rank]`` (one per pipeline rank, ``virtual_stages`` chunks each) on the
+    machine model of the module docstring: each op starts when its rank is free and its input is there;
+    ``op_forward_time`` / ``op_backward_time`` are one op's (one chunk's) durations. Returns each
+    rank's timeline. AssertionError if the orders wait on each other (a schedule bug) or run an op twice.
+    """
+    pp = len(orders)
+    last_stage = pp * virtual_stages - 1
+    duration = {"F": op_forward_time, "B": op_backward_time}
     end: dict[tuple[str, int, int], float] = {}   # (kind, micro-batch, virtual stage) -> end time
 
     def ready_at(rank: int, op: PipelineOp) -> float | None:
@@ -235,16 +257,7 @@ def simulate_pipeline(pp: int, num_micro_batches: int, virtual_stages: int = 1, 
         if not progressed:   # an order whose ops wait on each other across ranks: a schedule bug
             raise AssertionError(f"pipeline schedule deadlocks at positions {position}")
 
-    makespan = max(free)
-    busy = tuple(sum(duration[t.op.kind] for t in line) for line in timelines)
-    ideal = m * (forward_time + backward_time)
-    fractions = tuple(1.0 - b / makespan for b in busy)
-    return PipelineSimulation(
-        pp=pp, num_micro_batches=m, virtual_stages=v, makespan=makespan, ideal_time=ideal, busy_time=busy,
-        bubble_fraction=fractions, mean_bubble_fraction=sum(fractions) / pp, max_bubble_fraction=max(fractions),
-        bubble_time=makespan - ideal, bubble_over_ideal=(makespan - ideal) / ideal,
-        timelines=tuple(tuple(line) for line in timelines),
-    )
+    return tuple(tuple(line) for line in timelines)
 
 
 def describe_pipeline_schedule(pp: int, num_micro_batches: int, virtual_stages: int = 1) -> str:
