@@ -160,9 +160,10 @@ def _run(args) -> int:
         return 0
     if args.command == "reshard":
         from checkpoint_tools.format import read_manifest
+        from checkpoint_tools.model_manifest import check_model_manifest
         from checkpoint_tools.reshard import reshard
-        dispatcher = args.dispatcher or (read_manifest(args.checkpoint)["model_config"].get("moe") or {}).get(
-            "dispatcher", "alltoall")
+        saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
+        dispatcher = args.dispatcher or (saved.moe.dispatcher if saved.moe is not None else "alltoall")
         summary = reshard(args.checkpoint, args.out_dir, _layout(args, dispatcher),
                           num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
                           dispatcher=args.dispatcher, overwrite=args.overwrite,

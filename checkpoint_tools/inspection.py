@@ -18,8 +18,8 @@ from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
 from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.fp8_inspection import format_fp8, fp8_summary
 from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
-from checkpoint_tools.reshard import OPTIMIZER_PREFIX
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manifest
+from checkpoint_tools.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
 from checkpoint_tools.side_files import verify_side_files
 from megamoe.precision import has_non_finite
 
@@ -58,7 +58,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict:
     root = os.fspath(path)
     if not os.path.isfile(os.path.join(root, "manifest.json")) and os.path.isdir(root + ".old"):
         root += ".old"
-    config = model_config_from_manifest(manifest)
+    config = check_model_manifest(manifest, root)
     params = {"total": 0, "routed_experts": 0, "by_dtype": defaultdict(lambda: {"parameters": 0, "bytes": 0})}
     optimizer = {"tensors": 0, "bytes": 0, "state_keys": set()}
     for name, entry in manifest["tensors"].items():

@@ -216,3 +216,13 @@ def plan_grid(config: GPTMoEConfig, grid, placements: dict[int, ExpertPlacement]
     logger.info("%s: %d virtual ranks in %d roles (models built), %d logical tensors, %d chunks", what,
                 grid.world_size, len(roles), len(tensors), sum(len(c.regions) for c in tensors.values()))
     return tensors
+
+
+def logical_tensor_shapes(config: GPTMoEConfig) -> dict[str, tuple[int, ...]]:
+    """The global shape of every logical tensor a model of ``config`` saves, by name (any layout saves
+    the same ones). Built as one process holding the whole model, on the meta device: unlike
+    :func:`plan_layout` it creates no process group, so it also runs where torch.distributed is in use.
+    ValueError naming the model's objection when ``config`` cannot be built."""
+    with _SkipRandomInit():
+        model = GPTMoEModel(config, ParallelState.single_process(), device="meta")
+    return {c.name: c.global_shape for c in sharded_state_dict(model)}

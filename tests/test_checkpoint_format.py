@@ -17,6 +17,7 @@ from torch import nn
 
 import checkpoint_tools.checkpoint_load as checkpoint_load
 import checkpoint_tools.format as fmt
+from checkpoint_tools.manifest_digest import DIGEST_FIELD, seal
 from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
                                      read_manifest, save_checkpoint, verify_checkpoint)
 from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materialize_optimizer_state,
@@ -241,6 +242,9 @@ class _CountingHandle:
             def get_shape(self):
                 return handle_slice.get_shape()
 
+            def get_dtype(self):
+                return handle_slice.get_dtype()
+
             def __getitem__(self, index):
                 piece = handle_slice[index]
                 log.append((key, piece.numel() * piece.element_size()))
@@ -405,7 +409,7 @@ def test_corrupt_or_mismatched_checkpoints_give_clear_errors(pristine, tmp_path)
     def edit_manifest(name, edit):
         path, manifest, _ = _copy(pristine, tmp_path, name)
         edit(manifest)
-        (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+        (path / fmt.MANIFEST_FILE).write_text(json.dumps(seal(manifest)))     # edited on purpose: digest updated
         return path
 
     path = edit_manifest("future", lambda m: m.update(format_version=99))
@@ -431,6 +435,7 @@ def test_format_version_1_checkpoints_with_sha256_still_load_and_verify(pristine
     """Version 1 recorded SHA-256 per file; such checkpoints keep loading, and a damaged file is still found."""
     path, manifest, file_a = _copy(pristine, tmp_path, "v1")
     manifest["format_version"] = 1
+    del manifest[DIGEST_FIELD]          # version 1 manifests carry no digest
     for name, info in manifest["files"].items():
         assert set(info) == {"bytes", "xxh3_128"}
         sha256 = hashlib.sha256((path / name).read_bytes()).hexdigest()

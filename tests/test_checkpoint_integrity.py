@@ -19,6 +19,7 @@ from checkpoint_tools.errors import CheckpointError, ConversionError
 from checkpoint_tools.format import (MANIFEST_FILE, iter_logical_tensors, load_checkpoint, load_rank_state,
                                      read_manifest)
 from checkpoint_tools.logical_reader import LogicalTensorReader
+from checkpoint_tools.manifest_digest import seal
 from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.testing import run_on_ranks
@@ -294,11 +295,13 @@ def test_ranks_loading_together_hash_each_file_once(sources, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Names in a manifest or an HF index stay inside their directory
 # ----------------------------------------------------------------------------------------------
-def _edit_manifest(checkpoint, edit):
+def _edit_manifest(checkpoint, edit, *, reseal=True):
+    """Apply ``edit`` to the manifest; ``reseal``: recompute its digest, as whoever edits on purpose can
+    (the field checks must refuse the edit all the same)."""
     path = checkpoint / MANIFEST_FILE
     manifest = json.loads(path.read_text())
     edit(manifest)
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(seal(manifest) if reseal else manifest))
 
 
 def _rename_data_file(manifest, new_name):

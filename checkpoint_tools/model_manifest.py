@@ -1,0 +1,171 @@
+"""Checking the model fields of a checkpoint's manifest (:mod:`checkpoint_tools.manifest_fields`) against
+each other and against the tensors it lists, before anything uses them.
+
+:func:`checkpoint_tools.format.read_manifest` checks what the format itself defines (its digest, the
+chunks tiling each tensor, file names, dtypes against byte counts); the generic format stores any JSON in
+``model_config``, ``parallel_layout``, ``expert_placement`` and ``extra``. A model checkpoint (converted or
+trained) gives them a meaning, checked here by :func:`check_model_manifest`, which every path reading
+one calls (inspect, export-hf, reshard, verify, building a model for generation, resuming a run):
+
+- ``model_config``: a JSON object and a valid :class:`GPTMoEConfig` of a known family;
+- ``parallel_layout``: positive integer sizes whose product is the world that saved (as
+  :func:`parallel_state.compute_rank_groups` requires);
+- ``expert_placement``: one valid placement per MoE layer of the config, of its experts and slots (every
+  expert in some slot, ids in range: see :class:`ExpertPlacement`);
+- ``extra``: ``step`` an integer in [0, 2**63), ``sampler_state`` an object whose counters are such
+  integers, ``has_optimizer_state`` a bool that says whether optimizer tensors are listed;
+- ``tensors``: exactly the logical tensors the config defines, of its shapes, and with optimizer state
+  the same state keys for the same parameters, each shaped like its parameter or a scalar.
+
+Each problem is one :class:`CheckpointError` naming the field and the value. Values that are valid but
+not the saved ones (a top-k of 3 for 2, a flipped bit in ``step``) are the manifest digest's to find.
+"""
+
+from __future__ import annotations
+
+import os
+
+from checkpoint_tools.errors import CheckpointError, ConversionError
+from checkpoint_tools.layout_plan import logical_tensor_shapes
+from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
+from megamoe.models import GPTMoEConfig
+from megamoe.models.families import SUPPORTED_FAMILIES
+
+__all__ = ["check_model_manifest", "OPTIMIZER_PREFIX", "KNOWN_FAMILIES"]
+
+OPTIMIZER_PREFIX = "optim."
+KNOWN_FAMILIES = (*SUPPORTED_FAMILIES, "custom")
+_LAYOUT_SIZES = ("world_size", "tp", "pp", "dp", "cp", "ep", "etp")
+_COUNTER_LIMIT = 2**63                   # what an int64 holds: the counters become tensors and loop bounds
+
+
+def _counter(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _COUNTER_LIMIT
+
+
+def _shown(names, limit: int = 6) -> str:
+    names = sorted(names)
+    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_layout(manifest: dict, fail) -> None:
+    layout = manifest.get("parallel_layout")
+    if not isinstance(layout, dict):
+        raise fail(f"parallel_layout must be a JSON object, got {layout!r}")
+    for key in _LAYOUT_SIZES:
+        value = layout.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise fail(f"parallel_layout.{key} must be a positive integer, got {value!r}")
+    world, tp, pp, dp, cp, ep, etp = (layout[k] for k in _LAYOUT_SIZES)
+    if tp * pp * dp * cp != world or (world // pp) % (ep * etp):
+        raise fail(f"parallel_layout {layout} is not a layout: tp*pp*dp*cp must be the world_size and ep*etp must "
+                   "divide the ranks of a pipeline stage")
+    if world != manifest["world_size"]:
+        raise fail(f"parallel_layout.world_size is {world}, but the checkpoint was saved by "
+                   f"{manifest['world_size']} ranks (world_size)")
+
+
+def _check_placements(manifest: dict, config: GPTMoEConfig, fail) -> None:
+    recorded = manifest.get("expert_placement")
+    if not isinstance(recorded, dict):
+        raise fail(f"expert_placement must be a JSON object, got {recorded!r}")
+    expected = {str(layer) for layer in config.moe_layer_ids}
+    if set(recorded) != expected:
+        raise fail(f"expert_placement has layers {_shown(recorded)}, the model config's MoE layers are "
+                   f"{_shown(expected)}")
+    try:
+        placements = placements_from_manifest(manifest)
+    except ConversionError as e:
+        raise fail(str(e)) from None
+    for layer, placement in placements.items():
+        if placement.ep_size != manifest["parallel_layout"]["ep"]:
+            raise fail(f"expert_placement[{str(layer)!r}] spreads its slots over {placement.ep_size} EP ranks, "
+                       f"parallel_layout.ep is {manifest['parallel_layout']['ep']}")
+        if (placement.num_experts, placement.num_slots) != (config.moe.num_experts, config.moe.num_expert_slots):
+            raise fail(f"expert_placement[{str(layer)!r}] places {placement.num_experts} experts in "
+                       f"{placement.num_slots} slots, the model config has {config.moe.num_experts} experts in "
+                       f"{config.moe.num_expert_slots} slots")
+
+
+def _check_extra(extra: dict, fail) -> None:
+    if "step" in extra and not _counter(extra["step"]):
+        raise fail(f"extra.step must be an integer in [0, 2**63), got {extra['step']!r}")
+    sampler = extra.get("sampler_state")
+    if sampler is not None:
+        if not isinstance(sampler, dict):
+            raise fail(f"extra.sampler_state must be a JSON object or null, got {sampler!r}")
+        for key, value in sampler.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not _counter(value):
+                raise fail(f"extra.sampler_state.{key} must be an integer in [0, 2**63), got {value!r}")
+    for key in ("has_optimizer_state", "verified_finite"):
+        if key in extra and not isinstance(extra[key], bool):
+            raise fail(f"extra.{key} must be true or false, got {extra[key]!r}")
+    for key in ("training_state", "hf_config"):
+        if key in extra and extra[key] is not None and not isinstance(extra[key], dict):
+            raise fail(f"extra.{key} must be a JSON object, got {extra[key]!r}")
+
+
+def _check_tensors(manifest: dict, config: GPTMoEConfig, fail) -> None:
+    try:
+        shapes = logical_tensor_shapes(config)
+    except ValueError as e:
+        raise fail(f"model_config describes no model this megamoe builds: {e}") from None
+    listed = manifest["tensors"]
+    model = {n for n in listed if not n.startswith(OPTIMIZER_PREFIX)}
+    missing, unexpected = set(shapes) - model, model - set(shapes)
+    if missing or unexpected:
+        raise fail(f"tensors does not hold the tensors of its model_config: {len(missing)} missing "
+                   f"({_shown(missing)}), {len(unexpected)} unexpected ({_shown(unexpected)})")
+    for name in sorted(model):
+        if tuple(listed[name]["global_shape"]) != shapes[name]:
+            raise fail(f"tensors[{name!r}] has global_shape {listed[name]['global_shape']}, the model_config gives "
+                       f"{list(shapes[name])}")
+    by_key: dict[str, set[str]] = {}
+    for name in listed:
+        if not name.startswith(OPTIMIZER_PREFIX):
+            continue
+        key, _, param = name[len(OPTIMIZER_PREFIX):].partition(".")
+        if param not in shapes:
+            raise fail(f"tensors[{name!r}] is optimizer state of {param!r}, which the model does not have")
+        if tuple(listed[name]["global_shape"]) not in (shapes[param], ()):
+            raise fail(f"tensors[{name!r}] has global_shape {listed[name]['global_shape']}: neither its parameter's "
+                       f"{list(shapes[param])} nor a scalar")
+        by_key.setdefault(key, set()).add(param)
+    extra = manifest.get("extra") or {}
+    has_state = extra.get("has_optimizer_state", bool(by_key))
+    if has_state != bool(by_key):
+        raise fail(f"extra.has_optimizer_state is {str(has_state).lower()}, but the manifest lists "
+                   f"{sum(len(p) for p in by_key.values())} optimizer state tensors")
+    for key, params in by_key.items():
+        for other, other_params in by_key.items():
+            if other_params - params:
+                raise fail(f"optimizer state {key!r} is missing for {len(other_params - params)} parameters that have "
+                           f"{other!r}: {_shown(OPTIMIZER_PREFIX + key + '.' + p for p in other_params - params)}")
+
+
+def check_model_manifest(manifest: dict, checkpoint: str | os.PathLike) -> GPTMoEConfig:
+    """The model config of the checkpoint ``checkpoint`` whose manifest (from ``read_manifest``) is
+    ``manifest``, after checking every model field (see the module docstring). CheckpointError naming the
+    field and value otherwise."""
+    where = os.path.join(os.fspath(checkpoint), "manifest.json")
+
+    def fail(problem: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {problem}")
+
+    if not isinstance(manifest.get("model_config"), dict):
+        raise fail(f"model_config must be a JSON object, got {manifest.get('model_config')!r}")
+    try:
+        config = model_config_from_manifest(manifest)
+    except ConversionError as e:
+        raise fail(str(e)) from None
+    if config.family not in KNOWN_FAMILIES:
+        raise fail(f"model_config.family {config.family!r} is not a family this megamoe knows: "
+                   f"{', '.join(KNOWN_FAMILIES)}")
+    _check_layout(manifest, fail)
+    extra = manifest.get("extra")
+    if not isinstance(extra, dict):
+        raise fail(f"extra must be a JSON object, got {extra!r}")
+    _check_extra(extra, fail)
+    _check_placements(manifest, config, fail)
+    _check_tensors(manifest, config, fail)
+    return config
