@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch.distributed import ProcessGroup
 
 from checkpoint_tools import integrity
-from checkpoint_tools.checkpoint_manifest import _DTYPES, _read_manifest_at, resolve_checkpoint
+from checkpoint_tools.checkpoint_manifest import _DTYPES, _read_manifest_at, resolve_checkpoint, stored_entries
 from checkpoint_tools.chunk_regions import Region, _intersection, _slices
 from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES
@@ -218,9 +218,7 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
     manifest = _read_manifest_at(root)
     expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {name: {} for name in manifest["files"]}
     problems = []
-    entries = [(c, t["dtype"]) for t in manifest["tensors"].values() for c in t["chunks"]]
-    entries += [(e, e["dtype"]) for per_rank in manifest["rank_state"].values() for e in per_rank.values()]
-    for e, dtype in entries:
+    for e, dtype in stored_entries(manifest):
         expected[e["file"]][e["key"]] = (dtype, tuple(e["shape"]))
     for file_name, info in manifest["files"].items():
         file_path = os.path.join(root, file_name)

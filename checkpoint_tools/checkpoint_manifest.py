@@ -126,12 +126,17 @@ def _check_manifest_types(manifest_path: str, manifest: dict) -> None:
         raise malformed("'extra' must be a JSON object and its 'hf_files' one too")
 
 
+def stored_entries(manifest: dict) -> list[tuple[dict, str]]:
+    """Every stored tensor the manifest lists (the chunks of its logical tensors, then the rank state):
+    (its entry, with ``file``, ``key`` and ``shape``; its dtype name)."""
+    entries = [(c, t["dtype"]) for t in manifest["tensors"].values() for c in t["chunks"]]
+    return entries + [(e, e["dtype"]) for per_rank in manifest["rank_state"].values() for e in per_rank.values()]
+
+
 def _stored_bytes(manifest: dict) -> dict[str, int]:
     """Bytes of tensor data the manifest says each file holds (its dtypes times its shapes)."""
     stored: dict[str, int] = {}
-    entries = [(c, t["dtype"]) for t in manifest["tensors"].values() for c in t["chunks"]]
-    entries += [(e, e["dtype"]) for per_rank in manifest["rank_state"].values() for e in per_rank.values()]
-    for entry, dtype in entries:
+    for entry, dtype in stored_entries(manifest):
         stored[entry["file"]] = stored.get(entry["file"], 0) + math.prod(entry["shape"]) * _DTYPES[dtype].itemsize
     return stored
 

@@ -23,6 +23,7 @@ not the saved ones (a top-k of 3 for 2, a flipped bit in ``step``) are the manif
 
 from __future__ import annotations
 
+import math
 import os
 
 from checkpoint_tools.errors import CheckpointError, ConversionError
@@ -30,6 +31,7 @@ from checkpoint_tools.layout_plan import logical_tensor_shapes
 from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES
+from megamoe.training.memory_estimate import stage_parameters
 
 __all__ = ["check_model_manifest", "OPTIMIZER_PREFIX", "KNOWN_FAMILIES"]
 
@@ -105,13 +107,33 @@ def _check_extra(extra: dict, fail) -> None:
             raise fail(f"extra.{key} must be a JSON object, got {extra[key]!r}")
 
 
+def _check_size(config: GPTMoEConfig, listed: dict, model: set[str], fail) -> None:
+    """Refuse a config far larger than the tensors stored before a model of it is built to list its
+    tensors (its layers allocate their full weights on the CPU: a vocabulary of 1e12 would end in the
+    allocator, a million layers would take hours). Exact names and shapes are compared afterwards."""
+    if config.total_layers > len(model):
+        raise fail(f"model_config has {config.total_layers} layers, but the manifest lists only {len(model)} model "
+                   "tensors")
+    slots = config.moe.num_experts if config.moe is not None else None     # each expert stored once
+    try:
+        implied = sum(p.numel for p in stage_parameters(config, num_expert_slots=slots))
+    except ValueError as e:
+        raise fail(f"model_config describes no model this megamoe builds: {e}") from None
+    stored = sum(math.prod(listed[name]["global_shape"]) for name in model)
+    if implied > 2 * stored + 2**20:        # margin: vocabulary padding, and what the estimate leaves out
+        raise fail(f"model_config describes a model of {implied:,} parameters, but the checkpoint stores "
+                   f"{stored:,}: vocab_size {config.vocab_size}, hidden_size {config.hidden_size}, num_layers "
+                   f"{config.num_layers}")
+
+
 def _check_tensors(manifest: dict, config: GPTMoEConfig, fail) -> None:
+    listed = manifest["tensors"]
+    model = {n for n in listed if not n.startswith(OPTIMIZER_PREFIX)}
+    _check_size(config, listed, model, fail)
     try:
         shapes = logical_tensor_shapes(config)
     except ValueError as e:
         raise fail(f"model_config describes no model this megamoe builds: {e}") from None
-    listed = manifest["tensors"]
-    model = {n for n in listed if not n.startswith(OPTIMIZER_PREFIX)}
     missing, unexpected = set(shapes) - model, model - set(shapes)
     if missing or unexpected:
         raise fail(f"tensors does not hold the tensors of its model_config: {len(missing)} missing "
