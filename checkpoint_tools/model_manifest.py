@@ -9,9 +9,9 @@ one calls (inspect, export-hf, reshard, verify, building a model for generation,
 
 - ``model_config``: a JSON object and a valid :class:`GPTMoEConfig` of a known family;
 - ``parallel_layout``: positive integer sizes whose product is the world that saved (as
-  :func:`parallel_state.compute_rank_groups` requires);
+  :func:`parallel_state.compute_rank_groups` requires), or empty (saved without one);
 - ``expert_placement``: one valid placement per MoE layer of the config, of its experts and slots (every
-  expert in some slot, ids in range: see :class:`ExpertPlacement`);
+  expert in some slot, ids in range: see :class:`ExpertPlacement`), or empty (the default placement);
 - ``extra``: ``step`` an integer in [0, 2**63), ``sampler_state`` an object whose counters are such
   integers, ``has_optimizer_state`` a bool that says whether optimizer tensors are listed;
 - ``tensors``: exactly the logical tensors the config defines, of its shapes, and with optimizer state
@@ -54,6 +54,8 @@ def _check_layout(manifest: dict, fail) -> None:
     layout = manifest.get("parallel_layout")
     if not isinstance(layout, dict):
         raise fail(f"parallel_layout must be a JSON object, got {layout!r}")
+    if not layout:
+        return          # a checkpoint saved through save_checkpoint without one: any layout loads it
     for key in _LAYOUT_SIZES:
         value = layout.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -71,6 +73,8 @@ def _check_placements(manifest: dict, config: GPTMoEConfig, fail) -> None:
     recorded = manifest.get("expert_placement")
     if not isinstance(recorded, dict):
         raise fail(f"expert_placement must be a JSON object, got {recorded!r}")
+    if not recorded:
+        return          # none saved: loading builds the default placement
     expected = {str(layer) for layer in config.moe_layer_ids}
     if set(recorded) != expected:
         raise fail(f"expert_placement has layers {_shown(recorded)}, the model config's MoE layers are "
@@ -80,9 +84,10 @@ def _check_placements(manifest: dict, config: GPTMoEConfig, fail) -> None:
     except ConversionError as e:
         raise fail(str(e)) from None
     for layer, placement in placements.items():
-        if placement.ep_size != manifest["parallel_layout"]["ep"]:
+        ep = manifest["parallel_layout"].get("ep", placement.ep_size)
+        if placement.ep_size != ep:
             raise fail(f"expert_placement[{str(layer)!r}] spreads its slots over {placement.ep_size} EP ranks, "
-                       f"parallel_layout.ep is {manifest['parallel_layout']['ep']}")
+                       f"parallel_layout.ep is {ep}")
         if (placement.num_experts, placement.num_slots) != (config.moe.num_experts, config.moe.num_expert_slots):
             raise fail(f"expert_placement[{str(layer)!r}] places {placement.num_experts} experts in "
                        f"{placement.num_slots} slots, the model config has {config.moe.num_experts} experts in "
