@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 
+from checkpoint_tools.checkpoint_manifest import MANIFEST_FILE
 from checkpoint_tools.errors import CheckpointError, ConversionError
 from checkpoint_tools.layout_plan import logical_tensor_shapes
 from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
@@ -45,6 +46,12 @@ def _counter(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _COUNTER_LIMIT
 
 
+def _brief(value, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a whole config where an object belongs is not shown)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _shown(names, limit: int = 6) -> str:
     names = sorted(names)
     return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -53,7 +60,7 @@ def _shown(names, limit: int = 6) -> str:
 def _check_layout(manifest: dict, fail) -> None:
     layout = manifest.get("parallel_layout")
     if not isinstance(layout, dict):
-        raise fail(f"parallel_layout must be a JSON object, got {layout!r}")
+        raise fail(f"parallel_layout must be a JSON object, got {_brief(layout)}")
     if not layout:
         return          # a checkpoint saved through save_checkpoint without one: any layout loads it
     for key in _LAYOUT_SIZES:
@@ -72,7 +79,7 @@ def _check_layout(manifest: dict, fail) -> None:
 def _check_placements(manifest: dict, config: GPTMoEConfig, fail) -> None:
     recorded = manifest.get("expert_placement")
     if not isinstance(recorded, dict):
-        raise fail(f"expert_placement must be a JSON object, got {recorded!r}")
+        raise fail(f"expert_placement must be a JSON object, got {_brief(recorded)}")
     if not recorded:
         return          # none saved: loading builds the default placement
     expected = {str(layer) for layer in config.moe_layer_ids}
@@ -100,7 +107,7 @@ def _check_extra(extra: dict, fail) -> None:
     sampler = extra.get("sampler_state")
     if sampler is not None:
         if not isinstance(sampler, dict):
-            raise fail(f"extra.sampler_state must be a JSON object or null, got {sampler!r}")
+            raise fail(f"extra.sampler_state must be a JSON object or null, got {_brief(sampler)}")
         for key, value in sampler.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not _counter(value):
                 raise fail(f"extra.sampler_state.{key} must be an integer in [0, 2**63), got {value!r}")
@@ -109,7 +116,7 @@ def _check_extra(extra: dict, fail) -> None:
             raise fail(f"extra.{key} must be true or false, got {extra[key]!r}")
     for key in ("training_state", "hf_config"):
         if key in extra and extra[key] is not None and not isinstance(extra[key], dict):
-            raise fail(f"extra.{key} must be a JSON object, got {extra[key]!r}")
+            raise fail(f"extra.{key} must be a JSON object, got {_brief(extra[key])}")
 
 
 def _check_size(config: GPTMoEConfig, listed: dict, model: set[str], fail) -> None:
@@ -174,13 +181,13 @@ def check_model_manifest(manifest: dict, checkpoint: str | os.PathLike) -> GPTMo
     """The model config of the checkpoint ``checkpoint`` whose manifest (from ``read_manifest``) is
     ``manifest``, after checking every model field (see the module docstring). CheckpointError naming the
     field and value otherwise."""
-    where = os.path.join(os.fspath(checkpoint), "manifest.json")
+    where = os.path.join(os.fspath(checkpoint), MANIFEST_FILE)
 
     def fail(problem: str) -> CheckpointError:
         return CheckpointError(f"{where}: {problem}")
 
     if not isinstance(manifest.get("model_config"), dict):
-        raise fail(f"model_config must be a JSON object, got {manifest.get('model_config')!r}")
+        raise fail(f"model_config must be a JSON object, got {_brief(manifest.get('model_config'))}")
     try:
         config = model_config_from_manifest(manifest)
     except ConversionError as e:
@@ -191,7 +198,7 @@ def check_model_manifest(manifest: dict, checkpoint: str | os.PathLike) -> GPTMo
     _check_layout(manifest, fail)
     extra = manifest.get("extra")
     if not isinstance(extra, dict):
-        raise fail(f"extra must be a JSON object, got {extra!r}")
+        raise fail(f"extra must be a JSON object, got {_brief(extra)}")
     _check_extra(extra, fail)
     _check_placements(manifest, config, fail)
     _check_tensors(manifest, config, fail)

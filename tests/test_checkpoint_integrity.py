@@ -614,6 +614,8 @@ FIELD_EDITS = {
                                      r"model_config\.family 'llama9' is not a family this megamoe knows"),
     "model_config: a list": ("imported", lambda m: m.update(model_config=[m["model_config"]]),
                              r"model_config must be a JSON object, got \[\{"),
+    "model_config.moe a list": ("imported", _set_path("model_config", "moe", [1, 2]),
+                                r"model_config is malformed \(a section that is not a JSON object\?\): TypeError"),
     "model_config: top-k past the experts": ("imported", _set_path("model_config", "moe", "router", "top_k", 9),
                                              r"top_k"),
     "model_config: vocab 1e12": ("imported", _huge_vocab,
