@@ -77,7 +77,7 @@ def _first_overlap(regions: list[Region]) -> tuple[Region, Region] | None:
 def _check_tiling(name: str, global_shape: tuple[int, ...], regions: list[Region], what: str) -> None:
     """The regions must not overlap and must cover the logical tensor exactly."""
     regions = [r for r in regions if math.prod(r[1])]
-    if _is_grid(global_shape, regions):
+    if (not regions and not math.prod(global_shape)) or _is_grid(global_shape, regions):
         return
     overlap = _first_overlap(regions)
     if overlap is not None:
