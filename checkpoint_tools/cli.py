@@ -4,9 +4,9 @@ Subcommands: ``import-hf``, ``export-hf``, ``reshard``, ``inspect``, ``verify``,
 each.
 Bad input ends with a one-line ``error:`` message and exit code 1 (2 for a malformed command line);
 ``verify`` exits 1 when the logits differ by more than ``--atol``, ``inspect`` when a file is damaged or a
-tensor holds NaN/Inf, and with an error line when the manifest is refused. Every command that reads a megamoe checkpoint checks each file against its manifest
-(checksums included) before using it; ``--no-verify-checksums`` skips the hashing (sizes are still
-checked). Every ``--help`` shows the defaults.
+tensor holds NaN/Inf, and with an error line when the manifest is refused. Every command that reads a
+megamoe checkpoint checks each file against its manifest (checksums included) before using it;
+``--no-verify-checksums`` skips the hashing (sizes are still checked). Every ``--help`` shows the defaults.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from collections import defaultdict
 from checkpoint_tools.checkpoint_load import verify_checkpoint
 from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest, stored_entries
 from checkpoint_tools.errors import CheckpointError
-from checkpoint_tools.integrity import check_stored_file
 from checkpoint_tools.fp8_inspection import format_fp8, fp8_summary
+from checkpoint_tools.integrity import check_stored_file
 from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manifest
 from checkpoint_tools.model_manifest import OPTIMIZER_PREFIX, check_model_manifest

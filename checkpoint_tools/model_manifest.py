@@ -32,7 +32,6 @@ from checkpoint_tools.layout_plan import logical_tensor_shapes
 from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES
-from megamoe.training.memory_estimate import stage_parameters
 
 __all__ = ["check_model_manifest", "OPTIMIZER_PREFIX", "KNOWN_FAMILIES"]
 
@@ -119,21 +118,30 @@ def _check_extra(extra: dict, fail) -> None:
             raise fail(f"extra.{key} must be a JSON object, got {_brief(extra[key])}")
 
 
+def _least_parameters(config: GPTMoEConfig) -> int:
+    """A lower bound of the elements the tensors of a model of ``config`` hold, in O(1): its embedding,
+    norms, routers and one of the matrices of each MLP / expert (attention, biases, the output layer and
+    the other matrices left out: even weights packed two to a byte stay above it)."""
+    H, layers = config.hidden_size, config.total_layers
+    moe_layers = len(config.moe_layer_ids)
+    total = config.vocab_size * H + layers * 2 * H
+    if config.moe is not None:
+        total += moe_layers * config.moe.num_experts * H * (1 + config.moe.ffn_hidden_size)
+    if config.dense_mlp is not None:
+        total += (layers - moe_layers) * config.dense_mlp.intermediate_size * H
+    return total
+
+
 def _check_size(config: GPTMoEConfig, listed: dict, model: set[str], fail) -> None:
-    """Refuse a config far larger than the tensors stored before a model of it is built to list its
-    tensors (its layers allocate their full weights on the CPU: a vocabulary of 1e12 would end in the
-    allocator, a million layers would take hours). Exact names and shapes are compared afterwards."""
+    """Refuse a config larger than the tensors stored before a model of it is built to list its tensors
+    (its layers allocate their full weights on the CPU: a vocabulary of 1e12 would end in the allocator,
+    a million layers would take hours). Exact names and shapes are compared afterwards."""
     if config.total_layers > len(model):
         raise fail(f"model_config has {config.total_layers} layers, but the manifest lists only {len(model)} model "
                    "tensors")
-    slots = config.moe.num_experts if config.moe is not None else None     # each expert stored once
-    try:
-        implied = sum(p.numel for p in stage_parameters(config, num_expert_slots=slots))
-    except ValueError as e:
-        raise fail(f"model_config describes no model this megamoe builds: {e}") from None
-    stored = sum(math.prod(listed[name]["global_shape"]) for name in model)
-    if implied > 2 * stored + 2**20:        # margin: vocabulary padding, and what the estimate leaves out
-        raise fail(f"model_config describes a model of {implied:,} parameters, but the checkpoint stores "
+    implied, stored = _least_parameters(config), sum(math.prod(listed[name]["global_shape"]) for name in model)
+    if implied > stored:
+        raise fail(f"model_config describes a model of at least {implied:,} parameters, but the checkpoint stores "
                    f"{stored:,}: vocab_size {config.vocab_size}, hidden_size {config.hidden_size}, num_layers "
                    f"{config.num_layers}")
 

@@ -619,7 +619,7 @@ FIELD_EDITS = {
     "model_config: top-k past the experts": ("imported", _set_path("model_config", "moe", "router", "top_k", 9),
                                              r"top_k"),
     "model_config: vocab 1e12": ("imported", _huge_vocab,
-                                 r"model_config describes a model of [\d,]+ parameters, but the checkpoint "
+                                 r"model_config describes a model of at least [\d,]+ parameters, but the checkpoint "
                                  r"stores \d+,\d+: vocab_size 1000000000000"),
     "model_config: unknown activation": ("imported", _set_path("model_config", "dense_mlp", "activation", "swish9"),
                                          r"activation must be one of .* got 'swish9'"),
