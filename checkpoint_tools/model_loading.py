@@ -59,7 +59,7 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
     one of another shape or a damaged file; ValueError if the layout does not fit the model.
     """
     manifest = read_manifest(path)
-    config = config_for_engine(check_model_manifest(manifest, path), dispatcher=dispatcher,
+    config = config_for_engine(check_model_manifest(manifest, path, layer_spec=layer_spec), dispatcher=dispatcher,
                                num_expert_slots=num_expert_slots, expert_backend=expert_backend,
                                input_sharded=input_sharded, sequence_parallel=sequence_parallel)
     placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))

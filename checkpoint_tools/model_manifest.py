@@ -30,10 +30,10 @@ from checkpoint_tools.checkpoint_manifest import MANIFEST_FILE
 from checkpoint_tools.errors import CheckpointError, ConversionError
 from checkpoint_tools.layout_plan import logical_tensor_shapes
 from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
-from megamoe.models import GPTMoEConfig
+from megamoe.models import GPTMoEConfig, LayerSpec
 from megamoe.models.families import SUPPORTED_FAMILIES
 
-__all__ = ["check_model_manifest", "OPTIMIZER_PREFIX", "KNOWN_FAMILIES"]
+__all__ = ["check_model_manifest", "check_training_fields", "OPTIMIZER_PREFIX", "KNOWN_FAMILIES"]
 
 OPTIMIZER_PREFIX = "optim."
 KNOWN_FAMILIES = (*SUPPORTED_FAMILIES, "custom")
@@ -146,35 +146,42 @@ def _check_size(config: GPTMoEConfig, listed: dict, model: set[str], fail) -> No
                    f"{config.num_layers}")
 
 
-def _check_tensors(manifest: dict, config: GPTMoEConfig, fail) -> None:
-    listed = manifest["tensors"]
-    model = {n for n in listed if not n.startswith(OPTIMIZER_PREFIX)}
-    _check_size(config, listed, model, fail)
+def _model_tensors(manifest: dict) -> dict[str, list]:
+    """The model's logical tensors the manifest lists (not optimizer state): name -> global shape."""
+    return {n: t["global_shape"] for n, t in manifest["tensors"].items() if not n.startswith(OPTIMIZER_PREFIX)}
+
+
+def _check_model_tensors(manifest: dict, config: GPTMoEConfig, layer_spec: LayerSpec | None, fail) -> None:
+    listed = _model_tensors(manifest)
+    _check_size(config, manifest["tensors"], set(listed), fail)
     try:
-        shapes = logical_tensor_shapes(config)
+        shapes = logical_tensor_shapes(config, layer_spec)
     except ValueError as e:
         raise fail(f"model_config describes no model this megamoe builds: {e}") from None
-    missing, unexpected = set(shapes) - model, model - set(shapes)
+    missing, unexpected = set(shapes) - set(listed), set(listed) - set(shapes)
     if missing or unexpected:
         raise fail(f"tensors does not hold the tensors of its model_config: {len(missing)} missing "
                    f"({_shown(missing)}), {len(unexpected)} unexpected ({_shown(unexpected)})")
-    for name in sorted(model):
-        if tuple(listed[name]["global_shape"]) != shapes[name]:
-            raise fail(f"tensors[{name!r}] has global_shape {listed[name]['global_shape']}, the model_config gives "
-                       f"{list(shapes[name])}")
-    by_key: dict[str, set[str]] = {}
-    for name in listed:
+    for name in sorted(listed):
+        if tuple(listed[name]) != shapes[name]:
+            raise fail(f"tensors[{name!r}] has global_shape {listed[name]}, the model_config gives {list(shapes[name])}")
+
+
+def _check_optimizer_state(manifest: dict, fail) -> None:
+    """Optimizer state (``optim.<key>.<parameter>``) of listed parameters, shaped like them or scalar, the
+    same keys for the same parameters, and present exactly when ``extra.has_optimizer_state`` says so."""
+    listed, by_key = _model_tensors(manifest), {}
+    for name, entry in manifest["tensors"].items():
         if not name.startswith(OPTIMIZER_PREFIX):
             continue
         key, _, param = name[len(OPTIMIZER_PREFIX):].partition(".")
-        if param not in shapes:
+        if param not in listed:
             raise fail(f"tensors[{name!r}] is optimizer state of {param!r}, which the model does not have")
-        if tuple(listed[name]["global_shape"]) not in (shapes[param], ()):
-            raise fail(f"tensors[{name!r}] has global_shape {listed[name]['global_shape']}: neither its parameter's "
-                       f"{list(shapes[param])} nor a scalar")
+        if entry["global_shape"] not in (listed[param], []):
+            raise fail(f"tensors[{name!r}] has global_shape {entry['global_shape']}: neither its parameter's "
+                       f"{listed[param]} nor a scalar")
         by_key.setdefault(key, set()).add(param)
-    extra = manifest.get("extra") or {}
-    has_state = extra.get("has_optimizer_state", bool(by_key))
+    has_state = (manifest.get("extra") or {}).get("has_optimizer_state", bool(by_key))
     if has_state != bool(by_key):
         raise fail(f"extra.has_optimizer_state is {str(has_state).lower()}, but the manifest lists "
                    f"{sum(len(p) for p in by_key.values())} optimizer state tensors")
@@ -185,15 +192,31 @@ def _check_tensors(manifest: dict, config: GPTMoEConfig, fail) -> None:
                            f"{other!r}: {_shown(OPTIMIZER_PREFIX + key + '.' + p for p in other_params - params)}")
 
 
-def check_model_manifest(manifest: dict, checkpoint: str | os.PathLike) -> GPTMoEConfig:
-    """The model config of the checkpoint ``checkpoint`` whose manifest (from ``read_manifest``) is
-    ``manifest``, after checking every model field (see the module docstring). CheckpointError naming the
-    field and value otherwise."""
+def _failing(checkpoint: str | os.PathLike):
     where = os.path.join(os.fspath(checkpoint), MANIFEST_FILE)
+    return lambda problem: CheckpointError(f"{where}: {problem}")
 
-    def fail(problem: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {problem}")
 
+def check_training_fields(manifest: dict, checkpoint: str | os.PathLike) -> None:
+    """The checks of :func:`check_model_manifest` that hold whatever model saved the checkpoint:
+    ``parallel_layout``, ``extra`` and the optimizer state. For a training checkpoint of a model that
+    is not a :class:`GPTMoEModel` (any :class:`~megamoe.training.TrainableModel`), whose config and
+    tensors only its own class knows (the strict load then refuses a missing or mis-shaped tensor)."""
+    fail = _failing(checkpoint)
+    _check_layout(manifest, fail)
+    extra = manifest.get("extra")
+    if not isinstance(extra, dict):
+        raise fail(f"extra must be a JSON object, got {_brief(extra)}")
+    _check_extra(extra, fail)
+    _check_optimizer_state(manifest, fail)
+
+
+def check_model_manifest(manifest: dict, checkpoint: str | os.PathLike, *,
+                         layer_spec: LayerSpec | None = None) -> GPTMoEConfig:
+    """The model config of the checkpoint ``checkpoint`` whose manifest (from ``read_manifest``) is
+    ``manifest``, after checking every model field (see the module docstring); ``layer_spec``: the classes
+    the model is built with (they choose its tensors). CheckpointError naming the field and value otherwise."""
+    fail = _failing(checkpoint)
     if not isinstance(manifest.get("model_config"), dict):
         raise fail(f"model_config must be a JSON object, got {_brief(manifest.get('model_config'))}")
     try:
@@ -203,11 +226,7 @@ def check_model_manifest(manifest: dict, checkpoint: str | os.PathLike) -> GPTMo
     if config.family not in KNOWN_FAMILIES:
         raise fail(f"model_config.family {config.family!r} is not a family this megamoe knows: "
                    f"{', '.join(KNOWN_FAMILIES)}")
-    _check_layout(manifest, fail)
-    extra = manifest.get("extra")
-    if not isinstance(extra, dict):
-        raise fail(f"extra must be a JSON object, got {_brief(extra)}")
-    _check_extra(extra, fail)
+    check_training_fields(manifest, checkpoint)
     _check_placements(manifest, config, fail)
-    _check_tensors(manifest, config, fail)
+    _check_model_tensors(manifest, config, layer_spec, fail)
     return config
