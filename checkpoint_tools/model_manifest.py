@@ -19,6 +19,8 @@ one calls (inspect, export-hf, reshard, verify, building a model for generation,
 
 Each problem is one :class:`CheckpointError` naming the field and the value. Values that are valid but
 not the saved ones (a top-k of 3 for 2, a flipped bit in ``step``) are the manifest digest's to find.
+Resuming a model that is not a :class:`GPTMoEModel` checks what holds for any model
+(:func:`check_training_fields`): its own class defines its config and tensors.
 """
 
 from __future__ import annotations
