@@ -30,6 +30,7 @@ _READABLE_VERSIONS = (1, 2, FORMAT_VERSION)
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FIELDS = ("model_config", "parallel_layout", "expert_placement", "extra")
 _OLD_SUFFIX = ".old"
+_MAX_FIELD_DEPTH = 32        # a model config nests 4 levels, an HF config.json kept in extra a few more
 
 # dtypes safetensors stores, by the name the manifest uses.
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -175,11 +176,25 @@ def _parse_manifest(manifest_path: str):
         raise CheckpointError(f"cannot read {manifest_path}: {e}") from e
 
 
+def _check_depth(manifest_path: str, manifest: dict) -> None:
+    """The caller's fields (MANIFEST_FIELDS, copied and walked recursively by their readers) nest at most
+    :data:`_MAX_FIELD_DEPTH` levels; measured without recursion."""
+    pending = [(manifest.get(f), 1) for f in MANIFEST_FIELDS]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, (dict, list)):
+            if depth > _MAX_FIELD_DEPTH:
+                raise CheckpointError(f"cannot read {manifest_path}: its JSON is nested too deeply (more than "
+                                      f"{_MAX_FIELD_DEPTH} levels in its fields)")
+            pending += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+
+
 def _read_manifest_at(root: str) -> dict:
     manifest_path = os.path.join(root, MANIFEST_FILE)
     manifest = _parse_manifest(manifest_path)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{manifest_path} is not a {FORMAT_NAME} manifest")
+    _check_depth(manifest_path, manifest)
     if manifest.get("format_version") not in _READABLE_VERSIONS:
         raise CheckpointError(f"{manifest_path}: unsupported checkpoint format version "
                               f"{manifest.get('format_version')!r}; this megamoe reads versions "

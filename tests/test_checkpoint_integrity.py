@@ -664,7 +664,7 @@ def test_every_manifest_field_is_checked_by_every_load_path(case, sources, tmp_p
         _ENTRY_POINTS[name][entry](checkpoint, tmp_path, capsys, message)
 
 
-@pytest.mark.parametrize("text_edit", ["duplicate tensor name", "deep nesting"])
+@pytest.mark.parametrize("text_edit", ["duplicate tensor name", "deep nesting", "nesting too deep for its readers"])
 def test_malformed_manifest_json_is_one_clean_error(text_edit, sources, tmp_path, capsys):
     checkpoint = _copy(sources, "trained", tmp_path)
     path = checkpoint / MANIFEST_FILE
@@ -673,9 +673,14 @@ def test_malformed_manifest_json_is_one_clean_error(text_edit, sources, tmp_path
         entry = json.dumps(json.loads(text)["tensors"]["norm.weight"])
         text = text.replace('"tensors": {', f'"tensors": {{\n  "norm.weight": {entry},', 1)
         message = r"cannot read .*manifest\.json: the key 'norm\.weight' appears twice in one object"
-    else:
+    elif text_edit == "deep nesting":           # past what json parses
         text = text.replace('"extra": {', '"deep": ' + "[" * 100_000 + "]" * 100_000 + ', "extra": {', 1)
         message = r"cannot read .*manifest\.json: its JSON is nested too deeply"
+    else:                                       # json parses it, copying the config recursively did not
+        manifest = json.loads(text)
+        manifest["model_config"]["deep"] = json.loads("[" * 900 + "]" * 900)
+        text = json.dumps(seal(manifest))
+        message = r"cannot read .*manifest\.json: its JSON is nested too deeply \(more than 32 levels in its fields\)"
     path.write_text(text)
     for entry in _ENTRY_POINTS["trained"]:
         _ENTRY_POINTS["trained"][entry](checkpoint, tmp_path, capsys, message)
