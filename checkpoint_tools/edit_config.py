@@ -61,9 +61,10 @@ def edit_config(checkpoint: str | os.PathLike, assignments: list[tuple[str, Any]
     if not assignments:
         raise ConversionError("nothing to change: give at least one --set KEY=VALUE")
     root = resolve_checkpoint(checkpoint)
-    manifest = read_manifest(root)
-    check_model_manifest(manifest, root)
+    manifest = read_manifest(root)         # its digest checked: a damaged or hand-edited manifest is not resealed
     edited = copy.deepcopy(manifest)
+    if not isinstance(edited.get("model_config"), dict):
+        raise ConversionError(f"{root} has no model_config to edit")
     changes = [(key, _set(edited["model_config"], key, value), value) for key, value in assignments]
     check_model_manifest(edited, root)
     edited["format_version"] = FORMAT_VERSION      # it now carries a digest
