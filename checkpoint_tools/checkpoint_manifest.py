@@ -104,7 +104,8 @@ def _check_manifest_types(manifest_path: str, manifest: dict) -> None:
         global_shape = entry["global_shape"]
         for chunk in entry["chunks"]:
             if not (isinstance(chunk, dict) and isinstance(chunk.get("key"), str) and _sizes(chunk.get("offsets"))
-                    and _sizes(chunk.get("shape")) and len(chunk["offsets"]) == len(chunk["shape"]) == len(global_shape)):
+                    and _sizes(chunk.get("shape"))
+                    and len(chunk["offsets"]) == len(chunk["shape"]) == len(global_shape)):
                 raise malformed(f"a chunk of {name!r} needs a 'key', and 'offsets' and 'shape' of {len(global_shape)} "
                                 "sizes >= 0")
             if any(o + s > g for o, s, g in zip(chunk["offsets"], chunk["shape"], global_shape)):

@@ -60,8 +60,8 @@ config on purpose), hold no key twice, and every file name it gives must be a pl
 resolving inside the checkpoint (:mod:`checkpoint_tools.safe_names`); its chunks lie inside their tensor
 and tile it, each names its own stored key, and the dtypes and shapes fit in the recorded file sizes, or
 reading the manifest fails before any file is opened. Reading a chunk checks its stored dtype and shape.
-The model fields are checked by :mod:`checkpoint_tools.model_manifest`. Every load path checks each file it reads against
-the manifest before using its bytes: its size always, its checksum unless the caller opts out
+The model fields are checked by :mod:`checkpoint_tools.model_manifest`. Every load path checks each
+file it reads against the manifest before using its bytes: its size always, its checksum unless the caller opts out
 (``verify_checksums=False``; the CLI's ``--no-verify-checksums``). A file is hashed once per process
 (remembered by path, size, mtime, inode and recorded digest; a changed file is hashed again). A
 damaged file is a :class:`CheckpointError` naming the file and the expected and actual checksums.

@@ -166,7 +166,8 @@ def _check_model_tensors(manifest: dict, config: GPTMoEConfig, layer_spec: Layer
                    f"({_shown(missing)}), {len(unexpected)} unexpected ({_shown(unexpected)})")
     for name in sorted(listed):
         if tuple(listed[name]) != shapes[name]:
-            raise fail(f"tensors[{name!r}] has global_shape {listed[name]}, the model_config gives {list(shapes[name])}")
+            raise fail(f"tensors[{name!r}] has global_shape {listed[name]}, the model_config gives "
+                       f"{list(shapes[name])}")
 
 
 def _check_optimizer_state(manifest: dict, fail) -> None:
