@@ -25,6 +25,7 @@ Resuming a model that is not a :class:`GPTMoEModel` checks what holds for any mo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -41,6 +42,7 @@ OPTIMIZER_PREFIX = "optim."
 KNOWN_FAMILIES = (*SUPPORTED_FAMILIES, "custom")
 _LAYOUT_SIZES = ("world_size", "tp", "pp", "dp", "cp", "ep", "etp")
 _COUNTER_LIMIT = 2**63                   # what an int64 holds: the counters become tensors and loop bounds
+_SHAPES: dict[tuple, dict[str, tuple[int, ...]]] = {}       # see _shapes_of
 
 
 def _counter(value) -> bool:
@@ -153,11 +155,22 @@ def _model_tensors(manifest: dict) -> dict[str, list]:
     return {n: t["global_shape"] for n, t in manifest["tensors"].items() if not n.startswith(OPTIMIZER_PREFIX)}
 
 
+def _shapes_of(config: GPTMoEConfig, layer_spec: LayerSpec | None) -> dict[str, tuple[int, ...]]:
+    """:func:`logical_tensor_shapes`, remembered for the last few configs: building the model takes about
+    a second for a 48-layer, 128-expert config, and generation and ``reshard`` check one manifest twice."""
+    key = (json.dumps(config.to_dict(), sort_keys=True), layer_spec)
+    if key not in _SHAPES:
+        if len(_SHAPES) >= 4:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = logical_tensor_shapes(config, layer_spec)
+    return _SHAPES[key]
+
+
 def _check_model_tensors(manifest: dict, config: GPTMoEConfig, layer_spec: LayerSpec | None, fail) -> None:
     listed = _model_tensors(manifest)
     _check_size(config, manifest["tensors"], set(listed), fail)
     try:
-        shapes = logical_tensor_shapes(config, layer_spec)
+        shapes = _shapes_of(config, layer_spec)
     except ValueError as e:
         raise fail(f"model_config describes no model this megamoe builds: {e}") from None
     missing, unexpected = set(shapes) - set(listed), set(listed) - set(shapes)
