@@ -535,8 +535,10 @@ def _drop_expert(placement):
 
 
 def _empty_tensors(manifest):
+    """30k empty tensors: refused as 300k are (by hand, `inspect` of 300k exits 1 after 29 s, imports
+    included, on 2 cores under a load average of 7: too long for the suite)."""
     manifest["tensors"].update({f"empty.{i}": {"dtype": "float32", "global_shape": [0], "chunks": []}
-                                for i in range(300_000)})
+                                for i in range(30_000)})
 
 
 def _drop_optimizer_tensor(manifest):
@@ -636,8 +638,8 @@ FIELD_EDITS = {
                    r"model_config has 3 layers, but the manifest lists only 0 model tensors"),
     "the tensors of another model": ("imported", lambda m: m["tensors"].pop("norm.weight"),
                                      r"tensors does not hold the tensors of its model_config: 1 missing \('norm\.weight'\)"),
-    # Parsing 300k entries takes seconds: one entry point (the others read the manifest the same way).
-    "300k empty tensors": ("imported", _empty_tensors, r"300000 unexpected \('empty\.0', ", ("inspect",)),
+    # Parsing that many entries takes a while: one entry point (the others read the manifest the same way).
+    "30k empty tensors": ("imported", _empty_tensors, r"30000 unexpected \('empty\.0', ", ("inspect",)),
     "a chunk outside its tensor": ("imported", lambda m: m["tensors"]["norm.weight"]["chunks"][0].update(
         offsets=[4], shape=[32]), r"lies outside its global shape \[32\]"),
     "step a float": ("trained", _set_path("extra", "step", 1.0), r"extra\.step must be an integer in \[0, 2\*\*63\), got 1\.0"),
