@@ -16,9 +16,10 @@ from safetensors import safe_open
 from torch.distributed import ProcessGroup
 
 from checkpoint_tools import integrity
-from checkpoint_tools.checkpoint_manifest import _DTYPES, _read_manifest_at, resolve_checkpoint
+from checkpoint_tools.checkpoint_manifest import _DTYPES, _read_manifest_at, resolve_checkpoint, stored_entries
 from checkpoint_tools.chunk_regions import Region, _intersection, _slices
 from checkpoint_tools.errors import CheckpointError
+from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES
 from megamoe.checkpoint_state import LogicalChunk
 
 
@@ -28,6 +29,7 @@ class _Read:
 
     file: str
     key: str
+    stored_dtype: str          # the manifest's dtype name
     stored_shape: tuple[int, ...]
     source: tuple[slice, ...]
     destinations: list[tuple[torch.Tensor, tuple[slice, ...]]]
@@ -43,12 +45,23 @@ def _plan_reads(name: str, entry: dict, region: Region, destinations: list[torch
             continue
         covered += math.prod(overlap[1])
         target = _slices(overlap, region[0])
-        reads.append(_Read(chunk["file"], chunk["key"], stored[1], _slices(overlap, stored[0]),
+        reads.append(_Read(chunk["file"], chunk["key"], entry["dtype"], stored[1], _slices(overlap, stored[0]),
                            [(d, target) for d in destinations]))
     if covered != math.prod(region[1]):
         raise CheckpointError(f"logical tensor {name!r}: the stored chunks cover {covered} of the "
                               f"{math.prod(region[1])} elements requested at offsets {region[0]} shape {region[1]}")
     return reads
+
+
+def _stored_mismatch(stored, dtype: str, shape: tuple[int, ...]) -> str | None:
+    """How the stored tensor ``stored`` (a safetensors slice) differs from the manifest's ``dtype`` and
+    ``shape`` (None: it does not): the manifest's dtype must be the stored one, not one of another size."""
+    stored_dtype, stored_shape = stored.get_dtype(), tuple(stored.get_shape())
+    if stored_dtype != SAFETENSORS_DTYPES[_DTYPES[dtype]]:
+        return f"is stored as {stored_dtype}, the manifest says {dtype}"
+    if stored_shape != shape:
+        return f"has shape {stored_shape}, the manifest says {shape}"
+    return None
 
 
 class _Reader:
@@ -77,9 +90,9 @@ class _Reader:
             handle = self._open(read.file)
             try:
                 stored = handle.get_slice(read.key)
-                if tuple(stored.get_shape()) != read.stored_shape:
-                    raise CheckpointError(f"{read.file}: {read.key} has shape {tuple(stored.get_shape())}, the "
-                                          f"manifest says {read.stored_shape}")
+                problem = _stored_mismatch(stored, read.stored_dtype, read.stored_shape)
+                if problem:
+                    raise CheckpointError(f"{read.file}: {read.key} {problem}")
                 piece = stored[read.source]
             except CheckpointError:
                 raise
@@ -123,7 +136,8 @@ def _plan_rank_state_reads(root: str, manifest: dict, rank: int) -> tuple[dict[s
     for key, e in entries.items():
         shape = tuple(e["shape"])
         state[key] = torch.empty(shape, dtype=_DTYPES[e["dtype"]])
-        reads.append(_Read(e["file"], e["key"], shape, tuple(slice(0, s) for s in shape), [(state[key], ())]))
+        reads.append(_Read(e["file"], e["key"], e["dtype"], shape, tuple(slice(0, s) for s in shape),
+                           [(state[key], ())]))
     return state, reads
 
 
@@ -202,12 +216,10 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
     Raises :class:`CheckpointError` listing every problem."""
     root = resolve_checkpoint(path)
     manifest = _read_manifest_at(root)
-    expected: dict[str, dict[str, tuple[int, ...]]] = {name: {} for name in manifest["files"]}
+    expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {name: {} for name in manifest["files"]}
     problems = []
-    entries = [c for t in manifest["tensors"].values() for c in t["chunks"]]
-    entries += [e for per_rank in manifest["rank_state"].values() for e in per_rank.values()]
-    for e in entries:
-        expected[e["file"]][e["key"]] = tuple(e["shape"])
+    for e, dtype in stored_entries(manifest):
+        expected[e["file"]][e["key"]] = (dtype, tuple(e["shape"]))
     for file_name, info in manifest["files"].items():
         file_path = os.path.join(root, file_name)
         if not os.path.isfile(file_path):
@@ -216,10 +228,10 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         try:
             integrity.hash_and_check(file_path, info)
             with safe_open(file_path, framework="pt") as f:
-                for key, shape in expected[file_name].items():
-                    stored = tuple(f.get_slice(key).get_shape())
-                    if stored != shape:
-                        problems.append(f"{file_path}: {key} has shape {stored}, the manifest says {shape}")
+                for key, (dtype, shape) in expected[file_name].items():
+                    problem = _stored_mismatch(f.get_slice(key), dtype, shape)
+                    if problem:
+                        problems.append(f"{file_path}: {key} {problem}")
         except CheckpointError as e:
             problems.append(str(e))
         except Exception as e:  # noqa: BLE001 - a corrupt header or missing key, whatever safetensors raises

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 
 import torch
@@ -16,17 +17,20 @@ import torch
 from checkpoint_tools.chunk_regions import _check_tiling
 from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.hf_checkpoint import is_weight_file
+from checkpoint_tools.manifest_digest import check_digest
 from checkpoint_tools.manifest_fields import HF_FILES_DIR
 from checkpoint_tools.safe_names import resolve_inside
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "megamoe-checkpoint"
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, FORMAT_VERSION)      # version 1 differs only in recording SHA-256 checksums
+FORMAT_VERSION = 3
+# Version 1 recorded SHA-256 checksums; versions 1 and 2 carry no manifest digest (checkpoint_tools.manifest_digest).
+_READABLE_VERSIONS = (1, 2, FORMAT_VERSION)
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FIELDS = ("model_config", "parallel_layout", "expert_placement", "extra")
 _OLD_SUFFIX = ".old"
+_MAX_FIELD_DEPTH = 32        # a model config nests 4 levels, an HF config.json kept in extra a few more
 
 # dtypes safetensors stores, by the name the manifest uses.
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -96,12 +100,25 @@ def _check_manifest_types(manifest_path: str, manifest: dict) -> None:
         if not (isinstance(entry, dict) and _sizes(entry.get("global_shape"))
                 and isinstance(entry.get("chunks"), list)):
             raise malformed(f"logical tensor {name!r} needs a 'global_shape' of sizes >= 0 and a list of 'chunks'")
-        rank = len(entry["global_shape"])
+        if entry.get("dtype") not in _DTYPES:
+            raise malformed(f"logical tensor {name!r} has unknown dtype {entry.get('dtype')!r}; known: "
+                            f"{', '.join(sorted(_DTYPES))}")
+        global_shape = entry["global_shape"]
         for chunk in entry["chunks"]:
             if not (isinstance(chunk, dict) and isinstance(chunk.get("key"), str) and _sizes(chunk.get("offsets"))
-                    and _sizes(chunk.get("shape")) and len(chunk["offsets"]) == len(chunk["shape"]) == rank):
-                raise malformed(f"a chunk of {name!r} needs a 'key', and 'offsets' and 'shape' of {rank} sizes >= 0")
+                    and _sizes(chunk.get("shape"))
+                    and len(chunk["offsets"]) == len(chunk["shape"]) == len(global_shape)):
+                raise malformed(f"a chunk of {name!r} needs a 'key', and 'offsets' and 'shape' of {len(global_shape)} "
+                                "sizes >= 0")
+            if any(o + s > g for o, s, g in zip(chunk["offsets"], chunk["shape"], global_shape)):
+                raise malformed(f"a chunk of {name!r} at offsets {chunk['offsets']} of shape {chunk['shape']} lies "
+                                f"outside its global shape {global_shape}")
+    world_size = manifest.get("world_size")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise malformed(f"'world_size' must be a positive integer, got {world_size!r}")
     for rank, entries in manifest["rank_state"].items():
+        if not (rank.isdigit() and int(rank) < world_size):
+            raise malformed(f"rank_state names rank {rank!r}, not one of the {world_size} ranks that saved")
         if not isinstance(entries, dict):
             raise malformed(f"rank_state[{rank!r}] must be a JSON object")
         for key, entry in entries.items():
@@ -113,30 +130,92 @@ def _check_manifest_types(manifest_path: str, manifest: dict) -> None:
         raise malformed("'extra' must be a JSON object and its 'hf_files' one too")
 
 
-def _read_manifest_at(root: str) -> dict:
-    manifest_path = os.path.join(root, MANIFEST_FILE)
+def stored_entries(manifest: dict) -> list[tuple[dict, str]]:
+    """Every stored tensor the manifest lists (the chunks of its logical tensors, then the rank state):
+    (its entry, with ``file``, ``key`` and ``shape``; its dtype name)."""
+    entries = [(c, t["dtype"]) for t in manifest["tensors"].values() for c in t["chunks"]]
+    return entries + [(e, e["dtype"]) for per_rank in manifest["rank_state"].values() for e in per_rank.values()]
+
+
+def _stored_bytes(manifest: dict) -> dict[str, int]:
+    """Bytes of tensor data the manifest says each file holds (its dtypes times its shapes)."""
+    stored: dict[str, int] = {}
+    for entry, dtype in stored_entries(manifest):
+        stored[entry["file"]] = stored.get(entry["file"], 0) + math.prod(entry["shape"]) * _DTYPES[dtype].itemsize
+    return stored
+
+
+def _check_unique_keys(manifest_path: str, manifest: dict) -> None:
+    """Every stored entry names its own (file, key): two chunks reading one stored tensor is an edit."""
+    seen: dict[tuple[str, str], str] = {}
+    entries = [(f"logical tensor {name!r}", c) for name, t in manifest["tensors"].items() for c in t["chunks"]]
+    entries += [(f"rank {rank}'s state {key!r}", e) for rank, per_rank in manifest["rank_state"].items()
+                for key, e in per_rank.items()]
+    for what, entry in entries:
+        first = seen.get((entry["file"], entry["key"]))
+        seen[entry["file"], entry["key"]] = what
+        if first is not None:
+            raise CheckpointError(f"{manifest_path} is malformed: {what} and {first} both read {entry['key']!r} "
+                                  f"from {entry['file']}")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object hook: a key given twice (json keeps the last one silently) is an error."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"the key {duplicate!r} appears twice in one object")
+    return result
+
+
+def _parse_manifest(manifest_path: str):
     try:
         with open(manifest_path) as f:
-            manifest = json.load(f)
+            return json.load(f, object_pairs_hook=_no_duplicate_keys)
+    except RecursionError:
+        raise CheckpointError(f"cannot read {manifest_path}: its JSON is nested too deeply") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {manifest_path}: {e}") from e
+
+
+def _check_depth(manifest_path: str, manifest: dict) -> None:
+    """The caller's fields (MANIFEST_FIELDS, copied and walked recursively by their readers) nest at most
+    :data:`_MAX_FIELD_DEPTH` levels; measured without recursion."""
+    pending = [(manifest.get(f), 1) for f in MANIFEST_FIELDS]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, (dict, list)):
+            if depth > _MAX_FIELD_DEPTH:
+                raise CheckpointError(f"cannot read {manifest_path}: its JSON is nested too deeply (more than "
+                                      f"{_MAX_FIELD_DEPTH} levels in its fields)")
+            pending += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+
+
+def _read_manifest_at(root: str) -> dict:
+    manifest_path = os.path.join(root, MANIFEST_FILE)
+    manifest = _parse_manifest(manifest_path)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{manifest_path} is not a {FORMAT_NAME} manifest")
+    _check_depth(manifest_path, manifest)
     if manifest.get("format_version") not in _READABLE_VERSIONS:
         raise CheckpointError(f"{manifest_path}: unsupported checkpoint format version "
                               f"{manifest.get('format_version')!r}; this megamoe reads versions "
                               f"{', '.join(map(str, _READABLE_VERSIONS))}")
+    check_digest(manifest_path, manifest)
     _check_manifest_types(manifest_path, manifest)
     # A manifest is untrusted input: a missing or mistyped field is an error naming the file, never a traceback.
     try:
         for name, entry in manifest["tensors"].items():
-            if entry["dtype"] not in _DTYPES:
-                raise CheckpointError(f"{manifest_path}: logical tensor {name!r} has unknown dtype "
-                                      f"{entry['dtype']!r}")
             _check_tiling(name, tuple(entry["global_shape"]),
                           [(tuple(c["offsets"]), tuple(c["shape"])) for c in entry["chunks"]],
                           f"{manifest_path}: the stored chunks")
         _check_manifest_names(root, manifest_path, manifest)
+        _check_unique_keys(manifest_path, manifest)
+        for file_name, stored in _stored_bytes(manifest).items():
+            if stored > manifest["files"][file_name]["bytes"]:
+                raise CheckpointError(f"{manifest_path}: its dtypes and shapes put {stored} bytes of tensor data in "
+                                      f"{file_name}, which has {manifest['files'][file_name]['bytes']} bytes")
     except (KeyError, TypeError, AttributeError, IndexError) as e:
         raise CheckpointError(f"{manifest_path} is malformed: {type(e).__name__}: {e}") from None
     return manifest

@@ -23,6 +23,7 @@ from checkpoint_tools.checkpoint_manifest import (_DTYPES, _OLD_SUFFIX, FORMAT_N
                                                   MANIFEST_FILE)
 from checkpoint_tools.chunk_regions import _check_tiling
 from checkpoint_tools.errors import CheckpointError
+from checkpoint_tools.manifest_digest import write_manifest
 from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk
 
@@ -225,10 +226,7 @@ def _merge_fields(fields_by_rank: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def _write_manifest(tmp_dir: str, manifest: dict) -> None:
-    with open(os.path.join(tmp_dir, MANIFEST_FILE), "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_manifest(os.path.join(tmp_dir, MANIFEST_FILE), manifest)
     fsync_dir(tmp_dir)
 
 

@@ -19,7 +19,6 @@ left at the end. :meth:`CheckpointStreamWriter.finish` waits for them all.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from concurrent.futures import Future
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from checkpoint_tools.checkpoint_manifest import _DTYPES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS, MANIFEST_FILE
+from checkpoint_tools.manifest_digest import write_manifest
 from checkpoint_tools.safetensors_stream import FileExtent, PlannedTensor, SafetensorsStreamWriter, group_into_files
 
 __all__ = ["CONVERSION_MAX_FILE_BYTES", "StreamedTensor", "CheckpointStreamWriter", "dtype_name"]
@@ -184,10 +184,7 @@ class CheckpointStreamWriter:
             manifest["rank_state"].setdefault(str(rank), {})[key] = {
                 "file": self._file_of_key[stored], "key": stored, "dtype": dtype_name(dtype), "shape": list(shape)}
         path = os.path.join(self.directory, MANIFEST_FILE)
-        with open(path, "w") as f:
-            f.write(json.dumps(manifest, indent=1, sort_keys=True))     # json.dump writes piece by piece: slower
-            f.flush()
-            os.fsync(f.fileno())
+        write_manifest(path, manifest)
         logger.info("wrote %d logical tensors in %d files (%.1f MiB)", len(self._tensors), len(self._files),
                     self.total_bytes / 2**20)
         return manifest

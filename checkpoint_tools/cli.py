@@ -1,11 +1,12 @@
 """``megamoe-convert`` (also ``python -m checkpoint_tools``): HuggingFace <-> megamoe checkpoints.
 
-Subcommands: ``import-hf``, ``export-hf``, ``reshard``, ``inspect``, ``verify``; ``--help`` on each.
+Subcommands: ``import-hf``, ``export-hf``, ``reshard``, ``inspect``, ``verify``, ``edit-config``; ``--help`` on
+each.
 Bad input ends with a one-line ``error:`` message and exit code 1 (2 for a malformed command line);
 ``verify`` exits 1 when the logits differ by more than ``--atol``, ``inspect`` when a file is damaged or a
-tensor holds NaN/Inf. Every command that reads a megamoe checkpoint checks each file against its manifest
-(checksums included) before using it; ``--no-verify-checksums`` skips the hashing (sizes are still
-checked). Every ``--help`` shows the defaults.
+tensor holds NaN/Inf, and with an error line when the manifest is refused. Every command that reads a
+megamoe checkpoint checks each file against its manifest (checksums included) before using it;
+``--no-verify-checksums`` skips the hashing (sizes are still checked). Every ``--help`` shows the defaults.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ def _size(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
     return size
+
+
+def _assignment(text: str):
+    from checkpoint_tools.edit_config import parse_assignment
+    try:
+        return parse_assignment(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | None) -> None:
@@ -139,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_positive_int, help="ranks to spawn (default: the checkpoint's world size)")
     p.add_argument("--atol", type=float, default=1e-4, help="largest accepted absolute logit difference")
     add_no_verify_checksums_argument(p)
+
+    p = add("edit-config", help="change fields of a checkpoint's model config (hand edits are refused)",
+            description="Set fields of a megamoe checkpoint's model_config and rewrite its manifest atomically "
+                        "with a new digest (a manifest edited by hand is refused on load). The new config is "
+                        "checked as every load path checks it: valid, and matching the stored tensors.")
+    p.add_argument("checkpoint", metavar="CKPT_DIR")
+    p.add_argument("--set", dest="assignments", metavar="KEY=VALUE", action="append", required=True,
+                   type=_assignment,
+                   help="a dotted model_config field and its new value as JSON (else a string), e.g. "
+                        "moe.router.top_k=3 or attention.rope.theta=1e6; repeat for several")
     return parser
 
 
@@ -169,9 +188,10 @@ def _run(args) -> int:
         return 0
     if args.command == "reshard":
         from checkpoint_tools.format import read_manifest
+        from checkpoint_tools.model_manifest import check_model_manifest
         from checkpoint_tools.reshard import reshard
-        dispatcher = args.dispatcher or (read_manifest(args.checkpoint)["model_config"].get("moe") or {}).get(
-            "dispatcher", "alltoall")
+        saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
+        dispatcher = args.dispatcher or (saved.moe.dispatcher if saved.moe is not None else "alltoall")
         summary = reshard(args.checkpoint, args.out_dir, _layout(args, dispatcher),
                           num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
                           dispatcher=args.dispatcher, overwrite=args.overwrite,
@@ -190,6 +210,12 @@ def _run(args) -> int:
         info = inspect_checkpoint(args.checkpoint)
         print(json.dumps(info, indent=1) if args.json else format_inspection(info))
         return 0 if info["verification"]["ok"] and not info["non_finite"]["count"] else 1
+    if args.command == "edit-config":
+        from checkpoint_tools.edit_config import edit_config
+        changes = edit_config(args.checkpoint, args.assignments)
+        print(f"edited {args.checkpoint}: " + ", ".join(f"{key} {json.dumps(old)} -> {json.dumps(new)}"
+                                                       for key, old, new in changes))
+        return 0
     from checkpoint_tools.verify import verify_against_hf
     result = verify_against_hf(args.checkpoint, args.hf, nproc=args.nproc, atol=args.atol,
                                verify_checksums=args.verify_checksums)

@@ -41,7 +41,8 @@ from checkpoint_tools.hf_checkpoint import CONFIG_FILE, INDEX_FILE, HFCheckpoint
 from checkpoint_tools.hf_quantization import hf_quantization, without_quantization
 from checkpoint_tools.import_hf import model_config_from_hf
 from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
+from checkpoint_tools.manifest_fields import HF_FILES_DIR
+from checkpoint_tools.model_manifest import check_model_manifest
 from checkpoint_tools.output_dir import OutputDirectory
 from checkpoint_tools.safetensors_stream import FileExtent, PlannedTensor, SafetensorsStreamWriter, group_into_files
 from checkpoint_tools.scratch import ScratchBuffer
@@ -174,7 +175,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
                              inputs=[checkpoint] + ([hf_config_dir] if hf_config_dir else []),
                              replaceable=lambda p: os.path.isfile(os.path.join(p, CONFIG_FILE)))
     manifest = read_manifest(checkpoint)
-    config = model_config_from_manifest(manifest)
+    config = check_model_manifest(manifest, checkpoint)
     hf_config = _hf_config(manifest, config, checkpoint, hf_config_dir)
     adapter, hf_config = _weight_form(adapter_for(config.family), config, hf_config, target, checkpoint)
 

@@ -13,13 +13,15 @@ Layout
 
 ``manifest.json``::
 
-    format, format_version            "megamoe-checkpoint", 2 (version 1, which recorded SHA-256s, reads too)
+    format, format_version            "megamoe-checkpoint", 3 (versions 1, which recorded SHA-256s, and 2,
+                                      without manifest_digest, read too)
     model_config, parallel_layout,    the caller's JSON dicts (merged over ranks: a key given by several
     expert_placement, extra           ranks must have the same value everywhere)
     world_size                        ranks that saved
     tensors      {logical name: {dtype, global_shape, chunks: [{file, key, offsets, shape}]}}
     rank_state   {"<rank>": {key: {file, key, dtype, shape}}}   per-rank state (RNG states as uint8 ...)
     files        {file name: {bytes, xxh3_128}}   (see checkpoint_tools.checksums)
+    manifest_digest  {xxh3_128}   of everything else (see checkpoint_tools.manifest_digest)
 
 The stored chunks of one logical tensor never overlap and cover it exactly (checked on save and on read),
 so any region can be assembled from them whatever layout it was saved under.
@@ -52,10 +54,14 @@ Each requested chunk is assembled from the stored chunks it intersects, reading 
 ``safe_open(...).get_slice(key)[...]``; replicas requested twice are read once. Stored dtypes are converted
 explicitly to the destination's dtype (a bf16 checkpoint loads into fp32 parameters).
 
-Integrity (:mod:`checkpoint_tools.integrity`). A manifest is untrusted input: every file name it gives
-must be a plain relative name resolving inside the checkpoint (:mod:`checkpoint_tools.safe_names`), or
-reading the manifest fails before any file is opened. Every load path checks each file it reads against
-the manifest before using its bytes: its size always, its checksum unless the caller opts out
+Integrity (:mod:`checkpoint_tools.integrity`). A manifest is untrusted input: it must match its own
+digest (an edit that does not update it is refused by name; ``megamoe-convert edit-config`` changes a
+config on purpose), hold no key twice, and every file name it gives must be a plain relative name
+resolving inside the checkpoint (:mod:`checkpoint_tools.safe_names`); its chunks lie inside their tensor
+and tile it, each names its own stored key, and the dtypes and shapes fit in the recorded file sizes, or
+reading the manifest fails before any file is opened. Reading a chunk checks its stored dtype and shape.
+The model fields are checked by :mod:`checkpoint_tools.model_manifest`. Every load path checks each
+file it reads against the manifest before using its bytes: its size always, its checksum unless the caller opts out
 (``verify_checksums=False``; the CLI's ``--no-verify-checksums``). A file is hashed once per process
 (remembered by path, size, mtime, inode and recorded digest; a changed file is hashed again). A
 damaged file is a :class:`CheckpointError` naming the file and the expected and actual checksums.

@@ -14,12 +14,14 @@ from collections import defaultdict
 
 
 from checkpoint_tools.checkpoint_load import verify_checkpoint
-from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest
+from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest, stored_entries
 from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.fp8_inspection import format_fp8, fp8_summary
+from checkpoint_tools.integrity import check_stored_file
 from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest, placements_from_manifest
-from checkpoint_tools.reshard import OPTIMIZER_PREFIX
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manifest
+from checkpoint_tools.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
+from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, read_data_extents
 from checkpoint_tools.side_files import verify_side_files
 from megamoe.precision import has_non_finite
 
@@ -37,6 +39,24 @@ def non_finite_tensors(path: str | os.PathLike, manifest: dict | None = None) ->
             if _DTYPES[entry["dtype"]].is_floating_point and has_non_finite(reader.read(name)):
                 found.append(name)
     return found
+
+
+def _check_stored_dtypes(root: str, manifest: dict) -> None:
+    """CheckpointError when a dtype the manifest gives is not the one its file stores (read from the
+    safetensors headers, no data): a manifest that lies is refused like the other manifest checks, where
+    a damaged file is reported. Files that cannot be read are left to the verification to report."""
+    stored_dtypes: dict[str, list[tuple[str, str]]] = {}
+    for entry, dtype in stored_entries(manifest):
+        stored_dtypes.setdefault(entry["file"], []).append((entry["key"], dtype))
+    for file_name, keys in sorted(stored_dtypes.items()):
+        try:
+            header = read_data_extents(check_stored_file(root, manifest, file_name))
+        except (CheckpointError, OSError, ValueError):
+            continue
+        for key, dtype in keys:
+            if key in header and header[key][0] != SAFETENSORS_DTYPES[_DTYPES[dtype]]:
+                raise CheckpointError(f"{os.path.join(root, file_name)}: {key} is stored as {header[key][0]}, the "
+                                      f"manifest says {dtype}")
 
 
 def _placement_summary(placement) -> dict:
@@ -58,7 +78,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict:
     root = os.fspath(path)
     if not os.path.isfile(os.path.join(root, "manifest.json")) and os.path.isdir(root + ".old"):
         root += ".old"
-    config = model_config_from_manifest(manifest)
+    config = check_model_manifest(manifest, root)
+    _check_stored_dtypes(root, manifest)
     params = {"total": 0, "routed_experts": 0, "by_dtype": defaultdict(lambda: {"parameters": 0, "bytes": 0})}
     optimizer = {"tensors": 0, "bytes": 0, "state_keys": set()}
     for name, entry in manifest["tensors"].items():

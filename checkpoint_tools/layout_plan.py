@@ -37,7 +37,7 @@ from checkpoint_tools.chunk_regions import Region, _check_tiling
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.layout import ParallelLayout
 from megamoe.checkpoint_state import sharded_state_dict
-from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
 from parallel_state import GROUP_KINDS, GroupInfo, ParallelState, compute_rank_groups
@@ -216,3 +216,13 @@ def plan_grid(config: GPTMoEConfig, grid, placements: dict[int, ExpertPlacement]
     logger.info("%s: %d virtual ranks in %d roles (models built), %d logical tensors, %d chunks", what,
                 grid.world_size, len(roles), len(tensors), sum(len(c.regions) for c in tensors.values()))
     return tensors
+
+
+def logical_tensor_shapes(config: GPTMoEConfig, layer_spec: LayerSpec | None = None) -> dict[str, tuple[int, ...]]:
+    """The global shape of every logical tensor a model of ``config`` (built with ``layer_spec``) saves, by
+    name (any layout saves the same ones). Built as one process holding the whole model, on the meta
+    device: unlike :func:`plan_layout` it creates no process group, so it also runs where
+    torch.distributed is in use. ValueError naming the model's objection when ``config`` cannot be built."""
+    with _SkipRandomInit():
+        model = GPTMoEModel(config, ParallelState.single_process(), device="meta", layer_spec=layer_spec)
+    return {c.name: c.global_shape for c in sharded_state_dict(model)}

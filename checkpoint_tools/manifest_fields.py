@@ -48,6 +48,9 @@ def model_config_from_manifest(manifest: dict) -> GPTMoEConfig:
         return GPTMoEConfig.from_dict(data)
     except ValueError as e:
         raise ConversionError(f"the checkpoint's model_config is not usable: {e}") from None
+    except (TypeError, AttributeError, KeyError) as e:      # e.g. a list where a section's object belongs
+        raise ConversionError(f"the checkpoint's model_config is malformed (a section that is not a JSON object?): "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def placements_from_manifest(manifest: dict) -> dict[int, ExpertPlacement]:

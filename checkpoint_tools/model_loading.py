@@ -16,7 +16,8 @@ import os
 from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.finite_values import NonFiniteCheck
 from checkpoint_tools.format import load_checkpoint, read_manifest
-from checkpoint_tools.manifest_fields import model_config_from_manifest, placements_from_manifest
+from checkpoint_tools.manifest_fields import placements_from_manifest
+from checkpoint_tools.model_manifest import check_model_manifest
 from checkpoint_tools.placements import build_placements
 from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
@@ -66,7 +67,7 @@ def build_model_from_checkpoint(path: str | os.PathLike, state, *, dispatcher: s
     the model.
     """
     manifest = read_manifest(path)
-    config = config_for_engine(model_config_from_manifest(manifest), dispatcher=dispatcher,
+    config = config_for_engine(check_model_manifest(manifest, path, layer_spec=layer_spec), dispatcher=dispatcher,
                                num_expert_slots=num_expert_slots, expert_backend=expert_backend,
                                input_sharded=input_sharded, sequence_parallel=sequence_parallel)
     placements = build_placements(config, state.ep.size, saved=placements_from_manifest(manifest))

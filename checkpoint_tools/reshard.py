@@ -24,8 +24,8 @@ from checkpoint_tools.hf_sizes import check_layout_sizes
 from checkpoint_tools.layout import ParallelLayout
 from checkpoint_tools.layout_plan import LayoutPlan, plan_layout
 from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.manifest_fields import (HF_FILES_DIR, manifest_fields, model_config_from_manifest,
-                                              placements_from_manifest)
+from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields, placements_from_manifest
+from checkpoint_tools.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
 from checkpoint_tools.model_loading import config_for_engine
 from checkpoint_tools.output_dir import OutputDirectory
 from checkpoint_tools.placements import build_placements
@@ -34,8 +34,6 @@ from checkpoint_tools.side_files import copy_side_files
 __all__ = ["reshard", "OPTIMIZER_PREFIX"]
 
 logger = logging.getLogger(__name__)
-
-OPTIMIZER_PREFIX = "optim."
 
 
 def _regions(name: str, entry: dict, plan: LayoutPlan, checkpoint: str):
@@ -74,7 +72,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, layout: P
                              replaceable=lambda p: os.path.isfile(os.path.join(p, MANIFEST_FILE)))
     manifest = read_manifest(checkpoint)
     try:
-        config = config_for_engine(model_config_from_manifest(manifest), dispatcher=dispatcher,
+        config = config_for_engine(check_model_manifest(manifest, checkpoint), dispatcher=dispatcher,
                                    num_expert_slots=num_expert_slots)
     except ValueError as e:
         raise ConversionError(f"cannot apply the new engine choices: {e}") from None

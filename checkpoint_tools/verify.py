@@ -19,7 +19,7 @@ import torch
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.format import read_manifest
 from checkpoint_tools.layout import ParallelLayout
-from checkpoint_tools.manifest_fields import model_config_from_manifest
+from checkpoint_tools.model_manifest import check_model_manifest
 
 __all__ = ["VerifyResult", "verify_against_hf", "rank_logits", "compare_logits"]
 
@@ -95,7 +95,7 @@ def verify_against_hf(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, 
 
     checkpoint, hf_dir = os.fspath(checkpoint), os.fspath(hf_dir)
     manifest = read_manifest(checkpoint)
-    config = model_config_from_manifest(manifest)
+    config = check_model_manifest(manifest, checkpoint)
     saved = manifest["parallel_layout"]
     layout = ParallelLayout.from_manifest(saved)
     nproc = nproc or saved.get("world_size") or layout.world_size

@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools.format import read_manifest
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, model_config_from_manifest
+from checkpoint_tools.manifest_fields import HF_FILES_DIR
 from checkpoint_tools.model_loading import build_model_from_checkpoint, config_for_engine
+from checkpoint_tools.model_manifest import check_model_manifest
 from megamoe import comms
 from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
 from megamoe.data.tokenizer import Tokenizer
@@ -452,7 +453,7 @@ def main(argv=None) -> int:
                          "compiled with; drop one of them")
     device = resolve_device(args.device)            # UsageError for --device cuda without a GPU
     prompt_ids = parse_prompt_ids(args.prompt_ids)
-    saved = model_config_from_manifest(read_manifest(args.checkpoint))
+    saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
     world = launch_world_size()
     dispatcher = check_layout(args, saved, world)
     if args.record_expert_load is not None and saved.moe is None:

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 import checkpoint_tools.checkpoint_load as checkpoint_load
+import checkpoint_tools.chunk_regions as chunk_regions
 import checkpoint_tools.format as fmt
 from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
                                      read_manifest, save_checkpoint, verify_checkpoint)
+from checkpoint_tools.manifest_digest import DIGEST_FIELD, seal
 from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materialize_optimizer_state,
                                       optimizer_chunks, sharded_state_dict)
 from megamoe.sharding import get_shard_spec
@@ -241,6 +243,9 @@ class _CountingHandle:
             def get_shape(self):
                 return handle_slice.get_shape()
 
+            def get_dtype(self):
+                return handle_slice.get_dtype()
+
             def __getitem__(self, index):
                 piece = handle_slice[index]
                 log.append((key, piece.numel() * piece.element_size()))
@@ -405,7 +410,7 @@ def test_corrupt_or_mismatched_checkpoints_give_clear_errors(pristine, tmp_path)
     def edit_manifest(name, edit):
         path, manifest, _ = _copy(pristine, tmp_path, name)
         edit(manifest)
-        (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+        (path / fmt.MANIFEST_FILE).write_text(json.dumps(seal(manifest)))     # edited on purpose: digest updated
         return path
 
     path = edit_manifest("future", lambda m: m.update(format_version=99))
@@ -431,6 +436,7 @@ def test_format_version_1_checkpoints_with_sha256_still_load_and_verify(pristine
     """Version 1 recorded SHA-256 per file; such checkpoints keep loading, and a damaged file is still found."""
     path, manifest, file_a = _copy(pristine, tmp_path, "v1")
     manifest["format_version"] = 1
+    del manifest[DIGEST_FIELD]          # version 1 manifests carry no digest
     for name, info in manifest["files"].items():
         assert set(info) == {"bytes", "xxh3_128"}
         sha256 = hashlib.sha256((path / name).read_bytes()).hexdigest()
@@ -451,6 +457,55 @@ def test_format_version_1_checkpoints_with_sha256_still_load_and_verify(pristine
     (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"records no checksum this megamoe knows \(keys \['bytes', 'md5'\]"):
         verify_checkpoint(path)
+
+
+def test_format_version_2_checkpoints_without_a_digest_still_load(pristine, tmp_path):
+    """Manifests written before they carried a digest (versions 1 and 2) load, their fields checked as
+    ever; from version 3 on a manifest without its digest is refused."""
+    path, manifest, _ = _copy(pristine, tmp_path, "v2")
+    assert manifest["format_version"] == fmt.FORMAT_VERSION == 3
+    del manifest[DIGEST_FIELD]
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"was edited or damaged: its digest \(None\) does not match"):
+        read_manifest(path)
+    manifest["format_version"] = 2
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    loaded = _request_a()
+    load_checkpoint(path, loaded)
+    assert torch.equal(loaded[0].tensor, _logical("a", (4, 4)))
+    manifest["tensors"]["a"]["chunks"][0]["shape"] = [2, 4]          # still checked field by field
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="stored chunks of logical tensor 'a' cover 8 of its 16 elements"):
+        read_manifest(path)
+
+
+def test_20k_irregular_chunks_are_checked_without_comparing_every_pair(tmp_path, monkeypatch):
+    """The tiling check (on save and on every read of a manifest) compares each chunk with its neighbours
+    only: rows cut at different columns (no grid) used to be compared pairwise (20k chunks: 2e8
+    comparisons, minutes of `inspect`)."""
+    rows = 10_000
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, [LogicalChunk("w", torch.zeros(rows, 8), (rows, 8), (0, 0))], manifest_fields={})
+    manifest = read_manifest(path)
+    (stored,) = manifest["tensors"]["w"]["chunks"]
+    chunks = []
+    for row in range(rows):                     # as if saved in 20k pieces (the file is not read here)
+        cut = 1 + row % 7
+        chunks += [{**stored, "key": f"w@{row},0", "offsets": [row, 0], "shape": [1, cut]},
+                   {**stored, "key": f"w@{row},{cut}", "offsets": [row, cut], "shape": [1, 8 - cut]}]
+    manifest["tensors"]["w"]["chunks"] = chunks
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(seal(manifest)))
+    comparisons = []
+    real = chunk_regions._intersection
+    monkeypatch.setattr(chunk_regions, "_intersection", lambda a, b: comparisons.append(1) or real(a, b))
+    assert len(read_manifest(path)["tensors"]["w"]["chunks"]) == 2 * rows
+    assert 0 < len(comparisons) <= 3 * len(chunks)
+
+    chunks[-1]["offsets"] = [rows - 2, 4]       # now overlapping a chunk of the row before
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(seal(manifest)))
+    with pytest.raises(CheckpointError, match=r"overlap without being equal: offsets \(9998, 3\) shape \(1, 5\) and "
+                                              r"offsets \(9998, 4\) shape \(1, 4\)"):
+        read_manifest(path)
 
 
 def test_inconsistent_chunks_are_refused_at_save(tmp_path):

@@ -19,6 +19,7 @@ from checkpoint_tools.errors import CheckpointError, ConversionError
 from checkpoint_tools.format import (MANIFEST_FILE, iter_logical_tensors, load_checkpoint, load_rank_state,
                                      read_manifest)
 from checkpoint_tools.logical_reader import LogicalTensorReader
+from checkpoint_tools.manifest_digest import seal
 from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.testing import run_on_ranks
@@ -309,11 +310,13 @@ def test_ranks_loading_together_hash_each_file_once(sources, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Names in a manifest or an HF index stay inside their directory
 # ----------------------------------------------------------------------------------------------
-def _edit_manifest(checkpoint, edit):
+def _edit_manifest(checkpoint, edit, *, reseal=True):
+    """Apply ``edit`` to the manifest; ``reseal``: recompute its digest, as whoever edits on purpose can
+    (the field checks must refuse the edit all the same)."""
     path = checkpoint / MANIFEST_FILE
     manifest = json.loads(path.read_text())
     edit(manifest)
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(seal(manifest) if reseal else manifest))
 
 
 def _rename_data_file(manifest, new_name):
@@ -599,3 +602,234 @@ def test_every_help_shows_the_defaults():
                 assert f"default: {action.default}" in text, (command, action.dest, text)
     assert "--no-verify-checksums" in _help("export-hf") and "--no-verify-checksums" in _help("reshard")
     assert "--no-verify-checksums" in _help("verify")
+
+
+# ----------------------------------------------------------------------------------------------
+# The manifest: its digest, and every field checked by every load path
+# ----------------------------------------------------------------------------------------------
+def _first_expert_pair(manifest):
+    """Two routed-expert tensors of one shape (experts 0 and 1 of the first MoE layer's up projection)."""
+    names = sorted(n for n in manifest["tensors"] if re.fullmatch(r"layers\.\d+\.mlp\.experts\.[01]\.up_proj\.weight", n))
+    return names[0], names[1]
+
+
+def _swap_expert_chunks(manifest):
+    a, b = _first_expert_pair(manifest)
+    tensors = manifest["tensors"]
+    tensors[a]["chunks"], tensors[b]["chunks"] = tensors[b]["chunks"], tensors[a]["chunks"]
+
+
+def _set_path(*path):
+    """An edit setting ``manifest[path[0]][path[1]]... = path[-1]``."""
+    def edit(manifest):
+        node = manifest
+        for key in path[:-2]:
+            node = node[key]
+        node[path[-2]] = path[-1]
+    return edit
+
+
+def _first_layer_placement(manifest):
+    return manifest["expert_placement"][min(manifest["expert_placement"], key=int)]
+
+
+def _placement(change):
+    return lambda m: change(_first_layer_placement(m))
+
+
+def _drop_expert(placement):
+    placement["slot_to_expert"][0] = placement["slot_to_expert"][1]       # expert 0's slot given to expert 1
+
+
+def _empty_tensors(manifest):
+    """30k empty tensors: refused as 300k are (by hand, `inspect` of 300k exits 1 after 29 s, imports
+    included, on 2 cores under a load average of 7: too long for the suite)."""
+    manifest["tensors"].update({f"empty.{i}": {"dtype": "float32", "global_shape": [0], "chunks": []}
+                                for i in range(30_000)})
+
+
+def _drop_optimizer_tensor(manifest):
+    del manifest["tensors"]["optim.exp_avg_sq.norm.weight"]
+
+
+def _lying_dtype(manifest):
+    manifest["tensors"]["norm.weight"]["dtype"] = "bfloat16"        # stored as float32: half the bytes
+
+
+def _huge_vocab(manifest):
+    manifest["model_config"]["vocab_size"] = 10**12
+
+
+# Edits that only the digest can tell from the saved values (each field still holds a valid value).
+DIGEST_ONLY = {
+    "same-shape expert chunks swapped": ("imported", _swap_expert_chunks),
+    "top-k 2 -> 3": ("imported", _set_path("model_config", "moe", "router", "top_k", 3)),
+    "rope theta": ("imported", _set_path("model_config", "attention", "rope", "theta", 1e6)),
+    "norm eps": ("imported", _set_path("model_config", "norm_eps", 1e-3)),
+    "step with a flipped bit": ("trained", _set_path("extra", "step", 1 ^ (1 << 20))),
+    "sampler position changed": ("trained", _set_path("extra", "sampler_state", "consumed_samples", 16)),
+}
+
+
+@pytest.mark.parametrize("case", DIGEST_ONLY)
+def test_an_edit_that_keeps_the_digest_is_refused_by_name(case, sources, tmp_path, capsys):
+    name, edit = DIGEST_ONLY[case]
+    checkpoint = _copy(sources, name, tmp_path)
+    _edit_manifest(checkpoint, edit, reseal=False)
+    message = (r"manifest\.json was edited or damaged: its digest \(xxh3_128 [0-9a-f]{32}\) does not match its content "
+               r"\(xxh3_128 [0-9a-f]{32}\); use `megamoe-convert edit-config` to change a checkpoint's config")
+    for entry in _ENTRY_POINTS[name]:
+        _ENTRY_POINTS[name][entry](checkpoint, tmp_path, capsys, message)
+
+
+def _cli_refuses(*command):
+    def run(checkpoint, tmp_path, capsys, message):
+        out = tmp_path / "out"
+        argv = [command[0], checkpoint] + ([out] if command[0] != "inspect" else []) + list(command[1:])
+        assert_cli_fails(capsys, argv, message, None if command[0] == "inspect" else str(out))
+    return run
+
+
+def _raises(load):
+    def run(checkpoint, tmp_path, capsys, message):
+        with pytest.raises(CheckpointError, match=message):
+            load(checkpoint)
+    return run
+
+
+_COMMON_ENTRY_POINTS = {
+    "inspect": _cli_refuses("inspect"),
+    "reshard": _cli_refuses("reshard", "--tp", 1, "--pp", 1, "--ep", 1),
+    "generate's model load": _raises(lambda ckpt: build_model_from_checkpoint(ckpt, ParallelState.single_process())),
+}
+# A converted checkpoint exports to HF; a training checkpoint (of a "custom" model) resumes.
+_ENTRY_POINTS = {"imported": {**_COMMON_ENTRY_POINTS, "export-hf": _cli_refuses("export-hf")},
+                 "trained": {**_COMMON_ENTRY_POINTS, "resume": _raises(_resume)}}
+
+# Edits that keep the digest valid (recomputed, as whoever edits on purpose can): the field checks refuse them.
+FIELD_EDITS = {
+    "placement: an expert dropped": ("imported", _placement(_drop_expert), r"experts \[0\] have no slot"),
+    "placement: expert id 99": ("imported", _placement(lambda p: p["slot_to_expert"].__setitem__(2, 99)),
+                                r"slot_to_expert\[2\] = 99 is not an expert id"),
+    "placement: expert id -1": ("imported", _placement(lambda p: p["slot_to_expert"].__setitem__(2, -1)),
+                                r"slot_to_expert\[2\] = -1 is not an expert id"),
+    "placement: a short list": ("imported", _placement(lambda p: p["slot_to_expert"].pop()),
+                                r"num_slots \(7\) < num_experts \(8\)"),
+    "placement: a string": ("imported", _placement(lambda p: p.update(slot_to_expert="0,1,2,3,4,5,6,7")),
+                            r"'slot_to_expert' must be a list of ints, got str"),
+    "placement: a dense layer's": ("imported", lambda m: m["expert_placement"].update({"0": m["expert_placement"].pop("1")}),
+                                   r"expert_placement has layers '0', the model config's MoE layers are '1'"),
+    "model_config: unknown family": ("imported", _set_path("model_config", "family", "llama9"),
+                                     r"model_config\.family 'llama9' is not a family this megamoe knows"),
+    "model_config: a list": ("imported", lambda m: m.update(model_config=[m["model_config"]]),
+                             r"model_config must be a JSON object, got \[\{"),
+    "model_config.moe a list": ("imported", _set_path("model_config", "moe", [1, 2]),
+                                r"model_config is malformed \(a section that is not a JSON object\?\): TypeError"),
+    "model_config: top-k past the experts": ("imported", _set_path("model_config", "moe", "router", "top_k", 9),
+                                             r"top_k"),
+    "model_config: vocab 1e12": ("imported", _huge_vocab,
+                                 r"model_config describes a model of at least [\d,]+ parameters, but the checkpoint "
+                                 r"stores \d+,\d+: vocab_size 1000000000000"),
+    "model_config: unknown activation": ("imported", _set_path("model_config", "dense_mlp", "activation", "swish9"),
+                                         r"activation must be one of .* got 'swish9'"),
+    "parallel_layout: tp 0": ("imported", _set_path("parallel_layout", "tp", 0),
+                              r"parallel_layout\.tp must be a positive integer, got 0"),
+    "parallel_layout: negative world size": ("imported", _set_path("parallel_layout", "world_size", -1),
+                                             r"parallel_layout\.world_size must be a positive integer, got -1"),
+    "parallel_layout: a string": ("imported", lambda m: m.update(parallel_layout="tp=1"),
+                                  r"parallel_layout must be a JSON object, got 'tp=1'"),
+    "parallel_layout: not the saving world": ("trained", _set_path("parallel_layout", "dp", 2),
+                                              r"tp\*pp\*dp\*cp must be the world_size"),
+    "a lying dtype": ("trained", _lying_dtype, r"norm\.weight@0 is (stored as F32|torch\.float32 \(32,\)), the manifest says (torch\.)?bfloat16"),
+    "no tensors": ("imported", lambda m: m["tensors"].clear(),
+                   r"model_config has 3 layers, but the manifest lists only 0 model tensors"),
+    "the tensors of another model": ("imported", lambda m: m["tensors"].pop("norm.weight"),
+                                     r"tensors does not hold the tensors of its model_config: 1 missing \('norm\.weight'\)"),
+    # Parsing that many entries takes a while: one entry point (the others read the manifest the same way).
+    "30k empty tensors": ("imported", _empty_tensors, r"30000 unexpected \('empty\.0', ", ("inspect",)),
+    "a chunk outside its tensor": ("imported", lambda m: m["tensors"]["norm.weight"]["chunks"][0].update(
+        offsets=[4], shape=[32]), r"lies outside its global shape \[32\]"),
+    "step a float": ("trained", _set_path("extra", "step", 1.0), r"extra\.step must be an integer in \[0, 2\*\*63\), got 1\.0"),
+    "step 10**27": ("trained", _set_path("extra", "step", 10**27),
+                    r"extra\.step must be an integer in \[0, 2\*\*63\), got 1000000000000000000000000000"),
+    "sampler position negative": ("trained", _set_path("extra", "sampler_state", "consumed_samples", -8),
+                                  r"extra\.sampler_state\.consumed_samples must be an integer in \[0, 2\*\*63\)"),
+    "has_optimizer_state false with state": ("trained", _set_path("extra", "has_optimizer_state", False),
+                                             r"extra\.has_optimizer_state is false, but the manifest lists \d+ "
+                                             r"optimizer state tensors"),
+    "an optimizer tensor missing": ("trained", _drop_optimizer_tensor,
+                                    r"optimizer state 'exp_avg_sq' is missing for 1 parameters that have 'exp_avg': "
+                                    r"'optim\.exp_avg_sq\.norm\.weight'"),
+    "extra a list": ("trained", lambda m: m.update(extra=[m["extra"]]), r"'extra' must be a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", FIELD_EDITS)
+def test_every_manifest_field_is_checked_by_every_load_path(case, sources, tmp_path, capsys):
+    name, edit, message, *only = FIELD_EDITS[case]
+    checkpoint = _copy(sources, name, tmp_path)
+    _edit_manifest(checkpoint, edit)
+    for entry in only[0] if only else _ENTRY_POINTS[name]:
+        _ENTRY_POINTS[name][entry](checkpoint, tmp_path, capsys, message)
+
+
+@pytest.mark.parametrize("text_edit", ["duplicate tensor name", "deep nesting", "nesting too deep for its readers"])
+def test_malformed_manifest_json_is_one_clean_error(text_edit, sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "trained", tmp_path)
+    path = checkpoint / MANIFEST_FILE
+    text = path.read_text()
+    if text_edit == "duplicate tensor name":        # a second "norm.weight" entry, as JSON allows
+        entry = json.dumps(json.loads(text)["tensors"]["norm.weight"])
+        text = text.replace('"tensors": {', f'"tensors": {{\n  "norm.weight": {entry},', 1)
+        message = r"cannot read .*manifest\.json: the key 'norm\.weight' appears twice in one object"
+    elif text_edit == "deep nesting":           # past what json parses
+        text = text.replace('"extra": {', '"deep": ' + "[" * 100_000 + "]" * 100_000 + ', "extra": {', 1)
+        message = r"cannot read .*manifest\.json: its JSON is nested too deeply"
+    else:                                       # json parses it, copying the config recursively did not
+        manifest = json.loads(text)
+        manifest["model_config"]["deep"] = json.loads("[" * 900 + "]" * 900)
+        text = json.dumps(seal(manifest))
+        message = r"cannot read .*manifest\.json: its JSON is nested too deeply \(more than 32 levels in its fields\)"
+    path.write_text(text)
+    for entry in _ENTRY_POINTS["trained"]:
+        _ENTRY_POINTS["trained"][entry](checkpoint, tmp_path, capsys, message)
+
+
+def test_edit_config_changes_the_config_and_rewrites_the_digest(sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    before = read_manifest(checkpoint)
+    assert convert("edit-config", checkpoint, "--set", "moe.router.top_k=3", "--set", "attention.rope.theta=1e6") == 0
+    assert capsys.readouterr().out.strip() == (f"edited {checkpoint}: moe.router.top_k 2 -> 3, attention.rope.theta "
+                                               "10000.0 -> 1000000.0")
+    after = read_manifest(checkpoint)                                 # the new digest matches
+    assert after["manifest_digest"] != before["manifest_digest"]
+    assert (after["model_config"]["moe"]["router"]["top_k"], after["model_config"]["attention"]["rope"]["theta"]) == (3, 1e6)
+    assert {k: v for k, v in after.items() if k not in ("model_config", "manifest_digest")} == \
+        {k: v for k, v in before.items() if k not in ("model_config", "manifest_digest")}
+    model = build_model_from_checkpoint(checkpoint, ParallelState.single_process())
+    assert model.config.moe.router.top_k == 3
+    assert not [n for n in os.listdir(checkpoint) if n.startswith(".")]           # no temporary file left
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("moe.router.topk=3", r"model_config has no field 'moe\.router\.topk'; its fields at that level: .*top_k"),
+    ("moe.router.top_k=9", r"top_k"),
+    ("vocab_size=128", r"tensors\['embed_tokens\.weight'\] has global_shape \[64, 32\], the model_config gives \[128, 32\]"),
+    ("family=llama9", r"model_config\.family 'llama9' is not a family this megamoe knows"),
+    ("router.top_k=3", r"model_config has no section 'router'"),
+])
+def test_edit_config_refuses_a_config_that_does_not_fit(assignment, message, sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    before = (checkpoint / MANIFEST_FILE).read_bytes()
+    assert_cli_fails(capsys, ["edit-config", checkpoint, "--set", assignment], message)
+    assert (checkpoint / MANIFEST_FILE).read_bytes() == before
+
+
+def test_edit_config_does_not_launder_a_hand_edit(sources, tmp_path, capsys):
+    checkpoint = _copy(sources, "imported", tmp_path)
+    _edit_manifest(checkpoint, _set_path("model_config", "norm_eps", 1e-3), reseal=False)
+    before = (checkpoint / MANIFEST_FILE).read_bytes()
+    assert_cli_fails(capsys, ["edit-config", checkpoint, "--set", "moe.router.top_k=3"], "was edited or damaged")
+    assert (checkpoint / MANIFEST_FILE).read_bytes() == before
+    assert convert("edit-config", checkpoint, "--set", "top_k") == 2         # not KEY=VALUE: a usage error
+    assert "expected KEY=VALUE" in capsys.readouterr().err

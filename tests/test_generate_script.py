@@ -97,6 +97,14 @@ def _cut_manifest(path):
     manifest.write_text(manifest.read_text()[:200])
 
 
+def _edit_manifest_by_hand(path):
+    """Change top-k in manifest.json as a text editor would (its digest left as it was)."""
+    manifest = path / "manifest.json"
+    text = manifest.read_text()
+    assert '"top_k": 2' in text
+    manifest.write_text(text.replace('"top_k": 2', '"top_k": 1', 1))
+
+
 def _flip_a_weight_byte(path):
     """Flip the lowest mantissa byte of one stored float (the file's header stays readable)."""
     shard = next(p for p in sorted(path.iterdir()) if p.suffix == ".safetensors")
@@ -113,6 +121,8 @@ def _flip_a_weight_byte(path):
 USER_ERRORS = {
     "missing checkpoint": (None, _prompt_args(), None, ["no checkpoint at"]),
     "cut manifest": ("copy", _prompt_args(), _cut_manifest, ["manifest.json"]),
+    "manifest edited by hand": ("copy", _prompt_args(), _edit_manifest_by_hand,
+                                ["manifest.json was edited or damaged", "megamoe-convert edit-config"]),
     "missing prompt file": ("ckpt", ["--prompt-file", "{tmp}/prompts.txt"], None, ["--prompt-file", "no such file"]),
     "prompt ids not integers": ("ckpt", ["--prompt-ids", "1,x"], None, ["--prompt-ids '1,x'", "integer"]),
     "prompt id outside the vocabulary": ("ckpt", ["--prompt-ids", f"1,{V}"], None, [f"[{V}]", "vocabulary"]),

@@ -61,10 +61,12 @@ from checkpoint_tools import checksums, integrity
 from checkpoint_tools.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
                                     planned_files, read_manifest, resolve_checkpoint, save_checkpoint)
 from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manifest
+from checkpoint_tools.model_manifest import check_model_manifest, check_training_fields
 from checkpoint_tools.side_files import verify_side_files
 from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
                                       same_view_of, sharded_state_dict)
+from megamoe.models import GPTMoEModel
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.precision import has_non_finite
 
@@ -327,8 +329,12 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     """
     root = resolve_checkpoint(path)
     manifest = read_manifest(root)
-    extra = manifest["extra"]
     model, optimizer = trainer.model, trainer.optimizer
+    if isinstance(model, GPTMoEModel):
+        check_model_manifest(manifest, root, layer_spec=model.layer_spec)
+    else:                   # another TrainableModel: its config and tensors are its class's own
+        check_training_fields(manifest, root)
+    extra = manifest["extra"]
     _check_lr_schedule(path, extra, trainer, override_lr_schedule)
     differences = _config_differences(manifest["model_config"], model.config.to_dict())
     if differences:
