@@ -60,19 +60,19 @@ class RankTimeout(TimeoutError):
 def _rank_entry(fn, rank, world_size, init_file, args, kwargs, result_queue, collective_timeout_s, backend):
     try:
         torch.set_num_threads(1)
-        group_options = {}
+        group_backend, device_options = "gloo", {}
         if backend == "nccl":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
             torch.set_default_device(device)
-            group_options = {"backend": "cpu:gloo,cuda:nccl", "device_id": device}
+            group_backend, device_options = "cpu:gloo,cuda:nccl", {"device_id": device}
         dist.init_process_group(
-            backend=group_options.pop("backend", "gloo"),
+            backend=group_backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
-            **group_options,
+            **device_options,
         )
         try:
             # On CPU before it leaves: a CUDA tensor sent through the queue dies with this process.

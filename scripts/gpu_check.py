@@ -204,7 +204,7 @@ def check_block_scaled_mm(device: torch.device) -> Row:
     return Row(name, "ok" if error < 2e-2 else "FAIL", f"relative error {error:.1e} vs fp8_emulated (tol 2e-2)")
 
 
-def _smoke_module():
+def smoke_module():
     spec = importlib.util.spec_from_file_location("gpu_smoke", REPO / "scripts/gpu_smoke.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_smoke"] = module
@@ -212,12 +212,12 @@ def _smoke_module():
     return module
 
 
-def timed(name: str, check, *args) -> Row:
-    """``check(*args)``'s row with its time; an exception is the row's FAIL (gpu_smoke's run_check)."""
+def timed(smoke, name: str, check, *args) -> Row:
+    """``check(*args)``'s row named ``name``, with its time; an exception is the row's FAIL (``smoke``:
+    scripts/gpu_smoke.py, whose run_check this is)."""
     started = time.monotonic()
-    row = _smoke_module().run_check(name, check, *args)
-    row.seconds = time.monotonic() - started
-    return row
+    row = smoke.run_check(name, check, *args)
+    return Row(name, row.status, row.detail, time.monotonic() - started)
 
 
 def format_table(rows: list[Row]) -> str:
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     if gpus == 0 and not args.dry_run:
         raise UsageError("no CUDA device is available: run it on a GPU machine, or with --dry-run to check the "
                          "script itself on CPU")
-    smoke = _smoke_module()
+    smoke = smoke_module()
     with tempfile.TemporaryDirectory(prefix="megamoe-gpu-check-") as work_dir:
         commands = training_commands(gpus if gpus else 2, Path(work_dir))
         if gpus == 0:
@@ -252,12 +252,10 @@ def main(argv=None) -> int:
             device = torch.device("cuda", 0)
             rows = [run_smoke()]
             rows += [run_command(name, command) for name, command in commands.items()]
-            rows += [timed("row 7/9 grouped_mm bf16", check_grouped_mm, device),
-                     timed("row 7 block-FP8 scaled_mm", check_block_scaled_mm, device)]
-            for seed in COMPILED_SEEDS:
-                row = timed(f"row 9/10/13 compiled seed {seed}", smoke.check_compiled_generation, device, 128, seed)
-                row.check = f"row 9/10/13 compiled seed {seed}"
-                rows.append(row)
+            rows += [timed(smoke, "row 7/9 grouped_mm bf16", check_grouped_mm, device),
+                     timed(smoke, "row 7 block-FP8 scaled_mm", check_block_scaled_mm, device)]
+            rows += [timed(smoke, f"row 9/10/13 compiled seed {seed}", smoke.check_compiled_generation, device, 128,
+                           seed) for seed in COMPILED_SEEDS]
     where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "no GPU (--dry-run)"
     print(f"megamoe GPU check on {where}, torch {torch.__version__} (CUDA {torch.version.cuda})")
     print(format_table(rows))

@@ -293,7 +293,7 @@ def resolve_fp8_backend(requested: str, device: torch.device, recipe: str | None
     if recipe == "block":
         block_problem = block_scaled_mm_problem(device)
         problems = {"te": _TE_BLOCK_PROBLEM,
-                    "torch": None if block_problem is None else f"the block FP8 recipe with backend='torch': {block_problem}"}
+                    "torch": block_problem and f"the block FP8 recipe with backend='torch': {block_problem}"}
     else:
         problems = {"te": _te_fp8_problem(device), "torch": _torch_kernel_problem(device, "_scaled_grouped_mm", "FP8")}
     if requested == "auto":

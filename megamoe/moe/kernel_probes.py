@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-__all__ = ["block_scaled_mm_problem", "cuda_capability", "grouped_mm_problem", "log_fallback", "transformer_engine_problem"]
+__all__ = ["block_scaled_mm_problem", "cuda_capability", "grouped_mm_problem", "log_fallback",
+           "transformer_engine_problem"]
 
 logger = logging.getLogger(__name__)
 
