@@ -98,7 +98,7 @@ def block_scaled_mm_problem(device: torch.device) -> str | None:
     """Why blockwise FP8 ``torch._scaled_mm`` (1x128 x 128x128 scales) cannot run on ``device`` (None: it can)."""
     capability = cuda_capability(device)
     if capability is None:
-        return f"block-FP8 torch._scaled_mm needs a CUDA GPU (device {device}, CUDA unavailable)"
+        return f"block-FP8 needs torch._scaled_mm on a CUDA GPU (device {device}, no usable CUDA GPU)"
     if capability[0] != _HOPPER[0]:
         return (f"block-FP8 torch._scaled_mm (1x128 x 128x128 scales) runs only on sm90 (Hopper); this GPU is "
                 f"compute capability {capability[0]}.{capability[1]}")
