@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh and the python it runs (issue 29's first-GPU check), as far as a CPU can check them:
 the shell syntax, the dry run's table (every GPU row skipped, every training command's arguments accepted by
 the training script's own checks), a refused command as a failed row, the one-line error without a GPU, and
-the grouped-GEMM row's logic run on CPU (where torch._grouped_mm runs too)."""
+the grouped-GEMM row's logic run on CPU (where torch._grouped_mm runs too), and the block-FP8 row's against a
+CPU stand-in for blockwise torch._scaled_mm."""
 
 import importlib.util
 import re
@@ -87,3 +88,32 @@ def test_the_grouped_mm_row_compares_bf16_forward_and_backward_with_an_empty_slo
     assert row.status == "ok", row
     assert "empty slot's gradients zero: True" in row.detail
     assert len(calls) == 6 and set(calls) == {torch.bfloat16}      # 2 forward, 4 backward grouped GEMMs
+
+
+def _blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's blockwise FP8 semantics, in fp32 on CPU: ``a`` [M, K] with 1x128 scales
+    ``scale_a`` [M, K / 128], ``b`` [K, N] with 128x128 scales ``scale_b`` [K / 128, N / 128]."""
+    a_hat = a.float() * scale_a.repeat_interleave(128, 1)[:, :a.shape[1]]
+    b_hat = b.float() * scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)[:b.shape[0], :b.shape[1]]
+    return (a_hat @ b_hat).to(out_dtype)
+
+
+def test_the_block_fp8_row_compares_scaled_mm_against_the_emulation(monkeypatch):
+    """The row's logic and the kernel's operands, on CPU: with the probe opened and torch._scaled_mm replaced by
+    its blockwise semantics, the ``torch`` backend's kept block-FP8 experts match the emulation (so the scales
+    reach the kernel in the layout it reads, padded leading dimension included)."""
+    import megamoe.moe.fp8 as fp8
+    import megamoe.moe.kernel_probes as kernel_probes
+
+    check = _check_module()
+    monkeypatch.setattr(fp8, "block_scaled_mm_problem", lambda device: None)
+    monkeypatch.setattr(kernel_probes, "block_scaled_mm_problem", lambda device: None)
+    strides = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        strides.append(scale_b.stride())
+        return _blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    row = check.check_block_scaled_mm(torch.device("cpu"))
+    assert row.status == "ok", row
+    assert strides and all(stride[0] == 1 and stride[1] % 4 == 0 for stride in strides), strides
