@@ -6,7 +6,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := .deps-installed-$(shell $(PYTHON) -c \
 	'import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])')
 
-.PHONY: install test test-fast demo
+.PHONY: install test test-fast test-gpu demo
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -c 'import torch' 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_PIN)"
 	$(PYTHON) -m pip install -q -e ".[test]"
@@ -21,6 +21,11 @@ test: $(STAMP)
 # Skips the cases marked slow: for the edit-test loop.
 test-fast: $(STAMP)
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# On a machine with a CUDA GPU per rank (2 for most cases): the cuda-marked tests and those of the modules that
+# spawn ranks, whose ranks then join over NCCL, one GPU each (MEGAMOE_TEST_BACKEND, read by run_on_ranks).
+test-gpu: $(STAMP)
+	MEGAMOE_TEST_BACKEND=nccl $(PYTHON) -m pytest -q -m "cuda or multirank"
 
 # The torchrun pretraining demo on 4 CPU ranks: tp=2 x ep=2 (all-gather EP inside the TP group), dp=2.
 demo: $(STAMP)

@@ -1,4 +1,4 @@
-"""Run a function on N spawned CPU ranks joined in a gloo process group.
+"""Run a function on N spawned ranks joined in a process group: gloo on CPU, or NCCL on one GPU per rank.
 
 This is the one helper every multi-rank test (ours and a user's) goes through::
 
@@ -19,6 +19,12 @@ Guarantees:
   rank sees when ANOTHER rank died), with that traceback.
 - If the ranks do not all finish within ``timeout_s`` (a hung collective), every rank is killed and
   :class:`RankTimeout` names the ranks that had not finished.
+
+Backends (``backend=``, else the ``MEGAMOE_TEST_BACKEND`` environment variable, else ``gloo``; ``make
+test-gpu`` sets it to ``nccl``): ``gloo`` runs the ranks on CPU. ``nccl`` needs a CUDA GPU per rank: rank
+``r`` takes GPU ``r`` (``torch.cuda.set_device``, and as the default device, so that tensors a test creates
+without a device are on it and its collectives run over NCCL); the group is ``cpu:gloo,cuda:nccl``, so
+collectives on CPU tensors still work, and tensors in the results come back on CPU.
 """
 
 from __future__ import annotations
@@ -35,8 +41,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._pytree import tree_map
 
-__all__ = ["RankFailure", "RankTimeout", "run_on_ranks"]
+__all__ = ["BACKEND_ENV", "RankFailure", "RankTimeout", "run_on_ranks"]
+
+BACKEND_ENV = "MEGAMOE_TEST_BACKEND"      # the backend when run_on_ranks is given none
+_BACKENDS = ("gloo", "nccl")
 
 
 class RankFailure(AssertionError):
@@ -47,24 +57,52 @@ class RankTimeout(TimeoutError):
     """Spawned ranks did not finish in time (typically a hung or mismatched collective)."""
 
 
-def _rank_entry(fn, rank, world_size, init_file, args, kwargs, result_queue, collective_timeout_s):
+def _rank_entry(fn, rank, world_size, init_file, args, kwargs, result_queue, collective_timeout_s, backend):
     try:
         torch.set_num_threads(1)
+        group_backend, device_options = "gloo", {}
+        if backend == "nccl":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            torch.set_default_device(device)
+            group_backend, device_options = "cpu:gloo,cuda:nccl", {"device_id": device}
         dist.init_process_group(
-            backend="gloo",
+            backend=group_backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
+            **device_options,
         )
         try:
-            result = fn(rank, world_size, *args, **kwargs)
+            # On CPU before it leaves: a CUDA tensor sent through the queue dies with this process.
+            result = _on_cpu(fn(rank, world_size, *args, **kwargs))
         finally:
             # A barrier-free destroy: a rank that finished must not wait for one that failed.
             dist.destroy_process_group()
         result_queue.put(("ok", rank, result))
     except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
         result_queue.put(("error", rank, traceback.format_exc()))
+
+
+def _on_cpu(result: Any) -> Any:
+    return tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, result)
+
+
+def _resolve_backend(backend: str | None, world_size: int) -> str:
+    """``backend``, else $MEGAMOE_TEST_BACKEND, else gloo; ValueError naming the fix when it cannot run here."""
+    source = "backend"
+    if backend is None:
+        backend, source = os.environ.get(BACKEND_ENV) or "gloo", f"${BACKEND_ENV}"
+    if backend not in _BACKENDS:
+        raise ValueError(f"run_on_ranks: {source} must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            raise ValueError(f"run_on_ranks: {source} 'nccl' needs one CUDA GPU per rank ({world_size} ranks), but "
+                             f"this machine has {gpus}: run with backend 'gloo' (unset ${BACKEND_ENV}), or on a "
+                             f"machine with {world_size} GPUs")
+    return backend
 
 
 # Errors a rank raises because ANOTHER rank died (its peer closed the connection): reported as a
@@ -154,18 +192,21 @@ def run_on_ranks(
     kwargs: dict | None = None,
     timeout_s: float = 180.0,
     collective_timeout_s: float | None = None,
+    backend: str | None = None,
 ) -> list[Any]:
-    """Spawn ``world_size`` gloo ranks, call ``fn(rank, world_size, *args, **kwargs)`` on each.
+    """Spawn ``world_size`` ranks, call ``fn(rank, world_size, *args, **kwargs)`` on each.
 
     ``fn`` must be picklable (a module-level function). Returns the per-rank return values ordered by
     rank. Raises :class:`RankFailure` with the failing rank's traceback, or :class:`RankTimeout`.
     ``collective_timeout_s``: the process groups' timeout (default: a little under ``timeout_s``, so
     that a hung collective surfaces as a :class:`~megamoe.comms.CollectiveTimeout` inside the rank).
+    ``backend``: ``gloo`` or ``nccl`` (see the module docstring; None: $MEGAMOE_TEST_BACKEND, else gloo).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if collective_timeout_s is not None and not collective_timeout_s > 0:
         raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s}")
+    backend = _resolve_backend(backend, world_size)
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megamoe-ranks-") as tmp:
@@ -178,7 +219,7 @@ def run_on_ranks(
             ctx.Process(
                 target=_rank_entry,
                 args=(fn, rank, world_size, init_file, tuple(args), dict(kwargs or {}), result_queue,
-                      collective_timeout_s),
+                      collective_timeout_s, backend),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -1,5 +1,6 @@
 """Shared by the tests: the ``demo`` fixture (examples/pretrain_moe.py as a module), ``one_thread``, and the ``cuda``
-marker (registered in pyproject.toml): tests that need a CUDA GPU are skipped, saying so, without one."""
+marker (registered in pyproject.toml): tests that need a CUDA GPU are skipped, saying so, without one; and the
+``multirank`` marker on every test of a module that uses ``run_on_ranks`` (``make test-gpu`` runs them over NCCL)."""
 
 import importlib.util
 import sys
@@ -26,6 +27,10 @@ def demo(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
+    # `make test-gpu` runs the multi-rank tests over NCCL: those of the modules that spawn ranks.
+    for item in items:
+        if getattr(item, "module", None) is not None and "run_on_ranks" in vars(item.module):
+            item.add_marker(pytest.mark.multirank)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run scripts/gpu_smoke.sh "

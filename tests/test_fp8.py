@@ -1,6 +1,8 @@
 """FP8 experts: the scaling math and delayed-scaling history, quantisation error bounds, the CPU
 emulation (error vs fp32 with a derived bound, padding invariance, gradients, a short training run),
-configuration errors; ETP and expert-DP layouts against one rank (amax reduction); GPU paths (TE,
+configuration errors; the TE path against a stand-in for TE (the slot group's amax reduction, joined by a rank
+without rows too); the kernel probes' fallbacks (a TE that does not load, torch._grouped_mm, block-FP8
+torch._scaled_mm); ETP and expert-DP layouts against one rank (amax reduction); GPU paths (TE,
 torch._scaled_grouped_mm) against the emulation on a GPU."""
 
 import math
@@ -11,7 +13,7 @@ import torch
 
 from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, compute_scale, dequantize, fp8_max,
-                             quantize)
+                             quantize, resolve_fp8_backend)
 from megamoe.moe.fp8_experts import FP8GroupedLinearFunction, PaddedRows, fp8_grouped_mlp
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -262,40 +264,203 @@ def test_te_recipe_without_transformer_engine_names_the_fix():
     assert type(te_fp8_recipe(FP8Config())).__name__ == "DelayedScaling"
 
 
-def test_te_paths_reduce_delayed_amaxes_over_the_slot_group_only(monkeypatch):
-    """TE's delayed recipe reduces amaxes over fp8_autocast's fp8_group, every rank when it is None: the TE
-    path passes the slot group, and a recipe for a one-rank slot group does not reduce at all. Checked
-    against a stand-in for TransformerEngine (which needs CUDA) that records what it is given."""
+class _FakeGroupedLinear(torch.nn.Module):
+    """TE's GroupedLinear as far as the experts use it: ``weight{s}`` per slot, ``forward(x, m_splits)``;
+    records every call's split sizes, forward and backward, and whether fp8_autocast was open."""
+
+    def __init__(self, num_gemms, in_features, out_features, bias, init_method, params_dtype, device, log):
+        super().__init__()
+        for s in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
+            init_method(weight)
+            self.register_parameter(f"weight{s}", weight)
+        self.num_gemms, self.log = num_gemms, log
+
+    def forward(self, x, m_splits):
+        log = self.log
+
+        class Recorded(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                log["calls"].append(("forward", list(m_splits), log["autocast_depth"] > 0))
+                return x
+
+            @staticmethod
+            def backward(ctx, grad):
+                log["calls"].append(("backward", list(m_splits), log["autocast_depth"] > 0))
+                return grad
+        weights = [getattr(self, f"weight{s}") for s in range(self.num_gemms)]
+        return Recorded.apply(torch.cat([torch.nn.functional.linear(part, w)       # the output: needs grad
+                                         for part, w in zip(x.split(m_splits), weights)]))
+
+
+def _fake_transformer_engine(monkeypatch):
+    """A stand-in for TransformerEngine (which needs CUDA), installed in sys.modules: its recipes are
+    (name, kwargs) pairs, fp8_autocast records its arguments, GroupedLinear is :class:`_FakeGroupedLinear`."""
     import contextlib
+    import functools
     import sys
     import types
 
-    from megamoe.moe.fp8 import te_fp8_recipe
-    from megamoe.moe.fp8_experts import te_fp8_grouped_mlp
-
-    seen = {}
+    log = {"autocast": [], "autocast_depth": 0, "calls": []}
     recipe_module = types.SimpleNamespace(Format=types.SimpleNamespace(HYBRID="hybrid", E4M3="e4m3"),
                                           DelayedScaling=lambda **kwargs: ("DelayedScaling", kwargs))
 
     @contextlib.contextmanager
     def fp8_autocast(**kwargs):
-        seen.update(kwargs)
-        yield
+        log["autocast"].append(kwargs)
+        log["autocast_depth"] += 1
+        try:
+            yield
+        finally:
+            log["autocast_depth"] -= 1
     te = types.ModuleType("transformer_engine")
     te.common = types.SimpleNamespace(recipe=recipe_module)
-    te.pytorch = types.SimpleNamespace(fp8_autocast=fp8_autocast)
+    te.pytorch = types.SimpleNamespace(fp8_autocast=fp8_autocast,
+                                       GroupedLinear=functools.partial(_FakeGroupedLinear, log=log))
     monkeypatch.setitem(sys.modules, "transformer_engine", te)
     monkeypatch.setitem(sys.modules, "transformer_engine.common", te.common)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    return log
 
+
+def test_te_paths_reduce_delayed_amaxes_over_the_slot_group_only(monkeypatch):
+    """TE's delayed recipe reduces amaxes over fp8_autocast's fp8_group, every rank when it is None: the TE
+    path passes the slot group, and a recipe for a one-rank slot group does not reduce at all. Checked
+    against a stand-in for TransformerEngine (which needs CUDA) that records what it is given."""
+    from megamoe.moe.fp8 import te_fp8_recipe
+    from megamoe.moe.fp8_experts import te_fp8_grouped_mlp
+
+    log = _fake_transformer_engine(monkeypatch)
     for reduce_amax in (True, False):
         name, kwargs = te_fp8_recipe(FP8Config(amax_history_len=8), reduce_amax=reduce_amax)
         assert name == "DelayedScaling" and kwargs["reduce_amax"] is reduce_amax and kwargs["amax_history_len"] == 8
     group = object()
     x, counts = _tokens()
     out = te_fp8_grouped_mlp(lambda t, sizes: 2 * t, lambda t, sizes: t + 1, x, counts, torch.relu, "recipe", group)
-    assert seen == {"enabled": True, "fp8_recipe": "recipe", "fp8_group": group}
+    assert log["autocast"] == [{"enabled": True, "fp8_recipe": "recipe", "fp8_group": group}]
     torch.testing.assert_close(out, torch.relu(2 * x) + 1)
+
+
+def test_a_te_rank_without_rows_still_joins_the_delayed_amax_reduction(monkeypatch):
+    """Issue 29 row 5: with the delayed recipe TE reduces amaxes over the slot group inside fp8_autocast, in
+    the GroupedLinear modules' forward and backward. A rank whose slots got no rows must run them too (on
+    zero rows, which change no amax), else its peers wait forever in the reduction."""
+    import megamoe.moe.experts as experts_module
+
+    log = _fake_transformer_engine(monkeypatch)
+    monkeypatch.setattr(experts_module, "resolve_fp8_backend", lambda backend, device, recipe=None: "te")
+    group = object()
+    monkeypatch.setattr("megamoe.comms.group_size", lambda group: 1 if group is None else 2)   # a stand-in group
+    module = GroupedExperts(ExpertsConfig(SLOTS, H, FFN, backend="te", fp8=FP8Config()),
+                            fp8_amax_reduction=FP8AmaxReduction(slot_group=group))
+    x = torch.zeros(0, H, requires_grad=True)
+    out = module(x, torch.zeros(SLOTS, dtype=torch.int64))
+    assert out.shape == (0, H)
+    (out.sum() + 0 * x.sum()).backward()
+    assert [kwargs["fp8_group"] for kwargs in log["autocast"]] == [group]
+    fp8_rows = [16] + [0] * (SLOTS - 1)      # one FP8-aligned block of zero rows in slot 0
+    assert log["calls"] == [("forward", fp8_rows, True), ("forward", fp8_rows, True),
+                            ("backward", fp8_rows, False), ("backward", fp8_rows, False)], log["calls"]
+    assert module.te_gate_up.weight0.grad is not None and not module.te_gate_up.weight0.grad.any()
+
+
+# ---- kernel probes: a kernel that cannot run here means a fallback with a reason, never a crash (issue 29 row 7) --
+def _pretend_cuda(monkeypatch, capability, torch_version=None, cuda_version=None):
+    """Make the probes see a CUDA GPU of ``capability`` (and, when given, torch / CUDA versions)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if torch_version is not None:
+        monkeypatch.setattr(torch, "__version__", torch_version)
+    if cuda_version is not None:
+        monkeypatch.setattr(torch.version, "cuda", cuda_version)
+
+
+@pytest.mark.parametrize("error", [OSError("libtransformer_engine.so: undefined symbol: _ZN3c10"),
+                                   RuntimeError("TransformerEngine was built for torch 2.4")])
+def test_a_transformer_engine_that_does_not_load_falls_back_with_the_reason(monkeypatch, caplog, error):
+    """A TE built for another torch raises OSError / RuntimeError on import, not ImportError."""
+    import sys
+
+    from megamoe.moe import kernel_probes
+    from megamoe.moe.fp8 import te_fp8_recipe
+
+    class BrokenTransformerEngine:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "transformer_engine":
+                raise error
+            return None
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [BrokenTransformerEngine(), *sys.meta_path])
+    monkeypatch.setattr(kernel_probes, "_logged", set())
+    _pretend_cuda(monkeypatch, (9, 0))
+    with caplog.at_level("WARNING", logger="megamoe.moe.kernel_probes"):
+        assert GroupedExperts._resolve_backend("auto", torch.device("cuda")) == "torch"
+    assert f"{type(error).__name__}: {error}" in caplog.text
+    with pytest.raises(RuntimeError, match="does not load"):
+        GroupedExperts._resolve_backend("te", torch.device("cuda"))
+    with pytest.raises(ValueError, match="does not load|pip install"):
+        resolve_fp8_backend("te", torch.device("cuda"))
+    with pytest.raises(ValueError, match="pip install"):
+        te_fp8_recipe(FP8Config())
+
+
+@pytest.mark.parametrize("torch_version, capability, runs", [
+    ("2.8.0", (9, 0), True), ("2.8.0", (8, 0), False), ("2.8.0", (10, 0), False),
+    ("2.9.0", (8, 0), True), ("2.9.0", (7, 5), False), ("2.10.1+cu128", (12, 0), True)])
+def test_grouped_mm_runs_only_where_torch_has_it_for_the_gpu(monkeypatch, caplog, torch_version, capability, runs):
+    from megamoe.moe import kernel_probes
+    from megamoe.moe.grouped_mlp import grouped_mm_applies
+
+    monkeypatch.setattr(kernel_probes, "_logged", set())
+    _pretend_cuda(monkeypatch, capability, torch_version=torch_version)
+    with caplog.at_level("WARNING", logger="megamoe.moe.kernel_probes"):
+        assert grouped_mm_applies(torch.device("cuda"), torch.bfloat16) is runs
+    assert ("one torch.mm per slot" in caplog.text) is not runs, caplog.text
+    assert not grouped_mm_applies(torch.device("cuda"), torch.float32)        # bf16 rows only
+    assert not grouped_mm_applies(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.delattr(torch, "_grouped_mm")                                 # torch < 2.8 (setup.py allows 2.4)
+    assert not grouped_mm_applies(torch.device("cuda"), torch.bfloat16)
+    assert not grouped_mm_applies(torch.device("meta"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("capability, cuda_version, problem", [
+    ((9, 0), "12.9", None), ((9, 0), "13.0", None), ((9, 0), "12.8", "cuBLASLt >= 12.9"),
+    ((8, 9), "12.9", "only on sm90"), ((10, 0), "12.9", "only on sm90"), ((12, 0), "13.0", "only on sm90")])
+def test_block_fp8_scaled_mm_is_gated_on_sm90_and_cublaslt_12_9(monkeypatch, capability, cuda_version, problem):
+    _pretend_cuda(monkeypatch, capability, cuda_version=cuda_version)
+    cuda = torch.device("cuda")
+    if problem is None:
+        assert resolve_fp8_backend("torch", cuda, recipe="block") == "torch"
+        assert resolve_fp8_backend("auto", cuda, recipe="block") == "torch"
+        return
+    for backend in ("torch", "auto"):
+        with pytest.raises(ValueError, match=problem) as refused:
+            resolve_fp8_backend(backend, cuda, recipe="block")
+        assert "fp8_emulated" in str(refused.value)
+
+
+def test_block_fp8_scaled_mm_gets_weight_scales_with_a_leading_dimension_padded_to_4(monkeypatch):
+    """Some cuBLASLt builds reject block scales whose leading dimension is not 16-byte aligned: scale_b is
+    [K / 128, N / 128] column-major, so the stride between its columns must be a multiple of 4."""
+    from megamoe.moe import block_fp8_experts
+    from megamoe.quantization.block_fp8 import BlockFP8Config, quantize_block_fp8
+
+    seen = {}
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        seen.update(scale_a=scale_a, scale_b=scale_b)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(3 * 128, 5 * 128, generator=g)                   # N = 384, K = 640: 3 x 5 blocks
+    w_q, w_scale = quantize_block_fp8(weight, (128, 128), "float")
+    block_fp8_experts._scaled_mm(torch.randn(2, 5 * 128, generator=g), w_q, w_scale, BlockFP8Config())
+    scale_b = seen["scale_b"]
+    assert scale_b.shape == (5, 3) and scale_b.dtype == torch.float32
+    assert scale_b.stride(0) == 1 and scale_b.stride(1) % 4 == 0, scale_b.stride()
+    assert torch.equal(scale_b, w_scale.float().t())
 
 
 # ---- layouts: ETP shards and expert-DP replicas quantise as one rank does ----------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.testing import RankFailure, RankTimeout, run_on_ranks
+from megamoe.testing import BACKEND_ENV, RankFailure, RankTimeout, run_on_ranks
 
 # Generous: spawning ranks and importing torch can take a minute on a loaded machine. None of these
 # runs waits for the timeout unless the harness is broken (or, for the hang case, by design).
@@ -22,7 +22,7 @@ NEVER_REACHED_S = 600
 def _sum_ranks(rank, world_size, scale):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return (t.item() * scale, torch.get_num_threads())
+    return (t.item() * scale, torch.get_num_threads(), dist.get_backend())
 
 
 def _rank_one_raises_while_rank_zero_hangs(rank, world_size, pid_dir):
@@ -61,8 +61,10 @@ def _assert_process_gone(pid_file):
 
 
 @pytest.mark.slow
-def test_results_failures_and_timeouts(tmp_path):
-    assert run_on_ranks(_sum_ranks, 2, args=(10,), timeout_s=NEVER_REACHED_S) == [(10.0, 1), (10.0, 1)]
+def test_results_failures_and_timeouts(tmp_path, monkeypatch):
+    # The backend comes from $MEGAMOE_TEST_BACKEND (`make test-gpu` sets nccl): unset, it is gloo.
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert run_on_ranks(_sum_ranks, 2, args=(10,), timeout_s=NEVER_REACHED_S) == [(10.0, 1, "gloo")] * 2
 
     # Rank 0 never finishes by itself: the RankFailure (not a RankTimeout after NEVER_REACHED_S)
     # shows that the harness ended the run on rank 1's error without waiting for rank 0.
@@ -89,3 +91,19 @@ def test_a_dead_rank_is_named_not_the_rank_that_noticed(how, ended):
     assert message.startswith("rank 1 of 2 died with "), message
     assert re.search(ended, message), message
     assert "rank 0 of 2 failed" not in message, message
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the error raised without two GPUs")
+def test_nccl_without_a_gpu_per_rank_is_a_clear_error_before_any_rank_starts(monkeypatch):
+    for how in ("argument", "environment"):
+        if how == "environment":
+            monkeypatch.setenv(BACKEND_ENV, "nccl")
+        with pytest.raises(ValueError, match=r"'nccl' needs one CUDA GPU per rank \(2 ranks\), but this machine has"):
+            run_on_ranks(_sum_ranks, 2, args=(1,), **({"backend": "nccl"} if how == "argument" else {}))
+    with pytest.raises(ValueError, match=r"backend must be one of \('gloo', 'nccl'\), got 'mpi'"):
+        run_on_ranks(_sum_ranks, 2, backend="mpi")
+
+
+def test_tests_of_modules_that_spawn_ranks_are_marked_multirank(request):
+    """`make test-gpu` selects them with `-m multirank` (tests/conftest.py marks them)."""
+    assert request.node.get_closest_marker("multirank") is not None

@@ -28,8 +28,10 @@ Kernels:
 - ``emulated`` (``backend="fp8_emulated"``, any device, the reference): per slot, quantize the rows per
   tile and dequantize them in fp32, dequantize the slot's weights in fp32, multiply in fp32; each GEMM's
   output is cast to the activations' dtype (as an FP8 kernel writes it).
-- ``scaled_mm`` (``backend="torch"``, CUDA sm90+, block 128 x 128): per slot ``torch._scaled_mm`` with
-  1x128 activation and 128x128 weight scales. Import- and capability-guarded; NOT verified on a GPU here.
+- ``scaled_mm`` (``backend="torch"``, CUDA sm90 with cuBLASLt >= 12.9, block 128 x 128): per slot
+  ``torch._scaled_mm`` with 1x128 activation and 128x128 weight scales, the weight scales' leading dimension
+  padded to a multiple of 4. Guarded by :func:`megamoe.moe.kernel_probes.block_scaled_mm_problem`; NOT verified
+  on a GPU here.
 - ``dequantized`` (kept weights without an FP8 recipe): the slot's weights dequantized to the activations'
   dtype, ordinary GEMMs (no activation quantization), like the model's dense linears.
 
@@ -49,6 +51,7 @@ __all__ = ["BLOCK_KERNELS", "block_fp8_grouped_mlp", "keep_expert_weights", "kep
            "load_kept_expert_weights", "quantize_activation_tiles"]
 
 BLOCK_KERNELS = ("emulated", "scaled_mm", "dequantized")
+_SCALE_STRIDE_MULTIPLE = 4      # fp32 elements between scale_b's columns: 16-byte aligned leading dimension
 
 
 def _cat_bytes(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -174,7 +177,18 @@ def _scaled_mm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, config
     x_q, x_scale = quantize_activation_tiles(x, config.block_size[1], config.scale_fmt)
     # torch wants the activation scales outer-dim-major and fp32 (e8m0 values are exact in fp32).
     x_scale = x_scale.float().t().contiguous().t()
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.float().t(), out_dtype=torch.bfloat16)
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=weight_scales_for_scaled_mm(w_scale),
+                            out_dtype=torch.bfloat16)
+
+
+def weight_scales_for_scaled_mm(w_scale: torch.Tensor) -> torch.Tensor:
+    """``w_scale`` [ceil(N / 128), ceil(K / 128)] as ``_scaled_mm``'s ``scale_b`` [ceil(K / 128), ceil(N / 128)]:
+    fp32, transposed (column-major), with the stride between its columns padded to a multiple of 4 (16 bytes):
+    some cuBLASLt builds reject other leading dimensions of block scales. Same values, same shape."""
+    rows, cols = w_scale.shape
+    padded = w_scale.new_zeros(rows, -(-cols // _SCALE_STRIDE_MULTIPLE) * _SCALE_STRIDE_MULTIPLE, dtype=torch.float32)
+    padded[:, :cols] = w_scale
+    return padded[:, :cols].t()
 
 
 def _slot_mlp(experts, local_slot: int, rows: torch.Tensor, activate, kernel: str) -> torch.Tensor:

@@ -54,6 +54,7 @@ from megamoe.moe.expert_activations import activate as _activate
 from megamoe.moe.expert_activations import activation_forward as _activation_forward
 from megamoe.moe.loop_experts import loop_mlp as _loop_mlp
 from megamoe.moe.grouped_mlp import GroupedMLPFunction, SlotGroups, _grouped_mlp, _host_sizes
+from megamoe.moe.kernel_probes import transformer_engine_problem
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.transformer.recompute import checkpointed
@@ -129,14 +130,11 @@ class ExpertsConfig:
 
 
 def transformer_engine_usable(device: torch.device) -> bool:
-    """TransformerEngine importable and ``device`` is a CUDA device."""
+    """TransformerEngine loads (:func:`~megamoe.moe.kernel_probes.transformer_engine_problem`) and ``device``
+    is a CUDA device."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return transformer_engine_problem() is None
 
 
 class GroupedExperts(nn.Module):
@@ -230,8 +228,8 @@ class GroupedExperts(nn.Module):
         if requested == "te" and not transformer_engine_usable(device):
             raise RuntimeError(
                 f"ExpertsConfig.backend='te' needs TransformerEngine and a CUDA device (device is {device}, "
-                f"CUDA available: {torch.cuda.is_available()}): install it with `pip install .[te]` on a "
-                "CUDA machine, or use backend='torch'")
+                f"CUDA available: {torch.cuda.is_available()}; {transformer_engine_problem() or 'TE loads'}): install "
+                "it with `pip install .[te]` on a CUDA machine, or use backend='torch'")
         return requested
 
     # ---- forward ------------------------------------------------------------------------------
@@ -309,15 +307,17 @@ class GroupedExperts(nn.Module):
         return (out.to(acc_dtype) * pair_weights).sum(1).to(tokens.dtype)
 
     def _forward_te(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
+        # FP8 first, rows or none: TE reduces amaxes over the slot group inside fp8_autocast, a collective
+        # every rank of the group must join (te_fp8_grouped_mlp runs a rank without rows on zero rows).
+        if self._te_fp8_recipe is not None:
+            from megamoe.moe.fp8_experts import te_fp8_grouped_mlp  # imports this module
+            return te_fp8_grouped_mlp(self.te_gate_up, self.te_down, tokens_sorted, tokens_per_slot,
+                                      self._activate, self._te_fp8_recipe, self.fp8_amax_reduction.slot_group)
         sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
         if tokens_sorted.shape[0] == 0:
             # Keep every weight in the graph (zero gradients) without asking TE for empty GEMMs.
             return _loop_mlp(tokens_sorted, self._te_weights(self.te_gate_up),
                              self._te_weights(self.te_down), sizes, self.activation)
-        if self._te_fp8_recipe is not None:
-            from megamoe.moe.fp8_experts import te_fp8_grouped_mlp  # imports this module
-            return te_fp8_grouped_mlp(self.te_gate_up, self.te_down, tokens_sorted, tokens_per_slot,
-                                      self._activate, self._te_fp8_recipe, self.fp8_amax_reduction.slot_group)
         hidden = self.te_gate_up(tokens_sorted, sizes)
         return self.te_down(self._activate(hidden), sizes)
 

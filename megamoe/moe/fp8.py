@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
 from megamoe import comms
+from megamoe.moe.kernel_probes import block_scaled_mm_problem, cuda_capability, transformer_engine_problem
 
 __all__ = ["FP8Config", "FP8ScalingState", "FP8AmaxReduction", "FP8_ROLES", "amax_rows", "compute_scale",
            "dequantize", "fp8_max", "quantize", "resolve_fp8_backend", "te_fp8_recipe"]
@@ -226,9 +227,9 @@ def te_fp8_recipe(config: FP8Config, reduce_amax: bool = True):
     ``reduce_amax``: whether the delayed recipe reduces amaxes over ``fp8_autocast``'s ``fp8_group``."""
     try:
         from transformer_engine.common import recipe as te_recipe
-    except ImportError as error:
-        raise ValueError("FP8 with the 'te' expert backend needs TransformerEngine: install it with "
-                         "`pip install .[te]` on a CUDA machine, or use backend='fp8_emulated'") from error
+    except (ImportError, OSError, RuntimeError) as error:      # OSError / RuntimeError: built for another torch
+        raise ValueError(f"FP8 with the 'te' expert backend needs a TransformerEngine that loads ({error}): install "
+                         "it with `pip install .[te]` on a CUDA machine, or use backend='fp8_emulated'") from error
     fp8_format = te_recipe.Format.HYBRID if config.format == "hybrid" else te_recipe.Format.E4M3
     if config.recipe == "delayed":
         return te_recipe.DelayedScaling(fp8_format=fp8_format, margin=config.margin,
@@ -256,27 +257,18 @@ _TE_FP8_MIN_CAPABILITY = (8, 9)
 _SCALED_GROUPED_MM_MIN_CAPABILITY = (9, 0)
 
 
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
-
-
 def _te_fp8_problem(device: torch.device) -> str | None:
-    capability = _capability(device)
+    capability = cuda_capability(device)
     if capability is None or capability < _TE_FP8_MIN_CAPABILITY:
         return (f"FP8 with backend='te' needs a CUDA GPU of compute capability >= 8.9 (device {device}, "
                 f"capability {capability})")
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return "FP8 with backend='te' needs TransformerEngine (`pip install .[te]`)"
-    return None
+    problem = transformer_engine_problem()
+    return None if problem is None else f"FP8 with backend='te' needs TransformerEngine: {problem}"
 
 
 def _torch_kernel_problem(device: torch.device, kernel: str, what: str) -> str | None:
     """Why ``torch.<kernel>`` cannot run ``what`` on ``device`` (None: it can)."""
-    capability = _capability(device)
+    capability = cuda_capability(device)
     if capability is None or capability < _SCALED_GROUPED_MM_MIN_CAPABILITY:
         return (f"{what} with backend='torch' needs torch.{kernel} on a CUDA GPU of compute capability >= 9.0 "
                 f"(device {device}, capability {capability})")
@@ -293,12 +285,15 @@ def resolve_fp8_backend(requested: str, device: torch.device, recipe: str | None
     """The expert backend that runs FP8 on ``device``: ``te`` (TE >= sm89), ``torch`` (sm90+),
     ``fp8_emulated`` (anywhere). ``auto`` picks ``te``, then ``torch``, and never falls back to the
     (slow) emulation silently. Raises ValueError naming the fix when ``requested`` cannot run.
-    ``recipe='block'`` (kept block-FP8 weights): ``torch`` (``torch._scaled_mm`` blockwise, sm90+) or
+    ``recipe='block'`` (kept block-FP8 weights): ``torch`` (``torch._scaled_mm`` blockwise: sm90 with cuBLASLt
+    >= 12.9, :func:`~megamoe.moe.kernel_probes.block_scaled_mm_problem`) or
     ``fp8_emulated``; ``te`` is refused."""
     if requested == "fp8_emulated":
         return requested
     if recipe == "block":
-        problems = {"te": _TE_BLOCK_PROBLEM, "torch": _torch_kernel_problem(device, "_scaled_mm", "the block FP8 recipe")}
+        block_problem = block_scaled_mm_problem(device)
+        problems = {"te": _TE_BLOCK_PROBLEM,
+                    "torch": block_problem and f"the block FP8 recipe with backend='torch': {block_problem}"}
     else:
         problems = {"te": _te_fp8_problem(device), "torch": _torch_kernel_problem(device, "_scaled_grouped_mm", "FP8")}
     if requested == "auto":

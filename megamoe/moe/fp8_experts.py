@@ -203,12 +203,25 @@ def te_fp8_grouped_mlp(te_gate_up, te_down, tokens: torch.Tensor, tokens_per_slo
                        activate: Callable[[torch.Tensor], torch.Tensor], recipe, fp8_group=None) -> torch.Tensor:
     """TransformerEngine ``GroupedLinear`` pair under ``fp8_autocast(recipe, fp8_group)``, each slot's rows
     padded to a multiple of 16 (TE's FP8 grouped GEMM requirement). ``fp8_group``: the ranks the delayed
-    recipe reduces amaxes over (:attr:`FP8AmaxReduction.slot_group`)."""
+    recipe reduces amaxes over (:attr:`FP8AmaxReduction.slot_group`).
+
+    A rank without rows runs both GEMMs on one block of 16 zero rows in slot 0: TE's amax reduction is a
+    collective over ``fp8_group`` that runs inside these modules' forward and backward, so a rank that
+    skipped them would leave its peers waiting forever. Zero rows have zero amax (the reduced max is the
+    peers'), their outputs are dropped, and backward still runs TE's (the output depends on the weights)
+    with zero gradients."""
     import transformer_engine.pytorch as te
 
-    rows = PaddedRows.build(tokens_per_slot, tokens.shape[0], FP8_ROW_ALIGNMENT, exact=True)
+    if tokens.shape[0] == 0:
+        counts = torch.zeros_like(tokens_per_slot)
+        counts[0] = FP8_ROW_ALIGNMENT
+        padded = tokens.new_zeros(FP8_ROW_ALIGNMENT, tokens.shape[1])
+        rows = PaddedRows.build(counts, FP8_ROW_ALIGNMENT, FP8_ROW_ALIGNMENT, exact=True)
+    else:
+        rows = PaddedRows.build(tokens_per_slot, tokens.shape[0], FP8_ROW_ALIGNMENT, exact=True)
+        padded = rows.pad(tokens)
     sizes = rows.padded_counts.tolist()
     with te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=fp8_group):
-        hidden = te_gate_up(rows.pad(tokens), sizes)
+        hidden = te_gate_up(padded, sizes)
         out = te_down(activate(hidden), sizes)
-    return rows.unpad(out)
+    return out[:0] if tokens.shape[0] == 0 else rows.unpad(out)

@@ -17,6 +17,7 @@ import torch
 from megamoe.host_values import host_ints
 from megamoe.moe.expert_activations import activation_backward as _activation_backward
 from megamoe.moe.expert_activations import activation_forward as _activation_forward
+from megamoe.moe.kernel_probes import grouped_mm_problem, log_fallback
 
 __all__ = ["SlotGroups", "GroupedMLPFunction", "grouped_linear", "grouped_linear_input_grad",
            "grouped_linear_weight_grad"]
@@ -50,10 +51,11 @@ class SlotGroups:
     @classmethod
     def from_counts(cls, tokens_per_slot: torch.Tensor, num_rows: int, use_grouped_mm: bool | None = None,
                     dtype: torch.dtype | None = None):
-        """``use_grouped_mm`` defaults to "not on CPU, and the rows' ``dtype`` is bf16" (see the module
-        docstring)."""
+        """``use_grouped_mm`` defaults to "not on CPU, the rows' ``dtype`` is bf16, and ``torch._grouped_mm``
+        runs on this device" (:func:`~megamoe.moe.kernel_probes.grouped_mm_problem`; else the per-slot loop,
+        with the reason logged once)."""
         if use_grouped_mm is None:
-            use_grouped_mm = tokens_per_slot.device.type != "cpu" and dtype == torch.bfloat16
+            use_grouped_mm = grouped_mm_applies(tokens_per_slot.device, dtype)
         offsets = torch.cumsum(tokens_per_slot, dim=0, dtype=torch.int32)
         if use_grouped_mm:
             if tokens_per_slot.device.type == "cpu":
@@ -62,6 +64,17 @@ class SlotGroups:
                 torch._assert_async(offsets[-1] == num_rows)
             return cls(tokens_per_slot, offsets, None, num_rows)
         return cls(tokens_per_slot, offsets, _host_sizes(tokens_per_slot, num_rows), num_rows)
+
+
+def grouped_mm_applies(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether bf16 rows on ``device`` take ``torch._grouped_mm``: not on CPU (the per-slot loop is as fast
+    there), not for other dtypes (its kernels and meta checks take bf16), not where it cannot run."""
+    if device.type == "cpu" or dtype != torch.bfloat16:
+        return False
+    problem = grouped_mm_problem(device)
+    if problem is not None:
+        log_fallback(problem, "the expert GEMMs run one torch.mm per slot")
+    return problem is None
 
 
 def _for_each_slot(sizes: list[int], gemm: Callable[[int], object]) -> None:
