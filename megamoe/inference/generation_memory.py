@@ -11,7 +11,7 @@ import torch
 
 from megamoe.models.config import GPTMoEConfig
 from megamoe.pipeline.partition import partition_layers
-from megamoe.training.memory_estimate import stage_parameters
+from megamoe.models.stage_parameters import stage_parameters
 from megamoe.transformer.mla import MLAConfig
 
 __all__ = ["GenerationMemoryEstimate", "estimate_generation_memory"]
