@@ -57,7 +57,6 @@ from megamoe.models.sequence_parallel import check_sequence_length, sequence_par
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.pipeline.partition import partition_layers
-from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.quantization.kept_weights import keep_block_fp8_weights
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
@@ -418,9 +417,7 @@ class GPTMoEModel(nn.Module):
                 document_ids: torch.Tensor | None = None, chunk: int = 0, input_ids: torch.Tensor | None = None):
         hidden, aux_loss = self.run_layers(inputs, position_ids, kv_caches, attention_mask, document_ids, chunk=chunk)
         if not self.chunk_is_last(chunk):
-            # The next stage receives the residual stream in the pipeline's dtype (megamoe.pipeline.stage_dtype);
-            # a no-op unless the stream was promoted past it (bf16 parameters under fp16 autocast).
-            return hidden.to(stage_hidden_dtype(self)), aux_loss
+            return hidden, aux_loss
         logits_local = self.logits(hidden)
         if labels is None:
             return logits_local, aux_loss

@@ -7,9 +7,7 @@ parameter dtype). So under fp32 parameters and bf16 autocast a stage's output is
 stages; a pipelined run then computes what one stage computes, in any layout. Megatron-LM's rule is the same:
 its p2p tensors are in ``pipeline_dtype`` = ``params_dtype`` (megatron/training/argument_utils.py), and in fp32
 under ``fp32_residual_connection``, "to match the dtype of the residual stream between pipeline stages"
-(megatron/core/transformer/transformer_config.py; read at commit d98e8a6 of 2026-08-22). A stage whose
-stream ends in another dtype (bf16 parameters under fp16 autocast promote to fp32) casts its output to this
-one (:meth:`megamoe.models.GPTMoEModel.forward`).
+(megatron/core/transformer/transformer_config.py; read at commit d98e8a6 of 2026-08-22).
 
 Gradients come back in the same dtype: the receiving stage's input is a leaf of that dtype, and autograd
 gives a tensor's gradient its dtype.
