@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MicroBatch", "micro_batches_on", "PackingConfig", "add_packing_arguments", "document_ids_of", "document_position_ids",
-           "packed_micro_batch", "packing_config_from_args", "packing_inputs"]
+__all__ = ["MicroBatch", "PackingConfig", "add_packing_arguments", "document_ids_of", "document_position_ids",
+           "micro_batches_on", "packed_micro_batch", "packing_config_from_args", "packing_inputs"]
 
 
 class MicroBatch(NamedTuple):
