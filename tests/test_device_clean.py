@@ -15,6 +15,9 @@ Values do not exist on meta: the library's host reads go through :mod:`megamoe.h
 documented meta assumptions keep the shapes consistent (every token sent to every EP rank, every pair
 dispatched, no padding, token 0 sampled), with torch's own
 ``meta_nonzero_assume_all_nonzero`` so that ``nonzero`` agrees; the step's metrics read as NaN.
+
+torch has no autocast on meta either: the cases under autocast run :class:`_MetaAutocast`, which casts the
+GEMMs' inputs as CUDA autocast does, so that the dtypes meeting in a stage and between stages are a GPU's.
 """
 
 from __future__ import annotations
@@ -148,7 +151,7 @@ def _meta_run(stray: _StrayCpuTensors | None = None):
 
 
 # (dispatcher, layout, expert slots, parameter dtype): bf16 takes the experts' torch._grouped_mm path, fp32
-# their per-slot GEMMs (autocast has no meta device: the dtypes are the parameters'); 6 slots for 4
+# their per-slot GEMMs (no autocast here: the dtypes are the parameters'); 6 slots for 4
 # experts replicate two of them (the replica gradient sum and its share of the gradient norm).
 LAYOUTS = {
     "alltoall-pp2-ep2-bf16": ("alltoall", dict(pp=2, ep=2), None, torch.bfloat16),

@@ -1,5 +1,6 @@
 """Training under different (tp, pp, dp, ep, etp) layouts reproduces the single-process loss curve,
-gradient norm and aux loss: in fp32 over a few steps, with replicated expert slots too, and in fp64
+gradient norm and aux loss: in fp32 over a few steps, with replicated expert slots too, at pp 2 under bf16
+autocast, and in fp64
 over 30 steps at TP 2 (fp32 rounding, amplified by training, makes long fp32 curves drift)."""
 
 import pytest
