@@ -891,7 +891,8 @@ def main(argv=None) -> int:
         num_samples = min(len(data.eval), args.eval_iters * args.global_batch) if args.eval_iters else None
         batches = eval_batches(data.eval, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                                dp_rank=state.dp.rank, dp_size=state.dp.size, num_samples=num_samples)
-        return evaluate_loss(model, state, packed([mb for step in batches for mb in step]), world_group=world_group)
+        return evaluate_loss(model, state, packed([mb for step in batches for mb in step]), world_group=world_group,
+                             autocast_dtype=trainer.autocast_dtype)
 
     health = HealthMonitor.resuming(plan.resume_from)
     if plan.resume_from is not None and health.reference_path != plan.resume_from:

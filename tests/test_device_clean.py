@@ -15,6 +15,9 @@ Values do not exist on meta: the library's host reads go through :mod:`megamoe.h
 documented meta assumptions keep the shapes consistent (every token sent to every EP rank, every pair
 dispatched, no padding, token 0 sampled), with torch's own
 ``meta_nonzero_assume_all_nonzero`` so that ``nonzero`` agrees; the step's metrics read as NaN.
+
+torch has no autocast on meta either: the cases under autocast run :class:`_MetaAutocast`, which casts the
+GEMMs' inputs as CUDA autocast does, so that the dtypes meeting in a stage and between stages are a GPU's.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx.experimental._config as fx_config
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from megamoe import comms
 from megamoe.gradients import main_grad
@@ -38,26 +43,93 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.models import GPTMoEModel
 from megamoe.moe.expert_migration import migrate_layer
 from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer.recompute import RECOMPUTE_MODULES, RecomputeConfig
 from parallel_state import destroy_model_parallel, initialize_model_parallel
-from test_training import E, MICRO_BATCH, S, tiny_config
+from test_training import E, MICRO_BATCH, S, V, tiny_config
 
 WORLD_SIZE = 4
 _EXPLICIT_COPIES = {"aten::_to_copy", "aten::copy_"}
 
 
+_POINT_TO_POINT = {"c10d::send", "c10d::recv_"}
+
+
 class _StrayCpuTensors(TorchDispatchMode):
     """Raise on an op that mixes CPU and meta tensors (other than an explicit copy) or on a collective
-    given a CPU tensor: where the library created a tensor without the model's device."""
+    given a CPU tensor: where the library created a tensor without the model's device. ``p2p_dtypes``:
+    the dtypes of the tensors point-to-point sends and receives were given (pipeline activations and
+    gradients, and their receive buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p2p_dtypes: set[torch.dtype] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        devices = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
         name = func._schema.name
         if "cpu" in devices and (("meta" in devices and name not in _EXPLICIT_COPIES) or func.namespace == "c10d"):
             raise AssertionError(f"{name} got a CPU tensor in a meta run: a tensor created without device=")
+        if name in _POINT_TO_POINT:
+            self.p2p_dtypes.update(t.dtype for t in tensors)
         return func(*args, **kwargs)
+
+
+class _MetaAutocast(TorchFunctionMode):
+    """``torch.autocast`` on the meta device, which torch has none for; :meth:`install` patches it in. Inside an
+    enabled meta region the GEMM-family functions of autocast's lower-precision list get their floating inputs
+    (fp64 aside) cast to the region's dtype, as CUDA autocast does; ``out=`` calls stay as they are (autocast
+    has no ``mm.out``: the experts' per-slot GEMMs on fp32 rows). Autocast's fp32 list is not emulated: it
+    widens intermediate results only. So the dtypes that meet at a stage's residual sums, its output and
+    the pipeline's messages are those of a CUDA step. ``casts`` counts the calls cast (a run that cast
+    nothing proved nothing)."""
+
+    _LOWER_PRECISION = {F.linear, F.scaled_dot_product_attention, torch.mm, torch.bmm, torch.matmul, torch.addmm,
+                        torch.baddbmm, torch.einsum, torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.matmul}
+
+    def __init__(self):
+        super().__init__()
+        self.regions: list[torch.dtype | None] = []     # the open meta regions, innermost last; None: disabled
+        self.casts = 0
+
+    @classmethod
+    def install(cls, monkeypatch) -> _MetaAutocast:
+        emulation, real_autocast, real_available = cls(), torch.autocast, torch.amp.is_autocast_available
+
+        def autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+            if device_type != "meta":
+                return real_autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            return _MetaAutocastRegion(emulation, dtype if enabled else None)
+
+        monkeypatch.setattr(torch, "autocast", autocast)
+        # The router opens a disabled region where autocast exists, to keep its GEMM in fp32.
+        monkeypatch.setattr(torch.amp, "is_autocast_available", lambda device: device == "meta" or real_available(device))
+        return emulation
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = self.regions[-1] if self.regions else None
+        if dtype is not None and func in self._LOWER_PRECISION and "out" not in kwargs:
+            self.casts += 1
+            args, kwargs = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                    and t.dtype != torch.float64 else t, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+class _MetaAutocastRegion:
+    """One ``torch.autocast("meta", ...)`` context (reusable, like torch's)."""
+
+    def __init__(self, emulation: _MetaAutocast, dtype: torch.dtype | None):
+        self.emulation, self.dtype = emulation, dtype
+
+    def __enter__(self):
+        self.emulation.regions.append(self.dtype)
+
+    def __exit__(self, *exc):
+        self.emulation.regions.pop()
 
 
 @contextlib.contextmanager
@@ -72,13 +144,14 @@ def _fake_rank(rank: int, **layout):
 
 
 @contextlib.contextmanager
-def _meta_run():
-    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), _StrayCpuTensors(), comms.comm_counter() as counter:
+def _meta_run(stray: _StrayCpuTensors | None = None):
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), stray or _StrayCpuTensors(), \
+            comms.comm_counter() as counter:
         yield counter
 
 
 # (dispatcher, layout, expert slots, parameter dtype): bf16 takes the experts' torch._grouped_mm path, fp32
-# their per-slot GEMMs (autocast has no meta device: the dtypes are the parameters'); 6 slots for 4
+# their per-slot GEMMs (no autocast here: the dtypes are the parameters'); 6 slots for 4
 # experts replicate two of them (the replica gradient sum and its share of the gradient norm).
 LAYOUTS = {
     "alltoall-pp2-ep2-bf16": ("alltoall", dict(pp=2, ep=2), None, torch.bfloat16),
@@ -268,6 +341,74 @@ def test_train_step_moves_host_micro_batches_to_the_model_device():
     assert all(p.grad is not None and p.grad.is_meta for p in model.parameters() if p.requires_grad)
 
 
+def _held_out_data(tmp_path, flag: str):
+    """The eval dataset of the script's ``--eval-fraction`` (held out of the training token file) or
+    ``--eval-data`` (a token file of its own): tiny documents of ids < V."""
+    from megamoe.data.training_data import build_train_eval_data
+    from test_blending import _documents_file
+    train = _documents_file(tmp_path / "train.bin", [[d % (V - 1) + 1] * 5 for d in range(24)])
+    if flag == "--eval-fraction":
+        return build_train_eval_data([train], seq_len=S, vocab_size=V, eval_fraction=0.25).eval
+    held_out = _documents_file(tmp_path / "eval.bin", [[d + 1] * 5 for d in range(8)])
+    return build_train_eval_data([train], seq_len=S, vocab_size=V, eval_paths=[held_out]).eval
+
+
+def _script_eval_micro_batches(held_out, state) -> list:
+    """This DP rank's eval micro-batches as examples/pretrain_moe.py hands them to evaluate_loss: on the host."""
+    from megamoe.data.eval_split import eval_batches
+    steps = eval_batches(held_out, global_batch_size=2 * MICRO_BATCH * state.dp.size, micro_batch_size=MICRO_BATCH,
+                         dp_rank=state.dp.rank, dp_size=state.dp.size)
+    micro_batches = [mb for step in steps for mb in step]
+    assert micro_batches and all(t.device.type == "cpu" for mb in micro_batches for t in mb)
+    return micro_batches
+
+
+@pytest.mark.parametrize("flag", ["--eval-fraction", "--eval-data"])
+def test_evaluation_moves_host_micro_batches_to_the_model_device(flag, tmp_path):
+    """evaluate_loss moves the script's eval micro-batches (host tensors read from the held-out data) to the
+    model's device, as the Trainer moves its training micro-batches."""
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config("alltoall", num_layers=2), state, device="meta")
+    micro_batches = _script_eval_micro_batches(_held_out_data(tmp_path, flag), state)
+    with _meta_run():
+        assert math.isnan(evaluate_loss(model, state, micro_batches)), "meta losses are not measured"
+
+
+# pp 2 under autocast: fp32 parameters under bf16 autocast (the CUDA default) with 1F1B and with the interleaved
+# schedule, and bf16 parameters under bf16 autocast. (layout, virtual pipeline stages, parameter dtype, autocast)
+AUTOCAST_PIPELINES = {
+    "pp2-ep2-fp32-bf16-autocast": (dict(pp=2, ep=2), 1, torch.float32, "bf16"),
+    "v2-pp2-ep2-fp32-bf16-autocast": (dict(pp=2, ep=2), 2, torch.float32, "bf16"),
+    "pp2-bf16-bf16-autocast": (dict(pp=2), 1, torch.bfloat16, "bf16"),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTOCAST_PIPELINES))
+def test_pipeline_under_autocast_on_meta_exchanges_the_parameter_dtype(name, monkeypatch, tmp_path):
+    """A training step and an evaluation (the script's --eval-fraction micro-batches, from the host) of pp 2
+    under autocast (:class:`_MetaAutocast`): the stages exchange activations and gradients in the parameters'
+    dtype (megamoe.pipeline.stage_dtype), on the model's device. One rank of each stage."""
+    layout, virtual_stages, dtype, autocast = AUTOCAST_PIPELINES[name]
+    emulation = _MetaAutocast.install(monkeypatch)
+    held_out = _held_out_data(tmp_path, "--eval-fraction")
+    for rank in (0, WORLD_SIZE - 1):
+        with _fake_rank(rank, **layout) as state:
+            model = GPTMoEModel(tiny_config("alltoall"), state, device="meta", dtype=dtype,
+                                virtual_pipeline_stages=virtual_stages)
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2, autocast=autocast), world_group=dist.group.WORLD)
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64)      # on the host, as a data loader's
+            stray = _StrayCpuTensors()
+            with emulation, _meta_run(stray) as counter:
+                trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)])
+                evaluate_loss(model, state, _script_eval_micro_batches(held_out, state), world_group=dist.group.WORLD,
+                              autocast_dtype=trainer.autocast_dtype)
+            assert emulation.casts > 0, "no GEMM ran under the emulated autocast"
+            kinds = counter.kinds()
+            assert kinds.get("send", 0) > 0 and kinds.get("recv", 0) > 0, kinds
+            assert stray.p2p_dtypes == {dtype}, f"rank {rank}: the pipeline exchanged {stray.p2p_dtypes}"
+
+
 def test_expert_rebalancing_round_on_meta_creates_every_tensor_on_the_model_device():
     """TrainConfig.eplb: the step records its loads into the window and the round reduces them and checks the
     placements over the world, all on the model's device (a meta run reads no load: nothing moves)."""
@@ -359,7 +500,6 @@ def test_interleaved_pipeline_training_step_on_meta_creates_every_tensor_on_the_
     """The interleaved schedule (V = 2 model chunks per rank): its tagged asynchronous sends, receive
     buffers and per-chunk steps stay on the model's device; an evaluation pass (padded to pp micro-batches)
     too."""
-    from megamoe.training.evaluation import evaluate_loss
     layout, model_fields, train_fields = INTERLEAVED[name]
     for rank in range(WORLD_SIZE):
         with _fake_rank(rank, **layout) as state:

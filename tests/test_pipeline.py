@@ -17,7 +17,7 @@ from torch import nn
 
 from megamoe import comms
 from megamoe.pipeline import (forward_backward, forward_backward_1f1b, forward_backward_no_pipelining,
-                              partition_layers)
+                              partition_layers, stage_hidden_dtype)
 from megamoe.testing import run_on_ranks
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 
@@ -174,6 +174,18 @@ def test_schedule_errors_name_the_problem():
     with pytest.raises(ValueError, match="pp_rank must be in"):
         forward_backward_1f1b(loss_step, 2, pp_group=None, pp_rank=1, pp_size=1, prev_rank=None, next_rank=None,
                               tensor_shape=SHAPE, dtype=torch.float32)
+
+
+def test_stage_hidden_dtype_is_the_parameters_whatever_kept_fp8_weights():
+    """The hidden states between stages are in the parameters' dtype (autocast aside); kept fp8 weights and
+    integer parameters hold no activations."""
+    stage = nn.Sequential(nn.Linear(4, 4).to(torch.float8_e4m3fn), nn.Linear(4, 4).to(torch.bfloat16))
+    assert stage_hidden_dtype(stage) == torch.bfloat16
+    assert stage_hidden_dtype(nn.Linear(4, 4)) == torch.float32
+    counter = nn.Module()
+    counter.count = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match="no floating-point parameter of 16 bits or more"):
+        stage_hidden_dtype(counter)
 
 
 def test_batch_send_recv_without_a_group():

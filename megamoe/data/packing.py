@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["MicroBatch", "PackingConfig", "add_packing_arguments", "document_ids_of", "document_position_ids",
-           "packed_micro_batch", "packing_config_from_args", "packing_inputs"]
+           "micro_batches_on", "packed_micro_batch", "packing_config_from_args", "packing_inputs"]
 
 
 class MicroBatch(NamedTuple):
@@ -51,6 +51,12 @@ class MicroBatch(NamedTuple):
         nothing of packing is never passed them for a plain micro-batch."""
         return {name: value for name, value in (("position_ids", self.position_ids),
                                                 ("document_ids", self.document_ids)) if value is not None}
+
+
+def micro_batches_on(micro_batches, device: torch.device | str) -> list[MicroBatch]:
+    """``micro_batches`` ((inputs, labels) pairs or :class:`MicroBatch` tuples, on any device) as MicroBatch
+    on ``device``: what the Trainer and evaluate_loss feed a model whose parameters are there."""
+    return [MicroBatch(*batch).to(device) for batch in micro_batches]
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 
@@ -210,9 +211,8 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
     for chunk in range(getattr(model, "virtual_pipeline_stages", 1)):
         chunk_inputs = inputs
         if not model.chunk_is_first(chunk):
-            dtype = next(model.parameters()).dtype
-            chunk_inputs = comms.recv(torch.empty(batch, seq, model.config.hidden_size, dtype=dtype, device=device),
-                                      prev_rank, state.pp.group)
+            buffer = torch.empty(batch, seq, model.config.hidden_size, dtype=stage_hidden_dtype(model), device=device)
+            chunk_inputs = comms.recv(buffer, prev_rank, state.pp.group)
         output = forward(model, chunk_inputs, positions, caches, attention_mask, token_mask, chunk)
         if model.chunk_is_last(chunk):
             logits = gather_vocab_parallel_logits(output, state.tp.group, model.config.vocab_size)   # [B, V]

@@ -8,6 +8,7 @@ import torch
 
 from megamoe import comms
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 
 __all__ = ["pipeline_logits"]
@@ -25,8 +26,7 @@ def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor, *, posit
     """
     batch, seq = input_ids.shape
     hidden_size = model.config.hidden_size
-    parameter = next(model.parameters())
-    dtype, device = parameter.dtype, parameter.device
+    dtype, device = stage_hidden_dtype(model), next(model.parameters()).device
     pp = state.pp
     # With virtual pipeline stages the hidden states go around the ring once per model chunk (the last
     # rank's chunk c feeds the first rank's chunk c + 1), one blocking send and its receive per hop.

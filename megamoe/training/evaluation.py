@@ -19,10 +19,11 @@ import torch
 
 from megamoe import comms
 from megamoe.data.eval_split import IGNORE_INDEX
-from megamoe.data.packing import MicroBatch
+from megamoe.data.packing import micro_batches_on
 from megamoe.host_values import host_floats
 from megamoe.models.sequence_parallel import stage_hidden_shape
 from megamoe.pipeline.schedule import forward_only
+from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.precision import upcast
 from megamoe.training.trainable_model import model_chunk_is_first, model_chunk_is_last
 
@@ -33,28 +34,32 @@ __all__ = ["evaluate_loss"]
 def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
                   autocast_dtype: torch.dtype | None = None) -> float:
     """Mean token loss of ``micro_batches`` (this DP rank's (inputs [mb, S], labels [mb, S]) pairs, or
-    :class:`~megamoe.data.packing.MicroBatch` objects), identical on every rank; one all-reduce over ``world_group``."""
+    :class:`~megamoe.data.packing.MicroBatch` objects, on any device: they are moved to the model's, like the
+    Trainer's), identical on every rank; one all-reduce over ``world_group``. ``autocast_dtype``: the forward
+    runs under autocast to it (the hidden states between stages stay in the parameters' dtype:
+    :mod:`megamoe.pipeline.stage_dtype`)."""
     if not micro_batches:
         raise ValueError("evaluate_loss needs at least one micro-batch on every rank")
     device = next(model.parameters()).device
+    micro_batches = micro_batches_on(micro_batches, device)
     autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
-    mb, seq = MicroBatch(*micro_batches[0]).inputs.shape
+    mb, seq = micro_batches[0].inputs.shape
 
     virtual_stages = getattr(model, "virtual_pipeline_stages", 1)
     if virtual_stages > 1 and len(micro_batches) % state.pp.size:
         # The interleaved schedule takes a multiple of pp micro-batches: pad with copies of the first whose
         # labels are all ignored (weight 0 in the mean below).
-        first = MicroBatch(*micro_batches[0])
+        first = micro_batches[0]
         padding = first._replace(labels=torch.full_like(first.labels, IGNORE_INDEX))
-        micro_batches = list(micro_batches) + [padding] * (-len(micro_batches) % state.pp.size)
+        micro_batches = micro_batches + [padding] * (-len(micro_batches) % state.pp.size)
 
     def chunk_step(chunk: int):
         first, last = model_chunk_is_first(model, chunk), model_chunk_is_last(model, chunk)
         keywords = {"chunk": chunk} if virtual_stages > 1 else {}
 
         def forward_step(input_tensor, index):
-            batch = MicroBatch(*micro_batches[index])
+            batch = micro_batches[index]
             with autocast:
                 out, _ = model(batch.inputs if first else input_tensor, labels=batch.labels if last else None,
                                **batch.packing_keywords(), **keywords)
@@ -66,9 +71,8 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
     was_training = model.training
     model.eval()
     try:
-        hidden_dtype = autocast_dtype or next(model.parameters()).dtype
         losses = forward_only(forward_step, len(micro_batches), state, stage_hidden_shape(model, state, mb, seq),
-                              hidden_dtype, device)
+                              stage_hidden_dtype(model), device)
     finally:
         model.train(was_training)
     # The loss lives on the last stage, identical over TP: one reporter per DP replica and CP rank. Under
@@ -77,7 +81,7 @@ def evaluate_loss(model, state, micro_batches: Sequence, *, world_group=None,
     totals = torch.zeros(2, dtype=torch.float64, device=device)             # [sum of token losses, tokens]
     if model.is_last_stage and state.tp.rank == 0:
         for loss, batch in zip(losses, micro_batches):
-            labelled = (MicroBatch(*batch).labels != IGNORE_INDEX).sum().to(device)
+            labelled = (batch.labels != IGNORE_INDEX).sum()
             # A micro-batch of padding only has a NaN mean: weight 0 must drop it, not multiply it.
             totals[0] += torch.where(labelled > 0, loss.double() * labelled / state.cp.size, 0.0)
             if state.cp.rank == 0:

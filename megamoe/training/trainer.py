@@ -92,7 +92,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megamoe import comms
-from megamoe.data.packing import MicroBatch
+from megamoe.data.packing import MicroBatch, micro_batches_on
 from megamoe.gradients import gradients
 from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
@@ -100,6 +100,7 @@ from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.models.sequence_parallel import counts_own_tokens, stage_hidden_shape
 from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.pipeline.schedule import forward_backward
+from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.precision import upcast
 from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.flops import training_flops
@@ -314,8 +315,14 @@ class Trainer:
             else:
                 logger.info("expert load balancing of MoE layers %s: %s", layer_ids, description)
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype of ``TrainConfig.autocast`` (None: none): evaluate_loss's ``autocast_dtype`` for an eval
+        loss measured as the model trains."""
+        return _AUTOCAST[self.config.autocast]
+
     def _autocast(self):
-        dtype = _AUTOCAST[self.config.autocast]
+        dtype = self.autocast_dtype
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
@@ -327,7 +334,7 @@ class Trainer:
         moved to the model's (a no-op for those already there)."""
         start = time.perf_counter()
         model, state = self.model, self.state
-        micro_batches = [MicroBatch(*batch).to(self.device) for batch in micro_batches]
+        micro_batches = micro_batches_on(micro_batches, self.device)
         num_mb = len(micro_batches)
         mb, seq = micro_batches[0].inputs.shape
         reset_peak_memory(self.device)
@@ -369,9 +376,10 @@ class Trainer:
 
         for reducer in self._overlapped:      # a previous step that raised mid-backward left nothing armed
             reducer.discard_pending()
-        hidden_dtype = _AUTOCAST[self.config.autocast] or next(model.parameters()).dtype
         # Between pipeline stages: [mb, S, H], or this rank's sequence chunk [mb, S / tp, H] under sequence
-        # parallelism (megamoe.models.sequence_parallel).
+        # parallelism (megamoe.models.sequence_parallel), in the parameters' dtype whatever the autocast
+        # (megamoe.pipeline.stage_dtype).
+        hidden_dtype = stage_hidden_dtype(model)
         hidden_shape = stage_hidden_shape(model, state, mb, seq)
         with PerLayerAuxLoss(model.moe_layers()) as layer_aux:
             losses = forward_backward(forward_step, num_mb, state, hidden_shape, hidden_dtype, self.device,
