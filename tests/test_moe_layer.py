@@ -1,12 +1,14 @@
 """MoELayer under every EP x ETP layout, slot count, dispatcher and CPU backend against the
 single-rank layer without replicas: outputs, input / router / shared-expert gradients, and expert
-gradients summed over each expert's replicas. Plus the collectives each paradigm issues."""
+gradients summed over each expert's replicas. Plus the collectives each paradigm issues, and its host
+reads: one per layer forward, none in backward."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megamoe import comms
+from megamoe.host_values import count_host_reads
 from megamoe.moe.moe_layer import MoEConfig, MoELayer
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
@@ -89,10 +91,12 @@ def _check_layer(state, config: MoEConfig, check_comms: bool):
     rows = slice(token_rank * T // token_ranks, (token_rank + 1) * T // token_ranks)
 
     x_local = x[rows].clone().requires_grad_()
-    with comms.comm_counter() as fwd:
+    with comms.comm_counter() as fwd, count_host_reads() as forward_reads:
         out, _ = layer(x_local)
-    with comms.comm_counter() as bwd:
+    with comms.comm_counter() as bwd, count_host_reads() as backward_reads:
         out.backward(dy[rows])
+    # One host read per layer forward (a sync on accelerators): the split sizes and rows per slot, together.
+    assert len(forward_reads) == 1 and not backward_reads, (forward_reads, backward_reads)
     _close(out, ref_out[rows], "output")
     _close(x_local.grad, ref_dx[rows], "input grad")
 
@@ -170,7 +174,8 @@ def _check_comm_volume(layer, config, state, x_local, fwd, bwd):
         dist.all_gather(all_counts, send_counts, group=state.ep.group)
         n_recv = int(sum(c[state.ep.rank] for c in all_counts))
         token_bytes = (n_send + n_recv) * H * 4                            # dispatch + return
-        metadata_bytes = state.ep.size * 8 + n_send * K * (8 + 4)          # counts, slot ids, weights
+        # counts (tokens and pairs per slot for each rank), slot ids, weights
+        metadata_bytes = state.ep.size * (1 + layer.placement.slots_per_rank) * 8 + n_send * K * (8 + 4)
         assert fwd.bytes("all_to_all") == token_bytes + metadata_bytes, (fwd.bytes("all_to_all"), n_send, n_recv)
         assert fwd.calls("all_to_all") == 5
     else:
