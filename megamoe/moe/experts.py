@@ -470,7 +470,7 @@ def _in_autocast_dtype(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | No
     there and they are in a wider floating type, as autocast casts a matmul's operands; else as they are. The
     casts are autograd ops: the gradients reach the originals in their own dtype."""
     device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype
