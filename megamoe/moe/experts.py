@@ -12,8 +12,10 @@ Backends (one interface, see :class:`GroupedExperts`):
 
 - ``torch``: one fused autograd function for the whole expert MLP: one grouped GEMM per projection
   (gate and up fused), hand-written backward that writes each gradient once, straight into its
-  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` on accelerators for bf16 rows (the dtype
-  its kernels and torch's meta checks accept; other dtypes take the per-slot loop below). On CPU it is
+  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` for bf16 rows where its kernels exist
+  (:func:`~megamoe.moe.grouped_mlp.grouped_mm_usable`; other dtypes and devices take the per-slot loop
+  below). Under autocast the rows and weights are cast once to the autocast dtype, so that training with
+  fp32 parameters and bf16 autocast runs the bf16 grouped GEMMs. On CPU it is
   one ``torch.mm(..., out=slice)`` per slot, each on all threads, the same serial loop as
   ``torch._grouped_mm`` on CPU but for any dtype (see :func:`_for_each_slot`; ``benchmarks/moe_layer.py``
   has both as rows).
