@@ -232,7 +232,7 @@ class AllToAllDispatcher(TokenDispatcher):
         # split sizes, and the rows of every local slot, which size the expert input and the experts' GEMMs.
         counts = forward_value(lambda: self._exchange_counts(sends, slot_ids))
         self._send_splits, self._recv_splits = counts[:self.ep_size], counts[self.ep_size:2 * self.ep_size]
-        self._rows_per_slot = counts[2 * self.ep_size:]
+        self.rows_per_slot = counts[2 * self.ep_size:]
         # The (rank, token) pairs to send, in that order: the first n_send entries of a stable sort of
         # "not sent" (the count is known: no nonzero).
         n_send = sum(self._send_splits)
@@ -291,8 +291,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _permute_received(self, recv_tokens, recv_local_slots, recv_weights):
         expert_input, tokens_per_slot, self._permutation = permute_by_slot(
-            recv_tokens, recv_local_slots, self.slots_per_rank, self._rows_per_slot, self.deterministic)
-        self._recv_weights, self.rows_per_slot = recv_weights, self._rows_per_slot
+            recv_tokens, recv_local_slots, self.slots_per_rank, self.rows_per_slot, self.deterministic)
+        self._recv_weights = recv_weights
         return expert_input, tokens_per_slot
 
     def combine(self, expert_output, shared_output=None, *, during=None):
