@@ -217,7 +217,8 @@ def test_deterministic_sums_equal_the_default_bit_for_bit_on_cpu(seed, drop_frac
     from megamoe.moe.row_sums import uses_deterministic_sums
     slot_ids = _slot_ids(seed, drop_fraction)
     g = torch.Generator().manual_seed(200 + seed)
-    tokens, weights, grad_out = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+    tokens, weights = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    grad_out = torch.randn(T, H, generator=g)
 
     def run(deterministic):
         x, w = tokens.clone().requires_grad_(), weights.clone().requires_grad_()

@@ -5,10 +5,10 @@ slot, or dropped by a capacity limit. They contribute nothing to the combine and
 routing-weight gradient.
 
 Each backward touches only the rows actually dispatched: the permutation is one row gather
-(backward: one sum into the ``[T, H]`` gradient, in fp32: :mod:`megamoe.moe.row_sums`), and the combine is a hand-written
-autograd function whose backward gathers the output gradient once per row and derives from it both
-the expert-output gradient and the routing-weight gradient; no zero-filled ``[T * K, H]`` gradient,
-no inverse permutation.
+(backward: one sum into the ``[T, H]`` gradient, in fp32: :mod:`megamoe.moe.row_sums`), and the combine
+is a hand-written autograd function whose backward gathers the output gradient once per row and derives
+from it both the expert-output gradient and the routing-weight gradient; no zero-filled ``[T * K, H]``
+gradient, no inverse permutation.
 """
 
 from __future__ import annotations
