@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 50 * 1000**3      # transformers 5.24's save_pretrained default ("50GB")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 # Engine choices, not part of the model: they may differ from what the HF config maps to.
-_ENGINE_FIELDS = ("num_expert_slots", "dispatcher", "expert_backend", "input_sharded", "shared_expert_overlap")
+_ENGINE_FIELDS = ("num_expert_slots", "dispatcher", "expert_backend", "input_sharded", "shared_expert_overlap",
+                  "deterministic")
 # How training balances the expert load: no weight depends on them, and a fine-tune may change them (a
 # checkpoint imported before config_from_hf set the training coefficients records 0).
 _TRAINING_ROUTER_FIELDS = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "expert_bias_update_rate")

@@ -305,3 +305,69 @@ def test_forward_per_pair_matches_grouped_forward_and_combine(activation, backen
     fp8_like.backend = "te"
     with pytest.raises(ValueError, match="forward_per_pair needs the 'torch' or 'loop' backend"):
         fp8_like.forward_per_pair(tokens, slot_ids, weights)
+
+
+class _RecordedGemms(torch.utils._python_dispatch.TorchDispatchMode):
+    """The GEMM ops run inside the block with the dtypes of their operands: (op name, (dtypes))."""
+
+    GEMMS = {"aten::mm", "aten::_grouped_mm", "aten::addmm", "aten::bmm"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.GEMMS:
+            self.calls.append((func._schema.name, tuple(a.dtype for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def _training_forward_backward(module, tokens, counts):
+    x = tokens.clone().requires_grad_()
+    with _RecordedGemms() as gemms:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x, counts)
+        out.float().square().sum().backward()
+    return out, x.grad, gemms.calls
+
+
+def test_autocast_training_runs_the_expert_gemms_in_bf16_through_grouped_mm(monkeypatch):
+    """Default training: fp32 parameters and fp32 rows (RMSNorm keeps the residual's dtype) under bf16
+    autocast. The rows and weights are cast once, and the grouped op runs forward and backward in bf16
+    where the availability check allows it (simulated: CPU has no grouped kernels of its own)."""
+    counts = torch.tensor([3, 0, 5, 1, 2])                   # slot 1 empty
+    hidden = 16                                               # torch._grouped_mm: 16-byte row strides in bf16
+    tokens = torch.randn(int(counts.sum()), hidden, generator=torch.Generator().manual_seed(3))
+    module = GroupedExperts(ExpertsConfig(5, hidden, 8, backend="torch"))
+    reference = module(tokens, counts)
+
+    monkeypatch.setattr("megamoe.moe.grouped_mlp.grouped_mm_applies", lambda device, dtype: dtype == torch.bfloat16)
+    out, dx, calls = _training_forward_backward(module, tokens, counts)
+    assert out.dtype == torch.bfloat16 and dx.dtype == torch.float32
+    assert module.w_gate_up.grad.dtype == torch.float32
+    assert calls and all(name == "aten::_grouped_mm" for name, _ in calls), calls
+    assert all(dtypes == (torch.bfloat16, torch.bfloat16, torch.int32) for _, dtypes in calls), calls
+    assert len(calls) == 6                                    # 2 forward, 4 backward (dX and dW of both)
+    assert torch.allclose(out.float(), reference, atol=0.02, rtol=0.02)
+    grouped = (dx, module.w_gate_up.grad.clone(), module.w_down.grad.clone())
+
+    monkeypatch.undo()                                        # CPU: the per-slot loop, also in bf16
+    module.zero_grad(set_to_none=True)
+    out_loop, dx_loop, calls = _training_forward_backward(module, tokens, counts)
+    assert calls and all(name == "aten::mm" and set(dtypes) == {torch.bfloat16} for name, dtypes in calls), calls
+    assert torch.equal(out_loop, out)
+    for a, b in zip((dx_loop, module.w_gate_up.grad, module.w_down.grad), grouped):
+        assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)
+
+
+def test_fp32_without_autocast_runs_the_fp32_slot_loop_unchanged():
+    from megamoe.moe.grouped_mlp import _grouped_mlp
+    counts = torch.tensor([3, 0, 5, 1, 2])
+    tokens = torch.randn(int(counts.sum()), H, generator=torch.Generator().manual_seed(4))
+    module = _load(_experts(), _full_weights(5, gated=True))
+    with _RecordedGemms() as gemms:
+        out = module(tokens, counts)
+    assert gemms.calls == [("aten::mm", (torch.float32, torch.float32))] * 8   # 4 slots with rows x 2
+    groups = SlotGroups.from_counts(counts, tokens.shape[0], use_grouped_mm=False)
+    with torch.no_grad():
+        assert torch.equal(out, _grouped_mlp(tokens, module.w_gate_up, module.w_down, groups, "swiglu")[0])

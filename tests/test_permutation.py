@@ -170,3 +170,73 @@ def test_bf16_combine_multiplies_by_the_fp32_weight_and_rounds_once():
         out.backward(torch.full((1, 4), 3.0, dtype=torch.bfloat16))
         assert x.grad.tolist() == [[exact] * 4], (name, x.grad)
         assert weights.grad.dtype == torch.float32 and weights.grad.item() == 36.0, (name, weights.grad)
+
+
+# ---- the sums: fp32 accumulation, and the deterministic mode ---------------------------------------------
+STEP = 2.0 ** -8        # half a bf16 ulp at 1.0: 1 + STEP rounds back to 1 in bf16, 1 + 2 * STEP does not
+
+
+def test_bf16_sums_accumulate_in_fp32_and_round_once():
+    """Three bf16 rows 1, 2^-8, 2^-8 of one token: added one by one in bf16 (as CUDA's atomics do) they give 1.0,
+    each 2^-8 lost; in fp32 1 + 2^-7, exact in bf16. Both the combine (sum_rows) and the gradient of the
+    dispatch gather. (The CPU's bf16 index_add_ already accumulates wider: the all-to-all combine's case, a sum
+    rounded to bf16 before the shared output was added, is in tests/test_moe_layer.py.)"""
+    from megamoe.moe.row_sums import sum_rows
+    rows = torch.tensor([[1.0], [STEP], [STEP]], dtype=torch.bfloat16)
+    assert ((rows[0] + rows[1]) + rows[2]).item() == 1.0
+    for deterministic in (False, True):
+        total = sum_rows(rows, torch.zeros(3, dtype=torch.int64), 1, max_per_out=3, deterministic=deterministic)
+        assert total.dtype == torch.float32 and total.bfloat16().item() == 1.0 + 2 * STEP
+
+        x = torch.ones(1, 1, dtype=torch.bfloat16, requires_grad=True)
+        gathered, _, _ = permute_by_slot(x, torch.tensor([[0, 1, 2]]), 3, deterministic=deterministic)
+        gathered.backward(rows)
+        assert x.grad.dtype == torch.bfloat16 and x.grad.item() == 1.0 + 2 * STEP, x.grad
+
+
+def _float_index_adds(run):
+    """The floating-point index_add calls ``run()`` makes (the integer counts are exact in any order)."""
+    calls = []
+
+    class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.startswith("aten::index_add") and args[0].is_floating_point():
+                calls.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        run()
+    return len(calls)
+
+
+@pytest.mark.parametrize("seed, drop_fraction", [(0, 0.0), (1, 0.3), (3, 1.0)])
+def test_deterministic_sums_equal_the_default_bit_for_bit_on_cpu(seed, drop_fraction):
+    """The deterministic mode adds each token's rows in row order without a scatter: on the CPU, whose
+    index_add_ goes row after row, the same values bit for bit (values and every gradient), with K = 3 rows per
+    token, where the order of the sum matters. Also when torch's deterministic algorithms ask for it."""
+    from megamoe.moe.row_sums import uses_deterministic_sums
+    slot_ids = _slot_ids(seed, drop_fraction)
+    g = torch.Generator().manual_seed(200 + seed)
+    tokens, weights = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    grad_out = torch.randn(T, H, generator=g)
+
+    def run(deterministic):
+        x, w = tokens.clone().requires_grad_(), weights.clone().requires_grad_()
+        rows, _, state = permute_by_slot(x, slot_ids, S, deterministic=deterministic)
+        out = unpermute_and_combine(torch.tanh(rows) * 3.0, w, state)
+        out.backward(grad_out)
+        return out, x.grad, w.grad
+
+    default, deterministic = run(False), run(True)
+    for a, b in zip(default, deterministic):
+        assert torch.equal(a, b)
+    assert _float_index_adds(lambda: run(True)) == 0
+    if drop_fraction < 1.0:
+        assert _float_index_adds(lambda: run(False)) == 2          # the combine and the token gradient
+    assert not uses_deterministic_sums(False)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert uses_deterministic_sums(False)
+        assert _float_index_adds(lambda: run(False)) == 0
+    finally:
+        torch.use_deterministic_algorithms(False)

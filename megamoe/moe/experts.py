@@ -12,8 +12,10 @@ Backends (one interface, see :class:`GroupedExperts`):
 
 - ``torch``: one fused autograd function for the whole expert MLP: one grouped GEMM per projection
   (gate and up fused), hand-written backward that writes each gradient once, straight into its
-  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` on accelerators for bf16 rows (the dtype
-  its kernels and torch's meta checks accept; other dtypes take the per-slot loop below). On CPU it is
+  stacked buffer. The grouped GEMM is ``torch._grouped_mm`` for bf16 rows where its kernels exist
+  (:func:`~megamoe.moe.grouped_mlp.grouped_mm_applies`; other dtypes and devices take the per-slot loop
+  below). Under autocast the rows and weights are cast once to the autocast dtype, so that training with
+  fp32 parameters and bf16 autocast runs the bf16 grouped GEMMs. On CPU it is
   one ``torch.mm(..., out=slice)`` per slot, each on all threads, the same serial loop as
   ``torch._grouped_mm`` on CPU but for any dtype (see :func:`_for_each_slot`; ``benchmarks/moe_layer.py``
   has both as rows).
@@ -233,9 +235,16 @@ class GroupedExperts(nn.Module):
         return requested
 
     # ---- forward ------------------------------------------------------------------------------
-    def forward(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor,
+                rows_per_slot: list[int] | None = None) -> torch.Tensor:
         """``tokens_sorted`` [N, H], rows grouped by local slot (slot 0's first), ``tokens_per_slot``
-        [S_local] int64 (sums to N) -> [N, H], a partial sum over the ETP group when ``etp_size > 1``."""
+        [S_local] int64 (sums to N) -> [N, H], a partial sum over the ETP group when ``etp_size > 1``.
+        ``rows_per_slot``: the same counts as host ints when the caller already read them (the dispatcher
+        does), so that no path here reads them again.
+
+        Under autocast the ``torch`` backend casts the rows and the weights to the autocast dtype once, as
+        autocast does for a matmul (``torch.mm(out=)`` and ``torch._grouped_mm`` are not autocast ops), so
+        that bf16 autocast runs the bf16 grouped GEMMs; the output is in that dtype."""
         cfg = self.config
         if tokens_sorted.dim() != 2 or tokens_sorted.shape[1] != cfg.hidden_size:
             raise ValueError(f"tokens_sorted must be [N, {cfg.hidden_size}], got {tuple(tokens_sorted.shape)}")
@@ -246,27 +255,29 @@ class GroupedExperts(nn.Module):
         if self.backend == "te":
             return self._forward_te(tokens_sorted, tokens_per_slot)
         if self.weight_quantization is not None or (cfg.fp8 is not None and cfg.fp8.recipe == "block"):
-            return block_fp8_experts.kept_forward(self, tokens_sorted, _host_sizes(tokens_per_slot, len(tokens_sorted)),
-                                                  self._activate)
+            sizes = _host_sizes(tokens_per_slot, len(tokens_sorted), rows_per_slot)
+            return block_fp8_experts.kept_forward(self, tokens_sorted, sizes, self._activate)
         if tokens_sorted.dtype != self.w_gate_up.dtype:
             raise ValueError(f"tokens_sorted is {tokens_sorted.dtype} but the expert weights are "
                              f"{self.w_gate_up.dtype}: cast one of them")
         if cfg.fp8 is not None:
             return self._forward_fp8(tokens_sorted, tokens_per_slot)
-        if self.backend == "loop":
-            sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
+        if self.backend == "loop":            # F.linear: autocast casts per GEMM
+            sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0], rows_per_slot)
             biases = {} if self.b_gate_up is None else dict(
                 gate_up_biases=self.b_gate_up.unbind(0), down_biases=self.b_down.unbind(0),
                 add_down_bias=self.adds_down_bias)
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
                              self.activation, recompute_activation=self.recompute_activation, **biases)
-        groups = SlotGroups.from_counts(tokens_per_slot.to(tokens_sorted.device), tokens_sorted.shape[0],
-                                        dtype=tokens_sorted.dtype)
-        biases = (self.b_gate_up, self.b_down, self.adds_down_bias)
+        tokens, w_gate_up, w_down, b_gate_up, b_down = _in_autocast_dtype(
+            tokens_sorted, self.w_gate_up, self.w_down, self.b_gate_up, self.b_down)
+        groups = SlotGroups.from_counts(tokens_per_slot.to(tokens.device), tokens.shape[0], dtype=tokens.dtype,
+                                        known_sizes=rows_per_slot)
+        biases = (b_gate_up, b_down, self.adds_down_bias)
         if torch.is_grad_enabled():
-            return GroupedMLPFunction.apply(tokens_sorted, self.w_gate_up, self.w_down, groups, self.activation,
+            return GroupedMLPFunction.apply(tokens, w_gate_up, w_down, groups, self.activation,
                                             self.recompute_activation, *biases)
-        return _grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, groups, self.activation, *biases)[0]
+        return _grouped_mlp(tokens, w_gate_up, w_down, groups, self.activation, *biases)[0]
 
     @property
     def supports_per_pair(self) -> bool:
@@ -454,6 +465,18 @@ class GroupedExperts(nn.Module):
         c = self.config
         return (f"slots={c.num_local_slots}, hidden={c.hidden_size}, ffn={c.ffn_hidden_size}, "
                 f"activation={c.activation}, backend={self.backend}, etp={c.etp_rank}/{c.etp_size}")
+
+
+def _in_autocast_dtype(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` (the first one the rows) cast to the autocast dtype of the rows' device when autocast is on
+    there and they are in a wider floating type, as autocast casts a matmul's operands; else as they are. The
+    casts are autograd ops: the gradients reach the originals in their own dtype."""
+    device_type = tensors[0].device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype
+                 and t.element_size() > torch.finfo(dtype).bits // 8 else t for t in tensors)
 
 
 @torch.no_grad()

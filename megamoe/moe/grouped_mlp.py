@@ -14,21 +14,24 @@ from typing import Callable
 
 import torch
 
-from megamoe.host_values import host_ints
+from megamoe.host_values import even_split, host_ints
 from megamoe.moe.expert_activations import activation_backward as _activation_backward
 from megamoe.moe.expert_activations import activation_forward as _activation_forward
 from megamoe.moe.kernel_probes import grouped_mm_problem, log_fallback
 
 __all__ = ["SlotGroups", "GroupedMLPFunction", "grouped_linear", "grouped_linear_input_grad",
-           "grouped_linear_weight_grad"]
+           "grouped_linear_weight_grad", "grouped_mm_applies"]
 
 
 # ---- row counts on the host (the loop backend, the per-slot GEMMs) ------------------------------
-def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int) -> list[int]:
-    # A meta dry run (see megamoe.host_values) spreads the rows evenly over the slots.
+def _host_sizes(tokens_per_slot: torch.Tensor, num_rows: int, known: list[int] | None = None) -> list[int]:
+    """The rows of every slot as host ints: ``known`` (the counts the dispatcher already read, checked
+    against ``num_rows``) or one host read. A meta dry run (see megamoe.host_values) spreads the rows
+    evenly over the slots."""
     num_slots = tokens_per_slot.numel()
-    even = [num_rows // num_slots + (s < num_rows % num_slots) for s in range(num_slots)]
-    sizes = host_ints(tokens_per_slot, on_meta=even)
+    if known is not None and len(known) != num_slots:
+        raise ValueError(f"rows_per_slot has {len(known)} entries for {num_slots} slots")
+    sizes = list(known) if known is not None else host_ints(tokens_per_slot, on_meta=even_split(num_rows, num_slots))
     if sum(sizes) != num_rows or min(sizes) < 0:
         raise ValueError(f"tokens_per_slot {sizes} must be >= 0 and sum to the number of rows ({num_rows})")
     return sizes
@@ -50,25 +53,27 @@ class SlotGroups:
 
     @classmethod
     def from_counts(cls, tokens_per_slot: torch.Tensor, num_rows: int, use_grouped_mm: bool | None = None,
-                    dtype: torch.dtype | None = None):
-        """``use_grouped_mm`` defaults to "not on CPU, the rows' ``dtype`` is bf16, and ``torch._grouped_mm``
-        runs on this device" (:func:`~megamoe.moe.kernel_probes.grouped_mm_problem`; else the per-slot loop,
-        with the reason logged once)."""
+                    dtype: torch.dtype | None = None, known_sizes: list[int] | None = None):
+        """``use_grouped_mm`` defaults to :func:`grouped_mm_applies` for the rows' device and ``dtype`` (else
+        the per-slot loop, with the reason logged once). ``known_sizes``: the rows of every slot when the
+        caller already read them (no host read here)."""
         if use_grouped_mm is None:
             use_grouped_mm = grouped_mm_applies(tokens_per_slot.device, dtype)
         offsets = torch.cumsum(tokens_per_slot, dim=0, dtype=torch.int32)
         if use_grouped_mm:
             if tokens_per_slot.device.type == "cpu":
-                _host_sizes(tokens_per_slot, num_rows)
+                _host_sizes(tokens_per_slot, num_rows, known_sizes)
             else:
                 torch._assert_async(offsets[-1] == num_rows)
             return cls(tokens_per_slot, offsets, None, num_rows)
-        return cls(tokens_per_slot, offsets, _host_sizes(tokens_per_slot, num_rows), num_rows)
+        return cls(tokens_per_slot, offsets, _host_sizes(tokens_per_slot, num_rows, known_sizes), num_rows)
 
 
 def grouped_mm_applies(device: torch.device, dtype: torch.dtype | None) -> bool:
-    """Whether bf16 rows on ``device`` take ``torch._grouped_mm``: not on CPU (the per-slot loop is as fast
-    there), not for other dtypes (its kernels and meta checks take bf16), not where it cannot run."""
+    """Whether the grouped GEMMs of rows of ``dtype`` on ``device`` go to ``torch._grouped_mm``: not on CPU (the
+    per-slot loop is as fast there), not for other dtypes (its kernels and meta checks take bf16), not where it
+    cannot run (:func:`~megamoe.moe.kernel_probes.grouped_mm_problem`; the meta device stands in for a GPU).
+    Everywhere else the per-slot ``torch.mm`` loop runs, which is correct on any device."""
     if device.type == "cpu" or dtype != torch.bfloat16:
         return False
     problem = grouped_mm_problem(device)

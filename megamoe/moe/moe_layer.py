@@ -95,6 +95,10 @@ class MoEConfig:
     # shared experts while it is in flight (megamoe.comms.async_collectives). An engine field: a checkpoint
     # resumes with either choice; results are bit-identical.
     shared_expert_overlap: bool = False
+    # Add the combine's rows (and the token gradients) in a fixed order, without atomics, as torch's
+    # use_deterministic_algorithms(True) also asks (megamoe.moe.row_sums): reproducible on CUDA run to run.
+    # An engine field; on the CPU both orders are bit-identical.
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size < 1:
@@ -110,8 +114,9 @@ class MoEConfig:
             raise ValueError("MoEConfig.input_sharded applies to dispatcher='allgather' only")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None, got {self.capacity_factor}")
-        if not isinstance(self.shared_expert_overlap, bool):
-            raise ValueError(f"MoEConfig.shared_expert_overlap must be a bool, got {self.shared_expert_overlap!r}")
+        for name in ("shared_expert_overlap", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.shared_experts is not None and self.shared_experts.hidden_size != self.router.hidden_size:
             raise ValueError("MoEConfig.shared_experts.hidden_size must equal router.hidden_size")
 
@@ -285,9 +290,10 @@ class MoELayer(nn.Module):
         sharded = self.sequence_group is not None
         if config.dispatcher == "allgather":
             return AllGatherDispatcher(config.num_expert_slots, ep_group=self.ep_group,
-                                       expert_group=self.expert_group, input_sharded=config.input_sharded or sharded)
+                                       expert_group=self.expert_group, input_sharded=config.input_sharded or sharded,
+                                       deterministic=config.deterministic)
         return AllToAllDispatcher(config.num_expert_slots, ep_group=self.ep_group, etp_group=self.etp_group,
-                                  input_sharded=sharded)
+                                  input_sharded=sharded, deterministic=config.deterministic)
 
     def _tag_sequence_parallel(self) -> None:
         """Sequence parallelism: tag the parameters whose gradient each TP rank gets from its own tokens
@@ -495,17 +501,25 @@ class MoELayer(nn.Module):
                     gate = self.dispatcher.to_token_view(gate)
                 hidden = self.shared_experts.up(self.dispatcher.token_view)
             expert_input, tokens_per_slot = self.dispatcher.dispatch_finish()
-            expert_output = self.experts(expert_input, tokens_per_slot)
+            expert_output = self._run_experts(expert_input, tokens_per_slot)
 
             def shared_down():
                 with comms.timed("shared_experts_down", tag="moe"):
                     return self.shared_experts.down(hidden, gate)
             return self.dispatcher.combine(expert_output, during=shared_down)
         expert_input, tokens_per_slot = self.dispatcher.dispatch(x, slot_ids, weights)
-        expert_output = self.experts(expert_input, tokens_per_slot)        # grouped GEMMs
+        expert_output = self._run_experts(expert_input, tokens_per_slot)   # grouped GEMMs
         with comms.timed("shared_experts", tag="moe"):
             shared_output = self._shared_experts_partial(x)
         return self.dispatcher.combine(expert_output, shared_output)        # weighted sum + ONE reduction
+
+    def _run_experts(self, expert_input: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
+        """The shipped experts also get the rows per slot the dispatcher read on the host (no second read);
+        custom ones (``build_experts``) the documented two arguments."""
+        rows_per_slot = getattr(self.dispatcher, "rows_per_slot", None)
+        if isinstance(self.experts, GroupedExperts) and rows_per_slot is not None:
+            return self.experts(expert_input, tokens_per_slot, rows_per_slot=rows_per_slot)
+        return self.experts(expert_input, tokens_per_slot)
 
     def _overlaps_shared_experts(self) -> bool:
         return (self.config.shared_expert_overlap and self.shared_experts is not None

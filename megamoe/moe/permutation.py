@@ -4,11 +4,11 @@ Pairs whose slot id is -1 (or any id outside ``[0, num_slots)``) are not dispatc
 slot, or dropped by a capacity limit. They contribute nothing to the combine and get a zero
 routing-weight gradient.
 
-Each backward touches only the rows actually dispatched: the permutation is one ``index_select``
-(backward: one ``index_add_`` into the ``[T, H]`` gradient), and the combine is a hand-written
-autograd function whose backward gathers the output gradient once per row and derives from it both
-the expert-output gradient and the routing-weight gradient; no zero-filled ``[T * K, H]`` gradient,
-no inverse permutation.
+Each backward touches only the rows actually dispatched: the permutation is one row gather
+(backward: one sum into the ``[T, H]`` gradient, in fp32: :mod:`megamoe.moe.row_sums`), and the combine
+is a hand-written autograd function whose backward gathers the output gradient once per row and derives
+from it both the expert-output gradient and the routing-weight gradient; no zero-filled ``[T * K, H]``
+gradient, no inverse permutation.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe.host_values import host_ints
+from megamoe.host_values import even_split, host_ints
+from megamoe.moe.row_sums import gather_rows, sum_rows
 
-__all__ = ["PermutationState", "sort_by_slot", "permute_by_slot", "unpermute_and_combine"]
+__all__ = ["PermutationState", "sort_by_slot", "pairs_per_slot", "permute_by_slot", "unpermute_and_combine"]
 
 
 @dataclass
@@ -29,6 +30,8 @@ class PermutationState:
     token_index: torch.Tensor   # [N] int64 source token row of each permuted row
     pair_index: torch.Tensor    # [N] int64 flat index (t * K + k) of each permuted row's pair
     num_tokens: int
+    rows_per_slot: list[int] | None = None      # host ints: the rows of every slot (they sum to N)
+    deterministic: bool = False                 # the sums in a fixed order (megamoe.moe.row_sums)
 
 
 def sort_by_slot(slot_ids_flat: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,23 +51,42 @@ def sort_by_slot(slot_ids_flat: torch.Tensor, num_slots: int) -> tuple[torch.Ten
     return permutation, slot_starts.diff()
 
 
-def permute_by_slot(tokens: torch.Tensor, slot_ids: torch.Tensor, num_slots: int):
+def pairs_per_slot(slot_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[num_slots] int64: how many of the pairs ``slot_ids`` (any shape; ids outside ``[0, num_slots)`` are
+    not counted) go to each slot. No host read (an integer sum: the same in any order)."""
+    flat = slot_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_slots)
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=flat.device)
+    return counts.index_add_(0, torch.where(valid, flat, num_slots), torch.ones_like(flat))[:num_slots]
+
+
+def permute_by_slot(tokens: torch.Tensor, slot_ids: torch.Tensor, num_slots: int,
+                    rows_per_slot: list[int] | None = None, deterministic: bool = False):
     """tokens [T, H], slot_ids [T, K] (-1 = skip) -> (rows [N, H] grouped by slot in ascending order,
     stable in (token, k) order; tokens_per_slot [num_slots] int64; state for the combine).
 
-    Gradients flow to ``tokens`` (one scatter-add of the N row gradients). Reads the number of
-    dispatched pairs N on the host (one sync on accelerators: the output size depends on it).
+    Gradients flow to ``tokens`` (one scatter-add of the N row gradients). The output size depends on the
+    number of dispatched pairs: ``rows_per_slot`` gives them when the caller already holds them on the host
+    (the all-to-all dispatcher receives them with its split sizes); otherwise they are read here, all slots
+    in one read (one sync on accelerators). Either way ``state.rows_per_slot`` keeps them, so that the
+    experts need no read of their own. The token gradient and the combine sum in fp32, in a fixed order
+    with ``deterministic`` (:mod:`megamoe.moe.row_sums`).
     """
     if slot_ids.dim() != 2 or slot_ids.shape[0] != tokens.shape[0]:
         raise ValueError(f"slot_ids must be [T, K] with T = {tokens.shape[0]}, got {tuple(slot_ids.shape)}")
     top_k = slot_ids.shape[1]
     permutation, tokens_per_slot = sort_by_slot(slot_ids.reshape(-1), num_slots)
-    num_rows = host_ints(tokens_per_slot.sum(), on_meta=[slot_ids.numel()])[0]   # meta: every pair valid
+    if rows_per_slot is None:     # meta: every pair valid, spread evenly over the slots
+        rows_per_slot = host_ints(tokens_per_slot, on_meta=even_split(slot_ids.numel(), num_slots))
+    elif len(rows_per_slot) != num_slots:
+        raise ValueError(f"rows_per_slot has {len(rows_per_slot)} entries for {num_slots} slots")
+    num_rows = sum(rows_per_slot)
     pair_index = permutation[:num_rows]
     token_index = torch.div(pair_index, top_k, rounding_mode="floor")
-    # index_select's backward is exactly one index_add_ into a [T, H] buffer (the gradient's size).
-    rows = tokens.index_select(0, token_index)
-    return rows, tokens_per_slot, PermutationState(token_index, pair_index, tokens.shape[0])
+    # The gather's backward is one sum into a [T, H] buffer (the gradient's size).
+    rows = gather_rows(tokens, token_index, max_per_row=top_k, deterministic=deterministic)
+    return rows, tokens_per_slot, PermutationState(token_index, pair_index, tokens.shape[0], list(rows_per_slot),
+                                                   deterministic)
 
 
 def unpermute_and_combine(expert_output: torch.Tensor, weights: torch.Tensor, state: PermutationState):
@@ -77,16 +99,17 @@ def unpermute_and_combine(expert_output: torch.Tensor, weights: torch.Tensor, st
     if weights.dim() != 2 or weights.shape[0] != state.num_tokens:
         raise ValueError(f"weights must be [{state.num_tokens}, K], got {tuple(weights.shape)}")
     if torch.is_grad_enabled():
-        return _WeightedCombine.apply(expert_output, weights, state.token_index, state.pair_index)
-    return _weighted_combine(expert_output, weights, state.token_index, state.pair_index)[0]   # inference
+        return _WeightedCombine.apply(expert_output, weights, state.token_index, state.pair_index, state.deterministic)
+    return _weighted_combine(expert_output, weights, state.token_index, state.pair_index,   # inference
+                             state.deterministic)[0]
 
 
-def _weighted_combine(expert_output, weights, token_index, pair_index):
+def _weighted_combine(expert_output, weights, token_index, pair_index, deterministic):
     """(out [T, H], row_weights [N] in the accumulation dtype): see :class:`_WeightedCombine`."""
     acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
     row_weights = weights.reshape(-1).index_select(0, pair_index).to(acc_dtype)    # [N]
-    out = torch.zeros(weights.shape[0], expert_output.shape[1], dtype=acc_dtype, device=expert_output.device)
-    out.index_add_(0, token_index, expert_output.to(acc_dtype) * row_weights.unsqueeze(1))
+    out = sum_rows(expert_output.to(acc_dtype) * row_weights.unsqueeze(1), token_index, weights.shape[0],
+                   max_per_out=weights.shape[1], deterministic=deterministic)
     return out.to(expert_output.dtype), row_weights
 
 
@@ -104,8 +127,8 @@ class _WeightedCombine(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, expert_output, weights, token_index, pair_index):
-        out, row_weights = _weighted_combine(expert_output, weights, token_index, pair_index)
+    def forward(ctx, expert_output, weights, token_index, pair_index, deterministic):
+        out, row_weights = _weighted_combine(expert_output, weights, token_index, pair_index, deterministic)
         ctx.save_for_backward(expert_output, row_weights, token_index, pair_index)
         ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
         return out
@@ -127,4 +150,4 @@ class _WeightedCombine(torch.autograd.Function):
                 grad_expert_output = grad_rows.mul_(row_weights.unsqueeze(1))
             else:        # the product in the weights' precision, rounded once (see the class docstring)
                 grad_expert_output = (grad_rows.to(row_weights.dtype) * row_weights.unsqueeze(1)).to(grad_rows.dtype)
-        return grad_expert_output, grad_weights, None, None
+        return grad_expert_output, grad_weights, None, None, None

@@ -14,6 +14,15 @@ the all-gather paradigm, this rank's tokens for all-to-all); a shared expert sha
 gate) into that view with gradients that are complete on the rank owning the token.
 
 Pairs whose slot id is -1 (dropped by a capacity limit) are never dispatched.
+
+Host reads: a dispatch reads data-dependent sizes on the host ONCE (a synchronisation on accelerators): the
+all-to-all's split sizes together with the rows of every local slot, which size the expert input and the
+experts' GEMMs (``rows_per_slot``, passed on to the experts); the all-gather dispatcher's per-slot rows (with
+sharded input, together with every rank's token count). A recomputed dispatch (activation recomputation)
+reuses its forward's read (:func:`megamoe.transformer.recompute.forward_value`) and skips the count exchange.
+
+Sums: the combine and the token gradients add rows in fp32 and round once; ``deterministic`` (or torch's
+deterministic algorithms) adds them in a fixed order (:mod:`megamoe.moe.row_sums`).
 """
 
 from __future__ import annotations
@@ -22,8 +31,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
-from megamoe.host_values import host_ints
-from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
+from megamoe.host_values import even_split, host_ints
+from megamoe.moe.permutation import pairs_per_slot, permute_by_slot, unpermute_and_combine
+from megamoe.moe.row_sums import gather_rows, sum_rows
+from megamoe.transformer.recompute import forward_value
 
 __all__ = ["TokenDispatcher", "AllGatherDispatcher", "AllToAllDispatcher"]
 
@@ -33,9 +44,12 @@ class TokenDispatcher:
 
     reduce_group: ProcessGroup | None
     token_view: torch.Tensor | None = None
+    # Host ints: the rows of every local slot in the last dispatch's expert input (None: not read).
+    rows_per_slot: list[int] | None = None
 
-    def __init__(self, num_slots: int, ep_group: ProcessGroup | None):
+    def __init__(self, num_slots: int, ep_group: ProcessGroup | None, deterministic: bool = False):
         self.ep_group = ep_group
+        self.deterministic = deterministic
         self.ep_size, self.ep_rank = comms.group_size(ep_group), comms.group_rank(ep_group)
         if num_slots % self.ep_size:
             raise ValueError(f"num_slots ({num_slots}) must be a multiple of the EP size ({self.ep_size})")
@@ -79,8 +93,8 @@ class AllGatherDispatcher(TokenDispatcher):
     """
 
     def __init__(self, num_slots: int, *, ep_group: ProcessGroup | None = None,
-                 expert_group: ProcessGroup | None = None, input_sharded: bool = False):
-        super().__init__(num_slots, ep_group)
+                 expert_group: ProcessGroup | None = None, input_sharded: bool = False, deterministic: bool = False):
+        super().__init__(num_slots, ep_group, deterministic)
         if comms.group_size(expert_group) % self.ep_size:
             raise ValueError(f"expert_group size ({comms.group_size(expert_group)}) must be a multiple of the "
                              f"EP size ({self.ep_size}): pass the EP x ETP group")
@@ -101,8 +115,9 @@ class AllGatherDispatcher(TokenDispatcher):
         return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
 
     def dispatch(self, x, slot_ids, weights):
+        rows_per_slot = None
         if self.input_sharded:
-            self._tokens_per_rank = comms.all_gather_sizes(x.shape[0], self.reduce_group, x.device)
+            self._tokens_per_rank, rows_per_slot = forward_value(lambda: self._exchange_counts(x, slot_ids))
         self.token_view = self.to_token_view(x)                          # [T_all, H]
         if self.input_sharded:                                           # no grad: integer ids
             slot_ids = comms.all_gather_into(slot_ids, self.reduce_group, sizes=self._tokens_per_rank)
@@ -110,16 +125,34 @@ class AllGatherDispatcher(TokenDispatcher):
         local_slot_ids = slot_ids - self.first_local_slot
         local_slot_ids = local_slot_ids.masked_fill(
             (slot_ids < 0) | (local_slot_ids < 0) | (local_slot_ids >= self.slots_per_rank), -1)
+        if rows_per_slot is None:       # the one host read (replayed by a recomputation)
+            rows_per_slot = forward_value(lambda: host_ints(
+                pairs_per_slot(local_slot_ids, self.slots_per_rank),
+                on_meta=even_split(local_slot_ids.numel(), self.slots_per_rank)))
         expert_input, tokens_per_slot, self._permutation = permute_by_slot(
-            self.token_view, local_slot_ids, self.slots_per_rank)
+            self.token_view, local_slot_ids, self.slots_per_rank, rows_per_slot, self.deterministic)
+        self.rows_per_slot = rows_per_slot
         self._weights = weights
         return expert_input, tokens_per_slot
+
+    def _exchange_counts(self, x, slot_ids) -> tuple[list[int], list[int]]:
+        """Sharded input: (every rank's token count, the rows of every local slot), from ONE all-gather of each
+        rank's token count and pairs per slot, and one host read."""
+        group_size = comms.group_size(self.reduce_group)
+        counts = torch.cat([torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device),
+                            pairs_per_slot(slot_ids, self.num_slots)])
+        gathered = comms.all_gather_into(counts.unsqueeze(0), self.reduce_group).view(group_size, -1)
+        local = gathered[:, 1 + self.first_local_slot:1 + self.first_local_slot + self.slots_per_rank].sum(0)
+        # Meta: every rank as many tokens as this one, every pair valid (see megamoe.host_values).
+        values = host_ints(torch.cat([gathered[:, 0], local]), on_meta=[x.shape[0]] * group_size + even_split(
+            group_size * slot_ids.numel(), self.slots_per_rank))
+        return values[:group_size], values[group_size:]
 
     def combine(self, expert_output, shared_output=None):
         out = unpermute_and_combine(expert_output, self._weights, self._permutation)  # [T_all, H]
         if shared_output is not None:
             out = out + shared_output
-        self._permutation = self._weights = self.token_view = None
+        self._permutation = self._weights = self.token_view = self.rows_per_slot = None
         if self.input_sharded:
             tokens_per_rank, self._tokens_per_rank = self._tokens_per_rank, None
             return comms.reduce_scatter_to_sequence_parallel_region(out, self.reduce_group, sizes=tokens_per_rank)
@@ -147,8 +180,8 @@ class AllToAllDispatcher(TokenDispatcher):
     """
 
     def __init__(self, num_slots: int, *, ep_group: ProcessGroup | None = None,
-                 etp_group: ProcessGroup | None = None, input_sharded: bool = False):
-        super().__init__(num_slots, ep_group)
+                 etp_group: ProcessGroup | None = None, input_sharded: bool = False, deterministic: bool = False):
+        super().__init__(num_slots, ep_group, deterministic)
         self.reduce_group = etp_group
         self.input_sharded = input_sharded and comms.group_size(etp_group) > 1
 
@@ -181,45 +214,49 @@ class AllToAllDispatcher(TokenDispatcher):
         num_tokens, top_k = slot_ids.shape
         if self.ep_size == 1:
             # Every slot is local: the exchange is the identity, so skip its bookkeeping (which
-            # dominates small batches, e.g. decoding).
+            # dominates small batches, e.g. decoding). The one host read: the rows of every slot.
+            rows_per_slot = forward_value(lambda: host_ints(pairs_per_slot(slot_ids, self.slots_per_rank),
+                                                            on_meta=even_split(slot_ids.numel(), self.slots_per_rank)))
             expert_input, tokens_per_slot, self._permutation = permute_by_slot(
-                self.token_view, slot_ids, self.slots_per_rank)
-            self._recv_weights, self._send_token = weights, None
+                self.token_view, slot_ids, self.slots_per_rank, rows_per_slot, self.deterministic)
+            self._recv_weights, self._send_token, self.rows_per_slot = weights, None, rows_per_slot
             return expert_input, tokens_per_slot
         dest_rank = torch.where(slot_ids >= 0, torch.div(slot_ids, self.slots_per_rank, rounding_mode="floor"),
                                 torch.full_like(slot_ids, -1))
         # Deduplicate per destination: token t goes to rank r once, carrying the local slot ids (and
-        # routing weights) of all its pairs on r; -1 pads pairs that live elsewhere.
-        sends = torch.zeros(self.ep_size, num_tokens, dtype=torch.bool, device=x.device)
-        valid = dest_rank >= 0
-        sends[dest_rank[valid], torch.nonzero(valid, as_tuple=True)[0]] = True
-        send_rank, send_token = torch.nonzero(sends, as_tuple=True)       # sorted by rank, then token
-        # index_add_ rather than bincount: no device sync for the output size (and a meta kernel).
-        send_counts = torch.zeros(self.ep_size, dtype=torch.int64, device=x.device).index_add_(
-            0, send_rank, torch.ones_like(send_rank))
+        # routing weights) of all its pairs on r; -1 pads pairs that live elsewhere. Elementwise: no
+        # data-dependent size, no host read.
+        ranks = torch.arange(self.ep_size, device=x.device).view(-1, 1, 1)
+        sends = (dest_rank.unsqueeze(0) == ranks).any(dim=2)                       # [EP, T]
+        # The one host read of the dispatch (replayed by a recomputation, which skips the exchange): the
+        # split sizes, and the rows of every local slot, which size the expert input and the experts' GEMMs.
+        counts = forward_value(lambda: self._exchange_counts(sends, slot_ids))
+        self._send_splits, self._recv_splits = counts[:self.ep_size], counts[self.ep_size:2 * self.ep_size]
+        self.rows_per_slot = counts[2 * self.ep_size:]
+        # The (rank, token) pairs to send, in that order: the first n_send entries of a stable sort of
+        # "not sent" (the count is known: no nonzero).
+        n_send = sum(self._send_splits)
+        flat = torch.sort((~sends).reshape(-1).to(torch.uint8), stable=True).indices[:n_send]
+        send_rank, send_token = torch.div(flat, num_tokens, rounding_mode="floor"), flat % num_tokens
         pair_dest = dest_rank[send_token]                                  # [n_send, K]
         on_dest = pair_dest == send_rank.unsqueeze(1)
         send_local_slots = torch.where(on_dest, slot_ids[send_token] - send_rank.unsqueeze(1) * self.slots_per_rank,
                                        torch.full_like(pair_dest, -1))
         send_weights = weights[send_token] * on_dest                       # [n_send, K]
-
-        recv_counts = comms.all_to_all_counts(send_counts, self.ep_group)
-        # The one host read of the exchange: the split sizes, which size the receive buffers. A meta
-        # dry run sends every token to every rank (see megamoe.host_values).
-        counts = host_ints(torch.cat([send_counts, recv_counts]), on_meta=[num_tokens] * (2 * self.ep_size))
-        self._send_splits, self._recv_splits = counts[:self.ep_size], counts[self.ep_size:]
-        self._send_token, self._num_tokens = send_token, num_tokens
+        self._send_token, self._num_tokens, self._top_k = send_token, num_tokens, top_k
+        send_rows = gather_rows(self.token_view, send_token, max_per_row=min(top_k, self.ep_size),
+                                deterministic=self.deterministic)
         if not overlap:
-            recv_tokens = comms.all_to_all(self.token_view[send_token], self._recv_splits, self._send_splits,
-                                           self.ep_group, tag="moe_dispatch")
+            recv_tokens = comms.all_to_all(send_rows, self._recv_splits, self._send_splits, self.ep_group,
+                                           tag="moe_dispatch")
             recv_local_slots = _all_to_all_no_grad(send_local_slots, self._recv_splits, self._send_splits,
                                                    self.ep_group, tag="moe_dispatch")
             recv_weights = comms.all_to_all(send_weights, self._recv_splits, self._send_splits, self.ep_group,
                                             tag="moe_dispatch")
             return self._permute_received(recv_tokens, recv_local_slots, recv_weights)
         # Started in the order the blocking path runs them (one process group: they complete in order).
-        tokens = comms.all_to_all_start(self.token_view[send_token], self._recv_splits, self._send_splits,
-                                        self.ep_group, tag="moe_dispatch")
+        tokens = comms.all_to_all_start(send_rows, self._recv_splits, self._send_splits, self.ep_group,
+                                        tag="moe_dispatch")
         with torch.no_grad():
             slots = comms.all_to_all_start(send_local_slots, self._recv_splits, self._send_splits, self.ep_group,
                                            tag="moe_dispatch")
@@ -239,9 +276,22 @@ class AllToAllDispatcher(TokenDispatcher):
         recv_weights = comms.all_to_all_wait(weights)
         return self._permute_received(recv_tokens, recv_local_slots, recv_weights)
 
+    def _exchange_counts(self, sends, slot_ids) -> list[int]:
+        """One all-to-all of, per destination rank, the tokens sent there and the pairs for each of its slots;
+        one host read of (send splits, receive splits, rows of every local slot)."""
+        send_counts = torch.cat([sends.sum(dim=1, keepdim=True),
+                                 pairs_per_slot(slot_ids, self.num_slots).view(self.ep_size, self.slots_per_rank)],
+                                dim=1)                                                  # [EP, 1 + S_local]
+        recv_counts = comms.all_to_all_counts(send_counts, self.ep_group)
+        # A meta dry run sends every token to every rank, every pair valid (see megamoe.host_values).
+        num_tokens = slot_ids.shape[0]
+        return host_ints(torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)]),
+                         on_meta=[num_tokens] * (2 * self.ep_size)
+                         + even_split(self.ep_size * slot_ids.numel(), self.slots_per_rank))
+
     def _permute_received(self, recv_tokens, recv_local_slots, recv_weights):
         expert_input, tokens_per_slot, self._permutation = permute_by_slot(
-            recv_tokens, recv_local_slots, self.slots_per_rank)
+            recv_tokens, recv_local_slots, self.slots_per_rank, self.rows_per_slot, self.deterministic)
         self._recv_weights = recv_weights
         return expert_input, tokens_per_slot
 
@@ -259,11 +309,16 @@ class AllToAllDispatcher(TokenDispatcher):
         elif during is not None:
             shared_output = during()
         if self._send_token is not None:
-            out = torch.zeros(self._num_tokens, returned.shape[-1], dtype=returned.dtype, device=returned.device)
-            out = out.index_add(0, self._send_token, returned)
-        if shared_output is not None:
+            # Each token's partial sums from the ranks it went to, accumulated in fp32 with the shared
+            # output and rounded once (see megamoe.moe.row_sums).
+            total = sum_rows(returned, self._send_token, self._num_tokens, max_per_out=min(self._top_k, self.ep_size),
+                             deterministic=self.deterministic)
+            dtype = returned.dtype if shared_output is None else torch.promote_types(returned.dtype,
+                                                                                     shared_output.dtype)
+            out = (total if shared_output is None else total + shared_output).to(dtype)
+        elif shared_output is not None:
             out = out + shared_output
-        self._permutation = self._recv_weights = self.token_view = self._send_token = None
+        self._permutation = self._recv_weights = self.token_view = self._send_token = self.rows_per_slot = None
         if self.input_sharded:
             return comms.reduce_scatter_to_sequence_parallel_region(out, self.reduce_group)
         return comms.reduce_from_tensor_parallel_region(out, self.reduce_group)

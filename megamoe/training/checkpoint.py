@@ -82,8 +82,8 @@ logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
 # Config fields that choose how the engine computes, not what the model is: they may change on resume.
 _ENGINE_FIELDS = {"moe.num_expert_slots", "moe.dispatcher", "moe.expert_backend", "moe.input_sharded",
-                  "moe.shared_expert_overlap", "recompute.granularity", "recompute.modules", "sequence_parallel",
-                  "mtp_loss_coeff", "make_vocab_size_divisible_by"}
+                  "moe.shared_expert_overlap", "moe.deterministic", "recompute.granularity", "recompute.modules",
+                  "sequence_parallel", "mtp_loss_coeff", "make_vocab_size_divisible_by"}
 # How training balances the expert load: no weight depends on them, so a run may resume with others
 # (as export_hf sets them aside).
 _TRAINING_FIELDS = {"moe.router.aux_loss_coeff", "moe.router.seq_aux_loss_coeff", "moe.router.z_loss_coeff",

@@ -62,11 +62,12 @@ Devices: every tensor a step creates lives on the device of the model's paramete
 are moved there; ``tests/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
 step's host synchronisations, each a :mod:`megamoe.host_values` read:
 
-- per MoE layer and micro-batch: the number of (token, slot) pairs routed to this rank's experts
-  (``permute_by_slot``: it sizes the expert input) and, with the all-to-all dispatcher and EP > 1, the
-  split sizes of the exchange (they size the receive buffers); the all-gather dispatcher with sharded
-  input also reads every rank's token count; the experts' per-slot GEMMs (CPU, or rows not in bf16)
-  read the rows per slot (``torch._grouped_mm`` on accelerators takes them on the device);
+- per MoE layer and micro-batch, ONE read: the (token, slot) pairs routed to each of this rank's slots
+  (they size the expert input and the per-slot GEMMs), read with the all-to-all's split sizes (all-to-all
+  dispatcher, EP > 1: one exchange carries both) or with every rank's token count (all-gather dispatcher,
+  sharded input); a recomputed layer reuses its forward's read (:mod:`megamoe.moe.token_dispatcher`;
+  ``tests/test_moe_layer.py`` and ``tests/test_recompute.py`` count them with
+  :func:`megamoe.host_values.count_host_reads`);
 - per forward: the attention mask's padding flags when a mask is passed, and with ``dynamic`` RoPE the
   longest position;
 - the global gradient norm (``clip_grad_norm_``: the clipping decision, and a metric);

@@ -38,8 +38,9 @@ scale) is replayed to the recomputation by :func:`forward_value`, so both passes
 
 Collectives: a recomputed region re-issues the collectives of its forward, in backward. ``moe`` (and
 ``full`` on a MoE layer) runs the dispatcher's exchanges again: the all-to-all dispatcher's two
-all-to-alls (and its split-size exchange), the all-gather dispatcher's all-reduce / all-gather +
-reduce-scatter; ``mlp`` and ``full`` re-issue the TP all-reduce of the row-parallel output
+all-to-alls, the all-gather dispatcher's all-reduce / all-gather + reduce-scatter, but not their count
+exchanges (split sizes, rows per slot): the recomputation replays the forward's counts
+(:func:`forward_value`), so it reads nothing on the host either; ``mlp`` and ``full`` re-issue the TP all-reduce of the row-parallel output
 projections, ``full`` also the attention's. So a recomputed MoE layer issues its forward dispatch
 calls twice per step (``tests/test_recompute.py`` counts them with :func:`megamoe.comms.comm_counter`).
 Every rank recomputes the same regions in the same order, so the re-issued collectives match up;
