@@ -25,6 +25,8 @@ def available_memory_bytes(device: torch.device | str = "cpu") -> tuple[int | No
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free memory of {device}"
+    if device.type != "cpu":        # meta (shapes only), or a device this module cannot ask
+        return None, f"memory of {device} (unknown)"
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
