@@ -107,6 +107,14 @@ class _MetaAutocast(TorchFunctionMode):
         monkeypatch.setattr(torch, "autocast", autocast)
         # The router opens a disabled region where autocast exists, to keep its GEMM in fp32.
         monkeypatch.setattr(torch.amp, "is_autocast_available", lambda device: device == "meta" or real_available(device))
+        # The experts ask whether autocast is on and in which dtype, to cast their rows once (issue 29 row 9).
+        real_enabled, real_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: (
+            bool(emulation.regions and emulation.regions[-1] is not None) if device == ("meta",)
+            else real_enabled(*device)))
+        monkeypatch.setattr(torch, "get_autocast_dtype", lambda device: (
+            (emulation.regions[-1] if emulation.regions and emulation.regions[-1] is not None else torch.bfloat16)
+            if device == "meta" else real_dtype(device)))
         return emulation
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
