@@ -9,6 +9,7 @@ SAVE_DIR after each of 3 steps and meets FAULT at step 2:
 Usage: torchrun_faults.py FAULT SAVE_DIR
 """
 
+import contextlib
 import errno
 import os
 import signal
@@ -50,6 +51,16 @@ def _read_only(save_dir):
     return makedirs
 
 
+def _save_fault(fault, rank, world, save_dir):
+    """The fault this rank meets during the save (a context): a full disk on the last rank (it writes a file),
+    a read-only save dir on rank 0 (it creates the save's directory); nothing otherwise."""
+    if fault == "enospc" and rank == world - 1:
+        return mock.patch.object(safetensors.torch, "save_file", _full_disk)
+    if fault == "erofs" and rank == 0:
+        return mock.patch.object(os, "makedirs", _read_only(save_dir))
+    return contextlib.nullcontext()
+
+
 def main(argv=None) -> int:
     fault, save_dir = argv if argv is not None else sys.argv[1:]
     assert fault in FAULTS, fault
@@ -66,10 +77,8 @@ def main(argv=None) -> int:
             if step == 2 and fault == "kill" and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             trainer.train_step([(tokens[:, :-1], tokens[:, 1:])])
-            fail = step == 2 and ((fault == "enospc" and rank == world - 1) or (fault == "erofs" and rank == 0))
-            with mock.patch.object(safetensors.torch, "save_file", _full_disk) if fail and fault == "enospc" else \
-                    mock.patch.object(os, "makedirs", _read_only(save_dir)) if fail else mock.MagicMock():
-                path = checkpoint_path(save_dir, step)
+            path = checkpoint_path(save_dir, step)
+            with _save_fault(fault if step == 2 else None, rank, world, save_dir):
                 save_training_checkpoint(path, trainer, sampler_state={"step": step}, world_group=world_group)
             note_newest_checkpoint(path)
     finally:
