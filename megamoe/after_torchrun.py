@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+__all__ = ["repeat_after_torchrun", "watch_this_rank", "note_newest_checkpoint", "rank_finished"]
+
 # After torchrun's exit: notes at once, the stop line after them, a cause last.
 _STOPPED_DELAY_S = 0.25
 _CAUSE_DELAY_S = 0.5
