@@ -5,7 +5,8 @@ process (this file, run as a script with the standard library only) can.
 Two kinds of helper, both under torchrun only (``TORCHELASTIC_RUN_ID`` set):
 
 - :func:`repeat_after_torchrun`: a rank's error line, printed again after the report. A *cause* (the
-  error itself) comes a moment after the notes (a rank's line that a peer left), so it is the last line.
+  error itself) comes a moment after the notes (a rank's line that a peer left, printed only where the
+  rank has no watching helper), so it is the last line.
 - :func:`watch_this_rank`: started for every rank when the script starts; if the rank's process ends
   without run_script having finished (killed by a signal: the OOM killer, or torchrun's SIGTERM after
   another rank was killed), it prints one line after the report saying that torchrun stopped the job and
@@ -27,14 +28,13 @@ import time
 
 __all__ = ["repeat_after_torchrun", "watch_this_rank", "note_newest_checkpoint", "rank_finished"]
 
-# After torchrun's exit: notes at once, the stop line after them, a cause last.
-_STOPPED_DELAY_S = 0.25
+# After torchrun's exit: notes at once, a cause a moment later (last).
 _CAUSE_DELAY_S = 0.5
 # A helper gives up waiting for torchrun after this (nothing lingers if torchrun lives on).
 _WAIT_LIMIT_S = 300.0
-# A cause's helper holds its claim this long after printing (its stderr closed), so that a stop-line
-# helper slowed down by a loaded machine still sees that a cause was printed.
-_CAUSE_HOLD_S = 3.0
+# A helper that printed a cause or the stop line holds its claim this long more (its stderr closed), so
+# that another helper slowed down by a loaded machine still finds the claim held.
+_CLAIM_HOLD_S = 3.0
 
 _watch_pipe = None      # this rank's end of the pipe to its watching helper, see watch_this_rank
 
@@ -61,8 +61,10 @@ def _spawn(args: list[str], pass_fds=()) -> None:
 
 
 def repeat_after_torchrun(line: str, *, cause: bool = True) -> None:
-    """Under torchrun, have ``line`` printed again once torchrun has exited (see the module docstring)."""
-    if not _under_torchrun():
+    """Under torchrun, have ``line`` printed again once torchrun has exited (see the module docstring). A
+    note (not a ``cause``) is dropped where this rank has a watching helper: if no rank has an error of its
+    own, that helper's stop line says more, and a note printed by another process could come after it."""
+    if not _under_torchrun() or (not cause and _watch_pipe is not None):
         return
     claim = _claim("cause", os.getppid()) if cause else None
     try:
@@ -147,10 +149,14 @@ def _repeat(torchrun_pid: int, line: str, delay_s: float) -> None:
     if _wait_until_gone(torchrun_pid):
         time.sleep(delay_s)
         sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    if delay_s:             # a cause: it may hold the claim (inherited), see _CAUSE_HOLD_S
-        os.close(2)
-        time.sleep(_CAUSE_HOLD_S)
+    if delay_s:             # a cause: it may hold the claim (inherited)
+        _hold_claims()
+
+
+def _hold_claims() -> None:
+    sys.stderr.flush()
+    os.close(2)
+    time.sleep(_CLAIM_HOLD_S)
 
 
 def _watch(torchrun_pid: int, prog: str, pipe_fd: int) -> None:
@@ -166,11 +172,11 @@ def _watch(torchrun_pid: int, prog: str, pipe_fd: int) -> None:
     stopped = _claim("stopped", torchrun_pid)
     if stopped is None or not _wait_until_gone(torchrun_pid):
         return
-    time.sleep(_STOPPED_DELAY_S)
     cause = _claim("cause", torchrun_pid)
     if cause is None:
         return              # a rank's own error comes last
     sys.stderr.write(_stop_line(prog, checkpoint) + "\n")
+    _hold_claims()
 
 
 if __name__ == "__main__":

@@ -233,8 +233,8 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
         if os.environ.get("MEGAMOE_TRACEBACK") or not (dist.is_initialized() and is_peer_failure(e)):
             raise
         # Another rank ended (its own error line, if it could print one, says why): no gloo traceback here.
-        # The line comes after torchrun's report (before the failed rank's own), or if the job outlives
-        # the wait.
+        # The line comes after torchrun's report (before the failed rank's own; where the rank has no
+        # watching helper, see megamoe.after_torchrun), or if the job outlives the wait.
         message = "a peer rank's process ended during a collective; see that rank's error, if it printed one"
         repeat_after_torchrun(f"{prog}: error: on rank {_rank()}: {message}", cause=False)
         return _report(prog, message, False)

@@ -25,12 +25,17 @@ def _watchers(torchrun_pid: int, messages: list[str], count: int) -> list[subpro
 def _lines_after_torchrun_exits(messages: list[str], count: int = 2, cause: bool = False) -> list[str]:
     torchrun = subprocess.Popen(["sleep", "60"])
     claim = after_torchrun._claim("cause", torchrun.pid) if cause else None   # a rank's error line is pending
+    helpers = []
     try:
-        helpers = _watchers(torchrun.pid, messages, count)
+        helpers += _watchers(torchrun.pid, messages, count)
         torchrun.kill()
         torchrun.wait()
-        return [line for helper in helpers for line in helper.communicate(timeout=60)[1].splitlines()]
+        # Until each closes its stderr (a helper that printed then holds its claim a while longer).
+        return [line for helper in helpers for line in helper.stderr.read().splitlines()]
     finally:
+        for helper in helpers:
+            helper.kill()
+            helper.wait()
         if claim is not None:
             claim.close()
 
