@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from torch.distributed import ProcessGroup
 
 from checkpoint_tools import checksums
@@ -98,19 +101,53 @@ class _RankReport:
     digests: dict[tuple, list[str]] = field(default_factory=dict)
 
 
-def _all_ranks_or_raise(stage: str, fn: Callable[[], Any], group: ProcessGroup | None) -> list[Any]:
+# What to do about a file the save could not write, by errno (the rest: the reason alone).
+_WRITE_FIXES = {errno.ENOSPC: "free space on that disk or save elsewhere",
+                errno.EDQUOT: "free space within your disk quota or save elsewhere",
+                errno.EROFS: "make that directory writable or save elsewhere",
+                errno.EACCES: "make that directory writable or save elsewhere",
+                errno.EPERM: "make that directory writable or save elsewhere"}
+# safetensors reports its I/O errors as text: '... I/O error: <reason> (os error <errno>) at path "<file>"'.
+_SAFETENSORS_IO_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _failure_text(e: Exception) -> str:
+    """One rank's failure as its line of the save's error: a file that could not be written is named, with
+    the fix; anything else as the exception says."""
+    if not isinstance(e, OSError) or e.errno is None:
+        return f"{type(e).__name__}: {e}"
+    fix = _WRITE_FIXES.get(e.errno)
+    return (f"cannot write {e.filename}" if e.filename else "a write failed") + f": {os.strerror(e.errno)}" + \
+        (f" ({fix})" if fix else "")
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], file_path: str) -> None:
+    """``safetensors.torch.save_file``, its I/O errors (text) raised as the OSError they report, naming
+    ``file_path`` (theirs name the temporary file next to it)."""
+    try:
+        safetensors.torch.save_file(tensors, file_path)
+    except SafetensorError as e:
+        match = _SAFETENSORS_IO_ERROR.search(str(e))
+        if match is None:
+            raise
+        raise OSError(int(match[1]), os.strerror(int(match[1])), file_path) from e
+
+
+def _all_ranks_or_raise(stage: str, fn: Callable[[], Any], group: ProcessGroup | None, path: str) -> list[Any]:
     """Run ``fn`` on every rank and exchange the results; if it failed anywhere, raise on every rank
-    (so no rank is left waiting in a later collective)."""
+    (so no rank is left waiting in a later collective), naming ``path``, the checkpoint not written."""
     local_error = None
     try:
         payload = (True, fn())
     except Exception as e:  # noqa: BLE001 - reported to every rank below, re-raised with its cause
         local_error = e
-        payload = (False, f"{type(e).__name__}: {e}")
+        payload = (False, _failure_text(e))
     results = comms.all_gather_object(payload, group)
     failures = [f"rank {rank}: {value}" for rank, (ok, value) in enumerate(results) if not ok]
     if failures:
-        raise CheckpointError(f"checkpoint save failed while {stage}: " + "; ".join(failures)) from local_error
+        raise CheckpointError(f"checkpoint save failed while {stage}: " + "; ".join(failures) +
+                              f"; {path} was not written (what it held before, and every other checkpoint, "
+                              "is untouched)") from local_error
     return [value for _, value in results]
 
 
@@ -191,8 +228,8 @@ def _write_rank_files(tmp_dir: str, rank: int, chunks: list[LogicalChunk], write
         file_name = f"rank{rank:05d}-{index:04d}.safetensors"
         file_path = os.path.join(tmp_dir, file_name)
         # Private CPU copies: safetensors refuses tensors that share memory (views of one parameter).
-        safetensors.torch.save_file({key: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()) for key, t in batch},
-                                    file_path)
+        _save_safetensors({key: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()) for key, t in batch},
+                          file_path)
         report.files[file_name] = checksums.file_entry(file_path, fsync=True)
         report.file_of_key.update((key, file_name) for key, _ in batch)
     return report
@@ -291,7 +328,7 @@ def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
         return fields, metas, state_meta, tmp_dir
 
     try:
-        described = _all_ranks_or_raise("exchanging metadata", describe, group)
+        described = _all_ranks_or_raise("exchanging metadata", describe, group, path)
         tmp_dir = described[0][3]
         fields = _merge_fields([d[0] for d in described])
         writer, holders, tensors = _plan([d[1] for d in described])
@@ -299,7 +336,7 @@ def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
             "writing files",
             lambda: _write_rank_files(tmp_dir, rank, chunks, writer, holders, rank_state, max_file_bytes,
                                       verify_replicas),
-            group)
+            group, path)
         _check_replicas(reports)
 
         def commit():
@@ -332,7 +369,7 @@ def save_checkpoint(path: str | os.PathLike, chunks: Iterable[LogicalChunk], *, 
                         len(manifest["files"]), sum(f["bytes"] for f in manifest["files"].values()) / 2**20)
             return None
 
-        _all_ranks_or_raise("committing", commit, group)
+        _all_ranks_or_raise("committing", commit, group, path)
     except Exception:
         if rank == 0 and tmp_dir is not None and os.path.exists(tmp_dir):
             shutil.rmtree(tmp_dir, ignore_errors=True)

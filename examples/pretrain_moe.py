@@ -39,6 +39,7 @@ import torch.distributed as dist
 from checkpoint_tools.format import CheckpointError, read_manifest
 from checkpoint_tools.placements import build_placements
 from megamoe import comms
+from megamoe.after_torchrun import note_newest_checkpoint
 from megamoe.data.corpus import stdlib_corpus_files
 from megamoe.data.data_arguments import (add_data_arguments, check_data_arguments, data_vocab_size, on_rank_0,
                                          prepare_training_data)
@@ -873,6 +874,7 @@ def main(argv=None) -> int:
                                          override_lr_schedule=args.override_opt_param_scheduler)
         sampler.load_state_dict(extra["sampler_state"])
         logger.info("resuming from %s at step %d (run %s)", plan.resume_from, trainer.step, run_id)
+        note_newest_checkpoint(plan.resume_from)      # named if torchrun stops the job (a rank killed)
     # Before the first write into --save-dir (and after every check a user error can fail: none leaves it behind).
     save_dir_lock = lock_save_dir(args.save_dir, run_id, world_group=world_group)
     if rank == 0 and plan.move_aside_after is not None:
@@ -940,6 +942,7 @@ def main(argv=None) -> int:
                 else:
                     logger.warning("saved %s, marked suspect: %s. %s", path, verdict.suspect, health.rollback_advice())
                 last_saved = path
+                note_newest_checkpoint(path)
 
     if args.export_hf is not None:
         summary = export_final_checkpoint(last_saved, args.export_hf, world_group=world_group,

@@ -27,7 +27,9 @@ and what to do). Set
 Under torchrun, :class:`ScriptArgumentParser` prints usage, ``--help`` and argparse's errors on local rank 0
 only, and an error line is printed again once torchrun has printed its own ChildFailedError report, so that
 it is the last line on the screen. A rank left in a collective by a peer whose process ended (gloo:
-"Connection closed by peer") prints no traceback: a short line, after the failed rank's own.
+"Connection closed by peer") prints no traceback: a short line, after the failed rank's own. A job that
+torchrun stops because a rank's process was killed (no rank reported an error) ends with a line saying so
+and naming the newest intact checkpoint (see :mod:`megamoe.after_torchrun`).
 
 A collective that times out (a stuck, dead or much slower rank) raises
 :class:`~megamoe.collective_timeout.CollectiveTimeout` on the ranks waiting for it; the first of them
@@ -41,7 +43,6 @@ import argparse
 import datetime
 import logging
 import os
-import subprocess
 import sys
 import time
 from typing import Callable
@@ -49,6 +50,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megamoe.after_torchrun import rank_finished, repeat_after_torchrun, watch_this_rank
 from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
 
 __all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
@@ -66,9 +68,6 @@ _MAX_COMM_TIMEOUT_S = 365 * 24 * 3600.0
 # the same error or timeout) prints the only line and the job ends during the wait. A rank still alive
 # afterwards had an error of its own (a file only it reads, say) and prints it.
 _QUIET_RANK_EXIT_DELAY_S = 10.0
-# Under torchrun, lines repeated after its report (see _repeat_after_torchrun): the error's own comes this
-# much after a rank's note that a peer left, so that it is the last line.
-_CAUSE_LAST_DELAY_S = 0.5
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -96,7 +95,7 @@ class ScriptArgumentParser(argparse.ArgumentParser):
         line = f"{self.prog}: error: {message}"
         if launch_local_rank() == 0:
             print(line, file=sys.stderr, flush=True)
-            _repeat_after_torchrun(line)
+            repeat_after_torchrun(line)
         self.exit(2)
 
 
@@ -219,6 +218,7 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
     a collective timeout, printed by the first rank that reports it, and a collective a peer left. Other
     exceptions propagate."""
     prog = prog or os.path.basename(sys.argv[0])
+    watch_this_rank(prog)
     try:
         return main(argv)
     except CollectiveTimeout as e:
@@ -233,15 +233,16 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
         if os.environ.get("MEGAMOE_TRACEBACK") or not (dist.is_initialized() and is_peer_failure(e)):
             raise
         # Another rank ended (its own error line, if it could print one, says why): no gloo traceback here.
-        # The line comes after torchrun's report (before the failed rank's own), or if the job outlives
-        # the wait.
+        # The line comes after torchrun's report (before the failed rank's own; where the rank has no
+        # watching helper, see megamoe.after_torchrun), or if the job outlives the wait.
         message = "a peer rank's process ended during a collective; see that rank's error, if it printed one"
-        _repeat_after_torchrun(f"{prog}: error: on rank {_rank()}: {message}", cause=False)
+        repeat_after_torchrun(f"{prog}: error: on rank {_rank()}: {message}", cause=False)
         return _report(prog, message, False)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
     finally:
+        rank_finished()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -257,51 +258,11 @@ def _report(prog: str, message: str, prints: bool) -> int:
     one_line = " ".join(message.split("\n"))
     if prints:
         print(f"{prog}: error: {one_line}", file=sys.stderr, flush=True)
-        _repeat_after_torchrun(f"{prog}: error: {one_line}")
+        repeat_after_torchrun(f"{prog}: error: {one_line}")
     else:
         time.sleep(_QUIET_RANK_EXIT_DELAY_S)
         print(f"{prog}: error: on rank {_rank()}: {one_line}", file=sys.stderr, flush=True)
     return 1
-
-
-# Run by a detached helper: wait until torchrun (the pid in argv[1]) has exited (or is a zombie), then
-# argv[3] seconds more, and print argv[2]. Bounded, so that nothing lingers if torchrun lives on.
-_REPEAT_AFTER_EXIT = """
-import os, sys, time
-pid, end = int(sys.argv[1]), time.monotonic() + 300
-def gone():
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] == "Z"
-    except OSError:
-        return False
-while not gone() and time.monotonic() < end:
-    time.sleep(0.05)
-if gone():
-    time.sleep(float(sys.argv[3]))
-    sys.stderr.write(sys.argv[2] + "\\n")
-"""
-
-
-def _repeat_after_torchrun(line: str, *, cause: bool = True) -> None:
-    """Under torchrun, have ``line`` printed again once torchrun has exited: a failed worker makes torchrun end
-    with its own ~40-line ChildFailedError report, which would bury the line (torchrun prints it after the
-    workers have exited, so no worker can print after it; a detached helper process can). A ``cause`` (the
-    error itself, not a rank's note that a peer left) comes a moment after the others: the last line."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    try:
-        subprocess.Popen([sys.executable, "-I", "-S", "-c", _REPEAT_AFTER_EXIT, str(os.getppid()), line,
-                          str(_CAUSE_LAST_DELAY_S if cause else 0.0)],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-    except OSError:
-        pass                # the line was printed once already
 
 
 def _non_finite_training_error() -> type[Exception]:

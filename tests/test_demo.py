@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megamoe.launch import run_script
-from megamoe.training.checkpoint import checkpoint_run_id, list_checkpoints
+from megamoe.training.checkpoint import checkpoint_run_id, list_checkpoints, verify_resume_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--corpus-bytes", "200000", "--vocab-size", "512", "--hidden", "32", "--layers", "2", "--sample-tokens", "4"]
@@ -279,6 +279,63 @@ def test_failing_rank_ends_the_job_promptly(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == line, result.stderr[-3000:]
     assert result.stderr.count("Traceback (most recent call last)") == 1, "torchrun's own only: " + result.stderr
     assert "torchrun_failing_rank.py\", line" not in result.stderr, "no traceback of a worker"
+
+
+def _assert_only_complete_checkpoint_of_step_1(save_dir: Path) -> None:
+    """The fault at step 2 left the step-1 checkpoint, intact, and nothing half-written next to it."""
+    assert sorted(os.listdir(save_dir)) == ["step_00000001"]
+    verify_resume_checkpoint(save_dir / "step_00000001", world_group=None)
+
+
+# The last line of a job whose rank FAULT (tests/torchrun_faults.py) hits at step 2 (after step 1's checkpoint).
+FAULT_LINES = {
+    "kill": "torchrun_faults.py: error: torchrun stopped the job: a rank's process ended without reporting an error "
+            "(killed by a signal, e.g. by the out-of-memory killer, or crashed), or the job itself was signalled; "
+            "torchrun's report above names the rank and its exit code; the newest intact checkpoint is "
+            "{save_dir}/step_00000001",
+    "enospc": "torchrun_faults.py: error: checkpoint save failed while writing files: rank 1: cannot write "
+              "{save_dir}/step_00000002.tmp-*/rank00001-0000.safetensors: No space left on device (free space on "
+              "that disk or save elsewhere); {save_dir}/step_00000002 was not written (what it held before, and "
+              "every other checkpoint, is untouched)",
+    "erofs": "torchrun_faults.py: error: checkpoint save failed while exchanging metadata: rank 0: cannot write "
+             "{save_dir}/step_00000002.tmp-*: Read-only file system (make that directory writable or save "
+             "elsewhere); {save_dir}/step_00000002 was not written (what it held before, and every other checkpoint, "
+             "is untouched)"}
+
+
+def _fault_line(fault: str, save_dir: Path) -> re.Pattern:
+    return re.compile(".*".join(map(re.escape, FAULT_LINES[fault].format(save_dir=save_dir).split("*"))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "enospc"])
+def test_torchrun_fault_ends_with_one_line_and_intact_checkpoints(fault, tmp_path):
+    # kill: the last rank is SIGKILLed (as by the OOM killer): no rank reports an error, torchrun stops the
+    # others (SIGTERM); a line saying so, naming the newest checkpoint, follows torchrun's report (before: the
+    # report was the end, or a rank's note that a peer left). enospc: the last rank's checkpoint file meets a
+    # full disk; rank 0's line names the file and the fix (before: safetensors' text, naming neither).
+    result = _torchrun([str(REPO / "tests/torchrun_faults.py"), fault, str(tmp_path / "ckpt")], 2, 300, tmp_path)
+    assert result.returncode != 0
+    assert _fault_line(fault, tmp_path / "ckpt").fullmatch(result.stderr.strip().splitlines()[-1]), \
+        result.stderr[-3000:]
+    assert result.stderr.count("Traceback (most recent call last)") == 1, "torchrun's own only: " + result.stderr
+    assert result.stderr.count("error: torchrun stopped the job") == (fault == "kill"), "one rank says it, once"
+    _assert_only_complete_checkpoint_of_step_1(tmp_path / "ckpt")
+
+
+def test_save_dir_made_read_only_mid_run_is_one_line(tmp_path, capsys):
+    # As under torchrun (a CheckpointError: the enospc case above), in one process: the save dir has become
+    # read-only before step 2's save (root ignores chmod: the fault is injected). Before: "OSError: [Errno 30]
+    # Read-only file system: '...'", no fix.
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        import torchrun_faults
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    assert run_script(torchrun_faults.main, ["erofs", str(tmp_path / "ckpt")], prog="torchrun_faults.py") == 1
+    err = capsys.readouterr().err
+    assert _fault_line("erofs", tmp_path / "ckpt").fullmatch(err.strip()), err
+    _assert_only_complete_checkpoint_of_step_1(tmp_path / "ckpt")
 
 
 def _alive(pid: int) -> bool:
