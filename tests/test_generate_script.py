@@ -82,9 +82,13 @@ def _run_main(argv, monkeypatch, capsys) -> tuple[int, str]:
 
 def _assert_one_error_line(code, stderr, *expected, torchrun=False):
     """Exit code 1 and one error line holding ``expected``; no traceback (torchrun: none of our code's,
-    torchrun's own ChildFailedError summary is a traceback of its launcher)."""
+    torchrun's own ChildFailedError summary is a traceback of its launcher, and the line is repeated after it,
+    as the last line: megamoe.launch)."""
     errors = [line for line in stderr.splitlines() if "error:" in line]
     assert code == 1, stderr[-3000:]
+    if torchrun:
+        assert len(errors) == 2 and errors[0] == errors[1] == stderr.strip().splitlines()[-1], stderr[-3000:]
+        errors = errors[:1]
     assert len(errors) == 1 and errors[0].startswith("generate.py: error: "), stderr[-3000:]
     assert not OUR_FRAME.search(stderr) and (torchrun or "Traceback" not in stderr), stderr[-3000:]
     for text in expected:
