@@ -1,4 +1,4 @@
-"""Shared by the tests: the ``demo`` fixture (examples/pretrain_moe.py as a module), ``one_thread``, and the ``cuda``
+"""Shared by the tests: the ``demo``, ``gpu_smoke`` and ``gpu_check`` fixtures (the scripts as modules), ``one_thread``, and the ``cuda``
 marker (registered in pyproject.toml): tests that need a CUDA GPU are skipped, saying so, without one; and the
 ``multirank`` marker on every test of a module that uses ``run_on_ranks`` (``make test-gpu`` runs them over NCCL)."""
 
@@ -12,15 +12,33 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _script_module(monkeypatch, name: str, path: str):
+    """The script at ``path`` (from the repo root) as module ``name``, registered in sys.modules for the test."""
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)     # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def gpu_smoke(monkeypatch):
+    """scripts/gpu_smoke.py as a module."""
+    return _script_module(monkeypatch, "gpu_smoke", "scripts/gpu_smoke.py")
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    """scripts/gpu_check.py as a module."""
+    return _script_module(monkeypatch, "gpu_check", "scripts/gpu_check.py")
+
+
 @pytest.fixture
 def demo(monkeypatch):
     """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
     for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "pretrain_moe", module)     # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = _script_module(monkeypatch, "pretrain_moe", "examples/pretrain_moe.py")
     threads = torch.get_num_threads()
     yield module
     torch.set_num_threads(threads)

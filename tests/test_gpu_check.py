@@ -4,10 +4,8 @@ the training script's own checks), a refused command as a failed row, the one-li
 the grouped-GEMM row's logic run on CPU (where torch._grouped_mm runs too), and the block-FP8 row's against a
 CPU stand-in for blockwise torch._scaled_mm."""
 
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +15,6 @@ from megamoe.launch import run_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
-
-def _check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPTS / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module          # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _table(out: str) -> dict[str, tuple[str, str]]:
@@ -38,8 +29,8 @@ def test_the_shell_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_check.sh")], capture_output=True).returncode == 0
 
 
-def test_the_dry_run_prints_the_table_with_every_gpu_row_skipped(capsys):
-    check = _check_module()
+def test_the_dry_run_prints_the_table_with_every_gpu_row_skipped(capsys, gpu_check):
+    check = gpu_check
     assert check.main(["--dry-run"]) == 0
     table = _table(capsys.readouterr().out)
     expected = {"smoke", "row 2 pp2 bf16 autocast (cuda)", "row 3 eval on device", "row 1 pp2 V2 2048x4096",
@@ -53,8 +44,8 @@ def test_the_dry_run_prints_the_table_with_every_gpu_row_skipped(capsys):
         assert table[name][1].startswith("arguments accepted"), table[name]
 
 
-def test_a_refused_command_is_a_failed_row_and_the_other_rows_still_show(monkeypatch, capsys):
-    check = _check_module()
+def test_a_refused_command_is_a_failed_row_and_the_other_rows_still_show(monkeypatch, capsys, gpu_check):
+    check = gpu_check
     monkeypatch.setattr(check, "TRAIN_FLAGS", [*check.TRAIN_FLAGS, "--hidden", "100"])    # not a multiple of 8
     assert check.main(["--dry-run"]) == 1
     table = _table(capsys.readouterr().out)
@@ -63,19 +54,20 @@ def test_a_refused_command_is_a_failed_row_and_the_other_rows_still_show(monkeyp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown without a GPU")
-def test_without_a_gpu_and_without_dry_run_is_one_error_line(monkeypatch, capsys):
+def test_without_a_gpu_and_without_dry_run_is_one_error_line(monkeypatch, capsys, gpu_check):
     monkeypatch.delenv("RANK", raising=False)
-    assert run_script(_check_module().main, [], prog="gpu_check.py") == 1
+    assert run_script(gpu_check.main, [], prog="gpu_check.py") == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("gpu_check.py: error: no CUDA device is available") and "--dry-run" in line
 
 
-def test_the_grouped_mm_row_compares_bf16_forward_and_backward_with_an_empty_slot_against_fp32(monkeypatch):
+def test_the_grouped_mm_row_compares_bf16_forward_and_backward_with_an_empty_slot_against_fp32(monkeypatch,
+                                                                                             gpu_check):
     """The row's logic, on CPU: torch._grouped_mm has CPU kernels, so with its gate opened the bf16 experts
     run it here, empty slot included."""
     import megamoe.moe.grouped_mlp as grouped_mlp
 
-    check = _check_module()
+    check = gpu_check
     calls = []
     grouped_mm = torch._grouped_mm
 
@@ -98,14 +90,14 @@ def _blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     return (a_hat @ b_hat).to(out_dtype)
 
 
-def test_the_block_fp8_row_compares_scaled_mm_against_the_emulation(monkeypatch):
+def test_the_block_fp8_row_compares_scaled_mm_against_the_emulation(monkeypatch, gpu_check):
     """The row's logic and the kernel's operands, on CPU: with the probe opened and torch._scaled_mm replaced by
     its blockwise semantics, the ``torch`` backend's kept block-FP8 experts match the emulation (so the scales
     reach the kernel in the layout it reads, padded leading dimension included)."""
     import megamoe.moe.fp8 as fp8
     import megamoe.moe.kernel_probes as kernel_probes
 
-    check = _check_module()
+    check = gpu_check
     monkeypatch.setattr(fp8, "block_scaled_mm_problem", lambda device: None)
     monkeypatch.setattr(kernel_probes, "block_scaled_mm_problem", lambda device: None)
     strides = []

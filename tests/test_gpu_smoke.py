@@ -3,11 +3,9 @@ and which test modules the script runs, that every step and row runs whatever an
 rule of the compiled-vs-eager check, the table of a short CPU run, the one-line error for --device cuda
 without a GPU), and the smoke test itself on a GPU (marked ``cuda``: skipped without one)."""
 
-import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +15,6 @@ from megamoe.launch import run_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
-
-def _smoke_module():
-    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPTS / "gpu_smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_smoke"] = module          # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_shell_script_parses():
@@ -50,8 +41,8 @@ def test_the_shell_script_runs_python3_on_the_cuda_modules_only_and_every_step(t
     assert sorted(os.path.basename(m) for m in tests.split()[8:]) == marked
 
 
-def test_one_failing_check_is_a_fail_row_and_the_others_still_run(monkeypatch, capsys):
-    smoke = _smoke_module()
+def test_one_failing_check_is_a_fail_row_and_the_others_still_run(monkeypatch, capsys, gpu_smoke):
+    smoke = gpu_smoke
 
     def broken(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
@@ -77,10 +68,10 @@ class _FixedLogits(torch.nn.Module):
 
 @pytest.mark.parametrize("top_two, agree", [((5.0, 5.0 - 2.0 ** -7), True), ((5.0, 5.0 - 0.5), False),
                                             ((0.25, 0.25 - 2.0 ** -7), True), ((0.25, 0.0), False)])
-def test_compiled_and_eager_may_differ_only_at_a_near_tie(top_two, agree):
+def test_compiled_and_eager_may_differ_only_at_a_near_tie(top_two, agree, gpu_smoke):
     """bf16 logits of a random model are nearly flat: a flip where the top two are within bf16's error is
     rounding, not a bug; anywhere else it is a failure. Tokens after the first flip are not compared."""
-    smoke = _smoke_module()
+    smoke = gpu_smoke
     model = _FixedLogits([top_two[0], top_two[1], -1.0])        # token 0 first, token 1 second
     prompt = [2, 2]
     assert smoke.greedy_tokens_agree(model, prompt, [0, 0, 0], [0, 0, 0]) == (True, "identical")
@@ -88,8 +79,8 @@ def test_compiled_and_eager_may_differ_only_at_a_near_tie(top_two, agree):
     assert ok is agree and found.startswith("token 1 differs"), found
 
 
-def test_a_short_cpu_run_trains_and_skips_what_needs_a_gpu(capsys):
-    smoke = _smoke_module()
+def test_a_short_cpu_run_trains_and_skips_what_needs_a_gpu(capsys, gpu_smoke):
+    smoke = gpu_smoke
     assert smoke.main(["--device", "cpu", "--steps", "2", "--hidden-size", "32", "--no-compile"]) == 0
     table = capsys.readouterr().out.splitlines()
     status = dict(re.split(r"\s{2,}", line, maxsplit=2)[:2] for line in table[3:])   # check -> status
@@ -100,13 +91,13 @@ def test_a_short_cpu_run_trains_and_skips_what_needs_a_gpu(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown without a GPU")
-def test_cuda_without_a_gpu_is_one_error_line(monkeypatch, capsys):
+def test_cuda_without_a_gpu_is_one_error_line(monkeypatch, capsys, gpu_smoke):
     monkeypatch.delenv("RANK", raising=False)
-    assert run_script(_smoke_module().main, ["--device", "cuda"], prog="gpu_smoke.py") == 1
+    assert run_script(gpu_smoke.main, ["--device", "cuda"], prog="gpu_smoke.py") == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("gpu_smoke.py: error: --device cuda: no CUDA device is available")
 
 
 @pytest.mark.cuda
-def test_gpu_smoke_passes_on_cuda(capsys):
-    assert _smoke_module().main(["--device", "cuda"]) == 0, capsys.readouterr().out
+def test_gpu_smoke_passes_on_cuda(capsys, gpu_smoke):
+    assert gpu_smoke.main(["--device", "cuda"]) == 0, capsys.readouterr().out
