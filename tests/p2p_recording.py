@@ -24,9 +24,10 @@ from parallel_state import destroy_model_parallel, initialize_model_parallel
 @contextlib.contextmanager
 def fake_rank(rank: int, world_size: int, **layout):
     """This process plays global rank ``rank`` of ``world_size`` over torch's fake process group (every
-    collective a no-op, receive buffers left as allocated); yields the ParallelState of ``layout``."""
+    collective a no-op, receive buffers left as allocated; CPU and meta tensors); yields the ParallelState of
+    ``layout``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore   # not imported by spawned ranks
-    dist.init_process_group("cpu:fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield initialize_model_parallel(**layout)
     finally:

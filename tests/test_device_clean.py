@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -46,7 +45,7 @@ from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer.recompute import RECOMPUTE_MODULES, RecomputeConfig
-from parallel_state import destroy_model_parallel, initialize_model_parallel
+from p2p_recording import fake_rank
 from test_training import E, MICRO_BATCH, S, V, tiny_config
 
 WORLD_SIZE = 4
@@ -140,15 +139,9 @@ class _MetaAutocastRegion:
         self.emulation.regions.pop()
 
 
-@contextlib.contextmanager
 def _fake_rank(rank: int, **layout):
     """This process as ``rank`` of a fake world of WORLD_SIZE ranks, with ``layout``'s groups."""
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=WORLD_SIZE)
-    try:
-        yield initialize_model_parallel(**layout)
-    finally:
-        destroy_model_parallel()
-        dist.destroy_process_group()
+    return fake_rank(rank, WORLD_SIZE, **layout)
 
 
 @contextlib.contextmanager
