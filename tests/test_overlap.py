@@ -361,3 +361,77 @@ def test_overlap_is_bit_identical_moves_the_same_bytes_and_overlaps():
                 assert r["single_process_rel"] <= 1e-5, f"{where}: overlap on is off the one-process curve"
             if "other_bucket_rel" in r:
                 assert r["other_bucket_rel"] <= 1e-6, f"{where}: another bucket size changed the loss"
+
+
+class _FakeCudaEvent:
+    """torch.cuda.Event's timing interface over a simulated device clock (``now_ms``): record() stamps the
+    stream's current time, elapsed_time() is the difference, as CUDA's (milliseconds)."""
+    now_ms = 0.0
+    streams: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "a timeline's events must time"
+        self.at = None
+
+    def record(self, stream=None):
+        _FakeCudaEvent.streams.append(stream)
+        self.at = _FakeCudaEvent.now_ms
+
+    def synchronize(self):
+        assert self.at is not None, "synchronised before it was recorded"
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+class _StreamWaitWork:
+    """A NCCL-like Work: wait() returns at once on the host; the stream waits ``blocked_ms`` for the data."""
+
+    def __init__(self, blocked_ms):
+        self.blocked_ms = blocked_ms
+
+    def wait(self):
+        _FakeCudaEvent.now_ms += self.blocked_ms
+
+
+def test_cuda_timelines_time_waits_and_compute_with_stream_events(monkeypatch):
+    # On CUDA the blocked time is the stream's (events before and after wait()), not the host's (about 0).
+    from megamoe.comms import stream_clock
+    from megamoe.comms.async_collectives import CommHandle
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
+    monkeypatch.setattr(_FakeCudaEvent, "now_ms", 1000.0)
+    monkeypatch.setattr(_FakeCudaEvent, "streams", [])
+    assert stream_clock.clock_for("cpu") is stream_clock.HOST_CLOCK is stream_clock.clock_for("meta")
+    assert stream_clock.clock_for(None) is stream_clock.HOST_CLOCK
+    with comms.comm_timeline(device="cuda:1") as timeline:
+        assert isinstance(timeline.clock, stream_clock.CudaEventClock) and timeline.clock.device.index == 1
+        handle = CommHandle(_StreamWaitWork(blocked_ms=250.0), torch.ones(2), "all_reduce", None, "b")
+        with comms.timed("gemm", tag="g"):
+            _FakeCudaEvent.now_ms += 40.0        # the region's kernels run 40 ms on the device
+        handle.wait()
+        _FakeCudaEvent.now_ms += 5.0
+        with comms.comm_timeline(device="cuda:1") as inner:     # a nested timeline stamps the same events
+            handle2 = CommHandle(_StreamWaitWork(blocked_ms=125.0), torch.ones(2), "all_to_all", None, "m")
+            handle2.wait()
+    assert set(_FakeCudaEvent.streams) == {("stream", torch.device("cuda", 1))}
+    assert timeline.blocked_seconds("b") == pytest.approx(0.25) and timeline.blocked_seconds("m") == pytest.approx(0.125)
+    assert timeline.blocked_seconds() == pytest.approx(0.375) and inner.blocked_seconds() == pytest.approx(0.125)
+    start, end = timeline.select("gemm", "start")[0], timeline.select("gemm", "end")[0]
+    assert end - start == pytest.approx(0.040)
+    assert [e.phase for e in timeline.events] == ["start", "end", "wait_start", "wait", "wait_start", "wait"]
+
+
+def test_cpu_timelines_keep_the_host_clock(monkeypatch):
+    # CPU (gloo) waits block the host: the times stay time.perf_counter()'s, unchanged.
+    from megamoe.comms import stream_clock
+    ticks = iter([10.0, 10.5, 12.0, 13.25])
+    monkeypatch.setattr(stream_clock.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(torch.cuda, "Event", None)      # never touched on the CPU
+    with comms.comm_timeline() as timeline, comms.comm_timeline("cpu") as inner:
+        handle = comms.CommHandle(_StreamWaitWork(blocked_ms=0.0), torch.ones(2), "all_reduce", None, "b")
+        with comms.timed("gemm"):
+            pass
+        handle.wait()
+    assert [e.time for e in timeline.events] == [10.0, 10.5, 12.0, 13.25] and inner.events == timeline.events
+    assert timeline.blocked_seconds("b") == 1.25
