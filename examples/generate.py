@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -345,7 +344,7 @@ def join_layout(args, dispatcher: str | None, world: int, device: torch.device) 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep,
                                      etp=default_etp(args.tp, dispatcher, args.etp),
-                                     order=args.order, timeout=datetime.timedelta(seconds=args.comm_timeout))
+                                     order=args.order)   # the world's timeout (see init_distributed)
 
 
 def load_model(args, engine: dict, state, device: torch.device) -> GPTMoEModel:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import logging
 import os
 import sys
@@ -784,8 +783,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     world_group = dist.group.WORLD if world > 1 else None
     etp = default_etp(args.tp, args.dispatcher, args.etp)
-    state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp,
-                                       timeout=datetime.timedelta(seconds=args.comm_timeout))
+    # The groups inherit the world's timeout (on CUDA --comm-timeout plus the collective watchdog's reserve).
+    state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp)
              if dist.is_initialized() else ParallelState.single_process())
     logger.info("world %d: tp %d cp %d pp %d dp %d ep %d etp %d, dispatcher %s; device %s%s, autocast %s", world,
                 args.tp, state.cp.size, args.pp, state.dp.size, args.ep, etp, args.dispatcher, device,

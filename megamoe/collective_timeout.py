@@ -1,8 +1,11 @@
 """A collective that timed out, reported with the operation and the ranks that did not arrive.
 
 gloo's own error ("Timed out waiting 600000ms for recv operation to complete") names neither the
-collective nor the rank that is missing. :mod:`megamoe.comms` turns it into a
-:class:`CollectiveTimeout` that does, found out like this:
+collective nor the rank that is missing, nor does NCCL's ("Watchdog caught collective operation timeout:
+WorkNCCL(SeqNum=7, OpType=ALLREDUCE, ..., Timeout(ms)=600000) ran for 600012 milliseconds before timing
+out."). :mod:`megamoe.comms` turns either into a :class:`CollectiveTimeout` that does; on NCCL, whose
+collectives return at once, the host-side :mod:`megamoe.collective_watchdog` finds the stuck one and
+reports it the same way. Which ranks did not arrive is found out like this:
 
 - Nothing is recorded while collectives succeed (no cost on the normal path).
 - A rank whose collective times out writes ``waiting/<its global rank> = "<op> over ranks [..]"``
@@ -56,11 +59,14 @@ class CollectiveTimeout(RuntimeError):
         self.missing, self.first_report = missing, first_report
 
     @classmethod
-    def diagnose(cls, operation: str, group_ranks: tuple[int, ...], error: BaseException) -> "CollectiveTimeout":
+    def diagnose(cls, operation: str, group_ranks: tuple[int, ...], error: BaseException | None = None, *,
+                 timeout_s: float | None = None) -> "CollectiveTimeout":
         """The timeout report of ``operation`` over ``group_ranks`` (global ranks), after asking the
-        store which of those ranks reported a timeout of their own (see the module docstring)."""
+        store which of those ranks reported a timeout of their own (see the module docstring). The
+        timeout is ``timeout_s``, else the one ``error`` (gloo's or NCCL's) names, if any."""
         rank = dist.get_rank()
-        timeout_s = _timeout_seconds(str(error))
+        if timeout_s is None and error is not None:
+            timeout_s = _timeout_seconds(str(error))
         what = f"{operation} over ranks {list(group_ranks)}"
         head = f"{what} timed out" + (f" after {timeout_s:g} s" if timeout_s else "") + f" on rank {rank}"
         grace = min(max(_GRACE_FRACTION * (timeout_s or 0.0), _GRACE_MIN_S), _GRACE_MAX_S)
@@ -87,9 +93,15 @@ class CollectiveTimeout(RuntimeError):
                    missing=missing, first_report=outcome["first_report"])
 
 
+# gloo: "Timed out waiting 600000ms for recv operation to complete"; NCCL (ProcessGroupNCCL's
+# WorkNCCL::checkTimeout, raised by wait() under TORCH_NCCL_BLOCKING_WAIT=1 or once the watchdog saw it):
+# "Watchdog caught collective operation timeout: WorkNCCL(...) ran for N milliseconds before timing out."
+_TIMEOUT_MARKERS = ("timed out", "collective operation timeout")
+
+
 def is_timeout(error: BaseException) -> bool:
-    """Whether ``error`` (raised by a torch.distributed call) is a collective timeout."""
-    return isinstance(error, RuntimeError) and "timed out" in str(error).lower()
+    """Whether ``error`` (raised by a torch.distributed call, gloo or NCCL) is a collective timeout."""
+    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _TIMEOUT_MARKERS)
 
 
 # What gloo says on the ranks left in a collective when a peer's process ended (its sockets closed).
@@ -103,8 +115,9 @@ def is_peer_failure(error: BaseException) -> bool:
 
 
 def _timeout_seconds(message: str) -> float | None:
-    """gloo says "Timed out waiting 10000ms for recv": the timeout in seconds, if the message has it."""
-    found = re.search(r"waiting (\d+)\s*ms", message)
+    """gloo says "Timed out waiting 10000ms for recv", NCCL "WorkNCCL(..., Timeout(ms)=10000)": the
+    timeout in seconds, if the message has it."""
+    found = re.search(r"waiting (\d+)\s*ms", message) or re.search(r"Timeout\(ms\)=(\d+)", message)
     return int(found.group(1)) / 1000 if found else None
 
 

@@ -34,7 +34,10 @@ and naming the newest intact checkpoint (see :mod:`megamoe.after_torchrun`).
 A collective that times out (a stuck, dead or much slower rank) raises
 :class:`~megamoe.collective_timeout.CollectiveTimeout` on the ranks waiting for it; the first of them
 to report prints it as one ``error:`` line naming the operation, its ranks and the rank(s) that did not
-arrive, and every one of them exits 1, which ends the torchrun job.
+arrive, and every one of them exits 1, which ends the torchrun job. On CUDA (NCCL, whose collectives
+return before the data has moved) the host-side :mod:`~megamoe.collective_watchdog` finds the stuck
+collective after ``--comm-timeout`` and ends the rank with the same line and exit code (see
+:func:`init_distributed`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megamoe import collective_watchdog
 from megamoe.after_torchrun import rank_finished, repeat_after_torchrun, watch_this_rank
 from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
 
@@ -200,7 +204,13 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
     seconds. ``device`` (see :func:`resolve_device`): on CUDA it becomes this process's current device,
     so that one process drives one GPU, and the backend (default: :func:`distributed_backend`) runs
     NCCL. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1 and
-    creates no group."""
+    creates no group.
+
+    On CUDA a collective watchdog (:mod:`megamoe.collective_watchdog`) is armed with ``comm_timeout_s``:
+    a stuck collective ends the rank with the one ``error:`` line of :func:`run_script` and exit code 1.
+    The process group's own timeout (NCCL's watchdog, which would abort the process without it, and the
+    gloo half's for CPU tensors; the groups of parallel_state inherit it) is then ``comm_timeout_s`` plus
+    :data:`~megamoe.collective_watchdog.DIAGNOSIS_RESERVE_S`, so that the diagnosis comes first."""
     check_comm_timeout(comm_timeout_s)
     device = torch.device(device)
     if device.type == "cuda":
@@ -208,7 +218,12 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
     world = launch_world_size()
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
-    dist.init_process_group(backend or distributed_backend(device), timeout=datetime.timedelta(seconds=comm_timeout_s))
+    backend = backend or distributed_backend(device)
+    watched = backend != "gloo"
+    group_timeout_s = comm_timeout_s + (collective_watchdog.DIAGNOSIS_RESERVE_S if watched else 0.0)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=group_timeout_s))
+    if watched:
+        collective_watchdog.arm(collective_watchdog.CollectiveWatchdog(comm_timeout_s, _end_on_stuck_collective))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -217,14 +232,15 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
     on rank 0 (the other ranks stay quiet unless the job outlives a short wait) and returns 1; so does
     a collective timeout, printed by the first rank that reports it, and a collective a peer left. Other
     exceptions propagate."""
-    prog = prog or os.path.basename(sys.argv[0])
+    global _script_prog
+    prog = _script_prog = prog or os.path.basename(sys.argv[0])
     watch_this_rank(prog)
     try:
         return main(argv)
     except CollectiveTimeout as e:
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
-        return _report(prog, f"{e}; if a rank is only slow, raise --comm-timeout", e.first_report)
+        return _report(prog, _timeout_message(e), e.first_report)
     except (ValueError, OSError, _checkpoint_error(), _non_finite_training_error()) as e:
         if os.environ.get("MEGAMOE_TRACEBACK"):
             raise
@@ -242,9 +258,31 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
     finally:
+        collective_watchdog.disarm()
         rank_finished()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_script_prog: str | None = None     # the prog of the running run_script, for the collective watchdog's line
+
+
+def _timeout_message(error: CollectiveTimeout) -> str:
+    return f"{error}; if a rank is only slow, raise --comm-timeout"
+
+
+def _end_on_stuck_collective(error: CollectiveTimeout) -> None:
+    """The collective watchdog's ``on_timeout`` (on its thread): the line :func:`run_script` prints for a
+    CollectiveTimeout, then the process ends with exit code 1 at once. The main thread is blocked in a
+    CUDA wait that no exception reaches, and NCCL's watchdog would abort the process a little later."""
+    prog = _script_prog or os.path.basename(sys.argv[0])
+    code = 1
+    try:
+        code = _report(prog, _timeout_message(error), error.first_report)
+        rank_finished()
+        sys.stdout.flush()
+    finally:
+        os._exit(code)
 
 
 def _rank() -> int:

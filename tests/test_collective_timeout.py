@@ -86,3 +86,109 @@ def test_a_rank_waiting_elsewhere_is_named_with_its_operation(tmp_path):
     assert two["operation"] == "all_gather" and two["missing"] == (), two["message"]
     assert "rank 0 is itself waiting in all_reduce over ranks [0, 1]" in two["message"], two["message"]
     assert [zero["first_report"], two["first_report"]].count(True) == 1, "exactly one rank prints the error"
+
+
+# ---- NCCL: its timeout message, and the host-side watchdog (collectives return before the data moved) ----
+
+# The texts torch raises, as fixtures. gloo: gloo/transport/tcp/unbound_buffer.cc ("Timed out waiting
+# <ms>ms for recv operation to complete"). NCCL: torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp,
+# WorkNCCL::checkTimeout (logPrefix() + "Watchdog caught collective operation timeout: " + the WorkNCCL's
+# operator<< + " ran for <ms> milliseconds before timing out."), the DistBackendError that wait() rethrows
+# (TORCH_NCCL_BLOCKING_WAIT=1 or an explicit wait timeout) and the watchdog logs; logPrefix() is
+# "[PG ID 0 PG GUID 0(default_pg) Rank 0] " in torch >= 2.4, "[Rank 0] " before.
+GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 12000ms for recv " \
+               "operation to complete"
+NCCL_TIMEOUTS = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+    "OpType=ALLREDUCE, NumelIn=4, NumelOut=4, Timeout(ms)=12000) ran for 12053 milliseconds before timing out.",
+    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=57, OpType=ALLGATHER, NumelIn=191, "
+    "NumelOut=1528, Timeout(ms)=12000) ran for 12059 milliseconds before timing out.",
+)
+
+
+def test_nccl_timeouts_are_recognised_as_gloo_ones_and_name_their_timeout():
+    from megamoe.collective_timeout import _timeout_seconds, is_peer_failure, is_timeout
+    for text in (GLOO_TIMEOUT, *NCCL_TIMEOUTS):
+        error = dist.DistBackendError(text)         # a RuntimeError, as raised by torch
+        assert is_timeout(error) and not is_peer_failure(error), text
+        assert _timeout_seconds(text) == 12.0, text
+    assert not is_timeout(RuntimeError("NCCL error: unhandled system error")) and _timeout_seconds("x") is None
+
+
+def _never_done():
+    return lambda: False
+
+
+def test_comms_hand_collectives_to_an_armed_watchdog_which_finds_the_stuck_one():
+    # Over torch's fake process group collectives return at once, as on NCCL: the watchdog's probes say
+    # whether the stream got past them. The oldest pending one is reported once it is timeout_s old.
+    from megamoe import collective_watchdog
+    from p2p_recording import fake_rank
+    probes = []
+
+    def probe():
+        probes.append(False)
+        index = len(probes) - 1
+        return lambda: probes[index]
+
+    watchdog = collective_watchdog.CollectiveWatchdog(30.0, on_timeout=None, probe=probe, poll_s=3600.0)
+    with fake_rank(0, 2, tp=2) as state:
+        collective_watchdog.arm(watchdog)
+        try:
+            comms.all_reduce_(torch.ones(4), state.tp.group)
+            handle = comms.all_reduce_async(torch.ones(4), state.tp.group, tag="b")   # watched from its wait on
+            assert len(probes) == 1
+            handle.wait()
+            comms.all_gather_into(torch.ones(2), state.tp.group)
+        finally:
+            collective_watchdog.disarm()
+        comms.all_reduce_(torch.ones(4), state.tp.group)                 # disarmed: not handed over
+    assert collective_watchdog.armed() is None and len(probes) == 3
+    oldest = watchdog._pending[0]
+    assert (oldest.operation, oldest.group_ranks) == ("all_reduce", (0, 1))
+    assert watchdog.overdue(now=oldest.issued_at + 29.9) is None
+    assert watchdog.overdue(now=oldest.issued_at + 30.0) is oldest
+    probes[0] = True                                                    # the stream got past the first one
+    second = watchdog.overdue(now=handle.issued_at + 30.0)
+    assert second.operation == "all_reduce" and second.issued_at == handle.issued_at   # timed from its issue
+    probes[1] = True
+    assert watchdog.overdue(now=1e12).operation == "all_gather"
+    probes[2] = True
+    assert watchdog.overdue(now=1e12) is None and not watchdog._pending
+    with pytest.raises(ValueError, match="CollectiveWatchdog.timeout_s"):
+        collective_watchdog.CollectiveWatchdog(0, on_timeout=None)
+
+
+# A rank of a 2-rank group (torch's fake process group: collectives return at once, as on NCCL; a real store)
+# whose all-reduce never completes on the "stream", blocked afterwards as in a host read of its result.
+_STUCK_RANK = """
+import sys, threading
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
+from megamoe import collective_watchdog, comms, launch
+dist.init_process_group("cpu:fake", store=dist.HashStore(), rank=0, world_size=2)
+
+def main(argv):
+    collective_watchdog.arm(collective_watchdog.CollectiveWatchdog(
+        0.5, launch._end_on_stuck_collective, probe=lambda: (lambda: False), poll_s=0.05))
+    comms.all_reduce_(torch.ones(4), dist.group.WORLD)
+    threading.Event().wait(120)         # the host read that never returns
+    return 0
+
+sys.exit(launch.run_script(main, prog="train.py"))
+"""
+
+
+def test_a_stuck_nccl_like_collective_ends_the_rank_with_the_one_error_line(tmp_path):
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "RANK", "MEGAMOE_TRACEBACK")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(comms.__file__))),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _STUCK_RANK], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=HARNESS_TIMEOUT_S)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        "train.py: error: all_reduce over ranks [0, 1] timed out after 0.5 s on rank 0: rank 1 did not arrive "
+        "(stopped, hung, dead, or still busy outside any collective); if a rank is only slow, raise --comm-timeout"
+    ], done.stderr

@@ -24,6 +24,7 @@ Groups of one rank: completed handles, nothing counted or recorded (the identity
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -47,6 +48,7 @@ class CommHandle:
                  then: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self._work, self._result, self.kind, self.group, self.tag, self._then = work, result, kind, group, tag, then
         self.done = work is None
+        self.issued_at = time.monotonic()      # the collective watchdog's clock starts at the issue
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -60,7 +62,7 @@ class CommHandle:
     def wait(self) -> torch.Tensor:
         if not self.done:
             record_event(self.kind, "wait_start", self.tag)
-            with _timeout_named(self.kind, self.group):
+            with _timeout_named(self.kind, self.group, issued_at=self.issued_at):
                 self._work.wait()
             self.done, self._work = True, None
             record_event(self.kind, "wait", self.tag)
@@ -76,7 +78,7 @@ def all_reduce_async(tensor: torch.Tensor, group: ProcessGroup | None, *, tag: s
         return CommHandle.completed(tensor)
     _record("all_reduce", group, tensor)
     record_event("all_reduce", "issue", tag)
-    with _timeout_named("all_reduce", group):
+    with _timeout_named("all_reduce", group, watched=False):     # watched from its wait on
         work = dist.all_reduce(tensor, group=group, async_op=True)
     return CommHandle(work, tensor, "all_reduce", group, tag)
 
@@ -97,7 +99,7 @@ def reduce_scatter_flat_async(buffer: torch.Tensor, group: ProcessGroup | None, 
     record_event("reduce_scatter", "issue", tag)
     src = buffer.contiguous()
     out = torch.empty(src.numel() // world, dtype=src.dtype, device=src.device)
-    with _timeout_named("reduce_scatter", group):
+    with _timeout_named("reduce_scatter", group, watched=False):     # watched from its wait on
         work = _reduce_scatter_single(out, src, group=group, async_op=True)
     # Keep the source alive until the wait: the collective reads it in the background.
     return CommHandle(work, out, "reduce_scatter", group, tag, then=lambda shard, _src=src: shard)
@@ -109,7 +111,7 @@ def _start_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: l
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     _record("all_to_all", group, x)
     record_event("all_to_all", "issue", tag)
-    with _timeout_named("all_to_all", group):
+    with _timeout_named("all_to_all", group, watched=False):     # watched from its wait on
         work = dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
                                       group=group, async_op=True)
     return CommHandle(work, out, "all_to_all", group, tag, then=lambda o, _x=x: o)

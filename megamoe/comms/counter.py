@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megamoe import collective_watchdog
 from megamoe.collective_timeout import CollectiveTimeout, is_timeout
 from megamoe.comms.groups import group_ranks
 
@@ -82,14 +83,25 @@ def _record(kind: str, group: ProcessGroup | None, tensor: torch.Tensor) -> None
 
 
 @contextlib.contextmanager
-def _timeout_named(kind: str, group: ProcessGroup | None, peers: Sequence[int] | None = None) -> Iterator[None]:
+def _timeout_named(kind: str, group: ProcessGroup | None, peers: Sequence[int] | None = None, *,
+                   watched: bool = True, issued_at: float | None = None) -> Iterator[None]:
     """Re-raise a timeout of the torch.distributed call inside as a :class:`CollectiveTimeout`
     naming ``kind`` and the ranks involved: ``group``'s, or for point-to-point operations this
-    rank and its ``peers`` (global ranks). Other errors pass unchanged."""
+    rank and its ``peers`` (global ranks). Other errors pass unchanged.
+
+    While a :mod:`~megamoe.collective_watchdog` is armed (CUDA jobs: NCCL returns before the data has
+    moved), a call that returns hands the collective to it (``watched``: False for the start of an
+    asynchronous one, handed over at its wait with the start's ``issued_at``, ``time.monotonic()``)."""
     try:
         yield
     except RuntimeError as e:
         if not is_timeout(e):
             raise
-        ranks = tuple(sorted({dist.get_rank(), *peers})) if peers is not None else group_ranks(group)
-        raise CollectiveTimeout.diagnose(kind, ranks, e) from e
+        raise CollectiveTimeout.diagnose(kind, _ranks(group, peers), e) from e
+    watchdog = collective_watchdog.armed()
+    if watched and watchdog is not None:
+        watchdog.watch(kind, _ranks(group, peers), issued_at=issued_at)
+
+
+def _ranks(group: ProcessGroup | None, peers: Sequence[int] | None) -> tuple[int, ...]:
+    return tuple(sorted({dist.get_rank(), *peers})) if peers is not None else group_ranks(group)
