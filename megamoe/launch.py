@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import logging
 import os
 import sys
@@ -278,6 +279,8 @@ def _end_on_stuck_collective(error: CollectiveTimeout) -> None:
     prog = _script_prog or os.path.basename(sys.argv[0])
     code = 1
     try:
+        if os.environ.get("MEGAMOE_TRACEBACK"):
+            faulthandler.dump_traceback(all_threads=True)    # where the main thread is blocked
         code = _report(prog, _timeout_message(error), error.first_report)
         rank_finished()
         sys.stdout.flush()

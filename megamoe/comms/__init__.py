@@ -11,7 +11,9 @@ Conventions
   kind, the group's global ranks and the bytes this rank contributes (its input buffer size).
 - A collective that times out (the process group's timeout) raises
   :class:`~megamoe.collective_timeout.CollectiveTimeout`, naming the operation, the group's ranks
-  and, where the store can tell, the ranks that did not arrive.
+  and, where the store can tell, the ranks that did not arrive. On NCCL, whose calls return before the
+  data has moved, every collective is handed to the armed :mod:`~megamoe.collective_watchdog`, which
+  reports the stuck one the same way.
 
 Tensor-parallel regions split / gather the LAST dim; sequence-parallel regions the FIRST dim, or the
 ``dim`` they are given (the model's hidden states are batch-first [B, S, H]: its sequence-parallel
@@ -45,7 +47,8 @@ Where things live
   overlapping communication with compute: ``all_reduce_async``, ``reduce_scatter_flat_async`` (return a
   :class:`CommHandle`), and the autograd pair ``all_to_all_start`` / ``all_to_all_wait``.
 - :mod:`~megamoe.comms.timeline`: ``comm_timeline`` (issue / wait times of the asynchronous collectives and
-  ``timed`` compute regions), the proof of overlap.
+  ``timed`` compute regions), the proof of overlap, timed by :mod:`~megamoe.comms.stream_clock` (CUDA events
+  on the current stream on CUDA, the host clock elsewhere).
 
 Import from the package (``from megamoe import comms; comms.all_reduce_(...)``): every name is re-exported
 here, the counter list ``_active_counters`` included (the same list object the collectives record into).

@@ -3,7 +3,7 @@
 
 Inside :func:`~megamoe.comms.comm_timeline` each of them records ``wait_start`` / ``wait`` events tagged
 :data:`PIPELINE_TAG` around the time it blocks, so ``blocked_seconds("pipeline")`` is a stage's time waiting
-on its neighbours."""
+on its neighbours (on CUDA, the time the stream waited: see :mod:`megamoe.comms.stream_clock`)."""
 
 from __future__ import annotations
 
