@@ -49,16 +49,16 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megamoe.collective_timeout import CollectiveTimeout
+from megamoe.collective_timeout import _GRACE_MAX_S, _STORE_SLACK_S, CollectiveTimeout
 
 __all__ = ["DIAGNOSIS_RESERVE_S", "CollectiveWatchdog", "cuda_stream_probe", "arm", "disarm", "armed"]
 
 logger = logging.getLogger(__name__)
 
 # What the process group's own timeout (NCCL's watchdog) adds to ours: the diagnosis's wait for the
-# group's other ranks (at most 30 s) and its store calls (10 s more), the quiet ranks' wait before they
-# print (10 s, megamoe.launch), and a margin for a loaded host.
-DIAGNOSIS_RESERVE_S = 60.0
+# group's other ranks and its store calls (at most 30 + 10 s), the quiet ranks' wait before they print
+# (10 s, megamoe.launch), and 10 s of margin for a loaded host.
+DIAGNOSIS_RESERVE_S = _GRACE_MAX_S + _STORE_SLACK_S + 20.0
 
 
 class _Pending(NamedTuple):

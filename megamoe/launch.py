@@ -220,7 +220,7 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
     backend = backend or distributed_backend(device)
-    watched = backend != "gloo"
+    watched = device.type == "cuda" and backend != "gloo"     # collectives that return before the data moved
     group_timeout_s = comm_timeout_s + (collective_watchdog.DIAGNOSIS_RESERVE_S if watched else 0.0)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=group_timeout_s))
     if watched:
