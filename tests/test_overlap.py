@@ -435,3 +435,27 @@ def test_cpu_timelines_keep_the_host_clock(monkeypatch):
         handle.wait()
     assert [e.time for e in timeline.events] == [10.0, 10.5, 12.0, 13.25] and inner.events == timeline.events
     assert timeline.blocked_seconds("b") == 1.25
+
+
+class _FakeP2PDist:
+    """What point_to_point posts through: every post's work blocks the stream 30 ms (NCCL-like waits)."""
+    isend, irecv = "isend", "irecv"
+
+    @staticmethod
+    def P2POp(op, tensor, peer=None, group=None, tag=0):
+        return op, peer
+
+    @staticmethod
+    def batch_isend_irecv(ops):
+        return [_StreamWaitWork(blocked_ms=30.0) for _ in ops]
+
+
+def test_the_pipelines_blocked_time_on_cuda_is_the_streams(monkeypatch):
+    from megamoe.comms import point_to_point
+    from p2p_recording import fake_rank
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
+    monkeypatch.setattr(point_to_point, "dist", _FakeP2PDist)
+    with fake_rank(0, 2, pp=2) as state, comms.comm_timeline(device="cuda:0") as timeline:
+        point_to_point.batch_send_recv([(torch.ones(2), 1)], [(torch.empty(2), 1)], state.pp.group)
+    assert timeline.blocked_seconds(point_to_point.PIPELINE_TAG) == pytest.approx(0.060)
