@@ -58,9 +58,9 @@ class Timeline:
 
     def blocked_seconds(self, tag: str | None = None) -> float:
         """Seconds callers spent blocked in ``wait()`` (``"wait_start"`` to ``"wait"``; on CUDA the seconds
-        the stream was blocked), for collectives tagged ``tag`` (all without). Communication time that compute did NOT hide: a blocking run's
-        figure is (about) its whole communication time, so ``1 - overlapped / blocking`` is the fraction
-        of it that overlap hid."""
+        the stream was blocked), for collectives tagged ``tag`` (all without). Communication time that
+        compute did NOT hide: a blocking run's figure is (about) its whole communication time, so
+        ``1 - overlapped / blocking`` is the fraction of it that overlap hid."""
         total, started = 0.0, {}
         for e in self.events:
             if tag is not None and e.tag != tag:
