@@ -116,7 +116,8 @@ def test_bf16_autocast_by_default_on_cuda_only():
 
 def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
     calls = []
-    monkeypatch.setattr(launch.dist, "init_process_group", lambda backend, timeout: calls.append(backend))
+    monkeypatch.setattr(launch.dist, "init_process_group",
+                        lambda backend, timeout, **device: calls.append((backend, *device.items())))
     monkeypatch.setattr(launch.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(launch.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(launch.torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
@@ -125,7 +126,9 @@ def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
     assert launch.init_distributed(device="cpu") == (1, 2)
     assert launch.init_distributed(device=torch.device("cuda", 1)) == (1, 2)
     assert launch.init_distributed(device="cuda") == (1, 2)            # no index: the local rank's GPU
-    assert calls == ["gloo", ("set_device", 1), "cpu:gloo,cuda:nccl", ("set_device", 1), "cpu:gloo,cuda:nccl"]
+    # On CUDA the default group is bound to the GPU (device_id): NCCL starts eagerly, groups split from it.
+    on_gpu = ("cpu:gloo,cuda:nccl", ("device_id", torch.device("cuda", 1)))
+    assert calls == [("gloo",), ("set_device", 1), on_gpu, ("set_device", 1), on_gpu]
 
 
 # ---- --comm-timeout, torchrun's other ranks, a rank left by a failed peer -------------------------------
