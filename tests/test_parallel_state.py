@@ -269,6 +269,17 @@ COMMUNICATOR_LAYOUTS = [
 ]
 
 
+def _groups_by_ranks(state) -> dict:
+    """Rank set -> the process group of this rank's kinds over it, checking that kinds over the same ranks
+    hold the same group (one communicator per distinct rank set, issue 29 row 14)."""
+    by_ranks = {}
+    for kind in GROUP_KINDS:
+        info = getattr(state, kind)
+        if info is not None and info.group is not None:
+            assert by_ranks.setdefault(info.ranks, info.group) is info.group, kind
+    return by_ranks
+
+
 @pytest.mark.parametrize("world, layout", COMMUNICATOR_LAYOUTS)
 def test_one_communicator_per_distinct_rank_set_with_only_the_device_backend(world, layout, monkeypatch):
     """The new_group calls of a CUDA job ("cpu:gloo,cuda:nccl", played over torch's fake process group):
@@ -292,12 +303,7 @@ def test_one_communicator_per_distinct_rank_set_with_only_the_device_backend(wor
         monkeypatch.setattr(dist, "new_group", recording_new_group)
         state = initialize_model_parallel(**layout)
         assert sorted(calls) == sorted((ranks, "cuda:nccl") for ranks in distinct), calls
-        by_ranks = {}
-        for kind in GROUP_KINDS:
-            info = getattr(state, kind)
-            if info is not None and info.group is not None:
-                assert by_ranks.setdefault(info.ranks, info.group) is info.group, kind
-        assert len(by_ranks) == sum(rank in ranks for ranks in distinct)
+        assert len(_groups_by_ranks(state)) == sum(rank in ranks for ranks in distinct)
     finally:
         destroy_model_parallel()
         dist.destroy_process_group()
@@ -328,12 +334,7 @@ def _check_layouts(rank, world_size, layouts_to_check):
             dist.all_reduce(total, group=info.group)
             assert total.item() == sum(info.ranks), (kind, total.item(), info.ranks)
             reductions += 1
-        # One process group per distinct rank set: kinds over the same ranks share it (issue 29 row 14).
-        by_ranks = {}
-        for kind in GROUP_KINDS:
-            info = getattr(state, kind)
-            if info is not None and info.group is not None:
-                assert by_ranks.setdefault(info.ranks, info.group) is info.group, kind
+        _groups_by_ranks(state)
         pp_index = state.pp.rank
         assert state.pp_prev_rank == (state.pp.ranks[pp_index - 1] if pp_index > 0 else None)
         assert state.pp_next_rank == (state.pp.ranks[pp_index + 1] if pp_index < state.pp.size - 1
