@@ -91,8 +91,7 @@ def _virtual_rank_state(grid, rank: int, groups_of: dict[str, dict[int, tuple[in
             continue
         group = None if len(mine) == 1 else dist.new_group(list(mine), backend="fake")
         infos[kind] = GroupInfo(group=group, ranks=mine, rank=mine.index(rank), size=len(mine))
-    return ParallelState(world_size=grid.world_size, rank=rank, order=grid.order, dp_cp_cpu=infos["dp_cp"],
-                         **infos)
+    return ParallelState(world_size=grid.world_size, rank=rank, order=grid.order, **infos)
 
 
 def _groups_by_rank(grid) -> dict[str, dict[int, tuple[int, ...]]]:

@@ -214,15 +214,20 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
     :data:`~megamoe.collective_watchdog.DIAGNOSIS_RESERVE_S`, so that the diagnosis comes first."""
     check_comm_timeout(comm_timeout_s)
     device = torch.device(device)
+    device_options = {}
     if device.type == "cuda":
-        torch.cuda.set_device(device.index if device.index is not None else launch_local_rank())
+        device = torch.device("cuda", device.index if device.index is not None else launch_local_rank())
+        torch.cuda.set_device(device.index)
+        # Bound to its GPU, the default group starts NCCL at once (not lazily at the first collective), and
+        # the model's groups (parallel_state) are split from its communicator rather than bootstrapped anew.
+        device_options["device_id"] = device
     world = launch_world_size()
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
     backend = backend or distributed_backend(device)
     watched = device.type == "cuda" and backend != "gloo"     # collectives that return before the data moved
     group_timeout_s = comm_timeout_s + (collective_watchdog.DIAGNOSIS_RESERVE_S if watched else 0.0)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=group_timeout_s))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=group_timeout_s), **device_options)
     if watched:
         collective_watchdog.arm(collective_watchdog.CollectiveWatchdog(comm_timeout_s, _end_on_stuck_collective))
     return dist.get_rank(), dist.get_world_size()

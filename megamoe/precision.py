@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "upcast", "has_non_finite", "count_non_finite"]
+__all__ = ["compute_dtype", "upcast", "active_autocast_dtype", "in_autocast_dtype", "has_non_finite", "count_non_finite"]
 
 _SCAN_BLOCK = 1 << 22      # elements checked at once: a widened fp8 block is 16 MiB, whatever the tensor
 # fp8 dtype -> (mask, lowest masked byte that is NaN or Inf): read from the bits, as widening to fp32 costs
@@ -32,6 +32,26 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in :func:`compute_dtype` of its dtype (``x`` itself when already that wide)."""
     return x.to(compute_dtype(x.dtype))
+
+
+def active_autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on ``device_type`` now; None where autocast is off there."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def in_autocast_dtype(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` (the first one the rows) cast to the autocast dtype of the rows' device when autocast is on
+    there and they are in a wider floating type, as autocast casts a matmul's operands; else as they are. The
+    casts are autograd ops: the gradients reach the originals in their own dtype. For the inputs of what
+    autocast does not cast itself (``torch.mm(out=)``, ``torch._grouped_mm``) and for tokens about to cross
+    the wire to such a GEMM (the MoE dispatch: half the bytes)."""
+    dtype = active_autocast_dtype(tensors[0].device.type)
+    if dtype is None:
+        return tensors
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype
+                 and t.element_size() > torch.finfo(dtype).bits // 8 else t for t in tensors)
 
 
 def has_non_finite(tensor: torch.Tensor) -> bool:

@@ -73,6 +73,19 @@ class RankGroups:
     # sequence parallelism, the group the MoE routers' balancing statistics are reduced over.
     tp_cp: Groups
 
+    def communicator_ranks(self) -> Groups:
+        """Every rank set of more than one rank that some kind holds, once: the communicators the layout
+        needs. Kinds over the same ranks share one (dp_cp is dp when cp = 1, ep_etp is ep when etp = 1, mp
+        is tp when pp = 1, embedding is pp when pp = 2, ...); a single rank needs none. In a fixed order
+        (kinds in ``GROUP_KINDS`` order, each kind's groups in order), the same on every rank, as
+        ``torch.distributed.new_group`` must be called."""
+        seen: dict[tuple[int, ...], None] = {}
+        for kind in GROUP_KINDS:
+            for ranks in getattr(self, kind):
+                if len(ranks) > 1:
+                    seen.setdefault(ranks, None)
+        return tuple(seen)
+
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...] | None]:
         """Kind -> the group holding ``rank``; ``embedding`` maps to None for a middle pp stage."""
         if not 0 <= rank < self.world_size:

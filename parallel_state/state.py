@@ -29,6 +29,7 @@ __all__ = [
     "destroy_model_parallel",
     "get_parallel_state",
     "initialize_model_parallel",
+    "model_group_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,8 @@ class ParallelState:
     """All groups of this process for one layout (see :func:`initialize_model_parallel`).
 
     ``embedding`` is None on middle pipeline stages, which hold neither embedding nor output layer.
-    ``dp_cp_cpu`` is a gloo group over the ``dp_cp`` ranks for CPU-side metadata (it *is* ``dp_cp``
-    when that group already runs on gloo).
+    Kinds over the same ranks hold the same process group (one communicator, see
+    :func:`initialize_model_parallel`).
     """
 
     world_size: int
@@ -84,7 +85,6 @@ class ParallelState:
     ep_etp: GroupInfo
     etp_edp: GroupInfo
     embedding: GroupInfo | None
-    dp_cp_cpu: GroupInfo
     tp_cp: GroupInfo               # tp x cp: the ranks holding tokens of the same sequences
 
     @classmethod
@@ -93,7 +93,7 @@ class ParallelState:
         solo = _solo(0)
         return cls(world_size=1, rank=0, order=DEFAULT_ORDER, tp=solo, cp=solo, dp=solo, dp_cp=solo,
                    pp=solo, mp=solo, ep=solo, etp=solo, edp=solo, ep_etp=solo, etp_edp=solo, embedding=solo,
-                   dp_cp_cpu=solo, tp_cp=solo)
+                   tp_cp=solo)
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -129,17 +129,21 @@ def _world_timeout():
         return None
 
 
-def _backend_needs_cpu_twin(backend: str) -> bool:
-    """True when groups of this backend cannot carry CPU tensors (e.g. "nccl"), so a gloo twin is needed.
+def model_group_backend(world_backend: str) -> str:
+    """The backend of the model's groups under a default group of ``world_backend``: only what carries the
+    model's tensors.
 
-    Backend strings like "cpu:gloo,cuda:nccl" name the CPU backend themselves; a plain name is looked up
-    in torch's table of the devices each backend serves ("gloo" and torch's "fake" test backend serve
-    CPU: no twin, and a fake world could not build a gloo group anyway). Unknown names get the twin.
+    A per-device string that names different backends (``"cpu:gloo,cuda:nccl"``: gloo for the host, NCCL
+    for the GPUs) keeps its non-CPU part (``"cuda:nccl"``). Every collective on the model's groups moves
+    tensors of the model's device (tests/test_device_clean.py refuses a CPU tensor in any collective), so
+    a gloo backend per group would only add a gloo context, with connections to every peer, per group;
+    host metadata goes over the default group, which keeps both. A backend that serves every device
+    itself (``"gloo"``, ``"nccl"``, torch's ``"cpu:fake,meta:fake"``) is kept as it is.
     """
-    backend = backend.lower()
-    if ":" in backend:
-        return not any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
-    return "cpu" not in dist.Backend.backend_capability.get(backend, [])
+    parts = [tuple(x.strip() for x in part.split(":", 1)) for part in world_backend.lower().split(",")]
+    if any(len(part) != 2 for part in parts) or len({name for _, name in parts}) < 2:
+        return world_backend
+    return ",".join(f"{device}:{name}" for device, name in parts if device != "cpu")
 
 
 def initialize_model_parallel(
@@ -156,11 +160,17 @@ def initialize_model_parallel(
     """Create every group of the layout and return this process's :class:`ParallelState`.
 
     Must be called by every rank with the same arguments, after ``torch.distributed`` is initialised;
-    ``backend`` (default: the default group's) is the backend of the new groups, ``timeout`` their
-    collective timeout (default: the default group's where torch exposes it, as for gloo, else the
-    backend's default; pass it for NCCL). Raises RuntimeError
-    if torch.distributed is not initialised or the groups already exist (call
-    :func:`destroy_model_parallel` first), ValueError for an impossible layout.
+    ``backend`` (default: :func:`model_group_backend` of the default group's) is the backend of the new
+    groups, ``timeout`` their collective timeout (default: the default group's where torch exposes it, as
+    for gloo, else the backend's default; pass it for NCCL). Raises RuntimeError if torch.distributed is
+    not initialised or the groups already exist (call :func:`destroy_model_parallel` first), ValueError
+    for an impossible layout.
+
+    One communicator per distinct rank set (:meth:`~parallel_state.RankGroups.communicator_ranks`): kinds
+    over the same ranks share it, so a layout creates a few groups instead of one per kind; their number
+    is logged. For NCCL, pass ``device_id`` to ``init_process_group`` (megamoe.launch does): the world
+    communicator then starts at once and the groups here are split from it, instead of each one
+    bootstrapping lazily at its first collective.
     """
     global _current_state
     if not (dist.is_available() and dist.is_initialized()):
@@ -177,32 +187,31 @@ def initialize_model_parallel(
     timeout = timeout if timeout is not None else _world_timeout()
     grid = compute_rank_groups(dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, order=order)
 
-    def create(groups: tuple[tuple[int, ...], ...], group_backend: str | None) -> GroupInfo | None:
-        # new_group must be called by every rank for every group, in the same order everywhere,
-        # even for groups this rank is not in. Size-1 groups are skipped identically on all ranks.
-        mine = None
-        for ranks in groups:
-            if len(ranks) == 1:
-                if rank in ranks:
-                    mine = _solo(rank)
-                continue
-            group = dist.new_group(ranks=list(ranks), backend=group_backend, timeout=timeout)
-            if rank in ranks:
-                _created_groups.append(group)
-                mine = GroupInfo(group=group, ranks=ranks, rank=ranks.index(rank), size=len(ranks))
-        return mine
+    backend = backend if backend is not None else model_group_backend(dist.get_backend())
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for ranks in grid.communicator_ranks():
+        # new_group must be called by every rank for every group, in the same order everywhere, even for
+        # groups this rank is not in.
+        group = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+        if rank in ranks:
+            groups[ranks] = group
+            _created_groups.append(group)
 
-    infos = {kind: create(getattr(grid, kind), backend) for kind in GROUP_KINDS}
-    if _backend_needs_cpu_twin(backend or dist.get_backend()):
-        dp_cp_cpu = create(grid.dp_cp, "gloo")
-    else:
-        dp_cp_cpu = infos["dp_cp"]
-    _current_state = ParallelState(world_size=grid.world_size, rank=rank, order=grid.order,
-                                   dp_cp_cpu=dp_cp_cpu, **infos)
+    def info(ranks: tuple[int, ...] | None) -> GroupInfo | None:
+        if ranks is None:                       # embedding on a middle pipeline stage
+            return None
+        if len(ranks) == 1:
+            return _solo(rank)
+        return GroupInfo(group=groups[ranks], ranks=ranks, rank=ranks.index(rank), size=len(ranks))
+
+    infos = {kind: info(ranks) for kind, ranks in grid.groups_of(rank).items()}
+    _current_state = ParallelState(world_size=grid.world_size, rank=rank, order=grid.order, **infos)
     logger.info(
-        "model parallel groups created: world %d, tp %d cp %d dp %d pp %d | ep %d etp %d edp %d, order %s",
+        "model parallel groups created: world %d, tp %d cp %d dp %d pp %d | ep %d etp %d edp %d, order %s: "
+        "%d communicators (%d on this rank) for %d group kinds, backend %s",
         grid.world_size, grid.tp_size, grid.cp_size, grid.dp_size, grid.pp_size, grid.ep_size,
-        grid.etp_size, grid.edp_size, grid.order,
+        grid.etp_size, grid.edp_size, grid.order, len(grid.communicator_ranks()), len(groups), len(GROUP_KINDS),
+        backend,
     )
     return _current_state
 

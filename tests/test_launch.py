@@ -116,10 +116,12 @@ def test_bf16_autocast_by_default_on_cuda_only():
 
 def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
     # On CUDA (NCCL) the collective watchdog is armed with --comm-timeout and the process group's own timeout
-    # (NCCL's watchdog, which aborts the process) comes DIAGNOSIS_RESERVE_S later; gloo times out itself.
+    # (NCCL's watchdog, which aborts the process) comes DIAGNOSIS_RESERVE_S later; gloo times out itself. The
+    # default group is bound to the GPU (device_id): NCCL starts eagerly, the model's groups split from it.
     calls, armed = [], []
     monkeypatch.setattr(launch.dist, "init_process_group",
-                        lambda backend, timeout: calls.append((backend, timeout.total_seconds())))
+                        lambda backend, timeout, **device: calls.append((backend, timeout.total_seconds(),
+                                                                         *device.items())))
     monkeypatch.setattr(launch.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(launch.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(launch.torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
@@ -130,7 +132,8 @@ def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
     assert not armed
     assert launch.init_distributed(comm_timeout_s=30, device=torch.device("cuda", 1)) == (1, 2)
     assert launch.init_distributed(comm_timeout_s=30, device="cuda") == (1, 2)   # no index: the local rank's GPU
-    nccl = ("cpu:gloo,cuda:nccl", 30 + launch.collective_watchdog.DIAGNOSIS_RESERVE_S)
+    nccl = ("cpu:gloo,cuda:nccl", 30 + launch.collective_watchdog.DIAGNOSIS_RESERVE_S,
+            ("device_id", torch.device("cuda", 1)))
     assert calls == [("gloo", 30.0), ("set_device", 1), nccl, ("set_device", 1), nccl]
     assert [(w.timeout_s, w.on_timeout) for w in armed] == [(30.0, launch._end_on_stuck_collective)] * 2
 

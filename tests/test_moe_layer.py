@@ -160,7 +160,19 @@ def _check_comm_volume(layer, config, state, x_local, fwd, bwd):
         else:
             assert fwd.calls() == 0
         return
-    # all-to-all: each token goes once to each EP rank holding >= 1 of its selected slots.
+    if state.ep.size > 1:
+        n_send, n_recv, metadata_bytes = _all_to_all_volume(layer, state, x_local)
+        token_bytes = (n_send + n_recv) * H * 4                            # dispatch + return
+        assert fwd.bytes("all_to_all") == token_bytes + metadata_bytes, (fwd.bytes("all_to_all"), n_send, n_recv)
+        assert fwd.calls("all_to_all") == 5
+    else:
+        assert fwd.calls("all_to_all") == 0
+    assert fwd.calls("all_reduce") == (1 if state.etp.size > 1 else 0)
+
+
+def _all_to_all_volume(layer, state, x_local) -> tuple[int, int, int]:
+    """EP > 1, all-to-all dispatcher: (rows this rank sends, rows it receives, bytes of the metadata exchanges)
+    of one forward: each token goes once to each EP rank holding >= 1 of its selected slots."""
     with torch.no_grad():
         routing = layer.router(x_local)
         slots = layer.experts_to_slots(routing.expert_ids)
@@ -170,17 +182,32 @@ def _check_comm_volume(layer, config, state, x_local, fwd, bwd):
         send_counts = sends.sum(dim=1)
     n_send = int(send_counts.sum())
     all_counts = [torch.zeros_like(send_counts) for _ in range(state.ep.size)]
-    if state.ep.size > 1:
-        dist.all_gather(all_counts, send_counts, group=state.ep.group)
-        n_recv = int(sum(c[state.ep.rank] for c in all_counts))
-        token_bytes = (n_send + n_recv) * H * 4                            # dispatch + return
-        # counts (tokens and pairs per slot for each rank), slot ids, weights
-        metadata_bytes = state.ep.size * (1 + layer.placement.slots_per_rank) * 8 + n_send * K * (8 + 4)
-        assert fwd.bytes("all_to_all") == token_bytes + metadata_bytes, (fwd.bytes("all_to_all"), n_send, n_recv)
-        assert fwd.calls("all_to_all") == 5
-    else:
-        assert fwd.calls("all_to_all") == 0
-    assert fwd.calls("all_reduce") == (1 if state.etp.size > 1 else 0)
+    dist.all_gather(all_counts, send_counts, group=state.ep.group)
+    n_recv = int(sum(c[state.ep.rank] for c in all_counts))
+    # counts (tokens and pairs per slot for each rank), slot ids, weights
+    return n_send, n_recv, state.ep.size * (1 + layer.placement.slots_per_rank) * 8 + n_send * K * (8 + 4)
+
+
+def _check_autocast_exchanges_the_compute_dtype(state):
+    """EP > 1, all-to-all, bf16 autocast over fp32 parameters and tokens: the tokens cross in bf16 both ways,
+    and so do their gradients (2 bytes per element in all four exchanges; the routing weights and their
+    gradients stay fp32). Before, the tokens crossed in fp32 and the experts cast them after the exchange:
+    the dispatch and its backward moved 4 bytes per element."""
+    x, dy = _inputs()
+    rows = slice(state.ep.rank * T // state.ep.size, (state.ep.rank + 1) * T // state.ep.size)
+    torch.manual_seed(7)
+    layer = MoELayer(_config(2 * E, backend="torch", shared=False), ep_group=state.ep.group,
+                     etp_group=state.etp.group, expert_group=state.ep_etp.group)
+    x_local = x[rows].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), comms.comm_counter() as fwd:
+        out, _ = layer(x_local)
+    with comms.comm_counter() as bwd:
+        out.backward(dy[rows].to(out.dtype))
+    n_send, n_recv, metadata_bytes = _all_to_all_volume(layer, state, x_local)
+    assert fwd.bytes("all_to_all") == (n_send + n_recv) * H * 2 + metadata_bytes, (fwd.bytes("all_to_all"), n_send)
+    # combine's backward: the returned rows' gradients; dispatch's: the received rows' and weights' gradients
+    assert bwd.bytes("all_to_all") == (n_send + n_recv) * H * 2 + n_recv * K * 4, (bwd.bytes("all_to_all"), n_recv)
+    assert out.dtype == torch.bfloat16 and x_local.grad.dtype == torch.float32
 
 
 def _check_combine_sums(state):
@@ -226,6 +253,7 @@ def _layouts_worker(rank, world_size, backends):
         ep = layout["ep"]
         if ep > 1:
             _check_combine_sums(state)
+            _check_autocast_exchanges_the_compute_dtype(state)
         for num_slots in (E, E + ep, 2 * E):
             for dispatcher, sharded in (("alltoall", False), ("allgather", False), ("allgather", True)):
                 for backend in backends:

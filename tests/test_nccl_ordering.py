@@ -154,6 +154,15 @@ def _assert_completes(posts, what):
     assert result.completed, f"{what}: {result.problem}"
 
 
+def _assert_batched_on_the_pipeline_group(posts, what):
+    """Every post is a batch over a whole pipeline group: on NCCL an unbatched send / recv runs on a two-rank
+    communicator of its own per rank pair (communicator sprawl, issue 29 row 14)."""
+    for rank, rank_posts in posts.items():
+        for post in rank_posts:
+            assert post.batched and rank in post.group_ranks and len(post.group_ranks) == len(posts), \
+                f"{what}: rank {rank} posted {post}"
+
+
 # 1F1B (V = 1) takes any number of micro-batches, the interleaved schedule multiples of pp.
 SCHEDULE_GRID = [(pp, v, m) for pp in (2, 3, 4) for v in (1, 2, 3)
                  for m in ((1, pp, 2 * pp + 1) if v == 1 else (pp, 2 * pp, 3 * pp))]
@@ -165,10 +174,11 @@ def test_todays_schedules_complete_under_nccl_ordering(pp, v, m):
         chunks = _recording_steps(rank, pp, v, [], SHAPE)
         return chunks[0] if v == 1 else chunks      # one step: 1F1B; one per chunk: interleaved
 
-    _assert_completes(_record(pp, lambda rank, state: forward_backward(steps(rank), m, state, SHAPE, torch.float32)),
-                      f"training pp {pp} V {v} m {m}")
-    _assert_completes(_record(pp, lambda rank, state: forward_only(steps(rank), m, state, SHAPE, torch.float32)),
-                      f"forward-only pp {pp} V {v} m {m}")
+    for what, schedule in ((f"training pp {pp} V {v} m {m}", forward_backward),
+                           (f"forward-only pp {pp} V {v} m {m}", forward_only)):
+        posts = _record(pp, lambda rank, state: schedule(steps(rank), m, state, SHAPE, torch.float32))
+        _assert_completes(posts, what)
+        _assert_batched_on_the_pipeline_group(posts, what)
 
 
 class _StubStages:
@@ -206,7 +216,10 @@ def test_generation_and_pipeline_logits_complete_under_nccl_ordering(pp, v):
         for _ in range(3):      # a prefill and two decode steps
             _step(model, state, inputs, None, {}, torch.ones(2, 3, dtype=torch.bool), SamplingConfig(), [])
 
-    _assert_completes(_record(pp, generate_tokens), f"generation pp {pp} V {v}")
-    _assert_completes(_record(pp, lambda rank, state: pipeline_logits(_StubStages(rank, pp, v), state,
-                                                                      torch.zeros(2, 3, dtype=torch.long))),
-                      f"pipeline_logits pp {pp} V {v}")
+    for what, run in ((f"generation pp {pp} V {v}", generate_tokens),
+                      (f"pipeline_logits pp {pp} V {v}",
+                       lambda rank, state: pipeline_logits(_StubStages(rank, pp, v), state,
+                                                           torch.zeros(2, 3, dtype=torch.long)))):
+        posts = _record(pp, run)
+        _assert_completes(posts, what)
+        _assert_batched_on_the_pipeline_group(posts, what)

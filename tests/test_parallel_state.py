@@ -20,7 +20,6 @@ from parallel_state import (
     get_parallel_state,
     initialize_model_parallel,
 )
-from parallel_state.state import _backend_needs_cpu_twin
 
 TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # kind -> (grid, order tokens whose index varies inside one group); every other index is fixed.
@@ -218,7 +217,7 @@ def test_invalid_layouts_name_the_numbers(kwargs, message):
 
 def test_single_process_state_needs_no_distributed():
     state = ParallelState.single_process()
-    for kind in GROUP_KINDS + ("dp_cp_cpu",):
+    for kind in GROUP_KINDS:
         assert getattr(state, kind) == GroupInfo(group=None, ranks=(0,), rank=0, size=1)
     assert state.is_first_pp_stage and state.is_last_pp_stage
     assert state.pp_prev_rank is None and state.pp_next_rank is None
@@ -239,27 +238,72 @@ def test_initialize_without_distributed_raises():
         initialize_model_parallel(tp=2)
 
 
-def test_cpu_twin_only_for_backends_without_gloo():
-    assert _backend_needs_cpu_twin("nccl")
-    assert not _backend_needs_cpu_twin("gloo")
-    assert not _backend_needs_cpu_twin("cpu:gloo,cuda:nccl")
+def test_model_groups_keep_only_the_backend_of_the_model_device():
+    from parallel_state.state import model_group_backend
+    assert model_group_backend("cpu:gloo,cuda:nccl") == "cuda:nccl"      # no gloo context per group
+    assert model_group_backend("cuda:nccl, cpu:gloo") == "cuda:nccl"
+    for serves_every_device in ("gloo", "nccl", "cpu:fake,meta:fake", "some_plugin"):
+        assert model_group_backend(serves_every_device) == serves_every_device
 
 
-def test_cpu_twin_follows_the_devices_a_backend_serves():
-    assert not _backend_needs_cpu_twin("fake")          # torch's test backend serves CPU tensors itself
-    assert not _backend_needs_cpu_twin("cpu:fake,meta:fake")
-    assert _backend_needs_cpu_twin("cuda:nccl")         # per-device backends without a CPU one
-    assert _backend_needs_cpu_twin("some_plugin")       # unknown: assume it cannot carry CPU tensors
-
-
-def test_groups_take_the_default_backend_and_a_fake_world_needs_no_twin():
+def test_groups_take_the_default_backend_when_it_serves_every_device():
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=5, world_size=8)
     try:
         state = initialize_model_parallel(tp=2, ep=2, pp=2)
-        assert state.dp_cp_cpu is state.dp_cp              # before: a gloo twin, which a fake store cannot build
         for info in (state.tp, state.ep, state.pp, state.dp_cp):
             assert dist.get_backend(info.group) == dist.get_backend(), info
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+# Layouts whose kinds coincide in different ways: cp = 1 (dp_cp = dp, tp_cp = tp), etp = 1 (ep_etp = ep,
+# etp_edp = edp), pp = 1 (mp = tp), pp = 2 (embedding = pp), EP over the dense TP ranks (ep = tp).
+COMMUNICATOR_LAYOUTS = [
+    (8, dict(tp=2, pp=2, ep=2)),
+    (8, dict(tp=2, ep=2)),
+    (16, dict(tp=2, cp=2, pp=2, ep=4, etp=1)),
+    (64, dict(tp=8, pp=2, ep=8)),
+    (64, dict(tp=4, pp=4, ep=4, etp=2, cp=2)),
+]
+
+
+def _groups_by_ranks(state) -> dict:
+    """Rank set -> the process group of this rank's kinds over it, checking that kinds over the same ranks
+    hold the same group (one communicator per distinct rank set, issue 29 row 14)."""
+    by_ranks = {}
+    for kind in GROUP_KINDS:
+        info = getattr(state, kind)
+        if info is not None and info.group is not None:
+            assert by_ranks.setdefault(info.ranks, info.group) is info.group, kind
+    return by_ranks
+
+
+@pytest.mark.parametrize("world, layout", COMMUNICATOR_LAYOUTS)
+def test_one_communicator_per_distinct_rank_set_with_only_the_device_backend(world, layout, monkeypatch):
+    """The new_group calls of a CUDA job ("cpu:gloo,cuda:nccl", played over torch's fake process group):
+    each distinct rank set of more than one rank once, with NCCL alone; kinds over the same ranks share the
+    group. Before: one group per kind (13 kinds), each with a gloo and an NCCL backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    grid = compute_rank_groups(world, **layout)
+    distinct = {ranks for kind in GROUP_KINDS for ranks in getattr(grid, kind) if len(ranks) > 1}
+    per_kind = sum(len(ranks) > 1 for kind in GROUP_KINDS for ranks in getattr(grid, kind))
+    assert len(distinct) < per_kind                     # the layouts above do share rank sets
+    new_group, calls = dist.new_group, []
+
+    def recording_new_group(ranks, backend=None, **kwargs):
+        calls.append((tuple(ranks), backend))
+        return new_group(ranks, backend="fake", **kwargs)   # a fake group stands in for the NCCL one
+
+    rank = world - 1
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+        monkeypatch.setattr(dist, "new_group", recording_new_group)
+        state = initialize_model_parallel(**layout)
+        assert sorted(calls) == sorted((ranks, "cuda:nccl") for ranks in distinct), calls
+        assert len(_groups_by_ranks(state)) == sum(rank in ranks for ranks in distinct)
     finally:
         destroy_model_parallel()
         dist.destroy_process_group()
@@ -279,7 +323,6 @@ def _check_layouts(rank, world_size, layouts_to_check):
             raise AssertionError("a second initialize_model_parallel must raise")
         expected = compute_rank_groups(world_size, **kw).groups_of(rank)
         assert (state.rank, state.world_size) == (rank, world_size)
-        assert state.dp_cp_cpu is state.dp_cp  # the default backend is gloo: no twin needed
         for kind in GROUP_KINDS:
             info = getattr(state, kind)
             assert info.ranks == expected[kind], (kind, info.ranks, expected[kind])
@@ -291,6 +334,7 @@ def _check_layouts(rank, world_size, layouts_to_check):
             dist.all_reduce(total, group=info.group)
             assert total.item() == sum(info.ranks), (kind, total.item(), info.ranks)
             reductions += 1
+        _groups_by_ranks(state)
         pp_index = state.pp.rank
         assert state.pp_prev_rank == (state.pp.ranks[pp_index - 1] if pp_index > 0 else None)
         assert state.pp_next_rank == (state.pp.ranks[pp_index + 1] if pp_index < state.pp.size - 1

@@ -227,3 +227,15 @@ def test_the_adamw_flags_reach_the_optimizer(demo):
                           (["--clip-grad", "-1"], r"^--clip-grad must be a finite number >= 0")):
         with pytest.raises(UsageError, match=message):
             train_config_kwargs(demo.parse_args(argv), train_steps=10)
+
+
+def test_fp16_autocast_with_bf16_parameters_is_refused_naming_the_fields():
+    """bf16 parameters under fp16 autocast failed inside the experts at the first step; the Trainer refuses the
+    combination up front, naming both settings and the fix."""
+    from parallel_state import ParallelState
+    state = ParallelState.single_process()
+    model = GPTMoEModel(tiny_config(), state, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"autocast='fp16' with bf16 parameters \(--param-dtype bf16\).*"
+                                         r"autocast='bf16'"):
+        Trainer(model, state, TrainConfig(lr=1e-2, autocast="fp16"))
+    Trainer(model, state, TrainConfig(lr=1e-2, autocast="bf16"))         # the fix the message names is accepted

@@ -6,7 +6,7 @@ Conventions
   communication, nothing counted). This is NOT torch.distributed's "None = world" convention: layers
   built without groups are plain single-process modules.
 - Functions named ``*_region`` / ``all_to_all`` are autograd functions; their docstrings say what
-  happens forward and backward. The others (``all_reduce_``, ``send`` ...) move data without autograd.
+  happens forward and backward. The others (``all_reduce_``, ``batch_send_recv`` ...) move data without autograd.
 - Every collective that moves data is recorded by the active :func:`comm_counter` (if any) with its
   kind, the group's global ranks and the bytes this rank contributes (its input buffer size).
 - A collective that times out (the process group's timeout) raises
@@ -41,8 +41,7 @@ Where things live
   keys / values over the CP group: all-gather forward, reduce-scatter backward).
 - :mod:`~megamoe.comms.expert_parallel`: ``all_to_all_counts``, the autograd ``all_to_all`` (uneven splits)
   and ``exchange_expert_slots`` (expert migration).
-- :mod:`~megamoe.comms.point_to_point`: ``send``, ``recv``, ``batch_send_recv``
-  (pipeline parallelism).
+- :mod:`~megamoe.comms.point_to_point`: ``batch_send_recv`` (pipeline parallelism).
 - :mod:`~megamoe.comms.async_collectives`: started-now, waited-later collectives (``async_op=True``) for
   overlapping communication with compute: ``all_reduce_async``, ``reduce_scatter_flat_async`` (return a
   :class:`CommHandle`), and the autograd pair ``all_to_all_start`` / ``all_to_all_wait``.
@@ -83,7 +82,7 @@ from megamoe.comms.sequence_parallel_regions import (
 )
 from megamoe.comms.context_parallel_regions import gather_from_context_parallel_region
 from megamoe.comms.expert_parallel import all_to_all, all_to_all_counts, exchange_expert_slots
-from megamoe.comms.point_to_point import batch_send_recv, recv, send
+from megamoe.comms.point_to_point import batch_send_recv
 from megamoe.comms.async_collectives import (
     CommHandle,
     PendingAllToAll,
@@ -97,7 +96,7 @@ from megamoe.comms.timeline import Timeline, TimelineEvent, comm_timeline, recor
 __all__ = [
     "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
     "all_reduce_", "all_gather_into", "all_gather_sizes", "all_gather_object", "all_to_all_counts", "broadcast_",
-    "reduce_scatter_flat", "all_gather_flat", "send", "recv",
+    "reduce_scatter_flat", "all_gather_flat",
     "batch_send_recv", "barrier",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",

@@ -1,7 +1,9 @@
-"""Point-to-point operations of pipeline parallelism: blocking send / recv and the batched
-:func:`batch_send_recv` (every send and receive of a rank posted at once, what the schedules use).
+"""Point-to-point operations of pipeline parallelism: :func:`batch_send_recv` (every send and receive of a
+rank posted at once), what the schedules, generation and the pipeline's logits use. There is no single
+send / recv on purpose: on NCCL each would create a two-rank communicator per rank pair, beside the pipeline
+group's, and run both directions of the pair on one stream in posting order (see batch_send_recv).
 
-Inside :func:`~megamoe.comms.comm_timeline` each of them records ``wait_start`` / ``wait`` events tagged
+Inside :func:`~megamoe.comms.comm_timeline` it records ``wait_start`` / ``wait`` events tagged
 :data:`PIPELINE_TAG` around the time it blocks, so ``blocked_seconds("pipeline")`` is a stage's time waiting
 on its neighbours (on CUDA, the time the stream waited: see :mod:`megamoe.comms.stream_clock`)."""
 
@@ -20,27 +22,6 @@ from megamoe.comms.timeline import record_event
 # The timeline tag of every pipeline point-to-point wait: the time a stage spends blocked on its
 # neighbours (the bubble, measured, plus the transfers themselves).
 PIPELINE_TAG = "pipeline"
-
-
-def send(tensor: torch.Tensor, dst_global_rank: int, group: ProcessGroup | None = None, *, tag: int = 0) -> None:
-    """Point-to-point send (pipeline activations / gradients); ``tag`` matches it with the receive of
-    the same tag (messages of one tag between two ranks match in order)."""
-    _record("send", group, tensor)
-    record_event("send", "wait_start", PIPELINE_TAG)
-    with _timeout_named("send", group, peers=(dst_global_rank,)):
-        dist.send(tensor.contiguous(), dst=dst_global_rank, group=group, tag=tag)
-    record_event("send", "wait", PIPELINE_TAG)
-
-
-def recv(tensor: torch.Tensor, src_global_rank: int, group: ProcessGroup | None = None, *,
-         tag: int = 0) -> torch.Tensor:
-    """Point-to-point receive into ``tensor`` of the message sent with ``tag``; returns it."""
-    _record("recv", group, tensor)
-    record_event("recv", "wait_start", PIPELINE_TAG)
-    with _timeout_named("recv", group, peers=(src_global_rank,)):
-        dist.recv(tensor, src=src_global_rank, group=group, tag=tag)
-    record_event("recv", "wait", PIPELINE_TAG)
-    return tensor
 
 
 def batch_send_recv(

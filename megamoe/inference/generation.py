@@ -1,7 +1,7 @@
 """Batched generation with a KV cache: one prefill, then one decode step per new token.
 
 Every rank of the model calls :func:`generate` (it is collective). Per step, each pipeline stage
-receives the previous stage's hidden states (:mod:`megamoe.comms` send / recv), runs its layers on
+receives the previous stage's hidden states (:func:`megamoe.comms.batch_send_recv`), runs its layers on
 its own :class:`~megamoe.inference.kv_cache.StaticKVCache` per layer, and the last stage gathers the
 vocabulary shards of the LAST position's logits over TP (a padded vocabulary's padding stripped:
 :func:`~megamoe.tensor_parallel.vocab_padding.gather_vocab_parallel_logits`), picks the next tokens
@@ -200,8 +200,9 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
     row [B], on every rank. With ``token_mask`` [B * S], the compiled step.
 
     With virtual pipeline stages the hidden states go around the pipeline ring once per model chunk
-    (the last rank's chunk c feeds the first rank's chunk c + 1); each hop is one blocking send and
-    its receive, in order, so no two ranks wait on each other."""
+    (the last rank's chunk c feeds the first rank's chunk c + 1); each hop is one send and its receive,
+    in order, so no two ranks wait on each other, each posted as a batch (comms.batch_send_recv): on NCCL
+    the pipeline group's communicator carries it, not a two-rank one per neighbour pair."""
     batch, seq = inputs.shape
     device = attention_mask.device
     ranks = state.pp.ranks
@@ -212,13 +213,13 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
         chunk_inputs = inputs
         if not model.chunk_is_first(chunk):
             buffer = torch.empty(batch, seq, model.config.hidden_size, dtype=stage_hidden_dtype(model), device=device)
-            chunk_inputs = comms.recv(buffer, prev_rank, state.pp.group)
+            chunk_inputs, = comms.batch_send_recv([], [(buffer, prev_rank)], state.pp.group)
         output = forward(model, chunk_inputs, positions, caches, attention_mask, token_mask, chunk)
         if model.chunk_is_last(chunk):
             logits = gather_vocab_parallel_logits(output, state.tp.group, model.config.vocab_size)   # [B, V]
             tokens = sample_next_tokens(logits.float(), sampling, generators)
         else:
-            comms.send(output, next_rank, state.pp.group)
+            comms.batch_send_recv([(output, next_rank)], [], state.pp.group)
     if tokens is None:
         tokens = torch.empty(batch, dtype=torch.int64, device=device)
     return comms.broadcast_(tokens, state.pp.ranks[-1], state.pp.group)

@@ -29,19 +29,22 @@ def pipeline_logits(model: GPTMoEModel, state, input_ids: torch.Tensor, *, posit
     dtype, device = stage_hidden_dtype(model), next(model.parameters()).device
     pp = state.pp
     # With virtual pipeline stages the hidden states go around the ring once per model chunk (the last
-    # rank's chunk c feeds the first rank's chunk c + 1), one blocking send and its receive per hop.
+    # rank's chunk c feeds the first rank's chunk c + 1), one send and its receive per hop, each posted as a
+    # batch (comms.batch_send_recv): on NCCL it runs on the pipeline group's communicator, where a single
+    # send / recv would create a two-rank communicator per neighbour pair.
     prev_rank, next_rank = pp.ranks[(pp.rank - 1) % pp.size], pp.ranks[(pp.rank + 1) % pp.size]
     logits = None
     for chunk in range(getattr(model, "virtual_pipeline_stages", 1)):
         if model.chunk_is_first(chunk):
             inputs = input_ids
         else:
-            inputs = comms.recv(torch.empty(batch, seq, hidden_size, dtype=dtype, device=device), prev_rank, pp.group)
+            buffer = torch.empty(batch, seq, hidden_size, dtype=dtype, device=device)
+            inputs, = comms.batch_send_recv([], [(buffer, prev_rank)], pp.group)
         output, _ = model(inputs, position_ids, document_ids=document_ids, chunk=chunk)
         if model.chunk_is_last(chunk):
             logits = gather_vocab_parallel_logits(output, state.tp.group, model.config.vocab_size).float()
         else:
-            comms.send(output, next_rank, pp.group)
+            comms.batch_send_recv([(output, next_rank)], [], pp.group)
     if logits is None:
         logits = torch.empty(batch, seq, model.config.vocab_size, dtype=torch.float32, device=device)
     return comms.broadcast_(logits, pp.ranks[-1], pp.group)

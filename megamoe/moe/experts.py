@@ -58,6 +58,7 @@ from megamoe.moe.loop_experts import loop_mlp as _loop_mlp
 from megamoe.moe.grouped_mlp import GroupedMLPFunction, SlotGroups, _grouped_mlp, _host_sizes
 from megamoe.moe.kernel_probes import transformer_engine_problem
 from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
+from megamoe.precision import active_autocast_dtype, in_autocast_dtype
 from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.transformer.recompute import checkpointed
 
@@ -257,9 +258,10 @@ class GroupedExperts(nn.Module):
         if self.weight_quantization is not None or (cfg.fp8 is not None and cfg.fp8.recipe == "block"):
             sizes = _host_sizes(tokens_per_slot, len(tokens_sorted), rows_per_slot)
             return block_fp8_experts.kept_forward(self, tokens_sorted, sizes, self._activate)
-        if tokens_sorted.dtype != self.w_gate_up.dtype:
+        # Under autocast the dispatcher sends the rows in the autocast dtype (half the bytes of fp32 rows).
+        if tokens_sorted.dtype not in (self.w_gate_up.dtype, active_autocast_dtype(tokens_sorted.device.type)):
             raise ValueError(f"tokens_sorted is {tokens_sorted.dtype} but the expert weights are "
-                             f"{self.w_gate_up.dtype}: cast one of them")
+                             f"{self.w_gate_up.dtype}: cast one of them, or run under autocast to {tokens_sorted.dtype}")
         if cfg.fp8 is not None:
             return self._forward_fp8(tokens_sorted, tokens_per_slot)
         if self.backend == "loop":            # F.linear: autocast casts per GEMM
@@ -269,7 +271,7 @@ class GroupedExperts(nn.Module):
                 add_down_bias=self.adds_down_bias)
             return _loop_mlp(tokens_sorted, self.w_gate_up.unbind(0), self.w_down.unbind(0), sizes,
                              self.activation, recompute_activation=self.recompute_activation, **biases)
-        tokens, w_gate_up, w_down, b_gate_up, b_down = _in_autocast_dtype(
+        tokens, w_gate_up, w_down, b_gate_up, b_down = in_autocast_dtype(
             tokens_sorted, self.w_gate_up, self.w_down, self.b_gate_up, self.b_down)
         groups = SlotGroups.from_counts(tokens_per_slot.to(tokens.device), tokens.shape[0], dtype=tokens.dtype,
                                         known_sizes=rows_per_slot)
@@ -465,18 +467,6 @@ class GroupedExperts(nn.Module):
         c = self.config
         return (f"slots={c.num_local_slots}, hidden={c.hidden_size}, ffn={c.ffn_hidden_size}, "
                 f"activation={c.activation}, backend={self.backend}, etp={c.etp_rank}/{c.etp_size}")
-
-
-def _in_autocast_dtype(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """``tensors`` (the first one the rows) cast to the autocast dtype of the rows' device when autocast is on
-    there and they are in a wider floating type, as autocast casts a matmul's operands; else as they are. The
-    casts are autograd ops: the gradients reach the originals in their own dtype."""
-    device_type = tensors[0].device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype
-                 and t.element_size() > torch.finfo(dtype).bits // 8 else t for t in tensors)
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ from megamoe import comms
 from megamoe.host_values import even_split, host_ints
 from megamoe.moe.permutation import pairs_per_slot, permute_by_slot, unpermute_and_combine
 from megamoe.moe.row_sums import gather_rows, sum_rows
+from megamoe.precision import in_autocast_dtype
 from megamoe.transformer.recompute import forward_value
 
 __all__ = ["TokenDispatcher", "AllGatherDispatcher", "AllToAllDispatcher"]
@@ -246,6 +247,10 @@ class AllToAllDispatcher(TokenDispatcher):
         self._send_token, self._num_tokens, self._top_k = send_token, num_tokens, top_k
         send_rows = gather_rows(self.token_view, send_token, max_per_row=min(top_k, self.ep_size),
                                 deterministic=self.deterministic)
+        # Under autocast the experts compute in the autocast dtype: the rows cross the wire in it (half the
+        # bytes of fp32 tokens), both ways: the backward returns their gradients in it too. Cast after the
+        # gather, so that its backward still sums a token's gradients in the token's own dtype.
+        send_rows, = in_autocast_dtype(send_rows)
         if not overlap:
             recv_tokens = comms.all_to_all(send_rows, self._recv_splits, self._send_splits, self.ep_group,
                                            tag="moe_dispatch")

@@ -265,6 +265,12 @@ class Trainer:
             raise ValueError("the model holds kept block-FP8 weights (GPTMoEConfig.weight_quantization): frozen e4m3 "
                              "values for inference, which cannot be trained; import the checkpoint with "
                              "`import-hf --dtype bf16` (or fp32) and train that model")
+        if config.autocast == "fp16" and any(p.dtype == torch.bfloat16 for p in model.parameters()):
+            # fp16 autocast leaves bf16 operands as they are (autocast only narrows wider types), so the experts
+            # would meet fp16 activations with bf16 weights and fail at the first step.
+            raise ValueError("TrainConfig.autocast='fp16' with bf16 parameters (--param-dtype bf16): the two half "
+                             "types cannot mix; use autocast='bf16' (--autocast bf16) with bf16 parameters, or "
+                             "fp32 parameters (--param-dtype fp32) with fp16 autocast")
         self.model, self.state, self.config, self.world_group = model, state, config, world_group
         self.peak_tflops = peak_tflops
         self._log_balancing()
