@@ -24,7 +24,7 @@ from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.finite_values import ALLOW_FLAG
 from checkpoint_tools.format import CheckpointError
 from checkpoint_tools.target_dtype import TARGET_DTYPES
-from megamoe.launch import HelpFormatter, add_no_verify_checksums_argument
+from megamoe.cli.launch import HelpFormatter, add_no_verify_checksums_argument
 
 __all__ = ["main", "build_parser"]
 

@@ -53,7 +53,8 @@ from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, check_generation_request, generate
 from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
+from megamoe.errors import UsageError
+from megamoe.cli.launch import (HelpFormatter, add_launch_arguments, add_no_verify_checksums_argument,
                            init_distributed, launch_rank, launch_world_size, resolve_device, run_script)
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel

@@ -50,7 +50,8 @@ from megamoe.data.token_dataset import build_token_file, recorded_tokenizer, sid
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
-from megamoe.launch import (HelpFormatter, ScriptArgumentParser, UsageError, add_device_argument,
+from megamoe.errors import UsageError
+from megamoe.cli.launch import (HelpFormatter, ScriptArgumentParser, add_device_argument,
                            add_launch_arguments, add_no_verify_checksums_argument, default_autocast, init_distributed,
                            launch_world_size, resolve_device, run_script)
 from megamoe.machine_memory import available_memory_bytes, format_bytes

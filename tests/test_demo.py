@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 from megamoe.training.checkpoint import checkpoint_run_id, list_checkpoints, verify_resume_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent

@@ -83,7 +83,7 @@ def _run_main(argv, monkeypatch, capsys) -> tuple[int, str]:
 def _assert_one_error_line(code, stderr, *expected, torchrun=False):
     """Exit code 1 and one error line holding ``expected``; no traceback (torchrun: none of our code's,
     torchrun's own ChildFailedError summary is a traceback of its launcher, and the line is repeated after it,
-    as the last line: megamoe.launch)."""
+    as the last line: megamoe.cli.launch)."""
     errors = [line for line in stderr.splitlines() if "error:" in line]
     assert code == 1, stderr[-3000:]
     if torchrun:

@@ -1,4 +1,4 @@
-"""megamoe.launch: a script's user error is one ``error:`` line; the rank that prints it is rank 0, and a
+"""megamoe.cli.launch: a script's user error is one ``error:`` line; the rank that prints it is rank 0, and a
 rank whose error rank 0 does not share (the job outlives the wait) still says what it was."""
 
 import argparse
@@ -6,8 +6,9 @@ import argparse
 import pytest
 import torch
 
-from megamoe import launch
-from megamoe.launch import UsageError, run_script
+from megamoe.cli import launch
+from megamoe.cli.launch import run_script
+from megamoe.errors import UsageError
 
 
 def _fails(argv):

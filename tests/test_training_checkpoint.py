@@ -19,7 +19,7 @@ import torch.distributed as dist
 from checkpoint_tools import checksums, integrity
 from checkpoint_tools.format import CheckpointError, read_manifest, save_checkpoint
 from checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
 from megamoe.models import GPTMoEConfig
 from megamoe.moe.expert_slots import ExpertPlacement

@@ -30,7 +30,8 @@ from megamoe.data.documents import (
 from megamoe.data.parallel_encode import DEFAULT_CHUNK_CHARS, DocumentEncoder, default_workers
 from megamoe.data.token_dataset import TokenFileMeta, check_token_file_targets, sidecar_path, write_token_file
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.launch import HelpFormatter, UsageError, run_script
+from megamoe.cli.launch import HelpFormatter, run_script
+from megamoe.errors import UsageError
 
 __all__ = ["preprocess", "main", "cli"]
 

@@ -17,7 +17,7 @@ Devices: ``--device auto|cpu|cuda`` (:func:`add_device_argument`, :func:`resolve
 process drives the GPU of its ``LOCAL_RANK`` (one GPU per local rank, as torchrun starts them), its CUDA
 tensors travel over NCCL and its CPU tensors (metadata) over gloo; on CPU everything is gloo.
 
-User errors are :class:`UsageError` and the library's own errors for bad input (``ValueError``, which
+User errors are :class:`~megamoe.errors.UsageError` and the library's own errors for bad input (``ValueError``, which
 covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
 :class:`~checkpoint_tools.format.CheckpointError`; ``OSError`` such as a missing file), and a run stopped
 by :class:`~megamoe.training.non_finite.NonFiniteTrainingError` (a diverged run: the message says where
@@ -52,8 +52,9 @@ import torch.distributed as dist
 
 from megamoe.after_torchrun import rank_finished, repeat_after_torchrun, watch_this_rank
 from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
+from megamoe.errors import UsageError
 
-__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
+__all__ = ["DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
            "add_launch_arguments", "add_device_argument", "add_no_verify_checksums_argument", "check_comm_timeout",
            "launch_rank", "launch_world_size", "launch_local_rank", "resolve_device", "default_autocast",
            "distributed_backend", "init_distributed", "run_script"]
@@ -74,10 +75,6 @@ DEVICES = ("auto", "cpu", "cuda")
 # Per-device backends: NCCL for CUDA tensors, gloo for the CPU tensors a CUDA job still exchanges
 # (metadata, objects); parallel_state then needs no gloo twin of its groups.
 _CUDA_BACKEND = "cpu:gloo,cuda:nccl"
-
-
-class UsageError(ValueError):
-    """Bad input a script's user fixes (a flag, a path, a layout): the message says what and how."""
 
 
 class ScriptArgumentParser(argparse.ArgumentParser):
