@@ -60,12 +60,12 @@ def test_the_traceback_on_request(monkeypatch):
 
 # ---- --device ----------------------------------------------------------------------------------
 def _no_cuda(monkeypatch):
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def _gpus(monkeypatch, count):
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
 
 def test_auto_and_cpu_resolve_to_the_cpu_without_cuda(monkeypatch):
@@ -120,7 +120,7 @@ def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
     monkeypatch.setattr(launch.dist, "init_process_group", lambda backend, timeout: calls.append(backend))
     monkeypatch.setattr(launch.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(launch.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(launch.torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert launch.init_distributed(device="cpu") == (1, 2)

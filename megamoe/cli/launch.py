@@ -40,19 +40,20 @@ arrive, and every one of them exits 1, which ends the torchrun job.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import sys
 import time
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from megamoe.after_torchrun import rank_finished, repeat_after_torchrun, watch_this_rank
 from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
 from megamoe.errors import UsageError
+from megamoe.process_group import (DEFAULT_COMM_TIMEOUT_S, DEVICES, check_comm_timeout, default_autocast,
+                                   distributed_backend, init_distributed, launch_local_rank, launch_rank,
+                                   launch_world_size, resolve_device)
 
 __all__ = ["DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
            "add_launch_arguments", "add_device_argument", "add_no_verify_checksums_argument", "check_comm_timeout",
@@ -61,20 +62,11 @@ __all__ = ["DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgument
 
 logger = logging.getLogger(__name__)
 
-# Minutes, not gloo's default 30 s (a slow checkpoint load on one rank is no hang) nor NCCL's 10 min + hang.
-DEFAULT_COMM_TIMEOUT_S = 600.0
-_MAX_COMM_TIMEOUT_S = 365 * 24 * 3600.0
 # torchrun terminates the other workers as soon as one exits: ranks other than the one that prints
 # wait this long before printing and exiting on an error, so that the printing rank (which usually hits
 # the same error or timeout) prints the only line and the job ends during the wait. A rank still alive
 # afterwards had an error of its own (a file only it reads, say) and prints it.
 _QUIET_RANK_EXIT_DELAY_S = 10.0
-
-
-DEVICES = ("auto", "cpu", "cuda")
-# Per-device backends: NCCL for CUDA tensors, gloo for the CPU tensors a CUDA job still exchanges
-# (metadata, objects); parallel_state then needs no gloo twin of its groups.
-_CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 class ScriptArgumentParser(argparse.ArgumentParser):
@@ -114,15 +106,6 @@ def add_launch_arguments(parser) -> None:
                              "operation (a stuck or dead rank ends the job instead of hanging it)")
 
 
-def check_comm_timeout(seconds: float) -> float:
-    """``seconds`` if it is a collective timeout the process group can take; UsageError otherwise (inf
-    overflows torch's timedelta conversion under torchrun, NaN and <= 0 never wait)."""
-    if not 0 < seconds <= _MAX_COMM_TIMEOUT_S:
-        raise UsageError(f"--comm-timeout must be a number of seconds > 0 and at most {_MAX_COMM_TIMEOUT_S:g} "
-                         f"(a year), got {seconds}")
-    return seconds
-
-
 def _comm_timeout(text: str) -> float:
     try:
         return check_comm_timeout(float(text))
@@ -144,69 +127,6 @@ def add_no_verify_checksums_argument(parser) -> None:
     parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                         help="do not hash the checkpoint's files before reading them (their sizes are still "
                              "checked); only for files you know are intact")
-
-
-def launch_rank() -> int:
-    """This process's global rank as torchrun announces it (0 for a plain ``python`` run); readable
-    before the process group exists."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def launch_world_size() -> int:
-    """The torchrun job's world size (1 for a plain ``python`` run), readable before the process group."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launch_local_rank() -> int:
-    """This process's rank on its node as torchrun announces it (``LOCAL_RANK``; 0 for a plain run)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def resolve_device(requested: str) -> torch.device:
-    """The device of ``--device requested``: ``cuda`` is this process's GPU, ``cuda:LOCAL_RANK``; ``auto``
-    is that GPU when CUDA is available, else ``cpu``. UsageError for ``cuda`` without a usable GPU."""
-    if requested not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
-        raise UsageError(f"--device cuda: no CUDA device is available (torch {torch.__version__}, built with "
-                         f"{built}); use --device cpu, or --device auto to take a GPU only where there is one")
-    local_rank, count = launch_local_rank(), torch.cuda.device_count()
-    if local_rank >= count:
-        raise UsageError(f"--device {requested}: LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
-                         f"{count}; start at most one process per GPU (torchrun --nproc-per-node)")
-    return torch.device("cuda", local_rank)
-
-
-def default_autocast(device: torch.device | str) -> str | None:
-    """The ``TrainConfig.autocast`` a script uses unless told otherwise: ``"bf16"`` on CUDA (fp32 master
-    weights, bf16 matmuls), None (fp32) elsewhere, where bf16 matmuls are slow or emulated."""
-    return "bf16" if torch.device(device).type == "cuda" else None
-
-
-def distributed_backend(device: torch.device | str) -> str:
-    """The process-group backend for ``device``: NCCL for CUDA tensors (with gloo for CPU ones), gloo on CPU."""
-    return _CUDA_BACKEND if torch.device(device).type == "cuda" else "gloo"
-
-
-def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: torch.device | str = "cpu",
-                     backend: str | None = None) -> tuple[int, int]:
-    """Join the torchrun job's process group with collectives timing out after ``comm_timeout_s``
-    seconds. ``device`` (see :func:`resolve_device`): on CUDA it becomes this process's current device,
-    so that one process drives one GPU, and the backend (default: :func:`distributed_backend`) runs
-    NCCL. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1 and
-    creates no group."""
-    check_comm_timeout(comm_timeout_s)
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index if device.index is not None else launch_local_rank())
-    world = launch_world_size()
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        return 0, 1
-    dist.init_process_group(backend or distributed_backend(device), timeout=datetime.timedelta(seconds=comm_timeout_s))
-    return dist.get_rank(), dist.get_world_size()
 
 
 def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) -> int:
