@@ -630,7 +630,7 @@ def _one_error_line(code, err, *fragments):
 
 
 def test_script_resumes_a_step_folder_or_a_chosen_step_and_keeps_n(demo, inputs, tmp_path, capsys, caplog):
-    caplog.set_level(logging.INFO, logger="pretrain_moe")
+    caplog.set_level(logging.INFO, logger="megamoe.training")
     work = tmp_path / "work"
     ckpt = work / "checkpoints"                                  # the default: under --work-dir
     code, _, err = _train(demo, capsys, inputs, work, "--steps", 3, "--save-every", 1, "--keep-checkpoints", 3)
