@@ -49,9 +49,11 @@ def read_config_file(path: str | os.PathLike) -> dict[str, dict]:
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path}: not a valid TOML file: {e}") from None
     for section, table in tables.items():
-        _check_name(section, None, f"--config {path}")
         if not isinstance(table, dict):
-            raise UsageError(f"--config {path}: {section} must be a section ([{section}]), not a value")
+            home = SECTION_OF_FIELD.get(section)
+            raise UsageError(f"--config {path}: {section} = ... is outside any section; "
+                             + (f"put it under [{home}]" if home else f"the sections are {', '.join(SECTIONS)}"))
+        _check_name(section, None, f"--config {path}")
         for field in table:
             _check_name(section, field, f"--config {path}")
     return tables

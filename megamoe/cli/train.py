@@ -218,6 +218,7 @@ def parse_args(argv=None, *, prog: str = PROG) -> argparse.Namespace:
         tables.setdefault(section, {}).update(table)
     where = f"--config {args.config}" if args.config is not None else "the --section.key overrides"
     from_file = config_flags(parser, tables, where)
+    _check_values(parser, from_file, where)
     args = parser.parse_args(from_file + rest)
     # What the user chose (a file's key counts where it is not the default): the model-shape checks.
     given = {dest for dest, value in vars(_set_only(parser, from_file)).items()
@@ -226,6 +227,19 @@ def parse_args(argv=None, *, prog: str = PROG) -> argparse.Namespace:
     if args.save_dir is None:       # each --work-dir its own checkpoints: another run never resumes the demo's
         args.save_dir = args.work_dir / "checkpoints"
     return args
+
+
+def _check_values(parser: argparse.ArgumentParser, tokens: list[str], where: str) -> None:
+    """UsageError (one line, naming the source and the flag) for a value of the file or the overrides that
+    the flag's type or choices refuse; argparse would print its usage and exit 2 for an error not typed."""
+    def refuse(message):
+        raise UsageError(f"{where}: {message}")
+
+    parser.error = refuse
+    try:
+        parser.parse_args(tokens)
+    finally:
+        del parser.error
 
 
 def _set_only(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
