@@ -5,7 +5,6 @@ at its 1024-rank world size, no model built), ``--nproc-per-node`` checking befo
 progress line, summary and recorded config (every checkpoint's ``run_config.toml``, covered by its
 checksums; a resumed run logs what changed)."""
 
-import configparser
 import io
 import json
 import logging
@@ -199,13 +198,13 @@ def test_the_shipped_demo_config_passes_the_checks_at_its_world_size():
 
 
 def _tiny_hf_qwen3(directory: Path) -> None:
-    """A tiny HF Qwen3-MoE config.json and a WordLevel tokenizer.json (no weights: the checks read none)."""
+    """A tiny random HF Qwen3-MoE with a WordLevel tokenizer.json."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024
-                                ).save_pretrained(directory)
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.train_from_iterator(["the cat sat on a mat"], trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
@@ -295,13 +294,13 @@ def test_the_summary_says_what_the_run_did():
         "run summary: no step trained (the run was at step 5 already)"
 
 
-def test_a_run_ends_with_its_summary_and_records_its_config(tmp_path, caplog, monkeypatch):
+def test_a_run_ends_with_its_summary_and_records_its_config(tmp_path, caplog):
     """A tiny run: the summary (steps, tokens, eval losses, checkpoints), run_config.toml in the work dir and in
     every checkpoint (in its manifest's checksummed side files); resumed with other flags, the log names
     the fields that changed; a damaged run_config.toml is refused."""
     from checkpoint_tools.format import CheckpointError, read_manifest
+    from megamoe.training.checkpoint import checkpoint_path
     from megamoe.training.pretrain import pretrain, read_side_file
-    monkeypatch.setattr(torch, "get_num_threads", torch.get_num_threads)      # restored by monkeypatch
     threads = torch.get_num_threads()
     caplog.set_level(logging.INFO, logger="megamoe.training")
     work = tmp_path / "work"
@@ -314,21 +313,21 @@ def test_a_run_ends_with_its_summary_and_records_its_config(tmp_path, caplog, mo
     lines = summary.lines()
     assert lines[0].startswith("run summary: steps 1-2 (2 trained), 256 tokens in "), lines
     assert lines[2].startswith("  eval loss: final ") and "best" in lines[2]
-    assert lines[3] == f"  checkpoints in {work / 'checkpoints'}, newest {work / 'checkpoints' / 'step_2'}"
+    checkpoint = checkpoint_path(work / "checkpoints", 2)
+    assert lines[3] == f"  checkpoints in {work / 'checkpoints'}, newest {checkpoint}"
     assert "\n".join(lines) in caplog.text
     recorded = (work / RUN_CONFIG_FILE).read_text()
     assert tomllib.loads(recorded)["schedule"]["steps"] == 2
-    checkpoint = str(work / "checkpoints" / "step_2")
     assert RUN_CONFIG_FILE in read_manifest(checkpoint)["extra"]["hf_files"]
     assert read_side_file(checkpoint, RUN_CONFIG_FILE).decode() == recorded
 
     caplog.clear()
     try:
-        pretrain(train.parse_args([*argv, "--steps", "3", "--optimizer.lr", "1e-3"]))
+        pretrain(train.parse_args([*argv, "--steps", "3", "--optimizer.clip_grad", "0.5"]))
     finally:
         torch.set_num_threads(threads)
-    assert "schedule.steps 2 -> 3" in caplog.text and "optimizer.lr 0.005 -> 0.001" in caplog.text, caplog.text
-    damaged = work / "checkpoints" / "step_3" / "hf_files" / RUN_CONFIG_FILE
+    assert f"config changes vs {checkpoint}: optimizer.clip_grad 1.0 -> 0.5; schedule.steps 2 -> 3\n" in caplog.text
+    damaged = Path(checkpoint_path(work / "checkpoints", 3)) / "hf_files" / RUN_CONFIG_FILE
     damaged.write_text(damaged.read_text().replace("steps = 3", "steps = 4"))
     with pytest.raises(CheckpointError, match=RUN_CONFIG_FILE):
-        read_side_file(str(work / "checkpoints" / "step_3"), RUN_CONFIG_FILE)
+        read_side_file(checkpoint_path(work / "checkpoints", 3), RUN_CONFIG_FILE)

@@ -59,7 +59,9 @@ class RunSummary:
             trained = f"no step trained (the run was at step {self.start_step} already)"
         else:
             skipped = f", {self.skipped_steps} skipped (non-finite)" if self.skipped_steps else ""
-            trained = (f"steps {self.start_step + 1}-{self.end_step} ({self.trained_steps} trained{skipped}), "
+            steps = (f"step {self.end_step}" if self.end_step == self.start_step + 1 else
+                     f"steps {self.start_step + 1}-{self.end_step}")
+            trained = (f"{steps} ({self.trained_steps} trained{skipped}), "
                        f"{self.tokens:,} tokens in {self.seconds:.1f} s "
                        f"({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s)")
         lines = [f"run summary: {trained}"]
