@@ -240,7 +240,7 @@ def test_the_shipped_deepseek_v3_layout_passes_the_checks_at_1024_ranks(monkeypa
 # ---- launching ---------------------------------------------------------------------------------------------
 def test_nproc_per_node_checks_the_config_before_starting_ranks(monkeypatch, capsys):
     started = []
-    monkeypatch.setattr(train.subprocess, "run", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(train.subprocess, "Popen", lambda *a, **k: started.append(a))
     code = run_script(train.main, ["--config", str(CONFIGS / "demo.toml"), "--nproc-per-node", "3"],
                       prog="megamoe train")
     _one_error_line(code, capsys.readouterr().err, "megamoe train", "does not fit 3 rank")
@@ -251,14 +251,24 @@ def test_nproc_per_node_checks_the_config_before_starting_ranks(monkeypatch, cap
     assert not started
 
 
-def test_nproc_per_node_runs_torchrun_with_the_same_command(monkeypatch):
-    commands = []
+@pytest.mark.parametrize("code", [0, 1])
+def test_nproc_per_node_runs_torchrun_with_the_same_command(code, monkeypatch):
+    """It returns torchrun's exit code; after a failed job, once the helpers printed the error line again."""
+    commands, waited = [], []
 
-    class Done:
-        returncode = 0
+    class Torchrun:
+        pid = 12345
 
-    monkeypatch.setattr(train.subprocess, "run", lambda command: commands.append(command) or Done())
-    assert train.main(["--config", str(CONFIGS / "demo.toml"), "--nproc-per-node=4", "--steps", "3"]) == 0
+        def __init__(self, command):
+            commands.append(command)
+
+        def wait(self):
+            return code
+
+    monkeypatch.setattr(train.subprocess, "Popen", Torchrun)
+    monkeypatch.setattr(train, "wait_for_lines_after", waited.append)
+    assert train.main(["--config", str(CONFIGS / "demo.toml"), "--nproc-per-node=4", "--steps", "3"]) == code
+    assert waited == ([12345] if code else [])
     (command,) = commands
     assert command == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "megamoe",
                        "train", "--config", str(CONFIGS / "demo.toml"), "--steps", "3"]
@@ -331,3 +341,20 @@ def test_a_run_ends_with_its_summary_and_records_its_config(tmp_path, caplog):
     damaged.write_text(damaged.read_text().replace("steps = 3", "steps = 4"))
     with pytest.raises(CheckpointError, match=RUN_CONFIG_FILE):
         read_side_file(checkpoint_path(work / "checkpoints", 3), RUN_CONFIG_FILE)
+
+
+def test_the_launcher_waits_for_the_helpers_lines():
+    """A helper holds its claim until its line is printed: the launcher returns once none is held."""
+    import threading
+
+    from megamoe import after_torchrun
+    pid = os.getpid() + 10_000_000          # no real torchrun: a name no other test uses
+    claim = after_torchrun._claim("cause", pid)
+    assert claim is not None
+    released = threading.Event()
+    threading.Timer(0.2, lambda: (released.set(), claim.close())).start()
+    after_torchrun.wait_for_lines_after(pid)
+    assert released.is_set()
+    free = after_torchrun._claim("cause", pid)
+    assert free is not None
+    free.close()

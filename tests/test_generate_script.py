@@ -240,7 +240,7 @@ def test_a_run_the_memory_cannot_hold_is_refused_before_loading(case, checkpoint
     """The parameters (expert slots included) and KV caches against the memory free (1 GiB here), before
     anything is allocated."""
     args, expected = MEMORY_ERRORS[case]
-    monkeypatch.setattr("megamoe.machine_memory.available_memory_bytes", lambda device: (2**30, "free memory"))
+    monkeypatch.setattr("megamoe.cli.generate.available_memory_bytes", lambda device: (2**30, "free memory"))
     code, stderr = _run_main([checkpoint, *_prompt_args(), *args], monkeypatch, capsys)
     _assert_one_error_line(code, stderr, *expected, "against 1 GiB of free memory",
                            "lower --max-new-tokens or --num-expert-slots")
@@ -250,7 +250,7 @@ def test_the_ranks_of_a_host_share_its_memory(checkpoint, tmp_path, monkeypatch,
     """Free memory for two ranks' parameters and caches but not four: one rank generates, four ranks on
     the host (LOCAL_WORLD_SIZE) are refused."""
     needed = estimate_generation_memory(tiny_config("allgather"), batch=2, sequence_length=4 + 2).total
-    monkeypatch.setattr("megamoe.machine_memory.available_memory_bytes", lambda device: (2 * needed, "free memory"))
+    monkeypatch.setattr("megamoe.cli.generate.available_memory_bytes", lambda device: (2 * needed, "free memory"))
     run = [checkpoint, *_prompt_args(), "--max-new-tokens", 2]
     code, stderr = _run_main(run, monkeypatch, capsys)
     assert code == 0, stderr[-3000:]

@@ -40,6 +40,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megamoe.after_torchrun import wait_for_lines_after
 from megamoe.cli.launch import (HelpFormatter, ScriptArgumentParser, add_device_argument, add_launch_arguments,
                                 add_no_verify_checksums_argument, run_script)
 from megamoe.cli.run_config import config_flags, read_config_file, split_dotted_overrides
@@ -278,7 +279,11 @@ def launch_ranks(args, argv: list[str]) -> int:
             rest.append(token)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
                "-m", "megamoe", "train", *rest]
-    return subprocess.run(command).returncode
+    torchrun = subprocess.Popen(command)
+    code = torchrun.wait()
+    if code:
+        wait_for_lines_after(torchrun.pid)      # a rank's error line, repeated after torchrun's report
+    return code
 
 
 def main(argv=None, *, prog: str = PROG) -> int:
