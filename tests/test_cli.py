@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tomllib
+import types
 from pathlib import Path
 
 import pytest
@@ -240,7 +241,7 @@ def test_the_shipped_deepseek_v3_layout_passes_the_checks_at_1024_ranks(monkeypa
 # ---- launching ---------------------------------------------------------------------------------------------
 def test_nproc_per_node_checks_the_config_before_starting_ranks(monkeypatch, capsys):
     started = []
-    monkeypatch.setattr(train.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(train, "subprocess", types.SimpleNamespace(Popen=lambda *a, **k: started.append(a)))
     code = run_script(train.main, ["--config", str(CONFIGS / "demo.toml"), "--nproc-per-node", "3"],
                       prog="megamoe train")
     _one_error_line(code, capsys.readouterr().err, "megamoe train", "does not fit 3 rank")
@@ -265,7 +266,7 @@ def test_nproc_per_node_runs_torchrun_with_the_same_command(code, monkeypatch):
         def wait(self):
             return code
 
-    monkeypatch.setattr(train.subprocess, "Popen", Torchrun)
+    monkeypatch.setattr(train, "subprocess", types.SimpleNamespace(Popen=Torchrun))
     monkeypatch.setattr(train, "wait_for_lines_after", waited.append)
     assert train.main(["--config", str(CONFIGS / "demo.toml"), "--nproc-per-node=4", "--steps", "3"]) == code
     assert waited == ([12345] if code else [])

@@ -455,7 +455,7 @@ def plan_start(args) -> StartPlan:
         manifest = read_manifest(plan.resume_from)              # a cut or foreign manifest fails here, early
         if not isinstance(manifest.get("extra"), dict) or "step" not in manifest["extra"]:
             raise UsageError(f"{plan.resume_from} is not a training checkpoint (its manifest has no step); "
-                             "pass --load-dir with one saved by this script")
+                             "pass --load-dir with one saved by megamoe train")
     return plan
 
 
