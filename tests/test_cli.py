@@ -359,3 +359,16 @@ def test_the_launcher_waits_for_the_helpers_lines():
     free = after_torchrun._claim("cause", pid)
     assert free is not None
     free.close()
+
+
+@pytest.mark.slow
+def test_nproc_per_node_trains_on_that_many_ranks(tmp_path):
+    """One command: ``python -m megamoe train --nproc-per-node 2`` starts the ranks itself (dp 2), trains,
+    saves and ends with the summary."""
+    result = subprocess.run([sys.executable, "-m", "megamoe", "train", "--nproc-per-node", "2", *TINY,
+                             "--work-dir", str(tmp_path), "--steps", "1", "--global-batch", "4", "--seq-len", "32",
+                             "--sample-tokens", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world 2: tp 1 cp 1 pp 1 dp 2" in result.stderr and "run summary: step 1 (1 trained)" in result.stderr
+    assert (tmp_path / "checkpoints").is_dir() and (tmp_path / RUN_CONFIG_FILE).is_file()
