@@ -202,8 +202,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return p
 
 
-
-
 def parse_args(argv=None, *, prog: str = PROG) -> argparse.Namespace:
     """The run config from the command line: ``--config FILE`` (if given), then the ``--section.key VALUE``
     overrides, then the flags, each later one winning. UsageError for an unknown key, a value of the wrong
@@ -231,8 +229,8 @@ def parse_args(argv=None, *, prog: str = PROG) -> argparse.Namespace:
 
 
 def _check_values(parser: argparse.ArgumentParser, tokens: list[str], where: str) -> None:
-    """UsageError (one line, naming the source and the flag) for a value of the file or the overrides that
-    the flag's type or choices refuse; argparse would print its usage and exit 2 for an error not typed."""
+    """UsageError (one line, naming the file or the overrides and the flag) for a value the flag's type or
+    choices refuse, where argparse itself would print its usage and exit 2."""
     def refuse(message):
         raise UsageError(f"{where}: {message}")
 
