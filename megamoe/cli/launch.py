@@ -13,6 +13,9 @@ A script written with it::
     if __name__ == "__main__":
         sys.exit(run_script(main, prog="pretrain_moe.py"))
 
+The device and process-group functions live in the library (:mod:`megamoe.process_group`, re-exported
+here), the flags, the parser and the error handling here.
+
 Devices: ``--device auto|cpu|cuda`` (:func:`add_device_argument`, :func:`resolve_device`). On CUDA each
 process drives the GPU of its ``LOCAL_RANK`` (one GPU per local rank, as torchrun starts them), its CUDA
 tensors travel over NCCL and its CPU tensors (metadata) over gloo; on CPU everything is gloo.
