@@ -29,4 +29,4 @@ test-gpu: $(STAMP)
 
 # The torchrun pretraining demo on 4 CPU ranks: tp=2 x ep=2 (all-gather EP inside the TP group), dp=2.
 demo: $(STAMP)
-	$(PYTHON) -m torch.distributed.run --nproc-per-node 4 examples/pretrain_moe.py --tp 2 --ep 2 --dispatcher allgather
+	$(PYTHON) -m torch.distributed.run --nproc-per-node 4 -m megamoe train --config configs/demo.toml

@@ -15,6 +15,8 @@ setup(
         "xxhash>=3.0",      # checkpoint file checksums (checkpoint_tools.checksums)
     ],
     entry_points={"console_scripts": [
+        "megamoe = megamoe.cli.main:main",
+        # Aliases of `megamoe convert` and `megamoe preprocess`.
         "megamoe-convert = checkpoint_tools.cli:main",
         "megamoe-preprocess = megamoe.data.preprocess:cli",
     ]},

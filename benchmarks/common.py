@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megamoe.launch import HelpFormatter
+from megamoe.cli.launch import HelpFormatter
 
 __all__ = ["argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "NOISY_SPREAD", "keep_freed_memory_in_heap",
            "time_call", "write_results"]

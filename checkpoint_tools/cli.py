@@ -24,7 +24,7 @@ from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.finite_values import ALLOW_FLAG
 from checkpoint_tools.format import CheckpointError
 from checkpoint_tools.target_dtype import TARGET_DTYPES
-from megamoe.launch import HelpFormatter, add_no_verify_checksums_argument
+from megamoe.cli.launch import HelpFormatter, add_no_verify_checksums_argument
 
 __all__ = ["main", "build_parser"]
 
@@ -85,8 +85,8 @@ def _allow_non_finite_option(parser: argparse.ArgumentParser, doing: str) -> Non
                         help=f"{doing} weights holding NaN or Inf (a warning names each) instead of refusing them")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=_PROG, description="Convert checkpoints between HuggingFace and megamoe, "
+def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Convert checkpoints between HuggingFace and megamoe, "
                                      "reshard them, inspect and verify them.", formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -224,9 +224,10 @@ def _run(args) -> int:
     return 0 if result.ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI on ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, *, prog: str = _PROG) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) as ``prog`` (``megamoe-convert``, or ``megamoe
+    convert`` / ``megamoe inspect``); returns the exit code."""
+    parser = build_parser(prog)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:            # --help (0) or a malformed command line (2)
@@ -245,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except (ConversionError, CheckpointError, AdapterError, OSError) as e:
-        print(f"{_PROG} {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"{_PROG} {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog} {args.command}: interrupted", file=sys.stderr)
         return 130
     finally:
         gc.unfreeze()

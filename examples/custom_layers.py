@@ -62,7 +62,8 @@ class GatedMLP(nn.Module):
 
 import torch.distributed as dist  # noqa: E402  (after the README part, which must stand alone)
 
-from megamoe.launch import HelpFormatter, UsageError, init_distributed, run_script  # noqa: E402
+from megamoe.cli.launch import HelpFormatter, init_distributed, run_script  # noqa: E402
+from megamoe.errors import UsageError  # noqa: E402
 from megamoe.models import GPTMoEConfig  # noqa: E402
 from megamoe.moe.moe_layer import MoEConfig  # noqa: E402
 from megamoe.moe.router import RouterConfig  # noqa: E402

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import time
 
-__all__ = ["repeat_after_torchrun", "watch_this_rank", "note_newest_checkpoint", "rank_finished"]
+__all__ = ["repeat_after_torchrun", "watch_this_rank", "note_newest_checkpoint", "rank_finished",
+           "wait_for_lines_after"]
 
 # After torchrun's exit: notes at once, a cause a moment later (last).
 _CAUSE_DELAY_S = 0.5
@@ -114,6 +115,21 @@ def rank_finished() -> None:
         except OSError:
             pass
         _watch_pipe = None
+
+
+def wait_for_lines_after(torchrun_pid: int, limit_s: float = _WAIT_LIMIT_S) -> None:
+    """For the process that started torchrun (``megamoe train --nproc-per-node``), once torchrun has exited:
+    wait until no helper of that job holds a claim (its line printed), so that the line comes before this
+    process exits and the shell prompt returns."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        claims = [_claim(kind, torchrun_pid) for kind in ("cause", "stopped")]
+        for claim in claims:
+            if claim is not None:
+                claim.close()
+        if all(claim is not None for claim in claims):
+            return
+        time.sleep(0.05)
 
 
 def _stop_line(prog: str, checkpoint: str | None) -> str:

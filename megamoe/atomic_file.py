@@ -5,7 +5,7 @@ or a device there (``/dev/null``, ``/dev/full``, a named pipe a reader waits on)
 a regular file and its reader would get nothing. Such a target is refused before anything is written
 (:func:`check_output_target`), and a write that fails at its flush, fsync or rename (a full disk) is
 reported naming the path; both as :class:`AtomicWriteError`, an ``OSError``, which the scripts'
-one-line error handlers (``megamoe.launch.run_script``, ``megamoe-convert``) print as such.
+one-line error handlers (``megamoe.cli.launch.run_script``, ``megamoe-convert``) print as such.
 """
 
 from __future__ import annotations

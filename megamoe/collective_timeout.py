@@ -18,7 +18,7 @@ reports it the same way. Which ranks did not arrive is found out like this:
   stuck waiting there (the report names that operation).
 
 After a timeout the group cannot be used again (gloo fails every later collective on it at once),
-so the job has to end: :func:`megamoe.launch.run_script` prints the message as one ``error:`` line
+so the job has to end: :func:`megamoe.cli.launch.run_script` prints the message as one ``error:`` line
 on the first rank that reports it.
 """
 

@@ -12,7 +12,7 @@ that did not arrive.
 
 How it works:
 
-- While a watchdog is armed (:func:`megamoe.launch.init_distributed` arms one for a CUDA job),
+- While a watchdog is armed (:func:`megamoe.process_group.init_distributed` arms one for a CUDA job),
   :mod:`megamoe.comms` hands it every collective it ran: the operation, its global ranks, when it was
   issued, and a completion probe: a CUDA event recorded on the current stream right after the call (or
   after the ``wait()`` of an asynchronous one). The stream waits for the collective there, so the event
@@ -22,10 +22,10 @@ How it works:
   oldest has been pending for ``timeout_s`` (``--comm-timeout``), the thread diagnoses it as a gloo
   timeout is diagnosed (:meth:`CollectiveTimeout.diagnose`: the store says which ranks did not arrive;
   the healthy ranks' watchdogs report the same collective) and hands the CollectiveTimeout to
-  ``on_timeout``. :mod:`megamoe.launch` prints it as the one ``error:`` line and ends the process with
+  ``on_timeout``. :mod:`megamoe.cli.launch` prints it as the one ``error:`` line and ends the process with
   exit code 1: the main thread is blocked in CUDA, and only the process's exit ends it.
 - NCCL's watchdog must come later, so the process group's own timeout is ``--comm-timeout`` plus
-  :data:`DIAGNOSIS_RESERVE_S` (see :func:`megamoe.launch.init_distributed`). It stays the fallback,
+  :data:`DIAGNOSIS_RESERVE_S` (see :func:`megamoe.process_group.init_distributed`). It stays the fallback,
   should a probe's query itself hang (torch notes that ``cudaEventQuery`` can, while another thread holds
   the CUDA context).
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -51,13 +52,14 @@ import torch
 
 from megamoe.collective_timeout import _GRACE_MAX_S, _STORE_SLACK_S, CollectiveTimeout
 
-__all__ = ["DIAGNOSIS_RESERVE_S", "CollectiveWatchdog", "cuda_stream_probe", "arm", "disarm", "armed"]
+__all__ = ["DIAGNOSIS_RESERVE_S", "CollectiveWatchdog", "cuda_stream_probe", "arm", "disarm", "armed",
+           "on_stuck_collective", "stuck_collective_handler"]
 
 logger = logging.getLogger(__name__)
 
 # What the process group's own timeout (NCCL's watchdog) adds to ours: the diagnosis's wait for the
 # group's other ranks and its store calls (at most 30 + 10 s), the quiet ranks' wait before they print
-# (10 s, megamoe.launch), and 10 s of margin for a loaded host.
+# (10 s, megamoe.cli.launch), and 10 s of margin for a loaded host.
 DIAGNOSIS_RESERVE_S = _GRACE_MAX_S + _STORE_SLACK_S + 20.0
 
 
@@ -156,3 +158,27 @@ def disarm() -> None:
 def armed() -> CollectiveWatchdog | None:
     """The armed watchdog (None: none, as on CPU jobs, whose gloo collectives time out themselves)."""
     return _armed
+
+
+def _log_and_exit(error: CollectiveTimeout) -> None:
+    """The handler of a library user who registered none: the diagnosis as one logged error, then exit
+    code 1 at once (the main thread is blocked in a CUDA wait that no exception reaches)."""
+    try:
+        logger.error("%s; if a rank is only slow, raise the collective timeout", error)
+    finally:
+        os._exit(1)
+
+
+_stuck_collective_handler: Callable[[CollectiveTimeout], None] = _log_and_exit
+
+
+def on_stuck_collective(handler: Callable[[CollectiveTimeout], None]) -> None:
+    """Register what a watchdog armed from now on does with a stuck collective's diagnosis (the command line
+    registers its one ``error:`` line)."""
+    global _stuck_collective_handler
+    _stuck_collective_handler = handler
+
+
+def stuck_collective_handler() -> Callable[[CollectiveTimeout], None]:
+    """The registered handler (see :func:`on_stuck_collective`)."""
+    return _stuck_collective_handler

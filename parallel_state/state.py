@@ -168,7 +168,7 @@ def initialize_model_parallel(
 
     One communicator per distinct rank set (:meth:`~parallel_state.RankGroups.communicator_ranks`): kinds
     over the same ranks share it, so a layout creates a few groups instead of one per kind; their number
-    is logged. For NCCL, pass ``device_id`` to ``init_process_group`` (megamoe.launch does): the world
+    is logged. For NCCL, pass ``device_id`` to ``init_process_group`` (megamoe.process_group.init_distributed does): the world
     communicator then starts at once and the groups here are split from it, instead of each one
     bootstrapping lazily at its first collective.
     """

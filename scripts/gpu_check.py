@@ -40,7 +40,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))        # run from a checkout without installing
 
-from megamoe.launch import HelpFormatter, UsageError, run_script  # noqa: E402
+from megamoe.cli.launch import HelpFormatter, run_script  # noqa: E402
+from megamoe.errors import UsageError  # noqa: E402
 
 PYTHON = os.environ.get("PYTHON", "python3")
 NO_GPU = "skipped: no GPU"

@@ -33,12 +33,40 @@ def gpu_check(monkeypatch):
     return _script_module(monkeypatch, "gpu_check", "scripts/gpu_check.py")
 
 
+class _TrainCommand:
+    """``megamoe train`` as examples/pretrain_moe.py runs it (``PROG``, ``main``, ``parse_args``,
+    ``build_parser``: its prog) over the library modules that hold the rest (the checks, the loop): a name
+    reads from the first module that has it, and a test's monkeypatch.setattr sets it in each that has it."""
+
+    def __init__(self, script):
+        from megamoe.cli import train
+        from megamoe.training import pretrain, pretrain_checks
+        object.__setattr__(self, "_modules", (train, pretrain, pretrain_checks))
+        object.__setattr__(self, "PROG", script.PROG)
+        object.__setattr__(self, "main", script.main)
+        object.__setattr__(self, "parse_args", lambda argv=None: train.parse_args(argv, prog=script.PROG))
+        object.__setattr__(self, "build_parser", lambda: train.build_parser(script.PROG))
+
+    def __getattr__(self, name):
+        for module in self._modules:
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        holders = [module for module in self._modules if hasattr(module, name)]
+        if not holders:
+            raise AttributeError(name)
+        for module in holders:
+            setattr(module, name, value)
+
+
 @pytest.fixture
 def demo(monkeypatch):
-    """examples/pretrain_moe.py as a module, run in this process as one plain ``python`` process."""
+    """examples/pretrain_moe.py (``megamoe train``) run in this process as one plain ``python`` process."""
     for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    module = _script_module(monkeypatch, "pretrain_moe", "examples/pretrain_moe.py")
+    module = _TrainCommand(_script_module(monkeypatch, "pretrain_moe", "examples/pretrain_moe.py"))
     threads = torch.get_num_threads()
     yield module
     torch.set_num_threads(threads)

@@ -160,7 +160,8 @@ _STUCK_RANK = """
 import sys, threading
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
-from megamoe import collective_watchdog, comms, launch
+from megamoe import collective_watchdog, comms
+from megamoe.cli import launch
 dist.init_process_group("cpu:fake", store=dist.HashStore(), rank=0, world_size=2)
 
 def main(argv):

@@ -351,7 +351,7 @@ def test_custom_attention_without_cp_group_is_refused_under_cp():
 
 
 def test_script_error_line_for_a_bad_cp(demo, tmp_path, capsys, monkeypatch):
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", "--cp", "2", "--seq-len", "30"]
     code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)

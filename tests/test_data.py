@@ -23,7 +23,7 @@ from megamoe.data.token_dataset import (
 from megamoe.data.tokenizer import (
     BOS_ID, EOS_ID, PAD_ID, UNK_ID, HFTokenizer, SentencePieceTokenizer, Tokenizer, train_sentencepiece,
 )
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 
 
 CORPUS_BYTES = 150_000

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 from megamoe.training.checkpoint import checkpoint_run_id, list_checkpoints, verify_resume_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -177,7 +177,7 @@ def test_a_rerun_resumes_and_loses_nothing_and_overwrite_moves_aside(demo, tmp_p
     """``make demo`` twice: the second run resumes the first one's newest checkpoint (at --steps: it
     trains nothing), deletes nothing, says where it starts in the log. Then --overwrite with a diverging
     learning rate: the old checkpoints are moved aside, the run stops at its first non-finite step in one line."""
-    caplog.set_level(logging.INFO, logger="pretrain_moe")
+    caplog.set_level(logging.INFO, logger="megamoe.training")
     work, ckpt = tmp_path / "work", tmp_path / "work" / "ckpt"
     argv = ["--work-dir", work, "--save-dir", ckpt, *TINY, "--steps", "2", "--save-every", "1"]
     code, out, _ = _run(demo, argv, capsys)

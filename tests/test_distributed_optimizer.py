@@ -558,7 +558,7 @@ def test_config_errors_name_the_field():
 def test_pretrain_script_flags_reach_the_train_config_and_bad_combinations_are_refused(demo, tmp_path, capsys):
     """The flags -> TrainConfig and the model dtype (a whole run of the script costs ~15 s: the flags' wiring
     into main is two keyword arguments); the refused combination: one error line, no work done."""
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     from megamoe.training.optim_arguments import param_dtype, train_config_kwargs
     args = demo.build_parser().parse_args(["--distributed-optimizer", "--zero-stage", "2", "--param-dtype", "bf16"])
     config = TrainConfig(**train_config_kwargs(args, train_steps=2))

@@ -275,7 +275,7 @@ def _step_lines(path):
 
 def test_pretrain_script_rebalances_logs_each_round_and_resumes_with_the_placement(demo, tmp_path, capsys,
                                                                                    monkeypatch):
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     from megamoe.moe.expert_slots import ExpertPlacement
     from megamoe.training.checkpoint import expert_placements_from_checkpoint, latest_checkpoint
     argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", "--corpus-bytes", "100000",

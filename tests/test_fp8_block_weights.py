@@ -274,7 +274,7 @@ def test_shards_off_block_boundaries_are_refused():
 def test_training_a_kept_model_is_refused(demo, tmp_path, capsys):
     import json
 
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     config = kept_case("deepseek_v3")[0]
     path = tmp_path / "kept.json"
     path.write_text(json.dumps(config.to_dict()))

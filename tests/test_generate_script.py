@@ -83,7 +83,7 @@ def _run_main(argv, monkeypatch, capsys) -> tuple[int, str]:
 def _assert_one_error_line(code, stderr, *expected, torchrun=False):
     """Exit code 1 and one error line holding ``expected``; no traceback (torchrun: none of our code's,
     torchrun's own ChildFailedError summary is a traceback of its launcher, and the line is repeated after it,
-    as the last line: megamoe.launch)."""
+    as the last line: megamoe.cli.launch)."""
     errors = [line for line in stderr.splitlines() if "error:" in line]
     assert code == 1, stderr[-3000:]
     if torchrun:
@@ -240,7 +240,7 @@ def test_a_run_the_memory_cannot_hold_is_refused_before_loading(case, checkpoint
     """The parameters (expert slots included) and KV caches against the memory free (1 GiB here), before
     anything is allocated."""
     args, expected = MEMORY_ERRORS[case]
-    monkeypatch.setattr("megamoe.machine_memory.available_memory_bytes", lambda device: (2**30, "free memory"))
+    monkeypatch.setattr("megamoe.cli.generate.available_memory_bytes", lambda device: (2**30, "free memory"))
     code, stderr = _run_main([checkpoint, *_prompt_args(), *args], monkeypatch, capsys)
     _assert_one_error_line(code, stderr, *expected, "against 1 GiB of free memory",
                            "lower --max-new-tokens or --num-expert-slots")
@@ -250,7 +250,7 @@ def test_the_ranks_of_a_host_share_its_memory(checkpoint, tmp_path, monkeypatch,
     """Free memory for two ranks' parameters and caches but not four: one rank generates, four ranks on
     the host (LOCAL_WORLD_SIZE) are refused."""
     needed = estimate_generation_memory(tiny_config("allgather"), batch=2, sequence_length=4 + 2).total
-    monkeypatch.setattr("megamoe.machine_memory.available_memory_bytes", lambda device: (2 * needed, "free memory"))
+    monkeypatch.setattr("megamoe.cli.generate.available_memory_bytes", lambda device: (2 * needed, "free memory"))
     run = [checkpoint, *_prompt_args(), "--max-new-tokens", 2]
     code, stderr = _run_main(run, monkeypatch, capsys)
     assert code == 0, stderr[-3000:]
@@ -320,14 +320,14 @@ def test_layout_no_dispatcher_can_run_names_the_flag(case, checkpoint, monkeypat
 def test_decode_tokens_per_second_leave_compile_time_out():
     """Two data-parallel ranks' outputs: tokens add up, the slowest rank sets each time, and decode
     tokens/s are over the decode time without the steps spent compiling."""
-    generate_script = runpy.run_path(SCRIPT)
+    from megamoe.cli.generate import timings_of
     outs = [GenerationOutput(token_ids=[[1, 2, 3, 4]], finish_reasons=["length"], prompt_tokens=3,
                              prefill_seconds=0.5, decode_seconds=13.0, decode_steps=3, compile_seconds=12.0,
                              compile_tokens=1),
             GenerationOutput(token_ids=[[5, 6, 7, 8], [9]], finish_reasons=["length", "stop"], prompt_tokens=6,
                              prefill_seconds=1.0, decode_seconds=12.5, decode_steps=3, compile_seconds=11.0,
                              compile_tokens=1)]
-    timings = generate_script["timings_of"](outs)
+    timings = timings_of(outs)
     assert timings["decode_tokens"] == 6 and timings["prompt_tokens"] == 9
     assert timings["decode_seconds"] == 13.0 and timings["compile_seconds"] == 12.0
     assert timings["decode_seconds_excluding_compile"] == 1.5          # rank 1: 12.5 - 11
@@ -342,7 +342,8 @@ def test_help_shows_every_default(capsys, monkeypatch):
         runpy.run_path(SCRIPT, run_name="__main__")
     assert exited.value.code == 0
     shown = "".join(capsys.readouterr().out.split())     # argparse wraps lines, at hyphens too
-    parser = runpy.run_path(SCRIPT)["build_parser"]()
+    from megamoe.cli import generate                  # the command the script runs
+    parser = generate.build_parser("generate.py")
     documented = 0
     for action in parser._actions:
         # Shown unless there is nothing to show: no default, an on/off flag, a help naming its default.
@@ -351,7 +352,7 @@ def test_help_shows_every_default(capsys, monkeypatch):
             assert f"(default:{action.default})" in shown, action.option_strings
             documented += 1
     assert documented >= 10
-    assert "".join(runpy.run_path(SCRIPT)["__doc__"].split()) in shown, "the description is cut"
+    assert "".join(generate.__doc__.split()) in shown, "the description is cut"
 
 
 # ----------------------------------------------------------------------------------------------

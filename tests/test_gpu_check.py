@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

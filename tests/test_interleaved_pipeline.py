@@ -217,7 +217,7 @@ SCRIPT_ERRORS = {   # name: (arguments, WORLD_SIZE, fragment of the error line)
 
 @pytest.mark.parametrize("case", SCRIPT_ERRORS)
 def test_script_refuses_bad_virtual_layouts_in_one_line(demo, case, tmp_path, capsys, monkeypatch):
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     extra, world, fragment = SCRIPT_ERRORS[case]
     monkeypatch.setenv("WORLD_SIZE", world)
     work = tmp_path / "work"

@@ -1,4 +1,4 @@
-"""megamoe.launch: a script's user error is one ``error:`` line; the rank that prints it is rank 0, and a
+"""megamoe.cli.launch: a script's user error is one ``error:`` line; the rank that prints it is rank 0, and a
 rank whose error rank 0 does not share (the job outlives the wait) still says what it was."""
 
 import argparse
@@ -6,8 +6,9 @@ import argparse
 import pytest
 import torch
 
-from megamoe import launch
-from megamoe.launch import UsageError, run_script
+from megamoe.cli import launch
+from megamoe.cli.launch import run_script
+from megamoe.errors import UsageError
 
 
 def _fails(argv):
@@ -59,12 +60,12 @@ def test_the_traceback_on_request(monkeypatch):
 
 # ---- --device ----------------------------------------------------------------------------------
 def _no_cuda(monkeypatch):
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def _gpus(monkeypatch, count):
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
 
 def test_auto_and_cpu_resolve_to_the_cpu_without_cuda(monkeypatch):
@@ -124,8 +125,10 @@ def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
                                                                          *device.items())))
     monkeypatch.setattr(launch.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(launch.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(launch.torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(launch.collective_watchdog, "arm", armed.append)
+    # What run_script registers: its one error line (process_group arms the watchdog with it).
+    monkeypatch.setattr(launch.collective_watchdog, "_stuck_collective_handler", launch._end_on_stuck_collective)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert launch.init_distributed(comm_timeout_s=30, device="cpu") == (1, 2)

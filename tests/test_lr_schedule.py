@@ -83,7 +83,7 @@ def test_bad_schedules_are_refused_naming_the_field(kwargs, field):
 def test_script_flags_build_the_schedule_and_bad_ones_name_the_flag():
     import argparse
 
-    from megamoe.launch import UsageError
+    from megamoe.errors import UsageError
     from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
     parser = argparse.ArgumentParser()
     add_optim_arguments(parser)

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 from megamoe.training.metric_sinks import (JsonlSink, MissingPackageError, TensorBoardSink, WandbSink,
                                            build_metric_sinks, scalar_tags, step_record)
 from megamoe.training.metrics_arguments import (add_metrics_arguments, check_metrics_arguments,
@@ -146,7 +146,7 @@ def test_a_missing_package_is_a_clear_error_and_leaves_nothing_behind(monkeypatc
     assert isinstance(info.value, ImportError)
     assert list(tmp_path.iterdir()) == [], "no log file or event file left behind"
 
-    # a script run through megamoe.launch.run_script reports it as one error line, exit code 1
+    # a script run through megamoe.cli.launch.run_script reports it as one error line, exit code 1
     def main(argv):
         build_metric_sinks(rank=0, **kwargs)
         return 0

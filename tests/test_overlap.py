@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megamoe import comms
-from megamoe.launch import UsageError, run_script
+from megamoe.cli.launch import run_script
+from megamoe.errors import UsageError
 from megamoe.models import GPTMoEModel
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig

@@ -17,7 +17,7 @@ from megamoe.data.parallel_encode import DocumentEncoder
 from megamoe.data.preprocess import PROG, main, preprocess
 from megamoe.data.token_dataset import TokenDataset, sidecar_path
 from megamoe.data.tokenizer import HFTokenizer, Tokenizer, check_tokenizer_fits
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 from test_atomic_file import NOT_REGULAR   # FIFO, links to /dev/null and /dev/full
 
 EOS = "</s>"

@@ -14,7 +14,7 @@ import torch
 
 from megamoe.data.token_dataset import build_token_file
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 from test_hf_start import save_tokenizer, sentences
 from test_indexed_dataset import write_megatron
 

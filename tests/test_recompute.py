@@ -386,7 +386,7 @@ def test_recomputed_regions_reissue_their_forward_collectives_once_in_backward()
 
 # ---- the training script: --recompute / --recompute-modules -------------------------------------------
 def _train(demo, tmp_path, capsys, config_file, data, tokenizer, steps, *flags):
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     argv = ["--model-config", config_file, "--tokenizer", tokenizer, "--data", data, "--steps", steps,
             "--seq-len", S, "--global-batch", 4, "--micro-batch", 2, "--lr", "1e-2", "--work-dir", tmp_path / "work",
             "--save-dir", tmp_path / "ckpt", "--save-every", 2, "--sample-tokens", 0, "--expert-backend", "torch",
@@ -416,7 +416,7 @@ def test_pretrain_script_recomputes_and_resumes_under_another_choice(demo, tmp_p
 
 
 def test_pretrain_script_recompute_flag_errors_are_one_line(demo, tmp_path, capsys):
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     code = run_script(demo.main, ["--work-dir", str(tmp_path / "work"), "--recompute", "full", "--recompute-modules",
                                   "moe"], prog=demo.PROG)
     err = capsys.readouterr().err.strip().splitlines()

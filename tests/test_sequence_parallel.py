@@ -305,7 +305,7 @@ def test_one_rank_ignores_sequence_parallel():
     (["--sequence-parallel", "--tp", "2", "--seq-len", "63"], "2", ["--seq-len 63", "divisible by --tp 2"]),
 ])
 def test_script_refuses_bad_sequence_parallel_flags(demo, extra, world, fragments, tmp_path, capsys, monkeypatch):
-    from megamoe.launch import run_script
+    from megamoe.cli.launch import run_script
     if world is not None:
         monkeypatch.setenv("WORLD_SIZE", world)
     argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", *extra]

@@ -206,7 +206,7 @@ def test_the_adamw_flags_reach_the_optimizer(demo):
     """--weight-decay, --adam-beta1/2, --adam-eps and --clip-grad (Megatron's names) set TrainConfig, and so
     the optimizer's groups (biases and norms are not decayed) and the clipping the trainer applies."""
     from parallel_state import ParallelState
-    from megamoe.launch import UsageError
+    from megamoe.errors import UsageError
     from megamoe.training.optim_arguments import train_config_kwargs
     args = demo.parse_args(["--weight-decay", "0.1", "--adam-beta1", "0.8", "--adam-beta2", "0.99",
                             "--adam-eps", "1e-6", "--clip-grad", "0.5"])

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from checkpoint_tools import checksums, integrity
 from checkpoint_tools.format import CheckpointError, read_manifest, save_checkpoint
 from checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps
-from megamoe.launch import run_script
+from megamoe.cli.launch import run_script
 from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
 from megamoe.models import GPTMoEConfig
 from megamoe.moe.expert_slots import ExpertPlacement
@@ -630,7 +630,7 @@ def _one_error_line(code, err, *fragments):
 
 
 def test_script_resumes_a_step_folder_or_a_chosen_step_and_keeps_n(demo, inputs, tmp_path, capsys, caplog):
-    caplog.set_level(logging.INFO, logger="pretrain_moe")
+    caplog.set_level(logging.INFO, logger="megamoe.training")
     work = tmp_path / "work"
     ckpt = work / "checkpoints"                                  # the default: under --work-dir
     code, _, err = _train(demo, capsys, inputs, work, "--steps", 3, "--save-every", 1, "--keep-checkpoints", 3)

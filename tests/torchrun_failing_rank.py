@@ -11,7 +11,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from test_training import tiny_config  # noqa: E402
 
-from megamoe.launch import init_distributed, run_script  # noqa: E402
+from megamoe.cli.launch import init_distributed, run_script  # noqa: E402
 from megamoe.models import GPTMoEModel  # noqa: E402
 from megamoe.tensor_parallel import initialize_parameters  # noqa: E402
 from megamoe.training.metric_sinks import build_metric_sinks  # noqa: E402

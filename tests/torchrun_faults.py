@@ -26,7 +26,7 @@ from test_training import tiny_config  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megamoe.after_torchrun import note_newest_checkpoint  # noqa: E402
-from megamoe.launch import init_distributed, run_script  # noqa: E402
+from megamoe.cli.launch import init_distributed, run_script  # noqa: E402
 from megamoe.models import GPTMoEModel  # noqa: E402
 from megamoe.tensor_parallel import initialize_parameters  # noqa: E402
 from megamoe.training.checkpoint import checkpoint_path, save_training_checkpoint  # noqa: E402

@@ -14,7 +14,7 @@ from test_training import tiny_config  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from megamoe.launch import add_launch_arguments, init_distributed, run_script  # noqa: E402
+from megamoe.cli.launch import add_launch_arguments, init_distributed, run_script  # noqa: E402
 from megamoe.models import GPTMoEModel  # noqa: E402
 from megamoe.tensor_parallel import initialize_parameters  # noqa: E402
 from megamoe.training.trainer import TrainConfig, Trainer  # noqa: E402

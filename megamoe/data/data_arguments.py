@@ -25,7 +25,7 @@ from megamoe.data.token_source import open_token_source
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.data.training_data import (TrainEvalData, build_train_eval_data, check_data_weights, is_token_source,
                                         tokenized_path)
-from megamoe.launch import UsageError
+from megamoe.errors import UsageError
 
 __all__ = ["add_data_arguments", "check_data_arguments", "data_vocab_size", "on_rank_0", "prepare_training_data"]
 

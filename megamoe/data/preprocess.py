@@ -30,7 +30,8 @@ from megamoe.data.documents import (
 from megamoe.data.parallel_encode import DEFAULT_CHUNK_CHARS, DocumentEncoder, default_workers
 from megamoe.data.token_dataset import TokenFileMeta, check_token_file_targets, sidecar_path, write_token_file
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.launch import HelpFormatter, UsageError, run_script
+from megamoe.cli.launch import HelpFormatter, run_script
+from megamoe.errors import UsageError
 
 __all__ = ["preprocess", "main", "cli"]
 
@@ -122,9 +123,9 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, *, prog: str = PROG) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=HelpFormatter, description=_DESCRIPTION,
+        prog=prog, formatter_class=HelpFormatter, description=_DESCRIPTION,
     )
     parser.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
                         help="files or directories of documents, read in the order given")
@@ -146,8 +147,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = parse_args(argv, prog=prog)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
@@ -167,9 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def cli() -> int:
-    """The ``megamoe-preprocess`` console script."""
-    return run_script(main, prog=PROG)
+def cli(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    """The ``megamoe-preprocess`` console script (and ``megamoe preprocess``)."""
+    return run_script(lambda argv: main(argv, prog=prog), argv, prog=prog)
 
 
 if __name__ == "__main__":

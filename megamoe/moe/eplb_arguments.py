@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from megamoe.launch import UsageError
+from megamoe.errors import UsageError
 from megamoe.moe.eplb import EPLBConfig
 
 __all__ = ["add_eplb_arguments", "eplb_config_from_args"]
@@ -37,7 +37,7 @@ def add_eplb_arguments(parser, *, unit: str) -> None:
 
 def eplb_config_from_args(args) -> EPLBConfig | None:
     """The :class:`EPLBConfig` of the flags, None without ``--eplb-interval``; raises
-    :class:`~megamoe.launch.UsageError` naming the flag."""
+    :class:`~megamoe.cli.launch.UsageError` naming the flag."""
     if args.eplb_interval is None:
         given = [flag for flag, value in (("--eplb-window", args.eplb_window),
                                           ("--eplb-threshold", None if args.eplb_threshold == 1.0 else 1),

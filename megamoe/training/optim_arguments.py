@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from megamoe.launch import UsageError
+from megamoe.errors import UsageError
 from megamoe.training.loss_scaling import LossScaleConfig
 from megamoe.training.lr_schedule import LR_SCHEDULE_STYLES, WSD_DECAY_STYLES, LRScheduleConfig
 from megamoe.training.trainer import TrainConfig
@@ -98,7 +98,7 @@ def train_config_kwargs(args, *, train_steps: int) -> dict:
     """``TrainConfig`` keyword arguments (``lr_schedule``, ``max_skipped_steps``, ``loss_scale``) from the
     flags of :func:`add_optim_arguments`; the decay ends at ``train_steps`` unless ``--lr-decay-steps``.
     Also ``distributed_optimizer``, ``zero_stage``, ``overlap_grad_reduce``, ``grad_bucket_mb`` and AdamW's
-    ``weight_decay``, ``betas``, ``eps``, ``grad_clip``. Raises :class:`~megamoe.launch.UsageError` naming the
+    ``weight_decay``, ``betas``, ``eps``, ``grad_clip``. Raises :class:`~megamoe.cli.launch.UsageError` naming the
     flag."""
     style = args.lr_schedule
     wsd_fraction = args.lr_wsd_decay_fraction

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from megamoe.launch import UsageError
+from megamoe.errors import UsageError
 from megamoe.transformer.recompute import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_MODULES, \
     RecomputeConfig
 
@@ -27,7 +27,7 @@ def add_recompute_arguments(parser) -> None:
 
 
 def recompute_config_from_args(args) -> RecomputeConfig:
-    """The :class:`RecomputeConfig` of the flags; :class:`~megamoe.launch.UsageError` naming the flag."""
+    """The :class:`RecomputeConfig` of the flags; :class:`~megamoe.cli.launch.UsageError` naming the flag."""
     if args.recompute_modules is not None and args.recompute != "selective":
         raise UsageError(f"--recompute-modules applies to --recompute selective, got --recompute {args.recompute}")
     try:

@@ -13,11 +13,14 @@ A script written with it::
     if __name__ == "__main__":
         sys.exit(run_script(main, prog="pretrain_moe.py"))
 
+The device and process-group functions live in the library (:mod:`megamoe.process_group`, re-exported
+here), the flags, the parser and the error handling here.
+
 Devices: ``--device auto|cpu|cuda`` (:func:`add_device_argument`, :func:`resolve_device`). On CUDA each
 process drives the GPU of its ``LOCAL_RANK`` (one GPU per local rank, as torchrun starts them), its CUDA
 tensors travel over NCCL and its CPU tensors (metadata) over gloo; on CPU everything is gloo.
 
-User errors are :class:`UsageError` and the library's own errors for bad input (``ValueError``, which
+User errors are :class:`~megamoe.errors.UsageError` and the library's own errors for bad input (``ValueError``, which
 covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
 :class:`~checkpoint_tools.format.CheckpointError`; ``OSError`` such as a missing file), and a run stopped
 by :class:`~megamoe.training.non_finite.NonFiniteTrainingError` (a diverged run: the message says where
@@ -43,7 +46,6 @@ collective after ``--comm-timeout`` and ends the rank with the same line and exi
 from __future__ import annotations
 
 import argparse
-import datetime
 import faulthandler
 import logging
 import os
@@ -51,38 +53,28 @@ import sys
 import time
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from megamoe import collective_watchdog
 from megamoe.after_torchrun import rank_finished, repeat_after_torchrun, watch_this_rank
 from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
+from megamoe.errors import UsageError
+from megamoe.process_group import (DEFAULT_COMM_TIMEOUT_S, DEVICES, check_comm_timeout, default_autocast,
+                                   distributed_backend, init_distributed, launch_local_rank, launch_rank,
+                                   launch_world_size, resolve_device)
 
-__all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
+__all__ = ["DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
            "add_launch_arguments", "add_device_argument", "add_no_verify_checksums_argument", "check_comm_timeout",
            "launch_rank", "launch_world_size", "launch_local_rank", "resolve_device", "default_autocast",
            "distributed_backend", "init_distributed", "run_script"]
 
 logger = logging.getLogger(__name__)
 
-# Minutes, not gloo's default 30 s (a slow checkpoint load on one rank is no hang) nor NCCL's 10 min + hang.
-DEFAULT_COMM_TIMEOUT_S = 600.0
-_MAX_COMM_TIMEOUT_S = 365 * 24 * 3600.0
 # torchrun terminates the other workers as soon as one exits: ranks other than the one that prints
 # wait this long before printing and exiting on an error, so that the printing rank (which usually hits
 # the same error or timeout) prints the only line and the job ends during the wait. A rank still alive
 # afterwards had an error of its own (a file only it reads, say) and prints it.
 _QUIET_RANK_EXIT_DELAY_S = 10.0
-
-
-DEVICES = ("auto", "cpu", "cuda")
-# Per-device backends: NCCL for CUDA tensors, gloo for the CPU tensors a CUDA job still exchanges
-# (metadata, objects); parallel_state then needs no gloo twin of its groups.
-_CUDA_BACKEND = "cpu:gloo,cuda:nccl"
-
-
-class UsageError(ValueError):
-    """Bad input a script's user fixes (a flag, a path, a layout): the message says what and how."""
 
 
 class ScriptArgumentParser(argparse.ArgumentParser):
@@ -122,15 +114,6 @@ def add_launch_arguments(parser) -> None:
                              "operation (a stuck or dead rank ends the job instead of hanging it)")
 
 
-def check_comm_timeout(seconds: float) -> float:
-    """``seconds`` if it is a collective timeout the process group can take; UsageError otherwise (inf
-    overflows torch's timedelta conversion under torchrun, NaN and <= 0 never wait)."""
-    if not 0 < seconds <= _MAX_COMM_TIMEOUT_S:
-        raise UsageError(f"--comm-timeout must be a number of seconds > 0 and at most {_MAX_COMM_TIMEOUT_S:g} "
-                         f"(a year), got {seconds}")
-    return seconds
-
-
 def _comm_timeout(text: str) -> float:
     try:
         return check_comm_timeout(float(text))
@@ -154,85 +137,6 @@ def add_no_verify_checksums_argument(parser) -> None:
                              "checked); only for files you know are intact")
 
 
-def launch_rank() -> int:
-    """This process's global rank as torchrun announces it (0 for a plain ``python`` run); readable
-    before the process group exists."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def launch_world_size() -> int:
-    """The torchrun job's world size (1 for a plain ``python`` run), readable before the process group."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launch_local_rank() -> int:
-    """This process's rank on its node as torchrun announces it (``LOCAL_RANK``; 0 for a plain run)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def resolve_device(requested: str) -> torch.device:
-    """The device of ``--device requested``: ``cuda`` is this process's GPU, ``cuda:LOCAL_RANK``; ``auto``
-    is that GPU when CUDA is available, else ``cpu``. UsageError for ``cuda`` without a usable GPU."""
-    if requested not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
-        raise UsageError(f"--device cuda: no CUDA device is available (torch {torch.__version__}, built with "
-                         f"{built}); use --device cpu, or --device auto to take a GPU only where there is one")
-    local_rank, count = launch_local_rank(), torch.cuda.device_count()
-    if local_rank >= count:
-        raise UsageError(f"--device {requested}: LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
-                         f"{count}; start at most one process per GPU (torchrun --nproc-per-node)")
-    return torch.device("cuda", local_rank)
-
-
-def default_autocast(device: torch.device | str) -> str | None:
-    """The ``TrainConfig.autocast`` a script uses unless told otherwise: ``"bf16"`` on CUDA (fp32 master
-    weights, bf16 matmuls), None (fp32) elsewhere, where bf16 matmuls are slow or emulated."""
-    return "bf16" if torch.device(device).type == "cuda" else None
-
-
-def distributed_backend(device: torch.device | str) -> str:
-    """The process-group backend for ``device``: NCCL for CUDA tensors (with gloo for CPU ones), gloo on CPU."""
-    return _CUDA_BACKEND if torch.device(device).type == "cuda" else "gloo"
-
-
-def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: torch.device | str = "cpu",
-                     backend: str | None = None) -> tuple[int, int]:
-    """Join the torchrun job's process group with collectives timing out after ``comm_timeout_s``
-    seconds. ``device`` (see :func:`resolve_device`): on CUDA it becomes this process's current device,
-    so that one process drives one GPU, and the backend (default: :func:`distributed_backend`) runs
-    NCCL. Returns ``(rank, world_size)``; a plain ``python`` run (no ``WORLD_SIZE``) is rank 0 of 1 and
-    creates no group.
-
-    On CUDA a collective watchdog (:mod:`megamoe.collective_watchdog`) is armed with ``comm_timeout_s``:
-    a stuck collective ends the rank with the one ``error:`` line of :func:`run_script` and exit code 1.
-    The process group's own timeout (NCCL's watchdog, which would abort the process without it, and the
-    gloo half's for CPU tensors; the groups of parallel_state inherit it) is then ``comm_timeout_s`` plus
-    :data:`~megamoe.collective_watchdog.DIAGNOSIS_RESERVE_S`, so that the diagnosis comes first."""
-    check_comm_timeout(comm_timeout_s)
-    device = torch.device(device)
-    device_options = {}
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index if device.index is not None else launch_local_rank())
-        torch.cuda.set_device(device.index)
-        # Bound to its GPU, the default group starts NCCL at once (not lazily at the first collective), and
-        # the model's groups (parallel_state) are split from its communicator rather than bootstrapped anew.
-        device_options["device_id"] = device
-    world = launch_world_size()
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        return 0, 1
-    backend = backend or distributed_backend(device)
-    watched = device.type == "cuda" and backend != "gloo"     # collectives that return before the data moved
-    group_timeout_s = comm_timeout_s + (collective_watchdog.DIAGNOSIS_RESERVE_S if watched else 0.0)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=group_timeout_s), **device_options)
-    if watched:
-        collective_watchdog.arm(collective_watchdog.CollectiveWatchdog(comm_timeout_s, _end_on_stuck_collective))
-    return dist.get_rank(), dist.get_world_size()
-
-
 def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) -> int:
     """Run ``main(argv)``; a user error (see the module docstring) prints ``<prog>: error: <message>``
     on rank 0 (the other ranks stay quiet unless the job outlives a short wait) and returns 1; so does
@@ -241,6 +145,7 @@ def run_script(main: Callable[..., int], argv=None, *, prog: str | None = None) 
     global _script_prog
     prog = _script_prog = prog or os.path.basename(sys.argv[0])
     watch_this_rank(prog)
+    collective_watchdog.on_stuck_collective(_end_on_stuck_collective)
     try:
         return main(argv)
     except CollectiveTimeout as e:
