@@ -1,6 +1,6 @@
 """``verify``: run a megamoe checkpoint on spawned ranks and transformers on the same tokens; compare logits.
 
-The ranks (gloo, CPU, :func:`megamoe.testing.run_on_ranks`) form the checkpoint's parallel layout (or
+The ranks (gloo, CPU, :func:`megamoe.spawned_ranks.run_on_ranks`) form the checkpoint's parallel layout (or
 the same layout over more data-parallel ranks with ``nproc``), build the model from the checkpoint
 (:func:`build_model_from_checkpoint`) in fp32 and compute the full logits with
 :func:`megamoe.inference.pipeline_forward.pipeline_logits`. The parent loads the HF directory with
@@ -90,7 +90,7 @@ def verify_against_hf(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, 
     against transformers' model in ``hf_dir`` on ``batch`` random sequences of ``seq_len`` tokens. The
     checkpoint's files are checked against its manifest first (checksums unless ``verify_checksums=False``):
     a damaged file fails the run."""
-    from megamoe.testing import RankFailure, run_on_ranks
+    from megamoe.spawned_ranks import RankFailure, run_on_ranks
     from parallel_state import compute_rank_groups
 
     checkpoint, hf_dir = os.fspath(checkpoint), os.fspath(hf_dir)

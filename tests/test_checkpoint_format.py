@@ -26,7 +26,7 @@ from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materia
 from megamoe.sharding import get_shard_spec
 from megamoe.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                      seeded_generator)
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 
 V, H, F = 16, 8, 12            # vocabulary, hidden, ffn (divisible by 4)
 EXPERT_SHAPE = (6, 4)          # one expert's weight [out, in]

@@ -22,7 +22,7 @@ from checkpoint_tools.logical_reader import LogicalTensorReader
 from checkpoint_tools.manifest_digest import seal
 from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import ParallelState
 from test_convert import _single_file_copy, convert, hf_tensors, save_hf_model
 

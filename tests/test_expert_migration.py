@@ -16,7 +16,7 @@ from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig, MoELayer
 from megamoe.moe.router import RouterConfig
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.grad_sync import GradientSync
 
 T, H, F, E, K = 16, 8, 8, 8, 2

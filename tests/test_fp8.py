@@ -548,7 +548,7 @@ def test_fp8_layer_under_etp_or_expert_dp_quantises_as_one_rank(layout):
     """FP8 amaxes are reduced over the ETP group (shards quantise with the whole tensor's scales) and, for
     the delayed recipe, over the expert-DP group (replicas keep one history): every layout then computes
     what one rank computes on all the tokens, up to fp32 summation order."""
-    from megamoe.testing import run_on_ranks
+    from megamoe.spawned_ranks import run_on_ranks
     recipes = RECIPES if "etp" in layout else ("delayed",)     # current scaling is per rank's batch under DP
     worst = run_on_ranks(_fp8_layout_worker, 2, args=(layout, recipes), timeout_s=300)
     assert [sorted(w) for w in worst] == [sorted(recipes)] * 2      # every recipe checked on both ranks

@@ -32,7 +32,7 @@ from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.fp8 import FP8Config, resolve_fp8_backend
 from megamoe.quantization.block_fp8 import BlockFP8Config, dequantize_block_fp8, quantize_block_fp8, scale_inv_name
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import ParallelState
 from test_hf_families import _ids, _stage_logits, hf_model
 

@@ -17,7 +17,7 @@ from checkpoint_tools.adapters import AdapterError, adapter_for
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import ParallelState
 
 V, H, S = 64, 32, 9

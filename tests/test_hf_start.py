@@ -20,7 +20,7 @@ from megamoe.data.token_dataset import TokenDataset, build_token_file
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.launch import run_script
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.model_config_file import read_model_config_file
 from parallel_state import ParallelState
 from test_hf_families import V, hf_config, lazy_transformers

@@ -36,7 +36,7 @@ from megamoe.models import GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.moe.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.transformer import MultiHeadLatentAttention
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.rope import RopeConfig

@@ -19,7 +19,7 @@ from megamoe.data.packing import MicroBatch
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.models.mtp import mtp_targets, shift_left
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training import TrainConfig, Trainer
 from parallel_state import ParallelState
 from test_hf_families import V, hf_config, lazy_transformers

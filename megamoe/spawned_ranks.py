@@ -1,6 +1,7 @@
 """Run a function on N spawned ranks joined in a process group: gloo on CPU, or NCCL on one GPU per rank.
 
-This is the one helper every multi-rank test (ours and a user's) goes through::
+This is the one helper every multi-rank test (ours and a user's) goes through, and how
+``megamoe-convert verify`` runs a checkpoint on its layout's ranks (a library module, not a test file)::
 
     def check(rank, world_size, scale):
         t = torch.ones(2) * rank
