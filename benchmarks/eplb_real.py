@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from common import argument_parser, write_results      # sibling module
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.eplb import EPLBConfig
+from megamoe.moe.placement.eplb import EPLBConfig
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.tensor_parallel import initialize_parameters

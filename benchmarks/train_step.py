@@ -327,7 +327,7 @@ def profile_rows(rows: list[Row], steps: int = 3) -> dict[str, dict[str, float]]
 
 def default_backend() -> str:
     """The experts backend ``auto`` picks on this machine's CPU."""
-    from megamoe.moe.experts import GroupedExperts
+    from megamoe.moe.experts.grouped_experts import GroupedExperts
     return GroupedExperts._resolve_backend("auto", torch.device("cpu"))
 
 

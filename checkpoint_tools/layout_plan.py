@@ -38,7 +38,7 @@ from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.layout import ParallelLayout
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
 from parallel_state import GROUP_KINDS, GroupInfo, ParallelState, compute_rank_groups
 

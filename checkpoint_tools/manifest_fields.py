@@ -18,7 +18,7 @@ import copy
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.layout import ParallelLayout
 from megamoe.models import GPTMoEConfig
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 
 __all__ = ["HF_FILES_DIR", "manifest_fields", "model_config_from_manifest", "placements_from_manifest"]
 

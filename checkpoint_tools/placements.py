@@ -7,8 +7,8 @@ import os
 
 from checkpoint_tools.errors import ConversionError
 from megamoe.models import GPTMoEConfig
-from megamoe.moe.expert_load_file import load_expert_load
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_load_file import load_expert_load
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 
 __all__ = ["build_placements"]
 
@@ -20,7 +20,7 @@ def build_placements(config: GPTMoEConfig, ep: int, *, expert_load: str | os.Pat
     """The placement of every MoE layer of ``config`` over ``ep`` EP ranks and
     ``config.moe.num_expert_slots`` slots.
 
-    With ``expert_load`` (a file written by :func:`megamoe.moe.expert_slots.save_expert_load`, one load
+    With ``expert_load`` (a file written by :func:`megamoe.moe.placement.expert_slots.save_expert_load`, one load
     per MoE layer): :meth:`ExpertPlacement.balanced`. Otherwise the ``saved`` placement of a layer when it
     has the same slots and EP size (a resharded checkpoint keeps a rebalanced placement), else
     :meth:`ExpertPlacement.default`.

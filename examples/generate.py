@@ -58,8 +58,8 @@ from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
-from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
-from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.moe.placement.eplb_arguments import add_eplb_arguments, eplb_config_from_args
+from megamoe.moe.placement.expert_slots import ExpertPlacement, save_expert_load
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
 

@@ -56,7 +56,7 @@ from megamoe.launch import (HelpFormatter, ScriptArgumentParser, UsageError, add
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
-from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
+from megamoe.moe.placement.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "family, or megamoe config fields (GPTMoEConfig.to_dict, as checkpoints store it); "
                         "--hidden, --layers, --experts and --top-k do not apply")
     d.add_argument("--expert-load", type=Path, default=None, metavar="FILE",
-                   help="per-layer expert loads (megamoe.moe.expert_slots.save_expert_load): balanced expert "
+                   help="per-layer expert loads (megamoe.moe.placement.expert_slots.save_expert_load): balanced expert "
                         "placements over the slots, as megamoe-convert import-hf applies them")
     d.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
                    help="tokenizer file or directory (sentencepiece .model or HF tokenizer.json); default: the "

@@ -21,7 +21,7 @@ from checkpoint_tools.cli import main
 from checkpoint_tools.format import iter_logical_tensors, read_manifest
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
 from megamoe.models.families import SUPPORTED_FAMILIES
-from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.moe.placement.expert_slots import ExpertPlacement, save_expert_load
 from megamoe.spawned_ranks import run_on_ranks
 from test_hf_families import V, hf_config, lazy_transformers   # tiny random HF models of every family
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from megamoe import comms
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.eplb import EPLBConfig
+from megamoe.moe.placement.eplb import EPLBConfig
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.tensor_parallel import initialize_parameters

@@ -1,4 +1,4 @@
-"""Expert migration (megamoe.moe.expert_migration): moving changed slots' weights and optimizer state
+"""Expert migration (megamoe.moe.placement.expert_migration): moving changed slots' weights and optimizer state
 between EP ranks. The oracles: the layer computes the same function after a migration; every slot then
 holds exactly (bitwise) the weights and Adam state of its new expert as a never-migrated copy trained
 identically holds them, replicas included; both copies stay equal when training goes on; the bytes sent
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from megamoe import comms
-from megamoe.moe.expert_migration import MigrationStats, migrate_layer, plan_migration
-from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe.fp8 import FP8Config
+from megamoe.moe.placement.expert_migration import MigrationStats, migrate_layer, plan_migration
+from megamoe.moe.placement.expert_slots import ExpertPlacement
+from megamoe.moe.experts.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig, MoELayer
 from megamoe.moe.router import RouterConfig
 from megamoe.spawned_ranks import run_on_ranks

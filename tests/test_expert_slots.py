@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from megamoe.moe.expert_slots import (
+from megamoe.moe.placement.expert_slots import (
     ExpertLoadCounter,
     ExpertPlacement,
     load_expert_load,

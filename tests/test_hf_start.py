@@ -19,7 +19,7 @@ import torch
 from megamoe.data.token_dataset import TokenDataset, build_token_file
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.launch import run_script
-from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.moe.placement.expert_slots import ExpertPlacement, save_expert_load
 from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.model_config_file import read_model_config_file
 from parallel_state import ParallelState

@@ -35,7 +35,7 @@ from megamoe.inference.sampling import SamplingConfig, request_generator, sample
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
-from megamoe.moe.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
+from megamoe.moe.placement.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
 from megamoe.spawned_ranks import run_on_ranks
 from megamoe.transformer import MultiHeadLatentAttention
 from megamoe.transformer.mla import MLAConfig

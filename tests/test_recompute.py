@@ -15,7 +15,7 @@ from megamoe import comms
 from megamoe.host_values import count_host_reads
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.fp8 import FP8Config
+from megamoe.moe.experts.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.tensor_parallel import initialize_parameters

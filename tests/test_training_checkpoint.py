@@ -22,7 +22,7 @@ from checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, da
 from megamoe.launch import run_script
 from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
 from megamoe.models import GPTMoEConfig
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.checkpoint import (checkpoint_path, checkpoint_run_id, expert_placements_from_checkpoint,
                                          foreign_checkpoint_differences, last_good_checkpoint, latest_checkpoint,

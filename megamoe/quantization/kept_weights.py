@@ -13,7 +13,7 @@ How the linears run: the dense ones (attention and MLA projections, dense MLPs, 
 call (``q * scale_inv`` per block, in fp32), and the GEMM is the ordinary one, so they run on every
 device and add no activation-quantization error (DeepSeek's reference inference does the same with its
 default ``gemm_impl="bf16"``). Only a transient copy of one weight exists at a time. The routed experts run
-the ``block`` FP8 recipe (:mod:`megamoe.moe.block_fp8_experts`), or, without an FP8 recipe, the same
+the ``block`` FP8 recipe (:mod:`megamoe.moe.experts.block_fp8_experts`), or, without an FP8 recipe, the same
 run-time dequantization.
 
 Sharding: a TP / ETP shard must start and end on block boundaries (or be the whole tensor), so that a

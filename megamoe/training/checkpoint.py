@@ -67,7 +67,7 @@ from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
                                       same_view_of, sharded_state_dict)
 from megamoe.models import GPTMoEModel
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.precision import has_non_finite
 
 __all__ = [

@@ -19,7 +19,7 @@ Recipes (how amax is chosen, i.e. the scaling granularity and its timing):
 - ``block`` (DeepSeek-V3's inference, TE ``Float8BlockScaling``): for kept block-FP8 weights
   (``GPTMoEConfig.weight_quantization``) only: the weights' stored 2-D block scales as they are, the
   activations quantized per 1 x block tile along the contraction dim at run time (current scaling). Inference
-  only; ``margin`` must be 0. See :mod:`megamoe.moe.block_fp8_experts`.
+  only; ``margin`` must be 0. See :mod:`megamoe.moe.experts.block_fp8_experts`.
 
 Formats: ``e4m3`` everywhere, or ``hybrid`` (as TE's ``Format.HYBRID``): e4m3 for forward operands
 (activations, weights: more mantissa), e5m2 for gradients (more range).
@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
 from megamoe import comms
-from megamoe.moe.kernel_probes import block_scaled_mm_problem, cuda_capability, transformer_engine_problem
+from megamoe.moe.experts.kernel_probes import block_scaled_mm_problem, cuda_capability, transformer_engine_problem
 
 __all__ = ["FP8Config", "FP8ScalingState", "FP8AmaxReduction", "FP8_ROLES", "amax_rows", "compute_scale",
            "dequantize", "fp8_max", "quantize", "resolve_fp8_backend", "te_fp8_recipe"]
@@ -161,7 +161,7 @@ class FP8ScalingState(nn.Module):
 
     def slot_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one slot's state: (amax_history [roles, L], scale [roles]). Expert migration
-        moves them with the slot's weights (see megamoe.moe.expert_migration)."""
+        moves them with the slot's weights (see megamoe.moe.placement.expert_migration)."""
         return self.amax_history[:, slot], self.scale[:, slot]
 
     def current_scale(self, role: str) -> torch.Tensor:
@@ -286,7 +286,7 @@ def resolve_fp8_backend(requested: str, device: torch.device, recipe: str | None
     ``fp8_emulated`` (anywhere). ``auto`` picks ``te``, then ``torch``, and never falls back to the
     (slow) emulation silently. Raises ValueError naming the fix when ``requested`` cannot run.
     ``recipe='block'`` (kept block-FP8 weights): ``torch`` (``torch._scaled_mm`` blockwise: sm90 with cuBLASLt
-    >= 12.9, :func:`~megamoe.moe.kernel_probes.block_scaled_mm_problem`) or
+    >= 12.9, :func:`~megamoe.moe.experts.kernel_probes.block_scaled_mm_problem`) or
     ``fp8_emulated``; ``te`` is refused."""
     if requested == "fp8_emulated":
         return requested

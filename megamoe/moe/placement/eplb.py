@@ -3,7 +3,7 @@ from the load the router produced over a recent window, moving as few weights as
 
 One round, every ``EPLBConfig.interval`` steps (training) or forward passes (generation), on every rank:
 
-1. Reduce the window (:class:`~megamoe.moe.expert_load_window.ExpertLoadWindow`) in ONE all-reduce over
+1. Reduce the window (:class:`~megamoe.moe.placement.expert_load_window.ExpertLoadWindow`) in ONE all-reduce over
    all ranks: int64 token counts per MoE layer and expert, each token counted once (one TP rank per
    token set; at inference the data-parallel ranks only under data-parallel attention, as
    :func:`~megamoe.inference.expert_load.gather_expert_load`), plus every layer's current placement
@@ -11,12 +11,12 @@ One round, every ``EPLBConfig.interval`` steps (training) or forward passes (gen
 2. Each layer's balancedness under its current placement; the layers below
    ``balancedness_threshold`` are re-placed, worst first, at most ``max_layers_per_round``: all ranks
    choose the same layers from the same numbers.
-3. :func:`~megamoe.moe.replacement.replace_experts` for each chosen layer of this stage: a
+3. :func:`~megamoe.moe.placement.replacement.replace_experts` for each chosen layer of this stage: a
    deterministic function of (current placement, load), so every rank computes the same placement
    without a broadcast. That is checked, not assumed: one tiny all-reduce (MAX) of a digest of each new
    placement (and of every other layer's current one) and its negation; if two ranks disagree,
    :class:`PlacementDivergenceError` is raised on every rank before any weight moves.
-4. :func:`~megamoe.moe.expert_migration.migrate_layer` for each chosen layer whose placement changed:
+4. :func:`~megamoe.moe.placement.expert_migration.migrate_layer` for each chosen layer whose placement changed:
    only the changed slots receive weights (and, in training, their optimizer state).
 5. One tiny all-reduce of what moved, for the :class:`EPLBReport`, which is logged.
 
@@ -36,11 +36,11 @@ import torch
 
 from megamoe import comms
 from megamoe.host_values import host_floats, host_ints
-from megamoe.moe.argument_checks import hierarchy
-from megamoe.moe.expert_load_window import ExpertLoadWindow
-from megamoe.moe.expert_migration import migrate_layer
-from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe import replacement
+from megamoe.moe.placement.argument_checks import hierarchy
+from megamoe.moe.placement.expert_load_window import ExpertLoadWindow
+from megamoe.moe.placement.expert_migration import migrate_layer
+from megamoe.moe.placement.expert_slots import ExpertPlacement
+from megamoe.moe.placement import replacement
 
 __all__ = ["EPLBConfig", "EPLBReport", "ExpertRebalancer", "PlacementDivergenceError"]
 

@@ -6,9 +6,9 @@ contiguously over the EP ranks (rank ``r`` owns slots ``[r*S/ep, (r+1)*S/ep)``),
 of exactly one expert. A hot expert may hold several slots (replicas); tokens routed to it are spread over
 them by :meth:`ExpertPlacement.choose_slots`, a rule every rank evaluates identically.
 
-The balanced packing lives in :mod:`megamoe.moe.placement_policy`; the expert-load file (per-layer token
+The balanced packing lives in :mod:`megamoe.moe.placement.placement_policy`; the expert-load file (per-layer token
 counts per expert, written by inference and read by ``megamoe-convert import-hf --expert-load FILE`` to
-build balanced placements) in :mod:`megamoe.moe.expert_load_file`, whose names this module re-exports.
+build balanced placements) in :mod:`megamoe.moe.placement.expert_load_file`, whose names this module re-exports.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megamoe.moe.argument_checks import hierarchy, positive_int, validated_load
-from megamoe.moe.expert_load_file import EXPERT_LOAD_FORMAT, EXPERT_LOAD_VERSION, load_expert_load, save_expert_load
-from megamoe.moe.placement_policy import balanced_slot_to_expert
+from megamoe.moe.placement.argument_checks import hierarchy, positive_int, validated_load
+from megamoe.moe.placement.expert_load_file import EXPERT_LOAD_FORMAT, EXPERT_LOAD_VERSION, load_expert_load, save_expert_load
+from megamoe.moe.placement.placement_policy import balanced_slot_to_expert
 
 __all__ = [
     "EXPERT_LOAD_FORMAT",

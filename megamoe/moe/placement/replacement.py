@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megamoe.moe.argument_checks import hierarchy, validated_load
-from megamoe.moe.assignment import min_cost_assignment
-from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe.placement_policy import nodes_of_groups, replica_counts
-from megamoe.moe.replica_moves import ReplicaMoves, filled_slots
+from megamoe.moe.placement.argument_checks import hierarchy, validated_load
+from megamoe.moe.placement.assignment import min_cost_assignment
+from megamoe.moe.placement.expert_slots import ExpertPlacement
+from megamoe.moe.placement.placement_policy import nodes_of_groups, replica_counts
+from megamoe.moe.placement.replica_moves import ReplicaMoves, filled_slots
 
 __all__ = ["PlacementUpdate", "replace_experts", "peak_bound", "matched_to"]
 
@@ -49,7 +49,7 @@ def replace_experts(current: ExpertPlacement, expert_load, *, num_groups: int | 
        (:meth:`ExpertPlacement.balanced`) can reach (:func:`peak_bound`: its heaviest rank carries at
        least the mean rank load, and at least the smallest possible largest share of one replica). If
        ``current`` meets it, nothing changes.
-    2. Few-slot moves from ``current`` (:mod:`megamoe.moe.replica_moves`): one slot changes to another
+    2. Few-slot moves from ``current`` (:mod:`megamoe.moe.placement.replica_moves`): one slot changes to another
        expert (replica counts follow the load) or two slots on different ranks swap experts; the move
        lowering the ranks' excess over the target most per slot moved first, until the target is met.
        Where one replica alone is over the target (the hot experts changed), the replica counts are set
@@ -222,7 +222,7 @@ def _recounted(table, loads, ep_size, num_nodes, target_peak, max_moves) -> Repl
 
 def _wanted_counts(table: np.ndarray, loads: np.ndarray, ep_size: int, num_nodes: int) -> np.ndarray:
     """[E] the replica counts the from-scratch policy gives each expert for ``loads``, per node of
-    ``table`` (:func:`~megamoe.moe.placement_policy.replica_counts`)."""
+    ``table`` (:func:`~megamoe.moe.placement.placement_policy.replica_counts`)."""
     counts = np.zeros(loads.shape[0], dtype=np.int64)
     for part in np.split(table, num_nodes):
         experts = np.unique(part)
@@ -303,7 +303,7 @@ def _regrouped(table: np.ndarray, loads: np.ndarray, ep_size: int, num_groups: i
                target_peak: float) -> np.ndarray:
     """``table`` with whole groups swapped between nodes until the node bound meets ``target_peak``
     (or no swap lowers the heaviest node). In a node whose groups changed, the experts that stay keep
-    their slots and the arriving ones fill the rest (:func:`~megamoe.moe.replica_moves.filled_slots`);
+    their slots and the arriving ones fill the rest (:func:`~megamoe.moe.placement.replica_moves.filled_slots`);
     the other nodes keep every slot.
 
     Each swap trades one group of the node with the highest bound for one group of another node, the

@@ -1,6 +1,6 @@
 """Local search over a slot -> expert table: few-slot moves that lower the heaviest EP rank.
 
-The movement-aware half of :func:`megamoe.moe.replacement.replace_experts`. Two kinds of move, each
+The movement-aware half of :func:`megamoe.moe.placement.replacement.replace_experts`. Two kinds of move, each
 changing the expert of one or two slots and nothing else, so every other expert stays in its slot:
 
 - *reassign* one slot from an expert with several replicas (the donor) to another expert (the

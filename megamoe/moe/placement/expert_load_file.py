@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megamoe.atomic_file import atomic_write
-from megamoe.moe.argument_checks import positive_int, validated_load
+from megamoe.moe.placement.argument_checks import positive_int, validated_load
 
 __all__ = ["EXPERT_LOAD_FORMAT", "EXPERT_LOAD_VERSION", "load_expert_load", "save_expert_load"]
 

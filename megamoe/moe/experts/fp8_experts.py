@@ -1,9 +1,9 @@
 """FP8 expert MLPs: the CPU emulation (the numerical reference), ``torch._scaled_grouped_mm`` and
-TransformerEngine ``fp8_autocast``; used by :class:`megamoe.moe.experts.GroupedExperts` when
+TransformerEngine ``fp8_autocast``; used by :class:`megamoe.moe.experts.grouped_experts.GroupedExperts` when
 ``ExpertsConfig.fp8`` is set.
 
 Every path computes, per slot and GEMM, ``Y = deq(Q(X)) deq(Q(W))^T`` where ``Q`` quantises with
-the recipe's scales (:mod:`megamoe.moe.fp8`); backward quantises the incoming gradient ``dY`` in
+the recipe's scales (:mod:`megamoe.moe.experts.fp8`); backward quantises the incoming gradient ``dY`` in
 the gradient format and reuses the forward's quantised operands: ``dX = deq(Q(dY)) deq(Q(W))``,
 ``dW = deq(Q(dY))^T deq(Q(X))`` (straight-through: the fp32/bf16 master weight receives ``dW``).
 
@@ -29,9 +29,9 @@ from typing import Callable
 
 import torch
 
-from megamoe.moe.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, amax_rows, compute_scale, dequantize,
+from megamoe.moe.experts.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, amax_rows, compute_scale, dequantize,
                              quantize)
-from megamoe.moe.grouped_mlp import (SlotGroups, grouped_linear, grouped_linear_input_grad,
+from megamoe.moe.experts.grouped_mlp import (SlotGroups, grouped_linear, grouped_linear_input_grad,
                                      grouped_linear_weight_grad)
 from megamoe.transformer.recompute import forward_value, is_recomputing
 

@@ -1,6 +1,6 @@
 """Routed experts holding kept block-FP8 weights, and the ``block`` FP8 recipe that runs them.
 
-Storage (see :mod:`megamoe.quantization.kept_weights`): :class:`~megamoe.moe.experts.GroupedExperts` keeps
+Storage (see :mod:`megamoe.quantization.kept_weights`): :class:`~megamoe.moe.experts.grouped_experts.GroupedExperts` keeps
 its stacked layout, in ``float8_e4m3fn`` (``requires_grad=False``), with the block scales beside it::
 
     w_gate_up            [S, G * F_shard, H]   rows: gate shard, then up shard
@@ -30,7 +30,7 @@ Kernels:
   output is cast to the activations' dtype (as an FP8 kernel writes it).
 - ``scaled_mm`` (``backend="torch"``, CUDA sm90 with cuBLASLt >= 12.9, block 128 x 128): per slot
   ``torch._scaled_mm`` with 1x128 activation and 128x128 weight scales, the weight scales' leading dimension
-  padded to a multiple of 4. Guarded by :func:`megamoe.moe.kernel_probes.block_scaled_mm_problem`; NOT verified
+  padded to a multiple of 4. Guarded by :func:`megamoe.moe.experts.kernel_probes.block_scaled_mm_problem`; NOT verified
   on a GPU here.
 - ``dequantized`` (kept weights without an FP8 recipe): the slot's weights dequantized to the activations'
   dtype, ordinary GEMMs (no activation quantization), like the model's dense linears.
@@ -223,7 +223,7 @@ def block_fp8_grouped_mlp(experts, tokens: torch.Tensor, sizes: list[int], activ
 
 
 def kept_forward(experts, tokens: torch.Tensor, sizes: list[int], activate) -> torch.Tensor:
-    """:class:`~megamoe.moe.experts.GroupedExperts`' forward with kept weights (or the ``block`` recipe):
+    """:class:`~megamoe.moe.experts.grouped_experts.GroupedExperts`' forward with kept weights (or the ``block`` recipe):
     the recipe's kernel for the backend, or dequantized GEMMs without an FP8 recipe."""
     fp8 = experts.config.fp8
     if experts.weight_quantization is None:

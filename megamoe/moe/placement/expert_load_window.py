@@ -1,6 +1,6 @@
 """Per-layer expert loads over a sliding window of steps (training) or forward passes (inference).
 
-The statistics online expert rebalancing (:mod:`megamoe.moe.eplb`) re-places experts from. The window is
+The statistics online expert rebalancing (:mod:`megamoe.moe.placement.eplb`) re-places experts from. The window is
 a fixed-size ring buffer ``[window, layers, num_experts]`` of int64 token counts ON THE DEVICE of the
 model: recording a step is one device copy into the next row, with no collective and no host sync
 (the row index is a host counter). The reduction over ranks happens once per rebalance, by the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.moe.argument_checks import positive_int
+from megamoe.moe.placement.argument_checks import positive_int
 
 __all__ = ["ExpertLoadWindow"]
 

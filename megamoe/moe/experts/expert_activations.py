@@ -1,14 +1,14 @@
 """The activations between the expert GEMMs, by name (``swiglu``, ``gelu``, ``relu``, ``silu``) or as a
-:class:`~megamoe.moe.clamped_swiglu.ClampedSwiGLU` (gpt-oss): the autograd form the reference and FP8
+:class:`~megamoe.moe.experts.clamped_swiglu.ClampedSwiGLU` (gpt-oss): the autograd form the reference and FP8
 paths use, and the forward / hand-written backward of the fused expert MLP
-(:class:`megamoe.moe.experts.GroupedMLPFunction`). Gated activations take the gate half first."""
+(:class:`megamoe.moe.experts.grouped_experts.GroupedMLPFunction`). Gated activations take the gate half first."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from megamoe.moe.clamped_swiglu import ClampedSwiGLU
+from megamoe.moe.experts.clamped_swiglu import ClampedSwiGLU
 
 __all__ = ["activate", "activation_forward", "activation_backward"]
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import comms
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 
 __all__ = ["MigrationPlan", "MigrationStats", "SlotTransfer", "migrate_layer", "plan_migration"]
 

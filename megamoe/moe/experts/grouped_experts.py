@@ -13,7 +13,7 @@ Backends (one interface, see :class:`GroupedExperts`):
 - ``torch``: one fused autograd function for the whole expert MLP: one grouped GEMM per projection
   (gate and up fused), hand-written backward that writes each gradient once, straight into its
   stacked buffer. The grouped GEMM is ``torch._grouped_mm`` for bf16 rows where its kernels exist
-  (:func:`~megamoe.moe.grouped_mlp.grouped_mm_applies`; other dtypes and devices take the per-slot loop
+  (:func:`~megamoe.moe.experts.grouped_mlp.grouped_mm_applies`; other dtypes and devices take the per-slot loop
   below). Under autocast the rows and weights are cast once to the autocast dtype, so that training with
   fp32 parameters and bf16 autocast runs the bf16 grouped GEMMs. On CPU it is
   one ``torch.mm(..., out=slice)`` per slot, each on all threads, the same serial loop as
@@ -25,12 +25,12 @@ Backends (one interface, see :class:`GroupedExperts`):
 - ``te``: TransformerEngine ``GroupedLinear`` (CUDA only; FP8-capable).
 - ``auto``: ``te`` when TransformerEngine and a CUDA device are present, else ``torch``.
 
-FP8 (``ExpertsConfig.fp8``, an :class:`~megamoe.moe.fp8.FP8Config`) applies to a backend: ``te``
+FP8 (``ExpertsConfig.fp8``, an :class:`~megamoe.moe.experts.fp8.FP8Config`) applies to a backend: ``te``
 (``fp8_autocast``), ``torch`` (``torch._scaled_grouped_mm``, sm90+) or ``fp8_emulated``, the CPU
 numerical reference (quantise, dequantise, fp32 GEMMs); ``auto`` picks ``te`` then ``torch`` and
-raises rather than fall back to the emulation. See :mod:`megamoe.moe.fp8_experts`.
+raises rather than fall back to the emulation. See :mod:`megamoe.moe.experts.fp8_experts`.
 
-gpt-oss experts (``ExpertsConfig.bias``, activation ``swiglu_clamped``: :mod:`megamoe.moe.clamped_swiglu`):
+gpt-oss experts (``ExpertsConfig.bias``, activation ``swiglu_clamped``: :mod:`megamoe.moe.experts.clamped_swiglu`):
 biases on both projections, ``b_gate_up`` [S_local, G * F_shard] (sharded with the rows it is added
 to) and ``b_down`` [S_local, H], added before the combine weights as in HF. The down bias is part of
 an output the ETP group sums, so only ETP rank 0 adds it, while every rank's copy gets the full
@@ -39,7 +39,7 @@ gradient (the output gradient is the same on all of them), keeping the copies eq
 
 Kept block-FP8 weights (a checkpoint's e4m3 values and block scales, held as stored; set by
 :meth:`GroupedExperts.keep_block_fp8`) run the ``block`` FP8 recipe on ``fp8_emulated`` or ``torch``, or
-without an FP8 recipe dequantized per slot at run time: :mod:`megamoe.moe.block_fp8_experts`.
+without an FP8 recipe dequantized per slot at run time: :mod:`megamoe.moe.experts.block_fp8_experts`.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ import torch
 from torch import nn
 
 from megamoe.gradients import main_grad
-from megamoe.moe import block_fp8_experts
-from megamoe.moe.clamped_swiglu import ClampedSwiGLU
-from megamoe.moe.expert_activations import activate as _activate
-from megamoe.moe.expert_activations import activation_forward as _activation_forward
-from megamoe.moe.loop_experts import loop_mlp as _loop_mlp
-from megamoe.moe.grouped_mlp import GroupedMLPFunction, SlotGroups, _grouped_mlp, _host_sizes
-from megamoe.moe.kernel_probes import transformer_engine_problem
-from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
+from megamoe.moe.experts import block_fp8_experts
+from megamoe.moe.experts.clamped_swiglu import ClampedSwiGLU
+from megamoe.moe.experts.expert_activations import activate as _activate
+from megamoe.moe.experts.expert_activations import activation_forward as _activation_forward
+from megamoe.moe.experts.loop_experts import loop_mlp as _loop_mlp
+from megamoe.moe.experts.grouped_mlp import GroupedMLPFunction, SlotGroups, _grouped_mlp, _host_sizes
+from megamoe.moe.experts.kernel_probes import transformer_engine_problem
+from megamoe.moe.experts.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.transformer.recompute import checkpointed
 
@@ -82,9 +82,9 @@ class ExpertsConfig:
     backend: str = "auto"         # "auto" | "torch" | "loop" | "te" | "fp8_emulated" (needs fp8)
     etp_size: int = 1
     etp_rank: int = 0
-    fp8: FP8Config | None = None  # FP8 GEMMs on the chosen backend; see megamoe.moe.fp8_experts
+    fp8: FP8Config | None = None  # FP8 GEMMs on the chosen backend; see megamoe.moe.experts.fp8_experts
     bias: bool = False            # biases on gate/up and down (gpt-oss)
-    swiglu_alpha: float = 1.702   # activation "swiglu_clamped" only (megamoe.moe.clamped_swiglu)
+    swiglu_alpha: float = 1.702   # activation "swiglu_clamped" only (megamoe.moe.experts.clamped_swiglu)
     swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
@@ -132,7 +132,7 @@ class ExpertsConfig:
 
 
 def transformer_engine_usable(device: torch.device) -> bool:
-    """TransformerEngine loads (:func:`~megamoe.moe.kernel_probes.transformer_engine_problem`) and ``device``
+    """TransformerEngine loads (:func:`~megamoe.moe.experts.kernel_probes.transformer_engine_problem`) and ``device``
     is a CUDA device."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
@@ -166,7 +166,7 @@ class GroupedExperts(nn.Module):
     through :meth:`load_expert_weights`.
 
     ``fp8_amax_reduction``: the ETP and ETP x expert-DP groups over which the FP8 paths reduce amaxes
-    (:class:`megamoe.moe.fp8.FP8AmaxReduction`); the MoE layer passes its own groups.
+    (:class:`megamoe.moe.experts.fp8.FP8AmaxReduction`); the MoE layer passes its own groups.
 
     ``recompute_activation`` (selective ``moe_act``, set by the decoder layer; see
     :mod:`megamoe.transformer.recompute`): the activation between the two GEMMs keeps nothing for
@@ -321,7 +321,7 @@ class GroupedExperts(nn.Module):
         # FP8 first, rows or none: TE reduces amaxes over the slot group inside fp8_autocast, a collective
         # every rank of the group must join (te_fp8_grouped_mlp runs a rank without rows on zero rows).
         if self._te_fp8_recipe is not None:
-            from megamoe.moe.fp8_experts import te_fp8_grouped_mlp  # imports this module
+            from megamoe.moe.experts.fp8_experts import te_fp8_grouped_mlp  # imports this module
             return te_fp8_grouped_mlp(self.te_gate_up, self.te_down, tokens_sorted, tokens_per_slot,
                                       self._activate, self._te_fp8_recipe, self.fp8_amax_reduction.slot_group)
         sizes = _host_sizes(tokens_per_slot, tokens_sorted.shape[0])
@@ -333,7 +333,7 @@ class GroupedExperts(nn.Module):
         return self.te_down(self._activate(hidden), sizes)
 
     def _forward_fp8(self, tokens_sorted: torch.Tensor, tokens_per_slot: torch.Tensor) -> torch.Tensor:
-        from megamoe.moe.fp8_experts import fp8_grouped_mlp  # imports this module
+        from megamoe.moe.experts.fp8_experts import fp8_grouped_mlp  # imports this module
         kernel = "scaled_grouped_mm" if self.backend == "torch" else "emulated"
         return fp8_grouped_mlp(tokens_sorted, self.w_gate_up, self.w_down, tokens_per_slot, self._activate,
                                self.config.fp8, self.fp8_state, kernel=kernel, reduction=self.fp8_amax_reduction)
@@ -360,7 +360,7 @@ class GroupedExperts(nn.Module):
         ``param[index]`` is the slot's tensor, and so is ``state[index]`` for any tensor shaped like
         ``param`` (its gradient, its optimizer moments). Stacked backends: ``(w_gate_up, s)``,
         ``(w_down, s)``; ``te``: the slot's own ``weight{s}`` parameters with ``slice(None)``. Layout
-        agnostic: what :func:`megamoe.moe.expert_migration.migrate_layer` moves. Kept block-FP8 weights add
+        agnostic: what :func:`megamoe.moe.placement.expert_migration.migrate_layer` moves. Kept block-FP8 weights add
         ``(w_gate_up_scale_inv, s)``, ``(w_down_scale_inv, s)``: the scales move with the weights."""
         scales = () if self.weight_quantization is None else ((self.w_gate_up_scale_inv, local_slot),
                                                               (self.w_down_scale_inv, local_slot))

@@ -1,4 +1,4 @@
-"""Command-line flags of online expert rebalancing (:mod:`megamoe.moe.eplb`), shared by the training and
+"""Command-line flags of online expert rebalancing (:mod:`megamoe.moe.placement.eplb`), shared by the training and
 generation scripts::
 
     add_eplb_arguments(parser, unit="steps")
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from megamoe.launch import UsageError
-from megamoe.moe.eplb import EPLBConfig
+from megamoe.moe.placement.eplb import EPLBConfig
 
 __all__ = ["add_eplb_arguments", "eplb_config_from_args"]
 

@@ -1,6 +1,6 @@
 """Placement policies: which expert each slot holds, chosen from per-expert loads.
 
-The balanced policy behind :meth:`megamoe.moe.expert_slots.ExpertPlacement.balanced` (which validates its
+The balanced policy behind :meth:`megamoe.moe.placement.expert_slots.ExpertPlacement.balanced` (which validates its
 arguments and keeps the default layout when that is better): replica counts, then packing replicas onto
 EP ranks, optionally inside nodes holding whole expert groups (DeepSeek EPLB's hierarchical policy).
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 def balanced_slot_to_expert(loads: list[float], num_slots: int, ep_size: int, num_groups: int,
                             num_nodes: int) -> list[int]:
-    """The slot -> expert table of steps 1-2 of :meth:`~megamoe.moe.expert_slots.ExpertPlacement.balanced`
+    """The slot -> expert table of steps 1-2 of :meth:`~megamoe.moe.placement.expert_slots.ExpertPlacement.balanced`
     for ``loads`` (one per expert); the arguments are already validated there."""
     num_experts = len(loads)
     experts_per_group = num_experts // num_groups

@@ -1,5 +1,5 @@
 """The fused ``torch`` expert backend: grouped GEMMs over the local slots and one autograd function for
-the whole expert MLP (see :mod:`megamoe.moe.experts` for the backends and the layout).
+the whole expert MLP (see :mod:`megamoe.moe.experts.grouped_experts` for the backends and the layout).
 
 ``SlotGroups`` says which rows belong to which slot; ``grouped_linear`` and its two gradients are the
 grouped GEMMs (``torch._grouped_mm`` where its kernels apply, else one GEMM per slot);
@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 
 from megamoe.host_values import even_split, host_ints
-from megamoe.moe.expert_activations import activation_backward as _activation_backward
-from megamoe.moe.expert_activations import activation_forward as _activation_forward
-from megamoe.moe.kernel_probes import grouped_mm_problem, log_fallback
+from megamoe.moe.experts.expert_activations import activation_backward as _activation_backward
+from megamoe.moe.experts.expert_activations import activation_forward as _activation_forward
+from megamoe.moe.experts.kernel_probes import grouped_mm_problem, log_fallback
 
 __all__ = ["SlotGroups", "GroupedMLPFunction", "grouped_linear", "grouped_linear_input_grad",
            "grouped_linear_weight_grad", "grouped_mm_applies"]
@@ -72,7 +72,7 @@ class SlotGroups:
 def grouped_mm_applies(device: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether the grouped GEMMs of rows of ``dtype`` on ``device`` go to ``torch._grouped_mm``: not on CPU (the
     per-slot loop is as fast there), not for other dtypes (its kernels and meta checks take bf16), not where it
-    cannot run (:func:`~megamoe.moe.kernel_probes.grouped_mm_problem`; the meta device stands in for a GPU).
+    cannot run (:func:`~megamoe.moe.experts.kernel_probes.grouped_mm_problem`; the meta device stands in for a GPU).
     Everywhere else the per-slot ``torch.mm`` loop runs, which is correct on any device."""
     if device.type == "cpu" or dtype != torch.bfloat16:
         return False
