@@ -12,7 +12,7 @@ setup(
         "sentencepiece>=0.2",
         "tqdm>=4.60",
         "numpy>=1.22",
-        "xxhash>=3.0",      # checkpoint file checksums (checkpoint_tools.checksums)
+        "xxhash>=3.0",      # checkpoint file checksums (megamoe.checkpoint.checksums)
     ],
     entry_points={"console_scripts": [
         "megamoe-convert = checkpoint_tools.cli:main",

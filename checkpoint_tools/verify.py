@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.format import read_manifest
-from checkpoint_tools.layout import ParallelLayout
-from checkpoint_tools.model_manifest import check_model_manifest
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.format import read_manifest
+from megamoe.checkpoint.layout import ParallelLayout
+from megamoe.checkpoint.model_manifest import check_model_manifest
 
 __all__ = ["VerifyResult", "verify_against_hf", "rank_logits", "compare_logits"]
 
@@ -58,7 +58,7 @@ def rank_logits(rank: int, world_size: int, checkpoint: str, layout: dict, input
     verifying the checkpoint's files (each is hashed by one rank) unless ``verify_checksums=False``."""
     import torch.distributed as dist
 
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from megamoe.inference.pipeline_forward import pipeline_logits
     from parallel_state import destroy_model_parallel, initialize_model_parallel
 

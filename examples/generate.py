@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import read_manifest
-from checkpoint_tools.manifest_fields import HF_FILES_DIR
-from checkpoint_tools.model_loading import build_model_from_checkpoint, config_for_engine
-from checkpoint_tools.model_manifest import check_model_manifest
+from megamoe.checkpoint.format import read_manifest
+from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint, config_for_engine
+from megamoe.checkpoint.model_manifest import check_model_manifest
 from megamoe import comms
 from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
 from megamoe.data.tokenizer import Tokenizer

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import CheckpointError, read_manifest
-from checkpoint_tools.placements import build_placements
+from megamoe.checkpoint.format import CheckpointError, read_manifest
+from megamoe.checkpoint.placements import build_placements
 from megamoe import comms
 from megamoe.after_torchrun import note_newest_checkpoint
 from megamoe.data.corpus import stdlib_corpus_files

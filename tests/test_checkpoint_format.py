@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import checkpoint_tools.checkpoint_load as checkpoint_load
-import checkpoint_tools.chunk_regions as chunk_regions
-import checkpoint_tools.format as fmt
-from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
+import megamoe.checkpoint.load as checkpoint_load
+import megamoe.checkpoint.chunk_regions as chunk_regions
+import megamoe.checkpoint.format as fmt
+from megamoe.checkpoint.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
                                      read_manifest, save_checkpoint, verify_checkpoint)
-from checkpoint_tools.manifest_digest import DIGEST_FIELD, seal
+from megamoe.checkpoint.manifest_digest import DIGEST_FIELD, seal
 from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materialize_optimizer_state,
                                       optimizer_chunks, sharded_state_dict)
 from megamoe.sharding import get_shard_spec

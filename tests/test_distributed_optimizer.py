@@ -272,7 +272,7 @@ def _single_process_trainer(**kwargs):
 @pytest.mark.slow
 def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     from checkpoint_tools.inspection import inspect_checkpoint
-    from checkpoint_tools.layout import ParallelLayout
+    from megamoe.checkpoint.layout import ParallelLayout
     from checkpoint_tools.reshard import reshard
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     plain_ckpt, dist_ckpt = str(tmp_path / "plain"), str(tmp_path / "dist")

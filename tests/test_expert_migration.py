@@ -146,8 +146,8 @@ def _check_layout(state, old_table, new_table, want_remote, want_local):
 def _checkpoint_after_migration(root):
     """EP 2: a trainer migrated after 2 steps saves what a never-migrated one saves, with the new
     placement; the checkpoint loads under EP 4 with 2E slots."""
-    from checkpoint_tools.checkpoint_load import iter_logical_tensors
-    from checkpoint_tools.format import read_manifest
+    from megamoe.checkpoint.load import iter_logical_tensors
+    from megamoe.checkpoint.format import read_manifest
     from checkpointed_training import build_sampler, build_trainer, dataset, train_steps
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint_tools.adapters import adapter_for
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.layout import ParallelLayout
-from checkpoint_tools.layout_plan import plan_layout
+from megamoe.hf.adapters import adapter_for
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.layout import ParallelLayout
+from megamoe.checkpoint.layout_plan import plan_layout
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
@@ -165,8 +165,8 @@ def test_kept_model_matches_block_fp8_reference(family, scale_fmt):
 def test_kept_model_checkpoint_round_trip(tmp_path):
     """A megamoe checkpoint of a kept model stores the e4m3 weights and scales as logical tensors; a fresh
     kept model (another slot count) loads the same bytes back."""
-    from checkpoint_tools.checkpoint_load import load_checkpoint
-    from checkpoint_tools.checkpoint_save import save_checkpoint
+    from megamoe.checkpoint.load import load_checkpoint
+    from megamoe.checkpoint.save import save_checkpoint
     from megamoe.checkpoint_state import sharded_state_dict
 
     config, kept, _, _ = kept_case("deepseek_v3")

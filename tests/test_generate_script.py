@@ -24,8 +24,8 @@ import sys
 import pytest
 import torch
 
-from checkpoint_tools.format import save_checkpoint
-from checkpoint_tools.model_loading import build_model_from_checkpoint
+from megamoe.checkpoint.format import save_checkpoint
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.generation import GenerationConfig, GenerationOutput, generate
 from megamoe.models import GPTMoEModel

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.adapters import AdapterError, adapter_for
+from megamoe.hf.adapters import AdapterError, adapter_for
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state

@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.adapters import adapter_for
-from checkpoint_tools.format import save_checkpoint
-from checkpoint_tools.model_loading import build_model_from_checkpoint
+from megamoe.hf.adapters import adapter_for
+from megamoe.checkpoint.format import save_checkpoint
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint
 from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
@@ -483,9 +483,9 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    from checkpoint_tools.format import read_manifest
-    from checkpoint_tools.import_hf import import_hf
-    from checkpoint_tools.layout import ParallelLayout
+    from megamoe.checkpoint.format import read_manifest
+    from megamoe.hf.import_hf import import_hf
+    from megamoe.checkpoint.layout import ParallelLayout
 
     family = "qwen3_moe"
     hf, config = hf_model(family)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from checkpoint_tools.format import read_manifest
+from megamoe.checkpoint.format import read_manifest
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEModel, LayerSpec
 from megamoe.moe.moe_layer import MoELayer

@@ -257,7 +257,7 @@ def test_config_defaults_round_trip_and_resume_with_another_choice():
     with pytest.raises(ValueError, match="recompute"):
         GPTMoEConfig.from_dict({**config.to_dict(), "recompute": {"granularity": "full", "layers": 1}})
     # Export to HF compares the model's fields with the HF config's: recomputation is not one of them.
-    from checkpoint_tools.export_hf import _model_fields
+    from megamoe.hf.export_hf import _model_fields
     assert _model_fields(config) == _model_fields(dataclasses.replace(config, recompute=NONE))
 
 

@@ -277,7 +277,7 @@ def test_config_round_trip_and_validation():
         dataclasses.replace(cfg, sequence_parallel="yes")
     from megamoe.training.checkpoint import _ENGINE_FIELDS
     assert "sequence_parallel" in _ENGINE_FIELDS
-    from checkpoint_tools.model_loading import config_for_engine     # generation loads checkpoints without SP
+    from megamoe.checkpoint.model_loading import config_for_engine     # generation loads checkpoints without SP
     assert config_for_engine(cfg, sequence_parallel=False).sequence_parallel is False
     assert config_for_engine(cfg).sequence_parallel is True
 

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 
-from checkpoint_tools.errors import CheckpointError
+from megamoe.checkpoint.errors import CheckpointError
 from megamoe import comms
 
 __all__ = ["LOCK_FILE", "SaveDirLock", "SaveDirBusyError", "lock_save_dir"]
