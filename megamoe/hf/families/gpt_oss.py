@@ -1,4 +1,4 @@
-"""gpt-oss's routed experts in HF form (see :mod:`megamoe.hf.adapters` for the layouts): the fused,
+"""gpt-oss's routed experts in HF form (see :mod:`megamoe.hf.adapter` for the layouts): the fused,
 gate/up-interleaved, biased tensors of both HF forms, and the import-only MXFP4 form of the releases."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ from typing import Iterator
 
 import torch
 
-from megamoe.hf.adapters import LOGICAL_EXPERT_KEYS, AdapterError, KeyTransform, Tensors
+from megamoe.hf.adapter import (DENSE_MLP_KEYS, GQA_LAYER_KEYS, LOGICAL_EXPERT_KEYS, STANDARD_EXPERTS, AdapterError,
+                                HFAdapter, KeyTransform, Rename, Tensors)
 from megamoe.models.config import GPTMoEConfig
 from megamoe.quantization.mxfp4 import dequantize_mxfp4, mxfp4_shapes
 
-__all__ = ["expert_steps", "mxfp4_steps", "LOGICAL_EXPERT_BIAS_KEYS"]
+__all__ = ["ADAPTER", "expert_steps", "mxfp4_steps", "LOGICAL_EXPERT_BIAS_KEYS"]
 
 _GPT_OSS = "model.layers.{i}.mlp.experts."          # HF; logical names as in LOGICAL_EXPERT_KEYS
 LOGICAL_EXPERT_BIAS_KEYS = ("layers.{i}.mlp.experts.{e}.gate_proj.bias", "layers.{i}.mlp.experts.{e}.up_proj.bias",
@@ -106,3 +107,13 @@ def mxfp4_steps(config: GPTMoEConfig, layer: int) -> list[KeyTransform]:
         KeyTransform((prefix + "down_proj_blocks", prefix + "down_proj_scales"), down_shapes, tuple(down),
                      ((H, F),) * E, split_down, _import_only, what="dequantize the MXFP4 down_proj"),
     ]
+
+
+ADAPTER = HFAdapter(
+    "gpt_oss", GQA_LAYER_KEYS + (Rename("model.layers.{i}.self_attn.sinks", "layers.{i}.self_attn.sinks",
+                                        lambda c: (c.attention.num_attention_heads,)),),
+    DENSE_MLP_KEYS,
+    moe_keys=(Rename("model.layers.{i}.mlp.router.weight", "layers.{i}.mlp.router.weight",
+                     lambda c: (c.moe.num_experts, c.hidden_size)),
+              Rename("model.layers.{i}.mlp.router.bias", "layers.{i}.mlp.router.bias", lambda c: (c.moe.num_experts,))),
+    experts=STANDARD_EXPERTS, expert_steps=expert_steps, import_only_steps=mxfp4_steps)
