@@ -28,6 +28,8 @@ setup(
             "accelerate>=1.0",
             "pyarrow>=14",
             "tensorboard>=2.10",
+            # the import layers in .importlinter, checked by tests/test_import_contracts.py
+            "import-linter>=2.1",
         ],
         # Parquet input for `megamoe-preprocess` (megamoe.data.documents).
         "data": ["pyarrow>=14"],
