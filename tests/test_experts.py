@@ -341,7 +341,8 @@ def test_autocast_training_runs_the_expert_gemms_in_bf16_through_grouped_mm(monk
     module = GroupedExperts(ExpertsConfig(5, hidden, 8, backend="torch"))
     reference = module(tokens, counts)
 
-    monkeypatch.setattr("megamoe.moe.experts.grouped_mlp.grouped_mm_applies", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr("megamoe.moe.experts.grouped_mlp.grouped_mm_applies",
+                        lambda device, dtype: dtype == torch.bfloat16)
     out, dx, calls = _training_forward_backward(module, tokens, counts)
     assert out.dtype == torch.bfloat16 and dx.dtype == torch.float32
     assert module.w_gate_up.grad.dtype == torch.float32

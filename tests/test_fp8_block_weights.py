@@ -1,5 +1,6 @@
 """Kept block-FP8 weights: the model holds a block-FP8 checkpoint's e4m3 weights and block scales as stored
-and runs them (``GPTMoEConfig.weight_quantization``; megamoe.quantization.kept_weights, megamoe.moe.experts.block_fp8_experts).
+and runs them (``GPTMoEConfig.weight_quantization``; megamoe.quantization.kept_weights,
+megamoe.moe.experts.block_fp8_experts).
 
 The checkpoints are built here: the tiny HF models of test_hf_families (DeepSeek-V3: MLA, shared experts, a
 dense first layer; Qwen3-MoE: GQA, qk-norm, tied embeddings) quantized into DeepSeek's layout with small blocks

@@ -20,8 +20,9 @@ __all__ = ["keep_block_fp8_weights"]
 @torch.no_grad()
 def keep_block_fp8_weights(module: nn.Module, prefix: str, config: BlockFP8Config) -> None:
     """Make every weight of ``module`` whose logical name (``prefix`` + its qualified name) ``config``
-    quantizes a kept block-FP8 weight (see :mod:`megamoe.quantization.kept_weights`), in place. The routed experts of a MoE
-    layer convert themselves (``keep_block_fp8``: stacked per-slot weights with per-expert logical names)."""
+    quantizes a kept block-FP8 weight (see :mod:`megamoe.quantization.kept_weights`), in place. The routed
+    experts of a MoE layer convert themselves (``keep_block_fp8``: stacked per-slot weights with per-expert
+    logical names)."""
     for module_name, owner in module.named_modules():
         if isinstance(owner, MoELayer):
             keep = getattr(owner.experts, "keep_block_fp8", None)

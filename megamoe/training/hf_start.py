@@ -154,7 +154,8 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
     ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
     overwrites every weight); such a run passes the checkpoint's ``saved_placements`` ({layer id:
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
-    (:func:`megamoe.checkpoint.placements.build_placements`). Every rank must call it (no collective is used: each reads its own part).
+    (:func:`megamoe.checkpoint.placements.build_placements`). Every rank must call it (no collective is used:
+    each reads its own part).
     Raises :class:`ConversionError` (a ValueError) for a directory, config, weights, slot count or
     expert-load file that cannot be used, and for weights holding NaN or Inf unless ``allow_non_finite``
     (each rank scans the tensors it reads: :func:`load_hf_weights`).

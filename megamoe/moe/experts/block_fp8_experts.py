@@ -1,7 +1,7 @@
 """Routed experts holding kept block-FP8 weights, and the ``block`` FP8 recipe that runs them.
 
-Storage (see :mod:`megamoe.quantization.kept_weights`): :class:`~megamoe.moe.experts.grouped_experts.GroupedExperts` keeps
-its stacked layout, in ``float8_e4m3fn`` (``requires_grad=False``), with the block scales beside it::
+Storage (see :mod:`megamoe.quantization.kept_weights`): :class:`~megamoe.moe.experts.grouped_experts.GroupedExperts`
+keeps its stacked layout, in ``float8_e4m3fn`` (``requires_grad=False``), with the block scales beside it::
 
     w_gate_up            [S, G * F_shard, H]   rows: gate shard, then up shard
     w_gate_up_scale_inv  [S, G * ceil(F_shard / bo), ceil(H / bi)]   gate's scale rows, then up's
@@ -223,8 +223,8 @@ def block_fp8_grouped_mlp(experts, tokens: torch.Tensor, sizes: list[int], activ
 
 
 def kept_forward(experts, tokens: torch.Tensor, sizes: list[int], activate) -> torch.Tensor:
-    """:class:`~megamoe.moe.experts.grouped_experts.GroupedExperts`' forward with kept weights (or the ``block`` recipe):
-    the recipe's kernel for the backend, or dequantized GEMMs without an FP8 recipe."""
+    """:class:`~megamoe.moe.experts.grouped_experts.GroupedExperts`' forward with kept weights (or the
+    ``block`` recipe): the recipe's kernel for the backend, or dequantized GEMMs without an FP8 recipe."""
     fp8 = experts.config.fp8
     if experts.weight_quantization is None:
         raise ValueError("FP8Config.recipe='block' uses the block scales of kept block-FP8 weights, but these "

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megamoe.moe.placement.argument_checks import hierarchy, positive_int, validated_load
-from megamoe.moe.placement.expert_load_file import EXPERT_LOAD_FORMAT, EXPERT_LOAD_VERSION, load_expert_load, save_expert_load
+from megamoe.moe.placement.expert_load_file import (EXPERT_LOAD_FORMAT, EXPERT_LOAD_VERSION, load_expert_load,
+                                                    save_expert_load)
 from megamoe.moe.placement.placement_policy import balanced_slot_to_expert
 
 __all__ = [
