@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 from common import argument_parser, write_results  # sibling module
-from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.experts.fp8 import FP8Config, compute_scale, quantize
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 
 FULL = dict(T=16384, H=7168, F=2048, E=256, K=8, E_local=32)
 QUICK = dict(T=4096, H=7168, F=2048, E=256, K=8, E_local=32)

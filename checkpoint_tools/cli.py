@@ -19,10 +19,10 @@ import logging
 import re
 import sys
 
-from megamoe.hf.adapters import AdapterError
 from megamoe.checkpoint.errors import ConversionError
 from megamoe.checkpoint.finite_values import ALLOW_FLAG
 from megamoe.checkpoint.format import CheckpointError
+from megamoe.hf.adapters import AdapterError
 from megamoe.hf.target_dtype import TARGET_DTYPES
 from megamoe.launch import HelpFormatter, add_no_verify_checksums_argument
 

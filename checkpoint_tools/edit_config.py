@@ -15,12 +15,12 @@ import json
 import os
 from typing import Any
 
-from megamoe.checkpoint.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest, resolve_checkpoint
-from megamoe.checkpoint.save import fsync_dir
+from megamoe.atomic_file import atomic_write
 from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest, resolve_checkpoint
 from megamoe.checkpoint.manifest_digest import manifest_text
 from megamoe.checkpoint.model_manifest import check_model_manifest
-from megamoe.atomic_file import atomic_write
+from megamoe.checkpoint.save import fsync_dir
 
 __all__ = ["parse_assignment", "edit_config"]
 

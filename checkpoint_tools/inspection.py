@@ -13,12 +13,12 @@ import os
 from collections import defaultdict
 
 
-from megamoe.checkpoint.load import verify_checkpoint
-from megamoe.checkpoint.manifest import _DTYPES, read_manifest, stored_entries
-from megamoe.checkpoint.errors import CheckpointError
 from checkpoint_tools.fp8_inspection import format_fp8, fp8_summary
+from megamoe.checkpoint.errors import CheckpointError
 from megamoe.checkpoint.integrity import check_stored_file
+from megamoe.checkpoint.load import verify_checkpoint
 from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.manifest import _DTYPES, read_manifest, stored_entries
 from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, placements_from_manifest
 from megamoe.checkpoint.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
 from megamoe.checkpoint.safetensors_stream import SAFETENSORS_DTYPES, read_data_extents

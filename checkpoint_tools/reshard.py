@@ -16,20 +16,20 @@ import os
 
 from tqdm import tqdm
 
-from megamoe.checkpoint.load import load_rank_state
-from megamoe.checkpoint.manifest import _DTYPES, MANIFEST_FILE, read_manifest
-from megamoe.checkpoint.stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from megamoe.checkpoint.errors import ConversionError
-from megamoe.hf.hf_sizes import check_layout_sizes
 from megamoe.checkpoint.layout import ParallelLayout
 from megamoe.checkpoint.layout_plan import LayoutPlan, plan_layout
+from megamoe.checkpoint.load import load_rank_state
 from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.manifest import _DTYPES, MANIFEST_FILE, read_manifest
 from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, manifest_fields, placements_from_manifest
-from megamoe.checkpoint.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
 from megamoe.checkpoint.model_loading import config_for_engine
+from megamoe.checkpoint.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
 from megamoe.checkpoint.output_dir import OutputDirectory
 from megamoe.checkpoint.placements import build_placements
 from megamoe.checkpoint.side_files import copy_side_files
+from megamoe.checkpoint.stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
+from megamoe.hf.hf_sizes import check_layout_sizes
 
 __all__ = ["reshard", "OPTIMIZER_PREFIX"]
 

@@ -42,19 +42,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megamoe import comms
+from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
 from megamoe.checkpoint.format import read_manifest
 from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
 from megamoe.checkpoint.model_loading import build_model_from_checkpoint, config_for_engine
 from megamoe.checkpoint.model_manifest import check_model_manifest
-from megamoe import comms
-from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, check_generation_request, generate
 from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, UsageError, add_launch_arguments, add_no_verify_checksums_argument,
-                           init_distributed, launch_rank, launch_world_size, resolve_device, run_script)
+                            init_distributed, launch_rank, launch_world_size, resolve_device, run_script)
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp

@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamoe.checkpoint.format import CheckpointError, read_manifest
-from megamoe.checkpoint.placements import build_placements
 from megamoe import comms
 from megamoe.after_torchrun import note_newest_checkpoint
+from megamoe.checkpoint.format import CheckpointError, read_manifest
+from megamoe.checkpoint.placements import build_placements
 from megamoe.data.corpus import stdlib_corpus_files
 from megamoe.data.data_arguments import (add_data_arguments, check_data_arguments, data_vocab_size, on_rank_0,
                                          prepare_training_data)
@@ -51,13 +51,13 @@ from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.launch import (HelpFormatter, ScriptArgumentParser, UsageError, add_device_argument,
-                           add_launch_arguments, add_no_verify_checksums_argument, default_autocast, init_distributed,
-                           launch_world_size, resolve_device, run_script)
+                            add_launch_arguments, add_no_verify_checksums_argument, default_autocast, init_distributed,
+                            launch_world_size, resolve_device, run_script)
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
-from megamoe.moe.placement.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.placement.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.pipeline import describe_pipeline_schedule
@@ -69,20 +69,20 @@ from megamoe.training.checkpoint import (HFProvenance, checkpoint_path, checkpoi
                                          resolve_resume_checkpoint, save_training_checkpoint,
                                          verify_resume_checkpoint)
 from megamoe.training.checkpoint_health import Health, HealthMonitor
+from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.grad_sync import global_param_norm
 from megamoe.training.hf_export import (export_final_checkpoint, provenance_for_export, tokenizer_side_files,
                                         with_tokenizer)
-from megamoe.training.non_finite import NonFiniteTrainingError
-from megamoe.training.save_dir_lock import lock_save_dir
 from megamoe.training.hf_start import hf_start_config, start_from_hf
-from megamoe.training.model_config_file import read_model_config_file
-from megamoe.training.evaluation import evaluate_loss
+from megamoe.training.memory_estimate import estimate_memory, model_parameter_counts
 from megamoe.training.metric_sinks import step_record
 from megamoe.training.metrics_arguments import (add_metrics_arguments, check_metrics_arguments,
                                                 metric_sinks_from_arguments)
-from megamoe.training.memory_estimate import estimate_memory, model_parameter_counts
 from megamoe.training.mfu import resolve_peak_tflops
+from megamoe.training.model_config_file import read_model_config_file
+from megamoe.training.non_finite import NonFiniteTrainingError
 from megamoe.training.optim_arguments import add_optim_arguments, param_dtype, train_config_kwargs
+from megamoe.training.save_dir_lock import lock_save_dir
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig
 from megamoe.transformer.mla import MLAConfig

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megamoe.checkpoint import checksums, integrity
 from checkpoint_tools.cli import build_parser
+from megamoe.checkpoint import checksums, integrity
 from megamoe.checkpoint.errors import CheckpointError, ConversionError
 from megamoe.checkpoint.format import (MANIFEST_FILE, iter_logical_tensors, load_checkpoint, load_rank_state,
-                                     read_manifest)
+                                       read_manifest)
 from megamoe.checkpoint.logical_reader import LogicalTensorReader
 from megamoe.checkpoint.manifest_digest import seal
 from megamoe.checkpoint.model_loading import build_model_from_checkpoint

@@ -15,11 +15,11 @@ from torch import nn
 
 from megamoe import comms
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.placement.eplb import EPLBConfig
 from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.placement.eplb import EPLBConfig
 from megamoe.moe.router import RouterConfig
-from megamoe.tensor_parallel import initialize_parameters
 from megamoe.spawned_ranks import run_on_ranks
+from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig

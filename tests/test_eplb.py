@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEConfig, GPTMoEModel
+from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.placement.eplb import EPLBConfig, PlacementDivergenceError
 from megamoe.moe.placement.expert_load_window import ExpertLoadWindow
-from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
-from megamoe.tensor_parallel import initialize_parameters
 from megamoe.spawned_ranks import run_on_ranks
+from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig
 

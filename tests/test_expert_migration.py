@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from megamoe import comms
-from megamoe.moe.placement.expert_migration import MigrationStats, migrate_layer, plan_migration
-from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.experts.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig, MoELayer
+from megamoe.moe.placement.expert_migration import MigrationStats, migrate_layer, plan_migration
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.router import RouterConfig
 from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.grad_sync import GradientSync

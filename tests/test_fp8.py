@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.experts.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, compute_scale, dequantize, fp8_max,
-                             quantize, resolve_fp8_backend)
+                                     quantize, resolve_fp8_backend)
 from megamoe.moe.experts.fp8_experts import FP8GroupedLinearFunction, PaddedRows, fp8_grouped_mlp
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 H, FFN, SLOTS = 64, 96, 4

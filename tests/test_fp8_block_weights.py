@@ -22,18 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megamoe.hf.adapters import adapter_for
 from megamoe.checkpoint.errors import ConversionError
 from megamoe.checkpoint.layout import ParallelLayout
 from megamoe.checkpoint.layout_plan import plan_layout
+from megamoe.hf.adapters import adapter_for
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
-from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.experts.fp8 import FP8Config, resolve_fp8_backend
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.quantization.block_fp8 import BlockFP8Config, dequantize_block_fp8, quantize_block_fp8, scale_inv_name
-from megamoe.tensor_parallel import initialize_parameters
 from megamoe.spawned_ranks import run_on_ranks
+from megamoe.tensor_parallel import initialize_parameters
 from parallel_state import ParallelState
 from test_hf_families import _ids, _stage_logits, hf_model
 

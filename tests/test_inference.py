@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.hf.adapters import adapter_for
+from megamoe import comms
 from megamoe.checkpoint.format import save_checkpoint
 from megamoe.checkpoint.model_loading import build_model_from_checkpoint
-from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
+from megamoe.hf.adapters import adapter_for
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch, max_sequence_length
 from megamoe.inference.generation_memory import estimate_generation_memory

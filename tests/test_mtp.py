@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from megamoe.hf.adapters import AdapterError, adapter_for
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.data.packing import MicroBatch
+from megamoe.hf.adapters import AdapterError, adapter_for
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.models.mtp import mtp_targets, shift_left

@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 
 from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import (
-    GROUP_KINDS,
-    GroupInfo,
-    ParallelState,
-    compute_rank_groups,
-    destroy_model_parallel,
-    get_parallel_state,
-    initialize_model_parallel,
-)
+                            GROUP_KINDS,
+                            GroupInfo,
+                            ParallelState,
+                            compute_rank_groups,
+                            destroy_model_parallel,
+                            get_parallel_state,
+                            initialize_model_parallel,
+                            )
 from parallel_state.state import _backend_needs_cpu_twin
 
 TOKENS = ("tp", "cp", "ep", "dp", "pp")

@@ -19,8 +19,8 @@ from megamoe.moe.experts.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
-from megamoe.tensor_parallel import initialize_parameters
 from megamoe.spawned_ranks import run_on_ranks
+from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.checkpoint import _config_differences
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLAConfig, MLPConfig, RopeConfig

@@ -19,8 +19,8 @@ from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
-from megamoe.tensor_parallel import initialize_parameters
 from megamoe.spawned_ranks import run_on_ranks
+from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.grad_sync import GradientSync
 from megamoe.transformer import AttentionConfig, RopeConfig
 from megamoe.transformer.mla import MLAConfig

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megamoe.checkpoint import checksums, integrity
 from megamoe.checkpoint.format import CheckpointError, read_manifest, save_checkpoint
 from checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps
-from megamoe.launch import run_script
 from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
+from megamoe.launch import run_script
 from megamoe.models import GPTMoEConfig
 from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.spawned_ranks import run_on_ranks

@@ -31,9 +31,9 @@ from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.sharding import ShardSpec, get_shard_spec
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
-from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.grad_sync import GradientSync
 from megamoe.training.memory_estimate import stage_parameters
 from megamoe.transformer import AttentionConfig, RopeConfig

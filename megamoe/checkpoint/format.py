@@ -77,17 +77,17 @@ every rank's files), this assumes all ranks see one shared filesystem.
 # The format's parts live in their own modules, one concept each: checkpoint_manifest (constants, dtype table,
 # reading a manifest), chunk_regions (regions and the tiling check), checkpoint_save and checkpoint_load. This
 # module documents the format and re-exports their API.
-from megamoe.checkpoint.load import (iter_logical_tensors, load_checkpoint, load_rank_state, planned_files,
-                                              verify_checkpoint)
-from megamoe.checkpoint.manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS, MANIFEST_FILE,
-                                                  read_manifest, resolve_checkpoint)
-from megamoe.checkpoint.save import DEFAULT_MAX_FILE_BYTES, fsync_dir, save_checkpoint
 from megamoe.checkpoint.errors import CheckpointError
 from megamoe.checkpoint.integrity import check_stored_file
+from megamoe.checkpoint.load import (iter_logical_tensors, load_checkpoint, load_rank_state, planned_files,
+                                     verify_checkpoint)
+from megamoe.checkpoint.manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS, MANIFEST_FILE,
+                                         read_manifest, resolve_checkpoint)
+from megamoe.checkpoint.save import DEFAULT_MAX_FILE_BYTES, fsync_dir, save_checkpoint
 
 # Private names code outside this package may still import from here (they were defined here before the split).
-from megamoe.checkpoint.manifest import _DTYPES  # noqa: F401
 from megamoe.checkpoint.chunk_regions import _check_tiling  # noqa: F401
+from megamoe.checkpoint.manifest import _DTYPES  # noqa: F401
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_FILE", "MANIFEST_FIELDS", "DEFAULT_MAX_FILE_BYTES",

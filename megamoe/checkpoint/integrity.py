@@ -32,9 +32,9 @@ import logging
 import os
 from typing import Iterable
 
+from megamoe import comms
 from megamoe.checkpoint import checksums
 from megamoe.checkpoint.errors import CheckpointError
-from megamoe import comms
 
 __all__ = ["check_stored_file", "verified_path", "hash_and_check", "verify_files", "forget_verified"]
 

@@ -38,8 +38,8 @@ from megamoe.checkpoint.errors import ConversionError
 from megamoe.checkpoint.layout import ParallelLayout
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
-from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from parallel_state import GROUP_KINDS, GroupInfo, ParallelState, compute_rank_groups
 
 __all__ = ["TensorChunks", "LayoutPlan", "plan_layout", "plan_grid"]

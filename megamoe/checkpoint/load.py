@@ -16,9 +16,9 @@ from safetensors import safe_open
 from torch.distributed import ProcessGroup
 
 from megamoe.checkpoint import integrity
-from megamoe.checkpoint.manifest import _DTYPES, _read_manifest_at, resolve_checkpoint, stored_entries
 from megamoe.checkpoint.chunk_regions import Region, _intersection, _slices
 from megamoe.checkpoint.errors import CheckpointError
+from megamoe.checkpoint.manifest import _DTYPES, _read_manifest_at, resolve_checkpoint, stored_entries
 from megamoe.checkpoint.safetensors_stream import SAFETENSORS_DTYPES
 from megamoe.checkpoint_state import LogicalChunk
 

@@ -16,8 +16,8 @@ import os
 import torch
 
 from megamoe.checkpoint import integrity
-from megamoe.checkpoint.manifest import _DTYPES, read_manifest, resolve_checkpoint
 from megamoe.checkpoint.errors import CheckpointError
+from megamoe.checkpoint.manifest import _DTYPES, read_manifest, resolve_checkpoint
 from megamoe.checkpoint.read_window import DEFAULT_WINDOW_BYTES, ReadWindow
 from megamoe.checkpoint.safetensors_stream import SAFETENSORS_DTYPES, FileExtent, read_data_extents
 from megamoe.checkpoint.scratch import ScratchBuffer

@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megamoe import comms
 from megamoe.checkpoint.errors import CheckpointError
 from megamoe.checkpoint.finite_values import NonFiniteCheck
 from megamoe.checkpoint.format import load_checkpoint, read_manifest
 from megamoe.checkpoint.manifest_fields import placements_from_manifest
 from megamoe.checkpoint.model_manifest import check_model_manifest
 from megamoe.checkpoint.placements import build_placements
-from megamoe import comms
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 

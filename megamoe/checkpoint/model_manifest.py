@@ -29,9 +29,9 @@ import json
 import math
 import os
 
-from megamoe.checkpoint.manifest import MANIFEST_FILE
 from megamoe.checkpoint.errors import CheckpointError, ConversionError
 from megamoe.checkpoint.layout_plan import logical_tensor_shapes
+from megamoe.checkpoint.manifest import MANIFEST_FILE
 from megamoe.checkpoint.manifest_fields import model_config_from_manifest, placements_from_manifest
 from megamoe.models import GPTMoEConfig, LayerSpec
 from megamoe.models.families import SUPPORTED_FAMILIES

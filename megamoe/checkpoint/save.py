@@ -21,13 +21,13 @@ import torch
 from safetensors import SafetensorError
 from torch.distributed import ProcessGroup
 
+from megamoe import comms
 from megamoe.checkpoint import checksums
-from megamoe.checkpoint.manifest import (_DTYPES, _OLD_SUFFIX, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS,
-                                                  MANIFEST_FILE)
 from megamoe.checkpoint.chunk_regions import _check_tiling
 from megamoe.checkpoint.errors import CheckpointError
+from megamoe.checkpoint.manifest import (_DTYPES, _OLD_SUFFIX, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FIELDS,
+                                         MANIFEST_FILE)
 from megamoe.checkpoint.manifest_digest import write_manifest
-from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk
 
 logger = logging.getLogger(__name__)

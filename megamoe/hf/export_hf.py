@@ -32,21 +32,21 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from megamoe.hf.adapters import ADAPTERS, AdapterError, HFAdapter, adapter_for
-from megamoe.hf.block_fp8_steps import HFWeightForm
-from megamoe.checkpoint.manifest import _DTYPES, read_manifest
 from megamoe.checkpoint.errors import CheckpointError, ConversionError
 from megamoe.checkpoint.finite_values import NonFiniteCheck
 from megamoe.checkpoint.hf_checkpoint import CONFIG_FILE, INDEX_FILE, HFCheckpoint
-from megamoe.hf.hf_quantization import hf_quantization, without_quantization
-from megamoe.hf.import_hf import model_config_from_hf
 from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.manifest import _DTYPES, read_manifest
 from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
 from megamoe.checkpoint.model_manifest import check_model_manifest
 from megamoe.checkpoint.output_dir import OutputDirectory
 from megamoe.checkpoint.safetensors_stream import FileExtent, PlannedTensor, SafetensorsStreamWriter, group_into_files
 from megamoe.checkpoint.scratch import ScratchBuffer
 from megamoe.checkpoint.side_files import copy_side_files
+from megamoe.hf.adapters import ADAPTERS, AdapterError, HFAdapter, adapter_for
+from megamoe.hf.block_fp8_steps import HFWeightForm
+from megamoe.hf.hf_quantization import hf_quantization, without_quantization
+from megamoe.hf.import_hf import model_config_from_hf
 from megamoe.hf.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import declared_mtp_layers

@@ -32,16 +32,10 @@ import os
 import torch
 from tqdm import tqdm
 
-from megamoe.hf.adapters import AdapterError, HFAdapter, adapter_for
-from megamoe.hf.block_fp8_steps import HFWeightForm
-from megamoe.checkpoint.stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
 from megamoe.checkpoint.errors import ConversionError
 from megamoe.checkpoint.finite_values import NonFiniteCheck
 from megamoe.checkpoint.format import MANIFEST_FILE
 from megamoe.checkpoint.hf_checkpoint import HFCheckpoint
-from megamoe.hf.hf_quantization import (DequantizedByAdapter, hf_quantization, resolve_block_fp8,
-                                              without_quantization)
-from megamoe.hf.hf_sizes import check_layout_sizes, check_sizes_against_weights
 from megamoe.checkpoint.layout import ParallelLayout
 from megamoe.checkpoint.layout_plan import plan_layout
 from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, manifest_fields
@@ -50,6 +44,12 @@ from megamoe.checkpoint.placements import build_placements
 from megamoe.checkpoint.read_window import ReadWindow
 from megamoe.checkpoint.scratch import ScratchBuffer
 from megamoe.checkpoint.side_files import copy_side_files
+from megamoe.checkpoint.stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
+from megamoe.hf.adapters import AdapterError, HFAdapter, adapter_for
+from megamoe.hf.block_fp8_steps import HFWeightForm
+from megamoe.hf.hf_quantization import (DequantizedByAdapter, hf_quantization, resolve_block_fp8,
+                                        without_quantization)
+from megamoe.hf.hf_sizes import check_layout_sizes, check_sizes_against_weights
 from megamoe.hf.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf, declared_mtp_layers

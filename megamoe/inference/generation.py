@@ -60,9 +60,9 @@ from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.moe.placement.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
-from megamoe.moe.placement.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 
 __all__ = ["GenerationConfig", "GenerationOutput", "check_generation_request", "generate", "left_padded_batch",
            "max_sequence_length"]

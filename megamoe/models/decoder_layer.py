@@ -14,8 +14,8 @@ from megamoe.models.config import GPTMoEConfig
 from megamoe.models.layer_spec import LayerSpec
 from megamoe.models.moe_folding import folding_group
 from megamoe.models.sequence_parallel import sequence_parallel_group
-from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.transformer import RMSNorm
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.recompute import checkpointed, set_module_flag

@@ -55,8 +55,8 @@ from megamoe.models.decoder_layer import DecoderLayer
 from megamoe.models.layer_spec import LayerSpec
 from megamoe.models.mtp import MTPLayer, mtp_targets, shift_left
 from megamoe.models.sequence_parallel import check_sequence_length, sequence_parallel_group
-from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.pipeline.partition import partition_layers
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init

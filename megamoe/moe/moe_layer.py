@@ -46,9 +46,9 @@ from torch.distributed import ProcessGroup
 from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk, default_sharded_state_dict
 from megamoe.gradients import main_grad
-from megamoe.moe.placement.expert_slots import ExpertLoadCounter, ExpertPlacement
-from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.experts.fp8 import FP8AmaxReduction, FP8Config
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.placement.expert_slots import ExpertLoadCounter, ExpertPlacement
 from megamoe.moe.router import Router, RouterConfig
 from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
 from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher

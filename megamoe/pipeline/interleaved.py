@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import torch
 
 from megamoe import comms
-from megamoe.pipeline.stage_step import ForwardStep, backward_step, check_num_micro_batches, forward_step_checked
 from megamoe.pipeline.schedule_simulation import PipelineOp, interleaved_1f1b_order, replay_orders
+from megamoe.pipeline.stage_step import ForwardStep, backward_step, check_num_micro_batches, forward_step_checked
 
 if TYPE_CHECKING:
     from parallel_state import ParallelState

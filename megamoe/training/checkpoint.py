@@ -57,13 +57,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe import comms
 from megamoe.checkpoint import checksums, integrity
 from megamoe.checkpoint.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
-                                    planned_files, read_manifest, resolve_checkpoint, save_checkpoint)
+                                       planned_files, read_manifest, resolve_checkpoint, save_checkpoint)
 from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, placements_from_manifest
 from megamoe.checkpoint.model_manifest import check_model_manifest, check_training_fields
 from megamoe.checkpoint.side_files import verify_side_files
-from megamoe import comms
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
                                       same_view_of, sharded_state_dict)
 from megamoe.models import GPTMoEModel

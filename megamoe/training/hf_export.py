@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megamoe.hf.adapters import ADAPTERS
-from megamoe.checkpoint.errors import ConversionError
-from megamoe.hf.export_hf import export_hf
-from megamoe.checkpoint.format import CheckpointError
-from megamoe.hf.hf_config_writer import hf_config_for
 from megamoe import comms
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.format import CheckpointError
 from megamoe.data.tokenizer import HFTokenizer, Tokenizer
+from megamoe.hf.adapters import ADAPTERS
+from megamoe.hf.export_hf import export_hf
+from megamoe.hf.hf_config_writer import hf_config_for
 from megamoe.models import GPTMoEConfig
 from megamoe.training.checkpoint import HFProvenance
 

@@ -33,14 +33,14 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from megamoe.hf.adapters import AdapterError, adapter_for
 from megamoe.checkpoint.errors import ConversionError
 from megamoe.checkpoint.finite_values import NonFiniteCheck
 from megamoe.checkpoint.hf_checkpoint import CONFIG_FILE, HFCheckpoint
-from megamoe.hf.hf_sizes import check_sizes_against_weights
-from megamoe.hf.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
 from megamoe.checkpoint.placements import build_placements
 from megamoe.checkpoint.read_window import ReadWindow
+from megamoe.hf.adapters import AdapterError, adapter_for
+from megamoe.hf.hf_sizes import check_sizes_against_weights
+from megamoe.hf.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 from megamoe.models.hf_loading import chunks_by_name, copy_into_chunks
 from megamoe.training.checkpoint import HFProvenance

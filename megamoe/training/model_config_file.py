@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 
 from megamoe.checkpoint.errors import ConversionError
-from megamoe.hf.import_hf import model_config_from_hf
 from megamoe.checkpoint.model_loading import config_for_engine
+from megamoe.hf.import_hf import model_config_from_hf
 from megamoe.models import GPTMoEConfig
 
 __all__ = ["ModelConfigFile", "read_model_config_file"]

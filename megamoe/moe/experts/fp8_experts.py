@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 
 from megamoe.moe.experts.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, amax_rows, compute_scale, dequantize,
-                             quantize)
+                                     quantize)
 from megamoe.moe.experts.grouped_mlp import (SlotGroups, grouped_linear, grouped_linear_input_grad,
-                                     grouped_linear_weight_grad)
+                                             grouped_linear_weight_grad)
 from megamoe.transformer.recompute import forward_value, is_recomputing
 
 __all__ = ["FP8_ROW_ALIGNMENT", "PaddedRows", "fp8_grouped_mlp", "te_fp8_grouped_mlp"]

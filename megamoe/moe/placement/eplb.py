@@ -36,11 +36,11 @@ import torch
 
 from megamoe import comms
 from megamoe.host_values import host_floats, host_ints
+from megamoe.moe.placement import replacement
 from megamoe.moe.placement.argument_checks import hierarchy
 from megamoe.moe.placement.expert_load_window import ExpertLoadWindow
 from megamoe.moe.placement.expert_migration import migrate_layer
 from megamoe.moe.placement.expert_slots import ExpertPlacement
-from megamoe.moe.placement import replacement
 
 __all__ = ["EPLBConfig", "EPLBReport", "ExpertRebalancer", "PlacementDivergenceError"]
 
