@@ -1,4 +1,6 @@
-"""Declarative key maps between HuggingFace checkpoints and megamoe logical tensors, per model family.
+"""Declarative key maps between HuggingFace checkpoints and megamoe logical tensors: the machinery
+(:class:`HFAdapter`) and the key tables the families share. Each family's map is a module of
+:mod:`megamoe.hf.families`; :mod:`megamoe.hf.adapters` finds it by ``model_type``.
 
 A logical name is what :func:`megamoe.checkpoint_state.sharded_state_dict` lists for a
 :class:`~megamoe.models.GPTMoEModel` (full, unsharded tensors; routed experts per expert id).
