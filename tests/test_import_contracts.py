@@ -10,7 +10,8 @@ from pathlib import Path
 
 import importlinter  # noqa: F401  (the `test` extra: pip install -e ".[test]")
 
-REPO = Path(__file__).resolve().parents[1]
+# The repository root: the first folder above this file holding the contracts (this file may move into a tier).
+REPO = next(p for p in Path(__file__).resolve().parents if (p / ".importlinter").is_file())
 PACKAGES = ("megamoe", "parallel_state", "checkpoint_tools")
 
 
@@ -36,7 +37,8 @@ def test_every_contract_is_kept():
     run = _lint_imports(REPO)
     assert run.returncode == 0, run.stdout + run.stderr
     contracts = _contract_states(run.stdout)
-    assert len(contracts) == 8 and set(contracts.values()) == {"KEPT"}, run.stdout
+    declared = (REPO / ".importlinter").read_text(encoding="utf-8").count("[importlinter:contract:")
+    assert len(contracts) == declared and set(contracts.values()) == {"KEPT"}, run.stdout
 
 
 def test_a_bad_import_breaks_its_contracts(tmp_path):
