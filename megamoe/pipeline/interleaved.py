@@ -218,7 +218,7 @@ def forward_backward_interleaved(
             input_tensor.requires_grad_()
         is_last = ring.stage(op.chunk) == ring.last_stage
         output, aux_loss = forward_step_checked(steps[op.chunk], input_tensor, op.micro_batch, is_last=is_last,
-                                    tensor_shape=tensor_shape, dtype=dtype)
+                                                tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses[op.micro_batch] = output.detach()
         in_flight[op.chunk, op.micro_batch] = (input_tensor, output, aux_loss)
@@ -265,8 +265,8 @@ def forward_only_interleaved(
             ring.exchange(item)
             continue
         is_last = ring.stage(item.chunk) == ring.last_stage
-        output, _ = forward_step_checked(steps[item.chunk], ring.input_of(item), item.micro_batch, is_last=is_last,
-                             tensor_shape=tensor_shape, dtype=dtype)
+        output, _ = forward_step_checked(steps[item.chunk], ring.input_of(item), item.micro_batch,
+                                         is_last=is_last, tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses[item.micro_batch] = output
         ring.output_of(item, output)

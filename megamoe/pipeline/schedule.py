@@ -148,7 +148,7 @@ def forward_backward_1f1b(
         if input_tensor is not None:
             input_tensor.requires_grad_()
         output, aux_loss = forward_step_checked(forward_step, input_tensor, index, is_last=is_last,
-                                    tensor_shape=tensor_shape, dtype=dtype)
+                                                tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses.append(output.detach())
         in_flight.append((input_tensor, output, aux_loss))
@@ -262,8 +262,8 @@ def forward_only(
     losses = []
     for index in range(num_micro_batches):
         input_tensor = p2p.recv_forward() if pipelined else None
-        output, _ = forward_step_checked(forward_step, input_tensor, index, is_last=is_last, tensor_shape=tensor_shape,
-                             dtype=dtype)
+        output, _ = forward_step_checked(forward_step, input_tensor, index, is_last=is_last,
+                                         tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses.append(output)
         else:
