@@ -12,7 +12,7 @@ setup(
         "sentencepiece>=0.2",
         "tqdm>=4.60",
         "numpy>=1.22",
-        "xxhash>=3.0",      # checkpoint file checksums (checkpoint_tools.checksums)
+        "xxhash>=3.0",      # checkpoint file checksums (megamoe.checkpoint.checksums)
     ],
     entry_points={"console_scripts": [
         "megamoe = megamoe.cli.main:main",
@@ -30,6 +30,8 @@ setup(
             "accelerate>=1.0",
             "pyarrow>=14",
             "tensorboard>=2.10",
+            # the import layers in .importlinter, checked by tests/test_import_contracts.py
+            "import-linter>=2.1",
         ],
         # Parquet input for `megamoe-preprocess` (megamoe.data.documents).
         "data": ["pyarrow>=14"],

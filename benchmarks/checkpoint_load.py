@@ -30,8 +30,8 @@ import torch
 
 from common import argument_parser, time_call, write_results  # sibling module
 
-from checkpoint_tools import checksums, integrity
-from checkpoint_tools.format import load_checkpoint, read_manifest, save_checkpoint
+from megamoe.checkpoint import checksums, integrity
+from megamoe.checkpoint.format import load_checkpoint, read_manifest, save_checkpoint
 from megamoe.checkpoint_state import LogicalChunk
 
 TENSOR_ELEMENTS = 16 * 2**20          # 64 MiB of fp32

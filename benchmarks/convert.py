@@ -67,7 +67,7 @@ CHILD = """
 import sys, time
 t0 = time.perf_counter()
 import torch, transformers  # noqa: F401,E401 - imported by the converter anyway; timed as startup
-import checkpoint_tools.export_hf, checkpoint_tools.import_hf  # noqa: F401,E401
+import megamoe.hf.export_hf, megamoe.hf.import_hf  # noqa: F401,E401
 from checkpoint_tools.cli import main
 t1 = time.perf_counter()
 code = main(sys.argv[1:])

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_tools.adapters import adapter_for
+from megamoe.hf.adapters import adapter_for
 from common import argument_parser, write_results  # sibling module
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.models import GPTMoEModel

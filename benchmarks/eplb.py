@@ -20,7 +20,7 @@ Columns: time-averaged balancedness (mean rank load / max; ``min``: the lowest `
 fraction of slots moved per window, and the time of one rebalance of a 61-layer model (placement
 computation only, the least of ``--repeats`` calls: the mean time per layer and window x 61, and the
 slowest window's). ``bound`` bounds the ``own`` balancedness
-(:func:`megamoe.moe.replacement.peak_bound`: flat, of any placement; hierarchical, of the
+(:func:`megamoe.moe.placement.replacement.peak_bound`: flat, of any placement; hierarchical, of the
 from-scratch policy's assignment of groups to nodes), which explains where a row stays low.
 
 The 5% noise check starts each layer from the movement-aware placement of its load (a fixed point)
@@ -45,8 +45,8 @@ import torch
 
 import eplb_real  # sibling module: the real-ranks half
 from common import argument_parser, write_results  # sibling module
-from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe.replacement import matched_to, peak_bound, replace_experts
+from megamoe.moe.placement.expert_slots import ExpertPlacement
+from megamoe.moe.placement.replacement import matched_to, peak_bound, replace_experts
 
 MODEL_LAYERS = 61  # the layer count the time per rebalance is given for (the issue's, DeepSeek-V3's)
 NOISE = 0.05

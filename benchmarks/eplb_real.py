@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from common import argument_parser, write_results      # sibling module
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.eplb import EPLBConfig
 from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.placement.eplb import EPLBConfig
 from megamoe.moe.router import RouterConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig
 

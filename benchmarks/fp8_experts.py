@@ -9,7 +9,7 @@ forward+backward, TFLOP/s (expert MLP FLOPs: ``6 N H F`` forward, 3x that forwar
 
 - ``bf16/torch``: ``GroupedExperts`` backend ``torch`` in bf16 (``torch._grouped_mm``).
 - ``fp8/torch/<recipe>``: backend ``torch`` with ``FP8Config(recipe)`` (``torch._scaled_grouped_mm``
-  forward; its backward GEMMs run in bf16, see :mod:`megamoe.moe.fp8_experts`). sm90+.
+  forward; its backward GEMMs run in bf16, see :mod:`megamoe.moe.experts.fp8_experts`). sm90+.
 - ``fp8/te/<recipe>``: backend ``te`` under ``fp8_autocast`` (when TransformerEngine is installed).
 - ``dense_fp8``: forward only, ``torch._scaled_mm`` with row-wise scales over the same rows and one
   weight: ``[N, H] @ [H, 2F]`` and ``[N, F] @ [F, H]``, the FP8 ceiling the grouped rows aim for.
@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 from common import argument_parser, write_results  # sibling module
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.fp8 import FP8Config, compute_scale, quantize
+from megamoe.moe.experts.fp8 import FP8Config, compute_scale, quantize
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 
 FULL = dict(T=16384, H=7168, F=2048, E=256, K=8, E_local=32)
 QUICK = dict(T=4096, H=7168, F=2048, E=256, K=8, E_local=32)

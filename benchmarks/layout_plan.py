@@ -59,11 +59,11 @@ def measure(case: tuple, quick: bool, reference: bool) -> dict:
     import torch
     from transformers import DeepseekV3Config
 
-    from checkpoint_tools import layout_plan
-    from checkpoint_tools.checkpoint_stream import CheckpointStreamWriter, StreamedTensor
-    from checkpoint_tools.layout import ParallelLayout
-    from checkpoint_tools.manifest_fields import manifest_fields
-    from checkpoint_tools.placements import build_placements
+    from megamoe.checkpoint import layout_plan
+    from megamoe.checkpoint.stream import CheckpointStreamWriter, StreamedTensor
+    from megamoe.checkpoint.layout import ParallelLayout
+    from megamoe.checkpoint.manifest_fields import manifest_fields
+    from megamoe.checkpoint.placements import build_placements
     from megamoe.models.families import config_from_hf
 
     name, tp, ep, etp, pp, slots = case
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     if args.quick:
         rows = [measure(case, True, True) for case in QUICK_CASES]
     else:
-        from checkpoint_tools.layout import ParallelLayout
+        from megamoe.checkpoint.layout import ParallelLayout
         rows = [_isolated(case, args.reference and ParallelLayout(tp=case[1], pp=case[4], ep=case[2], etp=case[3])
                           .world_size <= args.reference_max_world) for case in CASES]
     print_table(rows)

@@ -64,8 +64,8 @@ from common import argument_parser, write_results      # sibling module
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.memory_estimate import estimate_memory
 from megamoe.training.memory_measure import measure_train_step
 from megamoe.training.trainer import TrainConfig, Trainer

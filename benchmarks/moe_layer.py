@@ -43,8 +43,8 @@ from torch import nn
 
 from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, NOISY_SPREAD,  # sibling module
                     argument_parser, keep_freed_memory_in_heap, time_call, write_results)
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.grouped_mlp import GroupedMLPFunction, SlotGroups
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.experts.grouped_mlp import GroupedMLPFunction, SlotGroups
 from megamoe.moe.permutation import permute_by_slot, unpermute_and_combine
 from megamoe.moe.router import Router, RouterConfig
 

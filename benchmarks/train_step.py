@@ -54,7 +54,7 @@ from typing import Callable
 
 import torch
 
-from checkpoint_tools.adapters import adapter_for
+from megamoe.hf.adapters import adapter_for
 from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, NOISY_SPREAD,  # sibling module
                     argument_parser, keep_freed_memory_in_heap, time_call, write_results)
 from megamoe.models import GPTMoEModel
@@ -327,7 +327,7 @@ def profile_rows(rows: list[Row], steps: int = 3) -> dict[str, dict[str, float]]
 
 def default_backend() -> str:
     """The experts backend ``auto`` picks on this machine's CPU."""
-    from megamoe.moe.experts import GroupedExperts
+    from megamoe.moe.experts.grouped_experts import GroupedExperts
     return GroupedExperts._resolve_backend("auto", torch.device("cpu"))
 
 

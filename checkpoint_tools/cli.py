@@ -19,11 +19,11 @@ import logging
 import re
 import sys
 
-from checkpoint_tools.adapters import AdapterError
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.finite_values import ALLOW_FLAG
-from checkpoint_tools.format import CheckpointError
-from checkpoint_tools.target_dtype import TARGET_DTYPES
+from megamoe.hf.adapters import AdapterError
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.finite_values import ALLOW_FLAG
+from megamoe.checkpoint.format import CheckpointError
+from megamoe.hf.target_dtype import TARGET_DTYPES
 from megamoe.cli.launch import HelpFormatter, add_no_verify_checksums_argument
 
 __all__ = ["main", "build_parser"]
@@ -162,14 +162,14 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
 
 
 def _layout(args, dispatcher: str):
-    from checkpoint_tools.layout import ParallelLayout
+    from megamoe.checkpoint.layout import ParallelLayout
     from megamoe.models.gpt_moe import default_etp
     return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=default_etp(args.tp, dispatcher, args.etp))
 
 
 def _run(args) -> int:
     if args.command == "import-hf":
-        from checkpoint_tools.import_hf import import_hf
+        from megamoe.hf.import_hf import import_hf
         summary = import_hf(args.hf_dir, args.out_dir, _layout(args, args.dispatcher),
                             num_expert_slots=args.num_expert_slots, expert_load=args.expert_load, dtype=args.dtype,
                             dispatcher=args.dispatcher, overwrite=args.overwrite,
@@ -179,7 +179,7 @@ def _run(args) -> int:
               + " ".join(f"{k}={v}" for k, v in summary["layout"].items()))
         return 0
     if args.command == "export-hf":
-        from checkpoint_tools.export_hf import export_hf
+        from megamoe.hf.export_hf import export_hf
         summary = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
                             max_shard_bytes=args.max_shard_size, hf_config_dir=args.hf_config,
                             verify_checksums=args.verify_checksums, allow_non_finite=args.allow_non_finite)
@@ -187,8 +187,8 @@ def _run(args) -> int:
               f"shards, {summary['bytes'] / 2**20:.1f} MiB")
         return 0
     if args.command == "reshard":
-        from checkpoint_tools.format import read_manifest
-        from checkpoint_tools.model_manifest import check_model_manifest
+        from megamoe.checkpoint.format import read_manifest
+        from megamoe.checkpoint.model_manifest import check_model_manifest
         from checkpoint_tools.reshard import reshard
         saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
         dispatcher = args.dispatcher or (saved.moe.dispatcher if saved.moe is not None else "alltoall")

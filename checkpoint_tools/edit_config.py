@@ -1,9 +1,9 @@
 """``edit-config``: change a checkpoint's model config on purpose, the supported way.
 
 A hand edit of ``manifest.json`` is refused on load (its digest no longer matches, see
-:mod:`checkpoint_tools.manifest_digest`). :func:`edit_config` reads the manifest (its digest and fields
+:mod:`megamoe.checkpoint.manifest_digest`). :func:`edit_config` reads the manifest (its digest and fields
 checked), sets the given ``model_config`` fields, checks the result as every load path does
-(:func:`checkpoint_tools.model_manifest.check_model_manifest`: a valid config, matching the tensors
+(:func:`megamoe.checkpoint.model_manifest.check_model_manifest`: a valid config, matching the tensors
 stored) and replaces ``manifest.json`` atomically with the new digest. Only ``model_config`` changes;
 the data files are not touched.
 """
@@ -15,12 +15,12 @@ import json
 import os
 from typing import Any
 
-from checkpoint_tools.checkpoint_manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest, resolve_checkpoint
-from checkpoint_tools.checkpoint_save import fsync_dir
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.manifest_digest import manifest_text
-from checkpoint_tools.model_manifest import check_model_manifest
 from megamoe.atomic_file import atomic_write
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest, resolve_checkpoint
+from megamoe.checkpoint.manifest_digest import manifest_text
+from megamoe.checkpoint.model_manifest import check_model_manifest
+from megamoe.checkpoint.save import fsync_dir
 
 __all__ = ["parse_assignment", "edit_config"]
 

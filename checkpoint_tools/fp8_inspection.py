@@ -11,7 +11,7 @@ import os
 import re
 from collections import Counter, defaultdict
 
-from checkpoint_tools.hf_checkpoint import HFCheckpoint
+from megamoe.checkpoint.hf_checkpoint import HFCheckpoint
 from megamoe.quantization.block_fp8 import SCALE_INV_SUFFIX
 
 __all__ = ["fp8_summary", "inspect_hf_directory", "format_hf_inspection", "format_fp8", "is_hf_directory"]

@@ -13,16 +13,16 @@ import os
 from collections import defaultdict
 
 
-from checkpoint_tools.checkpoint_load import verify_checkpoint
-from checkpoint_tools.checkpoint_manifest import _DTYPES, read_manifest, stored_entries
-from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.fp8_inspection import format_fp8, fp8_summary
-from checkpoint_tools.integrity import check_stored_file
-from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manifest
-from checkpoint_tools.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
-from checkpoint_tools.safetensors_stream import SAFETENSORS_DTYPES, read_data_extents
-from checkpoint_tools.side_files import verify_side_files
+from megamoe.checkpoint.errors import CheckpointError
+from megamoe.checkpoint.integrity import check_stored_file
+from megamoe.checkpoint.load import verify_checkpoint
+from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.manifest import _DTYPES, read_manifest, stored_entries
+from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, placements_from_manifest
+from megamoe.checkpoint.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
+from megamoe.checkpoint.safetensors_stream import SAFETENSORS_DTYPES, read_data_extents
+from megamoe.checkpoint.side_files import verify_side_files
 from megamoe.precision import has_non_finite
 
 __all__ = ["inspect_checkpoint", "format_inspection", "non_finite_tensors"]

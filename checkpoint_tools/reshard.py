@@ -16,20 +16,20 @@ import os
 
 from tqdm import tqdm
 
-from checkpoint_tools.checkpoint_load import load_rank_state
-from checkpoint_tools.checkpoint_manifest import _DTYPES, MANIFEST_FILE, read_manifest
-from checkpoint_tools.checkpoint_stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.hf_sizes import check_layout_sizes
-from checkpoint_tools.layout import ParallelLayout
-from checkpoint_tools.layout_plan import LayoutPlan, plan_layout
-from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, manifest_fields, placements_from_manifest
-from checkpoint_tools.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
-from checkpoint_tools.model_loading import config_for_engine
-from checkpoint_tools.output_dir import OutputDirectory
-from checkpoint_tools.placements import build_placements
-from checkpoint_tools.side_files import copy_side_files
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.layout import ParallelLayout
+from megamoe.checkpoint.layout_plan import LayoutPlan, plan_layout
+from megamoe.checkpoint.load import load_rank_state
+from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.manifest import _DTYPES, MANIFEST_FILE, read_manifest
+from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, manifest_fields, placements_from_manifest
+from megamoe.checkpoint.model_loading import config_for_engine
+from megamoe.checkpoint.model_manifest import OPTIMIZER_PREFIX, check_model_manifest
+from megamoe.checkpoint.output_dir import OutputDirectory
+from megamoe.checkpoint.placements import build_placements
+from megamoe.checkpoint.side_files import copy_side_files
+from megamoe.checkpoint.stream import CONVERSION_MAX_FILE_BYTES, CheckpointStreamWriter, StreamedTensor
+from megamoe.hf.hf_sizes import check_layout_sizes
 
 __all__ = ["reshard", "OPTIMIZER_PREFIX"]
 
@@ -64,7 +64,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, layout: P
     Every file read (tensors, rank state, side files) is checked against the manifest before its bytes are
     used, checksums included unless ``verify_checksums=False``: a damaged checkpoint is refused, never
     rewritten with fresh checksums.
-    Raises :class:`ConversionError` / :class:`~checkpoint_tools.format.CheckpointError`; nothing is left at
+    Raises :class:`ConversionError` / :class:`~megamoe.checkpoint.format.CheckpointError`; nothing is left at
     ``out_dir`` then. Returns a summary.
     """
     checkpoint = os.fspath(checkpoint)

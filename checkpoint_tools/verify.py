@@ -1,6 +1,6 @@
 """``verify``: run a megamoe checkpoint on spawned ranks and transformers on the same tokens; compare logits.
 
-The ranks (gloo, CPU, :func:`megamoe.testing.run_on_ranks`) form the checkpoint's parallel layout (or
+The ranks (gloo, CPU, :func:`megamoe.spawned_ranks.run_on_ranks`) form the checkpoint's parallel layout (or
 the same layout over more data-parallel ranks with ``nproc``), build the model from the checkpoint
 (:func:`build_model_from_checkpoint`) in fp32 and compute the full logits with
 :func:`megamoe.inference.pipeline_forward.pipeline_logits`. The parent loads the HF directory with
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.format import read_manifest
-from checkpoint_tools.layout import ParallelLayout
-from checkpoint_tools.model_manifest import check_model_manifest
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.format import read_manifest
+from megamoe.checkpoint.layout import ParallelLayout
+from megamoe.checkpoint.model_manifest import check_model_manifest
 
 __all__ = ["VerifyResult", "verify_against_hf", "rank_logits", "compare_logits"]
 
@@ -58,7 +58,7 @@ def rank_logits(rank: int, world_size: int, checkpoint: str, layout: dict, input
     verifying the checkpoint's files (each is hashed by one rank) unless ``verify_checksums=False``."""
     import torch.distributed as dist
 
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from megamoe.inference.pipeline_forward import pipeline_logits
     from parallel_state import destroy_model_parallel, initialize_model_parallel
 
@@ -90,7 +90,7 @@ def verify_against_hf(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, 
     against transformers' model in ``hf_dir`` on ``batch`` random sequences of ``seq_len`` tokens. The
     checkpoint's files are checked against its manifest first (checksums unless ``verify_checksums=False``):
     a damaged file fails the run."""
-    from megamoe.testing import RankFailure, run_on_ranks
+    from megamoe.spawned_ranks import RankFailure, run_on_ranks
     from parallel_state import compute_rank_groups
 
     checkpoint, hf_dir = os.fspath(checkpoint), os.fspath(hf_dir)

@@ -4,7 +4,7 @@ A checkpoint never stores "rank 3's weight"; it stores pieces of *logical* tenso
 depend on the parallel layout (``layers.3.attn.q_proj.weight``, ``layers.5.mlp.experts.17.w1``), the
 logical tensor's global shape, and where this rank's piece sits in it. A checkpoint written under one
 layout (TP/PP/EP/ETP, number of expert slots) therefore loads under any other: each rank asks for the
-pieces it holds and the loader reads just those slices (:mod:`checkpoint_tools.format`).
+pieces it holds and the loader reads just those slices (:mod:`megamoe.checkpoint.format`).
 
 The module protocol
 -------------------

@@ -142,9 +142,9 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_grouped_mm(device: torch.device) -> Row:
     """bf16 ``torch._grouped_mm`` experts, forward and backward with an empty slot, against fp32 per-slot GEMMs."""
-    from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-    from megamoe.moe.grouped_mlp import grouped_mm_applies
-    from megamoe.moe.kernel_probes import grouped_mm_problem
+    from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
+    from megamoe.moe.experts.grouped_mlp import grouped_mm_applies
+    from megamoe.moe.experts.kernel_probes import grouped_mm_problem
 
     name = "row 7/9 grouped_mm bf16"
     if not grouped_mm_applies(device, torch.bfloat16):
@@ -178,9 +178,9 @@ def check_grouped_mm(device: torch.device) -> Row:
 
 def check_block_scaled_mm(device: torch.device) -> Row:
     """Kept block-FP8 experts on ``torch._scaled_mm`` against the ``fp8_emulated`` reference (same weights)."""
-    from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-    from megamoe.moe.fp8 import FP8Config
-    from megamoe.moe.kernel_probes import block_scaled_mm_problem
+    from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
+    from megamoe.moe.experts.fp8 import FP8Config
+    from megamoe.moe.experts.kernel_probes import block_scaled_mm_problem
     from megamoe.quantization.block_fp8 import BlockFP8Config
 
     name = "row 7 block-FP8 scaled_mm"

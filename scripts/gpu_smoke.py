@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a chec
 from megamoe.inference.generation import GenerationConfig, generate  # noqa: E402
 from megamoe.cli.launch import HelpFormatter, add_device_argument, resolve_device, run_script  # noqa: E402
 from megamoe.models import GPTMoEConfig, GPTMoEModel  # noqa: E402
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts  # noqa: E402
-from megamoe.moe.fp8 import FP8Config, resolve_fp8_backend  # noqa: E402
+from megamoe.moe.experts.fp8 import FP8Config, resolve_fp8_backend  # noqa: E402
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts  # noqa: E402
 from megamoe.moe.moe_layer import MoEConfig  # noqa: E402
 from megamoe.moe.router import RouterConfig  # noqa: E402
 from megamoe.moe.shared_experts import SharedExpertsConfig  # noqa: E402

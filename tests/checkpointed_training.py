@@ -55,7 +55,7 @@ def train_steps(trainer, sampler, data, num_steps) -> list[float]:
 
 
 def _die_while_writing_the_manifest():
-    import checkpoint_tools.checkpoint_save as checkpoint_save
+    import megamoe.checkpoint.save as checkpoint_save
 
     def write_half_and_die(tmp_dir, manifest):
         text = json.dumps(manifest)

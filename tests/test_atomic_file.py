@@ -14,7 +14,7 @@ import torch
 from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
 from megamoe.data.token_dataset import sidecar_path, write_token_file
 from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
-from megamoe.moe.expert_load_file import save_expert_load
+from megamoe.moe.placement.expert_load_file import save_expert_load
 
 
 def _fifo(tmp_path):

@@ -118,7 +118,7 @@ def test_convert_benchmark_rotates_the_steps(monkeypatch, tmp_path):
 
 
 def test_checkpoint_load_benchmark_hashes_in_the_verified_load_only(monkeypatch, tmp_path):
-    from checkpoint_tools import checksums
+    from megamoe.checkpoint import checksums
     bench = _benchmark("checkpoint_load", monkeypatch)
     hashed = []
     real_check = checksums.check_entry

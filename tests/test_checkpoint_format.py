@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import checkpoint_tools.checkpoint_load as checkpoint_load
-import checkpoint_tools.chunk_regions as chunk_regions
-import checkpoint_tools.format as fmt
-from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
-                                     read_manifest, save_checkpoint, verify_checkpoint)
-from checkpoint_tools.manifest_digest import DIGEST_FIELD, seal
+import megamoe.checkpoint.chunk_regions as chunk_regions
+import megamoe.checkpoint.format as fmt
+from megamoe.checkpoint.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
+                                       read_manifest, save_checkpoint, verify_checkpoint)
+import megamoe.checkpoint.load as checkpoint_load
+from megamoe.checkpoint.manifest_digest import DIGEST_FIELD, seal
 from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materialize_optimizer_state,
                                       optimizer_chunks, sharded_state_dict)
 from megamoe.sharding import get_shard_spec
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                      seeded_generator)
-from megamoe.testing import run_on_ranks
 
 V, H, F = 16, 8, 12            # vocabulary, hidden, ffn (divisible by 4)
 EXPERT_SHAPE = (6, 4)          # one expert's weight [out, in]

@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint_tools import checksums, integrity
 from checkpoint_tools.cli import build_parser
-from checkpoint_tools.errors import CheckpointError, ConversionError
-from checkpoint_tools.format import (MANIFEST_FILE, iter_logical_tensors, load_checkpoint, load_rank_state,
-                                     read_manifest)
-from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.manifest_digest import seal
-from checkpoint_tools.model_loading import build_model_from_checkpoint
+from megamoe.checkpoint import checksums, integrity
+from megamoe.checkpoint.errors import CheckpointError, ConversionError
+from megamoe.checkpoint.format import (MANIFEST_FILE, iter_logical_tensors, load_checkpoint, load_rank_state,
+                                       read_manifest)
+from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.manifest_digest import seal
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import ParallelState
 from test_convert import _single_file_copy, convert, hf_tensors, save_hf_model
 
@@ -100,7 +100,7 @@ def assert_cli_fails(capsys, argv, message, out_dir=None):
 
 
 def _model_chunks(checkpoint):
-    from checkpoint_tools.manifest_fields import model_config_from_manifest
+    from megamoe.checkpoint.manifest_fields import model_config_from_manifest
     from megamoe.models import GPTMoEModel
     model = GPTMoEModel(model_config_from_manifest(read_manifest(checkpoint)), ParallelState.single_process())
     return sharded_state_dict(model)
@@ -276,8 +276,8 @@ def _collective_worker(rank, world_size, checkpoint, trained, damaged, poisoned)
 
 @pytest.mark.slow
 def test_ranks_loading_together_hash_each_file_once(sources, tmp_path):
-    from checkpoint_tools.import_hf import import_hf
-    from checkpoint_tools.layout import ParallelLayout
+    from megamoe.hf.import_hf import import_hf
+    from megamoe.checkpoint.layout import ParallelLayout
 
     checkpoint = tmp_path / "many_files"
     import_hf(sources / "hf", checkpoint, ParallelLayout(tp=1, pp=1, ep=1, etp=1), max_file_bytes=40_000)
@@ -531,7 +531,7 @@ def test_zero_sizes_in_config_json_name_the_field(field, sources, tmp_path, caps
     out = str(tmp_path / "out")
     assert_cli_fails(capsys, ["import-hf", directory, out, "--tp", 1, "--pp", 1, "--ep", 1],
                      f"{field} must be a positive integer, got 0", out)
-    from checkpoint_tools.import_hf import model_config_from_hf
+    from megamoe.hf.import_hf import model_config_from_hf
     with pytest.raises(ConversionError, match=field):
         model_config_from_hf(config, "config.json")
 

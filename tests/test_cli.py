@@ -309,7 +309,7 @@ def test_a_run_ends_with_its_summary_and_records_its_config(tmp_path, caplog):
     """A tiny run: the summary (steps, tokens, eval losses, checkpoints), run_config.toml in the work dir and in
     every checkpoint (in its manifest's checksummed side files); resumed with other flags, the log names
     the fields that changed; a damaged run_config.toml is refused."""
-    from checkpoint_tools.format import CheckpointError, read_manifest
+    from megamoe.checkpoint.format import CheckpointError, read_manifest
     from megamoe.training.checkpoint import checkpoint_path
     from megamoe.training.pretrain import pretrain, read_side_file
     threads = torch.get_num_threads()

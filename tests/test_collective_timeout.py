@@ -13,7 +13,7 @@ import torch.distributed as dist
 from datetime import timedelta
 
 from megamoe import comms
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 
 COLLECTIVE_TIMEOUT_S = 12      # gloo's timeout inside the ranks (the grace period is a quarter of it)
 HARNESS_TIMEOUT_S = 300        # only reached if a collective does not time out

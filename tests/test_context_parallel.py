@@ -24,8 +24,8 @@ from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.sharding import get_shard_spec
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.transformer import AttentionConfig, MLAConfig, RopeConfig
 from megamoe.transformer.context_parallel import check_context_parallel_length, cp_token_index
 from megamoe.transformer.mlp import MLPConfig

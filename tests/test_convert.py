@@ -18,11 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from checkpoint_tools.cli import main
-from checkpoint_tools.format import iter_logical_tensors, read_manifest
-from checkpoint_tools.hf_checkpoint import HFCheckpoint
+from megamoe.checkpoint.format import iter_logical_tensors, read_manifest
+from megamoe.checkpoint.hf_checkpoint import HFCheckpoint
 from megamoe.models.families import SUPPORTED_FAMILIES
-from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
-from megamoe.testing import run_on_ranks
+from megamoe.moe.placement.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.spawned_ranks import run_on_ranks
 from test_hf_families import V, hf_config, lazy_transformers   # tiny random HF models of every family
 
 E = 8   # experts per MoE layer in every tiny config
@@ -69,8 +69,8 @@ def assert_same_tensors(actual, expected, what):
 
 def hf_as_logical(hf_dir):
     """The logical tensors an import of ``hf_dir`` must hold, by the family's adapter."""
-    from checkpoint_tools.adapters import adapter_for
-    from checkpoint_tools.import_hf import model_config_from_hf
+    from megamoe.hf.adapters import adapter_for
+    from megamoe.hf.import_hf import model_config_from_hf
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = model_config_from_hf(json.load(f), hf_dir)
     return adapter_for(config.family).hf_to_megamoe(hf_tensors(hf_dir), config)
@@ -216,7 +216,7 @@ def test_expert_load_gives_balanced_placements(hf_models, tmp_path):
 
 def test_reshard_carries_optimizer_state(hf_models, tmp_path):
     """A real training checkpoint (AdamW state, asdict model config) survives tp2/ep2/replica slots and back."""
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     from megamoe.training.trainer import TrainConfig, Trainer
     from parallel_state import ParallelState
@@ -401,8 +401,8 @@ def test_bad_checkpoints_fail_cleanly(hf_models, tmp_path, capsys):
     assert "checksums    OK" in capsys.readouterr().out
 
     # From scratch (no HF config): not exportable, said clearly.
-    from checkpoint_tools.format import save_checkpoint
-    from checkpoint_tools.manifest_fields import model_config_from_manifest
+    from megamoe.checkpoint.format import save_checkpoint
+    from megamoe.checkpoint.manifest_fields import model_config_from_manifest
     from megamoe.checkpoint_state import sharded_state_dict
     from megamoe.models import GPTMoEModel
     from parallel_state import ParallelState
@@ -469,7 +469,7 @@ CONVERSIONS = {   # family: two (layout, expert slots); each checkpoint loads un
 
 def _logits_worker(rank, world_size, cases, input_ids):
     """Every case on this rank: (family, layout, difference to the HF logits) from the reporting rank."""
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from megamoe.inference.pipeline_forward import pipeline_logits
     from parallel_state import destroy_model_parallel, initialize_model_parallel
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpoint_tools.format import read_manifest
+from megamoe.checkpoint.format import read_manifest
 from megamoe.sharding import ShardSpec, get_shard_spec, shard_parameter
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import ParallelState
 
 REPO = Path(__file__).resolve().parent.parent

@@ -40,8 +40,8 @@ from megamoe.gradients import main_grad
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.models import GPTMoEModel
-from megamoe.moe.expert_migration import migrate_layer
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_migration import migrate_layer
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer.recompute import RECOMPUTE_MODULES, RecomputeConfig
@@ -413,7 +413,7 @@ def test_pipeline_under_autocast_on_meta_exchanges_the_parameter_dtype(name, mon
 def test_expert_rebalancing_round_on_meta_creates_every_tensor_on_the_model_device():
     """TrainConfig.eplb: the step records its loads into the window and the round reduces them and checks the
     placements over the world, all on the model's device (a meta run reads no load: nothing moves)."""
-    from megamoe.moe.eplb import EPLBConfig
+    from megamoe.moe.placement.eplb import EPLBConfig
     for rank in range(WORLD_SIZE):
         with _fake_rank(rank, pp=2, ep=2) as state:
             model = GPTMoEModel(tiny_config("alltoall", 6), state, device="meta")
@@ -576,7 +576,7 @@ def test_blocking_step_on_meta_records_its_waits_on_the_timeline():
 def test_kept_block_fp8_generation_on_meta_creates_every_tensor_on_the_model_device():
     """Kept block-FP8 weights (e4m3 + block scales): dense linears dequantized per call, routed experts on the
     emulated block recipe, with replica slots and TP-sharded blocks."""
-    from megamoe.moe.fp8 import FP8Config
+    from megamoe.moe.experts.fp8 import FP8Config
     from megamoe.quantization.block_fp8 import BlockFP8Config
 
     base = tiny_config("allgather", 2 * E)

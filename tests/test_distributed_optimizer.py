@@ -15,11 +15,11 @@ from torch import nn
 
 from megamoe import comms
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.eplb import EPLBConfig
 from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.placement.eplb import EPLBConfig
 from megamoe.moe.router import RouterConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig
@@ -272,7 +272,7 @@ def _single_process_trainer(**kwargs):
 @pytest.mark.slow
 def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     from checkpoint_tools.inspection import inspect_checkpoint
-    from checkpoint_tools.layout import ParallelLayout
+    from megamoe.checkpoint.layout import ParallelLayout
     from checkpoint_tools.reshard import reshard
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     plain_ckpt, dist_ckpt = str(tmp_path / "plain"), str(tmp_path / "dist")

@@ -1,4 +1,4 @@
-"""Online expert rebalancing (EPLB, megamoe.moe.eplb) end to end: a placement never changes the function the
+"""Online expert rebalancing (EPLB, megamoe.moe.placement.eplb) end to end: a placement never changes the function the
 model computes, so training with rebalancing every 3 steps gives the loss curve of the run without it, and
 greedy generation with rebalancing gives the same tokens, under a router biased so that the load is skewed
 and slots really move; every rank computes the same placements (a forced mismatch raises); the next
@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.eplb import EPLBConfig, PlacementDivergenceError
-from megamoe.moe.expert_load_window import ExpertLoadWindow
 from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.placement.eplb import EPLBConfig, PlacementDivergenceError
+from megamoe.moe.placement.expert_load_window import ExpertLoadWindow
 from megamoe.moe.router import RouterConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig
 
@@ -132,7 +132,7 @@ def _layout_worker(rank, world_size, layouts, checkpoint_dir):
         destroy_model_parallel()
     # Every rank must compute the same placement: one rank's policy disagrees -> every rank raises.
     state = initialize_model_parallel(tp=1, ep=world_size, etp=1)
-    import megamoe.moe.replacement as replacement
+    import megamoe.moe.placement.replacement as replacement
     if rank == world_size - 1:
         honest = replacement.replace_experts
 
@@ -276,7 +276,7 @@ def _step_lines(path):
 def test_pretrain_script_rebalances_logs_each_round_and_resumes_with_the_placement(demo, tmp_path, capsys,
                                                                                    monkeypatch):
     from megamoe.cli.launch import run_script
-    from megamoe.moe.expert_slots import ExpertPlacement
+    from megamoe.moe.placement.expert_slots import ExpertPlacement
     from megamoe.training.checkpoint import expert_placements_from_checkpoint, latest_checkpoint
     argv = ["--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt", "--corpus-bytes", "100000",
             "--vocab-size", "512", "--hidden", "32", "--layers", "2", "--sample-tokens", "0", "--steps", "4",

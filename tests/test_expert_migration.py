@@ -1,4 +1,4 @@
-"""Expert migration (megamoe.moe.expert_migration): moving changed slots' weights and optimizer state
+"""Expert migration (megamoe.moe.placement.expert_migration): moving changed slots' weights and optimizer state
 between EP ranks. The oracles: the layer computes the same function after a migration; every slot then
 holds exactly (bitwise) the weights and Adam state of its new expert as a never-migrated copy trained
 identically holds them, replicas included; both copies stay equal when training goes on; the bytes sent
@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 from megamoe import comms
-from megamoe.moe.expert_migration import MigrationStats, migrate_layer, plan_migration
-from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe.fp8 import FP8Config
+from megamoe.moe.experts.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig, MoELayer
+from megamoe.moe.placement.expert_migration import MigrationStats, migrate_layer, plan_migration
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.router import RouterConfig
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.grad_sync import GradientSync
 
 T, H, F, E, K = 16, 8, 8, 8, 2
@@ -146,8 +146,8 @@ def _check_layout(state, old_table, new_table, want_remote, want_local):
 def _checkpoint_after_migration(root):
     """EP 2: a trainer migrated after 2 steps saves what a never-migrated one saves, with the new
     placement; the checkpoint loads under EP 4 with 2E slots."""
-    from checkpoint_tools.checkpoint_load import iter_logical_tensors
-    from checkpoint_tools.format import read_manifest
+    from megamoe.checkpoint.load import iter_logical_tensors
+    from megamoe.checkpoint.format import read_manifest
     from checkpointed_training import build_sampler, build_trainer, dataset, train_steps
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict

@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from megamoe.moe.expert_slots import (
-    ExpertLoadCounter,
-    ExpertPlacement,
-    load_expert_load,
-    save_expert_load,
-)
+from megamoe.moe.placement.expert_slots import (
+                                                ExpertLoadCounter,
+                                                ExpertPlacement,
+                                                load_expert_load,
+                                                save_expert_load,
+                                                )
 
 
 def zipf_load(num_experts: int, exponent: float) -> list[float]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.grouped_mlp import GroupedMLPFunction, SlotGroups
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.experts.grouped_mlp import GroupedMLPFunction, SlotGroups
 
 H, FFN = 12, 8
 ACTIVATIONS = ("swiglu", "gelu", "relu", "silu")
@@ -341,7 +341,8 @@ def test_autocast_training_runs_the_expert_gemms_in_bf16_through_grouped_mm(monk
     module = GroupedExperts(ExpertsConfig(5, hidden, 8, backend="torch"))
     reference = module(tokens, counts)
 
-    monkeypatch.setattr("megamoe.moe.grouped_mlp.grouped_mm_applies", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr("megamoe.moe.experts.grouped_mlp.grouped_mm_applies",
+                        lambda device, dtype: dtype == torch.bfloat16)
     out, dx, calls = _training_forward_backward(module, tokens, counts)
     assert out.dtype == torch.bfloat16 and dx.dtype == torch.float32
     assert module.w_gate_up.grad.dtype == torch.float32
@@ -361,7 +362,7 @@ def test_autocast_training_runs_the_expert_gemms_in_bf16_through_grouped_mm(monk
 
 
 def test_fp32_without_autocast_runs_the_fp32_slot_loop_unchanged():
-    from megamoe.moe.grouped_mlp import _grouped_mlp
+    from megamoe.moe.experts.grouped_mlp import _grouped_mlp
     counts = torch.tensor([3, 0, 5, 1, 2])
     tokens = torch.randn(int(counts.sum()), H, generator=torch.Generator().manual_seed(4))
     module = _load(_experts(), _full_weights(5, gated=True))

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, compute_scale, dequantize, fp8_max,
-                             quantize, resolve_fp8_backend)
-from megamoe.moe.fp8_experts import FP8GroupedLinearFunction, PaddedRows, fp8_grouped_mlp
+from megamoe.moe.experts.fp8 import (FP8AmaxReduction, FP8Config, FP8ScalingState, compute_scale, dequantize, fp8_max,
+                                     quantize, resolve_fp8_backend)
+from megamoe.moe.experts.fp8_experts import FP8GroupedLinearFunction, PaddedRows, fp8_grouped_mlp
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 H, FFN, SLOTS = 64, 96, 4
@@ -254,11 +254,11 @@ def test_te_recipe_without_transformer_engine_names_the_fix():
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        from megamoe.moe.fp8 import te_fp8_recipe
+        from megamoe.moe.experts.fp8 import te_fp8_recipe
         with pytest.raises(ValueError, match="pip install"):
             te_fp8_recipe(FP8Config())
         return
-    from megamoe.moe.fp8 import te_fp8_recipe
+    from megamoe.moe.experts.fp8 import te_fp8_recipe
     with pytest.raises(ValueError, match="rowwise"):
         te_fp8_recipe(FP8Config(recipe="rowwise"))
     assert type(te_fp8_recipe(FP8Config())).__name__ == "DelayedScaling"
@@ -328,8 +328,8 @@ def test_te_paths_reduce_delayed_amaxes_over_the_slot_group_only(monkeypatch):
     """TE's delayed recipe reduces amaxes over fp8_autocast's fp8_group, every rank when it is None: the TE
     path passes the slot group, and a recipe for a one-rank slot group does not reduce at all. Checked
     against a stand-in for TransformerEngine (which needs CUDA) that records what it is given."""
-    from megamoe.moe.fp8 import te_fp8_recipe
-    from megamoe.moe.fp8_experts import te_fp8_grouped_mlp
+    from megamoe.moe.experts.fp8 import te_fp8_recipe
+    from megamoe.moe.experts.fp8_experts import te_fp8_grouped_mlp
 
     log = _fake_transformer_engine(monkeypatch)
     for reduce_amax in (True, False):
@@ -346,7 +346,7 @@ def test_a_te_rank_without_rows_still_joins_the_delayed_amax_reduction(monkeypat
     """Issue 29 row 5: with the delayed recipe TE reduces amaxes over the slot group inside fp8_autocast, in
     the GroupedLinear modules' forward and backward. A rank whose slots got no rows must run them too (on
     zero rows, which change no amax), else its peers wait forever in the reduction."""
-    import megamoe.moe.experts as experts_module
+    import megamoe.moe.experts.grouped_experts as experts_module
 
     log = _fake_transformer_engine(monkeypatch)
     monkeypatch.setattr(experts_module, "resolve_fp8_backend", lambda backend, device, recipe=None: "te")
@@ -382,8 +382,8 @@ def test_a_transformer_engine_that_does_not_load_falls_back_with_the_reason(monk
     """A TE built for another torch raises OSError / RuntimeError on import, not ImportError."""
     import sys
 
-    from megamoe.moe import kernel_probes
-    from megamoe.moe.fp8 import te_fp8_recipe
+    from megamoe.moe.experts import kernel_probes
+    from megamoe.moe.experts.fp8 import te_fp8_recipe
 
     class BrokenTransformerEngine:
         def find_spec(self, name, path=None, target=None):
@@ -395,7 +395,7 @@ def test_a_transformer_engine_that_does_not_load_falls_back_with_the_reason(monk
     monkeypatch.setattr(sys, "meta_path", [BrokenTransformerEngine(), *sys.meta_path])
     monkeypatch.setattr(kernel_probes, "_logged", set())
     _pretend_cuda(monkeypatch, (9, 0))
-    with caplog.at_level("WARNING", logger="megamoe.moe.kernel_probes"):
+    with caplog.at_level("WARNING", logger="megamoe.moe.experts.kernel_probes"):
         assert GroupedExperts._resolve_backend("auto", torch.device("cuda")) == "torch"
     assert f"{type(error).__name__}: {error}" in caplog.text
     with pytest.raises(RuntimeError, match="does not load"):
@@ -410,12 +410,12 @@ def test_a_transformer_engine_that_does_not_load_falls_back_with_the_reason(monk
     ("2.8.0", (9, 0), True), ("2.8.0", (8, 0), False), ("2.8.0", (10, 0), False),
     ("2.9.0", (8, 0), True), ("2.9.0", (7, 5), False), ("2.10.1+cu128", (12, 0), True)])
 def test_grouped_mm_runs_only_where_torch_has_it_for_the_gpu(monkeypatch, caplog, torch_version, capability, runs):
-    from megamoe.moe import kernel_probes
-    from megamoe.moe.grouped_mlp import grouped_mm_applies
+    from megamoe.moe.experts import kernel_probes
+    from megamoe.moe.experts.grouped_mlp import grouped_mm_applies
 
     monkeypatch.setattr(kernel_probes, "_logged", set())
     _pretend_cuda(monkeypatch, capability, torch_version=torch_version)
-    with caplog.at_level("WARNING", logger="megamoe.moe.kernel_probes"):
+    with caplog.at_level("WARNING", logger="megamoe.moe.experts.kernel_probes"):
         assert grouped_mm_applies(torch.device("cuda"), torch.bfloat16) is runs
     assert ("one torch.mm per slot" in caplog.text) is not runs, caplog.text
     assert not grouped_mm_applies(torch.device("cuda"), torch.float32)        # bf16 rows only
@@ -444,7 +444,7 @@ def test_block_fp8_scaled_mm_is_gated_on_sm90_and_cublaslt_12_9(monkeypatch, cap
 def test_block_fp8_scaled_mm_gets_weight_scales_with_a_leading_dimension_padded_to_4(monkeypatch):
     """Some cuBLASLt builds reject block scales whose leading dimension is not 16-byte aligned: scale_b is
     [K / 128, N / 128] column-major, so the stride between its columns must be a multiple of 4."""
-    from megamoe.moe import block_fp8_experts
+    from megamoe.moe.experts import block_fp8_experts
     from megamoe.quantization.block_fp8 import BlockFP8Config, quantize_block_fp8
 
     seen = {}
@@ -548,7 +548,7 @@ def test_fp8_layer_under_etp_or_expert_dp_quantises_as_one_rank(layout):
     """FP8 amaxes are reduced over the ETP group (shards quantise with the whole tensor's scales) and, for
     the delayed recipe, over the expert-DP group (replicas keep one history): every layout then computes
     what one rank computes on all the tokens, up to fp32 summation order."""
-    from megamoe.testing import run_on_ranks
+    from megamoe.spawned_ranks import run_on_ranks
     recipes = RECIPES if "etp" in layout else ("delayed",)     # current scaling is per rank's batch under DP
     worst = run_on_ranks(_fp8_layout_worker, 2, args=(layout, recipes), timeout_s=300)
     assert [sorted(w) for w in worst] == [sorted(recipes)] * 2      # every recipe checked on both ranks

@@ -1,5 +1,6 @@
 """Kept block-FP8 weights: the model holds a block-FP8 checkpoint's e4m3 weights and block scales as stored
-and runs them (``GPTMoEConfig.weight_quantization``; megamoe.quantization.kept_weights, megamoe.moe.block_fp8_experts).
+and runs them (``GPTMoEConfig.weight_quantization``; megamoe.quantization.kept_weights,
+megamoe.moe.experts.block_fp8_experts).
 
 The checkpoints are built here: the tiny HF models of test_hf_families (DeepSeek-V3: MLA, shared experts, a
 dense first layer; Qwen3-MoE: GQA, qk-norm, tied embeddings) quantized into DeepSeek's layout with small blocks
@@ -21,18 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint_tools.adapters import adapter_for
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.layout import ParallelLayout
-from checkpoint_tools.layout_plan import plan_layout
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.layout import ParallelLayout
+from megamoe.checkpoint.layout_plan import plan_layout
+from megamoe.hf.adapters import adapter_for
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.fp8 import FP8Config, resolve_fp8_backend
+from megamoe.moe.experts.fp8 import FP8Config, resolve_fp8_backend
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.quantization.block_fp8 import BlockFP8Config, dequantize_block_fp8, quantize_block_fp8, scale_inv_name
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from parallel_state import ParallelState
 from test_hf_families import _ids, _stage_logits, hf_model
 
@@ -165,8 +166,8 @@ def test_kept_model_matches_block_fp8_reference(family, scale_fmt):
 def test_kept_model_checkpoint_round_trip(tmp_path):
     """A megamoe checkpoint of a kept model stores the e4m3 weights and scales as logical tensors; a fresh
     kept model (another slot count) loads the same bytes back."""
-    from checkpoint_tools.checkpoint_load import load_checkpoint
-    from checkpoint_tools.checkpoint_save import save_checkpoint
+    from megamoe.checkpoint.load import load_checkpoint
+    from megamoe.checkpoint.save import save_checkpoint
     from megamoe.checkpoint_state import sharded_state_dict
 
     config, kept, _, _ = kept_case("deepseek_v3")
@@ -208,7 +209,7 @@ def test_greedy_generation_with_kept_weights_matches_reference():
 def test_scaled_mm_kernel_call_shapes_on_meta():
     """The ``torch`` backend's torch._scaled_mm calls (1x128 activation scales, 128x128 weight scales) pass
     torch's own meta shape checks for partial blocks; their numerics need an sm90 GPU (not verified here)."""
-    from megamoe.moe import block_fp8_experts
+    from megamoe.moe.experts.grouped_experts import block_fp8_experts
 
     config = dataclasses.replace(kept_case("deepseek_v3")[0], weight_quantization=BlockFP8Config())
     experts = GroupedExperts(ExpertsConfig(num_local_slots=2, hidden_size=320, ffn_hidden_size=208,
@@ -301,8 +302,8 @@ def _max_diff(logits, expected):
 
 
 def _layouts_worker(rank, world_size, cases, ids, layouts):
-    from megamoe.moe.expert_migration import migrate_layer
-    from megamoe.moe.expert_slots import ExpertPlacement
+    from megamoe.moe.placement.expert_migration import migrate_layer
+    from megamoe.moe.placement.expert_slots import ExpertPlacement
     from parallel_state import destroy_model_parallel, initialize_model_parallel
 
     results = []

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint_tools.format import iter_logical_tensors, read_manifest
+from megamoe.checkpoint.format import iter_logical_tensors, read_manifest
 from megamoe.quantization.block_fp8 import is_block_fp8_weight, quantize_block_fp8
 from test_convert import assert_same_tensors, convert, hf_tensors, ids, save_hf_model
 from test_hf_families import V, lazy_transformers
@@ -38,8 +38,8 @@ def _partial_block_config():
 
 
 def _quantizable_hf_keys(hf_dir):
-    from checkpoint_tools.adapters import adapter_for
-    from checkpoint_tools.import_hf import model_config_from_hf
+    from megamoe.hf.adapters import adapter_for
+    from megamoe.hf.import_hf import model_config_from_hf
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = model_config_from_hf(json.load(f), hf_dir, hf_keys=hf_tensors(hf_dir))     # MTP layers too
     return {hf for name, hf in adapter_for(config.family).renames(config).items() if is_block_fp8_weight(name)}
@@ -50,7 +50,7 @@ def make_fp8_release(source, target, block, *, scale_fmt="float", scale_dtype=No
     """``source`` (an unquantized HF directory) as a block-FP8 release in ``target``: each linear weight a
     block-FP8 release quantizes becomes e4m3 + ``weight_scale_inv`` (``scale_dtype``, default the format's),
     except the modules matching ``not_converted`` (listed in modules_to_not_convert, left as they are)."""
-    from checkpoint_tools.hf_quantization import module_is_listed
+    from megamoe.hf.hf_quantization import module_is_listed
     os.makedirs(target)
     state = {}
     for key, tensor in hf_tensors(source).items():
@@ -96,15 +96,15 @@ def dequantized_by_definition(state, block):
 
 
 def _logical(hf_state, hf_dir):
-    from checkpoint_tools.adapters import adapter_for
-    from checkpoint_tools.import_hf import model_config_from_hf
+    from megamoe.hf.adapters import adapter_for
+    from megamoe.hf.import_hf import model_config_from_hf
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = model_config_from_hf(json.load(f), hf_dir)
     return adapter_for(config.family).hf_to_megamoe(hf_state, config)
 
 
 def _logits_of_checkpoint(checkpoint):
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from parallel_state import ParallelState
     model = build_model_from_checkpoint(checkpoint, ParallelState.single_process()).eval()
     with torch.no_grad():

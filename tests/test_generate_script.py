@@ -24,13 +24,13 @@ import sys
 import pytest
 import torch
 
-from checkpoint_tools.format import save_checkpoint
-from checkpoint_tools.model_loading import build_model_from_checkpoint
+from megamoe.checkpoint.format import save_checkpoint
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.generation import GenerationConfig, GenerationOutput, generate
+from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.models import GPTMoEModel
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.transformer.rope import RopeConfig
 from parallel_state import ParallelState
 from test_atomic_file import NOT_REGULAR   # FIFO, links to /dev/null and /dev/full, a directory

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megamoe.moe.clamped_swiglu import ClampedSwiGLU
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.fp8 import FP8Config
+from megamoe.moe.experts.clamped_swiglu import ClampedSwiGLU
+from megamoe.moe.experts.fp8 import FP8Config
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.transformer.attention import Attention, AttentionConfig
 from megamoe.transformer.rope import RopeConfig
 

@@ -65,7 +65,7 @@ def test_the_grouped_mm_row_compares_bf16_forward_and_backward_with_an_empty_slo
                                                                                              gpu_check):
     """The row's logic, on CPU: torch._grouped_mm has CPU kernels, so with its gate opened the bf16 experts
     run it here, empty slot included."""
-    import megamoe.moe.grouped_mlp as grouped_mlp
+    import megamoe.moe.experts.grouped_mlp as grouped_mlp
 
     check = gpu_check
     calls = []
@@ -94,8 +94,8 @@ def test_the_block_fp8_row_compares_scaled_mm_against_the_emulation(monkeypatch,
     """The row's logic and the kernel's operands, on CPU: with the probe opened and torch._scaled_mm replaced by
     its blockwise semantics, the ``torch`` backend's kept block-FP8 experts match the emulation (so the scales
     reach the kernel in the layout it reads, padded leading dimension included)."""
-    import megamoe.moe.fp8 as fp8
-    import megamoe.moe.kernel_probes as kernel_probes
+    import megamoe.moe.experts.fp8 as fp8
+    import megamoe.moe.experts.kernel_probes as kernel_probes
 
     check = gpu_check
     monkeypatch.setattr(fp8, "block_scaled_mm_problem", lambda device: None)

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.adapters import AdapterError, adapter_for
+from megamoe.hf.adapters import AdapterError, adapter_for
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import ParallelState
 
 V, H, S = 64, 32, 9
@@ -384,3 +384,19 @@ def test_families_under_parallel_layouts():
             assert diff <= ATOL, f"{family} under {name}: logits differ by {diff:.2e}"
             checked[name, family] = True
     assert len(checked) == len(LAYOUTS) * len(cases)
+
+
+def test_each_family_has_its_own_adapter_module():
+    """HF conversion is one module per family (megamoe/hf/families/<model_type>.py, as torchtitan's
+    models/<family>/state_dict_adapter.py), each registered under its model_type, one for every supported family."""
+    import importlib
+    import pkgutil
+
+    import megamoe.hf.families
+    from megamoe.hf.adapters import ADAPTERS
+
+    modules = {m.name for m in pkgutil.iter_modules(megamoe.hf.families.__path__)}
+    assert modules == set(ADAPTERS) == set(SUPPORTED_FAMILIES)
+    for name in modules:
+        assert ADAPTERS[name] is importlib.import_module(f"megamoe.hf.families.{name}").ADAPTER
+        assert adapter_for(name).model_type == name

@@ -19,8 +19,8 @@ import torch
 from megamoe.data.token_dataset import TokenDataset, build_token_file
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.cli.launch import run_script
-from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
-from megamoe.testing import run_on_ranks
+from megamoe.moe.placement.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.model_config_file import read_model_config_file
 from parallel_state import ParallelState
 from test_hf_families import V, hf_config, lazy_transformers
@@ -136,7 +136,7 @@ def test_start_from_hf_takes_the_recompute_choice(hf_dir):
 
 
 def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
-    from checkpoint_tools.errors import ConversionError
+    from megamoe.checkpoint.errors import ConversionError
     from megamoe.training.hf_start import hf_start_config, start_from_hf
     directory, _ = hf_dir
     (tmp_path / "empty").mkdir()
@@ -156,7 +156,7 @@ def test_hf_start_errors_name_the_problem(hf_dir, tmp_path):
 def test_start_from_hf_refuses_non_finite_weights_unless_allowed(hf_dir, tmp_path, caplog):
     from safetensors.torch import load_file, save_file
 
-    from checkpoint_tools.errors import ConversionError
+    from megamoe.checkpoint.errors import ConversionError
     from megamoe.training.hf_start import start_from_hf
     directory = tmp_path / "nan"
     shutil.copytree(hf_dir[0], directory)
@@ -179,7 +179,7 @@ LOADS = {1: [50, 1, 1, 1, 1, 1, 1, 30]}      # the only MoE layer of the tiny qw
 
 
 def _ep2_worker(rank, world_size, directory, expert_load, input_ids, expected):
-    from checkpoint_tools.hf_checkpoint import HFCheckpoint
+    from megamoe.checkpoint.hf_checkpoint import HFCheckpoint
     from megamoe.inference.pipeline_forward import pipeline_logits
     from megamoe.training.hf_start import load_hf_weights, start_from_hf
     from parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -326,7 +326,7 @@ def _model_config_json(kind):
 def test_model_config_trains_from_scratch_and_exports(demo, kind, hf_dir, token_file, tmp_path, capsys):
     """The exported directory (a config.json written for the family, for megamoe fields) loads in
     transformers and computes what the final checkpoint computes."""
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from megamoe.training.checkpoint import latest_checkpoint
     (tmp_path / "config.json").write_text(json.dumps(_model_config_json(kind)))
     argv = ["--model-config", tmp_path / "config.json", "--tokenizer", hf_dir[0], "--export-hf", tmp_path / "out",
@@ -389,7 +389,7 @@ def test_a_resumed_hf_run_reads_no_hf_weights_and_still_exports(demo, hf_dir, to
     """The rerun resumes from its checkpoint (which carries the HF provenance): the HF tensors are not
     read again, and the export is the checkpoint's model with the original config.json."""
     import megamoe.training.hf_start as hf_start
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from megamoe.training.checkpoint import latest_checkpoint
     directory, _ = hf_dir
     argv = ["--hf-model", directory, *_train_args(tmp_path, token_file, 2)]

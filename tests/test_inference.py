@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.adapters import adapter_for
-from checkpoint_tools.format import save_checkpoint
-from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe import comms
+from megamoe.checkpoint.format import save_checkpoint
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
+from megamoe.hf.adapters import adapter_for
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch, max_sequence_length
 from megamoe.inference.generation_memory import estimate_generation_memory
@@ -35,8 +35,8 @@ from megamoe.inference.sampling import SamplingConfig, request_generator, sample
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
-from megamoe.moe.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
-from megamoe.testing import run_on_ranks
+from megamoe.moe.placement.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.transformer import MultiHeadLatentAttention
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.rope import RopeConfig
@@ -483,9 +483,9 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    from checkpoint_tools.format import read_manifest
-    from checkpoint_tools.import_hf import import_hf
-    from checkpoint_tools.layout import ParallelLayout
+    from megamoe.checkpoint.format import read_manifest
+    from megamoe.hf.import_hf import import_hf
+    from megamoe.checkpoint.layout import ParallelLayout
 
     family = "qwen3_moe"
     hf, config = hf_model(family)

@@ -21,8 +21,8 @@ from megamoe.models.gpt_moe import chunk_layer_ranges
 from megamoe.pipeline import (PipelineOp, check_interleaved_layout, forward_backward, forward_backward_interleaved,
                               forward_only, interleaved_1f1b_order, simulate_pipeline)
 from megamoe.pipeline.nccl_ordering import check_nccl_ordering
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from p2p_recording import fake_rank, recording_p2p

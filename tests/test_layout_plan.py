@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from checkpoint_tools.chunk_regions import _check_tiling, _is_grid
-from checkpoint_tools.errors import CheckpointError, ConversionError
-from checkpoint_tools.layout import ParallelLayout
-from checkpoint_tools.layout_plan import _ep_peer_chunks, _groups_by_rank, _roles, plan_grid, plan_layout
-from checkpoint_tools.placements import build_placements
+from megamoe.checkpoint.chunk_regions import _check_tiling, _is_grid
+from megamoe.checkpoint.errors import CheckpointError, ConversionError
+from megamoe.checkpoint.layout import ParallelLayout
+from megamoe.checkpoint.layout_plan import _ep_peer_chunks, _groups_by_rank, _roles, plan_grid, plan_layout
+from megamoe.checkpoint.placements import build_placements
 from megamoe.models.families import config_from_hf
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from parallel_state import compute_rank_groups
 from test_hf_families import hf_config
 

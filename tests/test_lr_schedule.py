@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from checkpoint_tools.format import CheckpointError
+from megamoe.checkpoint.format import CheckpointError
 from checkpointed_training import build_sampler, build_trainer, dataset
 from megamoe.training.checkpoint import checkpoint_path, load_training_checkpoint, save_training_checkpoint
 from megamoe.training.lr_schedule import LRScheduleConfig

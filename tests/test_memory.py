@@ -280,7 +280,7 @@ def _two_rank_worker(rank, world_size):
 
 @pytest.mark.slow      # ~10-20 s: one spawn of 2 gloo ranks, four layouts
 def test_estimate_matches_the_measurement_on_two_ranks():
-    from megamoe.testing import run_on_ranks
+    from megamoe.spawned_ranks import run_on_ranks
     per_rank = run_on_ranks(_two_rank_worker, 2)
     for i, (layout, train) in enumerate(TWO_RANK_RUNS):
         pp, ep, cp = layout.get("pp", 1), layout.get("ep", 1), layout.get("cp", 1)

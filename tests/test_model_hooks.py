@@ -11,13 +11,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from checkpoint_tools.format import read_manifest
+from megamoe.checkpoint.format import read_manifest
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEModel, LayerSpec
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.moe.router import Router
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import MLP, Attention

@@ -23,8 +23,8 @@ from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
 from megamoe.sharding import get_shard_spec
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.transformer import AttentionConfig, RopeConfig
 from megamoe.transformer.mlp import MLPConfig
 from megamoe.transformer.recompute import RecomputeConfig

@@ -12,7 +12,7 @@ from megamoe.host_values import count_host_reads
 from megamoe.moe.moe_layer import MoEConfig, MoELayer
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 
 T, H, F, E, K = 24, 16, 8, 8, 2
 ATOL = 2e-5

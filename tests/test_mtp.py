@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from checkpoint_tools.adapters import AdapterError, adapter_for
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.data.packing import MicroBatch
+from megamoe.hf.adapters import AdapterError, adapter_for
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.models.mtp import mtp_targets, shift_left
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training import TrainConfig, Trainer
 from parallel_state import ParallelState
 from test_hf_families import V, hf_config, lazy_transformers
@@ -101,7 +101,7 @@ def hf_tensors(directory):
 
 
 def _config(hf_dir, **engine):
-    from checkpoint_tools.import_hf import model_config_from_hf
+    from megamoe.hf.import_hf import model_config_from_hf
     return model_config_from_hf(json.loads((hf_dir / "config.json").read_text()), str(hf_dir),
                                 hf_keys=hf_tensors(hf_dir).keys(), **engine)
 
@@ -202,7 +202,7 @@ def _plain_loss(main, depths, labels, coeff):
 # One process
 # ----------------------------------------------------------------------------------------------
 def test_config_and_targets(mtp_hf_dir):
-    from checkpoint_tools.import_hf import model_config_from_hf
+    from megamoe.hf.import_hf import model_config_from_hf
     config = _config(mtp_hf_dir)
     assert config.mtp_num_layers == DEPTHS and list(config.mtp_layer_ids) == [3, 4]
     assert {3, 4} <= set(config.moe_layer_ids)           # MoE by DeepSeek's rule (i >= first_k_dense_replace)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint_tools.model_loading import build_model_from_checkpoint
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint
 from megamoe.quantization.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from parallel_state import ParallelState
 from test_convert import convert, hf_tensors, ids, save_hf_model

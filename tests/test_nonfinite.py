@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointed_training import build_sampler, build_trainer, dataset
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.checkpoint import checkpoint_path, load_training_checkpoint, save_training_checkpoint
 from megamoe.training.loss_scaling import DynamicLossScaler, LossScaleConfig
 from megamoe.training.non_finite import NonFiniteTrainingError

@@ -27,8 +27,8 @@ from megamoe.models import GPTMoEModel
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.pipeline.schedule import forward_backward_no_pipelining
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.grad_buckets import GradReadiness, grad_bucket_numel, plan_buckets
 from megamoe.training.grad_sync import GradientSync
 from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs

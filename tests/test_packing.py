@@ -16,8 +16,8 @@ from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import Attention, AttentionConfig, MLAConfig, MLPConfig, RopeConfig

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import (
     GROUP_KINDS,
     GroupInfo,

@@ -18,7 +18,7 @@ from torch import nn
 from megamoe import comms
 from megamoe.pipeline import (forward_backward, forward_backward_1f1b, forward_backward_no_pipelining,
                               partition_layers, stage_hidden_dtype)
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 
 NUM_LAYERS, MICRO_BATCH, SEQ, HIDDEN = 8, 2, 3, 8

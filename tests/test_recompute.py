@@ -15,12 +15,12 @@ from megamoe import comms
 from megamoe.host_values import count_host_reads
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.fp8 import FP8Config
+from megamoe.moe.experts.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.checkpoint import _config_differences
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLAConfig, MLPConfig, RopeConfig
@@ -257,7 +257,7 @@ def test_config_defaults_round_trip_and_resume_with_another_choice():
     with pytest.raises(ValueError, match="recompute"):
         GPTMoEConfig.from_dict({**config.to_dict(), "recompute": {"granularity": "full", "layers": 1}})
     # Export to HF compares the model's fields with the HF config's: recomputation is not one of them.
-    from checkpoint_tools.export_hf import _model_fields
+    from megamoe.hf.export_hf import _model_fields
     assert _model_fields(config) == _model_fields(dataclasses.replace(config, recompute=NONE))
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megamoe.moe import PlacementUpdate, replace_experts
-from megamoe.moe.assignment import min_cost_assignment
-from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.moe.replacement import matched_to, peak_bound
+from megamoe.moe.placement.assignment import min_cost_assignment
+from megamoe.moe.placement.expert_slots import ExpertPlacement
+from megamoe.moe.placement.replacement import matched_to, peak_bound
 
 
 def zipf_load(num_experts: int, exponent: float, seed: int) -> torch.Tensor:

@@ -13,12 +13,12 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import checkpoint_tools.safetensors_stream as stream
-from checkpoint_tools.checkpoint_stream import CheckpointStreamWriter, StreamedTensor
-from checkpoint_tools.format import read_manifest, verify_checkpoint
-from checkpoint_tools.logical_reader import LogicalTensorReader
-from checkpoint_tools.safetensors_stream import (FileExtent, PlannedTensor, SafetensorsStreamWriter,
-                                                 read_data_extents)
+from megamoe.checkpoint.format import read_manifest, verify_checkpoint
+from megamoe.checkpoint.logical_reader import LogicalTensorReader
+import megamoe.checkpoint.safetensors_stream as stream
+from megamoe.checkpoint.safetensors_stream import (FileExtent, PlannedTensor, SafetensorsStreamWriter,
+                                                   read_data_extents)
+from megamoe.checkpoint.stream import CheckpointStreamWriter, StreamedTensor
 
 
 def _source(tmp_path):

@@ -19,8 +19,8 @@ from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.grad_sync import GradientSync
 from megamoe.transformer import AttentionConfig, RopeConfig
 from megamoe.transformer.mla import MLAConfig
@@ -277,7 +277,7 @@ def test_config_round_trip_and_validation():
         dataclasses.replace(cfg, sequence_parallel="yes")
     from megamoe.training.checkpoint import _ENGINE_FIELDS
     assert "sequence_parallel" in _ENGINE_FIELDS
-    from checkpoint_tools.model_loading import config_for_engine     # generation loads checkpoints without SP
+    from megamoe.checkpoint.model_loading import config_for_engine     # generation loads checkpoints without SP
     assert config_for_engine(cfg, sequence_parallel=False).sequence_parallel is False
     assert config_for_engine(cfg).sequence_parallel is True
 

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoEConfig
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.moe.router import RouterConfig
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
-from megamoe.testing import run_on_ranks
 from megamoe.training.flops import flops_per_token
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, MLPConfig, RopeConfig

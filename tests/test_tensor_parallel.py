@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from megamoe import comms
 from megamoe.sharding import get_shard_spec
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                      allreduce_sequence_parallel_grads, initialize_parameters,
                                      vocab_parallel_cross_entropy)
-from megamoe.testing import run_on_ranks
 
 S, B, H, F_OUT, V = 8, 3, 16, 24, 32
 ATOL = 1e-5

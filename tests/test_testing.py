@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.testing import BACKEND_ENV, RankFailure, RankTimeout, run_on_ranks
+from megamoe.spawned_ranks import BACKEND_ENV, RankFailure, RankTimeout, run_on_ranks
 
 # Generous: spawning ranks and importing torch can take a minute on a loaded machine. None of these
 # runs waits for the timeout unless the harness is broken (or, for the hang case, by design).

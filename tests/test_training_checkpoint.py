@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools import checksums, integrity
-from checkpoint_tools.format import CheckpointError, read_manifest, save_checkpoint
+from megamoe.checkpoint import checksums, integrity
+from megamoe.checkpoint.format import CheckpointError, read_manifest, save_checkpoint
 from checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps
 from megamoe.cli.launch import run_script
 from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
 from megamoe.models import GPTMoEConfig
-from megamoe.moe.expert_slots import ExpertPlacement
-from megamoe.testing import run_on_ranks
+from megamoe.moe.placement.expert_slots import ExpertPlacement
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.training.checkpoint import (checkpoint_path, checkpoint_run_id, expert_placements_from_checkpoint,
                                          foreign_checkpoint_differences, last_good_checkpoint, latest_checkpoint,
                                          list_checkpoints, load_training_checkpoint, new_run_id, prune_checkpoints,
@@ -396,7 +396,7 @@ def test_fine_tuned_checkpoint_of_an_import_exports_without_hf_config(tmp_path):
     writes the original config.json and side files, and transformers loads the trained weights."""
     from safetensors.torch import load_file
 
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from megamoe.training.checkpoint import HFProvenance
     from megamoe.training.trainer import TrainConfig, Trainer
     from test_convert import SIDE_FILES, convert, save_hf_model
@@ -438,7 +438,7 @@ def test_fine_tuned_checkpoint_of_an_import_exports_without_hf_config(tmp_path):
 
 
 def test_extra_files_must_stay_inside_the_checkpoint(tmp_path):
-    from checkpoint_tools.format import save_checkpoint
+    from megamoe.checkpoint.format import save_checkpoint
 
     for bad in ("../escape.json", "/abs/file", "manifest.json", "part.safetensors"):
         with pytest.raises(ValueError, match="relative path inside the checkpoint"):

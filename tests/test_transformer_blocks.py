@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megamoe import comms
 from megamoe.models.families import attention_config, mla_config, mlp_config
 from megamoe.sharding import get_shard_spec
-from megamoe.testing import run_on_ranks
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.transformer import (MLP, Attention, AttentionConfig, MLAConfig, MLPConfig, MultiHeadLatentAttention,
                                  RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary)
 

@@ -31,9 +31,9 @@ from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.sharding import ShardSpec, get_shard_spec
+from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
-from megamoe.testing import run_on_ranks
 from megamoe.training.grad_sync import GradientSync
 from megamoe.training.memory_estimate import stage_parameters
 from megamoe.transformer import AttentionConfig, RopeConfig
@@ -235,7 +235,7 @@ def _loss_and_backward(model, state, inputs, labels):
 
 
 def _layouts_worker(rank, world_size, references, checkpoint, hf_case):
-    from checkpoint_tools.model_loading import build_model_from_checkpoint
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     results = []
     for name, (sizes, sp, divisible_by) in LAYOUTS.items():
@@ -307,8 +307,8 @@ def test_any_vocabulary_under_tensor_parallel_layouts(tmp_path):
                             f"import --tp 3 -> reshard --tp {tp} -> export")
 
     # The padding is an engine choice: a checkpoint trained with any still describes the HF config.
-    from checkpoint_tools.export_hf import check_hf_config_describes
-    from checkpoint_tools.import_hf import model_config_from_hf
+    from megamoe.hf.export_hf import check_hf_config_describes
+    from megamoe.hf.import_hf import model_config_from_hf
     hf_config = json.loads((hf_dir / "config.json").read_text())
     padded = dataclasses.replace(model_config_from_hf(hf_config, "config.json"), make_vocab_size_divisible_by=128)
     check_hf_config_describes(hf_config, padded, "here", "the checkpoint")

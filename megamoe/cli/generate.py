@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import read_manifest
-from checkpoint_tools.manifest_fields import HF_FILES_DIR
-from checkpoint_tools.model_loading import build_model_from_checkpoint, config_for_engine
-from checkpoint_tools.model_manifest import check_model_manifest
+from megamoe.checkpoint.format import read_manifest
+from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
+from megamoe.checkpoint.model_loading import build_model_from_checkpoint, config_for_engine
+from megamoe.checkpoint.model_manifest import check_model_manifest
 from megamoe import comms
 from megamoe.atomic_file import AtomicWriteError, atomic_write, check_output_target
 from megamoe.data.tokenizer import Tokenizer
@@ -58,8 +58,8 @@ from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.process_group import init_distributed, launch_rank, launch_world_size, resolve_device
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
-from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
-from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.moe.placement.eplb_arguments import add_eplb_arguments, eplb_config_from_args
+from megamoe.moe.placement.expert_slots import ExpertPlacement, save_expert_load
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
 

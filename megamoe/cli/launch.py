@@ -21,8 +21,8 @@ process drives the GPU of its ``LOCAL_RANK`` (one GPU per local rank, as torchru
 tensors travel over NCCL and its CPU tensors (metadata) over gloo; on CPU everything is gloo.
 
 User errors are :class:`~megamoe.errors.UsageError` and the library's own errors for bad input (``ValueError``, which
-covers :class:`~checkpoint_tools.errors.ConversionError` and config validation;
-:class:`~checkpoint_tools.format.CheckpointError`; ``OSError`` such as a missing file), and a run stopped
+covers :class:`~megamoe.checkpoint.errors.ConversionError` and config validation;
+:class:`~megamoe.checkpoint.format.CheckpointError`; ``OSError`` such as a missing file), and a run stopped
 by :class:`~megamoe.training.non_finite.NonFiniteTrainingError` (a diverged run: the message says where
 and what to do). Set
 ``MEGAMOE_TRACEBACK=1`` to get the traceback instead (for a bug report).
@@ -131,7 +131,7 @@ def add_device_argument(parser) -> None:
 
 def add_no_verify_checksums_argument(parser) -> None:
     """Add ``--no-verify-checksums`` (``args.verify_checksums``, True by default): the opt-out of hashing a
-    checkpoint's files before they are read (see :mod:`checkpoint_tools.integrity`)."""
+    checkpoint's files before they are read (see :mod:`megamoe.checkpoint.integrity`)."""
     parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                         help="do not hash the checkpoint's files before reading them (their sizes are still "
                              "checked); only for files you know are intact")
@@ -222,5 +222,5 @@ def _non_finite_training_error() -> type[Exception]:
 
 
 def _checkpoint_error() -> type[Exception]:
-    from checkpoint_tools.format import CheckpointError   # checkpoint_tools imports megamoe: import late
+    from megamoe.checkpoint.format import CheckpointError   # checkpoint_tools imports megamoe: import late
     return CheckpointError

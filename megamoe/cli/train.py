@@ -47,7 +47,7 @@ from megamoe.cli.run_config import config_flags, read_config_file, split_dotted_
 from megamoe.data.data_arguments import add_data_arguments
 from megamoe.data.packing import add_packing_arguments
 from megamoe.errors import UsageError
-from megamoe.moe.eplb_arguments import add_eplb_arguments
+from megamoe.moe.placement.eplb_arguments import add_eplb_arguments
 from megamoe.process_group import launch_rank, resolve_device
 from megamoe.training.metrics_arguments import add_metrics_arguments
 from megamoe.training.optim_arguments import add_optim_arguments
@@ -181,7 +181,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "family, or megamoe config fields (GPTMoEConfig.to_dict, as checkpoints store it); "
                         "--hidden, --layers, --experts and --top-k do not apply")
     d.add_argument("--expert-load", type=Path, default=None, metavar="FILE",
-                   help="per-layer expert loads (megamoe.moe.expert_slots.save_expert_load): balanced expert "
+                   help="per-layer expert loads (megamoe.moe.placement.expert_slots.save_expert_load): balanced expert "
                         "placements over the slots, as megamoe-convert import-hf applies them")
     d.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
                    help="tokenizer file or directory (sentencepiece .model or HF tokenizer.json); default: the "

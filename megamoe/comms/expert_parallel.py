@@ -82,7 +82,7 @@ def all_to_all(
 # ----------------------------------------------------------------------------------------------
 def exchange_expert_slots(send_buffer: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int],
                           group: ProcessGroup | None) -> torch.Tensor:
-    """The one collective of an expert migration (:func:`megamoe.moe.expert_migration.migrate_layer`),
+    """The one collective of an expert migration (:func:`megamoe.moe.placement.expert_migration.migrate_layer`),
     one per MoE layer: an all-to-all of raw bytes over the EP group.
 
     ``send_buffer`` is a 1-D uint8 tensor holding, destination rank after destination rank

@@ -13,9 +13,8 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -24,10 +23,9 @@ from tqdm import tqdm
 from megamoe.atomic_file import atomic_write, check_output_target
 from megamoe.data.resumable_sampler import ResumableSampler
 from megamoe.data.sample_dataset import checked_sample_indices
+from megamoe.data.token_file_meta import FORMAT_VERSION, TOKEN_DTYPES, TokenFileMeta, sidecar_path
+from megamoe.data.token_source import TokenSource, open_token_source
 from megamoe.data.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from megamoe.data.token_source import TokenSource
 
 __all__ = [
     "FORMAT_VERSION", "TokenFileMeta", "sidecar_path", "check_token_file_targets", "build_token_file",
@@ -36,78 +34,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 # Tokens buffered before a write: bounds memory (8 bytes per buffered id) for corpora of any size.
 _FLUSH_TOKENS = 1 << 20
-
-
-def sidecar_path(token_path: str | os.PathLike) -> Path:
-    """``<token_path>.json``: the metadata file of a token file."""
-    token_path = Path(token_path)
-    return token_path.with_name(token_path.name + ".json")
-
-
-@dataclass(frozen=True)
-class TokenFileMeta:
-    """The sidecar of a token file. ``tokenizer_sha256`` identifies the tokenizer the ids belong to;
-    ``tokenizer_path`` is where it was at build time (informational)."""
-
-    format_version: int
-    dtype: str
-    num_tokens: int
-    num_documents: int
-    vocab_size: int
-    eos_id: int | None
-    append_eos: bool
-    tokenizer_path: str
-    tokenizer_sha256: str
-
-    def __post_init__(self) -> None:
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(
-                f"TokenFileMeta.format_version is {self.format_version}, this code reads version "
-                f"{FORMAT_VERSION}: rebuild the token file with build_token_file"
-            )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"TokenFileMeta.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("num_tokens", "num_documents", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"TokenFileMeta.{name} must be an int >= 0, got {value!r}")
-        if self.vocab_size > np.iinfo(_DTYPES[self.dtype]).max + 1:
-            raise ValueError(f"TokenFileMeta.vocab_size {self.vocab_size} does not fit dtype {self.dtype}")
-        if not isinstance(self.append_eos, bool):
-            raise ValueError(f"TokenFileMeta.append_eos must be a bool, got {self.append_eos!r}")
-        eos_is_id = type(self.eos_id) is int and 0 <= self.eos_id < self.vocab_size
-        if not (eos_is_id or (self.eos_id is None and not self.append_eos)):
-            raise ValueError(
-                f"TokenFileMeta.eos_id must be an id in [0, vocab_size) (or None without append_eos), "
-                f"got {self.eos_id!r}"
-            )
-
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        return _DTYPES[self.dtype]
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> TokenFileMeta:
-        """Parse and validate a sidecar; ValueError says what is wrong with which file."""
-        path = Path(path)
-        try:
-            fields = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"token file sidecar {path} is corrupt: {error}") from None
-        except RecursionError:  # json's parser recurses once per level of nesting
-            raise ValueError(f"token file sidecar {path} is corrupt: JSON nested too deeply to read") from None
-        expected = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(fields, dict) or set(fields) != expected:
-            got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
-            raise ValueError(f"token file sidecar {path} is corrupt: expected keys {sorted(expected)}, got {got}")
-        try:
-            return cls(**fields)
-        except ValueError as error:
-            raise ValueError(f"token file sidecar {path}: {error}") from None
 
 
 def _documents(files_or_texts: Iterable[str | os.PathLike]) -> Iterator[str]:
@@ -169,7 +97,7 @@ def write_token_file(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     dtype_name = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
-    dtype = _DTYPES[dtype_name]
+    dtype = TOKEN_DTYPES[dtype_name]
     sidecar = sidecar_path(out_path)
     check_token_file_targets(out_path)     # before the unlink: a FIFO or a device there stays as it was
     sidecar.unlink(missing_ok=True)  # from here on the old pair reads as incomplete until the new sidecar lands
@@ -256,8 +184,6 @@ class TokenDataset:
     """
 
     def __init__(self, source: TokenSource | str | os.PathLike, seq_len: int, *, vocab_size: int | None = None):
-        # Imported here: token_source reads this module's TokenFileMeta.
-        from megamoe.data.token_source import TokenSource, open_token_source
 
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from megamoe.data.indexed_dataset import MegatronIndexedDataset, is_megatron_dataset
-from megamoe.data.token_dataset import TokenFileMeta, sidecar_path
+from megamoe.data.token_file_meta import TokenFileMeta, sidecar_path
 
 __all__ = ["TokenSource", "open_token_source", "open_token_file"]
 

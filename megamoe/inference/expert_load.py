@@ -5,7 +5,7 @@ on this rank (``load_counter.per_expert``). :func:`gather_expert_load` totals th
 model: each pipeline stage contributes its own layers, and under data-parallel attention the
 data-parallel ranks (which served different requests) are summed; TP ranks and replicated
 data-parallel ranks saw the same tokens and are counted once. The result is what
-:func:`~megamoe.moe.expert_slots.save_expert_load` writes and ``megamoe-convert import-hf / reshard
+:func:`~megamoe.moe.placement.expert_slots.save_expert_load` writes and ``megamoe-convert import-hf / reshard
 --expert-load FILE`` reads to build balanced placements (:meth:`ExpertPlacement.balanced`).
 """
 

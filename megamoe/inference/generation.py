@@ -60,9 +60,9 @@ from megamoe.inference.kv_cache import StaticKVCache
 from megamoe.inference.sampling import SamplingConfig, request_generator, sample_next_tokens
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import GPTMoEModel
+from megamoe.moe.placement.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
-from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 
 __all__ = ["GenerationConfig", "GenerationOutput", "check_generation_request", "generate", "left_padded_batch",
            "max_sequence_length"]
@@ -261,7 +261,7 @@ def generate(model: GPTMoEModel, state, prompts: Sequence[Sequence[int]], config
     ``compiled``: decode steps through ``torch.compile`` (see the module docstring; every rank must
     pass the same). Returns this rank's requests' new token ids, why each stopped, and timings.
 
-    ``eplb``: online expert rebalancing (:mod:`megamoe.moe.eplb`) between decode steps: the load window
+    ``eplb``: online expert rebalancing (:mod:`megamoe.moe.placement.eplb`) between decode steps: the load window
     and ``interval`` count forward passes (the prefill is the first); the KV caches are untouched, and
     ``GenerationOutput.eplb_reports`` lists the rounds. The load counts each token once, as
     :func:`~megamoe.inference.expert_load.gather_expert_load` does: pass ``data_parallel_attention=True``

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from megamoe.moe.fp8 import FP8Config
+from megamoe.moe.experts.fp8 import FP8Config
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig

@@ -41,7 +41,6 @@ without one). Inference only (the weights are frozen).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from types import SimpleNamespace
 
 import torch
@@ -50,14 +49,15 @@ from torch import nn
 
 from megamoe import comms
 from megamoe.host_values import host_ints
+from megamoe.models.block_fp8_layers import keep_block_fp8_weights
 from megamoe.models.config import GPTMoEConfig
+from megamoe.models.decoder_layer import DecoderLayer
 from megamoe.models.layer_spec import LayerSpec
-from megamoe.models.moe_folding import folding_group
+from megamoe.models.mtp import MTPLayer, mtp_targets, shift_left
 from megamoe.models.sequence_parallel import check_sequence_length, sequence_parallel_group
-from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.pipeline.partition import partition_layers
-from megamoe.quantization.kept_weights import keep_block_fp8_weights
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits  # noqa: F401 (doc)
@@ -66,8 +66,7 @@ from megamoe.transformer import RMSNorm
 from megamoe.transformer.attention import check_no_cache_with_documents
 from megamoe.transformer.context_parallel import (check_context_parallel_length, cp_token_index,  # noqa: F401 (doc)
                                                   slice_for_context_parallel)
-from megamoe.transformer.mla import MLAConfig
-from megamoe.transformer.recompute import checkpointed, set_module_flag
+from megamoe.transformer.recompute import checkpointed
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer.rope import RotaryEmbedding
 
@@ -157,95 +156,6 @@ def chunk_layer_ranges(num_layers: int, pp: int, virtual_pipeline_stages: int = 
     return [[ranges[chunk * pp + rank] for chunk in range(v)] for rank in range(pp)]
 
 
-class DecoderLayer(nn.Module):
-    """pre-norm attention + pre-norm (MoE or dense) MLP, both residual. HF module names. The attention,
-    dense MLP and MoE layer are built by ``layer_spec`` (:class:`LayerSpec`; default: the shipped classes).
-    ``config.recompute``'s selective modules apply here (see the module docstring); a custom module
-    without the matching flag logs a warning and is not recomputed inside."""
-
-    def __init__(self, config: GPTMoEConfig, layer_id: int, state, *, placement: ExpertPlacement | None = None,
-                 layer_spec: LayerSpec | None = None, device=None, dtype=None):
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        spec = layer_spec or LayerSpec()
-        tp = state.tp.group
-        sequence_group = sequence_parallel_group(config, state)
-        sp = sequence_group is not None
-        self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
-        cp_group = state.cp.group if state.cp.size > 1 else None
-        self.self_attn = spec.build_attention(config.attention_of(layer_id), tp_group=tp, sequence_parallel=sp,
-                                              cp_group=cp_group, **factory)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
-        if config.is_moe_layer(layer_id):
-            extra = {"sequence_group": sequence_group} if sp else {}
-            fold = folding_group(config, state)
-            if fold is not None:            # MoE parallel folding: each TP rank takes its own share
-                extra["fold_group"] = fold
-            if cp_group is not None:        # balancing statistics over the whole sequences
-                extra["statistics_group"] = state.tp_cp.group if (sp or fold is not None) else cp_group
-                extra["context_parallel_size"] = state.cp.size
-            self.mlp = spec.build_moe(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
-                                      expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
-                                      placement=placement, **extra, **factory)
-        else:
-            self.mlp = spec.build_mlp(config.dense_mlp, tp_group=tp, sequence_parallel=sp, **factory)
-        if sp:      # the norms see this rank's sequence chunk only: gradients summed over TP
-            for param in (*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters()):
-                param.sequence_parallel = True
-        # A custom attention module written before packed documents existed keeps working without them.
-        parameters = inspect.signature(self.self_attn.forward).parameters.values()
-        self.attention_takes_document_ids = any(p.name == "document_ids" or p.kind is p.VAR_KEYWORD
-                                                for p in parameters)
-        recompute = config.recompute
-        self.recompute_layernorm = recompute.recomputes("layernorm")
-        self.recompute_mlp = recompute.recomputes("moe" if config.is_moe_layer(layer_id) else "mlp")
-        set_module_flag(self.self_attn, "recompute_core_attn", recompute.recomputes("core_attn"), "core_attn")
-        if isinstance(config.attention, MLAConfig):       # GQA has no up projections: nothing to recompute
-            set_module_flag(self.self_attn, "recompute_up_proj", recompute.recomputes("mla_up_proj"), "mla_up_proj")
-        if config.is_moe_layer(layer_id):
-            set_module_flag(getattr(self.mlp, "experts", self.mlp), "recompute_activation",
-                            recompute.recomputes("moe_act"), "moe_act")
-
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache=None,
-                attention_mask: torch.Tensor | None = None, mlp_token_index: torch.Tensor | None = None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mlp_token_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
-        """[B, S, H] -> ([B, S, H], aux_loss []). ``attention_mask`` [B, S_past + S] hides padding keys;
-        ``mlp_token_index`` [T] (flat indices into the B * S tokens): only these tokens go through
-        the MLP, the others (padding) keep the attention output alone; ``position_embeddings``: the
-        rotary (cos, sin) of ``position_ids``, when the caller computed them once for all layers;
-        ``mlp_token_mask`` [B * S] (the static-shape alternative to ``mlp_token_index``): every token
-        goes through the MLP, but those masked out reach no expert of a MoE layer; ``document_ids``
-        [B, S]: document-causal attention over packed documents (passed to the attention as a keyword,
-        only when given)."""
-        packing = {}
-        if document_ids is not None:
-            if not self.attention_takes_document_ids:
-                raise ValueError(f"layer {self.layer_id}'s attention {type(self.self_attn).__name__} has no "
-                                 "document_ids keyword in its forward, so it cannot mask packed documents; add "
-                                 "`document_ids=None` to its forward and pass it to causal_attention, or train "
-                                 "without reset_attention_mask")
-            packing["document_ids"] = document_ids
-        normed = checkpointed(self.input_layernorm, hidden, enabled=self.recompute_layernorm)
-        hidden = hidden + self.self_attn(normed, position_ids, kv_cache, attention_mask, position_embeddings, **packing)
-        normed = checkpointed(self.post_attention_layernorm, hidden, enabled=self.recompute_layernorm)
-        if mlp_token_index is not None:
-            normed = normed.reshape(-1, normed.shape[-1]).index_select(0, mlp_token_index)   # [T, H]
-        if mlp_token_mask is not None and isinstance(self.mlp, MoELayer):
-            mlp_out = checkpointed(self.mlp, normed, token_mask=mlp_token_mask, enabled=self.recompute_mlp)
-        else:
-            mlp_out = checkpointed(self.mlp, normed, enabled=self.recompute_mlp)
-        if isinstance(mlp_out, tuple):
-            mlp_out, aux_loss = mlp_out
-        else:
-            aux_loss = hidden.new_zeros((), dtype=torch.float32)
-        if mlp_token_index is not None:
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            return flat.index_add(0, mlp_token_index, mlp_out).view_as(hidden), aux_loss
-        return hidden + mlp_out, aux_loss
-
-
 class GPTMoEModel(nn.Module):
     """One pipeline stage of the model for the layout ``state`` (a ParallelState).
 
@@ -328,7 +238,6 @@ class GPTMoEModel(nn.Module):
                 keep_block_fp8_weights(layer, f"layers.{i}.", config.weight_quantization)
             self.layers[str(i)] = layer
         if self.mtp_layer_ids:
-            from megamoe.models.mtp import MTPLayer     # here: mtp.py builds on DecoderLayer of this module
             for i in self.mtp_layer_ids:
                 layer = MTPLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
                 if config.weight_quantization is not None:
@@ -446,7 +355,6 @@ class GPTMoEModel(nn.Module):
         ``hidden``) from the main model's last hidden states ``hidden`` (before the final norm, which they
         then go through: h^0 is its output) and the whole token ids [B, S]; with their aux losses. Last
         stage only (:mod:`megamoe.models.mtp`)."""
-        from megamoe.models.mtp import shift_left
         batch, seq = self._full_shape(hidden)
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
@@ -469,7 +377,6 @@ class GPTMoEModel(nn.Module):
                  document_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the mean over depths of each depth's mean token loss, the MTP layers' aux losses); see
         :mod:`megamoe.models.mtp` for the targets and the normalisation."""
-        from megamoe.models.mtp import mtp_targets
         states, aux_loss = self.mtp_hidden_states(hidden, input_ids, position_ids, document_ids)
         losses = [self._mean_token_loss(self.logits(state, norm=False), mtp_targets(labels, k, document_ids))
                   for k, state in enumerate(states, start=1)]

@@ -1,6 +1,6 @@
 """Fill a model (one rank's shards) from full logical tensors, and gather them back on one process.
 
-The logical tensors are what :mod:`checkpoint_tools.adapters` makes of a HuggingFace state dict: full,
+The logical tensors are what :mod:`megamoe.hf.adapters` makes of a HuggingFace state dict: full,
 unsharded tensors named like :func:`megamoe.checkpoint_state.sharded_state_dict` (routed experts per
 expert id). Each rank copies out the slices its chunks hold, so the same mapping serves every layout.
 """
@@ -71,7 +71,7 @@ def gather_logical_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every logical tensor of a model whose chunks cover them whole (a single process), as new tensors.
 
     ValueError naming a tensor that this process holds only part of (a multi-rank layout needs a
-    checkpoint save instead, see :mod:`checkpoint_tools.format`).
+    checkpoint save instead, see :mod:`megamoe.checkpoint.format`).
     """
     gathered = {}
     for name, chunks in chunks_by_name(model).items():

@@ -16,7 +16,7 @@ as Megatron-Core's ``MultiTokenPredictionBlock`` and transformers' ``MtpModel`` 
 DeepSeek release, that choice does not arise). vLLM and SGLang also zero the embedding at position 0 for
 DeepSeek's releases; Megatron-Core and transformers do not, nor does this module (it changes drafts, never
 the verified output of :mod:`megamoe.inference.mtp_draft`). The decoder layer is an ordinary
-:class:`~megamoe.models.gpt_moe.DecoderLayer` (same module names, so the checkpoint, expert-slot, EPLB and
+:class:`~megamoe.models.decoder_layer.DecoderLayer` (same module names, so the checkpoint, expert-slot, EPLB and
 placement machinery keyed by layer id applies), at RoPE position i: only relative positions enter
 attention, so this equals the other conventions (transformers' drafting at i + 1) up to rounding.
 
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from megamoe.models.config import GPTMoEConfig
-from megamoe.models.gpt_moe import DecoderLayer
+from megamoe.models.decoder_layer import DecoderLayer
 from megamoe.models.sequence_parallel import sequence_parallel_group
 from megamoe.tensor_parallel import ColumnParallelLinear
 from megamoe.tensor_parallel.init import normal_init

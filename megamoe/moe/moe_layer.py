@@ -21,7 +21,7 @@ reads ``load_counter`` every step, calls ``router.update_expert_bias(load)`` aft
 when ``router.config.use_expert_bias``, and reports ``placement.balancedness``; the gradient sync and
 the gradient norm call :meth:`reduce_replica_grads` and :meth:`local_replica_counts` and read the
 experts' ``expert_weight_shards``; checkpoints call :meth:`sharded_state_dict` and store
-``placement.to_dict()``. Online rebalancing (:func:`megamoe.moe.expert_migration.migrate_layer`) reads
+``placement.to_dict()``. Online rebalancing (:func:`megamoe.moe.placement.expert_migration.migrate_layer`) reads
 ``placement``, ``local_slots``, ``ep_group`` / ``ep_rank`` / ``ep_size`` and the experts'
 ``slot_parameters`` / ``slot_buffers``, and REPLACES ``placement`` (``local_slots`` never change): a
 subclass must read whatever it derives from the placement from ``self.placement`` when it runs, never
@@ -46,9 +46,9 @@ from torch.distributed import ProcessGroup
 from megamoe import comms
 from megamoe.checkpoint_state import LogicalChunk, default_sharded_state_dict
 from megamoe.gradients import main_grad
-from megamoe.moe.expert_slots import ExpertLoadCounter, ExpertPlacement
-from megamoe.moe.experts import ExpertsConfig, GroupedExperts
-from megamoe.moe.fp8 import FP8AmaxReduction, FP8Config
+from megamoe.moe.experts.fp8 import FP8AmaxReduction, FP8Config
+from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
+from megamoe.moe.placement.expert_slots import ExpertLoadCounter, ExpertPlacement
 from megamoe.moe.router import Router, RouterConfig
 from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
 from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
@@ -83,7 +83,7 @@ class MoEConfig:
     dispatcher: str = "alltoall"               # "alltoall" | "allgather"
     input_sharded: bool = False                # allgather: tokens sharded over the EP x ETP group
     expert_backend: str = "auto"               # "auto" | "torch" | "loop" | "te" | "fp8_emulated"
-    expert_fp8: FP8Config | None = None        # FP8 expert GEMMs (see megamoe.moe.fp8)
+    expert_fp8: FP8Config | None = None        # FP8 expert GEMMs (see megamoe.moe.experts.fp8)
     activation: str = "swiglu"                 # see ExpertsConfig ("swiglu_clamped": gpt-oss)
     expert_bias: bool = False                  # routed experts with gate/up and down biases (gpt-oss)
     swiglu_alpha: float = 1.702                # activation "swiglu_clamped" only
@@ -139,7 +139,7 @@ class MoELayer(nn.Module):
             dispatcher: its ranks all see every token and share one reduction.
         etp_edp_group: the ETP x expert-DP group (``ParallelState.etp_edp``): the ranks holding shards or
             replicas of this rank's slots. Used only by FP8 experts, whose delayed-scaling amaxes are
-            reduced over it so that every shard and replica quantises alike (see megamoe.moe.fp8).
+            reduced over it so that every shard and replica quantises alike (see megamoe.moe.experts.fp8).
         placement: slot -> expert table; default: experts in order, extra slots round-robin replicas.
         sequence_group: under sequence parallelism, the group whose ranks hold the other chunks of this
             layer's sequences (the TP group; None otherwise). Every rank then routes its own tokens:
@@ -263,7 +263,7 @@ class MoELayer(nn.Module):
         rank's shards in HF layout: used by checkpoints, the replica gradient sum and the gradient
         norm). Optional: ``supports_per_pair`` and ``forward_per_pair`` (compiled decoding, see the
         module docstring); ``slot_parameters(local_slot)`` and ``slot_buffers(local_slot)`` (what moves
-        with a slot: needed by :func:`megamoe.moe.expert_migration.migrate_layer`, see
+        with a slot: needed by :func:`megamoe.moe.placement.expert_migration.migrate_layer`, see
         :meth:`GroupedExperts.slot_parameters`). Every parameter is tagged ``expert_parallel`` after this
         returns."""
         return GroupedExperts(ExpertsConfig(

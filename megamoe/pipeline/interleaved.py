@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import torch
 
 from megamoe import comms
-from megamoe.pipeline.schedule import ForwardStep, _backward, _check_num_micro_batches, _forward
 from megamoe.pipeline.schedule_simulation import PipelineOp, interleaved_1f1b_order, replay_orders
+from megamoe.pipeline.stage_step import ForwardStep, backward_step, check_num_micro_batches, forward_step_checked
 
 if TYPE_CHECKING:
     from parallel_state import ParallelState
@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 def check_interleaved_layout(pp: int, virtual_stages: int, num_micro_batches: int) -> None:
     """ValueError naming the numbers unless the interleaved schedule can run: pp > 1, V >= 1 model
     chunks, and a number of micro-batches ``m`` that is a positive multiple of pp."""
-    _check_num_micro_batches(num_micro_batches)
+    check_num_micro_batches(num_micro_batches)
     if virtual_stages < 1:
         raise ValueError(f"the interleaved schedule needs at least one forward step (model chunk), got "
                          f"{virtual_stages}")
@@ -217,8 +217,8 @@ def forward_backward_interleaved(
         if input_tensor is not None:
             input_tensor.requires_grad_()
         is_last = ring.stage(op.chunk) == ring.last_stage
-        output, aux_loss = _forward(steps[op.chunk], input_tensor, op.micro_batch, is_last=is_last,
-                                    tensor_shape=tensor_shape, dtype=dtype)
+        output, aux_loss = forward_step_checked(steps[op.chunk], input_tensor, op.micro_batch, is_last=is_last,
+                                                tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses[op.micro_batch] = output.detach()
         in_flight[op.chunk, op.micro_batch] = (input_tensor, output, aux_loss)
@@ -229,7 +229,7 @@ def forward_backward_interleaved(
         if on_last_backward is not None and last_backward[op.chunk] == op:
             on_last_backward(op.chunk)
         # Popped here so that no caller variable outlives the micro-batch's graph.
-        ring.output_of(op, _backward(*in_flight.pop((op.chunk, op.micro_batch)), output_grad))
+        ring.output_of(op, backward_step(*in_flight.pop((op.chunk, op.micro_batch)), output_grad))
 
     for item in plan:
         if isinstance(item, Exchange):
@@ -265,8 +265,8 @@ def forward_only_interleaved(
             ring.exchange(item)
             continue
         is_last = ring.stage(item.chunk) == ring.last_stage
-        output, _ = _forward(steps[item.chunk], ring.input_of(item), item.micro_batch, is_last=is_last,
-                             tensor_shape=tensor_shape, dtype=dtype)
+        output, _ = forward_step_checked(steps[item.chunk], ring.input_of(item), item.micro_batch,
+                                         is_last=is_last, tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses[item.micro_batch] = output
         ring.output_of(item, output)

@@ -42,13 +42,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
+from megamoe.pipeline.interleaved import forward_backward_interleaved, forward_only_interleaved
 from megamoe.pipeline.p2p import StageP2P
+from megamoe.pipeline.stage_step import ForwardStep, backward_step, check_num_micro_batches, forward_step_checked
 
 if TYPE_CHECKING:
     from parallel_state import ParallelState
@@ -57,67 +59,16 @@ __all__ = ["ForwardStep", "forward_backward", "forward_backward_1f1b", "forward_
 
 logger = logging.getLogger(__name__)
 
-StepOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, None]]]
-ForwardStep = Callable[[Union[torch.Tensor, None], int], StepOutput]
-
-
-def _check_num_micro_batches(num_micro_batches: int) -> None:
-    if num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
-
-
-def _forward(forward_step: ForwardStep, input_tensor: torch.Tensor | None, index: int, *, is_last: bool,
-             tensor_shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
-    """Run the step; return ``(output, aux_loss)`` after checking what it returned."""
-    result = forward_step(input_tensor, index)
-    if isinstance(result, tuple):
-        if len(result) != 2:
-            raise ValueError(f"forward_step must return output or (output, aux_loss), got a {len(result)}-tuple")
-        output, aux_loss = result
-    else:
-        output, aux_loss = result, None
-    if aux_loss is not None and aux_loss.numel() != 1:
-        raise ValueError(f"forward_step's aux_loss must be a scalar, got shape {tuple(aux_loss.shape)}")
-    if is_last:
-        if output.numel() != 1:
-            raise ValueError(f"forward_step on the last stage must return the scalar loss, got shape "
-                             f"{tuple(output.shape)}")
-    elif tuple(output.shape) != tensor_shape or output.dtype != dtype:
-        # The receiving stage allocates exactly tensor_shape/dtype: a mismatch would corrupt or hang.
-        raise ValueError(f"forward_step returned an activation of shape {tuple(output.shape)} and dtype "
-                         f"{output.dtype}, but the pipeline sends tensor_shape={tensor_shape}, dtype={dtype}; "
-                         "make the stage output match (or pass the right tensor_shape)")
-    return output, aux_loss
-
-
-def _backward(input_tensor: torch.Tensor | None, output: torch.Tensor, aux_loss: torch.Tensor | None,
-              output_grad: torch.Tensor | None) -> torch.Tensor | None:
-    """Backpropagate one micro-batch through this stage; return its input's gradient (None on the
-    first stage). ``output_grad`` is None on the last stage, where ``output`` is the scalar loss."""
-    tensors, grads = [], []
-    for tensor, grad in ((output, output_grad), (aux_loss, None)):
-        if tensor is not None and tensor.requires_grad:   # e.g. a parameter-free first stage: nothing to do
-            tensors.append(tensor)
-            grads.append(grad)
-    if tensors:
-        torch.autograd.backward(tensors, grads)
-    if input_tensor is None:
-        return None
-    # An output that does not depend on its input has a zero input gradient; the previous stage still
-    # waits for one.
-    return input_tensor.grad if input_tensor.grad is not None else torch.zeros_like(input_tensor)
-
-
 OnLastBackward = Callable[[int], None]
 
 
 def _whole_micro_batch(forward_step: ForwardStep, index: int, before_backward: OnLastBackward | None = None
                        ) -> torch.Tensor:
     # A function of its own so that no local variable keeps the micro-batch alive after its backward.
-    loss, aux_loss = _forward(forward_step, None, index, is_last=True)
+    loss, aux_loss = forward_step_checked(forward_step, None, index, is_last=True)
     if before_backward is not None:
         before_backward(0)
-    _backward(None, loss, aux_loss, None)
+    backward_step(None, loss, aux_loss, None)
     return loss.detach()
 
 
@@ -129,7 +80,7 @@ def forward_backward_no_pipelining(forward_step: ForwardStep, num_micro_batches:
     the module docstring for the scaling convention). ``on_last_backward(0)``: called before the last
     micro-batch's backward. Returns the detached losses.
     """
-    _check_num_micro_batches(num_micro_batches)
+    check_num_micro_batches(num_micro_batches)
     last = num_micro_batches - 1
     return [_whole_micro_batch(forward_step, index, on_last_backward if index == last else None)
             for index in range(num_micro_batches)]
@@ -180,7 +131,7 @@ def forward_backward_1f1b(
     micro-batch (see the module docstring). Returns the detached per-micro-batch losses on the last
     stage, an empty list elsewhere.
     """
-    _check_num_micro_batches(num_micro_batches)
+    check_num_micro_batches(num_micro_batches)
     _check_pipeline_args(pp_group, pp_rank, pp_size, prev_rank, next_rank)
     tensor_shape = tuple(int(d) for d in tensor_shape)
     p2p = StageP2P(pp_group, prev_rank, next_rank, tensor_shape, dtype, device)
@@ -196,8 +147,8 @@ def forward_backward_1f1b(
     def run_forward(input_tensor: torch.Tensor | None, index: int) -> torch.Tensor:
         if input_tensor is not None:
             input_tensor.requires_grad_()
-        output, aux_loss = _forward(forward_step, input_tensor, index, is_last=is_last,
-                                    tensor_shape=tensor_shape, dtype=dtype)
+        output, aux_loss = forward_step_checked(forward_step, input_tensor, index, is_last=is_last,
+                                                tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses.append(output.detach())
         in_flight.append((input_tensor, output, aux_loss))
@@ -209,7 +160,7 @@ def forward_backward_1f1b(
         if on_last_backward is not None and backwards_run == num_micro_batches:
             on_last_backward(0)
         # Popping here (not in the caller) means no caller variable outlives the micro-batch.
-        return _backward(*in_flight.popleft(), output_grad)
+        return backward_step(*in_flight.popleft(), output_grad)
 
     # Callers never bind an output to a local: the deque holds the only reference, so popping it frees
     # the micro-batch.
@@ -265,7 +216,6 @@ def forward_backward(
     the losses on the last stage, an empty list elsewhere."""
     chunks = _model_chunks(forward_step)
     if chunks is not None:
-        from megamoe.pipeline.interleaved import forward_backward_interleaved   # it imports this module
         return forward_backward_interleaved(chunks, num_micro_batches, state=state, tensor_shape=tensor_shape,
                                             dtype=dtype, device=device, on_last_backward=on_last_backward)
     forward_step = _single_step(forward_step)
@@ -298,11 +248,10 @@ def forward_only(
     """
     chunks = _model_chunks(forward_step)
     if chunks is not None:
-        from megamoe.pipeline.interleaved import forward_only_interleaved   # it imports this module
         return forward_only_interleaved(chunks, num_micro_batches, state=state, tensor_shape=tensor_shape,
                                         dtype=dtype, device=device)
     forward_step = _single_step(forward_step)
-    _check_num_micro_batches(num_micro_batches)
+    check_num_micro_batches(num_micro_batches)
     tensor_shape = tuple(int(d) for d in tensor_shape)
     pipelined = state.pp.size > 1
     if pipelined:
@@ -313,8 +262,8 @@ def forward_only(
     losses = []
     for index in range(num_micro_batches):
         input_tensor = p2p.recv_forward() if pipelined else None
-        output, _ = _forward(forward_step, input_tensor, index, is_last=is_last, tensor_shape=tensor_shape,
-                             dtype=dtype)
+        output, _ = forward_step_checked(forward_step, input_tensor, index, is_last=is_last,
+                                         tensor_shape=tensor_shape, dtype=dtype)
         if is_last:
             losses.append(output)
         else:

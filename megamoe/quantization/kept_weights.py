@@ -13,13 +13,14 @@ How the linears run: the dense ones (attention and MLA projections, dense MLPs, 
 call (``q * scale_inv`` per block, in fp32), and the GEMM is the ordinary one, so they run on every
 device and add no activation-quantization error (DeepSeek's reference inference does the same with its
 default ``gemm_impl="bf16"``). Only a transient copy of one weight exists at a time. The routed experts run
-the ``block`` FP8 recipe (:mod:`megamoe.moe.block_fp8_experts`), or, without an FP8 recipe, the same
+the ``block`` FP8 recipe (:mod:`megamoe.moe.experts.block_fp8_experts`), or, without an FP8 recipe, the same
 run-time dequantization.
 
 Sharding: a TP / ETP shard must start and end on block boundaries (or be the whole tensor), so that a
 shard's scales are a plain slice of the logical scales and shard with it (:func:`scale_shard_spec`).
 
-The conversion (:func:`keep_block_fp8_weights`) runs on each decoder layer right after it is built: its
+The conversion (:func:`megamoe.models.block_fp8_layers.keep_block_fp8_weights`, one weight at a time by
+:func:`keep_block_fp8_weight`) runs on each decoder layer right after it is built: its
 current values are block-quantized in place (on ``meta`` only the tensors are replaced), so the peak memory
 of building a kept model is that of the kept model plus one layer in the model dtype.
 """
@@ -33,7 +34,7 @@ from megamoe.quantization.block_fp8 import (SCALE_INV_SUFFIX, BlockFP8Config, bl
                                             dequantize_block_fp8, quantize_block_fp8)
 from megamoe.sharding import ShardSpec, get_shard_spec, set_shard_spec
 
-__all__ = ["keep_block_fp8_weights", "kept_parameter", "linear_weight", "scale_shard_spec", "FP8_DTYPES"]
+__all__ = ["keep_block_fp8_weight", "kept_parameter", "linear_weight", "scale_shard_spec", "FP8_DTYPES"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Attributes of a parameter that say how the rest of the library treats it (gradient sync, tags).
@@ -72,7 +73,8 @@ def kept_parameter(values: torch.Tensor, spec: ShardSpec, like: torch.Tensor | N
     return param
 
 
-def _keep_one(owner: nn.Module, attr: str, name: str, config: BlockFP8Config) -> None:
+@torch.no_grad()
+def keep_block_fp8_weight(owner: nn.Module, attr: str, name: str, config: BlockFP8Config) -> None:
     """Replace ``owner.<attr>`` by its block-quantized e4m3 values and add ``owner.<attr>_scale_inv``."""
     weight = owner._parameters[attr]
     if weight.dim() != 2:
@@ -90,26 +92,6 @@ def _keep_one(owner: nn.Module, attr: str, name: str, config: BlockFP8Config) ->
     scale_param = kept_parameter(scale, scale_spec, like=weight)
     scale_param.block_fp8 = config               # what linear_weight dequantizes with
     owner.register_parameter(attr + SCALE_INV_SUFFIX, scale_param)
-
-
-@torch.no_grad()
-def keep_block_fp8_weights(module: nn.Module, prefix: str, config: BlockFP8Config) -> None:
-    """Make every weight of ``module`` whose logical name (``prefix`` + its qualified name) ``config``
-    quantizes a kept block-FP8 weight (see the module docstring), in place. The routed experts of a MoE
-    layer convert themselves (``keep_block_fp8``: stacked per-slot weights with per-expert logical names)."""
-    from megamoe.moe.moe_layer import MoELayer
-
-    for module_name, owner in module.named_modules():
-        if isinstance(owner, MoELayer):
-            keep = getattr(owner.experts, "keep_block_fp8", None)
-            if keep is None:
-                raise ValueError(f"{prefix}{module_name}: the experts module {type(owner.experts).__name__} cannot "
-                                 "hold kept block-FP8 weights (no keep_block_fp8); import with `--dtype bf16`")
-            keep(config, f"{prefix}{module_name}.experts" if module_name else f"{prefix}experts")
-        for attr in list(owner._parameters):
-            name = f"{prefix}{module_name}.{attr}" if module_name else f"{prefix}{attr}"
-            if owner._parameters[attr] is not None and config.quantizes(name):
-                _keep_one(owner, attr, name, config)
 
 
 def linear_weight(module: nn.Module, attr: str, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Training checkpoints: all a run needs to continue where it stopped, under the same or any other layout.
 
-A training checkpoint is one directory of the megamoe checkpoint format (:mod:`checkpoint_tools.format`):
+A training checkpoint is one directory of the megamoe checkpoint format (:mod:`megamoe.checkpoint.format`):
 
 - the model: the logical chunks of :func:`megamoe.checkpoint_state.sharded_state_dict` (routed experts
   under per-EXPERT names, so replicas are stored once and loading fills every slot of an expert);
@@ -39,7 +39,7 @@ checkpoint written before the trouble began (:func:`last_good_checkpoint`). A sa
 loses its new checkpoints to the higher steps of another run sharing the directory, nor deletes them.
 
 Every rank loads only the slices it holds, after the files it reads were checked against the manifest
-(checksums by default; the ranks share out the hashing, see :mod:`checkpoint_tools.integrity`). The RNG
+(checksums by default; the ranks share out the hashing, see :mod:`megamoe.checkpoint.integrity`). The RNG
 states are restored only when the layout is unchanged: under another layout a rank has no counterpart
 whose streams it could continue.
 """
@@ -57,17 +57,17 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint_tools import checksums, integrity
-from checkpoint_tools.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
-                                    planned_files, read_manifest, resolve_checkpoint, save_checkpoint)
-from checkpoint_tools.manifest_fields import HF_FILES_DIR, placements_from_manifest
-from checkpoint_tools.model_manifest import check_model_manifest, check_training_fields
-from checkpoint_tools.side_files import verify_side_files
 from megamoe import comms
+from megamoe.checkpoint import checksums, integrity
+from megamoe.checkpoint.format import (MANIFEST_FILE, CheckpointError, load_checkpoint, load_rank_state,
+                                       planned_files, read_manifest, resolve_checkpoint, save_checkpoint)
+from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, placements_from_manifest
+from megamoe.checkpoint.model_manifest import check_model_manifest, check_training_fields
+from megamoe.checkpoint.side_files import verify_side_files
 from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
                                       same_view_of, sharded_state_dict)
 from megamoe.models import GPTMoEModel
-from megamoe.moe.expert_slots import ExpertPlacement
+from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.precision import has_non_finite
 
 __all__ = [
@@ -320,11 +320,11 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     Every file is checked against the manifest before it is read: its size, and its checksum unless
     ``verify_checksums=False``. Collective over ``world_group`` (every rank of the run; ``None`` for one
     process): the ranks share out the hashing so that each file is hashed by one rank, once, and a
-    damaged file fails every rank with the same error (see :mod:`checkpoint_tools.integrity`).
+    damaged file fails every rank with the same error (see :mod:`megamoe.checkpoint.integrity`).
 
     Returns ``{"step": int, "sampler_state": dict | None}``: hand ``sampler_state`` to the data sampler
     (:meth:`ResumableSampler.load_state_dict`) to continue with the next samples.
-    Raises :class:`checkpoint_tools.format.CheckpointError` if a tensor is missing or has another shape,
+    Raises :class:`megamoe.checkpoint.format.CheckpointError` if a tensor is missing or has another shape,
     or a file is damaged.
     """
     root = resolve_checkpoint(path)

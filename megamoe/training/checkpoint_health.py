@@ -29,7 +29,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from checkpoint_tools.format import read_manifest
+from megamoe.checkpoint.format import read_manifest
 from megamoe.training.checkpoint import is_good_checkpoint, last_good_checkpoint
 
 __all__ = ["Health", "HealthMonitor", "WEIGHT_NORM_GROWTH", "LOSS_RISE", "GRAD_NORM_GROWTH"]

@@ -6,7 +6,7 @@ else. ``n`` is padded to ``n_pad``, a multiple of its group's size ``N``, and ra
 columns ``[r * c, (r + 1) * c)`` of every row, ``c = n_pad / N``: its state tensors are ``[S, c]``. Dense
 parameters are sharded over DP x CP (``state.dp_cp``), expert parameters (tagged ``expert_parallel``) over
 expert-DP (``state.edp``). Slot ``k``'s state therefore sits on the same edp rank in every EP rank, so an
-expert migration (:mod:`megamoe.moe.expert_migration`, an exchange over the EP group between ranks of one edp
+expert migration (:mod:`megamoe.moe.placement.expert_migration`, an exchange over the EP group between ranks of one edp
 index) moves a slot's shard rows exactly like a stacked parameter's rows (:meth:`slot_state_views`).
 
 Buckets. Parameters of one (group, dtype, model chunk, deferred or not) are packed, in reverse registration
@@ -484,7 +484,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def slot_state_views(self, param: nn.Parameter, index) -> list[torch.Tensor]:
         """This rank's state rows of one expert slot of ``param`` (``index``: the slot's row of a stacked
         parameter, or ``slice(None)`` for a per-slot one): master (if any) and moments, sorted by key; [] before
-        the first step. What :func:`megamoe.moe.expert_migration.migrate_layer` moves with the slot."""
+        the first step. What :func:`megamoe.moe.placement.expert_migration.migrate_layer` moves with the slot."""
         s = self.state.get(param)
         if not s:
             return []

@@ -1,6 +1,6 @@
 """The end of a training run: its final checkpoint as a HuggingFace model directory (``--export-hf OUT``).
 
-A run exports with :func:`checkpoint_tools.export_hf.export_hf`, which takes config.json and the side
+A run exports with :func:`megamoe.hf.export_hf.export_hf`, which takes config.json and the side
 files from the checkpoint's :class:`~megamoe.training.checkpoint.HFProvenance` (stored by every save the
 run passes it to). Where the provenance comes from:
 
@@ -9,7 +9,7 @@ run passes it to). Where the provenance comes from:
 - a run from scratch with an HF config.json as its model config: that file, and the run's tokenizer
   files as side files (:func:`tokenizer_side_files`);
 - a run from scratch with megamoe config fields: a config.json written for its family
-  (:mod:`checkpoint_tools.hf_config_writer`), and the tokenizer files;
+  (:mod:`megamoe.hf.hf_config_writer`), and the tokenizer files;
 - a resumed run: the checkpoint it resumes (or the above, when that checkpoint has none).
 
 A run that trains with another tokenizer than its HF directory's exports its own (:func:`with_tokenizer`).
@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from checkpoint_tools.adapters import ADAPTERS
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.export_hf import export_hf
-from checkpoint_tools.format import CheckpointError
-from checkpoint_tools.hf_config_writer import hf_config_for
 from megamoe import comms
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.format import CheckpointError
 from megamoe.data.tokenizer import HFTokenizer, Tokenizer
+from megamoe.hf.adapters import ADAPTERS
+from megamoe.hf.export_hf import export_hf
+from megamoe.hf.hf_config_writer import hf_config_for
 from megamoe.models import GPTMoEConfig
 from megamoe.training.checkpoint import HFProvenance
 
@@ -41,7 +41,7 @@ _HF_TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")
 
 def provenance_for_export(config: GPTMoEConfig, provenance: HFProvenance | None, where: str) -> HFProvenance:
     """The provenance a run of ``config`` exports with: ``provenance``, or for a model that has none (megamoe
-    config fields) a config.json written for its family (:func:`~checkpoint_tools.hf_config_writer.hf_config_for`).
+    config fields) a config.json written for its family (:func:`~megamoe.hf.hf_config_writer.hf_config_for`).
     ValueError naming ``where`` (e.g. the flag that chose the model), before any training, when the run
     will not be able to write an HF directory at its end."""
     if config.family not in ADAPTERS:

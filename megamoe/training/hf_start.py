@@ -2,7 +2,7 @@
 
 :func:`start_from_hf` builds this rank's stage of the model for the run's layout and fills it from the
 HF safetensors, with the expert slots and placements ``import-hf`` would choose (``num_expert_slots``,
-an expert-load file: :func:`checkpoint_tools.placements.build_placements`). Nothing is written.
+an expert-load file: :func:`megamoe.checkpoint.placements.build_placements`). Nothing is written.
 
 Reading. Each rank streams the HF files itself (:meth:`HFCheckpoint.iter_tensors`: views of the mapped
 files, at most a window of them mapped at a time) and reads only the HF tensors that feed a logical tensor
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from checkpoint_tools.adapters import AdapterError, adapter_for
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.finite_values import NonFiniteCheck
-from checkpoint_tools.hf_checkpoint import CONFIG_FILE, HFCheckpoint
-from checkpoint_tools.hf_sizes import check_sizes_against_weights
-from checkpoint_tools.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
-from checkpoint_tools.placements import build_placements
-from checkpoint_tools.read_window import ReadWindow
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.finite_values import NonFiniteCheck
+from megamoe.checkpoint.hf_checkpoint import CONFIG_FILE, HFCheckpoint
+from megamoe.checkpoint.placements import build_placements
+from megamoe.checkpoint.read_window import ReadWindow
+from megamoe.hf.adapters import AdapterError, adapter_for
+from megamoe.hf.hf_sizes import check_sizes_against_weights
+from megamoe.hf.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 from megamoe.models.hf_loading import chunks_by_name, copy_into_chunks
 from megamoe.training.checkpoint import HFProvenance
@@ -154,7 +154,8 @@ def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoa
     ``load_weights=False`` builds the model only (a run resuming from a checkpoint, which
     overwrites every weight); such a run passes the checkpoint's ``saved_placements`` ({layer id:
     ExpertPlacement}, e.g. reached by online rebalancing), kept where the slots and the EP size match
-    (:func:`checkpoint_tools.placements.build_placements`). Every rank must call it (no collective is used: each reads its own part).
+    (:func:`megamoe.checkpoint.placements.build_placements`). Every rank must call it (no collective is used:
+    each reads its own part).
     Raises :class:`ConversionError` (a ValueError) for a directory, config, weights, slot count or
     expert-load file that cannot be used, and for weights holding NaN or Inf unless ``allow_non_finite``
     (each rank scans the tensors it reads: :func:`load_hf_weights`).

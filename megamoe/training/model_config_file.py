@@ -24,9 +24,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.import_hf import model_config_from_hf
-from checkpoint_tools.model_loading import config_for_engine
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.model_loading import config_for_engine
+from megamoe.hf.import_hf import model_config_from_hf
 from megamoe.models import GPTMoEConfig
 
 __all__ = ["ModelConfigFile", "read_model_config_file"]

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import CheckpointError, read_manifest, resolve_checkpoint
-from checkpoint_tools.manifest_fields import HF_FILES_DIR
-from checkpoint_tools.side_files import verify_side_files
+from megamoe.checkpoint.format import CheckpointError, read_manifest, resolve_checkpoint
+from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
+from megamoe.checkpoint.side_files import verify_side_files
 from megamoe.atomic_file import atomic_write
-from checkpoint_tools.placements import build_placements
+from megamoe.checkpoint.placements import build_placements
 from megamoe import comms
 from megamoe.after_torchrun import note_newest_checkpoint
 from megamoe.data.corpus import stdlib_corpus_files
@@ -45,7 +45,7 @@ from megamoe.errors import UsageError
 from megamoe.machine_memory import format_bytes
 from megamoe.models import GPTMoEModel
 from megamoe.models.gpt_moe import default_etp
-from megamoe.moe.eplb_arguments import eplb_config_from_args
+from megamoe.moe.placement.eplb_arguments import eplb_config_from_args
 from megamoe.pipeline import describe_pipeline_schedule
 from megamoe.process_group import default_autocast, init_distributed, launch_world_size, resolve_device
 from megamoe.tensor_parallel import initialize_parameters

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_tools.format import CheckpointError, read_manifest
-from checkpoint_tools.placements import build_placements
+from megamoe.checkpoint.format import CheckpointError, read_manifest
+from megamoe.checkpoint.placements import build_placements
 from megamoe.data.data_arguments import check_data_arguments, data_vocab_size
 from megamoe.data.packing import packing_config_from_args
 from megamoe.data.token_dataset import recorded_tokenizer, sidecar_path
@@ -25,7 +25,7 @@ from megamoe.errors import UsageError
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig
 from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
-from megamoe.moe.eplb_arguments import eplb_config_from_args
+from megamoe.moe.placement.eplb_arguments import eplb_config_from_args
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig

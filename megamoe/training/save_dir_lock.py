@@ -22,8 +22,8 @@ import logging
 import os
 import socket
 
-from checkpoint_tools.errors import CheckpointError
 from megamoe import comms
+from megamoe.checkpoint.errors import CheckpointError
 
 __all__ = ["LOCK_FILE", "SaveDirLock", "SaveDirBusyError", "lock_save_dir"]
 

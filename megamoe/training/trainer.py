@@ -50,7 +50,7 @@ reduction must follow another sum (sequence-parallel parameters under TP, tied e
 distributed optimizer replicated experts) are reduced after it, not overlapped. Overlap on or off, the same
 buckets are reduced on the same buffers: bit-identical steps.
 
-Online expert rebalancing (``TrainConfig.eplb``, :mod:`megamoe.moe.eplb`): after the optimizer step and
+Online expert rebalancing (``TrainConfig.eplb``, :mod:`megamoe.moe.placement.eplb`): after the optimizer step and
 the expert-bias update, each finite step's expert loads go into a window on the device (no collective, no
 host sync); every ``interval`` steps the window is reduced and experts are re-placed, their weights and
 Adam state moved with them, so the next step trains under the new placement (``StepMetrics.eplb``
@@ -76,7 +76,7 @@ step's host synchronisations, each a :mod:`megamoe.host_values` read:
 - the step's metrics: loss, aux loss and each layer's aux loss (one read), the per-layer balancedness
   (one read);
 - on a rebalancing step only (``TrainConfig.eplb``): the reduced window with every layer's placement,
-  the placement digests, the migration's split sizes and the round's report (see :mod:`megamoe.moe.eplb`).
+  the placement digests, the migration's split sizes and the round's report (see :mod:`megamoe.moe.placement.eplb`).
 
 On the meta device the metrics read as NaN (see :mod:`megamoe.host_values`), and a step is never taken
 for non-finite there: a dry run has no values to judge.
@@ -99,7 +99,7 @@ from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.models.sequence_parallel import counts_own_tokens, stage_hidden_shape
-from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
+from megamoe.moe.placement.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.precision import upcast

@@ -23,7 +23,7 @@ RNG state preserved, so a recomputed dropout or router jitter draws the same num
 gradients are enabled: generation and evaluation run the plain path. The one exception is the fused
 ``torch`` expert backend, one autograd function for the whole expert MLP: with ``moe_act`` it saves
 the activation's input only and recomputes the activation inside its own backward
-(:class:`megamoe.moe.experts.GroupedMLPFunction`). Losses and gradients are bit-identical to
+(:class:`megamoe.moe.experts.grouped_experts.GroupedMLPFunction`). Losses and gradients are bit-identical to
 ``"none"``: backward runs the same kernels on the same recomputed values.
 
 Gradients: recomputation changes what is stored, not what is reduced. The recomputed region's own
