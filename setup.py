@@ -17,8 +17,8 @@ setup(
     entry_points={"console_scripts": [
         "megamoe = megamoe.cli.main:main",
         # Aliases of `megamoe convert` and `megamoe preprocess`.
-        "megamoe-convert = checkpoint_tools.cli:main",
-        "megamoe-preprocess = megamoe.data.preprocess:cli",
+        "megamoe-convert = megamoe.cli.convert:main",
+        "megamoe-preprocess = megamoe.cli.preprocess:cli",
     ]},
     extras_require={
         "test": [

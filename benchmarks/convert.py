@@ -68,7 +68,7 @@ import sys, time
 t0 = time.perf_counter()
 import torch, transformers  # noqa: F401,E401 - imported by the converter anyway; timed as startup
 import megamoe.hf.export_hf, megamoe.hf.import_hf  # noqa: F401,E401
-from checkpoint_tools.cli import main
+from megamoe.cli.convert import main
 t1 = time.perf_counter()
 code = main(sys.argv[1:])
 t2 = time.perf_counter()

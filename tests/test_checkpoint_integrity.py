@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint_tools.cli import build_parser
+from megamoe.cli.convert import build_parser
 from megamoe.checkpoint import checksums, integrity
 from megamoe.checkpoint.errors import CheckpointError, ConversionError
 from megamoe.checkpoint.format import (MANIFEST_FILE, iter_logical_tensors, load_checkpoint, load_rank_state,

@@ -90,16 +90,15 @@ def test_the_console_scripts_are_the_command_and_its_aliases():
         if "=" in line and not line.strip().startswith("#"):
             name, target = (part.strip(' ",') for part in line.split("="))
             scripts[name] = target
-    assert scripts == {"megamoe": "megamoe.cli.main:main", "megamoe-convert": "checkpoint_tools.cli:main",
-                       "megamoe-preprocess": "megamoe.data.preprocess:cli"}
+    assert scripts == {"megamoe": "megamoe.cli.main:main", "megamoe-convert": "megamoe.cli.convert:main",
+                       "megamoe-preprocess": "megamoe.cli.preprocess:cli"}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function))
 
 
 def test_the_aliases_keep_their_names(tmp_path, capsys):
-    from checkpoint_tools import cli as convert
-    from megamoe.data import preprocess
+    from megamoe.cli import convert, preprocess
     assert convert.main(["inspect", str(tmp_path / "missing")]) == 1
     assert capsys.readouterr().err.startswith("megamoe-convert inspect: error: ")
     code = preprocess.cli(["--input", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "t"), "--output",

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from checkpoint_tools.cli import main
+from megamoe.cli.convert import main
 from megamoe.checkpoint.format import iter_logical_tensors, read_manifest
 from megamoe.checkpoint.hf_checkpoint import HFCheckpoint
 from megamoe.models.families import SUPPORTED_FAMILIES
@@ -200,7 +200,7 @@ def test_expert_load_gives_balanced_placements(hf_models, tmp_path):
     for layer, load in loads.items():
         assert ExpertPlacement.from_dict(saved[str(layer)]) == ExpertPlacement.balanced(load, 12, 4)
     assert ExpertPlacement.from_dict(saved["0"]).replica_counts[0] > 1
-    info = subprocess.run([sys.executable, "-m", "checkpoint_tools", "inspect", str(tmp_path / "ckpt"), "--json"],
+    info = subprocess.run([sys.executable, "-m", "megamoe", "inspect", str(tmp_path / "ckpt"), "--json"],
                           capture_output=True, text=True, check=True)
     inspected = json.loads(info.stdout)
     assert inspected["verification"]["ok"] and inspected["expert_placement"]["0"]["replicated"]["0"] >= 2
@@ -437,10 +437,10 @@ def test_bad_checkpoints_fail_cleanly(hf_models, tmp_path, capsys):
 
 
 def test_module_entry_point_reports_errors_without_traceback(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "checkpoint_tools", "import-hf", str(tmp_path / "none"),
+    run = subprocess.run([sys.executable, "-m", "megamoe", "convert", "import-hf", str(tmp_path / "none"),
                           str(tmp_path / "out"), "--tp", "1", "--pp", "1", "--ep", "1"], capture_output=True, text=True)
     assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert run.stderr.startswith("megamoe-convert import-hf: error:")
+    assert run.stderr.startswith("megamoe convert import-hf: error:")
     for command in ("import-hf", "export-hf", "reshard", "inspect", "verify"):
         assert convert(command, "--help") == 0
 

@@ -1,4 +1,4 @@
-"""megamoe.data.preprocess (the preprocessing CLI), the parallel encoder, HF tokenizer directories, and
+"""megamoe.data.preprocess and its command (megamoe preprocess), the parallel encoder, HF tokenizer directories, and
 check_tokenizer_fits."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import tokenizers
 
 from megamoe.data.parallel_encode import DocumentEncoder
-from megamoe.data.preprocess import PROG, main, preprocess
+from megamoe.cli.preprocess import PROG, main
+from megamoe.data.preprocess import preprocess
 from megamoe.data.token_dataset import TokenDataset, sidecar_path
 from megamoe.data.tokenizer import HFTokenizer, Tokenizer, check_tokenizer_fits
 from megamoe.cli.launch import run_script
@@ -329,7 +330,7 @@ def test_cli_help_names_the_formats_and_flags(capsys):
 def _cli(*args, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     env.pop("MEGAMOE_TRACEBACK", None)
-    return subprocess.Popen([sys.executable, "-m", "megamoe.data.preprocess", *map(str, args)], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "megamoe.cli.preprocess", *map(str, args)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

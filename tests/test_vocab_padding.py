@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint_tools.cli import main
+from megamoe.cli.convert import main
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.pipeline_forward import pipeline_logits

@@ -24,17 +24,17 @@ def _generate(argv):
 
 
 def _convert(argv):
-    from checkpoint_tools import cli
-    return cli.main(argv, prog="megamoe convert")
+    from megamoe.cli import convert
+    return convert.main(argv, prog="megamoe convert")
 
 
 def _inspect(argv):
-    from checkpoint_tools import cli
-    return cli.main(["inspect", *argv], prog="megamoe")      # its errors: "megamoe inspect: error: ..."
+    from megamoe.cli import convert
+    return convert.main(["inspect", *argv], prog="megamoe")      # its errors: "megamoe inspect: error: ..."
 
 
 def _preprocess(argv):
-    from megamoe.data import preprocess
+    from megamoe.cli import preprocess
     return preprocess.cli(argv, prog="megamoe preprocess")
 
 

@@ -22,6 +22,6 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
   ``--reset-attention-mask``).
 - ``documents``: ``read_documents``, a user's documents from text, JSON Lines or Parquet files.
 - ``parallel_encode``: ``DocumentEncoder``, documents tokenized in worker processes, in order.
-- ``preprocess``: the ``megamoe-preprocess`` CLI (``python -m megamoe.data.preprocess``): documents
+- ``preprocess``: what ``megamoe preprocess`` runs (:mod:`megamoe.cli.preprocess`): documents
   to a token file; ``preprocess`` is the same as a function.
 """

@@ -50,14 +50,14 @@ import torch
 from torch import nn
 
 from megamoe.gradients import main_grad
-from megamoe.moe import block_fp8_experts
+from megamoe.moe.experts import block_fp8_experts
 from megamoe.moe.experts.clamped_swiglu import ClampedSwiGLU
 from megamoe.moe.experts.expert_activations import activate as _activate
 from megamoe.moe.experts.expert_activations import activation_forward as _activation_forward
-from megamoe.moe.experts.loop_experts import loop_mlp as _loop_mlp
+from megamoe.moe.experts.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 from megamoe.moe.experts.grouped_mlp import GroupedMLPFunction, SlotGroups, _grouped_mlp, _host_sizes
 from megamoe.moe.experts.kernel_probes import transformer_engine_problem
-from megamoe.moe.experts.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
+from megamoe.moe.experts.loop_experts import loop_mlp as _loop_mlp
 from megamoe.precision import active_autocast_dtype, in_autocast_dtype
 from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.transformer.recompute import checkpointed

@@ -1,4 +1,4 @@
-"""``megamoe-convert`` (also ``python -m checkpoint_tools``): HuggingFace <-> megamoe checkpoints.
+"""``megamoe convert`` (alias ``megamoe-convert``): HuggingFace <-> megamoe checkpoints.
 
 Subcommands: ``import-hf``, ``export-hf``, ``reshard``, ``inspect``, ``verify``, ``edit-config``; ``--help`` on
 each.
