@@ -89,6 +89,7 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.optim.adam import adam as _adam
@@ -96,6 +97,7 @@ from torch import nn
 
 from megamoe import comms
 from megamoe.gradients import main_grad
+from megamoe.host_staging import host_buffer
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
@@ -491,39 +493,83 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [s[key][index] for key in sorted(s) if s[key].dim() > 0]
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    def _written_here(self, index: int) -> bool:
+        """Whether this rank writes bucket ``index``'s state to a checkpoint: rank ``index % N`` of the
+        bucket's group does (its other ranks hold the same gathered values), spreading the writes."""
+        group = self._buckets[index].group
+        return index % group.size == group.rank
+
+    def _logical_part(self, buckets, full: dict, masters: dict) -> _LogicalState:
+        params = {e.param for b in buckets for e in b.entries}
+        groups = [{**g, "params": [p for p in g["params"] if p in params]} for g in self.param_groups]
+        return _LogicalState([g for g in groups if g["params"]], full, masters)
+
     @torch.no_grad()
-    def logical_state(self, gather: bool = True) -> _LogicalState:
-        """Full-shape state of every parameter (see :class:`_LogicalState`). ``gather``: the values, by one
-        all-gather per bucket and state key over the bucket's group (collective); else zeros (step 0) to load
-        a checkpoint into, then :meth:`load_logical_state`."""
+    def logical_state(self) -> _LogicalState:
+        """Full-shape state, in host memory, of the parameters whose state this rank writes (see
+        :class:`_LogicalState`; the buckets of :meth:`_written_here`). Collective: one all-gather per
+        bucket and state key over the bucket's group, every rank taking part; each gathered bucket is
+        copied out to host buffers parameter by parameter and dropped before the next is gathered, so the
+        device holds at most one bucket's gathered state (plus its shard, and one parameter's reordering)
+        on top of the optimizer's own, never the full state."""
         self.materialize_state()
         full: dict = {}
         masters: dict = {}
-        for bucket in self._buckets:
-            size = bucket.group.size
+        written = []
+        for index, bucket in enumerate(self._buckets):
+            size, mine = bucket.group.size, self._written_here(index)
             keys = sorted(k for k in self.state[bucket.entries[0].param] if k != "step")
             for key in keys:
-                if gather:
-                    flat = torch.cat([self.state[e.param][key].reshape(-1) for e in bucket.entries])
-                    gathered = comms.all_gather_flat(flat, bucket.group.group)
+                flat = torch.cat([self.state[e.param][key].reshape(-1) for e in bucket.entries])
+                gathered = comms.all_gather_flat(flat, bucket.group.group)
+                del flat
+                if not mine:
+                    continue
                 for e in bucket.entries:
-                    value = (e.full_from(gathered, size, bucket.shard_numel).contiguous() if gather else
-                             torch.zeros(e.param.shape, dtype=torch.float32, device=self.device))
+                    value = host_buffer(e.param.shape, torch.float32, staging_for=self.device)
+                    value.copy_(e.full_from(gathered, size, bucket.shard_numel))
                     if key == "master":
                         masters[e.param] = value
                     else:
                         full.setdefault(e.param, {})[key] = value
+                del gathered
+            if mine:
+                written.append(bucket)
+                for e in bucket.entries:
+                    step = self.state[e.param]["step"]
+                    full[e.param]["step"] = host_buffer((), step.dtype, staging_for=self.device).copy_(step)
+        return self._logical_part(written, full, masters)
+
+    @torch.no_grad()
+    def logical_state_buckets(self, *, planning: bool = False) -> Iterator[_LogicalState]:
+        """Zero full-shape state, bucket by bucket, of every parameter of this rank: in host buffers to read a
+        checkpoint's state into, each bucket then taken by :meth:`load_logical_state` before the next is
+        made (host memory: one bucket's state at a time); ``planning``: on the meta device (no storage), to
+        plan which files the reads need. Creates the state first (zeros, step 0)."""
+        self.materialize_state()
+        for bucket in self._buckets:
+            full: dict = {}
+            masters: dict = {}
             for e in bucket.entries:
-                step = self.state[e.param]["step"]
-                full.setdefault(e.param, {})["step"] = step.clone() if gather else torch.zeros_like(step)
-        return _LogicalState(self.param_groups, full, masters)
+                for key, shard in self.state[e.param].items():
+                    shape = () if key == "step" else e.param.shape
+                    value = (torch.empty(shape, dtype=shard.dtype, device="meta") if planning else
+                             host_buffer(shape, shard.dtype, staging_for=self.device).zero_())
+                    if key == "master":
+                        masters[e.param] = value
+                    else:
+                        full.setdefault(e.param, {})[key] = value
+            yield self._logical_part([bucket], full, masters)
 
     @torch.no_grad()
     def load_logical_state(self, logical: _LogicalState) -> None:
-        """Take this rank's shards of the loaded full-shape state (and the parameters from the masters)."""
-        for p, e in self._entries.items():
+        """Take this rank's shards of the loaded full-shape state of the parameters ``logical`` holds (and
+        those parameters from the masters): device memory beyond the shards, at most one parameter's
+        columns in transit."""
+        for p, values in logical.state.items():
+            e = self._entries[p]
             s = self._state_of(e)
-            for key, value in logical.state[p].items():
+            for key, value in values.items():
                 if key == "step":
                     s["step"].copy_(value)
                 else:
@@ -533,6 +579,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 s["master"].zero_()
                 s["master"][:, :e.valid].copy_(e.owned(logical.masters[p]))
                 p.detach().copy_(logical.masters[p])
+
+    def master_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose checkpointed weights are their fp32 master (non-fp32 parameters), in
+        registration order."""
+        return [p for p in self._entries if p.dtype != torch.float32]
 
     # ---- memory --------------------------------------------------------------------------------
     def state_bytes(self) -> int:
