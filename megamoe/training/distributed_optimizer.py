@@ -523,21 +523,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 flat = torch.cat([self.state[e.param][key].reshape(-1) for e in bucket.entries])
                 gathered = comms.all_gather_flat(flat, bucket.group.group)
                 del flat
-                if not mine:
-                    continue
-                for e in bucket.entries:
+                for e in bucket.entries if mine else ():
                     value = host_buffer(e.param.shape, torch.float32, staging_for=self.device)
                     value.copy_(e.full_from(gathered, size, bucket.shard_numel))
                     if key == "master":
                         masters[e.param] = value
                     else:
                         full.setdefault(e.param, {})[key] = value
-                del gathered
+                del gathered       # before the next one is gathered: one bucket's at a time on the device
             if mine:
                 written.append(bucket)
                 for e in bucket.entries:
                     step = self.state[e.param]["step"]
-                    full[e.param]["step"] = host_buffer((), step.dtype, staging_for=self.device).copy_(step)
+                    full[e.param]["step"] = host_buffer((), step.dtype, staging_for=step.device).copy_(step)
         return self._logical_part(written, full, masters)
 
     @torch.no_grad()
@@ -554,7 +552,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for key, shard in self.state[e.param].items():
                     shape = () if key == "step" else e.param.shape
                     value = (torch.empty(shape, dtype=shard.dtype, device="meta") if planning else
-                             host_buffer(shape, shard.dtype, staging_for=self.device).zero_())
+                             host_buffer(shape, shard.dtype, staging_for=shard.device).zero_())
                     if key == "master":
                         masters[e.param] = value
                     else:
