@@ -201,7 +201,7 @@ def _bf16_accumulation_check(state):
     return {"local_exact": local_exact, "err": err}
 
 
-def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
+def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint, bf16_checkpoint):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     results = []
@@ -255,8 +255,26 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
                       world_group=dist.group.WORLD)
     load_training_checkpoint(plain_checkpoint, trainer, world_group=dist.group.WORLD)
     from_plain = train(trainer, STEPS - SAVE_AT)
+    # bf16 parameters at DP 4: fp32 masters saved as the weights, with small buckets so that every rank writes
+    # some (bucket i: rank i % 4); a DP 4 resume is bit-exact, and this rank's master columns go back to the
+    # parent, which resumes at DP 1.
+    def bf16_trainer():
+        return Trainer(build_model(state, dtype=torch.bfloat16), state,
+                       train_config(distributed_optimizer=True, grad_bucket_mb=0.02), world_group=dist.group.WORLD)
+    bf16, again = bf16_trainer(), bf16_trainer()
+    train(bf16, 2)
+    save_training_checkpoint(bf16_checkpoint, bf16, sampler_state=None, world_group=dist.group.WORLD)
+    load_training_checkpoint(bf16_checkpoint, again, world_group=dist.group.WORLD)
+    names = dict(bf16.model.named_parameters())
+    bf16_run = {"writers": sorted({i % 4 for i in range(bf16.optimizer.num_buckets)}),
+                "exact": all(torch.equal(p, q) and bf16.optimizer.state[p].keys() == again.optimizer.state[q].keys()
+                             and all(torch.equal(v, again.optimizer.state[q][k])
+                                     for k, v in bf16.optimizer.state[p].items())
+                             for p, q in zip(bf16.model.parameters(), again.model.parameters())),
+                "masters": {name: bf16.optimizer.state[p]["master"][:, :bf16.optimizer._entries[p].valid].clone()
+                            for name, p in names.items()}}
     destroy_model_parallel()
-    return results, odd, from_plain
+    return results, odd, from_plain, bf16_run
 
 
 def _close(got, want, rel):
@@ -282,7 +300,8 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     save_training_checkpoint(plain_ckpt, trainer, sampler_state=None, world_group=None)
     single += train(trainer, STEPS - SAVE_AT)
 
-    results, odd, from_plain = run_on_ranks(_worker, WORLD, args=(LAYOUTS, plain_ckpt, dist_ckpt), timeout_s=600)[0]
+    by_rank = run_on_ranks(_worker, WORLD, args=(LAYOUTS, plain_ckpt, dist_ckpt, str(tmp_path / "bf16")), timeout_s=600)
+    results, odd, from_plain, _ = by_rank[0]
 
     assert all(norm > CLIP for _, norm in single), "the steps must be clipped, else the clipping is not tested"
     assert {row["zero"] for row in LAYOUTS} == {1, 2}
@@ -341,6 +360,18 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
         resumed = train(trainer, STEPS - SAVE_AT)
         for step, (got, want) in enumerate(zip(resumed, uninterrupted[SAVE_AT:]), start=SAVE_AT + 1):
             assert _close(got, want, REL_TOL), f"distributed EP 2 x DP 2 -> plain DP 1 via {source}, step {step}"
+
+    # bf16 at DP 4, every rank writing buckets: bit-exact at DP 4, and at DP 1 each master is the ranks' columns.
+    bf16_runs = [run for *_, run in by_rank]
+    assert all(run["exact"] for run in bf16_runs) and bf16_runs[0]["writers"] == [0, 1, 2, 3]
+    from parallel_state import ParallelState
+    single = ParallelState.single_process()
+    bf16 = Trainer(build_model(single, dtype=torch.bfloat16), single, train_config(distributed_optimizer=True))
+    load_training_checkpoint(tmp_path / "bf16", bf16, world_group=None)
+    for name, p in bf16.model.named_parameters():
+        want = torch.cat([run["masters"][name] for run in bf16_runs], dim=1)
+        assert torch.equal(bf16.optimizer.state[p]["master"], want), name
+        assert torch.equal(p.detach().reshape(want.shape), want.bfloat16()), name
 
 
 # ---- in-process checks -----------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
 - the optimizer state: ``optim.<key>.<logical name>``, cut exactly like its parameter
   (:func:`megamoe.checkpoint_state.optimizer_chunks`), so it follows the parameter into any layout: a
   slot that replicates an expert gets that expert's state, whether or not it was replicated before. The
-  distributed optimizer's shards are gathered into these same logical tensors at save (all of a rank's state
-  at once, in full shape: a transient of the plain optimizer's size) and sliced back at load, so either
-  optimizer resumes the other's checkpoints at any DP size; its fp32 master weights (bf16 parameters) are
+  distributed optimizer's shards are gathered into these same logical tensors at save and sliced back at
+  load, bucket by bucket through host memory (the device holds one bucket's gathered state at a time, never
+  the full state; each bucket is written by one rank of its group), so either optimizer resumes the
+  other's checkpoints at any DP size; its fp32 master weights (bf16 parameters) are
   stored as the weights themselves, in fp32 (no ``master`` key). Gradients are not state: a checkpoint is
   taken between steps, so neither ``p.grad`` nor the fp32 gradient accumulation of bf16 parameters
   (``p.main_grad``, :mod:`megamoe.gradients`) is saved; a resumed bf16 run accumulates in fp32 from its

@@ -72,12 +72,20 @@ one rank of its group, so only the remaining replication counts (TP-replicated p
 two stages, expert replicas in several slots, and the DP replicas of an unsharded optimizer), as in
 :func:`~megamoe.training.grad_sync.global_grad_norm`; it equals the plain norm.
 
-Checkpoints (:mod:`megamoe.training.checkpoint`) store LOGICAL state, the plain optimizer's: :meth:`logical_state`
-gathers every parameter's shards into full-shape tensors (one bucket and state key at a time), and
-:meth:`load_logical_state` slices this rank's shards back out. The fp32 master weights are saved AS the
-model's weights (the checkpoint's parameter tensors hold the master in fp32, not the rounded bf16 copy), so
-there is no separate ``master`` key: a plain fp32 run resuming loads the master as its weights, and a bf16
-run resuming from any checkpoint takes its master from the stored weights.
+Checkpoints (:mod:`megamoe.training.checkpoint`) store LOGICAL state, the plain optimizer's, moved between the
+shards and the files bucket by bucket through host memory, so that the device never holds a full-shape copy
+(the 12 bytes per parameter of master and moments that ZeRO exists to spread). Saving, :meth:`logical_state`:
+each bucket's state is gathered over its group one state key at a time (the device holds that one gathered
+buffer, then drops it) and its writer, rank ``i % N`` of the group for bucket ``i`` (so the writes and their
+host memory spread over the group), copies it out parameter by parameter into host buffers
+(:func:`megamoe.host_staging.host_buffer`) as full-shape tensors; the others write none of it (they hold
+the same values). Loading, :meth:`logical_state_buckets`: each bucket's full-shape tensors are read from the
+files into host buffers, then :meth:`load_logical_state` copies this rank's columns into its shards before
+the next bucket is read. The fp32 master weights are saved AS the model's weights (the checkpoint's
+parameter tensors hold the master in fp32, not the rounded bf16 copy), so there is no separate ``master``
+key: a plain fp32 run resuming loads the master as its weights, and a bf16 run resuming from any checkpoint
+takes its master from the stored weights (:meth:`master_parameters`: the parameters whose weights are
+written from the master, by the bucket's writer only).
 
 Parameters without a gradient on a step are treated as having a zero gradient (unlike torch's AdamW, which
 skips them): the models here give every trainable parameter a gradient on every step.
@@ -114,10 +122,11 @@ DEFAULT_BUCKET_NUMEL = 40_000_000     # padded elements per reduce-scatter bucke
 
 @dataclass
 class _LogicalState:
-    """Full-shape (logical) optimizer state, the stand-in for the plain optimizer that
-    :func:`megamoe.checkpoint_state.optimizer_chunks` reads: ``param_groups`` and ``state[param] =
-    {"exp_avg", "exp_avg_sq": fp32 shaped like param, "step": 0-dim}``. ``masters[param]``: the fp32
-    master weights shaped like the parameter (non-fp32 parameters only), saved as the weights."""
+    """Full-shape (logical) optimizer state of some parameters, in host memory, the stand-in for the plain
+    optimizer that :func:`megamoe.checkpoint_state.optimizer_chunks` reads: ``param_groups`` (those
+    parameters only) and ``state[param] = {"exp_avg", "exp_avg_sq": fp32 shaped like param, "step": 0-dim}``.
+    ``masters[param]``: the fp32 master weights shaped like the parameter (non-fp32 parameters only), saved
+    as the weights."""
     param_groups: list
     state: dict
     masters: dict
