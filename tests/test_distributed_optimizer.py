@@ -271,7 +271,8 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint, bf16_c
                              and all(torch.equal(v, again.optimizer.state[q][k])
                                      for k, v in bf16.optimizer.state[p].items())
                              for p, q in zip(bf16.model.parameters(), again.model.parameters())),
-                "masters": {name: bf16.optimizer.state[p]["master"][:, :bf16.optimizer._entries[p].valid].clone()
+                # (as lists: tensors returned by a rank exiting would share memory it takes with it)
+                "masters": {name: bf16.optimizer.state[p]["master"][:, :bf16.optimizer._entries[p].valid].tolist()
                             for name, p in names.items()}}
     destroy_model_parallel()
     return results, odd, from_plain, bf16_run
@@ -369,7 +370,7 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     bf16 = Trainer(build_model(single, dtype=torch.bfloat16), single, train_config(distributed_optimizer=True))
     load_training_checkpoint(tmp_path / "bf16", bf16, world_group=None)
     for name, p in bf16.model.named_parameters():
-        want = torch.cat([run["masters"][name] for run in bf16_runs], dim=1)
+        want = torch.cat([torch.tensor(run["masters"][name]) for run in bf16_runs], dim=1)
         assert torch.equal(bf16.optimizer.state[p]["master"], want), name
         assert torch.equal(p.detach().reshape(want.shape), want.bfloat16()), name
 
