@@ -199,8 +199,6 @@ def _worker(rank, world_size, m, runs, param_dtype, checkpoint_layouts=(), check
 
 
 # ---- ZeRO checkpoints: the device peak of saving and loading, before (full-shape state on the device) and now
-
-
 @torch.no_grad()
 def _full_state_on_device(optimizer) -> list[torch.Tensor]:
     """What a save did before (``logical_state(gather=True)`` at 5773a8d): every bucket's state gathered
@@ -277,7 +275,6 @@ def checkpoint_rows(per_rank: list[dict]) -> list[dict]:
         row["ratio"] = {f: row[f] / row["full_state"] for f in ("bucket", *CHECKPOINT_PEAKS)}
         rows.append(row)
     return rows
-
 
 
 def checkpoint_verdicts(rows: list[dict]) -> list[dict]:
