@@ -266,7 +266,16 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint, bf16_c
     save_training_checkpoint(bf16_checkpoint, bf16, sampler_state=None, world_group=dist.group.WORLD)
     load_training_checkpoint(bf16_checkpoint, again, world_group=dist.group.WORLD)
     names = dict(bf16.model.named_parameters())
-    bf16_run = {"writers": sorted({i % 4 for i in range(bf16.optimizer.num_buckets)}),
+    # What a load reads of the state: the slices holding this rank's columns, against the whole tensors.
+    from megamoe.checkpoint_state import chunks_by_parameter, sharded_state_dict
+    from megamoe.training.checkpoint import _logical_chunks
+    by_param = chunks_by_parameter(again.model.parameters(), sharded_state_dict(again.model))
+    read = whole = 0
+    for part in again.optimizer.logical_state_buckets():
+        chunks = _logical_chunks(part, by_param)
+        whole += sum(c.numel for c in chunks if c.tensor.dim())
+        read += sum(c.numel for c in again.optimizer.owned_chunks(chunks, part) if c.tensor.dim())
+    bf16_run = {"writers": sorted({i % 4 for i in range(bf16.optimizer.num_buckets)}), "read_fraction": read / whole,
                 "exact": all(torch.equal(p, q) and bf16.optimizer.state[p].keys() == again.optimizer.state[q].keys()
                              and all(torch.equal(v, again.optimizer.state[q][k])
                                      for k, v in bf16.optimizer.state[p].items())
@@ -365,6 +374,8 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     # bf16 at DP 4, every rank writing buckets: bit-exact at DP 4, and at DP 1 each master is the ranks' columns.
     bf16_runs = [run for *_, run in by_rank]
     assert all(run["exact"] for run in bf16_runs) and bf16_runs[0]["writers"] == [0, 1, 2, 3]
+    # each rank reads about its quarter of the state (whole dim-0 slices: a little more), not all of it
+    assert all(0.25 <= run["read_fraction"] < 0.4 for run in bf16_runs), [run["read_fraction"] for run in bf16_runs]
     from parallel_state import ParallelState
     single = ParallelState.single_process()
     bf16 = Trainer(build_model(single, dtype=torch.bfloat16), single, train_config(distributed_optimizer=True))
@@ -603,6 +614,33 @@ def test_pretrain_script_flags_reach_the_train_config_and_bad_combinations_are_r
     assert code == 1 and len(err) == 1 and err[0].startswith("pretrain_moe.py: error: ") and \
         "--zero-stage 2 needs --distributed-optimizer" in err[0], err
     assert not (tmp_path / "w").exists(), "the error must come before any work"
+
+
+def test_owned_rows_cover_this_ranks_columns_of_any_dim0_slice():
+    """ShardEntry.owned_rows (what a rank reads of a checkpoint's state): the dim-0 range of a view (the
+    whole parameter, a slab, a TP-like column slice, a stacked slot) holding every element of this rank's
+    columns, checked against every element's flat position, at group sizes 1 to 5."""
+    from megamoe.training.optimizer_shards import ShardEntry
+    param = nn.Parameter(torch.zeros(3, 6, 5))                 # 3 slot rows of 30 (a stacked expert parameter)
+    base = torch.zeros(param.shape)
+    position = torch.arange(param.numel()).view(param.shape)
+    shrunk = 0
+    for size in range(1, 6):
+        cols = math.ceil(30 / size)
+        for rank in range(size):
+            entry = ShardEntry(param, 3, 30, cols, rank, True)
+            for index in (slice(None), (1,), (2, slice(2, 5)), (0, slice(None), slice(1, 4)), (1, slice(1, 6), 2)):
+                view = base[index]
+                flat = position[index] % 30
+                mine = ((flat >= rank * cols) & (flat < rank * cols + entry.valid)).reshape(view.shape[0], -1)
+                rows = mine.any(dim=1).nonzero().flatten().tolist()
+                got = entry.owned_rows(view, base)
+                if not rows:
+                    assert got is None or entry.valid == 0, (size, rank, index, got)
+                    continue
+                assert got is not None and got[0] <= rows[0] and got[1] >= rows[-1] + 1, (size, rank, index, got)
+                shrunk += got[1] - got[0] < view.shape[0]
+    assert shrunk > 20, "the ranges must leave rows out, else nothing is saved"
 
 
 def _state_bytes_of_largest(optimizer) -> tuple[int, int]:

@@ -161,16 +161,17 @@ def _logical_chunks(logical, by_param) -> list[LogicalChunk]:
     return chunks
 
 
-def _model_chunks(trainer, with_optimizer: bool):
+def _model_chunks(trainer, with_optimizer: bool, *, saving: bool):
     """The model's chunks and the map of each parameter to its chunks (None without optimizer state);
-    for a distributed optimizer, less the chunks of the parameters whose master it holds (those come
-    with its logical state, :func:`_logical_chunks`)."""
+    ``saving`` with a distributed optimizer, less the chunks of the parameters whose master it holds
+    (those come with its logical state, :func:`_logical_chunks`, from the rank writing them). (A load
+    reads them into the parameters as any weights, rounded to the parameter's dtype.)"""
     chunks = sharded_state_dict(trainer.model)
     if not with_optimizer:
         return chunks, None
     by_param = chunks_by_parameter(trainer.model.parameters(), chunks)
     master_parameters = getattr(trainer.optimizer, "master_parameters", None)
-    if master_parameters is not None:
+    if saving and master_parameters is not None:
         of_masters = {id(c) for p in master_parameters() for c in by_param.get(p, ())}
         chunks = [c for c in chunks if id(c) not in of_masters]
     return chunks, by_param
@@ -183,7 +184,7 @@ def _saved_chunks(trainer, with_optimizer: bool) -> list[LogicalChunk]:
     by bucket into full-shape tensors in host memory, each bucket's by one rank of its group (collective;
     the device never holds the full state), and cut like a plain optimizer's state, so the checkpoint is
     the same either way."""
-    chunks, by_param = _model_chunks(trainer, with_optimizer)
+    chunks, by_param = _model_chunks(trainer, with_optimizer, saving=True)
     if not with_optimizer:
         return chunks
     optimizer = trainer.optimizer
@@ -366,16 +367,17 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     else:
         optimizer.state.clear()  # saved before the first step: a fresh optimizer is the exact state
     with_optimizer = extra["has_optimizer_state"]
-    chunks, by_param = _model_chunks(trainer, with_optimizer)
-    # A distributed optimizer's state is read bucket by bucket into host buffers, each bucket's taken into
-    # its shards before the next is read (:meth:`DistributedOptimizer.logical_state_buckets`); the plain
-    # optimizer's is read into its state tensors with the model.
+    chunks, by_param = _model_chunks(trainer, with_optimizer, saving=False)
+    # A distributed optimizer's state is read bucket by bucket into host buffers, only the slices holding
+    # this rank's columns, each bucket's taken into its shards before the next is read
+    # (:meth:`DistributedOptimizer.logical_state_buckets`, :meth:`~DistributedOptimizer.owned_chunks`); the
+    # plain optimizer's is read into its state tensors with the model.
     by_bucket = with_optimizer and hasattr(optimizer, "logical_state_buckets")
     if with_optimizer and not by_bucket:
         chunks += optimizer_chunks(optimizer, by_param)
     planned = list(chunks)
     if by_bucket:
-        for part in optimizer.logical_state_buckets(planning=True):
+        for part in optimizer.logical_state_buckets(planning=True):    # (whole tensors: a superset of files)
             planned += _logical_chunks(part, by_param)
     layout = _parallel_layout(trainer.state)
     rank = comms.group_rank(world_group)
@@ -393,7 +395,8 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     load_checkpoint(root, chunks, verify_checksums=verify_checksums)
     if by_bucket:
         for part in optimizer.logical_state_buckets():
-            load_checkpoint(root, _logical_chunks(part, by_param), verify_checksums=verify_checksums)
+            load_checkpoint(root, optimizer.owned_chunks(_logical_chunks(part, by_param), part),
+                            verify_checksums=verify_checksums)
             optimizer.load_logical_state(part)
     trainer.step = extra["step"]
     trainer.load_training_state(extra.get("training_state") or {})

@@ -104,6 +104,7 @@ from torch.optim.adam import adam as _adam
 from torch import nn
 
 from megamoe import comms
+from megamoe.checkpoint_state import LogicalChunk
 from megamoe.gradients import main_grad
 from megamoe.host_staging import host_buffer
 from megamoe.host_values import host_floats
@@ -568,11 +569,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         full.setdefault(e.param, {})[key] = value
             yield self._logical_part([bucket], full, masters)
 
+    def owned_chunks(self, chunks: list[LogicalChunk], logical: _LogicalState) -> list[LogicalChunk]:
+        """Of ``chunks``, views of ``logical``'s host tensors (a part of :meth:`logical_state_buckets`), the
+        dim-0 slices that hold this rank's columns (:meth:`ShardEntry.owned_rows`): what a rank reads of a
+        checkpoint's state, about 1/N of it; the rest of each tensor, which it never uses, stays unread."""
+        owner = {}
+        for p, values in [*logical.state.items(), *((p, {"master": v}) for p, v in logical.masters.items())]:
+            for value in values.values():
+                if value.dim():
+                    owner[value.untyped_storage().data_ptr()] = (p, value)
+        owned = []
+        for chunk in chunks:
+            if not chunk.tensor.dim():
+                owned.append(chunk)
+                continue
+            param, base = owner[chunk.tensor.untyped_storage().data_ptr()]
+            rows = self._entries[param].owned_rows(chunk.tensor, base)
+            if rows is not None:
+                lo, hi = rows
+                owned.append(LogicalChunk(chunk.name, chunk.tensor[lo:hi], chunk.global_shape,
+                                          (chunk.offsets[0] + lo, *chunk.offsets[1:])))
+        return owned
+
     @torch.no_grad()
     def load_logical_state(self, logical: _LogicalState) -> None:
-        """Take this rank's shards of the loaded full-shape state of the parameters ``logical`` holds (and
-        those parameters from the masters): device memory beyond the shards, at most one parameter's
-        columns in transit."""
+        """Take this rank's shards of the loaded full-shape state of the parameters ``logical`` holds (only
+        this rank's columns need to have been read, :meth:`owned_chunks`); the parameters themselves are
+        loaded as the model's weights. Device memory beyond the shards: at most one parameter's columns in
+        transit."""
         for p, values in logical.state.items():
             e = self._entries[p]
             s = self._state_of(e)
@@ -585,7 +609,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p in logical.masters:
                 s["master"].zero_()
                 s["master"][:, :e.valid].copy_(e.owned(logical.masters[p]))
-                p.detach().copy_(logical.masters[p])
 
     def master_parameters(self) -> list[nn.Parameter]:
         """The parameters whose checkpointed weights are their fp32 master (non-fp32 parameters), in
