@@ -9,7 +9,8 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`c
   slot that replicates an expert gets that expert's state, whether or not it was replicated before. The
   distributed optimizer's shards are gathered into these same logical tensors at save and sliced back at
   load, bucket by bucket through host memory (the device holds one bucket's gathered state at a time, never
-  the full state; each bucket is written by one rank of its group), so either optimizer resumes the
+  the full state; each bucket is written by one rank of its group, and a load reads of each state tensor
+  only the slices holding the rank's own columns), so either optimizer resumes the
   other's checkpoints at any DP size; its fp32 master weights (bf16 parameters) are
   stored as the weights themselves, in fp32 (no ``master`` key). Gradients are not state: a checkpoint is
   taken between steps, so neither ``p.grad`` nor the fp32 gradient accumulation of bf16 parameters

@@ -79,13 +79,15 @@ each bucket's state is gathered over its group one state key at a time (the devi
 buffer, then drops it) and its writer, rank ``i % N`` of the group for bucket ``i`` (so the writes and their
 host memory spread over the group), copies it out parameter by parameter into host buffers
 (:func:`megamoe.host_staging.host_buffer`) as full-shape tensors; the others write none of it (they hold
-the same values). Loading, :meth:`logical_state_buckets`: each bucket's full-shape tensors are read from the
-files into host buffers, then :meth:`load_logical_state` copies this rank's columns into its shards before
-the next bucket is read. The fp32 master weights are saved AS the model's weights (the checkpoint's
-parameter tensors hold the master in fp32, not the rounded bf16 copy), so there is no separate ``master``
-key: a plain fp32 run resuming loads the master as its weights, and a bf16 run resuming from any checkpoint
-takes its master from the stored weights (:meth:`master_parameters`: the parameters whose weights are
-written from the master, by the bucket's writer only).
+the same values). Loading, :meth:`logical_state_buckets`: each bucket's full-shape tensors are made in host
+buffers and only their dim-0 slices holding this rank's columns are read from the files
+(:meth:`owned_chunks`: about 1/N of the state per rank), then :meth:`load_logical_state` copies those
+columns into its shards before the next bucket is read. The fp32 master weights are saved AS the model's
+weights (the checkpoint's parameter tensors hold the master in fp32, not the rounded bf16 copy), so there
+is no separate ``master`` key: a plain fp32 run resuming loads the master as its weights, and a bf16 run
+resuming from any checkpoint takes its master from the stored weights (its columns, as the moments) and
+its parameters from the same weights, rounded on read (:meth:`master_parameters`: the parameters whose
+weights are written from the master, by the bucket's writer only).
 
 Parameters without a gradient on a step are treated as having a zero gradient (unlike torch's AdamW, which
 skips them): the models here give every trainable parameter a gradient on every step.
