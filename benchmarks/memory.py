@@ -45,6 +45,17 @@ the measured saving is also the most that recomputing those regions can save on 
 the target is judged against. ``dp4_math_seq4x`` shows the same regions under the math kernel, which
 keeps the probabilities.
 
+Then ZeRO-1 checkpoints (``--no-checkpoints`` skips them), on every layout but the baseline and math ones: a
+distributed optimizer with small buckets (``--checkpoint-bucket-mb``) takes one step, then the device peak
+over its state (:class:`~megamoe.training.memory_measure.DeviceMemory`: host staging buffers not counted, so
+the figure is the device's on this CPU run too) of the optimizer's side of a save (its state gathered to
+host memory bucket by bucket) and of a load (read into host buffers bucket by bucket, then sliced into the
+shards), beside the same work done as before (5773a8d: every bucket gathered into full-shape fp32 tensors
+on the device; full-shape zeros on the device to load into), and of the whole ``save_training_checkpoint``
+/ ``load_training_checkpoint``; each as a ratio of the full-shape fp32 state, computed from the optimizer's
+parameters (12 bytes per parameter with fp32 masters, 8 without). Target: the optimizer's side at most one
+bucket (its gathered state and shard) plus two parameters.
+
 After them, estimates only (no model is built): DeepSeek-V3 (its config.json values through
 ``config_from_hf``) at EP 64, PP 16, DP 64 (1024 ranks), bf16 parameters, sequences of 4096, micro-batch
 1, 16 micro-batches, flash attention, for each recompute mode and optimizer: the most loaded stage.
@@ -56,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -67,7 +79,7 @@ from megamoe.moe.router import RouterConfig
 from megamoe.spawned_ranks import run_on_ranks
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.memory_estimate import estimate_memory
-from megamoe.training.memory_measure import measure_train_step
+from megamoe.training.memory_measure import DeviceMemory, measure_train_step
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig
 
@@ -98,6 +110,9 @@ OPTIMIZER_CHOICES = (*OPTIMIZERS, "zero2")             # zero2: the distributed 
 _TRAIN_CONFIG = {"plain": {}, "distributed": {"distributed_optimizer": True},
                  "zero2": {"distributed_optimizer": True, "zero_stage": 2}}
 OPTIMIZER_SLACK, FULL_TARGET, SELECTIVE_TARGET, SP_TARGET = 0.01, 0.70, 0.25, 0.5
+CHECKPOINT_PEAKS = ("save_before", "save_now", "load_before", "load_now", "save_whole_now", "load_whole_now")
+# MB of fp32 per distributed-optimizer bucket in the checkpoint runs, by model: a few parameters per bucket
+CHECKPOINT_BUCKET_MB = {"model": 0.25, "quick": 0.005}
 _FIELDS = ("param", "grad", "opt", "act", "peak")
 
 
@@ -137,7 +152,21 @@ def _runs(layouts, recomputes, optimizers):
                 yield layout, recompute, optimizer
 
 
-def _worker(rank, world_size, m, runs, param_dtype):
+def _batches(m_run: dict, state) -> list[list]:
+    """Two steps' micro-batches of this DP rank (the same data in every run)."""
+    per_rank = m_run["micro"] * m_run["micro_batches"]
+    data = torch.randint(0, m_run["vocab"], (2, per_rank * state.dp_cp.size, m_run["seq"] + 1),
+                         generator=torch.Generator().manual_seed(0))
+    batches = []
+    for step in range(2):
+        mine = data[step, state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
+        # contiguous: the embedding saves its ids, whose storage would otherwise be the whole batch
+        batches.append([(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(m_run["micro"])])
+    return batches
+
+
+def _worker(rank, world_size, m, runs, param_dtype, checkpoint_layouts=(), checkpoint_dir=None,
+            checkpoint_bucket_mb=CHECKPOINT_BUCKET_MB["model"]):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype]
     results = []
@@ -151,14 +180,7 @@ def _worker(rank, world_size, m, runs, param_dtype):
         train_config = TrainConfig(lr=1e-3, **_TRAIN_CONFIG[optimizer])
         trainer = Trainer(model, state, train_config,
                           world_group=dist.group.WORLD)
-        per_rank = m_run["micro"] * m_run["micro_batches"]
-        data = torch.randint(0, m_run["vocab"], (2, per_rank * state.dp_cp.size, m_run["seq"] + 1),
-                             generator=torch.Generator().manual_seed(0))
-        batches = []
-        for step in range(2):
-            mine = data[step, state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
-            # contiguous: the embedding saves its ids, whose storage would otherwise be the whole batch
-            batches.append([(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(m_run["micro"])])
+        batches = _batches(m_run, state)
         with _attention_kernel(lay):
             trainer.train_step(batches[0])                 # the optimizer state exists from here on
             memory, _ = measure_train_step(trainer, batches[1])
@@ -171,7 +193,117 @@ def _worker(rank, world_size, m, runs, param_dtype):
             "act_by_category": memory.saved_by_category, "peak": memory.peak_live_bytes,
             "dp": state.dp_cp.size, "edp": state.edp.size})
         destroy_model_parallel()
-    return results
+    checkpoints = [_checkpoint_peaks(rank, m, layout, dtype, checkpoint_dir, checkpoint_bucket_mb)
+                   for layout in checkpoint_layouts]
+    return results, checkpoints
+
+
+# ---- ZeRO checkpoints: the device peak of saving and loading, before (full-shape state on the device) and now
+@torch.no_grad()
+def _full_state_on_device(optimizer) -> list[torch.Tensor]:
+    """What a save did before (``logical_state(gather=True)`` at 5773a8d): every bucket's state gathered
+    into full-shape fp32 tensors on the device, all held until the files are written."""
+    from megamoe import comms
+    optimizer.materialize_state()
+    full = []
+    for bucket in optimizer._buckets:
+        for key in sorted(k for k in optimizer.state[bucket.entries[0].param] if k != "step"):
+            flat = torch.cat([optimizer.state[e.param][key].reshape(-1) for e in bucket.entries])
+            gathered = comms.all_gather_flat(flat, bucket.group.group)
+            full += [e.full_from(gathered, bucket.group.size, bucket.shard_numel).contiguous() for e in bucket.entries]
+    return full
+
+
+def _zeros_on_device(optimizer) -> list[torch.Tensor]:
+    """What a load did before (``logical_state(gather=False)``): full-shape zeros of every state tensor on the
+    device, read into, then sliced."""
+    return [torch.zeros(e.param.shape, dtype=torch.float32, device=optimizer.device)
+            for e in optimizer._entries.values() for key in optimizer.state[e.param] if key != "step"]
+
+
+def _checkpoint_peaks(rank, m, layout, dtype, directory, bucket_mb) -> dict:
+    """The device peak over the model and optimizer state (:class:`DeviceMemory`: host staging buffers not
+    counted) of a ZeRO-1 checkpoint's optimizer side, before and now, and of the whole save and load now."""
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    lay = LAYOUTS[layout]
+    state = initialize_model_parallel(tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], etp=lay["tp"])
+    m_run = _model_of(m, lay)
+    model = GPTMoEModel(model_config(m_run, sequence_parallel=lay["sp"]), state, dtype=dtype)
+    initialize_parameters(model, seed=0)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-3, distributed_optimizer=True, grad_bucket_mb=bucket_mb),
+                      world_group=dist.group.WORLD)
+    with _attention_kernel(lay):
+        trainer.train_step(_batches(m_run, state)[0])
+    optimizer = trainer.optimizer
+    path = f"{directory}/{layout}"
+
+    def peak(fn) -> int:
+        with DeviceMemory(optimizer.device) as live:
+            live.track(list(model.parameters()), list(model.buffers()),
+                       [list(s.values()) for s in optimizer.state.values()])
+            baseline = live.current_bytes
+            fn()
+        return live.peak_bytes - baseline
+
+    def load_now():
+        for part in optimizer.logical_state_buckets():
+            optimizer.load_logical_state(part)
+
+    row = {"layout": layout, "rank": rank, "stage": state.pp.rank, "buckets": optimizer.num_buckets,
+           "full_state": sum(4 * (len(s) - 1) * p.numel() for p, s in optimizer.state.items()),
+           # the largest bucket's gathered state for one key with its shard, and the largest parameter in fp32
+           "bucket": max(4 * b.shard_numel * (b.group.size + 1) for b in optimizer._buckets),
+           "param": max(4 * p.numel() for p in optimizer.state),
+           "save_before": peak(lambda: _full_state_on_device(optimizer)), "save_now": peak(optimizer.logical_state),
+           "load_before": peak(lambda: _zeros_on_device(optimizer)), "load_now": peak(load_now),
+           "save_whole_now": peak(lambda: save_training_checkpoint(path, trainer, sampler_state=None,
+                                                                   world_group=dist.group.WORLD)),
+           "load_whole_now": peak(lambda: load_training_checkpoint(path, trainer, world_group=dist.group.WORLD))}
+    destroy_model_parallel()
+    return row
+
+
+def checkpoint_rows(per_rank: list[dict]) -> list[dict]:
+    """Per (layout, stage): the most loaded rank's figures and their ratios to the full-state bytes."""
+    rows = []
+    for key in sorted({(r["layout"], r["stage"]) for r in per_rank}):
+        ranks = [r for r in per_rank if (r["layout"], r["stage"]) == key]
+        row = {"layout": key[0], "stage": key[1], "ranks": sorted(r["rank"] for r in ranks)}
+        for field in ("buckets", "full_state", "bucket", "param", *CHECKPOINT_PEAKS):
+            row[field] = max(r[field] for r in ranks)
+        row["ratio"] = {f: row[f] / row["full_state"] for f in ("bucket", *CHECKPOINT_PEAKS)}
+        rows.append(row)
+    return rows
+
+
+def checkpoint_verdicts(rows: list[dict]) -> list[dict]:
+    """The issue's target for ZeRO checkpoints: the optimizer's side of saving and loading holds about one
+    bucket on the device (its gathered state and shard, plus a parameter or two in transit), not the full
+    state the old path held. (The whole save's figure also holds the pickled chunk lists of every rank that
+    ``all_gather_object`` exchanges, which NCCL stages on the device: metadata, not state.)"""
+    out = []
+    for r in rows:
+        bound = r["bucket"] + 2 * r["param"]
+        now = {f: r[f] for f in ("save_now", "load_now")}
+        out.append({"target": f"{r['layout']} stage {r['stage']}: ZeRO checkpoint state gather / scatter device "
+                              "peak <= one bucket + 2 parameters (the old path: the full state)",
+                    "met": max(now.values()) <= bound < r["full_state"] <= min(r["save_before"], r["load_before"]),
+                    "figures": {"full_state": r["full_state"], "bound": bound, **now,
+                                "save_before": r["save_before"], "load_before": r["load_before"]}})
+    return out
+
+
+def print_checkpoint_table(rows: list[dict]) -> None:
+    print("\nZeRO-1 checkpoint: device peak over the state while saving / loading (DeviceMemory, host staging "
+          "not counted), as a ratio of the full-shape fp32 state; 'bucket': the largest bucket's gathered state "
+          "and shard; 'before' / 'now': the optimizer's gather (save) and scatter (load) as at 5773a8d and now; "
+          "'whole_now': save_training_checkpoint / load_training_checkpoint, with the metadata exchange")
+    print(f"{'layout':11s} {'st':>2s} {'buckets':>7s} {'full MiB':>8s} {'bucket':>6s} "
+          + " ".join(f"{name:>14s}" for name in CHECKPOINT_PEAKS))
+    for r in rows:
+        print(f"{r['layout']:11s} {r['stage']:2d} {r['buckets']:7d} {_mb(r['full_state'])} {r['ratio']['bucket']:6.3f} "
+              + " ".join(f"{r['ratio'][name]:14.3f}" for name in CHECKPOINT_PEAKS))
 
 
 def _model_of(m: dict, lay: dict) -> dict:
@@ -200,12 +332,17 @@ def _estimate(m: dict, layout: str, recompute: str, optimizer: str, param_dtype:
                            sdpa_backend=lay.get("sdpa", "flash"))
 
 
-def run(m: dict, layouts, recomputes, optimizers, param_dtype: str = "fp32") -> list[dict]:
+def run(m: dict, layouts, recomputes, optimizers, param_dtype: str = "fp32", checkpoint_layouts=(),
+        checkpoint_bucket_mb: float = CHECKPOINT_BUCKET_MB["model"]) -> tuple[list[dict], list[dict]]:
     """Measure every run on 4 spawned gloo ranks (one spawn) and pair each pipeline stage's largest
-    per-rank figures with the estimate. One row per (layout, recompute, optimizer, stage)."""
+    per-rank figures with the estimate: one row per (layout, recompute, optimizer, stage). Then the ZeRO
+    checkpoint peaks of ``checkpoint_layouts`` (:func:`checkpoint_rows`). Returns both lists of rows."""
     runs = list(_runs(layouts, recomputes, optimizers))
-    per_rank = [r for results in run_on_ranks(_worker, WORLD_SIZE, args=(m, runs, param_dtype), timeout_s=1800)
-                for r in results]
+    with tempfile.TemporaryDirectory() as directory:
+        by_rank = run_on_ranks(_worker, WORLD_SIZE, args=(m, runs, param_dtype, tuple(checkpoint_layouts), directory,
+                                                          checkpoint_bucket_mb), timeout_s=1800)
+    per_rank = [r for results, _ in by_rank for r in results]
+    checkpoints = checkpoint_rows([r for _, rows in by_rank for r in rows])
     rows = []
     for layout, recompute, optimizer in runs:
         estimate = _estimate(m, layout, recompute, optimizer, param_dtype)
@@ -235,7 +372,7 @@ def run(m: dict, layouts, recomputes, optimizers, param_dtype: str = "fp32") -> 
             row["estimate"] = est
             row["ratio"] = {k: row[k] / est[k] if est[k] else None for k in est}
             rows.append(row)
-    return rows
+    return rows, checkpoints
 
 
 # DeepSeek-V3's config.json (the values the estimate reads), built here: nothing is downloaded.
@@ -349,20 +486,32 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZER_CHOICES),
                         help="plain AdamW, the distributed optimizer (ZeRO-1), zero2 (ZeRO-2)")
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"), help="model parameter dtype")
+    parser.add_argument("--checkpoint-bucket-mb", type=float,
+                        help="the distributed optimizer's bucket size (MB of fp32) in the ZeRO checkpoint runs "
+                             f"(default {CHECKPOINT_BUCKET_MB['model']}, --quick {CHECKPOINT_BUCKET_MB['quick']})")
+    parser.add_argument("--no-checkpoints", action="store_true", help="skip the ZeRO checkpoint save / load runs")
     parser.add_argument("--json", default="benchmarks/results/memory.json", help="write the results here")
     args = parser.parse_args(argv)
     m = QUICK_MODEL if args.quick else MODEL
-    rows = run(m, args.layouts, args.recompute, args.optimizers, args.param_dtype)
+    if args.checkpoint_bucket_mb is None:
+        args.checkpoint_bucket_mb = CHECKPOINT_BUCKET_MB["quick" if args.quick else "model"]
+    checkpoint_layouts = [] if args.no_checkpoints else [k for k in args.layouts if k not in (*BASELINE_ONLY,
+                                                                                           *SELECTIVE_ONLY)]
+    rows, checkpoints = run(m, args.layouts, args.recompute, args.optimizers, args.param_dtype, checkpoint_layouts,
+                            args.checkpoint_bucket_mb)
     print(f"torch {torch.__version__}; {WORLD_SIZE} gloo ranks; model {m}; params {args.param_dtype}")
     print_table(rows)
-    checks = verdicts(rows)
+    checks = verdicts(rows) + checkpoint_verdicts(checkpoints)
     for v in checks:
         figures = ", ".join(f"{k} {v_:.4g}" if isinstance(v_, float) else f"{k} {v_}" for k, v_ in v["figures"].items())
         print(f"{'PASS' if v['met'] else 'FAIL'}: {v['target']} ({figures})")
+    if checkpoints:
+        print_checkpoint_table(checkpoints)
     deepseek = deepseek_v3_estimates()
     print_deepseek_v3(deepseek)
     write_results(args.json, {"model": m, "world_size": WORLD_SIZE, "param_dtype": args.param_dtype,
                               "layouts": {k: LAYOUTS[k] for k in args.layouts}, "rows": rows, "verdicts": checks,
+                              "checkpoints": {"bucket_mb": args.checkpoint_bucket_mb, "rows": checkpoints},
                               "deepseek_v3": {"layout": DEEPSEEK_V3_LAYOUT, "rows": deepseek}})
     return 0
 

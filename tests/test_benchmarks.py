@@ -233,7 +233,7 @@ def test_eplb_real_benchmark_rebalances_and_writes_its_table(monkeypatch, tmp_pa
     assert len(eplb["balancedness_by_step"]) == 4 and "balancedness over time" in capsys.readouterr().out
 
 
-@pytest.mark.slow      # ~20 s: one spawn of 4 gloo ranks, 13 runs of a tiny model
+@pytest.mark.slow      # ~25 s: one spawn of 4 gloo ranks, 13 runs of a tiny model and 2 checkpoint runs
 def test_memory_benchmark_quick_measures_every_layout_beside_the_estimate(monkeypatch, tmp_path, capsys):
     memory = _benchmark("memory", monkeypatch)
     out = tmp_path / "memory.json"
@@ -260,6 +260,16 @@ def test_memory_benchmark_quick_measures_every_layout_beside_the_estimate(monkey
     assert "pp2_ep2: selective recompute saves >= 25% of the saved-activation bytes of none" in verdicts
     assert all(v["met"] for t, v in verdicts.items() if "optimizer state" in t)
     assert [r["recompute"] for r in results["deepseek_v3"]["rows"]].count("full") == len(memory.OPTIMIZER_CHOICES)
+    # ZeRO checkpoints: every layout but the SP baseline, every stage; the optimizer's side of a save and a
+    # load now holds at most one bucket on the device, where it held the full state before.
+    checkpoints = results["checkpoints"]["rows"]
+    assert {(r["layout"], r["stage"]) for r in checkpoints} == {("tp2_sp_ep2", 0), ("pp2_ep2", 0), ("pp2_ep2", 1)}
+    for r in checkpoints:
+        assert r["buckets"] > 4 and r["ratio"]["bucket"] < 0.5, r
+        assert r["ratio"]["save_before"] >= 1 and r["ratio"]["load_before"] >= 1, r
+        assert 0 < r["save_now"] <= r["bucket"] + 2 * r["param"] and 0 <= r["load_now"] <= r["bucket"], r
+        assert r["ratio"]["save_now"] == pytest.approx(r["save_now"] / r["full_state"])
+    assert all(v["met"] for t, v in verdicts.items() if "ZeRO checkpoint" in t) and "ZeRO-1 checkpoint" in shown
 
 
 @pytest.mark.slow      # ~15 s while others share the 2 cores: one spawn of 4 gloo ranks, 2 layouts x overlap off / on

@@ -239,6 +239,40 @@ DISTRIBUTED = {"zero1-pp2-ep2-bf16": (1, dict(pp=2, ep=2), torch.bfloat16),
                "zero2-ep2-dp4-replicas-fp32": (2, dict(ep=2), torch.float32)}
 
 
+def _zero_checkpoint_device_peaks(optimizer, rank: int) -> None:
+    """The optimizer's side of a ZeRO checkpoint on meta (:meth:`logical_state` to save, then every bucket of
+    :meth:`logical_state_buckets` taken back by :meth:`load_logical_state`): one all-gather per bucket and
+    state key; this rank keeps the buckets it writes (bucket i: rank i % N of its group), in host buffers; the
+    device peak over the optimizer's own state stays within one gathered bucket (and its shard, and one
+    parameter in transit), far below the full fp32 state (12 bytes per parameter with masters, 8 without)."""
+    from megamoe.training.memory_measure import DeviceMemory
+    buckets = optimizer._buckets
+    keys = len(optimizer.state[buckets[0].entries[0].param]) - 1           # the fp32 tensors, not the step
+    full_state = sum((4 * keys) * p.numel() for p in optimizer._entries)
+    bucket_bytes = max(4 * b.shard_numel * (b.group.size + 1) for b in buckets)      # gathered + its shard
+    bound = bucket_bytes + 2 * max(4 * p.numel() for p in optimizer._entries)
+    assert bound < full_state / 2, (bound, full_state)
+    peaks = []
+    for stage in ("save", "load"):
+        with _meta_run() as counter, DeviceMemory("meta") as live:
+            live.track([p for p in optimizer._entries], [list(s.values()) for s in optimizer.state.values()])
+            baseline = live.current_bytes
+            if stage == "save":
+                logical = optimizer.logical_state()
+            else:
+                for part in optimizer.logical_state_buckets():
+                    assert part.state and all(v.is_meta for s in part.state.values() for v in s.values() if v.dim())
+                    optimizer.load_logical_state(part)
+        peaks.append(live.peak_bytes - baseline)
+        gathers = sum(b.group.size > 1 for b in buckets) * keys          # (a group of one rank needs none)
+        assert counter.calls("all_gather") == (gathers if stage == "save" else 0), stage
+    written = {e.param for i, b in enumerate(buckets) if i % b.group.size == b.group.rank for e in b.entries}
+    assert set(logical.state) == written and set(logical.masters) <= written, f"rank {rank}"
+    assert all(p.dtype == torch.float32 for p in written - set(logical.masters)), "masters of non-fp32 parameters"
+    # (loading copies the host buffers into the shards in place: on meta, nothing new on the device at all)
+    assert 0 < peaks[0] <= bound and 0 <= peaks[1] <= bound, (rank, peaks, bound, full_state)
+
+
 @pytest.mark.parametrize("name", list(DISTRIBUTED))
 def test_distributed_optimizer_step_on_meta_creates_every_tensor_on_the_model_device(name):
     from megamoe.training.memory_estimate import estimate_memory
@@ -250,7 +284,9 @@ def test_distributed_optimizer_step_on_meta_creates_every_tensor_on_the_model_de
     for rank in range(WORLD_SIZE):
         with _fake_rank(rank, **layout) as state:
             model = GPTMoEModel(tiny_config("alltoall", 6), state, device="meta", dtype=dtype)
-            trainer = Trainer(model, state, TrainConfig(lr=1e-2, distributed_optimizer=True, zero_stage=zero_stage),
+            # small buckets (a few parameters each): a ZeRO checkpoint's device peak is one bucket's state
+            trainer = Trainer(model, state, TrainConfig(lr=1e-2, distributed_optimizer=True, zero_stage=zero_stage,
+                                                        grad_bucket_mb=0.05),
                               world_group=dist.group.WORLD)
             batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
             with _meta_run() as counter:
@@ -267,6 +303,7 @@ def test_distributed_optimizer_step_on_meta_creates_every_tensor_on_the_model_de
             measured, stage = measure_state_bytes(model, trainer.optimizer), estimate.stages[state.pp.rank]
             assert (measured.param_bytes, measured.grad_bytes, measured.optimizer_bytes) == (
                 stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), f"rank {rank}"
+            _zero_checkpoint_device_peaks(trainer.optimizer, rank)
             moved = ExpertPlacement([3, 1, 0, 2, 2, 1], E, 2)
             with _meta_run() as counter:
                 for layer in model.moe_layers().values():

@@ -201,7 +201,7 @@ def _bf16_accumulation_check(state):
     return {"local_exact": local_exact, "err": err}
 
 
-def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
+def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint, bf16_checkpoint):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
     results = []
@@ -255,8 +255,36 @@ def _worker(rank, world_size, layouts, plain_checkpoint, dist_checkpoint):
                       world_group=dist.group.WORLD)
     load_training_checkpoint(plain_checkpoint, trainer, world_group=dist.group.WORLD)
     from_plain = train(trainer, STEPS - SAVE_AT)
+    # bf16 parameters at DP 4: fp32 masters saved as the weights, with small buckets so that every rank writes
+    # some (bucket i: rank i % 4); a DP 4 resume is bit-exact, and this rank's master columns go back to the
+    # parent, which resumes at DP 1.
+    def bf16_trainer():
+        return Trainer(build_model(state, dtype=torch.bfloat16), state,
+                       train_config(distributed_optimizer=True, grad_bucket_mb=0.02), world_group=dist.group.WORLD)
+    bf16, again = bf16_trainer(), bf16_trainer()
+    train(bf16, 2)
+    save_training_checkpoint(bf16_checkpoint, bf16, sampler_state=None, world_group=dist.group.WORLD)
+    load_training_checkpoint(bf16_checkpoint, again, world_group=dist.group.WORLD)
+    names = dict(bf16.model.named_parameters())
+    # What a load reads of the state: the slices holding this rank's columns, against the whole tensors.
+    from megamoe.checkpoint_state import chunks_by_parameter, sharded_state_dict
+    from megamoe.training.checkpoint import _logical_chunks
+    by_param = chunks_by_parameter(again.model.parameters(), sharded_state_dict(again.model))
+    read = whole = 0
+    for part in again.optimizer.logical_state_buckets():
+        chunks = _logical_chunks(part, by_param)
+        whole += sum(c.numel for c in chunks if c.tensor.dim())
+        read += sum(c.numel for c in again.optimizer.owned_chunks(chunks, part) if c.tensor.dim())
+    bf16_run = {"writers": sorted({i % 4 for i in range(bf16.optimizer.num_buckets)}), "read_fraction": read / whole,
+                "exact": all(torch.equal(p, q) and bf16.optimizer.state[p].keys() == again.optimizer.state[q].keys()
+                             and all(torch.equal(v, again.optimizer.state[q][k])
+                                     for k, v in bf16.optimizer.state[p].items())
+                             for p, q in zip(bf16.model.parameters(), again.model.parameters())),
+                # (as lists: tensors returned by a rank exiting would share memory it takes with it)
+                "masters": {name: bf16.optimizer.state[p]["master"][:, :bf16.optimizer._entries[p].valid].tolist()
+                            for name, p in names.items()}}
     destroy_model_parallel()
-    return results, odd, from_plain
+    return results, odd, from_plain, bf16_run
 
 
 def _close(got, want, rel):
@@ -282,7 +310,8 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
     save_training_checkpoint(plain_ckpt, trainer, sampler_state=None, world_group=None)
     single += train(trainer, STEPS - SAVE_AT)
 
-    results, odd, from_plain = run_on_ranks(_worker, WORLD, args=(LAYOUTS, plain_ckpt, dist_ckpt), timeout_s=600)[0]
+    by_rank = run_on_ranks(_worker, WORLD, args=(LAYOUTS, plain_ckpt, dist_ckpt, str(tmp_path / "bf16")), timeout_s=600)
+    results, odd, from_plain, _ = by_rank[0]
 
     assert all(norm > CLIP for _, norm in single), "the steps must be clipped, else the clipping is not tested"
     assert {row["zero"] for row in LAYOUTS} == {1, 2}
@@ -341,6 +370,20 @@ def test_distributed_optimizer_matches_the_plain_one(tmp_path):
         resumed = train(trainer, STEPS - SAVE_AT)
         for step, (got, want) in enumerate(zip(resumed, uninterrupted[SAVE_AT:]), start=SAVE_AT + 1):
             assert _close(got, want, REL_TOL), f"distributed EP 2 x DP 2 -> plain DP 1 via {source}, step {step}"
+
+    # bf16 at DP 4, every rank writing buckets: bit-exact at DP 4, and at DP 1 each master is the ranks' columns.
+    bf16_runs = [run for *_, run in by_rank]
+    assert all(run["exact"] for run in bf16_runs) and bf16_runs[0]["writers"] == [0, 1, 2, 3]
+    # each rank reads about its quarter of the state (whole dim-0 slices: a little more), not all of it
+    assert all(0.25 <= run["read_fraction"] < 0.4 for run in bf16_runs), [run["read_fraction"] for run in bf16_runs]
+    from parallel_state import ParallelState
+    single = ParallelState.single_process()
+    bf16 = Trainer(build_model(single, dtype=torch.bfloat16), single, train_config(distributed_optimizer=True))
+    load_training_checkpoint(tmp_path / "bf16", bf16, world_group=None)
+    for name, p in bf16.model.named_parameters():
+        want = torch.cat([torch.tensor(run["masters"][name]) for run in bf16_runs], dim=1)
+        assert torch.equal(bf16.optimizer.state[p]["master"], want), name
+        assert torch.equal(p.detach().reshape(want.shape), want.bfloat16()), name
 
 
 # ---- in-process checks -----------------------------------------------------------------------------------
@@ -571,3 +614,84 @@ def test_pretrain_script_flags_reach_the_train_config_and_bad_combinations_are_r
     assert code == 1 and len(err) == 1 and err[0].startswith("pretrain_moe.py: error: ") and \
         "--zero-stage 2 needs --distributed-optimizer" in err[0], err
     assert not (tmp_path / "w").exists(), "the error must come before any work"
+
+
+def test_owned_rows_cover_this_ranks_columns_of_any_dim0_slice():
+    """ShardEntry.owned_rows (what a rank reads of a checkpoint's state): the dim-0 range of a view (the
+    whole parameter, a slab, a TP-like column slice, a stacked slot) holding every element of this rank's
+    columns, checked against every element's flat position, at group sizes 1 to 5."""
+    from megamoe.training.optimizer_shards import ShardEntry
+    param = nn.Parameter(torch.zeros(3, 6, 5))                 # 3 slot rows of 30 (a stacked expert parameter)
+    base = torch.zeros(param.shape)
+    position = torch.arange(param.numel()).view(param.shape)
+    shrunk = 0
+    for size in range(1, 6):
+        cols = math.ceil(30 / size)
+        for rank in range(size):
+            entry = ShardEntry(param, 3, 30, cols, rank, True)
+            for index in (slice(None), (1,), (2, slice(2, 5)), (0, slice(None), slice(1, 4)), (1, slice(1, 6), 2)):
+                view = base[index]
+                flat = position[index] % 30
+                mine = ((flat >= rank * cols) & (flat < rank * cols + entry.valid)).reshape(view.shape[0], -1)
+                rows = mine.any(dim=1).nonzero().flatten().tolist()
+                got = entry.owned_rows(view, base)
+                if not rows:
+                    assert got is None or entry.valid == 0, (size, rank, index, got)
+                    continue
+                assert got is not None and got[0] <= rows[0] and got[1] >= rows[-1] + 1, (size, rank, index, got)
+                shrunk += got[1] - got[0] < view.shape[0]
+    assert shrunk > 20, "the ranges must leave rows out, else nothing is saved"
+
+
+def _state_bytes_of_largest(optimizer) -> tuple[int, int]:
+    """(fp32 bytes of the largest bucket, gathered over its group; fp32 bytes of the largest parameter)."""
+    bucket = max(4 * b.shard_numel * b.group.size for b in optimizer._buckets)
+    return bucket, max(4 * p.numel() for p in optimizer._entries)
+
+
+def test_zero_checkpoint_save_and_load_stage_bucket_by_bucket_through_host_memory(tmp_path):
+    """Saving and loading a bf16 run's ZeRO checkpoint hold about one bucket of fp32 state on the device, not
+    the full state (12 bytes per parameter: the master and the two moments), and the round trip is bit-exact.
+    Device bytes: DeviceMemory, every storage the ops touch less the host staging buffers (on a CPU run host
+    and device are the same memory); the parameters and the optimizer's own shards are the baseline."""
+    from parallel_state import ParallelState
+    from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megamoe.training.memory_measure import DeviceMemory
+    state = ParallelState.single_process()
+
+    def bf16_trainer():
+        # small buckets (a few parameters each), so that one bucket is a small part of the state
+        return Trainer(build_model(state, dtype=torch.bfloat16), state, TrainConfig(lr=1e-2, grad_bucket_mb=0.02))
+
+    trainer = bf16_trainer()
+    train(trainer, 2)
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, DistributedOptimizer) and optimizer.num_buckets >= 6, optimizer.num_buckets
+    numel = sum(p.numel() for p in trainer.model.parameters())
+    full_state = 12 * numel
+    bucket_bytes, param_bytes = _state_bytes_of_largest(optimizer)
+    assert bucket_bytes < full_state / 4, (bucket_bytes, full_state)
+
+    def device_peak(run, trainer) -> int:
+        with DeviceMemory("cpu") as live:
+            live.track(list(trainer.model.parameters()), list(trainer.model.buffers()),
+                       [list(s.values()) for s in trainer.optimizer.state.values()])
+            baseline = live.current_bytes
+            run()
+        return live.peak_bytes - baseline
+
+    saved = device_peak(lambda: save_training_checkpoint(tmp_path / "ckpt", trainer, sampler_state=None,
+                                                         world_group=None), trainer)
+    resumed = bf16_trainer()
+    resumed.optimizer.materialize_state()          # the shards a load fills: this rank's state, not a transient
+    loaded = device_peak(lambda: load_training_checkpoint(tmp_path / "ckpt", resumed, world_group=None), resumed)
+    # One bucket's gathered state for one key, and one parameter in transit (a read piece, a reordering).
+    bound = bucket_bytes + 2 * param_bytes
+    for what, peak in (("save", saved), ("load", loaded)):
+        assert 0 < peak <= bound < full_state / 2, (what, peak, bound, full_state)
+
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+        want, got = optimizer.state[p], resumed.optimizer.state[q]
+        assert want.keys() == got.keys() == {"exp_avg", "exp_avg_sq", "master", "step"}, name
+        assert all(torch.equal(want[k], got[k]) for k in want), name

@@ -29,6 +29,7 @@ from megamoe.checkpoint.manifest import (_DTYPES, _OLD_SUFFIX, FORMAT_NAME, FORM
                                          MANIFEST_FILE)
 from megamoe.checkpoint.manifest_digest import write_manifest
 from megamoe.checkpoint_state import LogicalChunk
+from megamoe.host_staging import host_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +228,8 @@ def _write_rank_files(tmp_dir: str, rank: int, chunks: list[LogicalChunk], write
     for index, batch in enumerate(b for b in batches if b):
         file_name = f"rank{rank:05d}-{index:04d}.safetensors"
         file_path = os.path.join(tmp_dir, file_name)
-        # Private CPU copies: safetensors refuses tensors that share memory (views of one parameter).
-        _save_safetensors({key: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()) for key, t in batch},
-                          file_path)
+        # Private host copies: safetensors refuses tensors that share memory (views of one parameter).
+        _save_safetensors({key: host_buffer(t.shape, t.dtype).copy_(t.detach()) for key, t in batch}, file_path)
         report.files[file_name] = checksums.file_entry(file_path, fsync=True)
         report.file_of_key.update((key, file_name) for key, _ in batch)
     return report

@@ -7,9 +7,11 @@ A training checkpoint is one directory of the megamoe checkpoint format (:mod:`m
 - the optimizer state: ``optim.<key>.<logical name>``, cut exactly like its parameter
   (:func:`megamoe.checkpoint_state.optimizer_chunks`), so it follows the parameter into any layout: a
   slot that replicates an expert gets that expert's state, whether or not it was replicated before. The
-  distributed optimizer's shards are gathered into these same logical tensors at save (all of a rank's state
-  at once, in full shape: a transient of the plain optimizer's size) and sliced back at load, so either
-  optimizer resumes the other's checkpoints at any DP size; its fp32 master weights (bf16 parameters) are
+  distributed optimizer's shards are gathered into these same logical tensors at save and sliced back at
+  load, bucket by bucket through host memory (the device holds one bucket's gathered state at a time, never
+  the full state; each bucket is written by one rank of its group, and a load reads of each state tensor
+  only the slices holding the rank's own columns), so either optimizer resumes the
+  other's checkpoints at any DP size; its fp32 master weights (bf16 parameters) are
   stored as the weights themselves, in fp32 (no ``master`` key). Gradients are not state: a checkpoint is
   taken between steps, so neither ``p.grad`` nor the fp32 gradient accumulation of bf16 parameters
   (``p.main_grad``, :mod:`megamoe.gradients`) is saved; a resumed bf16 run accumulates in fp32 from its
@@ -64,8 +66,8 @@ from megamoe.checkpoint.format import (MANIFEST_FILE, CheckpointError, load_chec
 from megamoe.checkpoint.manifest_fields import HF_FILES_DIR, placements_from_manifest
 from megamoe.checkpoint.model_manifest import check_model_manifest, check_training_fields
 from megamoe.checkpoint.side_files import verify_side_files
-from megamoe.checkpoint_state import (chunks_by_parameter, materialize_optimizer_state, optimizer_chunks,
-                                      same_view_of, sharded_state_dict)
+from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materialize_optimizer_state,
+                                      optimizer_chunks, same_view_of, sharded_state_dict)
 from megamoe.models import GPTMoEModel
 from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.precision import has_non_finite
@@ -149,25 +151,47 @@ def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"])
 
 
-def _training_chunks(trainer, with_optimizer: bool, *, loading: bool = False):
-    """The chunks of the model and (``with_optimizer``) its optimizer state, and the distributed
-    optimizer's logical state they view (None for a plain optimizer).
+def _logical_chunks(logical, by_param) -> list[LogicalChunk]:
+    """The chunks of a distributed optimizer's logical state (a part of it, :class:`_LogicalState`): its
+    state cut like a plain optimizer's, and the chunks of the parameters whose fp32 master it holds,
+    viewing the master instead of the parameter (the checkpoint's weights are the master, in fp32)."""
+    chunks = optimizer_chunks(logical, by_param)
+    for param, master in logical.masters.items():
+        chunks += [LogicalChunk(c.name, same_view_of(master, param, c.tensor), c.global_shape, c.offsets)
+                   for c in by_param.get(param, ())]
+    return chunks
 
-    Distributed optimizer (:mod:`megamoe.training.distributed_optimizer`): its shards are gathered into
-    full-shape tensors (collective; zeros when ``loading``) and cut like a plain optimizer's state, so the
-    checkpoint is the same either way. Where it keeps fp32 master weights (bf16 parameters), the chunks of
-    those parameters view the masters instead: the checkpoint's weights are the master, in fp32."""
+
+def _model_chunks(trainer, with_optimizer: bool, *, saving: bool):
+    """The model's chunks and the map of each parameter to its chunks (None without optimizer state);
+    ``saving`` with a distributed optimizer, less the chunks of the parameters whose master it holds
+    (those come with its logical state, :func:`_logical_chunks`, from the rank writing them). (A load
+    reads them into the parameters as any weights, rounded to the parameter's dtype.)"""
     chunks = sharded_state_dict(trainer.model)
     if not with_optimizer:
         return chunks, None
     by_param = chunks_by_parameter(trainer.model.parameters(), chunks)
-    logical_state = getattr(trainer.optimizer, "logical_state", None)
-    logical = logical_state(gather=not loading) if logical_state is not None else None
-    chunks += optimizer_chunks(logical if logical is not None else trainer.optimizer, by_param)
-    for param, master in (logical.masters.items() if logical is not None else ()):
-        for chunk in by_param.get(param, ()):
-            chunk.tensor = same_view_of(master, param, chunk.tensor)
-    return chunks, logical
+    master_parameters = getattr(trainer.optimizer, "master_parameters", None)
+    if saving and master_parameters is not None:
+        of_masters = {id(c) for p in master_parameters() for c in by_param.get(p, ())}
+        chunks = [c for c in chunks if id(c) not in of_masters]
+    return chunks, by_param
+
+
+def _saved_chunks(trainer, with_optimizer: bool) -> list[LogicalChunk]:
+    """What this rank writes: the chunks of the model and (``with_optimizer``) of its optimizer state.
+
+    Distributed optimizer (:mod:`megamoe.training.distributed_optimizer`): its shards are gathered bucket
+    by bucket into full-shape tensors in host memory, each bucket's by one rank of its group (collective;
+    the device never holds the full state), and cut like a plain optimizer's state, so the checkpoint is
+    the same either way."""
+    chunks, by_param = _model_chunks(trainer, with_optimizer, saving=True)
+    if not with_optimizer:
+        return chunks
+    optimizer = trainer.optimizer
+    if hasattr(optimizer, "logical_state"):
+        return chunks + _logical_chunks(optimizer.logical_state(), by_param)
+    return chunks + optimizer_chunks(optimizer, by_param)
 
 
 def _first_non_finite(chunks) -> tuple[str, int]:
@@ -215,7 +239,7 @@ def save_training_checkpoint(path: str | os.PathLike, trainer, *, sampler_state:
     """
     model, state = trainer.model, trainer.state
     with_optimizer = _optimizer_has_state(trainer.optimizer)
-    chunks, _ = _training_chunks(trainer, with_optimizer)
+    chunks = _saved_chunks(trainer, with_optimizer)
     _refuse_non_finite(path, chunks, trainer.step, world_group)
     fields = {
         "model_config": model.config.to_dict(),
@@ -343,7 +367,19 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
         materialize_optimizer_state(optimizer)
     else:
         optimizer.state.clear()  # saved before the first step: a fresh optimizer is the exact state
-    chunks, logical = _training_chunks(trainer, extra["has_optimizer_state"], loading=True)
+    with_optimizer = extra["has_optimizer_state"]
+    chunks, by_param = _model_chunks(trainer, with_optimizer, saving=False)
+    # A distributed optimizer's state is read bucket by bucket into host buffers, only the slices holding
+    # this rank's columns, each bucket's taken into its shards before the next is read
+    # (:meth:`DistributedOptimizer.logical_state_buckets`, :meth:`~DistributedOptimizer.owned_chunks`); the
+    # plain optimizer's is read into its state tensors with the model.
+    by_bucket = with_optimizer and hasattr(optimizer, "logical_state_buckets")
+    if with_optimizer and not by_bucket:
+        chunks += optimizer_chunks(optimizer, by_param)
+    planned = list(chunks)
+    if by_bucket:
+        for part in optimizer.logical_state_buckets(planning=True):    # (whole tensors: a superset of files)
+            planned += _logical_chunks(part, by_param)
     layout = _parallel_layout(trainer.state)
     rank = comms.group_rank(world_group)
     restore_rng = manifest["parallel_layout"] == layout and str(rank) in manifest.get("rank_state", {})
@@ -352,14 +388,17 @@ def load_training_checkpoint(path: str | os.PathLike, trainer, *, world_group, v
     # below find them verified and do not hash them again.
     files, error = set(), None
     try:
-        files = planned_files(root, chunks, rank_state_of=rank if restore_rng else None)
+        files = planned_files(root, planned, rank_state_of=rank if restore_rng else None)
     except Exception as e:  # noqa: BLE001 - re-raised by verify_files, after the other ranks heard of it
         error = e
     integrity.verify_files(root, manifest, files, verify_checksums=verify_checksums, group=world_group,
                            local_error=error)
     load_checkpoint(root, chunks, verify_checksums=verify_checksums)
-    if logical is not None:      # the distributed optimizer takes its shards (and masters) of the loaded state
-        optimizer.load_logical_state(logical)
+    if by_bucket:
+        for part in optimizer.logical_state_buckets():
+            load_checkpoint(root, optimizer.owned_chunks(_logical_chunks(part, by_param), part),
+                            verify_checksums=verify_checksums)
+            optimizer.load_logical_state(part)
     trainer.step = extra["step"]
     trainer.load_training_state(extra.get("training_state") or {})
 

@@ -58,8 +58,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megamoe.host_staging import observe_host_buffers
+
 __all__ = ["StateBytes", "measure_state_bytes", "unique_storage_bytes", "SavedActivations", "LiveMemory",
-           "StepMemory", "measure_train_step", "CATEGORIES"]
+           "DeviceMemory", "StepMemory", "measure_train_step", "CATEGORIES"]
 
 CATEGORIES = ("embedding", "norm", "attention", "mlp", "lm_head", "other")
 _DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -318,6 +320,43 @@ class LiveMemory(TorchDispatchMode):
         if old is not None and old != storage.nbytes():
             self._live[key] = storage.nbytes()
             self.current_bytes += storage.nbytes() - old
+
+
+class DeviceMemory(LiveMemory):
+    """:class:`LiveMemory` of the storages on ``device`` only, less the host staging buffers
+    (:func:`megamoe.host_staging.host_buffer`): the device's live bytes, also where host and device are the
+    same memory (a CPU run). A host buffer and every view of it are never counted, whatever the ops that
+    touch it; nor is the storage of another device (a ``meta`` tensor standing for shapes on a CPU run)."""
+
+    def __init__(self, device: torch.device | str):
+        super().__init__()
+        self.device = torch.device(device)
+        self._host: set[int] = set()
+        self._observing = None
+
+    def _on_host_buffer(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        self._host.add(key)
+        weakref.finalize(t.untyped_storage(), self._host.discard, key).atexit = False
+
+    def _register(self, t: torch.Tensor) -> None:
+        try:
+            if t.device.type != self.device.type or _storage_key(t) in self._host:
+                return
+        except (RuntimeError, NotImplementedError):
+            return
+        super()._register(t)
+
+    def __enter__(self):
+        self._observing = observe_host_buffers(self._on_host_buffer)
+        self._observing.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._observing.__exit__(None, None, None)
 
 
 @dataclass

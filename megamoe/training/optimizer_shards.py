@@ -55,6 +55,24 @@ class ShardEntry:
         start = self.rank * self.cols
         return tensor.view(self.rows, self.row_numel)[:, start:start + self.valid]
 
+    def owned_rows(self, view: torch.Tensor, base: torch.Tensor) -> tuple[int, int] | None:
+        """The range ``[lo, hi)`` of dim 0 of ``view`` (a view of ``base``, a tensor shaped and strided like
+        the parameter) whose elements include all of this rank's columns in ``view``; None when there are
+        none. A dim-0 slice spanning a row boundary of the [rows, row_numel] view counts as holding some (a
+        few elements more than needed may be read, never fewer)."""
+        if self.valid <= 0 or not view.numel():
+            return None
+        first = view.storage_offset() - base.storage_offset()
+        inner = sum((size - 1) * stride for size, stride in zip(view.shape[1:], view.stride()[1:]))
+        a = first + torch.arange(view.shape[0], dtype=torch.int64) * view.stride(0)   # flat extent [a, b] of
+        b = a + inner                                                                  # each dim-0 slice
+        row = a // self.row_numel
+        owned_start = row * self.row_numel + self.rank * self.cols
+        meets = (b // self.row_numel != row) | ((torch.maximum(a, owned_start) <
+                                                 torch.minimum(b + 1, owned_start + self.valid)))
+        index = meets.nonzero().flatten()
+        return None if not index.numel() else (int(index[0]), int(index[-1]) + 1)
+
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's [rows, cols] piece of a bucket's [shard_numel] buffer."""
         return flat[self.offset:self.offset + self.numel].view(self.rows, self.cols)
