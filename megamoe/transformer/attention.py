@@ -65,6 +65,17 @@ parameter ``sinks`` [heads] is sharded with the query heads under TP. :func:`cau
 as one extra key column through the same SDPA call (zero key, zero value, the sink as that column's
 additive mask), so the KV cache, packed documents, sliding windows and context parallelism (which
 all reach attention through that function) see it unchanged.
+
+Fused kernels under masks (GQA): plain causal attention (and a decoding step with no padding) takes
+``is_causal`` / no mask with ``enable_gqa``, CUDA's flash kernel. Every other case (padding, packed
+documents, sliding windows shorter than the keys, sinks, CP's query positions, a cache's chunked
+prefill) passes an explicit mask, which CUDA's flash kernel refuses; the memory-efficient kernel takes
+a mask but not ``enable_gqa``, and cuDNN's (mask and GQA) comes after the math kernel in torch's default
+order, so a mask with ``enable_gqa`` would leave the math kernel: [B, Hq, Sq, Sk] scores and
+probabilities. Off CPU, :func:`causal_attention` therefore expands the KV heads to the query heads
+(``repeat_interleave``, what the math kernel does with ``enable_gqa`` itself) before a masked call, and
+the memory-efficient kernel runs it (``benchmarks/attention.py`` measures both). CPU's flash kernel
+takes a mask with ``enable_gqa`` (torch 2.13), so there the KV heads stay as they are.
 """
 
 from __future__ import annotations
@@ -91,7 +102,7 @@ from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention",
-           "check_no_cache_with_documents", "check_no_cache_under_context_parallel"]
+           "check_no_cache_with_documents", "check_no_cache_under_context_parallel", "masked_attention_expands_kv_heads"]
 
 QK_NORMS = (None, "per_head", "full_width")
 
@@ -214,12 +225,31 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query_documents = document_ids.index_select(1, q_pos[:, 0])                       # [B, Sq]
         visible = visible & (query_documents[:, None, :, None] == document_ids[:, None, None, :])   # [B, 1, Sq, Sk]
     if sinks is not None:
-        return _attention_with_sinks(query, key, value, scale, visible, sinks, gqa)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=gqa)
+        return _attention_with_sinks(query, key, value, scale, visible, sinks)
+    return _masked_attention(query, key, value, visible, scale)
 
 
-def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor, sinks: torch.Tensor,
-                          gqa: bool) -> torch.Tensor:
+def masked_attention_expands_kv_heads(device: torch.device) -> bool:
+    """Whether a masked SDPA call on ``device`` gets its KV heads expanded to the query heads (GQA):
+    everywhere but CPU (see the module docstring: CUDA's fused kernels that take a mask refuse
+    ``enable_gqa`` ahead of the math kernel; the meta device stands for CUDA in the CPU-only tests)."""
+    return device.type != "cpu"
+
+
+def _masked_attention(query, key, value, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with an explicit ``mask`` (boolean: visible; float: additive), on a fused kernel with GQA:
+    off CPU the KV heads are repeated to the query heads (query head ``h`` uses KV head ``h // group``,
+    as ``enable_gqa``), so the memory-efficient kernel takes the call. In backward ``repeat_interleave``
+    sums each expanded copy's gradient over its group of query heads: the same KV gradients as
+    ``enable_gqa``."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1 and masked_attention_expands_kv_heads(query.device):
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        group = 1
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+
+
+def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """SDPA whose softmax has one more column per query head: the logit ``sinks[h]`` with a zero value
     (HF gpt-oss: ``softmax(cat(scores, sink))[..., :-1] @ V``). The column is a zero key (score 0) whose
     additive mask is the sink, so the one SDPA call computes it; ``visible`` [Sq, Sk] or [B, 1, Sq, Sk]."""
@@ -230,7 +260,7 @@ def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor
     bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
     sink_column = sinks.to(query.dtype).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
     bias = torch.cat([bias.expand(batch, heads, q_len, bias.shape[-1]), sink_column], dim=-1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    return _masked_attention(query, key, value, bias, scale)
 
 
 class _ReplicatedHeadLinear(nn.Module):
