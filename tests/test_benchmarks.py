@@ -191,7 +191,24 @@ def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypa
     assert calls == [7, [{"run": "static"}]] and json.loads(out.read_text()) == {"real": [{"run": "static"}]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "layout_plan",
+def test_attention_benchmark_quick_measures_every_mask_kind_against_the_math_kernel(monkeypatch, tmp_path, capsys):
+    attention = _benchmark("attention", monkeypatch)
+    out = tmp_path / "attention.json"
+    assert attention.main(["--quick", "--device", "cpu", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = {row["kind"]: row for row in results["rows"]}
+    assert set(rows) == set(attention.KINDS) and "peak/math" in capsys.readouterr().out
+    for row in rows.values():
+        assert row["time_over_math"] == pytest.approx(row["chosen"]["min_s"] / row["math"]["min_s"])
+        assert row["peak_over_math"] == pytest.approx(row["chosen"]["peak_bytes"] / row["math"]["peak_bytes"])
+        assert not row["kv_heads_expanded"]                        # CPU: enable_gqa, the flash kernel
+    # CPU's flash kernel takes every mask but the sinks' float mask with its gradient; where it runs
+    # training, it allocates well under the math kernel's [B, Hq, Sq, Sk] scores and probabilities.
+    assert {kind for kind, row in rows.items() if not row["fused"]} == {"sinks"}
+    assert all(row["peak_over_math"] < 0.5 for row in rows.values() if row["fused"] and row["training"])
+
+
+@pytest.mark.parametrize("name", ["attention", "checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "layout_plan",
                                   "memory", "moe_layer", "scaling", "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
