@@ -20,10 +20,8 @@ minimum over ``--repeats`` calls after one warm-up (the median beside it; a medi
 allocated before it (CUDA: ``max_memory_allocated``; CPU: the profiler's allocation records, summed in
 order). Ratios are chosen / math. Prints a table, writes JSON (default benchmarks/results/attention.json).
 
-On CPU the chosen path is CPU's flash kernel with ``enable_gqa`` (it takes masks), so the rows show
-fused-versus-math on CPU, not CUDA's kernels; with sinks in training CPU's flash kernel refuses the
-call (it takes no gradient of the float mask that carries the sink) and the chosen row is the math
-kernel too (ratio ~1).
+On CPU the chosen path is CPU's flash kernel with ``enable_gqa`` (it takes masks; with sinks the KV
+heads are expanded there too), so the rows show fused-versus-math on CPU, not CUDA's kernels.
 """
 
 from __future__ import annotations
@@ -169,7 +167,8 @@ def run_kind(kind: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     math = measure(call([SDPBackend.MATH]), device, args.repeats)
     masked = bool(kwargs) or q.shape[-2] != k.shape[-2]
     return {"kind": kind, "q_len": q.shape[-2], "k_len": k.shape[-2], "training": training, "fused": fused,
-            "kv_heads_expanded": masked and masked_attention_expands_kv_heads(device), "chosen": chosen, "math": math,
+            "kv_heads_expanded": "sinks" in kwargs or masked and masked_attention_expands_kv_heads(device),
+            "chosen": chosen, "math": math,
             "time_over_math": chosen["min_s"] / math["min_s"], "peak_over_math": chosen["peak_bytes"] / math["peak_bytes"],
             "math_scores_bytes": args.batch * args.heads * q.shape[-2] * k.shape[-2] * torch.finfo(dtype).bits // 8}
 

@@ -7,7 +7,9 @@ chunk, a padded decoding step, and a mix) with grouped query heads:
   head check of CUDA's memory-efficient kernel (:func:`cuda_backend`, a model of torch 2.13's
   ``sdp_utils.cpp`` selection), so none is left to the math kernel;
 - the expanded-KV path (forced on CPU) computes the same output and q / k / v / sink gradients as
-  the math kernel's ``enable_gqa`` call (the oracle), run on a fused CPU kernel only.
+  attention written out (the oracle: fp64 scores, the math), run on a fused CPU kernel only; so does
+  CPU's own path (``enable_gqa``), sinks included (their gradient no longer rides on a float mask,
+  which CPU's flash kernel refused).
 """
 
 import pytest
@@ -108,12 +110,34 @@ def test_cpu_keeps_grouped_kv_heads_under_a_mask(monkeypatch):
     assert key.shape[1] == KV_HEADS and call["enable_gqa"]
 
 
-def _output_and_grads(q_len: int, kwargs: dict, kv_heads: int):
+def _reference(q, k, v, scale, sliding_window=None, attention_mask=None, query_positions=None, document_ids=None,
+               sinks=None):
+    """Attention written out (fp64 scores): query ``i`` (key index ``q_pos[i]``) sees key ``j`` iff
+    ``j <= q_pos[i]``, within the window, a real token (or itself) and of its document; the sink joins
+    every softmax as a column with no value."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    q_pos = torch.arange(k_len - q_len, k_len) if query_positions is None else query_positions
+    i, j = q_pos[:, None], torch.arange(k_len)[None, :]
+    visible = (j <= i) & (j > i - (sliding_window or k_len))
+    visible = visible.expand(q.shape[0], 1, q_len, k_len)
+    if attention_mask is not None:
+        visible = visible & attention_mask[:, None, None, :] | (j == i)
+    if document_ids is not None:
+        visible = visible & (document_ids[:, q_pos][:, None, :, None] == document_ids[:, None, None, :])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).double(), v.repeat_interleave(group, dim=1).double()
+    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return (scores.softmax(-1)[..., :k_len] @ v).to(q.dtype)
+
+
+def _output_and_grads(attend, q_len: int, kwargs: dict, kv_heads: int):
     q, k, v = _inputs(q_len, kv_heads=kv_heads)
     sinks = kwargs.get("sinks")
     if sinks is not None:
         kwargs = dict(kwargs, sinks=sinks.clone().requires_grad_())
-    out = causal_attention(q, k, v, D ** -0.5, **kwargs)
+    out = attend(q, k, v, D ** -0.5, **kwargs)
     out_grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     leaves = [q, k, v] + ([kwargs["sinks"]] if sinks is not None else [])
     return [out, *torch.autograd.grad(out, leaves, out_grad)]
@@ -121,25 +145,28 @@ def _output_and_grads(q_len: int, kwargs: dict, kv_heads: int):
 
 @pytest.mark.parametrize("kv_heads", [KV_HEADS, 1])
 @pytest.mark.parametrize("kind", KINDS)
-def test_expanded_kv_heads_match_the_math_kernel(kind, kv_heads, monkeypatch):
+def test_expanded_kv_heads_match_attention_written_out(kind, kv_heads, monkeypatch):
     q_len, kwargs = _mask_kinds()[kind]
-    with sdpa_kernel([SDPBackend.MATH]):          # the oracle: enable_gqa with the mask, math kernel
-        expected = _output_and_grads(q_len, kwargs, kv_heads)
+    expected = _output_and_grads(_reference, q_len, kwargs, kv_heads)
     monkeypatch.setattr(attention_module, "masked_attention_expands_kv_heads", lambda device: True)
     calls = _recorded_calls(monkeypatch)
-    # fp32: each output and gradient entry sums at most S (keys) products of D-long dot products,
-    # added in another order by the two kernels
-    tol = S * D * torch.finfo(torch.float32).eps
-    # The expanded call on a fused CPU kernel only. CPU's flash kernel takes no gradient of a float
-    # mask (the sinks' column; CUDA's memory-efficient kernel does), so with sinks the gradients come
-    # from any kernel and the output from the fused one as well
-    fused = [SDPBackend.FLASH_ATTENTION]
-    with sdpa_kernel(fused if "sinks" not in kwargs else [*fused, SDPBackend.MATH]):
-        got = _output_and_grads(q_len, kwargs, kv_heads)
-    if "sinks" in kwargs:
-        with sdpa_kernel(fused), torch.no_grad():
-            fused_output = causal_attention(*_inputs(q_len, kv_heads=kv_heads), D ** -0.5, **kwargs)
-        torch.testing.assert_close(fused_output, expected[0], rtol=tol, atol=tol)
-    assert calls[0][1].shape[1] == HEADS and not calls[0][3]["enable_gqa"]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):      # the expanded call on a fused CPU kernel only
+        got = _output_and_grads(causal_attention, q_len, kwargs, kv_heads)
+    (query, key, _, call), = calls
+    assert key.shape[1] == HEADS and not call["enable_gqa"] and call["attn_mask"].dtype == torch.bool
+    # fp32 against fp64 scores: each output and gradient entry sums at most S + 1 (keys, sink)
+    # products of D-long dot products
+    tol = (S + 1) * D * torch.finfo(torch.float32).eps
     for name, a, b in zip(("output", "q grad", "k grad", "v grad", "sinks grad"), got, expected):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{kind} {name}: {m}")
+
+
+def test_the_cpu_path_matches_attention_written_out_on_the_fused_kernel():
+    """CPU's own path (enable_gqa, no expansion), every mask kind at once, on CPU's flash kernel."""
+    tol = (S + 1) * D * torch.finfo(torch.float32).eps
+    for kind, (q_len, kwargs) in _mask_kinds().items():
+        expected = _output_and_grads(_reference, q_len, kwargs, KV_HEADS)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            got = _output_and_grads(causal_attention, q_len, kwargs, KV_HEADS)
+        for name, a, b in zip(("output", "q grad", "k grad", "v grad", "sinks grad"), got, expected):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{kind} {name}: {m}")

@@ -198,14 +198,16 @@ def test_attention_benchmark_quick_measures_every_mask_kind_against_the_math_ker
     results = json.loads(out.read_text())
     rows = {row["kind"]: row for row in results["rows"]}
     assert set(rows) == set(attention.KINDS) and "peak/math" in capsys.readouterr().out
-    for row in rows.values():
+    for kind, row in rows.items():
         assert row["time_over_math"] == pytest.approx(row["chosen"]["min_s"] / row["math"]["min_s"])
         assert row["peak_over_math"] == pytest.approx(row["chosen"]["peak_bytes"] / row["math"]["peak_bytes"])
-        assert not row["kv_heads_expanded"]                        # CPU: enable_gqa, the flash kernel
-    # CPU's flash kernel takes every mask but the sinks' float mask with its gradient; where it runs
-    # training, it allocates well under the math kernel's [B, Hq, Sq, Sk] scores and probabilities.
-    assert {kind for kind, row in rows.items() if not row["fused"]} == {"sinks"}
-    assert all(row["peak_over_math"] < 0.5 for row in rows.values() if row["fused"] and row["training"])
+        # CPU: enable_gqa on the flash kernel, but each query head has its own sink key
+        assert row["fused"] and row["kv_heads_expanded"] == (kind == "sinks")
+    # In training the fused kernel allocates under the math kernel's [B, Hq, Sq, Sk] scores and
+    # probabilities: well under, but for the sinks' expanded, widened q / k / v copies (O(S Hq D), at
+    # S = 128 near the scores' size)
+    assert all(row["peak_over_math"] < (1 if kind == "sinks" else 0.5) for kind, row in rows.items()
+               if row["training"])
 
 
 @pytest.mark.parametrize("name", ["attention", "checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "layout_plan",

@@ -62,9 +62,9 @@ KV heads are all-gathered over CP (backward: reduce-scatter) and the queries att
 Attention sinks (``AttentionConfig.sinks``, gpt-oss): one learned logit per query head joins every
 softmax as an extra column that no value row goes with, so a query may put weight on "nothing". The
 parameter ``sinks`` [heads] is sharded with the query heads under TP. :func:`causal_attention` runs it
-as one extra key column through the same SDPA call (zero key, zero value, the sink as that column's
-additive mask), so the KV cache, packed documents, sliding windows and context parallelism (which
-all reach attention through that function) see it unchanged.
+as one extra key through the same SDPA call (a zero value; the heads grow by a few features that give
+that key the score ``sinks[h]``, so the mask stays boolean), so the KV cache, packed documents, sliding
+windows and context parallelism (which all reach attention through that function) see it unchanged.
 
 Fused kernels under masks (GQA): plain causal attention (and a decoding step with no padding) takes
 ``is_causal`` / no mask with ``enable_gqa``, CUDA's flash kernel. Every other case (padding, packed
@@ -75,7 +75,9 @@ order, so a mask with ``enable_gqa`` would leave the math kernel: [B, Hq, Sq, Sk
 probabilities. Off CPU, :func:`causal_attention` therefore expands the KV heads to the query heads
 (``repeat_interleave``, what the math kernel does with ``enable_gqa`` itself) before a masked call, and
 the memory-efficient kernel runs it (``benchmarks/attention.py`` measures both). CPU's flash kernel
-takes a mask with ``enable_gqa`` (torch 2.13), so there the KV heads stay as they are.
+takes a mask with ``enable_gqa`` (torch 2.13), so there the KV heads stay as they are, except with
+sinks (each query head has its own sink key). The masks are boolean, with no gradient: CPU's flash
+kernel computes none for a mask.
 """
 
 from __future__ import annotations
@@ -249,18 +251,36 @@ def _masked_attention(query, key, value, mask: torch.Tensor, scale: float) -> to
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
 
 
+# Features the sink key adds to every head (one carries the sink, the rest keep the head dim a
+# multiple of 8, which CUDA's fused kernels need in half precision).
+SINK_FEATURES = 8
+
+
 def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """SDPA whose softmax has one more column per query head: the logit ``sinks[h]`` with a zero value
-    (HF gpt-oss: ``softmax(cat(scores, sink))[..., :-1] @ V``). The column is a zero key (score 0) whose
-    additive mask is the sink, so the one SDPA call computes it; ``visible`` [Sq, Sk] or [B, 1, Sq, Sk]."""
+    (HF gpt-oss: ``softmax(cat(scores, sink))[..., :-1] @ V``); ``visible`` [Sq, Sk] or [B, 1, Sq, Sk].
+
+    The column is one more key, after the sequence's, that every query sees: the heads grow by
+    :data:`SINK_FEATURES` features, 1 then zeros on every query, zeros on the sequence's keys and
+    values, ``sinks[h] / scale`` then zeros on head ``h``'s sink key (KV heads expanded: the sink key
+    differs per query head), so its score is ``sinks[h]`` and the mask stays boolean. A float mask
+    carrying the sink would need its own gradient, which CPU's flash kernel does not compute (and on
+    CUDA it is a [B, Hq, Sq, Sk] bias plus its gradient). The sinks' gradient arrives through the
+    sink keys' (summed over the batch and the queries by the kernel's backward)."""
     batch, heads, q_len = query.shape[0], query.shape[1], query.shape[-2]
-    key = torch.cat([key, key.new_zeros((*key.shape[:-2], 1, key.shape[-1]))], dim=-2)
-    value = torch.cat([value, value.new_zeros((*value.shape[:-2], 1, value.shape[-1]))], dim=-2)
+    group = heads // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    extra = query.new_zeros((*query.shape[:-1], SINK_FEATURES))
+    extra[..., 0] = 1
+    query = torch.cat([query, extra], dim=-1)
+    key, value = (F.pad(t, (0, SINK_FEATURES)) for t in (key, value))          # zero features
+    sink_key = F.pad((sinks.to(query.dtype) / scale).view(1, heads, 1, 1), (key.shape[-1] - SINK_FEATURES,
+                                                                             SINK_FEATURES - 1))
+    key = torch.cat([key, sink_key.expand(batch, heads, 1, key.shape[-1])], dim=-2)
+    value = F.pad(value, (0, 0, 0, 1))                                          # the sink's zero value
     visible = visible.expand(batch, 1, q_len, visible.shape[-1])
-    bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
-    sink_column = sinks.to(query.dtype).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
-    bias = torch.cat([bias.expand(batch, heads, q_len, bias.shape[-1]), sink_column], dim=-1)
-    return _masked_attention(query, key, value, bias, scale)
+    visible = torch.cat([visible, visible.new_ones((batch, 1, q_len, 1))], dim=-1)
+    return _masked_attention(query, key, value, visible, scale)[..., :-SINK_FEATURES]
 
 
 class _ReplicatedHeadLinear(nn.Module):
