@@ -169,8 +169,8 @@ def run_kind(kind: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     return {"kind": kind, "q_len": q.shape[-2], "k_len": k.shape[-2], "training": training, "fused": fused,
             "kv_heads_expanded": "sinks" in kwargs or masked and masked_attention_expands_kv_heads(device),
             "chosen": chosen, "math": math,
-            "time_over_math": chosen["min_s"] / math["min_s"], "peak_over_math": chosen["peak_bytes"] / math["peak_bytes"],
-            "math_scores_bytes": args.batch * args.heads * q.shape[-2] * k.shape[-2] * torch.finfo(dtype).bits // 8}
+            "time_over_math": chosen["min_s"] / math["min_s"],
+            "peak_over_math": chosen["peak_bytes"] / math["peak_bytes"]}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     print_table(rows)
     noisy = [f"{r['kind']}/{path}" for r in rows for path in ("chosen", "math") if r[path]["spread"] > NOISY_SPREAD]
     if noisy:
-        print(f"WARNING: median/min above {NOISY_SPREAD} in {', '.join(noisy)}: the host was busy (judge by the minima)")
+        print(f"WARNING: median/min above {NOISY_SPREAD} in {', '.join(noisy)}: the host was busy "
+              "(judge by the minima)")
     write_results(Path(args.json), {"device": str(device), "dtype": args.dtype, "batch": args.batch,
                                     "seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads,
                                     "head_dim": args.head_dim, "window": args.window, "repeats": args.repeats,

@@ -104,7 +104,8 @@ from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention",
-           "check_no_cache_with_documents", "check_no_cache_under_context_parallel", "masked_attention_expands_kv_heads"]
+           "check_no_cache_with_documents", "check_no_cache_under_context_parallel",
+           "masked_attention_expands_kv_heads"]
 
 QK_NORMS = (None, "per_head", "full_width")
 
@@ -239,7 +240,7 @@ def masked_attention_expands_kv_heads(device: torch.device) -> bool:
 
 
 def _masked_attention(query, key, value, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA with an explicit ``mask`` (boolean: visible; float: additive), on a fused kernel with GQA:
+    """SDPA with an explicit boolean ``mask`` (True: visible), on a fused kernel with GQA:
     off CPU the KV heads are repeated to the query heads (query head ``h`` uses KV head ``h // group``,
     as ``enable_gqa``), so the memory-efficient kernel takes the call. In backward ``repeat_interleave``
     sums each expanded copy's gradient over its group of query heads: the same KV gradients as
@@ -274,8 +275,8 @@ def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor
     extra[..., 0] = 1
     query = torch.cat([query, extra], dim=-1)
     key, value = (F.pad(t, (0, SINK_FEATURES)) for t in (key, value))          # zero features
-    sink_key = F.pad((sinks.to(query.dtype) / scale).view(1, heads, 1, 1), (key.shape[-1] - SINK_FEATURES,
-                                                                             SINK_FEATURES - 1))
+    sink_key = F.pad((sinks.float() / scale).to(query.dtype).view(1, heads, 1, 1),
+                     (key.shape[-1] - SINK_FEATURES, SINK_FEATURES - 1))
     key = torch.cat([key, sink_key.expand(batch, heads, 1, key.shape[-1])], dim=-2)
     value = F.pad(value, (0, 0, 0, 1))                                          # the sink's zero value
     visible = visible.expand(batch, 1, q_len, visible.shape[-1])
