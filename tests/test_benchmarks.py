@@ -191,8 +191,28 @@ def test_eplb_benchmark_real_part_runs_eplb_real_and_reports_its_errors(monkeypa
     assert calls == [7, [{"run": "static"}]] and json.loads(out.read_text()) == {"real": [{"run": "static"}]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint_load", "convert", "decode", "eplb", "fp8_experts", "layout_plan",
-                                  "memory", "moe_layer", "scaling", "train_step"])
+@pytest.mark.slow      # ~5 s on an idle machine, ~20 s while others share the 2 cores
+def test_attention_benchmark_quick_measures_every_mask_kind_against_the_math_kernel(monkeypatch, tmp_path, capsys):
+    attention = _benchmark("attention", monkeypatch)
+    out = tmp_path / "attention.json"
+    assert attention.main(["--quick", "--device", "cpu", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = {row["kind"]: row for row in results["rows"]}
+    assert set(rows) == set(attention.KINDS) and "peak/math" in capsys.readouterr().out
+    for kind, row in rows.items():
+        assert row["time_over_math"] == pytest.approx(row["chosen"]["min_s"] / row["math"]["min_s"])
+        assert row["peak_over_math"] == pytest.approx(row["chosen"]["peak_bytes"] / row["math"]["peak_bytes"])
+        # CPU: enable_gqa on the flash kernel, but each query head has its own sink key
+        assert row["fused"] and row["kv_heads_expanded"] == (kind == "sinks")
+    # In training the fused kernel allocates under the math kernel's [B, Hq, Sq, Sk] scores and
+    # probabilities: well under, but for the sinks' expanded, widened q / k / v copies (O(S Hq D), at
+    # S = 128 near the scores' size)
+    assert all(row["peak_over_math"] < (1 if kind == "sinks" else 0.5) for kind, row in rows.items()
+               if row["training"])
+
+
+@pytest.mark.parametrize("name", ["attention", "checkpoint_load", "convert", "decode", "eplb", "fp8_experts",
+                                  "layout_plan", "memory", "moe_layer", "scaling", "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
 

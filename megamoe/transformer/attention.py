@@ -62,9 +62,22 @@ KV heads are all-gathered over CP (backward: reduce-scatter) and the queries att
 Attention sinks (``AttentionConfig.sinks``, gpt-oss): one learned logit per query head joins every
 softmax as an extra column that no value row goes with, so a query may put weight on "nothing". The
 parameter ``sinks`` [heads] is sharded with the query heads under TP. :func:`causal_attention` runs it
-as one extra key column through the same SDPA call (zero key, zero value, the sink as that column's
-additive mask), so the KV cache, packed documents, sliding windows and context parallelism (which
-all reach attention through that function) see it unchanged.
+as one extra key through the same SDPA call (a zero value; the heads grow by a few features that give
+that key the score ``sinks[h]``, so the mask stays boolean), so the KV cache, packed documents, sliding
+windows and context parallelism (which all reach attention through that function) see it unchanged.
+
+Fused kernels under masks (GQA): plain causal attention (and a decoding step with no padding) takes
+``is_causal`` / no mask with ``enable_gqa``, CUDA's flash kernel. Every other case (padding, packed
+documents, sliding windows shorter than the keys, sinks, CP's query positions, a cache's chunked
+prefill) passes an explicit mask, which CUDA's flash kernel refuses; the memory-efficient kernel takes
+a mask but not ``enable_gqa``, and cuDNN's (mask and GQA) comes after the math kernel in torch's default
+order, so a mask with ``enable_gqa`` would leave the math kernel: [B, Hq, Sq, Sk] scores and
+probabilities. Off CPU, :func:`causal_attention` therefore expands the KV heads to the query heads
+(``repeat_interleave``, what the math kernel does with ``enable_gqa`` itself) before a masked call, and
+the memory-efficient kernel runs it (``benchmarks/attention.py`` measures both). CPU's flash kernel
+takes a mask with ``enable_gqa`` (torch 2.13), so there the KV heads stay as they are, except with
+sinks (each query head has its own sink key). The masks are boolean, with no gradient: CPU's flash
+kernel computes none for a mask.
 """
 
 from __future__ import annotations
@@ -91,7 +104,8 @@ from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention",
-           "check_no_cache_with_documents", "check_no_cache_under_context_parallel"]
+           "check_no_cache_with_documents", "check_no_cache_under_context_parallel",
+           "masked_attention_expands_kv_heads"]
 
 QK_NORMS = (None, "per_head", "full_width")
 
@@ -214,23 +228,60 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query_documents = document_ids.index_select(1, q_pos[:, 0])                       # [B, Sq]
         visible = visible & (query_documents[:, None, :, None] == document_ids[:, None, None, :])   # [B, 1, Sq, Sk]
     if sinks is not None:
-        return _attention_with_sinks(query, key, value, scale, visible, sinks, gqa)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=gqa)
+        return _attention_with_sinks(query, key, value, scale, visible, sinks)
+    return _masked_attention(query, key, value, visible, scale)
 
 
-def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor, sinks: torch.Tensor,
-                          gqa: bool) -> torch.Tensor:
+def masked_attention_expands_kv_heads(device: torch.device) -> bool:
+    """Whether a masked SDPA call on ``device`` gets its KV heads expanded to the query heads (GQA):
+    everywhere but CPU (see the module docstring: CUDA's fused kernels that take a mask refuse
+    ``enable_gqa`` ahead of the math kernel; the meta device stands for CUDA in the CPU-only tests)."""
+    return device.type != "cpu"
+
+
+def _masked_attention(query, key, value, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with an explicit boolean ``mask`` (True: visible), on a fused kernel with GQA:
+    off CPU the KV heads are repeated to the query heads (query head ``h`` uses KV head ``h // group``,
+    as ``enable_gqa``), so the memory-efficient kernel takes the call. In backward ``repeat_interleave``
+    sums each expanded copy's gradient over its group of query heads: the same KV gradients as
+    ``enable_gqa``."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1 and masked_attention_expands_kv_heads(query.device):
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        group = 1
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+
+
+# Features the sink key adds to every head (one carries the sink, the rest keep the head dim a
+# multiple of 8, which CUDA's fused kernels need in half precision).
+SINK_FEATURES = 8
+
+
+def _attention_with_sinks(query, key, value, scale: float, visible: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """SDPA whose softmax has one more column per query head: the logit ``sinks[h]`` with a zero value
-    (HF gpt-oss: ``softmax(cat(scores, sink))[..., :-1] @ V``). The column is a zero key (score 0) whose
-    additive mask is the sink, so the one SDPA call computes it; ``visible`` [Sq, Sk] or [B, 1, Sq, Sk]."""
+    (HF gpt-oss: ``softmax(cat(scores, sink))[..., :-1] @ V``); ``visible`` [Sq, Sk] or [B, 1, Sq, Sk].
+
+    The column is one more key, after the sequence's, that every query sees: the heads grow by
+    :data:`SINK_FEATURES` features, 1 then zeros on every query, zeros on the sequence's keys and
+    values, ``sinks[h] / scale`` then zeros on head ``h``'s sink key (KV heads expanded: the sink key
+    differs per query head), so its score is ``sinks[h]`` and the mask stays boolean. A float mask
+    carrying the sink would need its own gradient, which CPU's flash kernel does not compute (and on
+    CUDA it is a [B, Hq, Sq, Sk] bias plus its gradient). The sinks' gradient arrives through the
+    sink keys' (summed over the batch and the queries by the kernel's backward)."""
     batch, heads, q_len = query.shape[0], query.shape[1], query.shape[-2]
-    key = torch.cat([key, key.new_zeros((*key.shape[:-2], 1, key.shape[-1]))], dim=-2)
-    value = torch.cat([value, value.new_zeros((*value.shape[:-2], 1, value.shape[-1]))], dim=-2)
+    group = heads // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    extra = query.new_zeros((*query.shape[:-1], SINK_FEATURES))
+    extra[..., 0] = 1
+    query = torch.cat([query, extra], dim=-1)
+    key, value = (F.pad(t, (0, SINK_FEATURES)) for t in (key, value))          # zero features
+    sink_key = F.pad((sinks.float() / scale).to(query.dtype).view(1, heads, 1, 1),
+                     (key.shape[-1] - SINK_FEATURES, SINK_FEATURES - 1))
+    key = torch.cat([key, sink_key.expand(batch, heads, 1, key.shape[-1])], dim=-2)
+    value = F.pad(value, (0, 0, 0, 1))                                          # the sink's zero value
     visible = visible.expand(batch, 1, q_len, visible.shape[-1])
-    bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
-    sink_column = sinks.to(query.dtype).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
-    bias = torch.cat([bias.expand(batch, heads, q_len, bias.shape[-1]), sink_column], dim=-1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    visible = torch.cat([visible, visible.new_ones((batch, 1, q_len, 1))], dim=-1)
+    return _masked_attention(query, key, value, visible, scale)[..., :-SINK_FEATURES]
 
 
 class _ReplicatedHeadLinear(nn.Module):
