@@ -60,6 +60,7 @@ from megamoe.moe.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER, dispatcher_class, dispatcher_names
 from megamoe.pipeline import describe_pipeline_schedule
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (expert slots are split over it)")
     g.add_argument("--etp", type=int, default=None,
                    help="expert tensor-parallel size; default: tp for alltoall, 1 for allgather")
-    g.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+    g.add_argument("--dispatcher", choices=dispatcher_names(), default=DEFAULT_DISPATCHER,
                    help="alltoall: EP over data-parallel ranks, etp dividing tp (etp < tp: MoE parallel "
                         "folding, each TP rank dispatches its own share of the tokens, e.g. --tp 2 --etp 1 "
                         "--ep 4); allgather: EP inside the TP group (ep * etp divides tp), one all-reduce per "
@@ -442,7 +443,7 @@ def check_arguments(args, world_size: int, device: torch.device = torch.device("
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
         raise UsageError(f"--sequence-parallel: --seq-len {args.seq_len} / --cp {args.cp} must be divisible by --tp "
                          f"{args.tp}")
-    if args.moe_shared_expert_overlap and args.dispatcher != "alltoall":
+    if args.moe_shared_expert_overlap and not dispatcher_class(args.dispatcher).overlaps_shared_experts:
         raise UsageError("--moe-shared-expert-overlap overlaps the shared experts with the dispatch all-to-all: it "
                          f"needs --dispatcher alltoall, got --dispatcher {args.dispatcher}")
     source = model_source(args)
