@@ -35,7 +35,7 @@ from megamoe.moe.token_dispatcher import TokenDispatcher, dispatcher_class
 from megamoe.pipeline.partition import chunk_layer_ranges
 
 __all__ = ["DenseLayout", "GradientReduction", "MoELayout", "ParallelPlan", "StageSplit", "build_parallel_plan",
-           "build_moe_layout", "default_etp", "folds_moe_layers", "moe_layout_of", "uses_sequence_parallel"]
+           "build_moe_layout", "check_moe_layout", "default_etp", "folds_moe_layers", "moe_layout_of", "uses_sequence_parallel"]
 
 # The ParallelState fields a plan may name.
 GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "etp", "edp", "ep_etp", "etp_edp", "embedding", "tp_cp")
@@ -71,6 +71,16 @@ def folds_moe_layers(config, tp: int, etp: int) -> bool:
     moe = getattr(config, "moe", None)
     return (moe is not None and dispatcher_class(moe.dispatcher).folds_over_tp and tp > 1 and etp < tp
             and not uses_sequence_parallel(config, tp))
+
+
+def check_moe_layout(config, state) -> None:
+    """ValueError naming the sizes unless the MoE layers' dispatcher can run on this rank's layout (its class's
+    ``check_layout``; skipped under sequence parallelism, where every rank holds its own tokens and the
+    dispatchers gather what they need). ``state`` needs only ``rank`` and the ``tp``, ``ep``, ``etp`` and
+    ``ep_etp`` groups' sizes and ranks (a launcher checks a grid before any process group exists)."""
+    moe = getattr(config, "moe", None)
+    if moe is not None and not uses_sequence_parallel(config, state.tp.size):
+        dispatcher_class(moe.dispatcher).check_layout(moe, state)
 
 
 @dataclass(frozen=True)
@@ -225,11 +235,9 @@ def build_moe_layout(config, state) -> MoELayout | None:
         return None
     tp, cp, ep, etp = state.tp.size, state.cp.size, state.ep.size, state.etp.size
     cls = dispatcher_class(moe_config.dispatcher)
-    sp = uses_sequence_parallel(config, tp)
-    if not sp:          # under SP every rank holds its own tokens: the dispatchers gather what they need
-        cls.check_layout(moe_config, state)
+    check_moe_layout(config, state)
     folded = folds_moe_layers(config, tp, etp)
-    split = "tp" if (sp or folded) else None
+    split = "tp" if (uses_sequence_parallel(config, tp) or folded) else None
     return MoELayout(dispatcher=moe_config.dispatcher, dispatcher_class=cls, reduce_group=cls.reduce_group_kind,
                      token_split_group=split, folded=folded, input_sharded=bool(moe_config.input_sharded or split),
                      statistics_group=("tp_cp" if split else "cp") if cp > 1 else split,

@@ -4,7 +4,8 @@ Every module is named by its global position (``layers.<global index>``), so see
 (:func:`megamoe.tensor_parallel.initialize_parameters`) and checkpoints are independent of the
 pipeline split, the TP size and the expert placement.
 
-Parallel layout of the MoE layers (checked at construction): the all-gather dispatcher runs inside
+Parallel layout of the MoE layers (the rules each dispatcher class declares, applied once by the layout plan
+:mod:`megamoe.parallel_plan`, which the model builds and every layer reads): the all-gather dispatcher runs inside
 the TP group (``ep * etp`` divides ``tp``): tokens are replicated over TP after attention, so one
 all-reduce per MoE layer replaces the dense MLP's (with ``ep * etp < tp`` the expert group's work is
 replicated over the rest of the TP group). The all-to-all dispatcher takes any ``etp`` dividing
@@ -55,9 +56,8 @@ from megamoe.models.layer_spec import LayerSpec
 from megamoe.models.sequence_parallel import check_sequence_length
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.moe.moe_layer import MoELayer
-from megamoe.moe.token_dispatcher import dispatcher_class
-from megamoe.parallel_plan import default_etp  # noqa: F401 (re-exported: its old home)
-from megamoe.parallel_plan import ParallelPlan, build_moe_layout, build_parallel_plan, uses_sequence_parallel
+from megamoe.parallel_plan import check_moe_layout, default_etp  # noqa: F401 (re-exported: their old home)
+from megamoe.parallel_plan import ParallelPlan, build_moe_layout, build_parallel_plan
 from megamoe.pipeline.partition import chunk_layer_ranges  # noqa: F401 (re-exported: its old home)
 from megamoe.quantization.kept_weights import keep_block_fp8_weights
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -76,13 +76,6 @@ from megamoe.transformer.rope import RotaryEmbedding
 __all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "chunk_layer_ranges", "expert_token_replicas"]
 
 _FEW_ROWS = 16  # logits of at most this many rows (decoding) take the weight-major GEMM on CPU
-
-
-def check_moe_layout(config: GPTMoEConfig, state) -> None:
-    """ValueError naming the sizes unless the MoE layers' dispatcher can run on this rank's layout (its class's
-    ``check_layout``; skipped under sequence parallelism, where every rank holds its own tokens)."""
-    if config.moe is not None and not uses_sequence_parallel(config, state.tp.size):
-        dispatcher_class(config.moe.dispatcher).check_layout(config.moe, state)
 
 
 def check_moe_layout_on_grid(config: GPTMoEConfig, grid) -> None:
