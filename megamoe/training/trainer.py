@@ -97,9 +97,9 @@ from megamoe.data.packing import MicroBatch, micro_batches_on
 from megamoe.gradients import gradients
 from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
-from megamoe.parallel_plan import moe_layout_of
 from megamoe.models.sequence_parallel import counts_own_tokens, stage_hidden_shape
 from megamoe.moe.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
+from megamoe.parallel_plan import moe_layout_of
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.precision import upcast
