@@ -122,6 +122,11 @@ class TokenDispatcher:
         replicated over TP (the expert gradient reduction divides by it): 1, each rank dispatches its own."""
         return 1
 
+    def overlaps_dispatch(self) -> bool:
+        """Whether :meth:`dispatch` can leave its exchange in flight (``overlap=True``): a class that
+        :attr:`overlaps_shared_experts`, with EP > 1 (else there is no exchange)."""
+        return self.overlaps_shared_experts and self.ep_size > 1
+
     def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
         """Global positions of this rank's tokens, used for the replica choice (identical on every
         rank that holds the same token)."""
@@ -304,10 +309,6 @@ class AllToAllDispatcher(TokenDispatcher):
         if self.input_sharded:
             return comms.gather_from_sequence_parallel_region(values, self.reduce_group)
         return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
-
-    def overlaps_dispatch(self) -> bool:
-        """Whether :meth:`dispatch` can leave its exchange in flight (``overlap=True``): EP > 1."""
-        return self.ep_size > 1
 
     def dispatch(self, x, slot_ids, weights, overlap: bool = False):
         """See the module docstring. ``overlap`` (EP > 1 only, :meth:`overlaps_dispatch`): start the token,
