@@ -222,10 +222,6 @@ class ParallelPlan:
         info = getattr(self.state, name)
         return None if info is None else info.group
 
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.dense.sequence_group is not None
-
 
 def build_moe_layout(config, state) -> MoELayout | None:
     """The :class:`MoELayout` of ``config.moe`` on this rank of ``state`` (None without MoE layers); ValueError
