@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megamoe import comms
 from megamoe.gradients import main_grad
 from megamoe.models import GPTMoEModel
-from megamoe.models.gpt_moe import chunk_layer_ranges
+from megamoe.pipeline.partition import chunk_layer_ranges
 from megamoe.pipeline import (PipelineOp, check_interleaved_layout, forward_backward, forward_backward_interleaved,
                               forward_only, interleaved_1f1b_order, simulate_pipeline)
 from megamoe.pipeline.nccl_ordering import check_nccl_ordering

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megamoe import comms
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.models.gpt_moe import check_moe_layout
+from megamoe.parallel_plan import check_moe_layout
 from megamoe.models.moe_folding import uses_folding
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig

@@ -25,6 +25,7 @@ from megamoe.checkpoint.finite_values import ALLOW_FLAG
 from megamoe.checkpoint.format import CheckpointError
 from megamoe.hf.target_dtype import TARGET_DTYPES
 from megamoe.cli.launch import HelpFormatter, add_no_verify_checksums_argument
+from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER, dispatcher_names
 
 __all__ = ["main", "build_parser"]
 
@@ -76,7 +77,7 @@ def _layout_options(parser: argparse.ArgumentParser, dispatcher_default: str | N
     group.add_argument("--expert-load", metavar="FILE",
                        help="per-layer expert loads (megamoe-expert-load JSON) for balanced placements")
     saved = "the checkpoint's"
-    group.add_argument("--dispatcher", choices=("alltoall", "allgather"), default=dispatcher_default,
+    group.add_argument("--dispatcher", choices=dispatcher_names(), default=dispatcher_default,
                        help=f"token dispatcher recorded in the model config (default: {dispatcher_default or saved})")
 
 
@@ -97,7 +98,7 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
                         "megamoe checkpoint laid out for the given parallel layout.")
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    _layout_options(p, "alltoall")
+    _layout_options(p, DEFAULT_DISPATCHER)
     p.add_argument("--dtype", choices=tuple(TARGET_DTYPES), default="keep",
                    help="cast floating tensors; of a block-FP8 release (quant_method fp8), keep stores the e4m3 "
                         "weights and their block scales as they are, the others dequantize them")
@@ -163,7 +164,7 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
 
 def _layout(args, dispatcher: str):
     from megamoe.checkpoint.layout import ParallelLayout
-    from megamoe.models.gpt_moe import default_etp
+    from megamoe.parallel_plan import default_etp
     return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=default_etp(args.tp, dispatcher, args.etp))
 
 
@@ -191,7 +192,7 @@ def _run(args) -> int:
         from megamoe.checkpoint.model_manifest import check_model_manifest
         from checkpoint_tools.reshard import reshard
         saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
-        dispatcher = args.dispatcher or (saved.moe.dispatcher if saved.moe is not None else "alltoall")
+        dispatcher = args.dispatcher or (saved.moe.dispatcher if saved.moe is not None else DEFAULT_DISPATCHER)
         summary = reshard(args.checkpoint, args.out_dir, _layout(args, dispatcher),
                           num_expert_slots=args.num_expert_slots, expert_load=args.expert_load,
                           dispatcher=args.dispatcher, overwrite=args.overwrite,

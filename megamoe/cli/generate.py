@@ -57,9 +57,11 @@ from megamoe.cli.launch import (HelpFormatter, ScriptArgumentParser, add_launch_
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.process_group import init_distributed, launch_rank, launch_world_size, resolve_device
 from megamoe.models import GPTMoEConfig, GPTMoEModel
-from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
+from megamoe.models.gpt_moe import check_moe_layout_on_grid
 from megamoe.moe.placement.eplb_arguments import add_eplb_arguments, eplb_config_from_args
 from megamoe.moe.placement.expert_slots import ExpertPlacement, save_expert_load
+from megamoe.moe.token_dispatcher import dispatcher_class, dispatcher_names
+from megamoe.parallel_plan import default_etp
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from parallel_state.rank_grid import compute_rank_groups
 
@@ -68,7 +70,6 @@ logger = logging.getLogger(__name__)
 PROG = "megamoe generate"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DISPATCHERS = ("alltoall", "allgather")
 # The flag that sets each GenerationConfig / SamplingConfig field: their ValueErrors name the field.
 FLAG_OF_FIELD = {"max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop-token-id",
                  "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"}
@@ -86,7 +87,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--order", default="tp-cp-ep-dp-pp",
                    help="rank order, smallest stride first (see parallel_state); e.g. tp-cp-dp-ep-pp puts EP over "
                         "data-parallel ranks when tp > 1")
-    g.add_argument("--dispatcher", choices=DISPATCHERS, default=None,
+    g.add_argument("--dispatcher", choices=dispatcher_names(), default=None,
                    help="MoE token dispatcher (default: the checkpoint's if it fits the layout, else the one that "
                         "does). alltoall: etp dividing tp (etp < tp: MoE parallel folding); allgather: EP "
                         "inside the TP group, or over data-parallel ranks with --data-parallel-attention")
@@ -199,7 +200,7 @@ def dispatcher_problem(args, config: GPTMoEConfig, dispatcher: str, world: int) 
     except ValueError as e:
         return str(e)
     engine = config_for_engine(config, dispatcher=dispatcher,
-                               input_sharded=args.data_parallel_attention and dispatcher == "allgather")
+                               input_sharded=_input_sharded(args, dispatcher))
     try:
         check_moe_layout_on_grid(engine, grid)
     except ValueError as e:
@@ -223,13 +224,13 @@ def check_layout(args, saved: GPTMoEConfig, world: int) -> str | None:
         problem = dispatcher_problem(args, saved, args.dispatcher, world)
         if problem is None:
             return args.dispatcher
-        other = next(d for d in DISPATCHERS if d != args.dispatcher)
-        fix = (f"pass --dispatcher {other} (or leave --dispatcher out: a dispatcher that fits is chosen)"
-               if dispatcher_problem(args, saved, other, world) is None else
-               "change --tp / --ep / --etp / --order")
+        fitting = [d for d in dispatcher_names() if d != args.dispatcher
+                   and dispatcher_problem(args, saved, d, world) is None]
+        fix = (f"pass --dispatcher {fitting[0]} (or leave --dispatcher out: a dispatcher that fits is chosen)"
+               if fitting else "change --tp / --ep / --etp / --order")
         raise UsageError(f"--dispatcher {args.dispatcher} does not fit this layout: {problem}; {fix}")
     problems = {}
-    for dispatcher in (saved.moe.dispatcher, *(d for d in DISPATCHERS if d != saved.moe.dispatcher)):
+    for dispatcher in (saved.moe.dispatcher, *(d for d in dispatcher_names() if d != saved.moe.dispatcher)):
         problems[dispatcher] = dispatcher_problem(args, saved, dispatcher, world)
         if problems[dispatcher] is None:
             if dispatcher != saved.moe.dispatcher:
@@ -332,7 +333,12 @@ def engine_choices(args, saved: GPTMoEConfig, dispatcher: str | None) -> dict:
         return {}
     return {"dispatcher": dispatcher, "num_expert_slots": args.num_expert_slots,
             "expert_backend": args.expert_backend,
-            "input_sharded": args.data_parallel_attention and dispatcher == "allgather"}
+            "input_sharded": _input_sharded(args, dispatcher)}
+
+
+def _input_sharded(args, dispatcher: str) -> bool:
+    """--data-parallel-attention: each rank's own requests, taken sharded by dispatchers that accept it."""
+    return args.data_parallel_attention and dispatcher_class(dispatcher).accepts_input_sharded
 
 
 # ----------------------------------------------------------------------------------------------

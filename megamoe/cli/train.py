@@ -48,6 +48,7 @@ from megamoe.data.data_arguments import add_data_arguments
 from megamoe.data.packing import add_packing_arguments
 from megamoe.errors import UsageError
 from megamoe.moe.placement.eplb_arguments import add_eplb_arguments
+from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER, dispatcher_names
 from megamoe.process_group import launch_rank, resolve_device
 from megamoe.training.metrics_arguments import add_metrics_arguments
 from megamoe.training.optim_arguments import add_optim_arguments
@@ -87,7 +88,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (expert slots are split over it)")
     g.add_argument("--etp", type=int, default=None,
                    help="expert tensor-parallel size; default: tp for alltoall, 1 for allgather")
-    g.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+    g.add_argument("--dispatcher", choices=dispatcher_names(), default=DEFAULT_DISPATCHER,
                    help="alltoall: EP over data-parallel ranks, etp dividing tp (etp < tp: MoE parallel "
                         "folding, each TP rank dispatches its own share of the tokens, e.g. --tp 2 --etp 1 "
                         "--ep 4); allgather: EP inside the TP group (ep * etp divides tp), one all-reduce per "

@@ -53,6 +53,7 @@ from megamoe.hf.hf_sizes import check_layout_sizes, check_sizes_against_weights
 from megamoe.hf.target_dtype import cast, target_dtype
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf, declared_mtp_layers
+from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER
 from megamoe.quantization.block_fp8 import BlockFP8Config, is_block_fp8_weight
 
 __all__ = ["import_hf", "hf_config_object", "model_config_from_hf", "mtp_layers_to_import", "hf_key_order",
@@ -237,7 +238,7 @@ def plan_hf_conversion(hf: HFCheckpoint, adapter: HFAdapter,
 
 def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, layout: ParallelLayout, *,
               num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
-              dtype: str = "keep", dispatcher: str = "alltoall", overwrite: bool = False,
+              dtype: str = "keep", dispatcher: str = DEFAULT_DISPATCHER, overwrite: bool = False,
               max_file_bytes: int = CONVERSION_MAX_FILE_BYTES, progress: bool | None = None,
               allow_non_finite: bool = False) -> dict:
     """Convert the HF model directory ``hf_dir`` into the megamoe checkpoint ``out_dir`` for ``layout``.

@@ -12,10 +12,9 @@ from torch import nn
 
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.layer_spec import LayerSpec
-from megamoe.models.moe_folding import folding_group
-from megamoe.models.sequence_parallel import sequence_parallel_group
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.moe.placement.expert_slots import ExpertPlacement
+from megamoe.parallel_plan import ParallelPlan, build_parallel_plan
 from megamoe.transformer import RMSNorm
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.recompute import checkpointed, set_module_flag
@@ -30,29 +29,31 @@ class DecoderLayer(nn.Module):
     without the matching flag logs a warning and is not recomputed inside."""
 
     def __init__(self, config: GPTMoEConfig, layer_id: int, state, *, placement: ExpertPlacement | None = None,
-                 layer_spec: LayerSpec | None = None, device=None, dtype=None):
+                 layer_spec: LayerSpec | None = None, plan: ParallelPlan | None = None, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         spec = layer_spec or LayerSpec()
-        tp = state.tp.group
-        sequence_group = sequence_parallel_group(config, state)
+        plan = plan or build_parallel_plan(config, state)       # the model passes its own (built once)
+        tp = plan.group(plan.dense.weight_group)
+        sequence_group = plan.group(plan.dense.sequence_group)
         sp = sequence_group is not None
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
-        cp_group = state.cp.group if state.cp.size > 1 else None
+        cp_group = plan.group(plan.dense.context_group)
         self.self_attn = spec.build_attention(config.attention_of(layer_id), tp_group=tp, sequence_parallel=sp,
                                               cp_group=cp_group, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, **factory)
         if config.is_moe_layer(layer_id):
+            moe = plan.moe
             extra = {"sequence_group": sequence_group} if sp else {}
-            fold = folding_group(config, state)
-            if fold is not None:            # MoE parallel folding: each TP rank takes its own share
-                extra["fold_group"] = fold
+            if moe.folded:                  # MoE parallel folding: each TP rank takes its own share
+                extra["fold_group"] = plan.group(moe.token_split_group)
             if cp_group is not None:        # balancing statistics over the whole sequences
-                extra["statistics_group"] = state.tp_cp.group if (sp or fold is not None) else cp_group
-                extra["context_parallel_size"] = state.cp.size
-            self.mlp = spec.build_moe(config.moe, ep_group=state.ep.group, etp_group=state.etp.group,
-                                      expert_group=state.ep_etp.group, etp_edp_group=state.etp_edp.group,
+                extra["statistics_group"] = plan.group(moe.statistics_group)
+                extra["context_parallel_size"] = plan.cp
+            self.mlp = spec.build_moe(config.moe, ep_group=plan.group(moe.slot_group),
+                                      etp_group=plan.group(moe.expert_shard_group),
+                                      expert_group=plan.group("ep_etp"), etp_edp_group=plan.group("etp_edp"),
                                       placement=placement, **extra, **factory)
         else:
             self.mlp = spec.build_mlp(config.dense_mlp, tp_group=tp, sequence_parallel=sp, **factory)

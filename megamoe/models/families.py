@@ -63,6 +63,7 @@ from megamoe.models.config import GPTMoEConfig
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER
 from megamoe.transformer.attention import AttentionConfig
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.mlp import MLPConfig
@@ -287,7 +288,7 @@ def _shared_experts(cfg) -> SharedExpertsConfig | None:
     return None
 
 
-def config_from_hf(hf_config, *, dispatcher: str = "alltoall", expert_backend: str = "auto",
+def config_from_hf(hf_config, *, dispatcher: str = DEFAULT_DISPATCHER, expert_backend: str = "auto",
                    num_expert_slots: int | None = None, for_training: bool = True,
                    mtp_num_layers: int = 0) -> GPTMoEConfig:
     """The :class:`GPTMoEConfig` reproducing a transformers config of a supported family.

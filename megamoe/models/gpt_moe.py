@@ -4,7 +4,8 @@ Every module is named by its global position (``layers.<global index>``), so see
 (:func:`megamoe.tensor_parallel.initialize_parameters`) and checkpoints are independent of the
 pipeline split, the TP size and the expert placement.
 
-Parallel layout of the MoE layers (checked at construction): the all-gather dispatcher runs inside
+Parallel layout of the MoE layers (the rules each dispatcher class declares, applied once by the layout plan
+:mod:`megamoe.parallel_plan`, which the model builds and every layer reads): the all-gather dispatcher runs inside
 the TP group (``ep * etp`` divides ``tp``): tokens are replicated over TP after attention, so one
 all-reduce per MoE layer replaces the dense MLP's (with ``ep * etp < tp`` the expert group's work is
 replicated over the rest of the TP group). The all-to-all dispatcher takes any ``etp`` dividing
@@ -54,10 +55,10 @@ from megamoe.models.config import GPTMoEConfig
 from megamoe.models.decoder_layer import DecoderLayer
 from megamoe.models.layer_spec import LayerSpec
 from megamoe.models.mtp import MTPLayer, mtp_targets, shift_left
-from megamoe.models.sequence_parallel import check_sequence_length, sequence_parallel_group
+from megamoe.models.sequence_parallel import check_sequence_length
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.moe.placement.expert_slots import ExpertPlacement
-from megamoe.pipeline.partition import partition_layers
+from megamoe.parallel_plan import build_moe_layout, build_parallel_plan, check_moe_layout
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits  # noqa: F401 (doc)
@@ -70,39 +71,9 @@ from megamoe.transformer.recompute import checkpointed
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer.rope import RotaryEmbedding
 
-__all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout", "chunk_layer_ranges", "expert_token_replicas"]
+__all__ = ["DecoderLayer", "GPTMoEModel", "LayerSpec", "check_moe_layout_on_grid", "expert_token_replicas"]
 
 _FEW_ROWS = 16  # logits of at most this many rows (decoding) take the weight-major GEMM on CPU
-
-
-def default_etp(tp: int, dispatcher: str | None, etp: int | None = None) -> int:
-    """The expert-TP size of a layout: ``etp`` when given, else what ``dispatcher`` runs with by
-    default: ``tp`` for all-to-all (etp < tp folds the MoE layers), 1 for all-gather (EP inside the TP group)."""
-    if etp is not None:
-        return etp
-    return tp if dispatcher == "alltoall" else 1
-
-
-def check_moe_layout(config: GPTMoEConfig, state) -> None:
-    if config.moe is None:
-        return
-    tp, ep, etp = state.tp.size, state.ep.size, state.etp.size
-    if getattr(config, "sequence_parallel", False) and tp > 1:
-        return       # every rank holds its own tokens: the dispatchers gather what they need
-    if config.moe.dispatcher == "allgather" and config.moe.input_sharded:
-        shared = sorted(set(state.ep_etp.ranks) & set(state.tp.ranks))
-        if shared != [state.rank]:
-            raise ValueError(f"input_sharded all-gather dispatch gathers the tokens of the EP x ETP group "
-                             f"{state.ep_etp.ranks}, whose ranks must hold different tokens, but ranks {shared} are "
-                             f"in one TP group {state.tp.ranks}; span EP over data-parallel ranks (e.g. "
-                             "order='tp-cp-dp-ep-pp') or set input_sharded=False")
-    elif config.moe.dispatcher == "allgather" and tp % (ep * etp):
-        raise ValueError(f"the all-gather dispatcher runs inside the TP group: ep * etp must divide tp, got "
-                         f"ep={ep} etp={etp} tp={tp}; use dispatcher='alltoall' (with etp == tp) or change the layout")
-    if config.moe.dispatcher == "alltoall" and tp % etp:
-        raise ValueError(f"the all-to-all dispatcher needs etp dividing tp (etp == tp: ETP ranks share tokens; "
-                         f"etp < tp: each TP rank dispatches its own share, see megamoe.models.moe_folding), got "
-                         f"etp={etp} tp={tp}; set etp to a divisor of {tp}")
 
 
 def check_moe_layout_on_grid(config: GPTMoEConfig, grid) -> None:
@@ -117,43 +88,10 @@ def check_moe_layout_on_grid(config: GPTMoEConfig, grid) -> None:
 
 
 def expert_token_replicas(config: GPTMoEConfig, state) -> int:
-    """How many ranks of an expert-DP group compute the SAME tokens with the same expert shards:
-    tp / (ep * etp) for the all-gather dispatcher (TP ranks outside the expert group hold the same
-    tokens), tp with sharded input (each TP rank gathers the same tokens in its own expert group), 1
-    for all-to-all (with etp < tp each TP rank dispatches a disjoint share:
-    :mod:`megamoe.models.moe_folding`), and 1 under sequence parallelism (every rank routes its own
-    tokens). The expert
-    gradient reduction divides by it."""
-    if config.moe is None or config.moe.dispatcher == "alltoall" or sequence_parallel_group(config, state) is not None:
-        return 1
-    if config.moe.input_sharded:
-        return state.tp.size
-    return state.tp.size // (state.ep.size * state.etp.size)
-
-
-def chunk_layer_ranges(num_layers: int, pp: int, virtual_pipeline_stages: int = 1,
-                       pp_split=None) -> list[list[range]]:
-    """``[pp_rank][chunk]`` -> the layer range of virtual stage ``chunk * pp + pp_rank`` (Megatron-Core's
-    layout: rank ``r`` holds chunks ``r, r + pp, ...``). ``pp_split``: one layer count per virtual stage
-    (``pp * V`` entries; zeros allowed, as in :func:`partition_layers`) or None: equal virtual stages,
-    which with V > 1 needs ``num_layers`` divisible by ``pp * V``. ValueError naming the numbers for a
-    layout that does not fit."""
-    v = virtual_pipeline_stages
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"virtual_pipeline_stages must be an int >= 1, got {v!r}")
-    if v > 1 and pp == 1:
-        raise ValueError(f"virtual_pipeline_stages={v} needs pipeline parallelism (pp > 1), got pp={pp}: the "
-                         "interleaved schedule spreads each rank's chunks over a pipeline")
-    stages = pp * v
-    if v > 1 and pp_split is None and (num_layers % stages or num_layers < stages):
-        raise ValueError(f"num_layers ({num_layers}) must split into pp * virtual_pipeline_stages = {pp} * {v} = "
-                         f"{stages} virtual stages of equal size (>= 1 layer each); change the numbers or pass "
-                         f"pp_split with {stages} layer counts")
-    if v > 1 and pp_split is not None and len(pp_split) != stages:
-        raise ValueError(f"pp_split has {len(pp_split)} entries, but pp * virtual_pipeline_stages = {pp} * {v} = "
-                         f"{stages}: give one layer count per virtual stage")
-    ranges = partition_layers(num_layers, stages, pp_split)
-    return [[ranges[chunk * pp + rank] for chunk in range(v)] for rank in range(pp)]
+    """How many ranks of an expert-DP group compute the SAME tokens with the same expert shards (the expert
+    gradient reduction divides by it): the plan's ``moe.expert_token_replicas`` (1 without MoE layers)."""
+    moe = build_moe_layout(config, state)
+    return 1 if moe is None else moe.expert_token_replicas
 
 
 class GPTMoEModel(nn.Module):
@@ -201,23 +139,24 @@ class GPTMoEModel(nn.Module):
                  placements: dict[int, ExpertPlacement] | None = None, layer_spec: LayerSpec | None = None,
                  device=None, dtype=None, virtual_pipeline_stages: int = 1):
         super().__init__()
-        check_moe_layout(config, state)
+        # The layout rules, computed once: every layer reads them from here (megamoe.parallel_plan).
+        self.plan = build_parallel_plan(config, state, pp_split=pp_split,
+                                        virtual_pipeline_stages=virtual_pipeline_stages)
         self.config, self.state, self.pp_split = config, state, pp_split
         self.virtual_pipeline_stages = virtual_pipeline_stages
         self.layer_spec = layer_spec or LayerSpec()
         factory = {"device": device, "dtype": dtype}
         tp = state.tp.group
-        self.sequence_group = sequence_parallel_group(config, state)   # None: no sequence parallelism
-        self.cp_group = state.cp.group if state.cp.size > 1 else None    # None: no context parallelism
+        self.sequence_group = self.plan.group(self.plan.dense.sequence_group)   # None: no sequence parallelism
+        self.cp_group = self.plan.group(self.plan.dense.context_group)         # None: no context parallelism
         sp = {"sequence_parallel": True, "sequence_dim": SEQUENCE_DIM} if self.sequence_group is not None else {}
         # One layer range per model chunk of this rank (virtual stage chunk * pp + pp_rank).
-        self.chunk_layer_ids = chunk_layer_ranges(config.num_layers, state.pp.size, virtual_pipeline_stages,
-                                                  pp_split)[state.pp.rank]
+        self.chunk_layer_ids = list(self.plan.stages.chunk_layer_ids)
         self.layer_ids = (self.chunk_layer_ids[0] if virtual_pipeline_stages == 1
-                          else [i for chunk in self.chunk_layer_ids for i in chunk])
+                          else self.plan.stages.layer_ids)
         self.is_first_stage, self.is_last_stage = state.is_first_pp_stage, state.is_last_pp_stage
         # DeepSeek-V3's multi-token-prediction layers (megamoe.models.mtp) run on the last stage, after its chunk.
-        self.mtp_layer_ids = list(config.mtp_layer_ids) if self.is_last_stage else []
+        self.mtp_layer_ids = list(self.plan.stages.mtp_layer_ids)
         init = dict(init_method=normal_init(config.init_std))
         # Any vocabulary under any TP: the vocabulary rows are padded (megamoe.tensor_parallel.vocab_padding).
         self.padded_vocab_size = padded_vocab_size(config.vocab_size, state.tp.size,
@@ -233,13 +172,15 @@ class GPTMoEModel(nn.Module):
         placements = placements or {}
         self.layers = nn.ModuleDict()
         for i in self.layer_ids:
-            layer = DecoderLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
+            layer = DecoderLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec,
+                                 plan=self.plan, **factory)
             if config.weight_quantization is not None:    # one layer at a time: bounded extra memory
                 keep_block_fp8_weights(layer, f"layers.{i}.", config.weight_quantization)
             self.layers[str(i)] = layer
         if self.mtp_layer_ids:
             for i in self.mtp_layer_ids:
-                layer = MTPLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec, **factory)
+                layer = MTPLayer(config, i, state, placement=placements.get(i), layer_spec=self.layer_spec,
+                                 plan=self.plan, **factory)
                 if config.weight_quantization is not None:
                     keep_block_fp8_weights(layer, f"layers.{i}.", config.weight_quantization)
                 self.layers[str(i)] = layer

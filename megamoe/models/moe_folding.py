@@ -36,15 +36,16 @@ from __future__ import annotations
 
 from torch.distributed import ProcessGroup
 
+from megamoe.parallel_plan import folds_moe_layers
+
 __all__ = ["folding_group", "uses_folding"]
 
 
 def uses_folding(config, tp: int, etp: int) -> bool:
-    """Whether a layout folds the MoE layers (see the module docstring): the all-to-all dispatcher,
-    no sequence parallelism, tp > 1 and etp < tp."""
-    moe = getattr(config, "moe", None)
-    return (moe is not None and moe.dispatcher == "alltoall" and tp > 1 and etp < tp
-            and not getattr(config, "sequence_parallel", False))
+    """Whether a layout folds the MoE layers (see the module docstring): a dispatcher that folds over TP
+    (all-to-all), no sequence parallelism, tp > 1 and etp < tp (the plan's rule,
+    :func:`megamoe.parallel_plan.folds_moe_layers`)."""
+    return folds_moe_layers(config, tp, etp)
 
 
 def folding_group(config, state) -> ProcessGroup | None:

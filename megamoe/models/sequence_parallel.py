@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from torch.distributed import ProcessGroup
 
-from megamoe.models.moe_folding import folding_group
+from megamoe.parallel_plan import moe_layout_of, uses_sequence_parallel
 from megamoe.transformer.context_parallel import check_context_parallel_length
 
 __all__ = ["sequence_parallel_group", "check_sequence_length", "counts_own_tokens", "stage_hidden_shape"]
@@ -44,7 +44,7 @@ __all__ = ["sequence_parallel_group", "check_sequence_length", "counts_own_token
 def sequence_parallel_group(config, state) -> ProcessGroup | None:
     """The group the sequence is split over: the TP group when ``config.sequence_parallel`` and
     tp > 1, else None (one chunk: the plain layout)."""
-    if getattr(config, "sequence_parallel", False) and state.tp.size > 1:
+    if uses_sequence_parallel(config, state.tp.size):
         return state.tp.group
     return None
 
@@ -62,8 +62,9 @@ def counts_own_tokens(model, state) -> bool:
     its own share: :mod:`megamoe.models.moe_folding`), TP rank 0 otherwise (TP ranks route the same
     tokens)."""
     config = getattr(model, "config", None)
-    return (state.tp.rank == 0 or sequence_parallel_group(config, state) is not None
-            or folding_group(config, state) is not None)
+    if getattr(config, "moe", None) is not None:        # the plan's rule (megamoe.parallel_plan)
+        return moe_layout_of(model, state).counts_own_tokens
+    return state.tp.rank == 0 or sequence_parallel_group(config, state) is not None
 
 
 def stage_hidden_shape(model, state, batch: int, seq_len: int) -> tuple[int, int, int]:

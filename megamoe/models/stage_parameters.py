@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megamoe.models.config import GPTMoEConfig
+from megamoe.moe.token_dispatcher import dispatcher_class
 from megamoe.pipeline.partition import partition_layers
 from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
 from megamoe.transformer.attention import AttentionConfig
@@ -97,7 +98,7 @@ def _moe_params(config: GPTMoEConfig, prefix: str, *, tp: int, ep: int, etp: int
                 ParamTensor(f"{prefix}.experts.b_down", local * H, True, local)]
     if moe.shared_experts is not None:
         se = moe.shared_experts
-        n = ep * etp if moe.dispatcher == "allgather" else etp      # the dispatcher's reduction group
+        n = dispatcher_class(moe.dispatcher).reduce_group_size(ep, etp)   # the dispatcher's reduction group
         if se.ffn_hidden_size % n:
             raise ValueError(f"shared_experts.ffn_hidden_size ({se.ffn_hidden_size}) must be divisible by {n}")
         fs = se.ffn_hidden_size // n

@@ -51,15 +51,12 @@ from megamoe.moe.experts.grouped_experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.placement.expert_slots import ExpertLoadCounter, ExpertPlacement
 from megamoe.moe.router import Router, RouterConfig
 from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
-from megamoe.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher
+from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER, TokenDispatcher, dispatcher_class
 from megamoe.quantization.block_fp8 import block_scale_shape, scale_inv_name
 from megamoe.tensor_parallel.init import normal_init, seeded_generator
 from megamoe.transformer.recompute import is_recomputing
 
 __all__ = ["MoEConfig", "MoELayer", "expert_capacity"]
-
-_DISPATCHERS = ("alltoall", "allgather")
-
 
 def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float, min_capacity: int | None = None) -> int:
     """The most (token, expert) pairs an expert keeps under ``capacity_factor``: ``ceil((num_pairs /
@@ -80,7 +77,7 @@ class MoEConfig:
     router: RouterConfig
     ffn_hidden_size: int                       # per routed expert
     num_expert_slots: int | None = None        # default: num_experts (no replicas)
-    dispatcher: str = "alltoall"               # "alltoall" | "allgather"
+    dispatcher: str = DEFAULT_DISPATCHER       # a registered name: "alltoall" | "allgather" | register_dispatcher's
     input_sharded: bool = False                # allgather: tokens sharded over the EP x ETP group
     expert_backend: str = "auto"               # "auto" | "torch" | "loop" | "te" | "fp8_emulated"
     expert_fp8: FP8Config | None = None        # FP8 expert GEMMs (see megamoe.moe.experts.fp8)
@@ -108,10 +105,10 @@ class MoEConfig:
         if self.num_expert_slots < self.router.num_experts:
             raise ValueError(f"MoEConfig.num_expert_slots ({self.num_expert_slots}) must be >= num_experts "
                              f"({self.router.num_experts}): every expert needs a slot")
-        if self.dispatcher not in _DISPATCHERS:
-            raise ValueError(f"MoEConfig.dispatcher must be one of {_DISPATCHERS}, got {self.dispatcher!r}")
-        if self.input_sharded and self.dispatcher != "allgather":
-            raise ValueError("MoEConfig.input_sharded applies to dispatcher='allgather' only")
+        dispatcher = dispatcher_class(self.dispatcher)        # ValueError naming the field: not registered
+        if self.input_sharded and not dispatcher.accepts_input_sharded:
+            raise ValueError(f"MoEConfig.input_sharded applies to dispatchers that take tokens sharded over their "
+                             f"group (dispatcher='allgather'), not to dispatcher={self.dispatcher!r}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None, got {self.capacity_factor}")
         for name in ("shared_expert_overlap", "deterministic"):
@@ -185,8 +182,10 @@ class MoELayer(nn.Module):
         if self.fold_group is not None and comms.group_size(sequence_group) > 1:
             raise ValueError("MoELayer: fold_group (MoE parallel folding) and sequence_group (sequence "
                              "parallelism) exclude each other: under sequence parallelism tokens are already split")
-        if self.fold_group is not None and config.dispatcher != "alltoall":
-            raise ValueError(f"MoELayer: fold_group applies to dispatcher='alltoall' only, got {config.dispatcher!r}")
+        self.dispatcher_class = dispatcher_class(config.dispatcher)
+        if self.fold_group is not None and not self.dispatcher_class.folds_over_tp:
+            raise ValueError(f"MoELayer: fold_group applies to dispatchers that fold over TP (dispatcher='alltoall'), "
+                             f"not to dispatcher={config.dispatcher!r}")
         # Under folding each rank routes its own share, exactly as under sequence parallelism: the
         # same group plays the role of the sequence group (router losses, tags, sharded dispatch).
         if self.fold_group is not None:
@@ -194,9 +193,10 @@ class MoELayer(nn.Module):
         self.sequence_group = sequence_group if comms.group_size(sequence_group) > 1 else None
         self.ep_size, self.ep_rank = comms.group_size(ep_group), comms.group_rank(ep_group)
         self.etp_size, self.etp_rank = comms.group_size(etp_group), comms.group_rank(etp_group)
-        if config.dispatcher == "allgather" and comms.group_size(expert_group) != self.ep_size * self.etp_size:
+        if (self.dispatcher_class.reduce_group_kind == "ep_etp"
+                and comms.group_size(expert_group) != self.ep_size * self.etp_size):
             raise ValueError(
-                f"the all-gather dispatcher needs expert_group = the EP x ETP group of size "
+                f"the {config.dispatcher} dispatcher needs expert_group = the EP x ETP group of size "
                 f"{self.ep_size * self.etp_size}, got a group of size {comms.group_size(expert_group)}: "
                 "pass expert_group=state.ep_etp.group")
         self.placement = placement or ExpertPlacement.default(
@@ -277,7 +277,8 @@ class MoELayer(nn.Module):
             **factory)
 
     def dispatcher_reduce_group(self) -> ProcessGroup | None:
-        return self.expert_group if self.config.dispatcher == "allgather" else self.etp_group
+        """The group the dispatcher's combine reduces over (its class's ``reduce_group_kind``)."""
+        return self.expert_group if self.dispatcher_class.reduce_group_kind == "ep_etp" else self.etp_group
 
     def build_dispatcher(self, config: MoEConfig) -> TokenDispatcher:
         """The :class:`TokenDispatcher` moving (token, slot) pairs to the ranks holding the slots and
@@ -286,14 +287,11 @@ class MoELayer(nn.Module):
         after the router, the experts and the shared experts exist; the shared experts are sharded
         over :meth:`dispatcher_reduce_group`, which a custom dispatcher's ``reduce_group`` must equal.
         With a ``sequence_group`` (sequence parallelism) every rank's tokens differ: the dispatcher must
-        take sharded input (the shipped ones do: ``input_sharded``)."""
-        sharded = self.sequence_group is not None
-        if config.dispatcher == "allgather":
-            return AllGatherDispatcher(config.num_expert_slots, ep_group=self.ep_group,
-                                       expert_group=self.expert_group, input_sharded=config.input_sharded or sharded,
-                                       deterministic=config.deterministic)
-        return AllToAllDispatcher(config.num_expert_slots, ep_group=self.ep_group, etp_group=self.etp_group,
-                                  input_sharded=sharded, deterministic=config.deterministic)
+        take sharded input (the shipped ones do: ``input_sharded``). The default builds the class registered as
+        ``config.dispatcher`` (:func:`megamoe.moe.token_dispatcher.dispatcher_class`)."""
+        return self.dispatcher_class.build(
+            config.num_expert_slots, ep_group=self.ep_group, etp_group=self.etp_group, expert_group=self.expert_group,
+            input_sharded=config.input_sharded or self.sequence_group is not None, deterministic=config.deterministic)
 
     def _tag_sequence_parallel(self) -> None:
         """Sequence parallelism: tag the parameters whose gradient each TP rank gets from its own tokens

@@ -23,9 +23,18 @@ reuses its forward's read (:func:`megamoe.transformer.recompute.forward_value`) 
 
 Sums: the combine and the token gradients add rows in fp32 and round once; ``deterministic`` (or torch's
 deterministic algorithms) adds them in a fixed order (:mod:`megamoe.moe.row_sums`).
+
+Layout rules: each dispatcher class declares its own (class attributes and classmethods of
+:class:`TokenDispatcher`: the group it reduces over, its default expert-TP size, the layouts it accepts, how
+many ranks compute the same tokens), and is looked up ONCE by the name ``MoEConfig.dispatcher`` holds
+(:func:`dispatcher_class`; :func:`register_dispatcher` adds a user's). The layout plan
+(:mod:`megamoe.parallel_plan`), the MoE layer, the memory model and the launchers read these rules rather than
+testing the name.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch.distributed import ProcessGroup
@@ -37,11 +46,32 @@ from megamoe.moe.row_sums import gather_rows, sum_rows
 from megamoe.precision import in_autocast_dtype
 from megamoe.transformer.recompute import forward_value
 
-__all__ = ["TokenDispatcher", "AllGatherDispatcher", "AllToAllDispatcher"]
+__all__ = ["TokenDispatcher", "AllGatherDispatcher", "AllToAllDispatcher", "DEFAULT_DISPATCHER", "dispatcher_class",
+           "dispatcher_names", "register_dispatcher"]
 
 
 class TokenDispatcher:
-    """Base class: subclasses set ``reduce_group`` and implement the methods below."""
+    """Base class: subclasses set ``reduce_group`` and implement the methods below.
+
+    Layout rules (class attributes and classmethods, read before any instance exists; a subclass overrides
+    what differs). The defaults are the all-to-all paradigm's: each rank dispatches its own tokens, the
+    expert shards of a slot are summed over the ETP group.
+    """
+
+    # The registry key (``MoEConfig.dispatcher``): see register_dispatcher.
+    name: ClassVar[str] = ""
+    # The ParallelState group the combine reduces over, over which the shared experts are sharded too:
+    # "etp" (the expert-TP group) or "ep_etp" (the EP x ETP group).
+    reduce_group_kind: ClassVar[str] = "etp"
+    # Whether MoEConfig.input_sharded (tokens sharded over the reduce group: data-parallel attention) applies.
+    accepts_input_sharded: ClassVar[bool] = False
+    # Whether etp < tp without sequence parallelism folds the MoE layers (each TP rank dispatches a disjoint
+    # share of the replicated tokens: megamoe.models.moe_folding).
+    folds_over_tp: ClassVar[bool] = True
+    # Whether tokens travel by all-to-all exchange within the EP group (their buffers count in the memory model).
+    exchanges_tokens: ClassVar[bool] = True
+    # Whether dispatch(..., overlap=True) can leave its exchange in flight (MoEConfig.shared_expert_overlap).
+    overlaps_shared_experts: ClassVar[bool] = False
 
     reduce_group: ProcessGroup | None
     token_view: torch.Tensor | None = None
@@ -57,6 +87,46 @@ class TokenDispatcher:
         self.num_slots = num_slots
         self.slots_per_rank = num_slots // self.ep_size
         self.first_local_slot = self.ep_rank * self.slots_per_rank
+
+    @classmethod
+    def build(cls, num_slots: int, *, ep_group: ProcessGroup | None, etp_group: ProcessGroup | None,
+              expert_group: ProcessGroup | None, input_sharded: bool, deterministic: bool) -> TokenDispatcher:
+        """The dispatcher of one MoE layer (:meth:`megamoe.moe.moe_layer.MoELayer.build_dispatcher`): the layer's
+        groups, and whether its tokens differ between the ranks of :attr:`reduce_group_kind`."""
+        return cls(num_slots, ep_group=ep_group, etp_group=etp_group, input_sharded=input_sharded,
+                   deterministic=deterministic)
+
+    @classmethod
+    def default_etp(cls, tp: int) -> int:
+        """The expert-TP size a layout takes when none is given: ``tp`` (etp < tp folds the MoE layers)."""
+        return tp
+
+    @classmethod
+    def reduce_group_size(cls, ep: int, etp: int) -> int:
+        """The size of the :attr:`reduce_group_kind` group."""
+        return ep * etp if cls.reduce_group_kind == "ep_etp" else etp
+
+    @classmethod
+    def check_layout(cls, moe_config, state) -> None:
+        """ValueError naming the sizes unless this dispatcher can run the layout of ``state`` (sizes and ranks
+        of its ``tp``, ``ep``, ``etp`` and ``ep_etp`` groups, and its ``rank``) with tokens replicated over TP
+        (the plan skips this check under sequence parallelism, where every rank holds its own tokens)."""
+        tp, etp = state.tp.size, state.etp.size
+        if tp % etp:
+            raise ValueError(f"the {cls.name or cls.__name__} dispatcher needs etp dividing tp (etp == tp: ETP ranks "
+                             f"share tokens; etp < tp: each TP rank dispatches its own share, see "
+                             f"megamoe.models.moe_folding), got etp={etp} tp={tp}; set etp to a divisor of {tp}")
+
+    @classmethod
+    def expert_token_replicas(cls, moe_config, tp: int, ep: int, etp: int) -> int:
+        """How many ranks of an expert-DP group compute the SAME tokens with the same expert shards, tokens
+        replicated over TP (the expert gradient reduction divides by it): 1, each rank dispatches its own."""
+        return 1
+
+    def overlaps_dispatch(self) -> bool:
+        """Whether :meth:`dispatch` can leave its exchange in flight (``overlap=True``): a class that
+        :attr:`overlaps_shared_experts`, with EP > 1 (else there is no exchange)."""
+        return self.overlaps_shared_experts and self.ep_size > 1
 
     def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
         """Global positions of this rank's tokens, used for the replica choice (identical on every
@@ -93,6 +163,12 @@ class AllGatherDispatcher(TokenDispatcher):
     router gradients are complete on every rank.
     """
 
+    name = "allgather"
+    reduce_group_kind = "ep_etp"
+    accepts_input_sharded = True
+    folds_over_tp = False
+    exchanges_tokens = False
+
     def __init__(self, num_slots: int, *, ep_group: ProcessGroup | None = None,
                  expert_group: ProcessGroup | None = None, input_sharded: bool = False, deterministic: bool = False):
         super().__init__(num_slots, ep_group, deterministic)
@@ -102,6 +178,40 @@ class AllGatherDispatcher(TokenDispatcher):
         self.reduce_group = expert_group
         self.input_sharded = input_sharded
         self._tokens_per_rank: list[int] | None = None   # sharded input: every rank's token count
+
+    @classmethod
+    def build(cls, num_slots, *, ep_group, etp_group, expert_group, input_sharded, deterministic):
+        return cls(num_slots, ep_group=ep_group, expert_group=expert_group, input_sharded=input_sharded,
+                   deterministic=deterministic)
+
+    @classmethod
+    def default_etp(cls, tp: int) -> int:
+        """1: EP inside the TP group."""
+        return 1
+
+    @classmethod
+    def check_layout(cls, moe_config, state) -> None:
+        """The EP x ETP group runs inside the TP group (``ep * etp`` divides ``tp``: tokens are replicated over
+        TP after attention), or with ``input_sharded`` spans data-parallel ranks only (no two of its ranks in one
+        TP group: they must hold different tokens)."""
+        tp, ep, etp = state.tp.size, state.ep.size, state.etp.size
+        if moe_config.input_sharded:
+            shared = sorted(set(state.ep_etp.ranks) & set(state.tp.ranks))
+            if shared != [state.rank]:
+                raise ValueError(f"input_sharded all-gather dispatch gathers the tokens of the EP x ETP group "
+                                 f"{state.ep_etp.ranks}, whose ranks must hold different tokens, but ranks {shared} "
+                                 f"are in one TP group {state.tp.ranks}; span EP over data-parallel ranks (e.g. "
+                                 "order='tp-cp-dp-ep-pp') or set input_sharded=False")
+        elif tp % (ep * etp):
+            raise ValueError(f"the all-gather dispatcher runs inside the TP group: ep * etp must divide tp, got "
+                             f"ep={ep} etp={etp} tp={tp}; use dispatcher='alltoall' (with etp == tp) or change the "
+                             "layout")
+
+    @classmethod
+    def expert_token_replicas(cls, moe_config, tp: int, ep: int, etp: int) -> int:
+        """tp / (ep * etp): the TP ranks outside the expert group hold the same tokens; tp with sharded input
+        (each TP rank gathers the same tokens in its own expert group)."""
+        return tp if moe_config.input_sharded else tp // (ep * etp)
 
     def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
         # Sharded input: only the token's owner picks its slots (the ids are then gathered), so the
@@ -180,6 +290,9 @@ class AllToAllDispatcher(TokenDispatcher):
     carry an ETP all-reduce in backward (copy-to-TP region) so they are complete on every ETP rank.
     """
 
+    name = "alltoall"
+    overlaps_shared_experts = True
+
     def __init__(self, num_slots: int, *, ep_group: ProcessGroup | None = None,
                  etp_group: ProcessGroup | None = None, input_sharded: bool = False, deterministic: bool = False):
         super().__init__(num_slots, ep_group, deterministic)
@@ -197,10 +310,6 @@ class AllToAllDispatcher(TokenDispatcher):
         if self.input_sharded:
             return comms.gather_from_sequence_parallel_region(values, self.reduce_group)
         return comms.copy_to_tensor_parallel_region(values, self.reduce_group)
-
-    def overlaps_dispatch(self) -> bool:
-        """Whether :meth:`dispatch` can leave its exchange in flight (``overlap=True``): EP > 1."""
-        return self.ep_size > 1
 
     def dispatch(self, x, slot_ids, weights, overlap: bool = False):
         """See the module docstring. ``overlap`` (EP > 1 only, :meth:`overlaps_dispatch`): start the token,
@@ -332,3 +441,43 @@ class AllToAllDispatcher(TokenDispatcher):
 def _all_to_all_no_grad(x, output_splits, input_splits, group, tag=None):
     with torch.no_grad():
         return comms.all_to_all(x, output_splits, input_splits, group, tag=tag)
+
+
+# name -> dispatcher class: MoEConfig.dispatcher's values. The shipped ones; register_dispatcher adds more.
+_REGISTRY: dict[str, type[TokenDispatcher]] = {cls.name: cls for cls in (AllToAllDispatcher, AllGatherDispatcher)}
+DEFAULT_DISPATCHER = AllToAllDispatcher.name
+
+
+def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
+    """Make ``cls`` (a :class:`TokenDispatcher` subclass with its own ``name``) what ``MoEConfig.dispatcher =
+    cls.name`` dispatches with; usable as a class decorator. Its layout rules are its class attributes and
+    classmethods (see :class:`TokenDispatcher`). Registering the same class again is a no-op; another class
+    under a taken name is refused (ValueError): a checkpoint's dispatcher name must keep one meaning."""
+    if not (isinstance(cls, type) and issubclass(cls, TokenDispatcher)):
+        raise ValueError(f"register_dispatcher: expected a TokenDispatcher subclass, got {cls!r}")
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_dispatcher: {cls.__name__}.name must be its own non-empty str (the "
+                         f"MoEConfig.dispatcher value that selects it), got {name!r}")
+    if cls.reduce_group_kind not in ("etp", "ep_etp"):
+        raise ValueError(f"register_dispatcher: {cls.__name__}.reduce_group_kind must be 'etp' or 'ep_etp', got "
+                         f"{cls.reduce_group_kind!r}")
+    if _REGISTRY.get(name, cls) is not cls:
+        raise ValueError(f"register_dispatcher: name {name!r} is taken by {_REGISTRY[name].__name__}; give "
+                         f"{cls.__name__} another name")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def dispatcher_names() -> tuple[str, ...]:
+    """The registered dispatcher names (MoEConfig.dispatcher's valid values)."""
+    return tuple(_REGISTRY)
+
+
+def dispatcher_class(name: str) -> type[TokenDispatcher]:
+    """The dispatcher class registered as ``name``; ValueError naming ``MoEConfig.dispatcher`` otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"MoEConfig.dispatcher must be one of {dispatcher_names()} (or a name given to "
+                         f"register_dispatcher), got {name!r}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["partition_layers"]
+__all__ = ["chunk_layer_ranges", "partition_layers"]
 
 
 def partition_layers(num_layers: int, pp_size: int, split: Sequence[int] | None = None) -> list[range]:
@@ -43,3 +43,28 @@ def partition_layers(num_layers: int, pp_size: int, split: Sequence[int] | None 
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+def chunk_layer_ranges(num_layers: int, pp: int, virtual_pipeline_stages: int = 1,
+                       pp_split=None) -> list[list[range]]:
+    """``[pp_rank][chunk]`` -> the layer range of virtual stage ``chunk * pp + pp_rank`` (Megatron-Core's
+    layout: rank ``r`` holds chunks ``r, r + pp, ...``). ``pp_split``: one layer count per virtual stage
+    (``pp * V`` entries; zeros allowed, as in :func:`partition_layers`) or None: equal virtual stages,
+    which with V > 1 needs ``num_layers`` divisible by ``pp * V``. ValueError naming the numbers for a
+    layout that does not fit."""
+    v = virtual_pipeline_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_pipeline_stages must be an int >= 1, got {v!r}")
+    if v > 1 and pp == 1:
+        raise ValueError(f"virtual_pipeline_stages={v} needs pipeline parallelism (pp > 1), got pp={pp}: the "
+                         "interleaved schedule spreads each rank's chunks over a pipeline")
+    stages = pp * v
+    if v > 1 and pp_split is None and (num_layers % stages or num_layers < stages):
+        raise ValueError(f"num_layers ({num_layers}) must split into pp * virtual_pipeline_stages = {pp} * {v} = "
+                         f"{stages} virtual stages of equal size (>= 1 layer each); change the numbers or pass "
+                         f"pp_split with {stages} layer counts")
+    if v > 1 and pp_split is not None and len(pp_split) != stages:
+        raise ValueError(f"pp_split has {len(pp_split)} entries, but pp * virtual_pipeline_stages = {pp} * {v} = "
+                         f"{stages}: give one layer count per virtual stage")
+    ranges = partition_layers(num_layers, stages, pp_split)
+    return [[ranges[chunk * pp + rank] for chunk in range(v)] for rank in range(pp)]

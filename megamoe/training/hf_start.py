@@ -43,6 +43,7 @@ from megamoe.hf.hf_sizes import check_sizes_against_weights
 from megamoe.hf.import_hf import hf_weights_adapter, model_config_from_hf, plan_hf_conversion
 from megamoe.models import GPTMoEConfig, GPTMoEModel, LayerSpec
 from megamoe.models.hf_loading import chunks_by_name, copy_into_chunks
+from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER
 from megamoe.training.checkpoint import HFProvenance
 
 __all__ = ["HFStart", "hf_start_config", "load_hf_weights", "start_from_hf"]
@@ -61,7 +62,7 @@ class HFStart:
     provenance: HFProvenance
 
 
-def hf_start_config(hf_dir: str | os.PathLike, *, dispatcher: str = "alltoall", num_expert_slots: int | None = None,
+def hf_start_config(hf_dir: str | os.PathLike, *, dispatcher: str = DEFAULT_DISPATCHER, num_expert_slots: int | None = None,
                     expert_backend: str = "auto") -> HFStart:
     """The model config and provenance of the HF directory ``hf_dir``; reads config.json, the weight
     files' headers and the side files, no tensor data. Raises :class:`ConversionError` naming the file and
@@ -134,7 +135,7 @@ def _counted(hf: HFCheckpoint, order, window, placeholders, bar, finite: NonFini
         yield key, tensor
 
 
-def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = "alltoall",
+def start_from_hf(hf_dir: str | os.PathLike, state, *, dispatcher: str = DEFAULT_DISPATCHER,
                   num_expert_slots: int | None = None, expert_load: str | os.PathLike | None = None,
                   expert_backend: str = "auto", device=None, dtype=None, layer_spec: LayerSpec | None = None,
                   load_weights: bool = True, saved_placements: dict | None = None,

@@ -92,6 +92,8 @@ import torch
 
 from megamoe.models.config import GPTMoEConfig
 from megamoe.models.stage_parameters import ParamTensor, model_parameter_counts, stage_parameters, vocab_rows_per_rank
+from megamoe.moe.token_dispatcher import dispatcher_class
+from megamoe.parallel_plan import default_etp
 from megamoe.pipeline.partition import partition_layers
 from megamoe.transformer.mla import MLAConfig
 
@@ -257,7 +259,8 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
     H, E, k = moe.hidden_size, moe.num_experts, moe.router.top_k
     F_l = moe.ffn_hidden_size // etp
     gated = 2 if moe.activation in ("swiglu", "swiglu_clamped") else 1
-    if moe.dispatcher == "allgather":
+    dispatcher = dispatcher_class(moe.dispatcher)
+    if not dispatcher.exchanges_tokens:      # every rank of the reduce group sees the gathered tokens
         N = T * k * (etp if moe.input_sharded else 1) / (1 if moe.input_sharded else ep)
         n_send = n_recv = float(T)
     else:
@@ -269,14 +272,14 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
     # activation and output; the permutation (the pair index) spans the received tokens' k pairs each
     pairs = 8 * N + 4 * N + 2 * e * N * H + e * N * gated * F_l + (0 if recompute_act else e * N * F_l)
     pairs += 8 * k * n_recv
-    if moe.dispatcher == "alltoall" and ep > 1:
+    if dispatcher.exchanges_tokens and ep > 1:
         # the send index (held by the gather of the sent tokens and the combine's index_add), the pair
         # mask, and the tokens returned by the second exchange (the index_add saves them)
         pairs += 8 * n_send + k * n_send + e * n_send * H
     shared = 0
     if moe.shared_experts is not None:
         se = moe.shared_experts
-        n = ep * etp if moe.dispatcher == "allgather" else etp
+        n = dispatcher.reduce_group_size(ep, etp)
         fs = se.ffn_hidden_size // n
         shared = (4 if se.activation == "swiglu" else 2) * e * T * fs + (4 * T if se.gate else 0)
         if e != 4:
@@ -349,9 +352,7 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
         raise ValueError(f"estimate_memory: zero_stage must be 1 or 2, got {zero_stage!r}")
     if zero_stage == 2 and not distributed_optimizer:
         raise ValueError("estimate_memory: zero_stage=2 requires distributed_optimizer=True")
-    dispatcher = config.moe.dispatcher if config.moe is not None else None
-    if etp is None:
-        etp = tp if dispatcher == "alltoall" else 1
+    etp = default_etp(tp, config.moe.dispatcher if config.moe is not None else None, etp)
     if (tp * cp * dp) % (ep * etp):
         raise ValueError(f"estimate_memory: ep * etp ({ep} * {etp}) must divide tp * cp * dp ({tp * cp * dp})")
     edp = tp * cp * dp // (ep * etp)

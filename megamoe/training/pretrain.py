@@ -44,8 +44,8 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.errors import UsageError
 from megamoe.machine_memory import format_bytes
 from megamoe.models import GPTMoEModel
-from megamoe.models.gpt_moe import default_etp
 from megamoe.moe.placement.eplb_arguments import eplb_config_from_args
+from megamoe.parallel_plan import default_etp
 from megamoe.pipeline import describe_pipeline_schedule
 from megamoe.process_group import default_autocast, init_distributed, launch_world_size, resolve_device
 from megamoe.tensor_parallel import initialize_parameters

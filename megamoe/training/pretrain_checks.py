@@ -24,11 +24,13 @@ from megamoe.data.tokenizer import Tokenizer
 from megamoe.errors import UsageError
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig
-from megamoe.models.gpt_moe import check_moe_layout_on_grid, default_etp
+from megamoe.models.gpt_moe import check_moe_layout_on_grid
 from megamoe.moe.placement.eplb_arguments import eplb_config_from_args
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 from megamoe.moe.shared_experts import SharedExpertsConfig
+from megamoe.moe.token_dispatcher import dispatcher_class
+from megamoe.parallel_plan import default_etp
 from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
 from megamoe.training.checkpoint import HFProvenance, list_checkpoints, resolve_resume_checkpoint
 from megamoe.training.hf_export import provenance_for_export
@@ -253,7 +255,7 @@ def check_arguments(args, world_size: int, device: torch.device = torch.device("
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
         raise UsageError(f"--sequence-parallel: --seq-len {args.seq_len} / --cp {args.cp} must be divisible by --tp "
                          f"{args.tp}")
-    if args.moe_shared_expert_overlap and args.dispatcher != "alltoall":
+    if args.moe_shared_expert_overlap and not dispatcher_class(args.dispatcher).overlaps_shared_experts:
         raise UsageError("--moe-shared-expert-overlap overlaps the shared experts with the dispatch all-to-all: it "
                          f"needs --dispatcher alltoall, got --dispatcher {args.dispatcher}")
     source = model_source(args)

@@ -97,9 +97,9 @@ from megamoe.data.packing import MicroBatch, micro_batches_on
 from megamoe.gradients import gradients
 from megamoe.host_values import host_floats
 from megamoe.models.config import GPTMoEConfig
-from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.models.sequence_parallel import counts_own_tokens, stage_hidden_shape
 from megamoe.moe.placement.eplb import EPLBConfig, EPLBReport, ExpertRebalancer
+from megamoe.parallel_plan import moe_layout_of
 from megamoe.pipeline.schedule import forward_backward
 from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.precision import upcast
@@ -274,7 +274,8 @@ class Trainer:
         self.model, self.state, self.config, self.world_group = model, state, config, world_group
         self.peak_tflops = peak_tflops
         self._log_balancing()
-        replicas = expert_token_replicas(model.config, state)
+        moe_layout = moe_layout_of(model, state)         # the layout plan's rules (megamoe.parallel_plan)
+        replicas = 1 if moe_layout is None else moe_layout.expert_token_replicas
         if optimizer is not None and config.distributed_optimizer:
             raise ValueError("Trainer(optimizer=...) with TrainConfig.distributed_optimizer=True: the distributed "
                              "optimizer is built by the Trainer; pass one or the other")
