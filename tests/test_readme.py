@@ -2,7 +2,7 @@
 
 - every fenced ``bash`` command is checked against the parsers: its program (and subcommand) exists and
   every ``--flag`` it passes is one that parser defines (``megamoe train``'s ``--section.key`` overrides
-  included); a cheap one (``--print-config``) is also run;
+  included); the cheap ones (``--print-config``, the README's conversion lines) are also run;
 - every fenced ``python`` block runs, here or in the test named in ``PYTHON_BLOCKS_RUN_ELSEWHERE``;
 - every relative link resolves, to a file and (with ``#anchor``) to one of its headings;
 - every flag of ``megamoe train`` is documented in docs/training.md.
@@ -258,6 +258,27 @@ def test_print_config_commands_run_and_print_toml_that_config_reads(tmp_path, mo
         (tmp_path / "run.toml").write_text(printed)
         assert main(["train", "--config", str(tmp_path / "run.toml"), "--print-config"]) == 0
         assert capsys.readouterr().out == printed
+
+
+def test_readme_convert_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """The README's conversion lines, run in order (in process) on a tiny random Qwen3-MoE at their HF path."""
+    import transformers
+    from megamoe.cli.main import main
+    config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
+                                         num_experts=8, num_experts_per_tok=2)
+    monkeypatch.chdir(tmp_path)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained("path/to/qwen3_moe")
+    section = README[README.index("## Converting checkpoints"):README.index("## Generating text")]
+    commands = [command for _, code in _fenced(section, "bash") for command in _commands(code)]
+    assert [command[:3] for command in commands] == [["megamoe", "convert", "import-hf"], ["megamoe", "inspect", "ckpt"],
+                                                     ["megamoe", "convert", "reshard"], ["megamoe", "convert", "export-hf"]]
+    for command in commands:
+        assert main(command[1:]) == 0, command
+    assert "12 slots over EP 2" in capsys.readouterr().out
+    got = transformers.AutoModelForCausalLM.from_pretrained("path/to/hf_out").state_dict()
+    want = transformers.AutoModelForCausalLM.from_pretrained("path/to/qwen3_moe").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)    # bit for bit
 
 
 # --- python blocks ---------------------------------------------------------------------------------------------
