@@ -321,6 +321,8 @@ def test_every_python_block_is_run():
     here = {"docs/parallelism.md": {"## parallel_state: explicit groups from a rank grid"},
             "docs/design.md": {"## Communication: `megamoe.comms`", "## Tensor-parallel layers"},
             "docs/moe.md": {"# Mixture of experts: experts vs expert slots"}}
+    located = [(page, heading) for page, heading, _ in PYTHON_BLOCKS]
+    assert len(located) == len(set(located)), "two python blocks under one heading: the tests run only the first"
     for page, heading, _ in PYTHON_BLOCKS:
         elsewhere = PYTHON_BLOCKS_RUN_ELSEWHERE.get((page, heading))
         assert heading in here.get(page, ()) or elsewhere, f"{page}: the python block under {heading!r} is not run"
