@@ -1,6 +1,6 @@
 PYTHON ?= python3
 # Installed only where the interpreter has no torch (a user's CUDA build is kept): the CPU wheel of this
-# version where pip is set up to find one (README: CPU or CUDA torch).
+# version where pip is set up to find one (README: Install).
 TORCH_PIN ?= torch==2.13.0
 # One stamp per interpreter (its sys.prefix, hashed): a second virtualenv gets its own install.
 STAMP := .deps-installed-$(shell $(PYTHON) -c \

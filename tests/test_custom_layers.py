@@ -1,4 +1,4 @@
-"""examples/custom_layers.py (the README's subclassing example): a parameter declared with
+"""examples/custom_layers.py (docs/design.md's subclassing example): a parameter declared with
 shard_parameter is checkpointed as one logical tensor, so the gated MLP trained at TP 2 reloads at TP 1
 with the same loss, and trains on the single-process loss and gradient-norm curve."""
 

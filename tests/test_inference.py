@@ -532,9 +532,9 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     saved = read_manifest(tmp_path / "balanced")["expert_placement"]
     assert saved == {str(i): ExpertPlacement.balanced(n, 12, 2).to_dict() for i, n in load.items()}
 
-    # The README's Generation example runs as written, on this checkpoint.
-    readme = open(os.path.join(REPO, "README.md")).read()
-    example = re.search(r"```python\n(.*?)```", readme[readme.index("## Generation"):], re.S).group(1)
+    # The Generation example of docs/generation.md runs as written, on this checkpoint.
+    page = open(os.path.join(REPO, "docs/generation.md")).read()
+    example = re.search(r"```python\n(.*?)```", page[page.index("# Generation"):], re.S).group(1)
     monkeypatch.chdir(tmp_path)
     namespace = {}
     exec(example.replace('"path/to/checkpoint"', repr(str(checkpoint))), namespace)

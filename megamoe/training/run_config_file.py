@@ -63,14 +63,16 @@ def _toml_value(value) -> str:
 
 def render_run_config(values) -> str:
     """The TOML text of ``values`` (a namespace or dict holding the fields of :data:`SECTIONS`): one table per
-    section, every field; a field that is not set (None, which TOML cannot write) as a comment."""
+    section, every field; a field that is not set (None, which TOML cannot write, or an empty list, which
+    ``--config`` refuses as a key to leave out) as a comment."""
     values = values if isinstance(values, dict) else vars(values)
     lines = ["# megamoe train: the effective run config (megamoe train --config FILE reads it back)"]
     for section, fields in SECTIONS.items():
         lines.append(f"\n[{section}]")
         for field in fields:
             value = values.get(field)
-            lines.append(f"# {field}: not set" if value is None else f"{field} = {_toml_value(value)}")
+            unset = value is None or (isinstance(value, (list, tuple)) and not value)
+            lines.append(f"# {field}: not set" if unset else f"{field} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 
