@@ -136,10 +136,9 @@ def _check_train(args: list[str], where: str) -> None:
 
 
 def _check_megamoe(args: list[str], where: str) -> None:
-    from checkpoint_tools import cli as convert_cli
-    from megamoe.cli import generate
+    from megamoe.cli import convert as convert_cli
+    from megamoe.cli import generate, preprocess
     from megamoe.cli.main import SUBCOMMANDS
-    from megamoe.data import preprocess
     name, rest = args[0], args[1:]
     assert name in SUBCOMMANDS, f"{where}: megamoe has no subcommand {name!r}"
     if name == "train":
@@ -156,7 +155,7 @@ def _check_megamoe(args: list[str], where: str) -> None:
 
 
 EXAMPLES = {"examples/pretrain_moe.py": ["train"], "examples/generate.py": ["generate"]}
-MODULES = {"megamoe": [], "checkpoint_tools": ["convert"], "megamoe.data.preprocess": ["preprocess"]}
+MODULES = {"megamoe": [], "megamoe.cli.preprocess": ["preprocess"]}
 
 
 def _check_python(args: list[str], where: str) -> None:
