@@ -36,9 +36,10 @@ def test_the_shell_script_runs_python3_on_the_cuda_modules_only_and_every_step(t
     assert run.returncode == 1, run
     table, tests = calls.read_text().splitlines()
     assert table == "scripts/gpu_smoke.py --device cuda --steps 3"
-    marked = sorted(p.name for p in (SCRIPTS.parent / "tests").glob("test_*.py") if "mark.cuda" in p.read_text())
+    marked = sorted(str(p.relative_to(SCRIPTS.parent)) for p in (SCRIPTS.parent / "tests").glob("*/test_*.py")
+                    if "mark.cuda" in p.read_text())
     assert tests.startswith("-m pytest -q -m cuda -k not gpu_smoke tests/"), tests
-    assert sorted(os.path.basename(m) for m in tests.split()[8:]) == marked
+    assert sorted(tests.split()[8:]) == marked
 
 
 def test_one_failing_check_is_a_fail_row_and_the_others_still_run(monkeypatch, capsys, gpu_smoke):
