@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config, items):
     # `make test-gpu` runs the multi-rank tests over NCCL: those under tests/multirank/ (the modules that spawn ranks).
     multirank = REPO / "tests" / "multirank"
     for item in items:
-        if multirank in Path(item.fspath).parents:
+        if multirank in item.path.parents:
             item.add_marker(pytest.mark.multirank)
     if torch.cuda.is_available():
         return

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_checkpoint_format.py and tests/multirank/test_checkpoint_format.py: the builders and constants of the checkpoint format tests."""
+"""Shared by tests/unit/test_checkpoint_format.py and tests/multirank/test_checkpoint_format.py: the builders and
+constants of the checkpoint format tests."""
 
 import glob
 

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_checkpoint_integrity.py and tests/multirank/test_checkpoint_integrity.py: the builders and constants of the checkpoint integrity tests."""
+"""Shared by tests/unit/test_checkpoint_integrity.py and tests/multirank/test_checkpoint_integrity.py: the builders
+and constants of the checkpoint integrity tests."""
 
 import os
 import shutil

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_context_parallel.py and tests/multirank/test_context_parallel.py: the builders and constants of the context parallel tests."""
+"""Shared by tests/unit/test_context_parallel.py and tests/multirank/test_context_parallel.py: the builders and
+constants of the context parallel tests."""
 
 
 from megamoe.models import GPTMoEConfig

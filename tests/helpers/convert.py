@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_convert.py and tests/multirank/test_convert.py (and other tests): the builders and constants of the convert tests."""
+"""Shared by tests/unit/test_convert.py and tests/multirank/test_convert.py (and other tests): the builders and
+constants of the convert tests."""
 
 import glob
 import json

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_distributed_optimizer.py and tests/multirank/test_distributed_optimizer.py: the builders and constants of the distributed optimizer tests."""
+"""Shared by tests/unit/test_distributed_optimizer.py and tests/multirank/test_distributed_optimizer.py: the
+builders and constants of the distributed optimizer tests."""
 
 
 import torch

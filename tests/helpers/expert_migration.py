@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_expert_migration.py and tests/multirank/test_expert_migration.py: the builders and constants of the expert migration tests."""
+"""Shared by tests/unit/test_expert_migration.py and tests/multirank/test_expert_migration.py: the builders and
+constants of the expert migration tests."""
 
 
 from megamoe.moe.moe_layer import MoEConfig

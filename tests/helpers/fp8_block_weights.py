@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_fp8_block_weights.py and tests/multirank/test_fp8_block_weights.py: the builders and constants of the fp8 block weights tests."""
+"""Shared by tests/unit/test_fp8_block_weights.py and tests/multirank/test_fp8_block_weights.py: the builders and
+constants of the fp8 block weights tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_generate_script.py and tests/multirank/test_generate_script.py: the builders and constants of the generate script tests."""
+"""Shared by tests/unit/test_generate_script.py and tests/multirank/test_generate_script.py: the builders and
+constants of the generate script tests."""
 
 import os
 import re

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_hf_families.py and tests/multirank/test_hf_families.py (and other tests): the builders and constants of the hf families tests."""
+"""Shared by tests/unit/test_hf_families.py and tests/multirank/test_hf_families.py (and other tests): the builders
+and constants of the hf families tests."""
 
 import functools
 

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_hf_start.py and tests/multirank/test_hf_start.py (and other tests): the builders and constants of the hf start tests."""
+"""Shared by tests/unit/test_hf_start.py and tests/multirank/test_hf_start.py (and other tests): the builders and
+constants of the hf start tests."""
 
 import functools
 import json

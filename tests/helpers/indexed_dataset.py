@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_indexed_dataset.py (and other tests): the builders and constants of the indexed dataset tests."""
+"""Shared by tests/unit/test_indexed_dataset.py (and other tests): the builders and constants of the indexed dataset
+tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_inference.py and tests/multirank/test_inference.py: the builders and constants of the inference tests."""
+"""Shared by tests/unit/test_inference.py and tests/multirank/test_inference.py: the builders and constants of the
+inference tests."""
 
 import dataclasses
 import os

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_interleaved_pipeline.py and tests/multirank/test_interleaved_pipeline.py (and other tests): the builders and constants of the interleaved pipeline tests."""
+"""Shared by tests/unit/test_interleaved_pipeline.py and tests/multirank/test_interleaved_pipeline.py (and other
+tests): the builders and constants of the interleaved pipeline tests."""
 
 from __future__ import annotations
 

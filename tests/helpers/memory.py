@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_memory.py and tests/multirank/test_memory.py: the builders and constants of the memory tests."""
+"""Shared by tests/unit/test_memory.py and tests/multirank/test_memory.py: the builders and constants of the memory
+tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_model_hooks.py and tests/multirank/test_model_hooks.py: the builders and constants of the model hooks tests."""
+"""Shared by tests/unit/test_model_hooks.py and tests/multirank/test_model_hooks.py: the builders and constants of
+the model hooks tests."""
 
 
 import torch

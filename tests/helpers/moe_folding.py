@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_moe_folding.py and tests/multirank/test_moe_folding.py: the builders and constants of the moe folding tests."""
+"""Shared by tests/unit/test_moe_folding.py and tests/multirank/test_moe_folding.py: the builders and constants of
+the moe folding tests."""
 
 
 

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_moe_layer.py and tests/multirank/test_moe_layer.py: the builders and constants of the moe layer tests."""
+"""Shared by tests/unit/test_moe_layer.py and tests/multirank/test_moe_layer.py: the builders and constants of the
+moe layer tests."""
 
 import torch
 import torch.distributed as dist

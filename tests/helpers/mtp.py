@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_mtp.py and tests/multirank/test_mtp.py (and other tests): the builders and constants of the mtp tests."""
+"""Shared by tests/unit/test_mtp.py and tests/multirank/test_mtp.py (and other tests): the builders and constants of
+the mtp tests."""
 
 import json
 import os

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_nonfinite.py and tests/multirank/test_nonfinite.py: the builders and constants of the nonfinite tests."""
+"""Shared by tests/unit/test_nonfinite.py and tests/multirank/test_nonfinite.py: the builders and constants of the
+nonfinite tests."""
 
 
 import torch

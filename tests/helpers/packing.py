@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_packing.py and tests/multirank/test_packing.py: the builders and constants of the packing tests."""
+"""Shared by tests/unit/test_packing.py and tests/multirank/test_packing.py: the builders and constants of the
+packing tests."""
 
 
 import torch

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_pipeline.py and tests/multirank/test_pipeline.py: the builders and constants of the pipeline tests."""
+"""Shared by tests/unit/test_pipeline.py and tests/multirank/test_pipeline.py: the builders and constants of the
+pipeline tests."""
 
 import weakref
 

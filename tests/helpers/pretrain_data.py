@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_pretrain_data.py (and other tests): the builders and constants of the pretrain data tests."""
+"""Shared by tests/unit/test_pretrain_data.py (and other tests): the builders and constants of the pretrain data
+tests."""
 
 import json
 

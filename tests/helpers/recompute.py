@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_recompute.py and tests/multirank/test_recompute.py: the builders and constants of the recompute tests."""
+"""Shared by tests/unit/test_recompute.py and tests/multirank/test_recompute.py: the builders and constants of the
+recompute tests."""
 
 
 import torch

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_sequence_parallel.py and tests/multirank/test_sequence_parallel.py: the builders and constants of the sequence parallel tests."""
+"""Shared by tests/unit/test_sequence_parallel.py and tests/multirank/test_sequence_parallel.py: the builders and
+constants of the sequence parallel tests."""
 
 
 import torch

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_step_metrics.py and tests/multirank/test_step_metrics.py: the builders and constants of the step metrics tests."""
+"""Shared by tests/unit/test_step_metrics.py and tests/multirank/test_step_metrics.py: the builders and constants of
+the step metrics tests."""
 
 import torch
 

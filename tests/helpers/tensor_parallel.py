@@ -1,10 +1,12 @@
-"""Shared by tests/unit/test_tensor_parallel.py and tests/multirank/test_tensor_parallel.py: the builders and constants of the tensor parallel tests."""
+"""Shared by tests/unit/test_tensor_parallel.py and tests/multirank/test_tensor_parallel.py: the builders and
+constants of the tensor parallel tests."""
 
 import torch
 import torch.nn.functional as F
 
 from megamoe import comms
-from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
+from megamoe.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                     allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy)
 
 S, B, H, F_OUT, V = 8, 3, 16, 24, 32
 ATOL = 1e-5

@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root: tests.helpers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
 from tests.helpers.training import tiny_config  # noqa: E402
 
 from megamoe.launch import init_distributed, run_script  # noqa: E402

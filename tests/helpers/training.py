@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_training.py and tests/multirank/test_training.py (and other tests): the builders and constants of the training tests."""
+"""Shared by tests/unit/test_training.py and tests/multirank/test_training.py (and other tests): the builders and
+constants of the training tests."""
 
 import torch
 

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_training_checkpoint.py and tests/multirank/test_training_checkpoint.py: the builders and constants of the training checkpoint tests."""
+"""Shared by tests/unit/test_training_checkpoint.py and tests/multirank/test_training_checkpoint.py: the builders
+and constants of the training checkpoint tests."""
 
 
 

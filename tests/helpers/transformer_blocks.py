@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_transformer_blocks.py and tests/multirank/test_transformer_blocks.py: the builders and constants of the transformer blocks tests."""
+"""Shared by tests/unit/test_transformer_blocks.py and tests/multirank/test_transformer_blocks.py: the builders and
+constants of the transformer blocks tests."""
 
 import functools
 from types import SimpleNamespace

@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_vocab_padding.py and tests/multirank/test_vocab_padding.py: the builders and constants of the vocab padding tests."""
+"""Shared by tests/unit/test_vocab_padding.py and tests/multirank/test_vocab_padding.py: the builders and constants
+of the vocab padding tests."""
 
 
 import torch

@@ -1,6 +1,9 @@
 """The checkpoint format: bitwise round trips (parameters, buffers, AdamW state, rank state), resharding
 TP=4 / TP=2 x DP=2 -> TP=2 / TP=1 / TP=4 on 4 ranks, expert replicas written once and loaded into every
-slot, lazy slice reads, crash-safe saves and clear errors for corrupt or mismatched checkpoints."""
+slot, lazy slice reads, crash-safe saves and clear errors for corrupt or mismatched checkpoints.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in
+tests/unit/test_checkpoint_format.py."""
 
 import os
 
@@ -9,10 +12,13 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state, read_manifest, save_checkpoint
+from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load_checkpoint, load_rank_state,
+                                     read_manifest, save_checkpoint)
 from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.testing import run_on_ranks
-from tests.helpers.checkpoint_format import EXPERT_SHAPE, WithExperts, _all_chunks, _assert_reference, _failing_save_file, _leftovers, _logical, _model_and_optimizer, _set_reference
+from tests.helpers.checkpoint_format import (EXPERT_SHAPE, WithExperts, _all_chunks, _assert_reference,
+                                             _failing_save_file, _leftovers, _logical, _model_and_optimizer,
+                                             _set_reference)
 
 
 # ----------------------------------------------------------------------------------------------

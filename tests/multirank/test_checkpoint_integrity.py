@@ -1,6 +1,9 @@
 """Damaged checkpoints are refused by every load path (a flipped data byte, a truncated file), a file is
 hashed once per process and once over ranks loading together, the opt-out lets damage through, names
-taken from manifests and HF indexes stay inside their directory, and inspect reports NaN/Inf."""
+taken from manifests and HF indexes stay inside their directory, and inspect reports NaN/Inf.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in
+tests/unit/test_checkpoint_integrity.py."""
 
 import re
 import shutil

@@ -1,6 +1,8 @@
 """The torchrun entry points: the pretraining demo learns and resumes, a rerun in the same directories
 loses nothing and reuses the tokenizer and token file, user errors end in one line before any
-expensive work, and a failing rank ends a job promptly with its own error."""
+expensive work, and a failing rank ends a job promptly with its own error.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_demo.py."""
 
 import os
 import re

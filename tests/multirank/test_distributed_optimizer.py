@@ -18,7 +18,8 @@ from megamoe.moe.eplb import EPLBConfig
 from megamoe.testing import run_on_ranks
 from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.trainer import Trainer
-from tests.helpers.distributed_optimizer import CLIP, REL_TOL, SAVE_AT, STEPS, _close, _single_process_trainer, build_model, train, train_config
+from tests.helpers.distributed_optimizer import (CLIP, REL_TOL, SAVE_AT, STEPS, _close, _single_process_trainer,
+                                                 build_model, train, train_config)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NORM_REL_TOL = 1e-6     # the first step's gradient norm: same parameters, sharded vs plain sum of squares

@@ -3,7 +3,9 @@ emulation (error vs fp32 with a derived bound, padding invariance, gradients, a 
 configuration errors; the TE path against a stand-in for TE (the slot group's amax reduction, joined by a rank
 without rows too); the kernel probes' fallbacks (a TE that does not load, torch._grouped_mm, block-FP8
 torch._scaled_mm); ETP and expert-DP layouts against one rank (amax reduction); GPU paths (TE,
-torch._scaled_grouped_mm) against the emulation on a GPU."""
+torch._scaled_grouped_mm) against the emulation on a GPU.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_fp8.py."""
 
 from dataclasses import replace
 

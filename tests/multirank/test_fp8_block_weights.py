@@ -8,7 +8,10 @@ whose edges leave partial blocks (hidden 32, FFN 16, q_lora 12, ... against bloc
 The oracle of the ``block`` recipe is transformers itself, given the dequantized weights, with each routed
 expert's two GEMM inputs quantized per 1 x 12 tile by this file's own plain-torch quantizer: what DeepSeek's
 inference computes. Dense linears are dequantized at run time (no activation quantization), as there.
-"""
+
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in
+tests/unit/test_fp8_block_weights.py."""
 
 from __future__ import annotations
 

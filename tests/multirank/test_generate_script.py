@@ -9,7 +9,9 @@ tokens/s leave the compile time out; --help shows every default.
 
 The user-error cases run the script's ``__main__`` in this process (runpy): they fail before any
 weight is read. Cases that need two ranks go through torchrun (slow).
-"""
+
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_generate_script.py."""
 
 import json
 import os

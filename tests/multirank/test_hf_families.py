@@ -1,7 +1,9 @@
 """HF families end to end (fp32): config_from_hf + the checkpoint adapters + load_logical_state give a
 GPTMoEModel whose logits equal transformers' for tiny random models of every family, single process and
 under several parallel layouts; the adapters round-trip both HF forms bitwise and reject bad input.
-"""
+
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_hf_families.py."""
 
 import dataclasses
 

@@ -1,6 +1,8 @@
 """GPTMoEModel's construction hooks (LayerSpec) and the Trainer's model protocol: a MoELayer subclass with
 its own router is built into the model, trained, checkpointed and resumed (2 ranks, EP 2); custom
-attention and MLP classes are used; a model missing part of the protocol is refused by name."""
+attention and MLP classes are used; a model missing part of the protocol is refused by name.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_model_hooks.py."""
 
 
 import pytest

@@ -1,7 +1,9 @@
 """MoELayer under every EP x ETP layout, slot count, dispatcher and CPU backend against the
 single-rank layer without replicas: outputs, input / router / shared-expert gradients, and expert
 gradients summed over each expert's replicas. Plus the collectives each paradigm issues, and its host
-reads: one per layer forward, none in backward."""
+reads: one per layer forward, none in backward.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_moe_layer.py."""
 
 import pytest
 import torch

@@ -1,7 +1,9 @@
 """DeepSeek-V3 multi-token prediction (megamoe.models.mtp): HF checkpoints with MTP layers (built here: transformers
 saves none) import and export bit-exact under tp2 / pp2 / ep2, the main logits stay transformers', the MTP forward,
 loss and gradients equal a plain-torch reference of the formula, and a training step under tp2 / pp2 / ep2 equals
-one process."""
+one process.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_mtp.py."""
 
 import math
 

@@ -1,6 +1,8 @@
 """Non-finite steps are skipped on every rank, leave the model untouched and name what went non-finite;
 too many in a row stop the run; fp16 dynamic loss scaling backs off and grows, trains like fp32, and is
-saved in training checkpoints with the skip counters."""
+saved in training checkpoints with the skip counters.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_nonfinite.py."""
 
 import logging
 

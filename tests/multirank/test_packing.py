@@ -1,7 +1,9 @@
 """Packed documents (megamoe.data.packing): reset position ids and document ids match a token-by-token
 reading of Megatron's rules; with both resets, a packed row gives every document the logits, token
 losses and gradients it gets run alone (GQA with and without a sliding window, MLA; one process, TP 2
-and PP 2); each reset alone behaves as documented; unpacked forwards keep the ``is_causal`` kernel."""
+and PP 2); each reset alone behaves as documented; unpacked forwards keep the ``is_causal`` kernel.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_packing.py."""
 
 
 import pytest
@@ -12,7 +14,8 @@ from megamoe.data.packing import MicroBatch, PackingConfig, packed_micro_batch
 from megamoe.testing import run_on_ranks
 from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
-from tests.helpers.packing import DOC_LENGTHS, EOS, TOL, build_model, documents, model_config, one_by_one_logits, packed_tokens
+from tests.helpers.packing import (DOC_LENGTHS, EOS, TOL, build_model, documents, model_config, one_by_one_logits,
+                                   packed_tokens)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""Rank grid (pure, property-tested) and process-group construction (4 spawned gloo ranks)."""
+"""Rank grid (pure, property-tested) and process-group construction (4 spawned gloo ranks).
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_parallel_state.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megamoe.testing import run_on_ranks
-from parallel_state import GROUP_KINDS, compute_rank_groups, destroy_model_parallel, get_parallel_state, initialize_model_parallel
+from parallel_state import (GROUP_KINDS, compute_rank_groups, destroy_model_parallel, get_parallel_state,
+                            initialize_model_parallel)
 
 
 def _check_layouts(rank, world_size, layouts_to_check):

@@ -5,7 +5,9 @@ MoE load-balancing loss) is split over PP=2 and PP=4 stages, evenly and with cus
 give the same per-micro-batch losses and parameter gradients as one process running it whole. The
 communication counter pins the exact number of sends/receives, and weak references to the stage
 outputs pin 1F1B's memory bound (micro-batches alive at once).
-"""
+
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_pipeline.py."""
 
 
 import pytest
@@ -16,7 +18,8 @@ from megamoe import comms
 from megamoe.pipeline import forward_backward, forward_backward_1f1b, partition_layers
 from megamoe.testing import run_on_ranks
 from parallel_state import destroy_model_parallel, initialize_model_parallel
-from tests.helpers.pipeline import HIDDEN, MICRO_BATCH, NUM_LAYERS, SEQ, SHAPE, _StageStep, _check_grads, _close, _layers, _reference
+from tests.helpers.pipeline import (HIDDEN, MICRO_BATCH, NUM_LAYERS, SEQ, SHAPE, _StageStep, _check_grads, _close,
+                                    _layers, _reference)
 
 
 # ----------------------------------------------------------------------------------------------

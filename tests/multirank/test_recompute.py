@@ -2,7 +2,9 @@
 ``none`` bit for bit (GQA and MLA models with a dense layer, MoE layers and shared experts; the loop and FP8
 emulated expert backends too), records expert loads, aux-loss metrics and FP8 amax histories once, keeps
 fewer activations for backward (measured with saved-tensor hooks), leaves generation alone, and re-issues
-the MoE dispatcher's collectives in backward exactly once (2 ranks, EP 2, counted)."""
+the MoE dispatcher's collectives in backward exactly once (2 ranks, EP 2, counted).
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_recompute.py."""
 
 
 import pytest

@@ -1,5 +1,7 @@
 """Every TP layer against an unsharded torch reference, forward and backward, TP in {1, 2, 4},
-with and without sequence parallelism; communication counted for a column -> row MLP."""
+with and without sequence parallelism; communication counted for a column -> row MLP.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_tensor_parallel.py."""
 
 import pytest
 import torch.distributed as dist

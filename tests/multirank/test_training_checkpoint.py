@@ -1,6 +1,9 @@
 """Training checkpoints: a resumed run continues bitwise (in process, after SIGKILL, after a death in the
 middle of a save), optimizer state follows experts into replica slots, step-numbered directories, and a
-checkpoint saved under one layout resumes under others on the single-process loss curve."""
+checkpoint saved under one layout resumes under others on the single-process loss curve.
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in
+tests/unit/test_training_checkpoint.py."""
 
 import glob
 import json
@@ -16,7 +19,8 @@ import torch.distributed as dist
 from checkpoint_tools.format import CheckpointError, read_manifest
 from tests.helpers.checkpointed_training import DIED_IN_SAVE, build_sampler, build_trainer, dataset, train_steps
 from megamoe.testing import run_on_ranks
-from megamoe.training.checkpoint import checkpoint_path, latest_checkpoint, list_checkpoints, load_training_checkpoint, save_training_checkpoint
+from megamoe.training.checkpoint import (checkpoint_path, latest_checkpoint, list_checkpoints,
+                                         load_training_checkpoint, save_training_checkpoint)
 
 from tests.helpers.training import E
 from tests.helpers.training_checkpoint import _assert_close, _single

@@ -6,7 +6,10 @@ Then every block under TP=2 and TP=4 (replicated KV heads) against the single-ra
 
 The HF-config -> block-config mapping of each family (``attention_config`` / ``mla_config`` /
 ``mlp_config``) is :mod:`megamoe.models.families`'s.
-"""
+
+
+The cases that spawn ranks or run scripts end to end; the in-process ones are in
+tests/unit/test_transformer_blocks.py."""
 
 import dataclasses
 

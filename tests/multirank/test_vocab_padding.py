@@ -26,7 +26,8 @@ from megamoe.models.gpt_moe import expert_token_replicas
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.testing import run_on_ranks
 from megamoe.training.grad_sync import GradientSync
-from tests.helpers.vocab_padding import B, H, REL_TOL, S, _generated, _grad_chunks, _padding_grads_are_zero, _rel, batch, config, reference
+from tests.helpers.vocab_padding import (B, H, REL_TOL, S, _generated, _grad_chunks, _padding_grads_are_zero, _rel,
+                                         batch, config, reference)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ATOL = 1e-4             # against transformers

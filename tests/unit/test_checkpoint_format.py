@@ -20,7 +20,9 @@ from checkpoint_tools.format import (CheckpointError, iter_logical_tensors, load
 from checkpoint_tools.manifest_digest import DIGEST_FIELD, seal
 from megamoe.checkpoint_state import (LogicalChunk, chunks_by_parameter, materialize_optimizer_state,
                                       optimizer_chunks, sharded_state_dict)
-from tests.helpers.checkpoint_format import EXPERT_SHAPE, H, OPTIM_STEP, TinyModel, WithExperts, _all_chunks, _assert_reference, _failing_save_file, _leftovers, _logical, _model_and_optimizer, _set_reference
+from tests.helpers.checkpoint_format import (EXPERT_SHAPE, H, OPTIM_STEP, TinyModel, WithExperts, _all_chunks,
+                                             _assert_reference, _failing_save_file, _leftovers, _logical,
+                                             _model_and_optimizer, _set_reference)
 
 
 def _region(full, chunk):

@@ -11,7 +11,10 @@ expert) within fp32 tolerance, that every token is routed once and the bytes the
 the 10-step training loss curve (rel <= 1e-5), the expert loads and the held-out loss of each layout
 (but the plain and packed (cp 2, dp 2) ones, whose layout the *_ep2 curves share, and the folding, SP
 all-to-all and recomputation ones) and of (cp 2, pp 2), MLA (cp 2, ep 2) with the distributed optimizer (ZeRO-2); the
-refusal of generation and of a sequence 2 cp does not divide. Fast tests: the chunk index and bad sequence lengths."""
+refusal of generation and of a sequence 2 cp does not divide. Fast tests: the chunk index and bad sequence lengths.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in
+tests/multirank/test_context_parallel.py."""
 
 import pytest
 import torch

@@ -1,6 +1,8 @@
 """examples/custom_layers.py (the README's subclassing example): a parameter declared with
 shard_parameter is checkpointed as one logical tensor, so the gated MLP trained at TP 2 reloads at TP 1
-with the same loss, and trains on the single-process loss and gradient-norm curve."""
+with the same loss, and trains on the single-process loss and gradient-norm curve.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_custom_layers.py."""
 
 
 import pytest

@@ -4,7 +4,10 @@ table below, expert rebalancing included; the optimizer state per rank at most 1
 a reduce-scatter plus an all-gather where the plain path had an all-reduce, moving the same bytes; replica
 slots kept identical; odd sizes padded; checkpoints that resume across optimizers and DP sizes (through
 ``reshard`` too); bf16 parameters with fp32 master weights; the config errors. One 4-rank spawn for all the
-multi-rank checks."""
+multi-rank checks.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in
+tests/multirank/test_distributed_optimizer.py."""
 
 import math
 
@@ -14,7 +17,8 @@ from torch import nn
 
 from megamoe.training.distributed_optimizer import DistributedOptimizer
 from megamoe.training.trainer import TrainConfig, Trainer
-from tests.helpers.distributed_optimizer import MICRO_BATCH, REL_TOL, _close, _single_process_trainer, build_model, global_batch, train
+from tests.helpers.distributed_optimizer import (MICRO_BATCH, REL_TOL, _close, _single_process_trainer, build_model,
+                                                 global_batch, train)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FP16_REL_TOL = torch.finfo(torch.float16).eps   # 2^-10: fp16 autocast steps after the first update

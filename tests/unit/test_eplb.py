@@ -3,7 +3,9 @@ model computes, so training with rebalancing every 3 steps gives the loss curve 
 greedy generation with rebalancing gives the same tokens, under a router biased so that the load is skewed
 and slots really move; every rank computes the same placements (a forced mismatch raises); the next
 checkpoint holds the new placements and resumes under another layout; the config, the load window and
-the script flags are checked."""
+the script flags are checked.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_eplb.py."""
 
 import json
 from pathlib import Path

@@ -4,7 +4,10 @@ holds exactly (bitwise) the weights and Adam state of its new expert as a never-
 identically holds them, replicas included; both copies stay equal when training goes on; the bytes sent
 are the remote slots times the bytes of one slot, exactly, and an unchanged placement communicates
 nothing; a checkpoint saved after a migration holds the new placement and the same contents, and loads
-under another layout."""
+under another layout.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in
+tests/multirank/test_expert_migration.py."""
 
 import pytest
 import torch

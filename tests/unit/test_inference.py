@@ -8,7 +8,9 @@ reduce-scatters; the example script on a checkpoint converted by megamoe-convert
 --expert-load takes the load file the script records; generation refuses what it cannot do (positions
 past max_position_embeddings, stop tokens outside the vocabulary, a non-finite temperature, a negative
 seed), and the generation memory estimate equals the KV caches' and parameters' bytes.
-"""
+
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_inference.py."""
 
 import dataclasses
 import os

@@ -4,7 +4,10 @@ single-process model: first-step gradients of every parameter, the 10-step loss 
 the point-to-point traffic, and a V = 2 checkpoint resumed at pp 2 V 1 and at pp 1.
 
 The fast tests play each pipeline rank in this process over torch's fake process group (every collective a
-no-op, receive buffers left as allocated): the values are meaningless there, the order of what runs is not."""
+no-op, receive buffers left as allocated): the values are meaningless there, the order of what runs is not.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in
+tests/multirank/test_interleaved_pipeline.py."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import torch
 from megamoe import comms
 from megamoe.models import GPTMoEModel
 from megamoe.models.gpt_moe import chunk_layer_ranges
-from megamoe.pipeline import check_interleaved_layout, forward_backward, forward_backward_interleaved, forward_only, interleaved_1f1b_order, simulate_pipeline
+from megamoe.pipeline import (check_interleaved_layout, forward_backward, forward_backward_interleaved, forward_only,
+                              interleaved_1f1b_order, simulate_pipeline)
 from megamoe.pipeline.nccl_ordering import check_nccl_ordering
 from tests.helpers.p2p_recording import fake_rank, recording_p2p
 from parallel_state import ParallelState

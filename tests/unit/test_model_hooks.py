@@ -18,7 +18,8 @@ from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import MLP, Attention
 from parallel_state import ParallelState
 from tests.helpers.training import V, tiny_config
-from tests.helpers.model_hooks import OFFSET, OffsetMoELayer, OffsetRouter, _batches, _micro_batches, _offset_trainer, _tokens_per_rank
+from tests.helpers.model_hooks import (OFFSET, OffsetMoELayer, OffsetRouter, _batches, _micro_batches,
+                                       _offset_trainer, _tokens_per_rank)
 
 
 # ----------------------------------------------------------------------------------------------

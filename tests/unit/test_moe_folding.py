@@ -6,7 +6,9 @@ ep 2, dp 2) without: logits, losses (aux included) and every parameter's synchro
 each token is routed once (the expert loads sum to tokens x top_k, and the experts compute exactly
 that many pairs); a 10-step training curve equals the oracle's; calls without gradients (run
 replicated) give the same logits and greedy generation under (tp 2, etp 1, ep 4) yields the
-single-rank tokens; a training sequence tp does not divide and bad layouts are refused. One spawn of 4 ranks for all of it."""
+single-rank tokens; a training sequence tp does not divide and bad layouts are refused. One spawn of 4 ranks for all of it.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_moe_folding.py."""
 
 import dataclasses
 from types import SimpleNamespace

@@ -7,7 +7,9 @@ and the same collectives with the same bytes. The layouts of issue #17 (MoE para
 parallelism, the interleaved pipeline) with overlap on are also held to one process's losses (rel <= 1e-5). The timeline (:func:`megamoe.comms.comm_timeline`) proves the
 overlap: a gradient bucket's collective is issued before the backward produced its last gradient, and the
 shared experts' GEMMs run between the dispatch all-to-all's issue and its wait; the non-overlapped runs fail
-both checks (negative controls)."""
+both checks (negative controls).
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_overlap.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import Attention
 from megamoe.transformer import attention as attention_module
 from parallel_state import ParallelState
-from tests.helpers.packing import DOC_LENGTHS, EOS, H, TOL, build_model, documents, model_config, one_by_one_logits, packed_tokens
+from tests.helpers.packing import (DOC_LENGTHS, EOS, H, TOL, build_model, documents, model_config, one_by_one_logits,
+                                   packed_tokens)
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

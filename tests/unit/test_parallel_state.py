@@ -9,7 +9,8 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from parallel_state import GROUP_KINDS, GroupInfo, ParallelState, compute_rank_groups, destroy_model_parallel, initialize_model_parallel
+from parallel_state import (GROUP_KINDS, GroupInfo, ParallelState, compute_rank_groups, destroy_model_parallel,
+                            initialize_model_parallel)
 from parallel_state.state import _backend_needs_cpu_twin
 
 TOKENS = ("tp", "cp", "ep", "dp", "pp")

@@ -5,7 +5,10 @@ shared experts (with a gate), every balancing loss and packed documents; the com
 attention / MLP / embedding / output all-reduces replaced by reduce-scatters (same bytes) and
 all-gathers (1/tp of them); training loss curves over 10 steps match on 4 ranks for (tp 2, ep 2) and
 (pp 2 x tp 2); bad sequence lengths, generation under sequence parallelism and bad script flags are
-refused. One spawn of 4 ranks for all of it."""
+refused. One spawn of 4 ranks for all of it.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in
+tests/multirank/test_sequence_parallel.py."""
 
 import dataclasses
 

@@ -1,6 +1,8 @@
 """The Trainer's per-step throughput and MoE metrics: model TFLOP/s and MFU, each MoE layer's aux loss,
 balancedness and expert load, peak memory; and the per-layer values are the same under a 2-rank
-pipeline and expert-parallel layout as in one process."""
+pipeline and expert-parallel layout as in one process.
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_step_metrics.py."""
 
 import pytest
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megamoe.sharding import get_shard_spec
-from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear, initialize_parameters, vocab_parallel_cross_entropy
+from megamoe.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, initialize_parameters,
+                                     vocab_parallel_cross_entropy)
 from tests.helpers.tensor_parallel import check_all
 
 

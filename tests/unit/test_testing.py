@@ -1,7 +1,9 @@
 """The multi-rank harness: results come back per rank, a failing or dying rank fails the test fast
 and is named as the cause (not the rank that noticed it), and a hung rank times out instead of
 hanging CI. No assertion here depends on how busy the machine is: promptness is shown by which
-error comes back (a harness that waited for the hung rank would raise RankTimeout instead)."""
+error comes back (a harness that waited for the hung rank would raise RankTimeout instead).
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_testing.py."""
 
 
 

@@ -1,7 +1,9 @@
 """Training under different (tp, pp, dp, ep, etp) layouts reproduces the single-process loss curve,
 gradient norm and aux loss: in fp32 over a few steps, with replicated expert slots too, at pp 2 under bf16
 autocast, and in fp64
-over 30 steps at TP 2 (fp32 rounding, amplified by training, makes long fp32 curves drift)."""
+over 30 steps at TP 2 (fp32 rounding, amplified by training, makes long fp32 curves drift).
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_training.py."""
 
 import pytest
 import torch

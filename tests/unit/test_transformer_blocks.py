@@ -15,7 +15,8 @@ import torch
 from megamoe.models.families import attention_config, mla_config, mlp_config
 from megamoe.transformer import (MLP, Attention, AttentionConfig, MLAConfig, MLPConfig, MultiHeadLatentAttention,
                                  RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary)
-from tests.helpers.transformer_blocks import B, H, POSITIONS, S, YARN_V2, _close, _data, _hf, _load_full, _randomize, hf_configs
+from tests.helpers.transformer_blocks import (B, H, POSITIONS, S, YARN_V2, _close, _data, _hf, _load_full, _randomize,
+                                              hf_configs)
 
 
 def _hf_mask(window=None):

@@ -9,7 +9,9 @@ layer are padded internally, the padding is invisible. The oracle is one process
   make_vocab_size_divisible_by 4) and tp 2 + pp 2: logits, loss, every synchronised gradient, greedy and
   sampled generation equal one process; an HF qwen3_moe with vocab 67 imported under --tp 3 loads under
   tp 4 / 2 / 1 with transformers' logits, and reshards (--tp 4, then --tp 2) and exports bit-exact.
-"""
+
+
+The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_vocab_padding.py."""
 
 
 import pytest
@@ -23,7 +25,8 @@ from megamoe.sharding import ShardSpec
 from megamoe.tensor_parallel import initialize_parameters, vocab_parallel_cross_entropy
 from megamoe.tensor_parallel.vocab_padding import padded_vocab_size
 from megamoe.training.memory_estimate import stage_parameters
-from tests.helpers.vocab_padding import H, REL_TOL, SOLO, _generated, _grad_chunks, _padding_grads_are_zero, _rel, batch, config, reference
+from tests.helpers.vocab_padding import (H, REL_TOL, SOLO, _generated, _grad_chunks, _padding_grads_are_zero, _rel,
+                                         batch, config, reference)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
