@@ -22,7 +22,7 @@ def _assert_only_complete_checkpoint_of_step_1(save_dir: Path) -> None:
     verify_resume_checkpoint(save_dir / "step_00000001", world_group=None)
 
 
-# The last line of a job whose rank FAULT (tests/torchrun_faults.py) hits at step 2 (after step 1's checkpoint).
+# The last line of a job whose rank FAULT (tests/helpers/torchrun_faults.py) hits at step 2 (after step 1's checkpoint).
 FAULT_LINES = {
     "kill": "torchrun_faults.py: error: torchrun stopped the job: a rank's process ended without reporting an error "
             "(killed by a signal, e.g. by the out-of-memory killer, or crashed), or the job itself was signalled; "

@@ -1,4 +1,4 @@
-"""Launched by tests/test_demo.py under torchrun: rank 0 fails alone (its metrics log is on a full disk,
+"""Launched by tests/multirank/test_demo.py under torchrun: rank 0 fails alone (its metrics log is on a full disk,
 /dev/full) while rank 1 goes on into a training step's collectives. The job must end promptly with rank 0's
 error naming the file as the last line, and rank 1 must print no gloo traceback."""
 

@@ -1,5 +1,5 @@
-"""Launched by tests/test_demo.py under torchrun (and run in-process there): a run that saves a checkpoint into
-SAVE_DIR after each of 3 steps and meets FAULT at step 2:
+"""Launched by tests/multirank/test_demo.py under torchrun (and run in-process by tests/unit/test_demo.py): a run
+that saves a checkpoint into SAVE_DIR after each of 3 steps and meets FAULT at step 2:
 
 - ``kill``: the last rank is killed (SIGKILL, as the out-of-memory killer does) before the step;
 - ``enospc``: the disk fills during the save: the last rank's checkpoint file write fails as safetensors

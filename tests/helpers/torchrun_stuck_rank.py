@@ -1,4 +1,4 @@
-"""Launched by tests/test_demo.py under torchrun: rank 1 stops itself (SIGSTOP) inside a training step
+"""Launched by tests/multirank/test_demo.py under torchrun: rank 1 stops itself (SIGSTOP) inside a training step
 while rank 0 goes on into the step's collectives. With ``--comm-timeout`` the job must end with one
 ``error:`` line naming the collective and rank 1, instead of hanging."""
 

@@ -94,7 +94,7 @@ def test_failing_rank_ends_the_job_promptly(tmp_path):
     # would run into this 300 s limit (TimeoutExpired) instead of ending. Rank 0 fails alone (a full disk under
     # its metrics log): its error names the file and is the last line; rank 1, left in a collective, prints
     # no gloo traceback (at most a line saying that a peer left).
-    result = _torchrun([str(REPO / "tests/torchrun_failing_rank.py")], 2, 300, tmp_path)
+    result = _torchrun([str(REPO / "tests/helpers/torchrun_failing_rank.py")], 2, 300, tmp_path)
     assert result.returncode != 0
     line = "torchrun_failing_rank.py: error: cannot write the metrics log /dev/full: No space left on device"
     assert result.stderr.strip().splitlines()[-1] == line, result.stderr[-3000:]
@@ -109,7 +109,8 @@ def test_torchrun_fault_ends_with_one_line_and_intact_checkpoints(fault, tmp_pat
     # others (SIGTERM); a line saying so, naming the newest checkpoint, follows torchrun's report (before: the
     # report was the end, or a rank's note that a peer left). enospc: the last rank's checkpoint file meets a
     # full disk; rank 0's line names the file and the fix (before: safetensors' text, naming neither).
-    result = _torchrun([str(REPO / "tests/torchrun_faults.py"), fault, str(tmp_path / "ckpt")], 2, 300, tmp_path)
+    script = str(REPO / "tests/helpers/torchrun_faults.py")
+    result = _torchrun([script, fault, str(tmp_path / "ckpt")], 2, 300, tmp_path)
     assert result.returncode != 0
     assert _fault_line(fault, tmp_path / "ckpt").fullmatch(result.stderr.strip().splitlines()[-1]), \
         result.stderr[-3000:]
@@ -143,7 +144,7 @@ def test_stopped_rank_ends_the_job_with_one_error_naming_it(tmp_path):
     # into the job's directory, so that a hang can still be cleaned up: torchrun starts each worker in
     # a session of its own.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(REPO / "tests/torchrun_stuck_rank.py"), "--comm-timeout", "10"]
+           str(REPO / "tests/helpers/torchrun_stuck_rank.py"), "--comm-timeout", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, start_new_session=True)

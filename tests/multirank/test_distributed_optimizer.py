@@ -62,7 +62,7 @@ def traffic(counter, groups) -> dict:
 
 # The layouts on 4 ranks (extend the table: a row per layout). Oracle: the plain optimizer's single-process
 # curve (the loss curve does not depend on the layout, the number of expert slots or rebalancing: see
-# tests/test_training.py and tests/test_eplb.py). zero: the ZeRO stage the row trains with; eplb: rebalance
+# tests/multirank/test_training.py and test_eplb.py). zero: the ZeRO stage the row trains with; eplb: rebalance
 # every 3 steps; traffic: also run the plain optimizer for TRAFFIC_STEPS steps and compare the counted bytes;
 # save: save the run at SAVE_AT (the checkpoint checks resume from it).
 def layout(name, tp=1, pp=1, ep=1, slots=None, zero=1, eplb=False, dispatcher="alltoall", traffic=False,

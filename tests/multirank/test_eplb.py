@@ -19,7 +19,7 @@ from tests.helpers.eplb import E, H, INTERVAL, STEPS, skewed_model, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REL_TOL = 1e-6                  # fp32, over STEPS steps (the bound)
-RESUME_REL_TOL = 1e-5           # another layout sums in another order (as tests/test_training.py)
+RESUME_REL_TOL = 1e-5           # another layout sums in another order (as tests/multirank/test_training.py)
 EXPERT_BYTES = 3 * 16 * H * 4     # gate, up [F, H] and down [H, F] in fp32, F = 16
 
 

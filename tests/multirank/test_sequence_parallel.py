@@ -27,7 +27,8 @@ CURVE_REL_TOL = 1e-5      # the issue's bound over 10 training steps
 
 
 # name -> (config(sp), (ep, etp) with SP, (ep, etp) of the oracle without SP). All-to-all with EP over
-# the TP ranks (etp 1) folds without SP (tests/test_moe_folding.py, oracle the single rank); here its oracle is etp 2.
+# the TP ranks (etp 1) folds without SP (tests/multirank/test_moe_folding.py, oracle the single rank); here its
+# oracle is etp 2.
 CASES = {
     "gqa_allgather_ep2": (lambda sp: config(gqa(), "allgather", sp=sp), (2, 1), (2, 1)),
     "gqa_alltoall_ep2": (lambda sp: config(gqa(), "alltoall", sp=sp, shared=False), (2, 1), (1, 2)),

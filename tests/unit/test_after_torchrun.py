@@ -1,5 +1,6 @@
 """The helpers that print after torchrun has exited (megamoe/after_torchrun.py), run here without torchrun: a
-``sleep`` process stands for torchrun, pipes for the ranks. Under torchrun: tests/test_demo.py's fault cases."""
+``sleep`` process stands for torchrun, pipes for the ranks. Under torchrun: tests/multirank/test_demo.py's fault
+cases."""
 
 import os
 import subprocess

@@ -3,7 +3,7 @@ such as /dev/null or /dev/full, a directory) is refused before anything is writt
 by atomic_write and by every writer built on it before its work; a write whose flush, fsync or rename
 fails names the path and leaves the old file and no temporary file. The devices are reached through
 links in the test's folder, so that a regression replaces a link there, never a device in /dev.
-(The scripts' one-line errors: tests/test_generate_script.py, tests/test_preprocess.py.)"""
+(The scripts' one-line errors: tests/unit/test_generate_script.py, tests/unit/test_preprocess.py.)"""
 
 import errno
 import os

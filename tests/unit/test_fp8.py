@@ -463,7 +463,7 @@ def test_block_fp8_scaled_mm_gets_weight_scales_with_a_leading_dimension_padded_
 
 # ---- training ------------------------------------------------------------------------------------
 def _fp8_curve(fp8):
-    """Loss per step of tests/test_training.py's tiny model, with emulated FP8 experts
+    """Loss per step of tests/helpers/training.py's tiny model, with emulated FP8 experts
     (``MoEConfig.expert_fp8``) when ``fp8`` is given; 5 steps on a fixed batch."""
     from parallel_state import ParallelState
     from megamoe.models import GPTMoEModel

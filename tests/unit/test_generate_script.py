@@ -244,7 +244,7 @@ def test_a_checkpoint_with_a_nan_weight_is_refused_unless_allowed(tmp_path, monk
 
 def test_eplb_rounds_are_in_the_output_json(checkpoint, tmp_path, monkeypatch, capsys):
     """--eplb-interval 2: a round after forward passes 2 and 4 (of 1 prefill + 4 decode steps), each in the
-    JSON (one EP rank here: nothing moves; tests/test_eplb.py moves slots over 4 ranks)."""
+    JSON (one EP rank here: nothing moves; tests/multirank/test_eplb.py moves slots over 4 ranks)."""
     out = tmp_path / "out.json"
     code, stderr = _run_main([checkpoint, *_prompt_args(), "--max-new-tokens", NEW, "--eplb-interval", 2,
                               "--output-json", out], monkeypatch, capsys)

@@ -1,5 +1,5 @@
 """gpt-oss's building blocks on their own (the whole family is checked against transformers in
-tests/test_hf_families.py, test_inference.py and test_convert.py): experts with biases and the clamped
+tests/unit/test_hf_families.py, test_inference.py and test_convert.py): experts with biases and the clamped
 SwiGLU on every backend that takes them and under expert TP, and attention sinks through the packed-document
 and KV-cache paths."""
 

@@ -3,7 +3,7 @@ independently, and import-hf of an MXFP4 gpt-oss checkpoint against transformers
 (``Mxfp4Config(dequantize=True)``, which runs on CPU), export of the result as an unquantized HF
 directory, and bad MXFP4 input failing cleanly.
 
-The MXFP4 checkpoint is built here from a tiny random gpt-oss model (tests/test_hf_families.py's config,
+The MXFP4 checkpoint is built here from a tiny random gpt-oss model (tests/helpers/hf_families.py's config,
 hidden 32, expert FFN 32: one 32-block per row) by quantizing its experts with quantize_mxfp4.
 """
 

@@ -3,7 +3,7 @@
 The model's rules on hand-made posts (one stream per rank pair for single operations, rendezvous
 sends beyond the buffer, groups that complete in any order, waits that order later posts, tags
 ignored but checked); then the posts of the REAL schedule code, recorded over torch's fake process
-group one rank at a time (tests/p2p_recording.py): the unbatched interleaved order of commit 803d33f
+group one rank at a time (tests/helpers/p2p_recording.py): the unbatched interleaved order of commit 803d33f
 deadlocks at pp 2 V 2, pp 3 V 2 and pp 4 V 2 m 8, and today's 1F1B, interleaved, forward-only and
 generation code completes over a grid of (pp, V, m) even when every send waits for its receive."""
 

@@ -180,7 +180,7 @@ def test_bf16_sums_accumulate_in_fp32_and_round_once():
     """Three bf16 rows 1, 2^-8, 2^-8 of one token: added one by one in bf16 (as CUDA's atomics do) they give 1.0,
     each 2^-8 lost; in fp32 1 + 2^-7, exact in bf16. Both the combine (sum_rows) and the gradient of the
     dispatch gather. (The CPU's bf16 index_add_ already accumulates wider: the all-to-all combine's case, a sum
-    rounded to bf16 before the shared output was added, is in tests/test_moe_layer.py.)"""
+    rounded to bf16 before the shared output was added, is in tests/multirank/test_moe_layer.py.)"""
     from megamoe.moe.row_sums import sum_rows
     rows = torch.tensor([[1.0], [STEP], [STEP]], dtype=torch.bfloat16)
     assert ((rows[0] + rows[1]) + rows[2]).item() == 1.0
