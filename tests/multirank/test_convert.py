@@ -2,7 +2,6 @@
 converted checkpoints give transformers' logits on spawned ranks under their own layout and others;
 reshard carries optimizer state; every bad input fails with its message, a non-zero exit and no output.
 
-
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_convert.py."""
 
 import collections

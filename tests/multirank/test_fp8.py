@@ -1,9 +1,4 @@
-"""FP8 experts: the scaling math and delayed-scaling history, quantisation error bounds, the CPU
-emulation (error vs fp32 with a derived bound, padding invariance, gradients, a short training run),
-configuration errors; the TE path against a stand-in for TE (the slot group's amax reduction, joined by a rank
-without rows too); the kernel probes' fallbacks (a TE that does not load, torch._grouped_mm, block-FP8
-torch._scaled_mm); ETP and expert-DP layouts against one rank (amax reduction); GPU paths (TE,
-torch._scaled_grouped_mm) against the emulation on a GPU.
+"""FP8 experts.
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_fp8.py."""
 

@@ -1,14 +1,4 @@
-"""Kept block-FP8 weights: the model holds a block-FP8 checkpoint's e4m3 weights and block scales as stored
-and runs them (``GPTMoEConfig.weight_quantization``; megamoe.quantization.kept_weights, megamoe.moe.block_fp8_experts).
-
-The checkpoints are built here: the tiny HF models of test_hf_families (DeepSeek-V3: MLA, shared experts, a
-dense first layer; Qwen3-MoE: GQA, qk-norm, tied embeddings) quantized into DeepSeek's layout with small blocks
-whose edges leave partial blocks (hidden 32, FFN 16, q_lora 12, ... against blocks of 16 x 12).
-
-The oracle of the ``block`` recipe is transformers itself, given the dequantized weights, with each routed
-expert's two GEMM inputs quantized per 1 x 12 tile by this file's own plain-torch quantizer: what DeepSeek's
-inference computes. Dense linears are dequantized at run time (no activation quantization), as there.
-
+"""Kept block-FP8 weights.
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in
 tests/unit/test_fp8_block_weights.py."""

@@ -1,15 +1,4 @@
-"""examples/generate.py as a user meets it: a mistake (missing or damaged checkpoint, a cut manifest, a
-missing prompt file or tokenizer, bad --prompt-ids, an output in a missing folder or that is not a
-regular file, a layout the world size or the dispatcher cannot run, a prompt or --max-new-tokens past
-the model's positions, a temperature, stop token or seed it cannot use, a run the free memory cannot
-hold, a write that fails) is ONE ``generate.py: error:`` line naming the problem and the flag, exit
-code 1, no traceback, nothing written; without --dispatcher a layout the checkpoint's
-dispatcher cannot run picks the one that can (and generates the single-process tokens); decode
-tokens/s leave the compile time out; --help shows every default.
-
-The user-error cases run the script's ``__main__`` in this process (runpy): they fail before any
-weight is read. Cases that need two ranks go through torchrun (slow).
-
+"""examples/generate.py as a user meets it.
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_generate_script.py."""
 

@@ -2,7 +2,6 @@
 GPTMoEModel whose logits equal transformers' for tiny random models of every family, single process and
 under several parallel layouts; the adapters round-trip both HF forms bitwise and reject bad input.
 
-
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_hf_families.py."""
 
 import dataclasses

@@ -1,9 +1,4 @@
-"""A training run's HF starting and end points: an HF Qwen3-MoE directory loaded in process (1 rank; 2 ranks
-with EP 2, replica slots and an expert-load file) gives transformers' logits and reads only each rank's
-tensors; --model-config takes an HF config.json or megamoe fields and names the file and field on error;
-pretrain_moe.py fine-tunes the HF model on a token file and exports a directory transformers loads, whose
-loss on that data has clearly fallen; bad input ends in one error line before any work.
-
+"""A training run's HF starting and end points.
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_hf_start.py."""
 

@@ -1,10 +1,5 @@
 """Measured memory (megamoe.training.memory_measure) and the closed-form estimate (memory_estimate).
 
-The instruments are checked on computations whose saved tensors and allocations are known by hand;
-the estimate against the measurement of real training steps: parameters, gradients and optimizer
-state exactly, saved activations within 10% (in practice to a few bytes on one process, where the
-routing is the whole batch's).
-
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_memory.py."""
 
 from __future__ import annotations

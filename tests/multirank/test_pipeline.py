@@ -1,11 +1,4 @@
-"""Pipeline parallelism: layer partition, and the 1F1B schedule against the single-process model.
-
-A toy 8-layer model (Linear + tanh, an MSE loss on the last stage, a per-layer auxiliary loss like an
-MoE load-balancing loss) is split over PP=2 and PP=4 stages, evenly and with custom splits, and must
-give the same per-micro-batch losses and parameter gradients as one process running it whole. The
-communication counter pins the exact number of sends/receives, and weak references to the stage
-outputs pin 1F1B's memory bound (micro-batches alive at once).
-
+"""Pipeline parallelism.
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_pipeline.py."""
 

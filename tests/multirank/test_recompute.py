@@ -1,8 +1,4 @@
-"""Activation recomputation (megamoe.transformer.recompute): every mode gives the losses and gradients of
-``none`` bit for bit (GQA and MLA models with a dense layer, MoE layers and shared experts; the loop and FP8
-emulated expert backends too), records expert loads, aux-loss metrics and FP8 amax histories once, keeps
-fewer activations for backward (measured with saved-tensor hooks), leaves generation alone, and re-issues
-the MoE dispatcher's collectives in backward exactly once (2 ranks, EP 2, counted).
+"""Activation recomputation (megamoe.transformer.recompute).
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_recompute.py."""
 

@@ -1,12 +1,4 @@
-"""Transformer blocks against transformers' own modules (fp32, one rank): RMSNorm, RoPE frequencies
-and layouts, GQA attention (Mixtral + sliding window, Qwen2-MoE qkv bias, Qwen3-MoE per-head q/k
-norm, OLMoE full-width q/k norm + clip), MLA (DeepSeek-V2 without q LoRA + yarn, DeepSeek-V3 with q
-LoRA, both rope layouts) and the dense MLP: outputs, input gradients and every weight gradient.
-Then every block under TP=2 and TP=4 (replicated KV heads) against the single-rank block.
-
-The HF-config -> block-config mapping of each family (``attention_config`` / ``mla_config`` /
-``mlp_config``) is :mod:`megamoe.models.families`'s.
-
+"""Transformer blocks against transformers' own modules (fp32, one rank).
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in
 tests/unit/test_transformer_blocks.py."""

@@ -1,17 +1,4 @@
-"""Context parallelism (megamoe.transformer.context_parallel): the sequence split over the CP group in
-load-balanced chunks, attention over all of it by all-gathering K / V (GQA) or the compressed latents
-(MLA). The oracle is the single-rank model with the same seeded weights (the 4 ranks run it on the same
-batch). One spawn of 4 ranks checks, for GQA and MLA each under (cp 2, dp 2), (cp 2, tp 2) and
-(cp 2, ep 2, all-to-all), and for GQA under (cp 2, tp 2, sequence parallel, ep 2, all-gather) and
-(cp 2, dp 2) with packed documents, (cp 2, tp 2, etp 1, ep 2) (MoE folding), MLA under (cp 2, tp 2,
-sequence parallel, all-to-all), and with recomputation (full layers under (cp 2, tp 2), MLA's up
-projections under (cp 2, ep 2)): the gathered logits, the loss, the aux loss (switch, sequence and
-z-loss, shared expert with its gate) and every parameter's synced gradient (experts assembled per
-expert) within fp32 tolerance, that every token is routed once and the bytes the CP all-gather moves;
-the 10-step training loss curve (rel <= 1e-5), the expert loads and the held-out loss of each layout
-(but the plain and packed (cp 2, dp 2) ones, whose layout the *_ep2 curves share, and the folding, SP
-all-to-all and recomputation ones) and of (cp 2, pp 2), MLA (cp 2, ep 2) with the distributed optimizer (ZeRO-2); the
-refusal of generation and of a sequence 2 cp does not divide. Fast tests: the chunk index and bad sequence lengths.
+"""Context parallelism (megamoe.transformer.context_parallel).
 
 The in-process cases; those that spawn ranks or run scripts end to end are in
 tests/multirank/test_context_parallel.py."""

@@ -1,10 +1,5 @@
 """The distributed optimizer (megamoe.training.distributed_optimizer, ZeRO-1 / ZeRO-2) against its oracle, the
-plain optimizer: the same loss curve and gradient norm (clipped steps included) under every layout of the
-table below, expert rebalancing included; the optimizer state per rank at most 1/N of the plain one's (+1%);
-a reduce-scatter plus an all-gather where the plain path had an all-reduce, moving the same bytes; replica
-slots kept identical; odd sizes padded; checkpoints that resume across optimizers and DP sizes (through
-``reshard`` too); bf16 parameters with fp32 master weights; the config errors. One 4-rank spawn for all the
-multi-rank checks.
+plain optimizer.
 
 The in-process cases; those that spawn ranks or run scripts end to end are in
 tests/multirank/test_distributed_optimizer.py."""

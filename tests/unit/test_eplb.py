@@ -1,9 +1,4 @@
-"""Online expert rebalancing (EPLB, megamoe.moe.eplb) end to end: a placement never changes the function the
-model computes, so training with rebalancing every 3 steps gives the loss curve of the run without it, and
-greedy generation with rebalancing gives the same tokens, under a router biased so that the load is skewed
-and slots really move; every rank computes the same placements (a forced mismatch raises); the next
-checkpoint holds the new placements and resumes under another layout; the config, the load window and
-the script flags are checked.
+"""Online expert rebalancing (EPLB, megamoe.moe.eplb) end to end.
 
 The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_eplb.py."""
 

@@ -1,10 +1,4 @@
-"""Expert migration (megamoe.moe.expert_migration): moving changed slots' weights and optimizer state
-between EP ranks. The oracles: the layer computes the same function after a migration; every slot then
-holds exactly (bitwise) the weights and Adam state of its new expert as a never-migrated copy trained
-identically holds them, replicas included; both copies stay equal when training goes on; the bytes sent
-are the remote slots times the bytes of one slot, exactly, and an unchanged placement communicates
-nothing; a checkpoint saved after a migration holds the new placement and the same contents, and loads
-under another layout.
+"""Expert migration (megamoe.moe.expert_migration).
 
 The in-process cases; those that spawn ranks or run scripts end to end are in
 tests/multirank/test_expert_migration.py."""

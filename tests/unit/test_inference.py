@@ -1,14 +1,4 @@
-"""Generation with a KV cache (megamoe.inference): greedy generation from tiny random HF models of every
-family yields exactly transformers' generate() token ids for a batch of prompts of different lengths,
-single process and under several parallel layouts (EP with replicated slots, PP=2, ETP=2, data-parallel
-attention with uneven requests incl. a rank with none, a checkpoint resharded on load); seeded
-sampling is identical across layouts; the expert load recorded during generation counts real tokens
-only and round-trips through the expert-load file into a balanced placement; uneven gathers and
-reduce-scatters; the example script on a checkpoint converted by megamoe-convert, whose import-hf
---expert-load takes the load file the script records; generation refuses what it cannot do (positions
-past max_position_embeddings, stop tokens outside the vocabulary, a non-finite temperature, a negative
-seed), and the generation memory estimate equals the KV caches' and parameters' bytes.
-
+"""Generation with a KV cache (megamoe.inference).
 
 The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_inference.py."""
 

@@ -1,10 +1,4 @@
-"""The interleaved (virtual) pipeline schedule (issue #17 section 3): model chunks, validation, the executed
-op order against the simulation, and on 4 gloo ranks (pp 2, V 2) x dp 2 and (pp 2, V 2, ep 2) against the
-single-process model: first-step gradients of every parameter, the 10-step loss curve, the evaluation loss,
-the point-to-point traffic, and a V = 2 checkpoint resumed at pp 2 V 1 and at pp 1.
-
-The fast tests play each pipeline rank in this process over torch's fake process group (every collective a
-no-op, receive buffers left as allocated): the values are meaningless there, the order of what runs is not.
+"""The interleaved (virtual) pipeline schedule (issue #17 section 3).
 
 The in-process cases; those that spawn ranks or run scripts end to end are in
 tests/multirank/test_interleaved_pipeline.py."""

@@ -1,12 +1,4 @@
-"""MoE parallel folding (megamoe.models.moe_folding): the all-to-all dispatcher with etp < tp. The
-oracle is the single-rank model (tp 1, ep 1: the 4 ranks run it as data-parallel replicas of one
-batch). On 4 ranks, (tp 2, etp 1, ep 4) with and without sequence parallelism and (tp 2, etp 1,
-ep 2, dp 2) without: logits, losses (aux included) and every parameter's synchronised gradient
-(routed experts assembled per expert, shared experts and their gate included) equal the oracle's;
-each token is routed once (the expert loads sum to tokens x top_k, and the experts compute exactly
-that many pairs); a 10-step training curve equals the oracle's; calls without gradients (run
-replicated) give the same logits and greedy generation under (tp 2, etp 1, ep 4) yields the
-single-rank tokens; a training sequence tp does not divide and bad layouts are refused. One spawn of 4 ranks for all of it.
+"""MoE parallel folding (megamoe.models.moe_folding).
 
 The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_moe_folding.py."""
 

@@ -1,13 +1,4 @@
-"""Communication overlapped with compute: gradient buckets reduced asynchronously from backward hooks
-(``TrainConfig.overlap_grad_reduce``, plain all-reduce and the distributed optimizer's reduce-scatter) and the
-MoE dispatch all-to-all in flight while the shared experts compute (``MoEConfig.shared_expert_overlap``).
-
-The oracle is the non-overlapped run of the same layout and bucket size: losses and gradient norms bit for bit,
-and the same collectives with the same bytes. The layouts of issue #17 (MoE parallel folding, context
-parallelism, the interleaved pipeline) with overlap on are also held to one process's losses (rel <= 1e-5). The timeline (:func:`megamoe.comms.comm_timeline`) proves the
-overlap: a gradient bucket's collective is issued before the backward produced its last gradient, and the
-shared experts' GEMMs run between the dispatch all-to-all's issue and its wait; the non-overlapped runs fail
-both checks (negative controls).
+"""Communication overlapped with compute.
 
 The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_overlap.py."""
 

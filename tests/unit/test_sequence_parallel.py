@@ -1,11 +1,4 @@
-"""Sequence parallelism in the model (megamoe.models.sequence_parallel): the oracle is the same layout
-without it. Under TP 2 (x DP 2), logits, losses and every parameter's synchronised gradient match for GQA and MLA
-models with MoE layers (both dispatchers, every layout check_moe_layout allows in a TP group of 2), a dense layer,
-shared experts (with a gate), every balancing loss and packed documents; the comm counter shows the
-attention / MLP / embedding / output all-reduces replaced by reduce-scatters (same bytes) and
-all-gathers (1/tp of them); training loss curves over 10 steps match on 4 ranks for (tp 2, ep 2) and
-(pp 2 x tp 2); bad sequence lengths, generation under sequence parallelism and bad script flags are
-refused. One spawn of 4 ranks for all of it.
+"""Sequence parallelism in the model (megamoe.models.sequence_parallel).
 
 The in-process cases; those that spawn ranks or run scripts end to end are in
 tests/multirank/test_sequence_parallel.py."""

@@ -1,15 +1,4 @@
-"""Any vocabulary size under any TP size (megamoe.tensor_parallel.vocab_padding): the embedding and output
-layer are padded internally, the padding is invisible. The oracle is one process without padding.
-
-- The padded size, the padded ShardSpec (real rows only in the chunk), the vocab-parallel cross entropy
-  given padding columns that would win (it equals the unpadded loss, zero gradient on the padding).
-- One process: a model padded to 72 rows equals the unpadded one in logits, loss, gradients (zero on the
-  padding rows), checkpoint chunks, greedy and sampled generation.
-- One spawn of 4 ranks: vocab 67 (untied) and 61 (tied) under tp 2, tp 4, tp 2 + SP (padded by
-  make_vocab_size_divisible_by 4) and tp 2 + pp 2: logits, loss, every synchronised gradient, greedy and
-  sampled generation equal one process; an HF qwen3_moe with vocab 67 imported under --tp 3 loads under
-  tp 4 / 2 / 1 with transformers' logits, and reshards (--tp 4, then --tp 2) and exports bit-exact.
-
+"""Any vocabulary size under any TP size (megamoe.tensor_parallel.vocab_padding).
 
 The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_vocab_padding.py."""
 
