@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_context_parallel.py and tests/multirank/test_context_parallel.py: the builders and
 constants of the context parallel tests."""
 
-
 from megamoe.models import GPTMoEConfig
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig

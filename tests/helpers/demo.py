@@ -5,7 +5,6 @@ import os
 import re
 from pathlib import Path
 
-
 from megamoe.training.checkpoint import verify_resume_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_distributed_optimizer.py and tests/multirank/test_distributed_optimizer.py: the
 builders and constants of the distributed optimizer tests."""
 
-
 import torch
 
 from megamoe.models import GPTMoEConfig, GPTMoEModel

@@ -1,6 +1,5 @@
 """Shared by tests/unit/test_eplb.py and tests/multirank/test_eplb.py: the builders and constants of the eplb tests."""
 
-
 import torch
 
 from megamoe.models import GPTMoEConfig, GPTMoEModel

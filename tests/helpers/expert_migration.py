@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_expert_migration.py and tests/multirank/test_expert_migration.py: the builders and
 constants of the expert migration tests."""
 
-
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
 

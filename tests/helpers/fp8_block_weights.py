@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from checkpoint_tools.adapters import adapter_for
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import load_logical_state

@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_model_hooks.py and tests/multirank/test_model_hooks.py: the builders and constants of
 the model hooks tests."""
 
-
 import torch
 from torch import nn
 

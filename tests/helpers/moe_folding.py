@@ -1,8 +1,6 @@
 """Shared by tests/unit/test_moe_folding.py and tests/multirank/test_moe_folding.py: the builders and constants of
 the moe folding tests."""
 
-
-
 from megamoe.models import GPTMoEConfig
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig

@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_nonfinite.py and tests/multirank/test_nonfinite.py: the builders and constants of the
 nonfinite tests."""
 
-
 import torch
 
 from tests.helpers.training import MICRO_BATCH, global_batches

@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_packing.py and tests/multirank/test_packing.py: the builders and constants of the
 packing tests."""
 
-
 import torch
 
 from megamoe.models import GPTMoEConfig, GPTMoEModel

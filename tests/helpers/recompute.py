@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_recompute.py and tests/multirank/test_recompute.py: the builders and constants of the
 recompute tests."""
 
-
 import torch
 
 from megamoe.models import GPTMoEConfig, GPTMoEModel

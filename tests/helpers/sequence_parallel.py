@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_sequence_parallel.py and tests/multirank/test_sequence_parallel.py: the builders and
 constants of the sequence parallel tests."""
 
-
 import torch
 
 from megamoe.models import GPTMoEConfig

@@ -1,9 +1,6 @@
 """Shared by tests/unit/test_training_checkpoint.py and tests/multirank/test_training_checkpoint.py: the builders
 and constants of the training checkpoint tests."""
 
-
-
-
 from tests.helpers.training import REL_TOL
 
 

@@ -1,7 +1,6 @@
 """Shared by tests/unit/test_vocab_padding.py and tests/multirank/test_vocab_padding.py: the builders and constants
 of the vocab padding tests."""
 
-
 import torch
 
 from megamoe.checkpoint_state import sharded_state_dict

@@ -8,7 +8,6 @@ no-op, receive buffers left as allocated): the values are meaningless there, the
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

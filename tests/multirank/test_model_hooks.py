@@ -4,7 +4,6 @@ attention and MLP classes are used; a model missing part of the protocol is refu
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_model_hooks.py."""
 
-
 import pytest
 import torch
 import torch.distributed as dist

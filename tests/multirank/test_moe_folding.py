@@ -8,7 +8,6 @@ that many pairs); a 10-step training curve equals the oracle's; calls without gr
 replicated) give the same logits and greedy generation under (tp 2, etp 1, ep 4) yields the
 single-rank tokens; a training sequence tp does not divide and bad layouts are refused. One spawn of 4 ranks for all of it."""
 
-
 import pytest
 import torch
 import torch.distributed as dist

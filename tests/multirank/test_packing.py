@@ -5,7 +5,6 @@ and PP 2); each reset alone behaves as documented; unpacked forwards keep the ``
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_packing.py."""
 
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -4,7 +4,6 @@ The cases that spawn ranks or run scripts end to end; the in-process ones are in
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

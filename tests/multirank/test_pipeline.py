@@ -2,7 +2,6 @@
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_pipeline.py."""
 
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -2,7 +2,6 @@
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_recompute.py."""
 
-
 import pytest
 import torch
 

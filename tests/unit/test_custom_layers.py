@@ -4,7 +4,6 @@ with the same loss, and trains on the single-process loss and gradient-norm curv
 
 The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_custom_layers.py."""
 
-
 import pytest
 import torch
 from torch import nn

@@ -7,7 +7,6 @@ communication counter pins the exact number of sends/receives, and weak referenc
 outputs pin 1F1B's memory bound (micro-batches alive at once).
 """
 
-
 import pytest
 import torch
 from torch import nn

@@ -8,7 +8,6 @@ The HF-config -> block-config mapping of each family (``attention_config`` / ``m
 ``mlp_config``) is :mod:`megamoe.models.families`'s.
 """
 
-
 import pytest
 import torch
 

@@ -2,7 +2,6 @@
 
 The in-process cases; those that spawn ranks or run scripts end to end are in tests/multirank/test_vocab_padding.py."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
