@@ -13,8 +13,8 @@ import torch
 
 # Fixtures shared by test modules (registered here, so that no test module imports another).
 from tests.helpers.checkpoint_integrity import sources  # noqa: F401
-from tests.helpers.convert import hf_models  # noqa: F401
 from tests.helpers.generate_script import checkpoint  # noqa: F401
+from tests.helpers.hf_checkpoints import hf_models  # noqa: F401
 from tests.helpers.hf_start import hf_dir, token_file  # noqa: F401
 from tests.helpers.mtp import mtp_hf_dir  # noqa: F401
 from tests.helpers.pretrain_data import inputs  # noqa: F401

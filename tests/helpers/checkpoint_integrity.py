@@ -8,7 +8,7 @@ import pytest
 
 from checkpoint_tools import checksums
 from parallel_state import ParallelState
-from tests.helpers.convert import convert, save_hf_model
+from tests.helpers.hf_checkpoints import convert, save_hf_model
 
 
 @pytest.fixture(scope="module")

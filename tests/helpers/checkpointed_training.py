@@ -24,7 +24,7 @@ from megamoe.training.checkpoint import (checkpoint_path, latest_checkpoint, loa
 from megamoe.training.trainer import TrainConfig, Trainer
 if __name__ == "__main__":      # run as a script: the repo root holds the tests package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.helpers.training import GLOBAL_BATCH, MICRO_BATCH, S, V, tiny_config  # noqa: E402
+from tests.helpers.tiny_model import GLOBAL_BATCH, MICRO_BATCH, S, V, tiny_config  # noqa: E402
 
 NUM_SAMPLES = 32        # four global batches per epoch: longer runs cross epochs
 DIED_IN_SAVE = 17

@@ -11,7 +11,7 @@ from megamoe.models.hf_loading import load_logical_state
 from megamoe.moe.fp8 import FP8Config
 from megamoe.quantization.block_fp8 import BlockFP8Config, dequantize_block_fp8, quantize_block_fp8, scale_inv_name
 from parallel_state import ParallelState
-from tests.helpers.hf_families import hf_model
+from tests.helpers.hf_models import hf_model
 BLOCK = (16, 12)             # partial blocks: 32 = 2 x 12 + 8 columns, 12 / 20 / 56 rows against 16, ...
 SOLO = ParallelState.single_process()
 

@@ -11,7 +11,7 @@ from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.models import GPTMoEModel
 from megamoe.tensor_parallel import initialize_parameters
 from parallel_state import ParallelState
-from tests.helpers.training import tiny_config
+from tests.helpers.tiny_model import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "generate.py")

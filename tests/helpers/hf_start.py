@@ -10,7 +10,7 @@ import torch
 
 from megamoe.data.token_dataset import build_token_file
 from megamoe.data.tokenizer import Tokenizer
-from tests.helpers.hf_families import V, hf_config, lazy_transformers
+from tests.helpers.hf_models import V, hf_config, lazy_transformers
 ATOL = 1e-4                                 # as the family tests
 WORDS = ("the", "a", "cat", "dog", "bird", "fish", "sees", "likes", "eats", "finds", "big", "small", "red",
          "blue", "old", "new", "on", "under", "mat", "tree", "box", "house", "and", "then", ".")

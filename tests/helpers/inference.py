@@ -12,7 +12,7 @@ from megamoe.inference.sampling import SamplingConfig
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import load_logical_state
 from parallel_state import ParallelState
-from tests.helpers.hf_families import hf_model
+from tests.helpers.hf_models import hf_model
 
 PROMPTS = [[5, 9, 12, 3, 40, 7, 1], [22, 8], [33, 17, 60, 2, 9], [11, 4, 4, 50]]   # different lengths
 NEW = 6

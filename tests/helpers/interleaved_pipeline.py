@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from megamoe.pipeline import PipelineOp
-from tests.helpers.training import tiny_config
+from tests.helpers.tiny_model import tiny_config
 
 NUM_LAYERS, SEQ, MICRO_BATCH, MICRO_BATCHES, DP, STEPS, SAVE_AT = 4, 8, 1, 4, 2, 10, 8
 
@@ -35,7 +35,7 @@ def _recording_steps(rank, pp, v, executed, shape):
 
 
 def _config():
-    """The tiny MoE model of tests/helpers/training.py with every layer MoE (one per chunk) and tied
+    """The tiny MoE model of tests/helpers/tiny_model.py with every layer MoE (one per chunk) and tied
     embeddings (copies on the first and the last pipeline rank)."""
     return dataclasses.replace(tiny_config("alltoall", num_layers=NUM_LAYERS), tie_word_embeddings=True,
                                moe_layer_ids=tuple(range(NUM_LAYERS)))

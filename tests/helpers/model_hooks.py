@@ -9,7 +9,7 @@ from megamoe.moe.moe_layer import MoELayer
 from megamoe.moe.router import Router
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.trainer import TrainConfig, Trainer
-from tests.helpers.training import GLOBAL_BATCH, MICRO_BATCH, S, V, tiny_config
+from tests.helpers.tiny_model import GLOBAL_BATCH, MICRO_BATCH, S, V, tiny_config
 
 OFFSET = 5.0      # router logits are ~0.1: expert 0 wins every token's top-k
 

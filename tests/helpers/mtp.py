@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megamoe.models.mtp import shift_left
-from tests.helpers.hf_families import V, hf_config, lazy_transformers
+from tests.helpers.hf_models import V, hf_config, lazy_transformers
 
 L, DEPTHS, S = 3, 2, 9          # the tiny deepseek_v3 has 3 layers; MTP layers 3 and 4
 
@@ -50,7 +50,7 @@ def _mtp_layer_tensors(hf_cfg, layer_id: int, generator) -> dict[str, torch.Tens
 def _save_hf_with_mtp(directory, family, depths):
     """A tiny HF directory of ``family`` whose checkpoint also holds ``depths`` MTP layers (with the embedding /
     head copies DeepSeek's and GLM's releases store), config.json declaring them."""
-    from tests.helpers.convert import save_hf_model
+    from tests.helpers.hf_checkpoints import save_hf_model
     save_hf_model(directory, family)
     state = load_file(directory / "model.safetensors")
     hf_cfg = hf_config(family)

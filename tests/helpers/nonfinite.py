@@ -3,7 +3,7 @@ nonfinite tests."""
 
 import torch
 
-from tests.helpers.training import MICRO_BATCH, global_batches
+from tests.helpers.tiny_model import MICRO_BATCH, global_batches
 
 LOGGER = "megamoe.training.trainer"
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
-from tests.helpers.training import tiny_config  # noqa: E402
+from tests.helpers.tiny_model import tiny_config  # noqa: E402
 
 from megamoe.launch import init_distributed, run_script  # noqa: E402
 from megamoe.models import GPTMoEModel  # noqa: E402

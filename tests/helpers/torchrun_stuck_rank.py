@@ -10,7 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
-from tests.helpers.training import tiny_config  # noqa: E402
+from tests.helpers.tiny_model import tiny_config  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Shared by tests/unit/test_training_checkpoint.py and tests/multirank/test_training_checkpoint.py: the builders
 and constants of the training checkpoint tests."""
 
-from tests.helpers.training import REL_TOL
+from tests.helpers.tiny_model import REL_TOL
 
 
 def _single():

@@ -14,7 +14,7 @@ from checkpoint_tools.errors import CheckpointError
 from checkpoint_tools.format import read_manifest
 from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe.testing import run_on_ranks
-from tests.helpers.convert import _single_file_copy
+from tests.helpers.hf_checkpoints import _single_file_copy
 from tests.helpers.checkpoint_integrity import _copy, _counting_hashes
 
 

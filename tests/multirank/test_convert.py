@@ -9,7 +9,7 @@ import collections
 import pytest
 
 from megamoe.testing import run_on_ranks
-from tests.helpers.convert import ATOL, convert, ids
+from tests.helpers.hf_checkpoints import ATOL, convert, ids
 
 
 # ----------------------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def _checkpoint_after_migration(root):
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     from megamoe.checkpoint_state import chunks_by_parameter, optimizer_chunks, sharded_state_dict
     from megamoe.training.checkpoint import load_training_checkpoint, save_training_checkpoint
-    from tests.helpers.training import E as MODEL_E
+    from tests.helpers.tiny_model import E as MODEL_E
 
     world = dist.group.WORLD
     state = initialize_model_parallel(ep=2)

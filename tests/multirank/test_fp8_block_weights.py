@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megamoe.testing import run_on_ranks
-from tests.helpers.hf_families import _ids, _stage_logits
+from tests.helpers.hf_models import _ids, _stage_logits
 from tests.helpers.fp8_block_weights import kept_case, kept_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,7 @@ from checkpoint_tools.adapters import adapter_for
 from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.testing import run_on_ranks
-from tests.helpers.hf_families import ATOL, _hf_logits, _ids, _stage_logits, hf_model
+from tests.helpers.hf_models import ATOL, _hf_logits, _ids, _stage_logits, hf_model
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from megamoe.data.token_dataset import TokenDataset
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
 from megamoe.testing import run_on_ranks
-from tests.helpers.hf_families import lazy_transformers
+from tests.helpers.hf_models import lazy_transformers
 from tests.helpers.hf_start import ATOL, SEQ, _train_args, ids, sentences
 
 REPO = Path(__file__).resolve().parents[2]

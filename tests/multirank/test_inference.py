@@ -34,7 +34,7 @@ from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.moe.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
 from megamoe.testing import run_on_ranks
-from tests.helpers.hf_families import V, hf_model  # tiny random HF models of every family (E=8, K=2)
+from tests.helpers.hf_models import V, hf_model  # tiny random HF models of every family (E=8, K=2)
 from tests.helpers.inference import NEW, PROMPTS, REPO, SAMPLING, SOLO, _hf_generate, _our_model, _stop_token
 
 

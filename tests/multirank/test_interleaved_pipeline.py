@@ -20,7 +20,7 @@ from megamoe.testing import run_on_ranks
 from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
-from tests.helpers.training import V as VOCAB
+from tests.helpers.tiny_model import V as VOCAB
 from tests.helpers.interleaved_pipeline import DP, MICRO_BATCH, MICRO_BATCHES, SAVE_AT, SEQ, STEPS, _config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

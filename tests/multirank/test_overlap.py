@@ -24,7 +24,7 @@ from megamoe.tensor_parallel import initialize_parameters
 from megamoe.testing import run_on_ranks
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer.recompute import RecomputeConfig
-from tests.helpers.training import S, V, tiny_config
+from tests.helpers.tiny_model import S, V, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

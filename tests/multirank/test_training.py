@@ -11,7 +11,7 @@ from megamoe.models import GPTMoEModel
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.testing import run_on_ranks
 from megamoe.training.trainer import TrainConfig, Trainer
-from tests.helpers.training import E, GLOBAL_BATCH, MICRO_BATCH, REL_TOL, STEPS, global_batches, tiny_config
+from tests.helpers.tiny_model import E, GLOBAL_BATCH, MICRO_BATCH, REL_TOL, STEPS, global_batches, tiny_config
 
 
 def train_curve(state, dispatcher="alltoall", num_slots=None, world_group=None, *, steps=STEPS, dtype=None,

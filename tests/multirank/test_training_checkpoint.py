@@ -22,7 +22,7 @@ from megamoe.testing import run_on_ranks
 from megamoe.training.checkpoint import (checkpoint_path, latest_checkpoint, list_checkpoints,
                                          load_training_checkpoint, save_training_checkpoint)
 
-from tests.helpers.training import E
+from tests.helpers.tiny_model import E
 from tests.helpers.training_checkpoint import _assert_close, _single
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "checkpointed_training.py")

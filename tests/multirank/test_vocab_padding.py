@@ -104,8 +104,8 @@ def _layouts_worker(rank, world_size, references, checkpoint, hf_case):
 def _save_hf_vocab_67(directory):
     """A tiny random untied qwen3_moe of vocabulary 67, 12 query heads and one KV head (so tp 1 to 4 split it);
     returns (ids, its logits)."""
-    from tests.helpers.convert import SIDE_FILES
-    from tests.helpers.hf_families import hf_config, lazy_transformers
+    from tests.helpers.hf_checkpoints import SIDE_FILES
+    from tests.helpers.hf_models import hf_config, lazy_transformers
     cfg = hf_config("qwen3_moe")
     cfg.vocab_size, cfg.tie_word_embeddings = 67, False
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 12, 1, 4
@@ -127,7 +127,7 @@ def _save_hf_vocab_67(directory):
 
 @pytest.mark.slow
 def test_any_vocabulary_under_tensor_parallel_layouts(tmp_path):
-    from tests.helpers.convert import assert_same_tensors, hf_tensors
+    from tests.helpers.hf_checkpoints import assert_same_tensors, hf_tensors
     hf_dir, ckpt = tmp_path / "hf", {tp: str(tmp_path / f"ckpt_tp{tp}") for tp in (2, 3, 4)}
     hf_ids = _save_hf_vocab_67(hf_dir)
     common = ["--pp", 1, "--ep", 1, "--etp", 1, "--dispatcher", "allgather"]

@@ -13,7 +13,7 @@ from megamoe.models.families import config_from_hf
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.trainer import TrainConfig, Trainer
 from parallel_state import ParallelState
-from tests.helpers.hf_families import hf_config
+from tests.helpers.hf_models import hf_config
 
 
 def _router(family, **overrides):

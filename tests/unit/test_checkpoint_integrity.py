@@ -23,7 +23,7 @@ from checkpoint_tools.manifest_digest import seal
 from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe.checkpoint_state import sharded_state_dict
 from parallel_state import ParallelState
-from tests.helpers.convert import _single_file_copy, convert, hf_tensors
+from tests.helpers.hf_checkpoints import _single_file_copy, convert, hf_tensors
 from tests.helpers.checkpoint_integrity import _copy, _counting_hashes
 
 DAMAGES = ("flipped byte", "truncated")

@@ -20,8 +20,8 @@ from checkpoint_tools.format import iter_logical_tensors, read_manifest
 from checkpoint_tools.hf_checkpoint import HFCheckpoint
 from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.moe.expert_slots import ExpertPlacement, save_expert_load
-from tests.helpers.hf_families import lazy_transformers
-from tests.helpers.convert import (ATOL, SIDE_FILES, _single_file_copy, assert_same_tensors, convert, hf_tensors, ids,
+from tests.helpers.hf_models import lazy_transformers
+from tests.helpers.hf_checkpoints import (ATOL, SIDE_FILES, _single_file_copy, assert_same_tensors, convert, hf_tensors, ids,
                                    save_hf_model)
 
 E = 8   # experts per MoE layer in every tiny config

@@ -281,7 +281,7 @@ def test_each_sample_is_labelled_with_what_seeds_it(demo, capsys):
     seeded by (seed, request number), and the label says which."""
     from megamoe.models import GPTMoEModel
     from parallel_state import ParallelState
-    from tests.helpers.training import tiny_config
+    from tests.helpers.tiny_model import tiny_config
 
     class Tokens:
         def encode(self, text):

@@ -46,7 +46,7 @@ from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer.recompute import RECOMPUTE_MODULES, RecomputeConfig
 from tests.helpers.p2p_recording import fake_rank
-from tests.helpers.training import E, MICRO_BATCH, S, V, tiny_config
+from tests.helpers.tiny_model import E, MICRO_BATCH, S, V, tiny_config
 
 WORLD_SIZE = 4
 _EXPLICIT_COPIES = {"aten::_to_copy", "aten::copy_"}

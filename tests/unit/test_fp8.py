@@ -463,13 +463,13 @@ def test_block_fp8_scaled_mm_gets_weight_scales_with_a_leading_dimension_padded_
 
 # ---- training ------------------------------------------------------------------------------------
 def _fp8_curve(fp8):
-    """Loss per step of tests/helpers/training.py's tiny model, with emulated FP8 experts
+    """Loss per step of tests/helpers/tiny_model.py's tiny model, with emulated FP8 experts
     (``MoEConfig.expert_fp8``) when ``fp8`` is given; 5 steps on a fixed batch."""
     from parallel_state import ParallelState
     from megamoe.models import GPTMoEModel
     from megamoe.tensor_parallel import initialize_parameters
     from megamoe.training.trainer import TrainConfig, Trainer
-    from tests.helpers.training import MICRO_BATCH, global_batches, tiny_config
+    from tests.helpers.tiny_model import MICRO_BATCH, global_batches, tiny_config
 
     state = ParallelState.single_process()
     config = tiny_config()
@@ -534,7 +534,7 @@ def _check_gpu_backend_against_emulation(backend, fp8, tol):
 
 def test_model_config_with_fp8_experts_round_trips_through_json():
     import json
-    from tests.helpers.training import tiny_config
+    from tests.helpers.tiny_model import tiny_config
     from megamoe.models import GPTMoEConfig
     config = tiny_config()
     config.moe = replace(config.moe, expert_backend="fp8_emulated", expert_fp8=FP8Config(recipe="tensorwise"))

@@ -32,7 +32,7 @@ from megamoe.moe.experts import ExpertsConfig, GroupedExperts
 from megamoe.moe.fp8 import FP8Config, resolve_fp8_backend
 from megamoe.quantization.block_fp8 import BlockFP8Config
 from megamoe.tensor_parallel import initialize_parameters
-from tests.helpers.hf_families import _ids, hf_model
+from tests.helpers.hf_models import _ids, hf_model
 from tests.helpers.fp8_block_weights import BLOCK, SOLO, kept_case, kept_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

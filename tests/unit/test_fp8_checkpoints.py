@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from checkpoint_tools.format import iter_logical_tensors, read_manifest
 from megamoe.quantization.block_fp8 import is_block_fp8_weight, quantize_block_fp8
-from tests.helpers.convert import assert_same_tensors, convert, hf_tensors, ids, save_hf_model
-from tests.helpers.hf_families import V, lazy_transformers
+from tests.helpers.hf_checkpoints import assert_same_tensors, convert, hf_tensors, ids, save_hf_model
+from tests.helpers.hf_models import V, lazy_transformers
 
 
 SCALE = "_scale_inv"

@@ -31,7 +31,7 @@ from megamoe.inference.generation_memory import estimate_generation_memory
 from megamoe.transformer.rope import RopeConfig
 from parallel_state import ParallelState
 from tests.helpers.atomic_file import NOT_REGULAR  # FIFO, links to /dev/null and /dev/full, a directory
-from tests.helpers.training import V, tiny_config  # a tiny MoE model (4 experts, top-2, a dense first layer)
+from tests.helpers.tiny_model import V, tiny_config  # a tiny MoE model (4 experts, top-2, a dense first layer)
 from tests.helpers.generate_script import NEW, SCRIPT, _assert_one_error_line, _prompt_args, _save_tiny_checkpoint
 
 

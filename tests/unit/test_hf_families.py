@@ -16,7 +16,7 @@ from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES, config_from_hf
 from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from parallel_state import ParallelState
-from tests.helpers.hf_families import ATOL, _hf_logits, _ids, hf_config, hf_model, lazy_transformers
+from tests.helpers.hf_models import ATOL, _hf_logits, _ids, hf_config, hf_model, lazy_transformers
 
 
 def _checkpoint_form(model):

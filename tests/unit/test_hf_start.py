@@ -18,7 +18,7 @@ from megamoe.launch import run_script
 from megamoe.moe.expert_slots import ExpertPlacement
 from megamoe.training.model_config_file import read_model_config_file
 from parallel_state import ParallelState
-from tests.helpers.hf_families import V, hf_config, lazy_transformers
+from tests.helpers.hf_models import V, hf_config, lazy_transformers
 from tests.helpers.hf_start import ATOL, _train_args, ids, save_tokenizer
 
 

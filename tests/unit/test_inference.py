@@ -19,7 +19,7 @@ from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.transformer import MultiHeadLatentAttention
 from megamoe.transformer.mla import MLAConfig
 from megamoe.transformer.rope import RopeConfig
-from tests.helpers.hf_families import V, hf_model  # tiny random HF models of every family (E=8, K=2)
+from tests.helpers.hf_models import V, hf_model  # tiny random HF models of every family (E=8, K=2)
 from tests.helpers.inference import NEW, PROMPTS, REPO, SAMPLING, SOLO, _hf_generate, _our_model, _stop_token
 
 

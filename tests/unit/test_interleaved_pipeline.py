@@ -18,7 +18,7 @@ from megamoe.pipeline import (check_interleaved_layout, forward_backward, forwar
 from megamoe.pipeline.nccl_ordering import check_nccl_ordering
 from tests.helpers.p2p_recording import fake_rank, recording_p2p
 from parallel_state import ParallelState
-from tests.helpers.training import tiny_config
+from tests.helpers.tiny_model import tiny_config
 from tests.helpers.interleaved_pipeline import NUM_LAYERS, _config, _recording_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")

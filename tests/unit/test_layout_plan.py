@@ -17,7 +17,7 @@ from checkpoint_tools.placements import build_placements
 from megamoe.models.families import config_from_hf
 from megamoe.moe.expert_slots import ExpertPlacement
 from parallel_state import compute_rank_groups
-from tests.helpers.hf_families import hf_config
+from tests.helpers.hf_models import hf_config
 
 # (family, tp, pp, ep, etp, expert slots, dispatcher); E = 8 experts.
 LAYOUTS = [

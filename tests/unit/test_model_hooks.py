@@ -17,7 +17,7 @@ from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import MLP, Attention
 from parallel_state import ParallelState
-from tests.helpers.training import V, tiny_config
+from tests.helpers.tiny_model import V, tiny_config
 from tests.helpers.model_hooks import (OFFSET, OffsetMoELayer, OffsetRouter, _batches, _micro_batches,
                                        _offset_trainer, _tokens_per_rank)
 

@@ -18,7 +18,7 @@ from megamoe.models import GPTMoEModel
 from megamoe.models.hf_loading import load_logical_state
 from megamoe.models.mtp import mtp_targets
 from parallel_state import ParallelState
-from tests.helpers.hf_families import V, lazy_transformers
+from tests.helpers.hf_models import V, lazy_transformers
 from tests.helpers.mtp import DEPTHS, L, S, _config, _ids, _labels, _save_hf_with_mtp, hf_tensors
 
 # The spawned ranks import this module for their worker: what only this process runs (conversion CLI, generation,
@@ -197,7 +197,7 @@ def test_bad_mtp_copies_and_missing_layers_fail(mtp_hf_dir):
                                     ["--tp", 1, "--pp", 1, "--ep", 2, "--num-expert-slots", 12]],
                          ids=["tp2", "pp2", "ep2"])
 def test_round_trip_is_bit_exact(mtp_hf_dir, tmp_path, layout, capsys):
-    from tests.helpers.convert import assert_same_tensors, convert
+    from tests.helpers.hf_checkpoints import assert_same_tensors, convert
     assert convert("import-hf", mtp_hf_dir, tmp_path / "ckpt", *layout) == 0
     if "--pp" in layout and layout[layout.index("--pp") + 1] == 2:
         assert convert("inspect", tmp_path / "ckpt") == 0
@@ -209,7 +209,7 @@ def test_round_trip_is_bit_exact(mtp_hf_dir, tmp_path, layout, capsys):
 
 
 def test_import_refuses_differing_copies(mtp_hf_dir, tmp_path, capsys):
-    from tests.helpers.convert import convert
+    from tests.helpers.hf_checkpoints import convert
     bad = tmp_path / "bad"
     bad.mkdir()
     for name in os.listdir(mtp_hf_dir):
@@ -288,7 +288,7 @@ def test_mtp_draft_generation_is_plain_greedy(mtp_hf_dir, monkeypatch):
 def test_glm_mtp_layer_imports_runs_as_transformers_and_round_trips(tmp_path, monkeypatch):
     """GLM-4.5 stores its MTP layer as DeepSeek-V3 does (over GQA attention with partial rotary): imported,
     its logits are transformers' MtpModel's, and import -> export is bit-exact under tp 2 x ep 2."""
-    from tests.helpers.convert import assert_same_tensors, convert
+    from tests.helpers.hf_checkpoints import assert_same_tensors, convert
     hf_dir = _save_hf_with_mtp(tmp_path / "glm4_moe", "glm4_moe", 1)
     config = _config(hf_dir, expert_backend="torch")
     assert config.mtp_num_layers == 1 and config.num_layers in config.moe_layer_ids

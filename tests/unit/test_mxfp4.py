@@ -3,7 +3,7 @@ independently, and import-hf of an MXFP4 gpt-oss checkpoint against transformers
 (``Mxfp4Config(dequantize=True)``, which runs on CPU), export of the result as an unquantized HF
 directory, and bad MXFP4 input failing cleanly.
 
-The MXFP4 checkpoint is built here from a tiny random gpt-oss model (tests/helpers/hf_families.py's config,
+The MXFP4 checkpoint is built here from a tiny random gpt-oss model (tests/helpers/hf_models.py's config,
 hidden 32, expert FFN 32: one 32-block per row) by quantizing its experts with quantize_mxfp4.
 """
 
@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from checkpoint_tools.model_loading import build_model_from_checkpoint
 from megamoe.quantization.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from parallel_state import ParallelState
-from tests.helpers.convert import convert, hf_tensors, ids, save_hf_model
-from tests.helpers.hf_families import lazy_transformers
+from tests.helpers.hf_checkpoints import convert, hf_tensors, ids, save_hf_model
+from tests.helpers.hf_models import lazy_transformers
 
 QUANTIZED = ("experts.gate_up_proj", "experts.down_proj")
 MODULES_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]

@@ -21,7 +21,7 @@ from megamoe.training.grad_buckets import GradReadiness, grad_bucket_numel, plan
 from megamoe.training.grad_sync import GradientSync
 from megamoe.training.optim_arguments import add_optim_arguments, train_config_kwargs
 from megamoe.training.trainer import TrainConfig
-from tests.helpers.training import tiny_config
+from tests.helpers.tiny_model import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ import torch
 from megamoe.models import GPTMoEModel
 from megamoe.tensor_parallel import initialize_parameters
 from megamoe.training.trainer import TrainConfig, Trainer
-from tests.helpers.training import E, MICRO_BATCH, global_batches, tiny_config
+from tests.helpers.tiny_model import E, MICRO_BATCH, global_batches, tiny_config
 
 
 def test_single_process_training_reduces_loss_and_keeps_replicas_identical():

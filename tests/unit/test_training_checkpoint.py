@@ -31,7 +31,7 @@ from megamoe.training.save_dir_lock import SaveDirBusyError, lock_save_dir
 from megamoe.training.trainer import StepMetrics
 from tests.helpers.pretrain_data import TINY as DATA_TINY
 
-from tests.helpers.training import E, tiny_config
+from tests.helpers.tiny_model import E, tiny_config
 from tests.helpers.training_checkpoint import _assert_close, _single
 
 
@@ -211,7 +211,7 @@ def test_fine_tuned_checkpoint_of_an_import_exports_without_hf_config(tmp_path):
     from checkpoint_tools.model_loading import build_model_from_checkpoint
     from megamoe.training.checkpoint import HFProvenance
     from megamoe.training.trainer import TrainConfig, Trainer
-    from tests.helpers.convert import SIDE_FILES, convert, save_hf_model
+    from tests.helpers.hf_checkpoints import SIDE_FILES, convert, save_hf_model
     from parallel_state import ParallelState
 
     hf_dir, imported, tuned, exported = (tmp_path / n for n in ("hf", "imported", "tuned", "exported"))

@@ -1,5 +1,5 @@
-"""Shared by tests/unit/test_convert.py and tests/multirank/test_convert.py (and other tests): the builders and
-constants of the convert tests."""
+"""Tiny HF checkpoints on disk, their tensors, and ``python -m checkpoint_tools`` run in this process
+(:func:`convert`). Shared by the conversion tests of both tiers and by the other checkpoint tests."""
 
 import glob
 import json
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint_tools.cli import main
-from tests.helpers.hf_families import V, hf_config, lazy_transformers  # tiny random HF models of every family
+from tests.helpers.hf_models import V, hf_config, lazy_transformers  # tiny random HF models of every family
 ATOL = 1e-4
 SIDE_FILES = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"model_max_length": 64}',
               "special_tokens_map.json": '{"eos_token": "</s>"}'}

@@ -1,5 +1,5 @@
-"""Shared by tests/unit/test_training.py and tests/multirank/test_training.py (and other tests): the builders and
-constants of the training tests."""
+"""The tiny MoE model most tests train (4 experts, top-2, shared experts, a dense first layer): its config
+builder, sizes and global batches. Shared by tests of both tiers and by the scripts in tests/helpers/."""
 
 import torch
 

@@ -1,5 +1,5 @@
-"""Shared by tests/unit/test_hf_families.py and tests/multirank/test_hf_families.py (and other tests): the builders
-and constants of the hf families tests."""
+"""Tiny random HF models of every family (E=8, K=2), built once per process, and the inputs and logits that
+compare our model with them. Shared by tests of both tiers."""
 
 import functools
 
