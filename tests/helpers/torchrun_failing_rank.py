@@ -8,7 +8,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
+# torchrun runs this file as a script: the repo root is put on the path for tests.helpers.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.helpers.tiny_model import tiny_config  # noqa: E402
 
 from megamoe.launch import init_distributed, run_script  # noqa: E402

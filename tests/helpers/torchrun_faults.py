@@ -20,7 +20,8 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
+# torchrun runs this file as a script: the repo root is put on the path for tests.helpers.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.helpers.tiny_model import tiny_config  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
