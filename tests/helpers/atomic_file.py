@@ -3,8 +3,6 @@
 import os
 
 
-
-
 def _fifo(tmp_path):
     path = tmp_path / "pipe"
     os.mkfifo(path)

@@ -7,7 +7,6 @@ import json
 import numpy as np
 
 
-
 # ---------------------------------------------------------------- eval split
 
 

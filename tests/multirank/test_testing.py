@@ -102,3 +102,8 @@ def test_nccl_without_a_gpu_per_rank_is_a_clear_error_before_any_rank_starts(mon
             run_on_ranks(_sum_ranks, 2, args=(1,), **({"backend": "nccl"} if how == "argument" else {}))
     with pytest.raises(ValueError, match=r"backend must be one of \('gloo', 'nccl'\), got 'mpi'"):
         run_on_ranks(_sum_ranks, 2, backend="mpi")
+
+
+def test_tests_of_modules_that_spawn_ranks_are_marked_multirank(request):
+    """`make test-gpu` selects them with `-m multirank` (tests/conftest.py marks them)."""
+    assert request.node.get_closest_marker("multirank") is not None
