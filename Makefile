@@ -14,13 +14,13 @@ $(STAMP): setup.py pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite, slow multi-rank cases included (this is what CI runs).
+# The whole suite: the unit tier, then the multi-rank tier (this is what CI runs).
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q tests/unit tests/multirank
 
-# Skips the cases marked slow: for the edit-test loop.
+# The unit tier (in-process: no spawned ranks, no torchrun, no end-to-end script runs): for the edit-test loop.
 test-fast: $(STAMP)
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q tests/unit
 
 # On a machine with a CUDA GPU per rank (2 for most cases): the cuda-marked tests and those of the modules that
 # spawn ranks, whose ranks then join over NCCL, one GPU each (MEGAMOE_TEST_BACKEND, read by run_on_ranks).

@@ -5,7 +5,7 @@ trained at TP 2, checkpointed, and reloaded at TP 1 with the same loss.
     python examples/custom_layers.py [--dir DIR] [--steps N]        # one process: TP 1 throughout
 
 The part between the ``README`` markers is docs/design.md's "Subclassing a layer in your own model"
-(tests/test_readme.py checks that they are the same code). ``GatedColumnParallelLinear`` adds a
+(tests/unit/test_readme.py checks that they are the same code). ``GatedColumnParallelLinear`` adds a
 parameter of its own, a gate on each rank's output features: :func:`megamoe.sharding.shard_parameter`
 declares it a TP shard, so checkpoints store the whole gate and reload it under any TP size (without
 the declaration the gate is taken as replicated, and the TP 2 save refuses the ranks' differing

@@ -8,7 +8,7 @@ the code reads them with :func:`host_ints` / :func:`host_floats`, so that every 
 greppable call; ``megamoe.training.trainer``'s docstring lists those of a training step.
 
 The ``meta`` device (shape-only dry runs: parameters and inputs without storage, e.g. the device-clean
-harness of ``tests/test_device_clean.py``) has no values to read. There, :func:`host_floats` gives NaN
+harness of ``tests/unit/test_device_clean.py``) has no values to read. There, :func:`host_floats` gives NaN
 (a metric that was not measured), and :func:`host_ints` returns the ``on_meta`` values the caller
 passes: the sizes that keep the dry run's shapes consistent, namely those of "every pair is dispatched
 to every candidate rank". That is what torch's own meta ``nonzero`` assumes when

@@ -8,7 +8,7 @@
   of a small MoE model on one fixed batch: every loss finite, the last below the first.
 - ``fp8 <backend>/<recipe>``: the FP8 grouped experts of ``backend`` (``torch``: ``torch._scaled_grouped_mm``;
   ``te``: TransformerEngine) against the ``fp8_emulated`` CPU reference on the same bf16 weights and
-  tokens, relative error within the tolerance of ``tests/test_fp8.py``. Skipped, with the reason, where
+  tokens, relative error within the tolerance of ``tests/unit/test_fp8.py``. Skipped, with the reason, where
   the backend cannot run (no sm90 / sm89 GPU, no TransformerEngine).
 - ``generate compiled``: greedy decoding through ``torch.compile`` gives the eager tokens, by the margin
   rule of :func:`greedy_tokens_agree`: in bf16 a random model's logits are nearly flat, and a 1-ulp
@@ -51,7 +51,7 @@ from parallel_state import ParallelState  # noqa: E402
 logger = logging.getLogger("gpu_smoke")
 
 V, E, SEQ, BATCH, MICRO_BATCH = 512, 8, 64, 8, 4
-# tests/test_fp8.py's tolerances: bf16 rounding plus accumulation order (torch), TE's scale timing (te).
+# tests/unit/test_fp8.py's tolerances: bf16 rounding plus accumulation order (torch), TE's scale timing (te).
 FP8_CHECKS = (("torch", "tensorwise", 2e-2), ("torch", "rowwise", 2e-2), ("torch", "delayed", 2e-2),
               ("te", "delayed", 5e-2), ("te", "tensorwise", 5e-2))
 FP8_SLOTS, FP8_H, FP8_F, FP8_COUNTS = 4, 64, 96, (37, 0, 64, 19)

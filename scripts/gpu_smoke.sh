@@ -14,7 +14,7 @@ status=0
 "$PYTHON" scripts/gpu_smoke.py --device cuda "$@" || status=1
 # Only the modules with cuda-marked tests are collected: another module's missing test extra is not an error
 # here. The table above already ran what test_gpu_smoke's cuda test runs: skip it here.
-mapfile -t cuda_modules < <(grep -l "mark\.cuda" tests/test_*.py)
+mapfile -t cuda_modules < <(grep -l "mark\.cuda" tests/unit/test_*.py tests/multirank/test_*.py)
 if [ "${#cuda_modules[@]}" -gt 0 ]; then
     "$PYTHON" -m pytest -q -m cuda -k "not gpu_smoke" "${cuda_modules[@]}" || status=1
 fi

@@ -1,6 +1,8 @@
 """Shared by the tests: the ``demo``, ``gpu_smoke`` and ``gpu_check`` fixtures (the scripts as modules), ``one_thread``, and the ``cuda``
 marker (registered in pyproject.toml): tests that need a CUDA GPU are skipped, saying so, without one; and the
-``multirank`` marker on every test of a module that uses ``run_on_ranks`` (``make test-gpu`` runs them over NCCL)."""
+``multirank`` marker on every test under tests/multirank/ (``make test-gpu`` runs them over NCCL). The fixtures that
+tests of several modules take (tiny HF checkpoints, tokenizers, data) live in tests/helpers/ and are registered here.
+"""
 
 import importlib.util
 import sys
@@ -8,6 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Fixtures shared by test modules (registered here, so that no test module imports another).
+from tests.helpers.checkpoint_integrity import sources  # noqa: F401
+from tests.helpers.generate_script import checkpoint  # noqa: F401
+from tests.helpers.hf_checkpoints import hf_models  # noqa: F401
+from tests.helpers.hf_start import hf_dir, token_file  # noqa: F401
+from tests.helpers.mtp import mtp_hf_dir  # noqa: F401
+from tests.helpers.pretrain_data import inputs  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,9 +83,10 @@ def demo(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    # `make test-gpu` runs the multi-rank tests over NCCL: those of the modules that spawn ranks.
+    # `make test-gpu` runs the multi-rank tests over NCCL: those under tests/multirank/ (the modules that spawn ranks).
+    multirank = REPO / "tests" / "multirank"
     for item in items:
-        if getattr(item, "module", None) is not None and "run_on_ranks" in vars(item.module):
+        if multirank in item.path.parents:
             item.add_marker(pytest.mark.multirank)
     if torch.cuda.is_available():
         return

@@ -23,7 +23,7 @@ waits for its consumer), so this is the schedule's dependency-limited timeline, 
 bubble formulas. ``forward_time`` / ``backward_time`` are those of a whole pipeline STAGE (all its layers)
 for one micro-batch; with ``V`` virtual stages each chunk's op takes ``1 / V`` of them.
 
-Closed forms (uniform times, ``p2p_time = 0``; checked by tests/test_schedule_simulation.py)
+Closed forms (uniform times, ``p2p_time = 0``; checked by tests/unit/test_schedule_simulation.py)
 ------------------------------------------------------------------------------------------------
 Every rank is busy ``ideal_time = m * (f + b)`` (its share of the work, the makespan of a pipeline
 without bubble). The makespan is ``ideal_time + (pp - 1) * (f + b) / V``, so for every rank

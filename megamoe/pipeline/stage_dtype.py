@@ -4,7 +4,7 @@ The one rule that the Trainer, the schedules' receive buffers, :func:`~megamoe.t
 and generation read. Autocast does not change it: autocast runs the GEMMs in bf16 / fp16, but each residual
 addition promotes their outputs back to the dtype of the stream, which starts as the embedding's output (the
 parameter dtype). So under fp32 parameters and bf16 autocast a stage's output is fp32, and fp32 goes between
-stages, and a pipelined run computes what one stage computes (tests/test_training.py: pp 2 under bf16 autocast
+stages, and a pipelined run computes what one stage computes (tests/multirank/test_training.py: pp 2 under bf16 autocast
 gives the single process's losses; bf16 between the stages would move the grad norm by 1.5e-4 relative at
 the first step and 3.5e-2 at the third). Megatron-LM's rule is the same:
 its p2p tensors are in ``pipeline_dtype`` = ``params_dtype`` (megatron/training/argument_utils.py), and in fp32

@@ -32,7 +32,7 @@ forward instead of ``2 x``), which this module does not count: recomputation is 
 Norms, activations, softmax, RoPE and the loss are elementwise and not counted (as in Megatron-LM's
 ``num_floating_point_operations``).
 
-Checking against :class:`FlopCounterMode` (tests/test_flops.py: equal on GQA and MLA configs): run
+Checking against :class:`FlopCounterMode` (tests/unit/test_flops.py: equal on GQA and MLA configs): run
 the MoE experts on the ``loop`` backend (``MoEConfig.expert_backend="loop"``, one ``F.linear`` per slot)
 or the ``torch`` one on CPU (one ``torch.mm`` per slot, on the calling thread), and SDPA on the math
 backend. ``torch._grouped_mm`` (the ``torch`` backend on accelerators) has no FlopCounterMode formula

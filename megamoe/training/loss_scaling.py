@@ -12,7 +12,7 @@ its own.
 
 An overflow that lowered the scale is calibration, not divergence: a high initial scale (Megatron's
 default is 2**32) overflows for the first steps until the scale fits the gradients (12 for the tiny
-model of tests/test_nonfinite.py).
+model of tests/unit/test_nonfinite.py).
 :meth:`DynamicLossScaler.update` says whether it lowered the scale; the trainer does not count such a
 skip toward ``TrainConfig.max_skipped_steps`` (see :mod:`megamoe.training.trainer`).
 """

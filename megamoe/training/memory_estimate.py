@@ -2,7 +2,7 @@
 
 In the spirit of Megatron-LM's ``theoretical_memory_usage.py``, but counting what THIS library's
 modules hold, so that the figures can be checked against the measurement
-(:mod:`megamoe.training.memory_measure`, ``benchmarks/memory.py``, ``tests/test_memory.py``). No model is
+(:mod:`megamoe.training.memory_measure`, ``benchmarks/memory.py``, ``tests/unit/test_memory.py``). No model is
 built: a DeepSeek-V3-shaped config at EP 64, PP 16 takes milliseconds.
 
 State (exact: the same shard rules as the modules):

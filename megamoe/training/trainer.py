@@ -59,14 +59,14 @@ model's state: the next checkpoint stores it, and a resume under any layout load
 is not checkpointed: a resumed run refills it.
 
 Devices: every tensor a step creates lives on the device of the model's parameters, and the micro-batches
-are moved there; ``tests/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
+are moved there; ``tests/unit/test_device_clean.py`` runs whole steps on the ``meta`` device to prove it. The
 step's host synchronisations, each a :mod:`megamoe.host_values` read:
 
 - per MoE layer and micro-batch, ONE read: the (token, slot) pairs routed to each of this rank's slots
   (they size the expert input and the per-slot GEMMs), read with the all-to-all's split sizes (all-to-all
   dispatcher, EP > 1: one exchange carries both) or with every rank's token count (all-gather dispatcher,
   sharded input); a recomputed layer reuses its forward's read (:mod:`megamoe.moe.token_dispatcher`;
-  ``tests/test_moe_layer.py`` and ``tests/test_recompute.py`` count them with
+  ``tests/multirank/test_moe_layer.py`` and ``tests/multirank/test_recompute.py`` count them with
   :func:`megamoe.host_values.count_host_reads`);
 - per forward: the attention mask's padding flags when a mask is passed, and with ``dynamic`` RoPE the
   longest position;

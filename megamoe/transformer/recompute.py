@@ -42,7 +42,7 @@ all-to-alls, the all-gather dispatcher's all-reduce / all-gather + reduce-scatte
 exchanges (split sizes, rows per slot): the recomputation replays the forward's counts
 (:func:`forward_value`), so it reads nothing on the host either; ``mlp`` and ``full`` re-issue the TP all-reduce of the row-parallel output
 projections, ``full`` also the attention's. So a recomputed MoE layer issues its forward dispatch
-calls twice per step (``tests/test_recompute.py`` counts them with :func:`megamoe.comms.comm_counter`).
+calls twice per step (``tests/multirank/test_recompute.py`` counts them with :func:`megamoe.comms.comm_counter`).
 Every rank recomputes the same regions in the same order, so the re-issued collectives match up;
 recomputation never stops early (``early_stop=False``), so each region re-issues ALL its collectives
 on every rank, whatever the data (zero-token ranks included).
