@@ -380,7 +380,7 @@ def test_a_transformer_engine_that_does_not_load_falls_back_with_the_reason(monk
     """A TE built for another torch raises OSError / RuntimeError on import, not ImportError."""
     import sys
 
-    from megamoe.moe.experts.grouped_experts import kernel_probes
+    from megamoe.moe.experts import kernel_probes
     from megamoe.moe.experts.fp8 import te_fp8_recipe
 
     class BrokenTransformerEngine:
@@ -408,7 +408,7 @@ def test_a_transformer_engine_that_does_not_load_falls_back_with_the_reason(monk
     ("2.8.0", (9, 0), True), ("2.8.0", (8, 0), False), ("2.8.0", (10, 0), False),
     ("2.9.0", (8, 0), True), ("2.9.0", (7, 5), False), ("2.10.1+cu128", (12, 0), True)])
 def test_grouped_mm_runs_only_where_torch_has_it_for_the_gpu(monkeypatch, caplog, torch_version, capability, runs):
-    from megamoe.moe.experts.grouped_experts import kernel_probes
+    from megamoe.moe.experts import kernel_probes
     from megamoe.moe.experts.grouped_mlp import grouped_mm_applies
 
     monkeypatch.setattr(kernel_probes, "_logged", set())
@@ -442,7 +442,7 @@ def test_block_fp8_scaled_mm_is_gated_on_sm90_and_cublaslt_12_9(monkeypatch, cap
 def test_block_fp8_scaled_mm_gets_weight_scales_with_a_leading_dimension_padded_to_4(monkeypatch):
     """Some cuBLASLt builds reject block scales whose leading dimension is not 16-byte aligned: scale_b is
     [K / 128, N / 128] column-major, so the stride between its columns must be a multiple of 4."""
-    from megamoe.moe.experts.grouped_experts import block_fp8_experts
+    from megamoe.moe.experts import block_fp8_experts
     from megamoe.quantization.block_fp8 import BlockFP8Config, quantize_block_fp8
 
     seen = {}

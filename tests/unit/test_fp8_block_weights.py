@@ -179,7 +179,7 @@ def test_greedy_generation_with_kept_weights_matches_reference():
 def test_scaled_mm_kernel_call_shapes_on_meta():
     """The ``torch`` backend's torch._scaled_mm calls (1x128 activation scales, 128x128 weight scales) pass
     torch's own meta shape checks for partial blocks; their numerics need an sm90 GPU (not verified here)."""
-    from megamoe.moe.experts.grouped_experts import block_fp8_experts
+    from megamoe.moe.experts import block_fp8_experts
 
     config = dataclasses.replace(kept_case("deepseek_v3")[0], weight_quantization=BlockFP8Config())
     experts = GroupedExperts(ExpertsConfig(num_local_slots=2, hidden_size=320, ffn_hidden_size=208,
