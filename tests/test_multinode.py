@@ -212,7 +212,7 @@ def test_two_agents_on_one_machine_train_as_one_node(tmp_path, jobs):
     assert sorted(two) == [1, 2, 3] and two == one
     assert [step for step, _ in list_checkpoints(tmp_path / "two_nodes")] == [3]
     assert not list((tmp_path / "two_nodes").glob("*.tmp-*"))
-    saved_lines = [line for agent in agents for line in agent.output().splitlines() if "saved " in line]
+    saved_lines = [line for agent in agents for line in agent.output().splitlines() if "pretrain: saved " in line]
     assert len(saved_lines) == 1, saved_lines
 
 

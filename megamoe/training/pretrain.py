@@ -10,6 +10,8 @@ It checks the config first (:mod:`megamoe.training.pretrain_checks`), then joins
 builds or loads the model, prepares the data, resumes the newest checkpoint of --save-dir (or
 --load-dir), trains to --steps with evaluation, checkpoints, metrics and a progress line, and ends with
 the samples, the optional HF export and a summary (:class:`~megamoe.training.run_summary.RunSummary`).
+SIGTERM or Ctrl-C stop it at the next step boundary with a checkpoint of that step, and it returns normally
+(:mod:`megamoe.training.preemption`); the same config then resumes it there.
 """
 
 from __future__ import annotations
