@@ -76,6 +76,32 @@ def test_stop_signals_records_the_first_signal_ignores_later_ones_and_restores_t
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+def test_each_torchrun_attempt_has_its_own_store_keys(monkeypatch):
+    """A restarted job (--max-restarts) shares the agent's store with the killed attempt: the process group
+    of attempt 1 must not read attempt 0's keys (the killed ranks' addresses)."""
+    import datetime
+    import torch.distributed as dist
+    from megamoe.process_group import _restart_store_options
+    timeout = datetime.timedelta(seconds=30)
+    agent_store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert _restart_store_options(timeout) == {}            # plain env:// rendezvous
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    stores = {}
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        options = _restart_store_options(timeout)
+        assert (options["rank"], options["world_size"]) == (0, 1)
+        stores[attempt] = options["store"]
+    stores["0"].set("rank_0_address", "killed")
+    stores["1"].set("rank_0_address", "restarted")
+    assert stores["0"].get("rank_0_address") == b"killed" and stores["1"].get("rank_0_address") == b"restarted"
+
+
 def _argv(tmp_path, name, steps, config, save_every=100):
     return ["--config", str(config), "--work-dir", str(tmp_path / "work"), "--save-dir", str(tmp_path / name),
             "--log-json", str(tmp_path / f"{name}.jsonl"), "--steps", str(steps), "--save-every", str(save_every),
