@@ -16,7 +16,6 @@ the world, and every rank stops where any rank got one. That is one all-reduce o
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 
@@ -27,8 +26,6 @@ from megamoe import comms
 from megamoe.host_values import host_ints
 
 __all__ = ["STOP_SIGNALS", "StopSignals"]
-
-logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
