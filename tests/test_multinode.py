@@ -4,6 +4,7 @@ same command resumes it identically; two torchrun agents on one machine (``--nno
 train exactly as one node with the same ranks; ``torchrun --max-restarts`` after a killed rank resumes the
 newest intact checkpoint by itself; the SLURM example's torchrun line parses and uses existing flags."""
 
+import contextlib
 import json
 import os
 import re
@@ -188,11 +189,14 @@ class _Job:
         return ranks
 
     def kill(self) -> None:
+        """End the agent and its workers (torchrun starts each worker in a session of its own: the agent's
+        process group does not reach them)."""
         if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)     # the agent and its workers
-            except ProcessLookupError:
-                pass
+            for pid in self.workers().values():
+                with contextlib.suppress(ProcessLookupError):       # ended meanwhile
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
 
