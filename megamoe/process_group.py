@@ -89,6 +89,20 @@ def distributed_backend(device: torch.device | str) -> str:
     return _CUDA_BACKEND if torch.device(device).type == "cuda" else "gloo"
 
 
+def _restart_store_options(timeout: datetime.timedelta) -> dict:
+    """Under torchrun with a c10d rendezvous, the workers' store is the agent's, and it outlives a restart
+    (``--max-restarts``): torch (2.13) reads it without a per-attempt prefix, so the restarted ranks found
+    the killed ranks' gloo/NCCL addresses and failed to connect. Each attempt gets its own key prefix here
+    (``TORCHELASTIC_RESTART_COUNT``); elsewhere ``env://`` as usual (empty: no options)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch_world_size(),
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"/megamoe/attempt_{attempt}", store), "rank": launch_rank(),
+            "world_size": launch_world_size()}
+
+
 def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: torch.device | str = "cpu",
                      backend: str | None = None,
                      on_stuck_collective: Callable[[CollectiveTimeout], None] | None = None) -> tuple[int, int]:
@@ -120,7 +134,8 @@ def init_distributed(*, comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, device: 
     backend = backend or distributed_backend(device)
     watched = device.type == "cuda" and backend != "gloo"     # collectives that return before the data moved
     group_timeout_s = comm_timeout_s + (collective_watchdog.DIAGNOSIS_RESERVE_S if watched else 0.0)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=group_timeout_s), **device_options)
+    timeout = datetime.timedelta(seconds=group_timeout_s)
+    dist.init_process_group(backend, timeout=timeout, **device_options, **_restart_store_options(timeout))
     if watched:
         collective_watchdog.arm(collective_watchdog.CollectiveWatchdog(
             comm_timeout_s, on_stuck_collective or collective_watchdog.stuck_collective_handler()))

@@ -10,6 +10,8 @@ It checks the config first (:mod:`megamoe.training.pretrain_checks`), then joins
 builds or loads the model, prepares the data, resumes the newest checkpoint of --save-dir (or
 --load-dir), trains to --steps with evaluation, checkpoints, metrics and a progress line, and ends with
 the samples, the optional HF export and a summary (:class:`~megamoe.training.run_summary.RunSummary`).
+SIGTERM or Ctrl-C stop it at the next step boundary with a checkpoint of that step, and it returns normally
+(:mod:`megamoe.training.preemption`); the same config then resumes it there.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from megamoe.training.metric_sinks import step_record
 from megamoe.training.metrics_arguments import metric_sinks_from_arguments
 from megamoe.training.mfu import resolve_peak_tflops
 from megamoe.training.optim_arguments import param_dtype, train_config_kwargs
+from megamoe.training.preemption import StopSignals
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer.recompute_arguments import recompute_config_from_args
 from parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
@@ -352,7 +355,29 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
     summary = RunSummary(start_step=trainer.step, save_dir=os.fspath(args.save_dir))
     progress = TrainingProgress(start_step=trainer.step, end_step=args.steps, enabled=args.progress, rank=rank)
     started = time.perf_counter()
-    with metric_sinks_from_arguments(args, rank=rank, jsonl_path=log_path(args), run_config=_json_args(args)) as sinks:
+
+    def save(step: int) -> str:
+        path = checkpoint_path(args.save_dir, step)
+        verdict = health.judge(global_param_norm(model, state, world_group, tied_params=model.tied_parameters()))
+        save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group,
+                                 run_id=run_id, hf_provenance=provenance,
+                                 side_files={**(tokenizer_files or {}), RUN_CONFIG_FILE: config_text},
+                                 health=verdict.to_dict())
+        health.saved(verdict, path)
+        if rank == 0:
+            prune_checkpoints(args.save_dir, keep_last=args.keep_checkpoints, run_id=run_id)
+        if verdict.suspect is None:
+            logger.info("saved %s", path)
+        else:
+            logger.warning("saved %s, marked suspect: %s. %s", path, verdict.suspect, health.rollback_advice())
+        summary.saved(path)
+        note_newest_checkpoint(path)
+        return path
+
+    # SIGTERM / Ctrl-C: save at the next step boundary (where every rank agrees to stop) and return normally.
+    stopped_by = None
+    with StopSignals() as stop, metric_sinks_from_arguments(args, rank=rank, jsonl_path=log_path(args),
+                                                             run_config=_json_args(args)) as sinks:
         sinks.start_run({"run_id": run_id, "resumed_from": plan.resume_from,
                          "resumed_from_step": trainer.step if plan.resume_from is not None else None,
                          "args": _json_args(args)})
@@ -381,37 +406,28 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
                 sinks.write({"step": m.step, "eval_loss": eval_loss})
                 summary.evaluated(m.step, eval_loss)
                 logger.info("step %4d  eval loss %.4f", m.step, eval_loss)
-            if m.step % args.save_every == 0 or m.step == args.steps:
-                path = checkpoint_path(args.save_dir, m.step)
-                verdict = health.judge(global_param_norm(model, state, world_group,
-                                                         tied_params=model.tied_parameters()))
-                save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group,
-                                         run_id=run_id, hf_provenance=provenance,
-                                         side_files={**(tokenizer_files or {}), RUN_CONFIG_FILE: config_text},
-                                         health=verdict.to_dict())
-                health.saved(verdict, path)
-                if rank == 0:
-                    prune_checkpoints(args.save_dir, keep_last=args.keep_checkpoints, run_id=run_id)
-                if verdict.suspect is None:
-                    logger.info("saved %s", path)
-                else:
-                    logger.warning("saved %s, marked suspect: %s. %s", path, verdict.suspect, health.rollback_advice())
-                last_saved = path
-                summary.saved(path)
-                note_newest_checkpoint(path)
+            stopping = stop.agreed(world_group, device)
+            if stopping or m.step % args.save_every == 0 or m.step == args.steps:
+                last_saved = save(m.step)
+            if stopping:
+                stopped_by = stop.reason()
+                logger.info("%s: stopped at step %d, saved %s; run the same command again to continue from there",
+                            stopped_by, m.step, last_saved)
+                break
         progress.close()
         summary.seconds = time.perf_counter() - started
 
-    if args.export_hf is not None:
+    finished = stopped_by is None       # a stopped run ends at once: its export and samples come when it finishes
+    if finished and args.export_hf is not None:
         exported = export_final_checkpoint(last_saved, args.export_hf, world_group=world_group,
                                            verify_checksums=args.verify_checksums)
         logger.info("exported %s (step %d) to %s: %d tensors, %s", last_saved, trainer.step, exported["out_dir"],
                     exported["tensors"], ", ".join(exported["side_files"]) or "no side files")
         summary.exported_to = os.fspath(exported["out_dir"])
-    if args.sample_tokens and state.cp.size > 1:
+    if finished and args.sample_tokens and state.cp.size > 1:
         logger.info("no samples: generation cannot split the sequence over --cp %d; the checkpoints in %s "
                     "generate under any layout with cp 1", state.cp.size, args.save_dir)
-    elif args.sample_tokens:
+    elif finished and args.sample_tokens:
         print_samples(model, state, tokenizer, args, rank)
     if rank == 0 and records:
         plot(records, args.work_dir / "loss.png")
