@@ -26,10 +26,6 @@ README = (ROOT / "README.md").read_text()
 PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
          for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
 
-# Pages another part of the work is writing now: linked already, they must not exist yet (the test below fails
-# once one lands, so that its entry is removed here and its links are checked like any other).
-PENDING_PAGES = {"docs/multinode.md"}
-
 # python blocks that need a checkpoint or ranks this module does not build: (page, heading the block follows)
 # -> the test that runs it as written.
 PYTHON_BLOCKS_RUN_ELSEWHERE = {
@@ -395,19 +391,11 @@ def test_every_link_resolves():
             path, _, anchor = target.partition("#")
             resolved = ((ROOT / page).parent / path).resolve() if path else ROOT / page
             name = resolved.relative_to(ROOT).as_posix()
-            if name in PENDING_PAGES:
-                continue
             assert resolved.exists(), f"{page}: the link {target} leads nowhere"
             if anchor:
                 headings = re.findall(r"^#+ .*$", re.sub(r"^```.*?^```", "", resolved.read_text(), flags=re.S | re.M),
                                       re.M)
                 assert anchor in {_anchor(h) for h in headings}, f"{page}: {name} has no heading #{anchor}"
-
-
-def test_pending_pages_are_still_pending():
-    for name in PENDING_PAGES:
-        assert not (ROOT / name).exists(), f"{name} exists now: remove it from PENDING_PAGES"
-        assert any(f"]({name})" in text or f"]({Path(name).name})" in text for text in PAGES.values())
 
 
 def test_docs_training_documents_every_flag_of_megamoe_train():

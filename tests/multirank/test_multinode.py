@@ -23,7 +23,7 @@ from megamoe.training import pretrain as pretrain_module
 from megamoe.training.checkpoint import list_checkpoints
 from megamoe.training.preemption import StopSignals
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 # A tiny run: tokenizer and model of a few seconds; no evaluation but at the end, no samples.
 TINY_CONFIG = """\
