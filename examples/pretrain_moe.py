@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(p)
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
-                   help="mixed precision of the matmuls, with fp32 master weights: auto is bf16 on CUDA and none "
-                        "(fp32) on CPU; fp16 uses dynamic loss scaling")
+                   help="mixed precision of the matmuls, with fp32 master weights: auto is bf16 where its matmul "
+                        "peak measured at startup is >= 3x fp32's (logged), else none (fp32); fp16 uses dynamic "
+                        "loss scaling")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=120, help="train until this optimizer step")
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step, over all DP ranks")
@@ -776,12 +777,13 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     source = check_arguments(args, launch_world_size(), device)
     plan = plan_start(args)
-    autocast = default_autocast(device) if args.autocast == "auto" else None if args.autocast == "none" else args.autocast
     rank, world = init_distributed(comm_timeout_s=args.comm_timeout, device=device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
+    # after the thread count is set and logging is on: auto measures the matmul peaks of this rank, logs why
+    autocast = default_autocast(device) if args.autocast == "auto" else None if args.autocast == "none" else args.autocast
     world_group = dist.group.WORLD if world > 1 else None
     etp = default_etp(args.tp, args.dispatcher, args.etp)
     state = (initialize_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=etp, cp=args.cp,

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from megamoe.after_torchrun import rank_finished, repeat_after_torchrun, watch_this_rank
 from megamoe.collective_timeout import CollectiveTimeout, is_peer_failure
+from megamoe.matmul_peak import auto_autocast
 
 __all__ = ["UsageError", "DEFAULT_COMM_TIMEOUT_S", "DEVICES", "HelpFormatter", "ScriptArgumentParser",
            "add_launch_arguments", "add_device_argument", "add_no_verify_checksums_argument", "check_comm_timeout",
@@ -184,9 +185,10 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def default_autocast(device: torch.device | str) -> str | None:
-    """The ``TrainConfig.autocast`` a script uses unless told otherwise: ``"bf16"`` on CUDA (fp32 master
-    weights, bf16 matmuls), None (fp32) elsewhere, where bf16 matmuls are slow or emulated."""
-    return "bf16" if torch.device(device).type == "cuda" else None
+    """The ``TrainConfig.autocast`` a script uses unless told otherwise: ``"bf16"`` (fp32 master weights,
+    bf16 matmuls) where the bf16 matmul peak measured on ``device`` pays for it, else None (fp32); logs why
+    (:func:`megamoe.matmul_peak.auto_autocast`)."""
+    return auto_autocast(device).autocast
 
 
 def distributed_backend(device: torch.device | str) -> str:
