@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
                    help="mixed precision of the matmuls, with fp32 master weights: auto is bf16 where its matmul "
-                        "peak measured at startup is >= 3x fp32's (logged), else none (fp32); fp16 uses dynamic "
+                        "peak measured at startup is >= 4x fp32's (logged), else none (fp32); fp16 uses dynamic "
                         "loss scaling")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=120, help="train until this optimizer step")

@@ -12,7 +12,7 @@ from megamoe.training import mfu
 
 # GFLOP/s measured with torch 2.13 on 2 threads (issue 33 and this project's test bench).
 XEON_AMX = dict(fp32_tflops=0.096, bf16_tflops=0.536)       # 5.6x
-EPYC_AVX512_BF16 = dict(fp32_tflops=0.102, bf16_tflops=0.217)   # 2.1x
+EPYC_AVX512_BF16 = dict(fp32_tflops=0.102, bf16_tflops=0.217)   # 2.1x (2x to 4.5x from run to run, loaded)
 AVX2_ONLY = dict(fp32_tflops=0.100, bf16_tflops=0.019)
 
 
@@ -27,7 +27,7 @@ def test_auto_picks_bf16_only_where_its_peak_clears_the_margin(peaks, expected):
 def test_the_margin_is_inclusive_and_configurable():
     assert choose_autocast(0.1, 0.1 * BF16_MIN_SPEEDUP).autocast == "bf16"
     assert choose_autocast(0.1, 0.1 * BF16_MIN_SPEEDUP * 0.99).autocast is None
-    assert choose_autocast(**EPYC_AVX512_BF16, min_speedup=1.5).autocast == "bf16"
+    assert choose_autocast(**EPYC_AVX512_BF16, min_speedup=2.0).autocast == "bf16"
     assert choose_autocast(0.1, 0.1 * BF16_MIN_SPEEDUP * 1.1).close_to_margin
     assert not choose_autocast(**XEON_AMX).close_to_margin
 
@@ -67,16 +67,16 @@ def test_the_scripts_auto_follows_the_measured_peaks_and_logs_why(peaks, expecte
     assert len(measured) == 2
 
 
-def test_a_choice_close_to_the_margin_warns(monkeypatch, caplog):
+def test_a_choice_close_to_the_margin_says_so(monkeypatch, caplog):
     _inject_peaks(monkeypatch, {torch.float32: 0.1, torch.bfloat16: 0.1 * BF16_MIN_SPEEDUP * 1.05})
-    with caplog.at_level(logging.WARNING, logger="megamoe.matmul_peak"):
+    with caplog.at_level(logging.INFO, logger="megamoe.matmul_peak"):
         matmul_peak.auto_autocast("cpu")
     assert "close to the" in caplog.text and "--autocast bf16 or none" in caplog.text
 
 
 def test_a_slow_dtype_is_timed_on_the_pilot_only(monkeypatch):
     """fp16 on a CPU without fp16 units runs ~1 GFLOP/s: a 1024^3 matmul would take seconds, so the
-    256^3 pilot's figure is the answer; a fast dtype is timed at full size."""
+    512^3 pilot's figure is the answer; a fast dtype is timed at full size."""
     sizes = []
 
     def best(device, dtype, size, repeats, budget_s):
@@ -85,10 +85,10 @@ def test_a_slow_dtype_is_timed_on_the_pilot_only(monkeypatch):
 
     monkeypatch.setattr(matmul_peak, "_best_tflops", best)
     assert matmul_peak.measure_matmul_tflops("cpu", torch.float16, budget_s=2.0) == 0.9e-3
-    assert sizes == [256]
+    assert sizes == [512]
     sizes.clear()
     assert matmul_peak.measure_matmul_tflops("cpu", torch.float32, budget_s=2.0) == 0.1
-    assert sizes == [256, 1024]
+    assert sizes == [512, 1024]
 
 
 def test_the_probe_measures_a_real_matmul():
