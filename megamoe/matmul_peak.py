@@ -21,12 +21,13 @@ only add time.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BF16_MIN_SPEEDUP", "AutocastChoice", "choose_autocast", "auto_autocast", "matmul_peak_tflops",
+__all__ = ["BF16_MIN_SPEEDUP", "PIN_ENV", "AutocastChoice", "choose_autocast", "auto_autocast", "matmul_peak_tflops",
            "measure_matmul_tflops"]
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 BF16_MIN_SPEEDUP = 4.0          # bf16's matmul peak over fp32's that `auto` asks for (see the module docstring)
 _CLOSE_TO_MARGIN = 0.2          # within 20% of the margin: separate probes (torchrun ranks) may decide differently
 _PILOT_SIZE = 512
+# "bf16" or "none": pins what auto picks, without measuring. The test suite pins "none" (tests/conftest.py) so
+# that every oracle test keeps its fp32 path on any machine, and so can runs whose ranks or restarts must agree.
+PIN_ENV = "MEGAMOE_AUTOCAST_AUTO"
+_PINNED = {"bf16": "bf16", "none": None}
 _PEAKS: dict[tuple[str, torch.dtype, int], float] = {}      # (device, dtype, threads) -> TFLOP/s, per process
 
 
@@ -124,8 +129,15 @@ def choose_autocast(fp32_tflops: float, bf16_tflops: float, *, min_speedup: floa
 
 def auto_autocast(device: torch.device | str) -> AutocastChoice:
     """The compute dtype ``--autocast auto`` runs on ``device``: :func:`choose_autocast` of the peaks
-    measured here (once per process). Logs the choice and why; warns when it is close to the margin, as
+    measured here (once per process), or what :data:`PIN_ENV` pins. Logs the choice and why; warns when it is close to the margin, as
     every torchrun rank measures on its own and they could then decide differently (said in the log)."""
+    pinned = os.environ.get(PIN_ENV)
+    if pinned is not None:
+        if pinned not in _PINNED:
+            raise ValueError(f"{PIN_ENV} must be one of {sorted(_PINNED)} (or unset: measure), got {pinned!r}")
+        nan = float("nan")
+        logger.info("autocast auto on %s: %s, pinned by %s", torch.device(device), pinned, PIN_ENV)
+        return AutocastChoice(_PINNED[pinned], nan, nan, BF16_MIN_SPEEDUP, f"{pinned}, pinned by {PIN_ENV}")
     choice = choose_autocast(matmul_peak_tflops(device, torch.float32), matmul_peak_tflops(device, torch.bfloat16))
     close = (" (close to the margin: ranks or runs may decide differently; pass --autocast bf16 or none)"
              if choice.close_to_margin else "")

@@ -3,6 +3,7 @@ marker (registered in pyproject.toml): tests that need a CUDA GPU are skipped, s
 ``multirank`` marker on every test of a module that uses ``run_on_ranks`` (``make test-gpu`` runs them over NCCL)."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# --autocast auto stays fp32 in every test, and in the scripts and ranks they start, on any machine (oracle
+# tests compare fp32 runs; megamoe.matmul_peak.PIN_ENV); tests/test_matmul_peak.py unsets it to measure.
+os.environ.setdefault("MEGAMOE_AUTOCAST_AUTO", "none")
 
 
 def _script_module(monkeypatch, name: str, path: str):

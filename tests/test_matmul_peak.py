@@ -48,9 +48,24 @@ def _inject_peaks(monkeypatch, peaks: dict) -> list:
         measured.append(dtype)
         return peaks[dtype]
 
+    monkeypatch.delenv(matmul_peak.PIN_ENV, raising=False)        # the suite pins none (conftest)
     monkeypatch.setattr(matmul_peak, "_PEAKS", {})
     monkeypatch.setattr(matmul_peak, "measure_matmul_tflops", measure)
     return measured
+
+
+@pytest.mark.parametrize("pinned, expected", [("bf16", "bf16"), ("none", None)])
+def test_the_environment_pins_auto_without_measuring(pinned, expected, monkeypatch):
+    measured = _inject_peaks(monkeypatch, {})
+    monkeypatch.setenv(matmul_peak.PIN_ENV, pinned)
+    assert launch.default_autocast("cpu") == expected
+    assert measured == []
+
+
+def test_a_bad_pin_is_refused(monkeypatch):
+    monkeypatch.setenv(matmul_peak.PIN_ENV, "fp16")
+    with pytest.raises(ValueError, match="MEGAMOE_AUTOCAST_AUTO must be one of"):
+        matmul_peak.auto_autocast("cpu")
 
 
 @pytest.mark.parametrize("peaks, expected", [(XEON_AMX, "bf16"), (EPYC_AVX512_BF16, None)], ids=["xeon", "epyc"])
