@@ -129,8 +129,8 @@ def choose_autocast(fp32_tflops: float, bf16_tflops: float, *, min_speedup: floa
 
 def auto_autocast(device: torch.device | str) -> AutocastChoice:
     """The compute dtype ``--autocast auto`` runs on ``device``: :func:`choose_autocast` of the peaks
-    measured here (once per process), or what :data:`PIN_ENV` pins. Logs the choice and why; warns when it is close to the margin, as
-    every torchrun rank measures on its own and they could then decide differently (said in the log)."""
+    measured here (once per process), or what :data:`PIN_ENV` pins. Logs the choice and why, and says when
+    it is close to the margin: every torchrun rank measures on its own, and they could then differ."""
     pinned = os.environ.get(PIN_ENV)
     if pinned is not None:
         if pinned not in _PINNED:

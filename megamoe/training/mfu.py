@@ -11,8 +11,7 @@ The peak (:func:`resolve_peak_tflops`), in this order: an explicit value (``--pe
 dense bf16 / fp16 tensor-core peak of a known GPU by ``torch.cuda.get_device_name()`` (training in
 bf16 or fp16 only); else the matmul throughput measured once per process in the training dtype
 (:func:`megamoe.matmul_peak.matmul_peak_tflops`, shared with ``--autocast auto``; CPUs, unknown GPUs,
-fp32), logged as "MFU against measured matmul peak
-X TFLOP/s".
+fp32), logged as "MFU against measured matmul peak X TFLOP/s".
 """
 
 from __future__ import annotations
