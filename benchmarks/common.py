@@ -15,10 +15,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from megamoe.cli.launch import HelpFormatter
+from megamoe.matmul_peak import choose_autocast, matmul_peak_tflops
 
 __all__ = ["argument_parser", "HF_CUDA_ONLY", "BATCHED_MM_MEMORY_LIMIT", "NOISY_SPREAD", "keep_freed_memory_in_heap",
-           "time_call", "write_results"]
+           "matmul_peaks", "time_call", "write_results"]
 
 # transformers' experts implementations that need CUDA kernels, and why they are skipped here.
 HF_CUDA_ONLY = {"deepgemm": "CUDA-only kernels (DeepGEMM)", "sonicmoe": "CUDA-only kernels (SonicMoE)"}
@@ -32,6 +35,21 @@ NOISY_SPREAD = 1.3
 def argument_parser(doc: str) -> argparse.ArgumentParser:
     """The parser of a benchmark script: ``--help`` shows its whole docstring and every default."""
     return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+
+
+def matmul_peaks() -> dict:
+    """The matmul peak per dtype measured on this CPU in this run (:mod:`megamoe.matmul_peak`), what
+    ``--autocast auto`` picks from them, and whether this machine has fast bf16; printed, for the results."""
+    peaks = {name: matmul_peak_tflops("cpu", dtype) * 1e3
+             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    choice = choose_autocast(peaks["fp32"] / 1e3, peaks["bf16"] / 1e3)
+    print("matmul peak GFLOP/s: " + ", ".join(f"{name} {value:.1f}" for name, value in peaks.items())
+          + f"; --autocast auto picks {choice.reason}")
+    if choice.autocast is None:
+        print(f"NOTE: this machine has no fast bf16 (bf16 {choice.speedup:.2f}x fp32's matmul peak, under the "
+              f"{choice.min_speedup:g}x auto asks for): the bf16 rows are reported anyway")
+    return {"gflops": peaks, "bf16_over_fp32": choice.speedup, "auto_autocast": choice.autocast or "none",
+            "fast_bf16": choice.autocast == "bf16"}
 
 
 def keep_freed_memory_in_heap() -> str:

@@ -1,9 +1,18 @@
 """Full training step (forward, backward, AdamW step) of a small Qwen3-MoE model: megamoe against
 transformers' ``Qwen3MoeForCausalLM`` with the same config and weights.
 
-    python benchmarks/train_step.py [--quick] [--repeats N] [--profile] [--default-allocator] [--json out.json]
+    python benchmarks/train_step.py [--quick] [--repeats N] [--dtype fp32|bf16|all] [--profile]
+                                    [--default-allocator] [--json out.json]
 
-fp32 on CPU, one process, ``torch.set_num_threads(2)``. The model (see :data:`MODEL` / :data:`QUICK_MODEL`)
+On CPU, one process, ``torch.set_num_threads(2)``, fp32 rows and ``bf16 ``-prefixed rows (``--dtype``,
+default both, all timed interleaved in one run). In bf16, megamoe's model holds bf16 parameters with fp32
+master weights and fp32 gradient accumulation (the Trainer's ``main_grad`` path: no per-call weight
+casts); transformers' model is cast to bf16 and trained with fused AdamW on its bf16 parameters; the bf16
+bounds run their GEMMs and dense ops in bf16 (the optimizer step over fp32 parameters, as the master
+weights). The matmul peak per dtype measured in the same run is printed first, with a note when the
+machine has no fast bf16. bf16 rows check their first loss against the fp32 rows' within
+:data:`BF16_LOSS_RTOL` and are compared with bf16 rows; the issue-33 targets of the bf16 default backend
+(:data:`BF16_TARGETS`) are printed as verdicts. The model (see :data:`MODEL` / :data:`QUICK_MODEL`)
 is built once by transformers with its own random init; megamoe's copy is ``config_from_hf`` + the
 checkpoint adapter (``hf_to_megamoe``) + ``load_logical_state``, so both start from identical weights
 (every row trains its own copy). Rows, timed interleaved repeat by repeat in one process (so that
@@ -56,7 +65,7 @@ import torch
 
 from megamoe.hf.adapters import adapter_for
 from common import (BATCHED_MM_MEMORY_LIMIT, HF_CUDA_ONLY, NOISY_SPREAD,  # sibling module
-                    argument_parser, keep_freed_memory_in_heap, time_call, write_results)
+                    argument_parser, keep_freed_memory_in_heap, matmul_peaks, time_call, write_results)
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import config_from_hf
 from megamoe.models.hf_loading import load_logical_state
@@ -74,6 +83,11 @@ TARGET_OVER_HF_GROUPED_MM = 1.2       # tokens/s >= 1.2 x hf/grouped_mm's
 TARGET_SLOWER_THAN_OTHER_BACKEND = 1.05   # never more than 5% slower than another megamoe backend
 TRAIN = TrainConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0)
 LOSS_ATOL = 1e-4
+BF16_LOSS_RTOL = 2e-2        # bf16's first loss against fp32's: bf16 rounds at 2^-8 relative
+BF16 = "bf16 "               # name prefix of the bf16 rows
+# issue 33's targets of the bf16 step of the default backend, on the minimum step times
+BF16_TARGETS = {"tokens_per_s_over_fp32": 2.5, "tokens_per_s_over_hf_bf16_grouped_mm": 1.5,
+                "over_bf16_extended_bound": 1.6}
 
 
 @dataclass
@@ -109,7 +123,8 @@ def batch(shape: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def megamoe_row(hf_model, backend: str, ids: torch.Tensor, labels: torch.Tensor) -> Row:
+def megamoe_row(hf_model, backend: str, ids: torch.Tensor, labels: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> Row:
     config = config_from_hf(hf_model.config, expert_backend=backend, for_training=False)  # HF's loss, no aux
     state = ParallelState.single_process()
     model = GPTMoEModel(config, state)
@@ -117,16 +132,23 @@ def megamoe_row(hf_model, backend: str, ids: torch.Tensor, labels: torch.Tensor)
     unused = load_logical_state(model, logical)
     if unused:
         raise RuntimeError(f"logical tensors megamoe did not load: {unused}")
-    model.train()
+    model.to(dtype).train()        # bf16: the Trainer keeps fp32 master weights and fp32 main_grad
     trainer = Trainer(model, state, TRAIN)
-    return Row(f"megamoe/{backend}", lambda: trainer.train_step([(ids, labels)]).loss)
+    return Row(f"{_prefix(dtype)}megamoe/{backend}", lambda: trainer.train_step([(ids, labels)]).loss)
 
 
-def hf_row(hf_model, implementation: str, ids: torch.Tensor) -> Row:
-    model = copy.deepcopy(hf_model)
+def _prefix(dtype: torch.dtype) -> str:
+    return BF16 if dtype == torch.bfloat16 else ""
+
+
+def hf_row(hf_model, implementation: str, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> Row:
+    model = copy.deepcopy(hf_model).to(dtype)
     model.set_experts_implementation(implementation)
     model.train()
-    optimizer = build_optimizer(model, TRAIN)      # the very optimizer the Trainer builds for megamoe
+    # fp32: the very optimizer the Trainer builds for megamoe; bf16: fused AdamW on the bf16 parameters
+    # (build_optimizer asks for fp32 master weights, which transformers' models do not keep)
+    optimizer = (build_optimizer(model, TRAIN) if dtype == torch.float32 else
+                 torch.optim.AdamW(model.parameters(), lr=TRAIN.lr, weight_decay=TRAIN.weight_decay, fused=True))
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -136,7 +158,7 @@ def hf_row(hf_model, implementation: str, ids: torch.Tensor) -> Row:
         optimizer.step()
         return loss.item()
 
-    return Row(f"hf/{implementation}", step)
+    return Row(f"{_prefix(dtype)}hf/{implementation}", step)
 
 
 def gemm_shapes(shape: dict) -> list[tuple[int, int, int]]:
@@ -150,14 +172,15 @@ def gemm_shapes(shape: dict) -> list[tuple[int, int, int]]:
     return per_layer * shape["num_hidden_layers"] + [(tokens, hidden, shape["vocab_size"])]
 
 
-def bound_row(hf_model, shape: dict) -> Row:
-    """A lower bound on any implementation's step: the step's matmul FLOPs as dense GEMMs (forward, input
-    and weight gradients), then the same optimizer step over as many parameters as the model has."""
+def bound_row(hf_model, shape: dict, dtype: torch.dtype = torch.float32) -> Row:
+    """A lower bound on any implementation's step: the step's matmul FLOPs as dense GEMMs in ``dtype``
+    (forward, input and weight gradients), then the same optimizer step over as many (fp32) parameters as
+    the model has."""
     gemms = []
     for rows, fan_in, fan_out in gemm_shapes(shape):
-        x = torch.randn(rows, fan_in, requires_grad=True)
-        weight = torch.randn(fan_out, fan_in, requires_grad=True)
-        gemms.append((x, weight, torch.randn(rows, fan_out)))
+        x = torch.randn(rows, fan_in).to(dtype).requires_grad_()
+        weight = torch.randn(fan_out, fan_in).to(dtype).requires_grad_()
+        gemms.append((x, weight, torch.randn(rows, fan_out).to(dtype)))
     params = [torch.nn.Parameter(torch.zeros_like(p)) for p in hf_model.parameters()]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
@@ -170,23 +193,24 @@ def bound_row(hf_model, shape: dict) -> Row:
         optimizer.step()
         return float("nan")
 
-    return Row("bound", step)
+    return Row(f"{_prefix(dtype)}bound", step)
 
 
-def dense_ops_step(shape: dict) -> Callable[[], None]:
-    """The step's dense non-GEMM work, each piece one torch op forward and backward on the step's shapes
-    (see the module docstring's ``extended bound``)."""
+def dense_ops_step(shape: dict, dtype: torch.dtype = torch.float32) -> Callable[[], None]:
+    """The step's dense non-GEMM work in ``dtype``, each piece one torch op forward and backward on the
+    step's shapes (see the module docstring's ``extended bound``)."""
     import torch.nn.functional as F
 
     B, S, H, L = shape["batch"], shape["seq"], shape["hidden_size"], shape["num_hidden_layers"]
     Hq, Hk, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     T, V, E, K = B * S, shape["vocab_size"], shape["num_experts"], shape["num_experts_per_tok"]
-    leaf = lambda *size: torch.randn(*size, requires_grad=True)   # noqa: E731
+    leaf = lambda *size: torch.randn(*size).to(dtype).requires_grad_()   # noqa: E731
+    const = lambda *size: torch.randn(*size).to(dtype)                     # noqa: E731
     q, k, v = leaf(B, Hq, S, D), leaf(B, Hk, S, D), leaf(B, Hk, S, D)
-    attention_grad = torch.randn(B, Hq, S, D)
-    hidden, hidden_grad, norm_weight = leaf(T, H), torch.randn(T, H), leaf(H)
-    heads, heads_grad, head_weight = leaf(T * (Hq + Hk), D), torch.randn(T * (Hq + Hk), D), leaf(D)
-    cos, sin = torch.randn(S, D), torch.randn(S, D)
+    attention_grad = const(B, Hq, S, D)
+    hidden, hidden_grad, norm_weight = leaf(T, H), const(T, H), leaf(H)
+    heads, heads_grad, head_weight = leaf(T * (Hq + Hk), D), const(T * (Hq + Hk), D), leaf(D)
+    cos, sin = const(S, D), const(S, D)
     router_logits = leaf(T, E)
     logits, labels = leaf(T, V), torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(2))
 
@@ -210,15 +234,15 @@ def dense_ops_step(shape: dict) -> Callable[[], None]:
     return step
 
 
-def extended_bound_row(bound: Row, shape: dict) -> Row:
-    dense = dense_ops_step(shape)
+def extended_bound_row(bound: Row, shape: dict, dtype: torch.dtype = torch.float32) -> Row:
+    dense = dense_ops_step(shape, dtype)
 
     def step() -> float:
         bound.step()
         dense()
         return float("nan")
 
-    return Row("extended bound", step)
+    return Row(f"{_prefix(dtype)}extended bound", step)
 
 
 def hf_implementations() -> list[str]:
@@ -240,35 +264,43 @@ def hf_skip_reason(implementation: str, shape: dict) -> str | None:
     return None
 
 
-def build_rows(shape: dict) -> list[Row]:
-    """Every row, from one HF model's initial weights, all training on the same batch."""
+def build_rows(shape: dict, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list[Row]:
+    """Every row of every dtype, from one HF model's initial weights, all training on the same batch."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(hf_config(shape), attn_implementation="sdpa",
                                                 dtype=torch.float32)
     ids, labels = batch(shape, seed=1)
-    bound = bound_row(hf_model, shape)
-    rows = [bound, extended_bound_row(bound, shape)]
-    rows += [megamoe_row(hf_model, backend, ids, labels) for backend in MEGAMOE_BACKENDS]
-    for implementation in hf_implementations():
-        reason = hf_skip_reason(implementation, shape)
-        if reason is not None:
-            rows.append(Row(f"hf/{implementation}", None, reason))
-        else:
-            rows.append(hf_row(hf_model, implementation, ids))
+    rows = []
+    for dtype in dtypes:
+        bound = bound_row(hf_model, shape, dtype)
+        rows += [bound, extended_bound_row(bound, shape, dtype)]
+        rows += [megamoe_row(hf_model, backend, ids, labels, dtype) for backend in MEGAMOE_BACKENDS]
+        for implementation in hf_implementations():
+            reason = hf_skip_reason(implementation, shape)
+            if reason is not None:
+                rows.append(Row(f"{_prefix(dtype)}hf/{implementation}", None, reason))
+            else:
+                rows.append(hf_row(hf_model, implementation, ids, dtype))
     return rows
 
 
 def check_same_loss(rows: list[Row]) -> None:
-    """The first two steps of every row (same batch) report the same loss: the second checks the
-    gradients and the optimizer update as well."""
+    """The first two steps of every fp32 row (same batch) report the same loss: the second checks the
+    gradients and the optimizer update as well. A bf16 row's first loss is the fp32 rows' within
+    :data:`BF16_LOSS_RTOL`."""
     runnable = [r for r in rows if r.skip_reason is None and "bound" not in r.name]
     for _ in range(2):
         for row in runnable:
             row.losses.append(row.step())
     reference = runnable[0]
     for row in runnable[1:]:
+        if row.name.startswith(BF16):
+            if abs(row.losses[0] - reference.losses[0]) > BF16_LOSS_RTOL * abs(reference.losses[0]):
+                raise AssertionError(f"{row.name} first loss {row.losses[0]:.6f} is not {reference.name}'s "
+                                     f"{reference.losses[0]:.6f} within {BF16_LOSS_RTOL:.0%}")
+            continue
         for index, (loss, expected) in enumerate(zip(row.losses, reference.losses)):
             if abs(loss - expected) > LOSS_ATOL:
                 raise AssertionError(f"step {index}: {row.name} loss {loss:.6f} differs from {reference.name}'s "
@@ -351,10 +383,28 @@ def verdicts(timings: dict[str, dict], default: str) -> dict[str, dict]:
     return out
 
 
+def bf16_verdicts(timings: dict[str, dict], default: str) -> dict[str, dict]:
+    """issue 33's targets of the default backend's bf16 step (:data:`BF16_TARGETS`), on the minima."""
+    mine = timings[f"{BF16}megamoe/{default}"]["min_s"]
+    values = {"tokens_per_s_over_fp32": timings[f"megamoe/{default}"]["min_s"] / mine,
+              "over_bf16_extended_bound": mine / timings[f"{BF16}extended bound"]["min_s"]}
+    if f"{BF16}hf/grouped_mm" in timings:
+        values["tokens_per_s_over_hf_bf16_grouped_mm"] = timings[f"{BF16}hf/grouped_mm"]["min_s"] / mine
+    out = {}
+    for name, value in values.items():
+        at_most = name.startswith("over_")
+        target = BF16_TARGETS[name]
+        out[name] = {"value": value, "target": f"{'<=' if at_most else '>='} {target}",
+                     "met": value <= target if at_most else value >= target}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argument_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="a much smaller model, 2 repeats")
     parser.add_argument("--repeats", type=int, default=None, help="rounds over all rows (default: 9; --quick: 2)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "all"), default="all",
+                        help="fp32 rows, bf16 rows or both (bf16 verdicts need both)")
     parser.add_argument("--profile", action="store_true", help="also break one step of every row down by op category")
     parser.add_argument("--default-allocator", action="store_true",
                         help="keep glibc's allocator defaults (large tensors are fresh mmaps)")
@@ -367,19 +417,20 @@ def main(argv=None) -> int:
     repeats = args.repeats or (2 if args.quick else 9)
     tokens = shape["batch"] * shape["seq"]
 
-    rows = build_rows(shape)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator: {allocator}")
+    peaks = matmul_peaks()
+    dtypes = {"fp32": (torch.float32,), "bf16": (torch.bfloat16,), "all": (torch.float32, torch.bfloat16)}[args.dtype]
+    rows = build_rows(shape, dtypes)
     check_same_loss(rows)
     timings = measure(rows, repeats)
     default = default_backend()
 
-    hf_rows = [r.name for r in rows if r.name.startswith("hf/") and r.skip_reason is None]
-    extended = timings["extended bound"]["min_s"]
+    hf_rows = sorted({r.name.removeprefix(BF16) for r in rows if "hf/" in r.name and r.skip_reason is None})
     train = {"optimizer": "build_optimizer: fused AdamW", "lr": TRAIN.lr, "grad_clip": TRAIN.grad_clip,
-             "weight_decay": TRAIN.weight_decay, "dtype": "float32"}
+             "weight_decay": TRAIN.weight_decay, "dtype": args.dtype}
     results = {"threads": torch.get_num_threads(), "torch": torch.__version__, "allocator": allocator,
-               "model": shape, "tokens_per_step": tokens, "train": train, "repeats": repeats,
+               "matmul_peaks": peaks, "model": shape, "tokens_per_step": tokens, "train": train, "repeats": repeats,
                "default_backend": default, "loss_check": {r.name: r.losses for r in rows if r.losses}, "rows": []}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator: {allocator}")
     print(f"model: {shape}; {tokens} tokens per step; {repeats} interleaved repeats; loss check passed "
           f"({', '.join(f'{r.name} {r.losses[0]:.4f}' for r in rows if r.losses)})")
     header = "".join(f" {'/ ' + name:>16s}" for name in hf_rows)
@@ -392,8 +443,10 @@ def main(argv=None) -> int:
             results["rows"].append({"name": row.name, "skipped": row.skip_reason})
             continue
         t = timings[row.name]
-        ratios = {hf: timings[hf]["min_s"] / t["min_s"] for hf in hf_rows}
-        ratio_text = "".join(f" {ratios[hf]:16.2f}" for hf in hf_rows)
+        prefix = BF16 if row.name.startswith(BF16) else ""       # bf16 rows against bf16 rows
+        extended = timings[f"{prefix}extended bound"]["min_s"]
+        ratios = {hf: timings[prefix + hf]["min_s"] / t["min_s"] for hf in hf_rows if prefix + hf in timings}
+        ratio_text = "".join(f" {ratios[hf]:16.2f}" if hf in ratios else f" {'-':>16s}" for hf in hf_rows)
         print(f"{row.name:18s} {t['min_s'] * 1e3:8.1f} {t['median_s'] * 1e3:9.1f} {t['spread']:6.2f} "
               f"{tokens / t['min_s']:9.0f} {t['min_s'] / extended:11.2f}{ratio_text}")
         if t["spread"] > NOISY_SPREAD:
@@ -401,12 +454,14 @@ def main(argv=None) -> int:
         results["rows"].append({"name": row.name, **t, "tokens_per_s": tokens / t["min_s"],
                                 "over_extended_bound": t["min_s"] / extended, "tokens_per_s_over_hf": ratios})
     print("every ratio is of the MINIMUM step times (other processes only add time); spread = median / min; "
-          "/ hf: tokens/s over that HF row's.")
+          "/ hf: tokens/s over that HF row's (bf16 rows: over the bf16 HF row's and the bf16 extended bound).")
     if noisy:
         print(f"WARNING: median/min above {NOISY_SPREAD} for {', '.join(noisy)}: the host was busy; rerun for "
               "figures worth quoting")
     results["noisy_rows"] = noisy
-    results["verdicts"] = verdicts(timings, default)
+    results["verdicts"] = verdicts(timings, default) if "extended bound" in timings else {}
+    if f"{BF16}megamoe/{default}" in timings and f"megamoe/{default}" in timings:
+        results["verdicts"] |= {f"bf16_{name}": v for name, v in bf16_verdicts(timings, default).items()}
     print(f"\ndefault experts backend (auto on this CPU): {default}")
     for name, verdict in results["verdicts"].items():
         against = f" (against {verdict['against']})" if "against" in verdict else ""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megamoe import collective_watchdog
 from megamoe.collective_timeout import CollectiveTimeout
 from megamoe.errors import UsageError
+from megamoe.matmul_peak import auto_autocast
 
 __all__ = ["DEFAULT_COMM_TIMEOUT_S", "DEVICES", "check_comm_timeout", "launch_rank", "launch_world_size",
            "launch_local_rank", "resolve_device", "default_autocast", "distributed_backend", "init_distributed"]
@@ -79,9 +80,10 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def default_autocast(device: torch.device | str) -> str | None:
-    """The ``TrainConfig.autocast`` a script uses unless told otherwise: ``"bf16"`` on CUDA (fp32 master
-    weights, bf16 matmuls), None (fp32) elsewhere, where bf16 matmuls are slow or emulated."""
-    return "bf16" if torch.device(device).type == "cuda" else None
+    """The ``TrainConfig.autocast`` a script uses unless told otherwise: ``"bf16"`` (fp32 master weights,
+    bf16 matmuls) where the bf16 matmul peak measured on ``device`` pays for it, else None (fp32); logs why
+    (:func:`megamoe.matmul_peak.auto_autocast`)."""
+    return auto_autocast(device).autocast
 
 
 def distributed_backend(device: torch.device | str) -> str:

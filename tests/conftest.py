@@ -5,6 +5,7 @@ tests of several modules take (tiny HF checkpoints, tokenizers, data) live in te
 """
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from tests.helpers.mtp import mtp_hf_dir  # noqa: F401
 from tests.helpers.pretrain_data import inputs  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
+# --autocast auto stays fp32 in every test, and in the scripts and ranks they start, on any machine (oracle
+# tests compare fp32 runs; megamoe.matmul_peak.PIN_ENV); tests/test_matmul_peak.py unsets it to measure.
+os.environ.setdefault("MEGAMOE_AUTOCAST_AUTO", "none")
 
 
 def _script_module(monkeypatch, name: str, path: str):

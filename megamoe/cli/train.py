@@ -116,8 +116,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add_launch_arguments(p)
     add_device_argument(p)
     p.add_argument("--autocast", choices=("auto", "none", "bf16", "fp16"), default="auto",
-                   help="mixed precision of the matmuls, with fp32 master weights: auto is bf16 on CUDA and none "
-                        "(fp32) on CPU; fp16 uses dynamic loss scaling")
+                   help="mixed precision of the matmuls, with fp32 master weights: auto is bf16 where its matmul "
+                        "peak measured at startup is >= 4x fp32's (logged), else none (fp32); fp16 uses dynamic "
+                        "loss scaling")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=120, help="train until this optimizer step")
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step, over all DP ranks")

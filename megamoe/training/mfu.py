@@ -9,19 +9,20 @@ divided over its model-parallel (TP x PP x CP, EP inside DP) group. ``mfu = that
 
 The peak (:func:`resolve_peak_tflops`), in this order: an explicit value (``--peak-tflops``); the
 dense bf16 / fp16 tensor-core peak of a known GPU by ``torch.cuda.get_device_name()`` (training in
-bf16 or fp16 only); else the matmul throughput measured once in the training dtype
-(:func:`measure_matmul_tflops`; CPUs, unknown GPUs, fp32), logged as "MFU against measured matmul peak
-X TFLOP/s".
+bf16 or fp16 only); else the matmul throughput measured once per process in the training dtype
+(:func:`megamoe.matmul_peak.matmul_peak_tflops`, shared with ``--autocast auto``; CPUs, unknown GPUs,
+fp32), logged as "MFU against measured matmul peak X TFLOP/s".
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from megamoe.matmul_peak import matmul_peak_tflops, measure_matmul_tflops
 
 __all__ = ["PeakTFlops", "known_gpu_peak_tflops", "measure_matmul_tflops", "model_flops_utilization",
            "model_tflops_per_rank", "resolve_peak_tflops"]
@@ -82,32 +83,6 @@ def known_gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, *, size: int = 1024, repeats: int = 5,
-                          budget_s: float = 2.0) -> float:
-    """The best of ``repeats`` timed ``size x size`` matmuls in ``dtype`` on ``device``, in TFLOP/s
-    (after one warm-up): what a dense GEMM reaches on this device with this many threads. Stops
-    early once the timed matmuls took ``budget_s`` (a slow dtype on a CPU: bf16 without AMX)."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    torch.mm(a, b)
-    best, spent = float("inf"), 0.0
-    for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        _synchronize(device)
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-        if spent >= budget_s:
-            break
-    return 2 * size ** 3 / max(best, 1e-9) / 1e12
-
-
 @dataclass(frozen=True)
 class PeakTFlops:
     tflops: float
@@ -115,7 +90,7 @@ class PeakTFlops:
 
 
 def resolve_peak_tflops(device: torch.device, dtype: torch.dtype, *, explicit_tflops: float | None = None,
-                        measure: Callable[[torch.device, torch.dtype], float] = measure_matmul_tflops
+                        measure: Callable[[torch.device, torch.dtype], float] = matmul_peak_tflops
                         ) -> PeakTFlops:
     """The per-device peak MFU is measured against, in the order of the module docstring; logs which."""
     device = torch.device(device)

@@ -223,10 +223,11 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
     device = resolve_device(args.device)
     source = check_arguments(args, launch_world_size(), device)
     plan = plan_start(args)
-    autocast = default_autocast(device) if args.autocast == "auto" else None if args.autocast == "none" else args.autocast
     rank, world = init_distributed(comm_timeout_s=args.comm_timeout, device=device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # After the thread count is set: auto measures this rank's matmul peaks (and logs why it chose).
+    autocast = default_autocast(device) if args.autocast == "auto" else None if args.autocast == "none" else args.autocast
     world_group = dist.group.WORLD if world > 1 else None
     etp = default_etp(args.tp, args.dispatcher, args.etp)
     # The groups inherit the world's timeout (on CUDA --comm-timeout plus the collective watchdog's reserve).
