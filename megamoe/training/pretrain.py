@@ -214,6 +214,13 @@ def _json_args(args) -> dict:
 
 
 
+def agreed_autocast(autocast: str | None, group, device: torch.device) -> str | None:
+    """``--autocast auto``'s choice for the whole job: each rank measured its own matmul peaks, and ranks that
+    chose differently would run different dtypes; bf16 only where every rank of ``group`` chose it."""
+    chose_bf16 = torch.tensor([1 if autocast == "bf16" else 0], dtype=torch.int32, device=device)
+    return "bf16" if comms.all_reduce_(chose_bf16, group, op=dist.ReduceOp.MIN).item() else None
+
+
 def pretrain(config: argparse.Namespace) -> RunSummary:
     """Run the training run ``config`` describes (the namespace :func:`megamoe.cli.train.parse_args` returns:
     every field of :data:`~megamoe.training.run_config_file.SECTIONS`) on this process's rank; collective over
@@ -228,6 +235,8 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # After the thread count is set: auto measures this rank's matmul peaks (and logs why it chose).
     autocast = default_autocast(device) if args.autocast == "auto" else None if args.autocast == "none" else args.autocast
+    if args.autocast == "auto" and world > 1:
+        autocast = agreed_autocast(autocast, dist.group.WORLD, device)
     world_group = dist.group.WORLD if world > 1 else None
     etp = default_etp(args.tp, args.dispatcher, args.etp)
     # The groups inherit the world's timeout (on CUDA --comm-timeout plus the collective watchdog's reserve).

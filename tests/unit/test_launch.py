@@ -110,11 +110,6 @@ def test_a_script_asked_for_cuda_without_one_prints_one_error_line(monkeypatch, 
     assert line.startswith("tool.py: error: --device cuda: no CUDA device is available")
 
 
-def test_bf16_autocast_by_default_on_cuda_only():
-    assert launch.default_autocast(torch.device("cuda", 1)) == "bf16"
-    assert launch.default_autocast("cpu") is None
-
-
 def test_init_distributed_picks_the_backend_and_gpu_of_the_device(monkeypatch):
     # On CUDA (NCCL) the collective watchdog is armed with --comm-timeout and the process group's own timeout
     # (NCCL's watchdog, which aborts the process) comes DIAGNOSIS_RESERVE_S later; gloo times out itself. The
