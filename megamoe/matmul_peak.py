@@ -130,7 +130,8 @@ def choose_autocast(fp32_tflops: float, bf16_tflops: float, *, min_speedup: floa
 def auto_autocast(device: torch.device | str) -> AutocastChoice:
     """The compute dtype ``--autocast auto`` runs on ``device``: :func:`choose_autocast` of the peaks
     measured here (once per process), or what :data:`PIN_ENV` pins. Logs the choice and why, and says when
-    it is close to the margin: every torchrun rank measures on its own, and they could then differ."""
+    it is close to the margin: every torchrun rank measures on its own (`megamoe train` has them agree on one
+    dtype: :func:`megamoe.training.pretrain.agreed_autocast`)."""
     pinned = os.environ.get(PIN_ENV)
     if pinned is not None:
         if pinned not in _PINNED:
