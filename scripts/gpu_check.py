@@ -93,20 +93,13 @@ def training_commands(gpus: int, work_dir: Path) -> dict[str, Command]:
     return commands
 
 
-def _pretrain_module():
-    spec = importlib.util.spec_from_file_location("pretrain_moe", REPO / "examples/pretrain_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pretrain_moe"] = module          # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def check_command_arguments(name: str, command: Command) -> Row:
     """The dry run's row for a training command: its arguments pass the script's parser and checks (the memory
     check against the GPU's memory is left to the real run: the meta device stands in for it)."""
-    pretrain = _pretrain_module()
+    from megamoe.cli.train import parse_args
+    from megamoe.training.pretrain_checks import check_arguments
     try:
-        pretrain.check_arguments(pretrain.parse_args(command.args), command.nproc, torch.device("meta"))
+        check_arguments(parse_args(command.args), command.nproc, torch.device("meta"))
     except (UsageError, ValueError, SystemExit) as error:
         return Row(name, "FAIL", f"arguments refused: {error}")
     return Row(name, NO_GPU, f"arguments accepted: {' '.join(command.args)}")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megamoe.spawned_ranks import run_on_ranks
 from parallel_state import (GROUP_KINDS, compute_rank_groups, destroy_model_parallel, get_parallel_state,
                             initialize_model_parallel)
-from tests.helpers.parallel_state import _groups_by_ranks
+from tests.helpers.process_groups import _groups_by_ranks
 
 
 def _check_layouts(rank, world_size, layouts_to_check):

@@ -21,7 +21,9 @@ def test_train_step_benchmark_quick(monkeypatch, tmp_path, capsys):
     train_step = _benchmark("train_step", monkeypatch)
     out = tmp_path / "train_step.json"
     # --default-allocator: the script's mallopt settings would outlive it in the test process.
-    assert train_step.main(["--quick", "--repeats", "3", "--profile", "--default-allocator", "--json", str(out)]) == 0
+    # the fp32 rows and their verdicts (the bf16 tables are the moe_layer test's)
+    assert train_step.main(["--quick", "--repeats", "3", "--profile", "--default-allocator", "--dtype", "fp32",
+                            "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     rows = {row["name"]: row for row in results["rows"]}
     timed = [name for name, row in rows.items() if "skipped" not in row]
@@ -62,7 +64,10 @@ def test_moe_layer_benchmark_on_a_small_shape(monkeypatch, tmp_path):
     out = tmp_path / "moe_layer.json"
     assert moe_layer.main(["--quick", "--default-allocator", "--shape", "64", "32", "16", "8", "2",
                            "--json", str(out)]) == 0
-    (entry,) = json.loads(out.read_text())["shapes"]
+    entry, bf16_entry = json.loads(out.read_text())["shapes"]             # one table per dtype
+    assert (entry["dtype"], bf16_entry["dtype"]) == ("fp32", "bf16")
+    assert {row["name"] for row in bf16_entry["rows"]} == {row["name"] for row in entry["rows"]}
+    assert all(row["train_step_ratio"] > 0 for row in bf16_entry["rows"] if "skipped" not in row)
     assert entry["T_H_F_E_K"] == [64, 32, 16, 8, 2] and entry["target_megamoe_torch_train"] is None
     rows = {row["name"]: row for row in entry["rows"]}
     assert {"bound", "megamoe/torch", "megamoe/loop", "qwen3_moe/eager", "mixtral/grouped_mm"} <= set(rows)

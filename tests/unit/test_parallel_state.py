@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from parallel_state import (GROUP_KINDS, GroupInfo, ParallelState, compute_rank_groups, destroy_model_parallel,
                             initialize_model_parallel)
-from tests.helpers.parallel_state import _groups_by_ranks
+from tests.helpers.process_groups import _groups_by_ranks
 
 TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # kind -> (grid, order tokens whose index varies inside one group); every other index is fixed.

@@ -56,7 +56,7 @@ def _executed_1f1b_order(monkeypatch, pp, rank, m):
     def record_backward(input_tensor, output, aux_loss, output_grad):
         ops.append(PipelineOp("B", int(output.flatten()[0]), 0))   # the output carries its micro-batch index
         return None if rank == 0 else torch.zeros(SHAPE)
-    monkeypatch.setattr(schedule_module, "_backward", record_backward)
+    monkeypatch.setattr(schedule_module, "backward_step", record_backward)
 
     def forward_step(input_tensor, index):
         ops.append(PipelineOp("F", index, 0))
