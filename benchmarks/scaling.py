@@ -174,7 +174,7 @@ def _train(m: dict, lay: dict, state, data: torch.Tensor, *, overlap: bool, step
                 counter.reset()                        # the warm-up step is not counted
             mine = data[step, state.dp.rank * per_rank:(state.dp.rank + 1) * per_rank]
             micro_batches = [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(1)]
-            with comms.comm_timeline() as timeline:
+            with comms.comm_timeline(next(model.parameters()).device) as timeline:   # CUDA events on GPU
                 start = time.perf_counter()
                 metrics = trainer.train_step(micro_batches)
                 elapsed = time.perf_counter() - start
