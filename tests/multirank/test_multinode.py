@@ -273,11 +273,15 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_sigterm_stops_cle
     (save_dir / "step_00000098").mkdir()
     first = _wait_for(job.workers, job, "the workers")
     os.kill(first[1], signal.SIGKILL)
+    logged_before_the_kill = max(_losses(tmp_path / "restarted.jsonl"), default=0)
     resumed = _wait_for(lambda: re.search(r"resuming from (\S+) at step (\d+)", job.output()), job, "the restart")
     assert re.fullmatch(r".*/step_\d{8}", resumed.group(1)) and int(resumed.group(2)) % 5 == 0
     workers = _wait_for(lambda: (w := job.workers()) and set(w.values()).isdisjoint(first.values()) and w,
                         job, "the restarted workers")
-    _wait_for(lambda: max(_losses(tmp_path / "restarted.jsonl"), default=0) > int(resumed.group(2)), job,
+    # A step the restarted attempt trained (the killed attempt logged steps past the resumed one too): its stop
+    # handlers are installed by then, so the SIGTERM is the one it handles, not the default action.
+    _wait_for(lambda: max(_losses(tmp_path / "restarted.jsonl"), default=0) > max(logged_before_the_kill,
+                                                                                int(resumed.group(2))), job,
               "a step after the restart")
     os.kill(workers[0], signal.SIGTERM)             # one rank only: the other stops at the same step
     assert job.wait() == 0, job.output()[-3000:]
