@@ -32,7 +32,17 @@ setup(
             "tensorboard>=2.10",
             # the import layers in .importlinter, checked by tests/test_import_contracts.py
             "import-linter>=2.1",
+            # the LoRA oracle and PEFT export tests (megamoe.lora), the OpenAI client against `megamoe serve`
+            "peft>=0.17",
+            "openai>=1.0",
+            "fastapi>=0.110",
+            "uvicorn>=0.29",
+            "jinja2>=3.1",
         ],
+        # `megamoe serve`: the OpenAI-compatible HTTP server (megamoe.serving).
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "transformers>=5.0", "jinja2>=3.1"],
+        # Chat SFT data (chat templates rendered with jinja2) and PEFT adapter export.
+        "finetune": ["jinja2>=3.1", "transformers>=5.0", "peft>=0.17"],
         # Parquet input for `megamoe-preprocess` (megamoe.data.documents).
         "data": ["pyarrow>=14"],
         # HuggingFace configs for `megamoe-convert import-hf / export-hf / verify`.
