@@ -18,6 +18,8 @@ from tests.helpers.inference import NEW, PROMPTS, SAMPLING, SOLO, _our_model
 
 # GQA (qk norm, tied embeddings), MLA (DeepSeek-V3), sliding + full layers with sinks (gpt-oss), sliding
 # window on every layer (Mixtral, window 5: blocks behind it are released).
+pytestmark = pytest.mark.usefixtures("one_thread")     # tiny steps: two threads on a busy machine cost 10x
+
 FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
 
 
