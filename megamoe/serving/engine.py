@@ -85,6 +85,7 @@ class Engine:
         self._pending: list[RequestOutput] = []          # aborts reported by the next step
         self.prompt_tokens_computed = 0
         self.generated_tokens = 0
+        self.spec_proposed = self.spec_accepted = 0      # MTP draft tokens, totals (speculation adds to them)
         logger.info("KV cache: %d blocks of %d positions (%s) over %d layers", num_blocks, config.block_size,
                     format_bytes(self.cache.nbytes), len(layers))
 
@@ -280,5 +281,4 @@ class Engine:
             kv_blocks_total=scheduler.pool.num_blocks, prefix_cache_queries=cache.queries if cache else 0,
             prefix_cache_hits=cache.hits if cache else 0, prompt_tokens_computed=self.prompt_tokens_computed,
             generated_tokens=self.generated_tokens, preemptions=scheduler.preemptions,
-            spec_proposed=sum(r.spec_proposed for r in self.requests.values()),
-            spec_accepted=sum(r.spec_accepted for r in self.requests.values()), expert_balancedness=balance)
+            spec_proposed=self.spec_proposed, spec_accepted=self.spec_accepted, expert_balancedness=balance)

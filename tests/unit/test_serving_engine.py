@@ -158,6 +158,32 @@ def test_preemption_with_a_tiny_pool_keeps_every_token():
     assert engine.metrics().preemptions > 0 and max(used) <= 8
 
 
+def test_a_long_prompt_never_stalls_running_decodes():
+    """Chunked prefill: while a 40-token prompt is prefilled under a budget of 8 tokens per step, both running
+    requests get a token every step (6 prompt tokens go with their 2 decodes); a finished request's blocks
+    are released in the step that ends it (the pool holds exactly the running requests' blocks after every
+    step); every request's tokens are still generate()'s."""
+    family = "qwen3_moe"
+    long_prompt = [(7 * i + 3) % V for i in range(40)]
+    expected = generate(model(family), SOLO, [long_prompt], GenerationConfig(max_new_tokens=3)).token_ids[0]
+    engine = engine_for(family, max_num_batched_tokens=8, enable_prefix_caching=False)
+    engine.add_request(0, PROMPTS[1], SamplingParams(max_tokens=NEW + 2))   # ends in the step after the prefill
+    engine.add_request(1, PROMPTS[3], SamplingParams(max_tokens=NEW + 4))
+    engine.step()                                              # both prompts (2 + 4 tokens) in one step
+    engine.add_request(2, long_prompt, SamplingParams(max_tokens=3))
+    out, step = {}, 0
+    while engine.has_unfinished():
+        outputs = {o.request_id: o for o in engine.step()}
+        step += 1
+        if step < 7:                                           # 40 = 6 x 6 + 4 prompt tokens
+            assert sorted(outputs) == [0, 1] and engine.scheduler.running[-1].num_computed == 6 * step
+        held = {b for r in engine.scheduler.running for b in r.block_table}
+        assert engine.metrics().kv_blocks_used == len(held)
+        out.update(outputs)
+    assert out[0].finish_reason == "length" and out[0].token_ids[:NEW] == reference(family)[1]
+    assert out[1].token_ids[:NEW] == reference(family)[3] and out[2].token_ids == expected
+
+
 def test_abort_frees_blocks_at_once():
     engine = engine_for("qwen3_moe")
     for i, prompt in enumerate(PROMPTS[:2]):
