@@ -95,6 +95,18 @@ def test_greedy_tokens_equal_generate_and_transformers(family):
     assert (max(freed) > 0) == (family == "mixtral")
 
 
+def test_sliding_window_layers_serve_sequences_longer_than_the_pool():
+    """Mixtral (window 5 on every layer): blocks behind the window are released, so a pool of 5 blocks of 2
+    positions serves 13-position sequences, one at a time, with generate()'s tokens."""
+    family = "mixtral"
+    probe = engine_for(family, block_size=2)
+    per_block = probe.cache.nbytes // probe.cache.num_blocks
+    engine = engine_for(family, block_size=2, kv_cache_memory=5 * per_block, max_num_batched_tokens=3)
+    assert engine.cache.num_blocks == 5
+    out = drive(engine, [(0, i, p, SamplingParams(max_tokens=NEW)) for i, p in enumerate(PROMPTS)])
+    assert [out[i].token_ids for i in range(len(PROMPTS))] == reference(family)
+
+
 def test_seeded_sampling_equals_generate_whatever_the_batch():
     """Seeded sampling = generate(..., request_ids=[id]) with the same seed, for requests mixed with greedy
     ones in the same steps."""
@@ -279,7 +291,7 @@ def test_bad_settings_queue_and_pool_limits():
     with pytest.raises(QueueFullError, match="max_waiting"):
         engine.add_request(2, [1, 2], SamplingParams())
     small = engine_for("qwen3_moe", kv_cache_memory=engine.cache.nbytes // engine.cache.num_blocks * 3)
-    with pytest.raises(ValueError, match=r"more than the whole KV cache holds \(3 blocks of 4\)"):
+    with pytest.raises(ValueError, match=r"needs 4 KV blocks, more than the whole KV cache holds \(3 blocks of 4 positions\)"):
         small.add_request(0, [1] * 10, SamplingParams(max_tokens=3))
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_memory .* holds no KV block"):
         engine_for("qwen3_moe", kv_cache_memory=10)
