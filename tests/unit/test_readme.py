@@ -30,6 +30,7 @@ PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
 # -> the test that runs it as written.
 PYTHON_BLOCKS_RUN_ELSEWHERE = {
     ("docs/generation.md", "# Generation"): "tests/multirank/test_inference.py",
+    ("docs/serving_engine.md", "# The serving engine (`megamoe.serving`)"): "tests/unit/test_serving_engine.py",
 }
 
 # Packages the pages tell users to pip-install by name, outside this package's extras.

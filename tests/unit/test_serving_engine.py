@@ -4,6 +4,8 @@ logprobs and bad requests. Tiny random HF models (tests/helpers/hf_models.py), b
 
 import functools
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,3 +325,12 @@ def test_block_pool_shares_and_evicts_least_recently_used():
     assert pool.allocate(2) is None and pool.num_free == 1     # nothing taken when short
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([c, c])
+
+
+def test_the_docs_example_runs_as_written():
+    """The python block of docs/serving_engine.md (a random tiny Qwen3-MoE): both requests get their 8 tokens."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving_engine.md").read_text()
+    namespace = {}
+    exec(re.search(r"```python\n(.*?)```", page, re.S).group(1), namespace)
+    assert {i: len(ids) for i, ids in namespace["finished"].items()} == {0: 8, 1: 8}
+    assert namespace["engine"].metrics().kv_blocks_used == 0
