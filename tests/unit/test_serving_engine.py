@@ -99,7 +99,7 @@ def test_greedy_tokens_equal_generate_and_transformers(family):
 
 def test_sliding_window_layers_serve_sequences_longer_than_the_pool():
     """Mixtral (window 5 on every layer): blocks behind the window are released, so a pool of 5 blocks of 2
-    positions serves 13-position sequences, one at a time, with generate()'s tokens."""
+    positions serves 13-position sequences with generate()'s tokens, prefix-cache hits included."""
     family = "mixtral"
     probe = engine_for(family, block_size=2)
     per_block = probe.cache.nbytes // probe.cache.num_blocks
@@ -107,6 +107,18 @@ def test_sliding_window_layers_serve_sequences_longer_than_the_pool():
     assert engine.cache.num_blocks == 5
     out = drive(engine, [(0, i, p, SamplingParams(max_tokens=NEW)) for i, p in enumerate(PROMPTS)])
     assert [out[i].token_ids for i in range(len(PROMPTS))] == reference(family)
+    # A 12-token prompt twice (8 blocks): the second finds its 5 leading blocks cached but takes only the 2
+    # inside the window of its first query (position 10).
+    engine = engine_for(family, block_size=2, kv_cache_memory=8 * per_block, max_num_batched_tokens=3)
+    prompt = [(5 * i + 2) % V for i in range(12)]
+    expected = generate(model(family), SOLO, [prompt], GenerationConfig(max_new_tokens=2)).token_ids[0]
+    assert drive(engine, [(0, 10, prompt, SamplingParams(max_tokens=2))])[10].token_ids == expected
+    engine.add_request(11, prompt, SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.scheduler.running[0].block_table[:5] == [None] * 3 + engine.scheduler.running[0].block_table[3:5]
+    assert None not in engine.scheduler.running[0].block_table[3:] and engine.metrics().kv_blocks_used == 3
+    assert [t for o in engine.run() for t in o.new_token_ids] == expected[1:]
+    assert engine.metrics().prefix_cache_hits == 10
 
 
 def test_seeded_sampling_equals_generate_whatever_the_batch():
