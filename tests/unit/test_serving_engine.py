@@ -210,6 +210,14 @@ def test_a_long_prompt_never_stalls_running_decodes():
     assert out[1].token_ids[:NEW] == reference(family)[3] and out[2].token_ids == expected
 
 
+def test_max_num_seqs_bounds_the_running_requests():
+    running = []
+    engine = engine_for("qwen3_moe", max_num_seqs=2)
+    out = drive(engine, [(0, i, p, SamplingParams(max_tokens=NEW)) for i, p in enumerate(PROMPTS)],
+                lambda e: running.append(e.metrics().running))
+    assert max(running) == 2 and [out[i].token_ids for i in range(len(PROMPTS))] == reference("qwen3_moe")
+
+
 def test_abort_frees_blocks_at_once():
     engine = engine_for("qwen3_moe")
     for i, prompt in enumerate(PROMPTS[:2]):
