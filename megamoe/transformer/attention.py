@@ -30,7 +30,9 @@ KV cache seam: ``forward(hidden, position_ids, kv_cache=None, attention_mask=Non
 object with ``update(key, value) -> (all_keys, all_values)`` (:class:`KVCache`) holding ONE layer's
 state; it receives this call's rotated keys and values [B, kv_heads_local, S, head_dim] and returns
 every cached position [B, kv_heads_local, S_past + S, head_dim]. The queries are taken to be the last
-S positions: the causal / sliding-window mask is aligned to the end of the key sequence.
+S positions: the causal / sliding-window mask is aligned to the end of the key sequence. A paged cache
+serving several requests packed in one row (:mod:`megamoe.serving`) also tells where each request's
+queries and keys lie (``packed_segments``); attention then runs per request (:func:`packed_attention`).
 
 Masking is by index along each batch row; ``position_ids`` only drive RoPE. Padding: the optional
 ``attention_mask`` [B, S_past + S] (HF's 2-D mask: True / 1 where the position holds a real token)
