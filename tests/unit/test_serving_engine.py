@@ -12,6 +12,7 @@ import torch
 
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.inference.pipeline_forward import pipeline_logits
+from megamoe.transformer.attention import causal_attention, packed_attention
 from megamoe.serving import Engine, EngineConfig, QueueFullError, SamplingParams
 from megamoe.serving.block_pool import BlockPool
 from megamoe.serving.prefix_cache import PrefixCache, chained_block_hashes
@@ -325,6 +326,25 @@ def test_bad_settings_queue_and_pool_limits():
                          ("stop_token_ids", (-1,)), ("stop", ("",)), ("logprobs", 1)):
         with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
             SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (3, True)])
+def test_packed_attention_equals_each_request_alone(window, sinks):
+    """Three requests in one row, two decoding (5 and 2 keys) around a prefill chunk (3 queries over 6 keys):
+    each query's output equals causal_attention over its own request's keys alone (GQA 4 / 2 heads)."""
+    g = torch.Generator().manual_seed(0)
+    lengths, queries = [5, 6, 2], [1, 3, 1]
+    keys = [torch.randn(1, 2, n, 8, generator=g) for n in lengths]
+    values = [torch.randn(1, 2, n, 6, generator=g) for n in lengths]
+    qs = [torch.randn(1, 4, n, 8, generator=g) for n in queries]
+    sink = torch.randn(4, generator=g) if sinks else None
+    segments, q0, k0 = [], 0, 0
+    for n_q, n_k in zip(queries, lengths):
+        segments.append((q0, n_q, k0, n_k))
+        q0, k0 = q0 + n_q, k0 + n_k
+    out = packed_attention(torch.cat(qs, 2), torch.cat(keys, 2), torch.cat(values, 2), 0.3, segments, window, sink)
+    alone = torch.cat([causal_attention(q, k, v, 0.3, window, sinks=sink) for q, k, v in zip(qs, keys, values)], 2)
+    torch.testing.assert_close(out, alone, atol=1e-6, rtol=0)
 
 
 def test_block_pool_shares_and_evicts_least_recently_used():
