@@ -322,7 +322,7 @@ def test_bad_settings_queue_and_pool_limits():
                          ("kv_cache_memory_fraction", 0), ("kv_cache_memory", -1), ("speculative_tokens", -1)):
         with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
             EngineConfig(**{field: value})
-    for field, value in (("temperature", -1.0), ("top_k", 0), ("top_p", 0.0), ("seed", -1), ("max_tokens", 0),
+    for field, value in (("temperature", -1.0), ("temperature", "hot"), ("top_p", None), ("top_k", 0), ("top_k", 2.5), ("top_p", 0.0), ("seed", -1), ("max_tokens", 0),
                          ("stop_token_ids", (-1,)), ("stop", ("",)), ("logprobs", 1)):
         with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
             SamplingParams(**{field: value})
