@@ -11,8 +11,8 @@ blocks), with ``packed_segments``: per request, where its queries and its keys l
 :func:`~megamoe.transformer.attention.packed_attention` then lets each query see only its own request's
 keys: the decoding requests (one query each) as one left-padded batch, each prefill chunk in its own call,
 so the work is each request's queries times its own keys (one masked call over the whole row, as
-transformers' ``sdpa_paged`` does, costs every query times every key of the step: with 64 requests that
-was half of a step's time here). Each request's queries are the last of its keys, in position order, so the
+transformers' ``sdpa_paged`` does, costs every query times every key of the step: serving 64 requests of
+16-128 prompt tokens on a Qwen3-MoE-like model, H 256, 6 layers, on one CPU thread, it took half the time). Each request's queries are the last of its keys, in position order, so the
 causal and sliding-window masks of :func:`~megamoe.transformer.attention.causal_attention` are exact, and
 attention sinks (gpt-oss) need nothing more.
 
