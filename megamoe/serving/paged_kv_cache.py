@@ -34,6 +34,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from megamoe.transformer.attention import PackedSegments
+
 __all__ = ["PagedKVCache", "PagedLayerView", "PackedKeys", "ScheduledChunk", "attention_layers", "pack_step"]
 
 
@@ -61,7 +63,7 @@ class PackedKeys:
     gather [K], and per request (first query, queries, first key, keys) among the step's queries and them."""
 
     gather_slots: torch.Tensor
-    segments: list[tuple[int, int, int, int]]
+    segments: PackedSegments
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -84,7 +86,8 @@ def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, d
             segments[window].append((queries, chunk.count, keys[window], end - first))
             keys[window] += end - first
         queries += chunk.count
-    packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), segments[w]) for w in windows}
+    packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), PackedSegments.build(segments[w], device))
+              for w in windows}
     return torch.cat(writes).to(device), packed
 
 
@@ -96,7 +99,7 @@ class PagedLayerView:
         self.pools, self.write_slots, self.keys = pools, write_slots, keys
 
     @property
-    def packed_segments(self) -> list[tuple[int, int, int, int]]:
+    def packed_segments(self) -> PackedSegments:
         return self.keys.segments
 
     def update(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.inference.pipeline_forward import pipeline_logits
-from megamoe.transformer.attention import causal_attention, packed_attention
+from megamoe.transformer.attention import PackedSegments, causal_attention, packed_attention
 from megamoe.serving import Engine, EngineConfig, QueueFullError, SamplingParams
 from megamoe.serving.block_pool import BlockPool
 from megamoe.serving.prefix_cache import PrefixCache, chained_block_hashes
@@ -342,7 +342,8 @@ def test_packed_attention_equals_each_request_alone(window, sinks):
     for n_q, n_k in zip(queries, lengths):
         segments.append((q0, n_q, k0, n_k))
         q0, k0 = q0 + n_q, k0 + n_k
-    out = packed_attention(torch.cat(qs, 2), torch.cat(keys, 2), torch.cat(values, 2), 0.3, segments, window, sink)
+    out = packed_attention(torch.cat(qs, 2), torch.cat(keys, 2), torch.cat(values, 2), 0.3,
+                           PackedSegments.build(segments), window, sink)
     alone = torch.cat([causal_attention(q, k, v, 0.3, window, sinks=sink) for q, k, v in zip(qs, keys, values)], 2)
     torch.testing.assert_close(out, alone, atol=1e-6, rtol=0)
 
