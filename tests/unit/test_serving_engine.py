@@ -12,17 +12,17 @@ import torch
 
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.inference.pipeline_forward import pipeline_logits
-from megamoe.transformer.attention import PackedSegments, causal_attention, packed_attention
 from megamoe.serving import Engine, EngineConfig, QueueFullError, SamplingParams
 from megamoe.serving.block_pool import BlockPool
 from megamoe.serving.prefix_cache import PrefixCache, chained_block_hashes
+from megamoe.transformer.attention import PackedSegments, causal_attention, packed_attention
 from tests.helpers.hf_models import V, hf_model
 from tests.helpers.inference import NEW, PROMPTS, SAMPLING, SOLO, _our_model
 
-# GQA (qk norm, tied embeddings), MLA (DeepSeek-V3), sliding + full layers with sinks (gpt-oss), sliding
-# window on every layer (Mixtral, window 5: blocks behind it are released).
 pytestmark = pytest.mark.usefixtures("one_thread")     # tiny steps: two threads on a busy machine cost 10x
 
+# GQA (qk norm, tied embeddings), MLA (DeepSeek-V3), sliding + full layers with sinks (gpt-oss), sliding
+# window on every layer (Mixtral, window 5: blocks behind it are released).
 FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
 
 
