@@ -8,11 +8,16 @@ import os
 
 CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
-# ChatML; the assistant's content and its end-of-turn marker are the generation.
+# ChatML; the assistant's content (tool calls as JSON: the tojson filter) and its end-of-turn marker are the
+# generation; a system message after the first is an error (raise_exception).
 CHATML_GENERATION = (
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('the system message must come first') }}{% endif %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}{{ '<tool_call>' + call.function | tojson + '</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}"
     "{{ '\\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -76,7 +81,7 @@ CONVERSATIONS = [
     [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "four"},
      {"role": "user", "content": "tell me a joke"}, {"role": "assistant", "content": "the cat sat on the mat"}],
     [{"role": "user", "content": "weather?"},
-     {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "weather"}}]},
+     {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "<Paris> & co"}}}]},
      {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "it is sunny"}],
 ]
 
