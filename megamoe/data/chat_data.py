@@ -125,8 +125,8 @@ def encode_chat_file(path: str | os.PathLike, encoder: ChatEncoder) -> ChatDocum
                 "no {% generation %} in the template: the text each assistant turn adds to its prompt, rendered "
                 "prefix by prefix, is trained, its end-of-turn marker included")
     ids, masks, lengths, per_conversation = [], [], [], []
-    for line, messages in tqdm(chat_records(path), desc="chat data", unit="conversation", disable=None):
-        documents = encoder.encode(messages, f"{path}:{line}")
+    for where, messages in tqdm(chat_records(path), desc="chat data", unit="conversation", disable=None):
+        documents = encoder.encode(messages, where)
         for document_ids, mask in documents:
             ids.append(document_ids)
             masks.append(mask)

@@ -19,23 +19,20 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from megamoe.data.documents import json_lines
+
 __all__ = ["ROLES", "is_chat_file", "chat_records", "record_messages"]
 
 ROLES = ("system", "user", "assistant", "tool")
-_SNIFF_LINES = 16
 
 
 def _first_record(path: Path) -> dict | None:
     """The first non-blank line of ``path`` as a JSON object; None when there is none or it is no object."""
     try:
-        with open(path, "rb") as file:
-            for _, raw in zip(range(_SNIFF_LINES), file):
-                if raw.strip():
-                    record = json.loads(raw.decode("utf-8"))
-                    return record if isinstance(record, dict) else None
-    except (OSError, UnicodeDecodeError, ValueError):
+        _, record = next(json_lines(path), (None, None))
+    except (OSError, ValueError):
         return None
-    return None
+    return record if isinstance(record, dict) else None
 
 
 def is_chat_file(path: str | os.PathLike) -> bool:
@@ -93,20 +90,7 @@ def record_messages(record, where: str) -> list[dict]:
     return messages
 
 
-def chat_records(path: str | os.PathLike) -> Iterator[tuple[int, list[dict]]]:
-    """(line number, messages) of every non-blank line of the chat JSON Lines file ``path``, checked."""
-    path = Path(path)
-    with open(path, "rb") as file:
-        for line_number, raw in enumerate(file, start=1):
-            where = f"{path}:{line_number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            yield line_number, record_messages(record, where)
+def chat_records(path: str | os.PathLike) -> Iterator[tuple[str, list[dict]]]:
+    """(``file:line``, messages) of every non-blank line of the chat JSON Lines file ``path``, checked."""
+    for where, record in json_lines(path):
+        yield where, record_messages(record, where)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from megamoe.data.tokenizer import read_json_object
+
 __all__ = ["ChatTemplate", "RenderedChat", "load_chat_template", "chat_template_dir"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -156,22 +158,12 @@ def chat_template_dir(tokenizer_path: str | Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def _read_json_object(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"cannot read {path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _special_tokens(directory: Path, config: dict) -> dict[str, str]:
     """The special tokens' strings (``special_tokens_map.json``, then ``tokenizer_config.json`` winning)."""
     tokens: dict[str, str] = {}
     sources = [config]
     if (directory / "special_tokens_map.json").is_file():
-        sources.insert(0, _read_json_object(directory / "special_tokens_map.json"))
+        sources.insert(0, read_json_object(directory / "special_tokens_map.json"))
     for source in sources:
         for name in _SPECIAL_TOKEN_NAMES:
             value = source.get(name)
@@ -187,7 +179,7 @@ def load_chat_template(tokenizer_path: str | Path) -> ChatTemplate | None:
     unreadable files or a template that does not compile."""
     directory = chat_template_dir(tokenizer_path)
     config_path = directory / "tokenizer_config.json"
-    config = _read_json_object(config_path) if config_path.is_file() else {}
+    config = read_json_object(config_path) if config_path.is_file() else {}
     jinja_path = directory / "chat_template.jinja"
     if jinja_path.is_file():
         try:

@@ -166,7 +166,7 @@ def test_documents_file_round_trip_and_split_by_conversation(tmp_path):
 def _bad_files(tmp_path):
     ok = {"messages": CONVERSATIONS[0]}
     cases = {
-        "invalid JSON": ['{"messages": [', r"invalid JSON"],
+        "invalid JSON": ['{"messages": [', r"not valid JSON"],
         "not UTF-8": [b'{"prompt": "caf\xe9", "completion": "x"}', r"not UTF-8"],
         "missing role": [{"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}, r"has no role"],
         "unknown role": [{"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]},
