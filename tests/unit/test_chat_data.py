@@ -259,3 +259,9 @@ def test_train_on_chat_jsonl_takes_the_loss_on_assistant_tokens_only(demo, token
                                                    "unknown role 'robot'")
     assert "Traceback" not in err
     assert not list((tmp_path / "bad").rglob("*.safetensors"))
+
+
+def test_checkpoints_and_exports_carry_the_chat_template_file(tokenizers):
+    from megamoe.training.hf_export import tokenizer_side_files
+    files = tokenizer_side_files(Tokenizer.from_path(tokenizers["generation"]))
+    assert files["chat_template.jinja"].decode() == CHATML_GENERATION
