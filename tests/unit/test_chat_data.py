@@ -151,6 +151,18 @@ def test_packing_keeps_documents_whole_and_labels_only_assistant_tokens():
         ChatSamples(_documents([20], [15]), 8)
 
 
+def test_eval_batches_of_chat_rows_carry_their_document_masks():
+    from megamoe.data.eval_split import eval_batches
+    from megamoe.data.packing import MicroBatch
+    samples = ChatSamples(_documents([5, 9, 4], [3, 2, 1]), 8)                # 2 rows: 8 | 4 + 3 positions
+    (first, second), = eval_batches(samples, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1)
+    assert isinstance(first, MicroBatch)
+    expected = samples.micro_batch([0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(first, expected))
+    assert sorted(first.document_ids[1].unique().tolist()) == [0, 1, 2]     # two documents and the padding
+    assert (second.labels == IGNORE_INDEX).all() and second.document_ids is not None   # past the end: no label
+
+
 def test_documents_file_round_trip_and_split_by_conversation(tmp_path):
     documents = ChatDocuments(np.arange(12), np.arange(12) % 3 == 0, bounds_of([3, 4, 5]), bounds_of([1, 2]),
                               {"rule": "prefix"})
