@@ -121,9 +121,9 @@ class ChatSamples:
             items = self.row_items[self.row_bounds[row]:self.row_bounds[row + 1]]
             for d, item in enumerate(items.tolist()):
                 start, n = int(self.starts[item]), int(self.lengths[item])
-                inputs[b, at:at + n] = ids[start:start + n]
-                labels[b, at:at + n] = np.where(assistant[start + 1:start + n + 1], ids[start + 1:start + n + 1],
-                                                IGNORE_INDEX)
+                window = ids[start:start + n + 1].astype(np.int64)
+                inputs[b, at:at + n] = window[:-1]
+                labels[b, at:at + n] = np.where(assistant[start + 1:start + n + 1], window[1:], IGNORE_INDEX)
                 positions[b, at:at + n] = np.arange(n)
                 documents[b, at:at + n] = d
                 at += n
