@@ -45,7 +45,7 @@ from megamoe.atomic_file import atomic_write, check_output_target
 
 __all__ = [
     "UNK_ID", "BOS_ID", "EOS_ID", "PAD_ID", "train_sentencepiece",
-    "Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "check_tokenizer_fits", "main",
+    "Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "read_json_object", "check_tokenizer_fits", "main",
 ]
 
 logger = logging.getLogger(__name__)
@@ -221,6 +221,12 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int]) -> str:
         ...
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each token's ``[start, end)`` character span in ``text`` (what maps a chat's
+        assistant text to its tokens); ValueError for a format that does not give them."""
+        raise ValueError(f"tokenizer {self.path} gives no character offsets of its tokens (needed for chat data): "
+                         "use an HF tokenizer.json")
+
     @staticmethod
     def from_path(path: str | os.PathLike) -> Tokenizer:
         """Load ``*.model`` (sentencepiece) or ``*.json`` (HF tokenizers) files; for a directory,
@@ -336,12 +342,7 @@ class HFTokenizer(Tokenizer):
         (a value may be a string or an AddedToken dict with "content"); empty when the file is absent."""
         if not config_path.is_file():
             return {}
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"cannot read {config_path}: {error}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"cannot read {config_path}: expected a JSON object, got {type(config).__name__}")
+        config = read_json_object(config_path)
         tokens = {}
         for name in ("bos_token", "eos_token", "pad_token"):
             value = config.get(name)
@@ -353,6 +354,21 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in the file ``path`` (e.g. a ``tokenizer_config.json``); ValueError naming it otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"cannot read {path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def check_tokenizer_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
