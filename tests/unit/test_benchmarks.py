@@ -98,9 +98,12 @@ def test_decode_benchmark_generates_the_same_ids_as_transformers(monkeypatch, tm
     assert results["target_met"] == all(row["decode_speedup"]["megamoe/compiled"] >= 2 for row in results["rows"])
 
 
-@pytest.mark.slow      # ~15 s on an idle machine (eager rows only)
 def test_decode_benchmark_bf16_rows_measure_the_agreeing_prefix(monkeypatch, tmp_path):
     decode = _benchmark("decode", monkeypatch)
+    # the rows' logic on a tiny model (eager rows only: a few seconds); the benchmark's model is the fp32 test's
+    monkeypatch.setattr(decode, "MODEL", dict(decode.MODEL, vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                                              moe_intermediate_size=32, intermediate_size=64))
     out = tmp_path / "decode.json"
     assert decode.main(["--quick", "--threads", "1", "--prompt-lens", "32", "--dtype", "bf16", "--eager-only",
                         "--json", str(out)]) == 0
