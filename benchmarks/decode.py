@@ -18,8 +18,8 @@ load from other processes hits both alike; the table shows medians, the JSON kee
 Implementations: transformers (its default eager ``generate()``), megamoe (eager) and megamoe/compiled
 (``generate(..., compiled=True)``: decode steps through ``torch.compile``; compiled during the warm-up,
 once per batch size). Target: megamoe decode >= 2x transformers of the same dtype (issue 33: in
-bf16 too), checked on the compiled rows at torch's default thread count (the machine's cores: what a user gets); the other thread counts
-are reported beside it. Writes JSON (default benchmarks/results/decode.json).
+bf16 too), checked on the compiled rows at torch's default thread count (the machine's cores: what a
+user gets); the other thread counts are reported beside it. Writes JSON (default benchmarks/results/decode.json).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 N is measured (docs/bf16.md): on the tiny random models of tests/helpers/hf_models.py (weights N(0, 0.2^2),
 peaked logits), the 4 prompts of tests/helpers/inference.py, 32 new tokens, megamoe bf16 against transformers
-bf16 agreed on every token for qwen3_moe (the case checked here) and on the first 17 for mixtral (its 4th
-prompt; 32 under ATEN_CPU_CAPABILITY=avx2), with the default kernels and with avx2 alike. Both libraries round differently
-(fused attention against eager, the expert GEMMs' layouts), so agreement ends where two logits are closer
+bf16 agreed on every token for qwen3_moe (the case checked here), with the default kernels and under
+ATEN_CPU_CAPABILITY=avx2 alike, and on the first 17 for mixtral (its 4th prompt; 32 under avx2). Both
+libraries round differently (fused attention against eager, the expert GEMMs' layouts), so agreement ends where two logits are closer
 than bf16's rounding: the assertion covers the measured prefix only. bf16 on CPU is deterministic for a
 given kernel set, so the test is too. Oracle tests elsewhere stay in fp32."""
 
