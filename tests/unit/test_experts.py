@@ -352,11 +352,12 @@ def test_autocast_training_runs_the_expert_gemms_in_bf16_through_grouped_mm(monk
     assert torch.allclose(out.float(), reference, atol=0.02, rtol=0.02)
     grouped = (dx, module.w_gate_up.grad.clone(), module.w_down.grad.clone())
 
-    monkeypatch.undo()                                        # CPU: the per-slot loop, also in bf16
+    monkeypatch.undo()                  # CPU: one bmm per GEMM over the padded slots (grouped_bmm), also in bf16
     module.zero_grad(set_to_none=True)
     out_loop, dx_loop, calls = _training_forward_backward(module, tokens, counts)
-    assert calls and all(name == "aten::mm" and set(dtypes) == {torch.bfloat16} for name, dtypes in calls), calls
-    assert torch.equal(out_loop, out)
+    assert len(calls) == 6 and all(name == "aten::bmm" and set(dtypes) == {torch.bfloat16}
+                                   for name, dtypes in calls), calls
+    assert torch.allclose(out_loop.float(), out.float(), atol=1e-2, rtol=1e-2)
     for a, b in zip((dx_loop, module.w_gate_up.grad, module.w_down.grad), grouped):
         assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)
 

@@ -18,7 +18,9 @@ Backends (one interface, see :class:`GroupedExperts`):
   fp32 parameters and bf16 autocast runs the bf16 grouped GEMMs. On CPU it is
   one ``torch.mm(..., out=slice)`` per slot, each on all threads, the same serial loop as
   ``torch._grouped_mm`` on CPU but for any dtype (see :func:`_for_each_slot`; ``benchmarks/moe_layer.py``
-  has both as rows).
+  has both as rows), except for bf16 / fp16 rows whose slots are small: they run one ``torch.bmm`` per
+  GEMM over the slots padded to the fullest one (:mod:`megamoe.moe.experts.grouped_bmm`: a bf16 GEMM
+  call has a fixed cost on CPU that the per-slot loop pays once per slot).
 - ``loop``: the reference: plain autograd over ``F.linear`` per slot, on ``split`` / ``unbind`` views
   (never ``weight[slot]`` indexing, whose backward materialises a zero-filled full-size gradient per
   slot).
@@ -273,8 +275,9 @@ class GroupedExperts(nn.Module):
                              self.activation, recompute_activation=self.recompute_activation, **biases)
         tokens, w_gate_up, w_down, b_gate_up, b_down = in_autocast_dtype(
             tokens_sorted, self.w_gate_up, self.w_down, self.b_gate_up, self.b_down)
+        gemm_columns = (2 if cfg.gated else 1) * cfg.ffn_shard_size + cfg.ffn_shard_size     # gate/up, then down
         groups = SlotGroups.from_counts(tokens_per_slot.to(tokens.device), tokens.shape[0], dtype=tokens.dtype,
-                                        known_sizes=rows_per_slot)
+                                        known_sizes=rows_per_slot, row_flops=2 * cfg.hidden_size * gemm_columns)
         biases = (b_gate_up, b_down, self.adds_down_bias)
         if torch.is_grad_enabled():
             return GroupedMLPFunction.apply(tokens, w_gate_up, w_down, groups, self.activation,

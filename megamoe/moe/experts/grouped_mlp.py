@@ -4,7 +4,9 @@ the whole expert MLP (see :mod:`megamoe.moe.experts.grouped_experts` for the bac
 ``SlotGroups`` says which rows belong to which slot; ``grouped_linear`` and its two gradients are the
 grouped GEMMs (``torch._grouped_mm`` where its kernels apply, else one GEMM per slot);
 :class:`GroupedMLPFunction` runs gate/up, the activation and down forward, and writes each weight
-gradient once, straight into its stacked buffer, backward.
+gradient once, straight into its stacked buffer, backward. Low-precision rows on CPU run it on the
+padded batch of slots instead (:mod:`megamoe.moe.experts.grouped_bmm`): one ``torch.bmm`` per projection
+and gradient for all slots, the activation on the padded batch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable
 import torch
 
 from megamoe.host_values import even_split, host_ints
+from megamoe.moe.experts.grouped_bmm import PaddedSlots, padded_bmm_applies
 from megamoe.moe.experts.expert_activations import activation_backward as _activation_backward
 from megamoe.moe.experts.expert_activations import activation_forward as _activation_forward
 from megamoe.moe.experts.kernel_probes import grouped_mm_problem, log_fallback
@@ -43,30 +46,42 @@ class SlotGroups:
     """How the sorted rows split into slots, in the two forms the grouped GEMMs use.
 
     ``sizes`` (host ints) selects the per-slot ``torch.mm`` loop; ``None`` selects
-    ``torch._grouped_mm`` with the device-side ``offsets`` (no host sync).
+    ``torch._grouped_mm`` with the device-side ``offsets`` (no host sync). ``padded`` (with ``sizes``):
+    :class:`GroupedMLPFunction` runs on the padded batch of slots (one ``torch.bmm`` per GEMM).
     """
 
     tokens_per_slot: torch.Tensor   # [S] int64
     offsets: torch.Tensor           # [S] int32 cumulative row ends (torch._grouped_mm's `offs`)
     sizes: list[int] | None
     num_rows: int
+    padded: PaddedSlots | None = None
 
     @classmethod
     def from_counts(cls, tokens_per_slot: torch.Tensor, num_rows: int, use_grouped_mm: bool | None = None,
-                    dtype: torch.dtype | None = None, known_sizes: list[int] | None = None):
+                    dtype: torch.dtype | None = None, known_sizes: list[int] | None = None,
+                    row_flops: int | None = None, use_padded_bmm: bool | None = None):
         """``use_grouped_mm`` defaults to :func:`grouped_mm_applies` for the rows' device and ``dtype`` (else
         the per-slot loop, with the reason logged once). ``known_sizes``: the rows of every slot when the
-        caller already read them (no host read here)."""
+        caller already read them (no host read here). ``use_padded_bmm`` (not with ``use_grouped_mm``)
+        defaults to :func:`~megamoe.moe.experts.grouped_bmm.padded_bmm_applies` where ``row_flops`` (the
+        forward GEMM work of one row) is given, else False."""
         if use_grouped_mm is None:
             use_grouped_mm = grouped_mm_applies(tokens_per_slot.device, dtype)
         offsets = torch.cumsum(tokens_per_slot, dim=0, dtype=torch.int32)
         if use_grouped_mm:
+            if use_padded_bmm:
+                raise ValueError("SlotGroups: use_grouped_mm and use_padded_bmm exclude each other")
             if tokens_per_slot.device.type == "cpu":
                 _host_sizes(tokens_per_slot, num_rows, known_sizes)
             else:
                 torch._assert_async(offsets[-1] == num_rows)
             return cls(tokens_per_slot, offsets, None, num_rows)
-        return cls(tokens_per_slot, offsets, _host_sizes(tokens_per_slot, num_rows, known_sizes), num_rows)
+        sizes = _host_sizes(tokens_per_slot, num_rows, known_sizes)
+        if use_padded_bmm is None:
+            use_padded_bmm = row_flops is not None and padded_bmm_applies(sizes, tokens_per_slot.device, dtype,
+                                                                          row_flops)
+        padded = PaddedSlots.from_sizes(sizes, tokens_per_slot.device) if use_padded_bmm and num_rows else None
+        return cls(tokens_per_slot, offsets, sizes, num_rows, padded)
 
 
 def grouped_mm_applies(device: torch.device, dtype: torch.dtype | None) -> bool:
@@ -147,7 +162,11 @@ def _row_slots(groups: SlotGroups) -> torch.Tensor:
 
 def _grouped_mlp(tokens, w_gate_up, w_down, groups: SlotGroups, activation, b_gate_up=None, b_down=None,
                  add_down_bias: bool = True):
-    """The expert MLP of all slots: (output [N, H], hidden [N, G * F], activation output [N, F])."""
+    """The expert MLP of all slots: (output [N, H], hidden [N, G * F], activation output [N, F]); on the
+    padded batch (``groups.padded``): (output [N, H], padded tokens [S, C, H], hidden [S, C, G * F],
+    activation output [S, C, F])."""
+    if groups.padded is not None:
+        return _padded_mlp(tokens, w_gate_up, w_down, groups.padded, activation, b_gate_up, b_down, add_down_bias)
     hidden = grouped_linear(tokens, w_gate_up, groups)                  # [N, G * F]
     rows = _row_slots(groups) if b_gate_up is not None else None
     if b_gate_up is not None:
@@ -157,6 +176,32 @@ def _grouped_mlp(tokens, w_gate_up, w_down, groups: SlotGroups, activation, b_ga
     if b_down is not None and add_down_bias:
         out += b_down.index_select(0, rows)
     return out, hidden, act
+
+
+def _padded_mlp(tokens, w_gate_up, w_down, padded: PaddedSlots, activation, b_gate_up, b_down, add_down_bias):
+    """:func:`_grouped_mlp` on the padded batch: one ``torch.bmm`` per projection."""
+    batch = padded.pad(tokens)                                               # [S, C, H]
+    hidden = torch.bmm(batch, w_gate_up.transpose(1, 2))                    # [S, C, G * F]
+    if b_gate_up is not None:
+        hidden += b_gate_up.unsqueeze(1)
+    act = _activation_forward(hidden, activation)                           # [S, C, F]
+    out = torch.bmm(act, w_down.transpose(1, 2))                            # [S, C, H]
+    if b_down is not None and add_down_bias:
+        out += b_down.unsqueeze(1)
+    return padded.unpad(out), batch, hidden, act
+
+
+def _padded_mlp_backward(grad_out, batch, w_gate_up, w_down, hidden, act, padded: PaddedSlots, activation,
+                         needs_input_grad, has_bias):
+    """The gradients of :func:`_padded_mlp` (zero rows get zero gradients, so the sums over each slot's
+    batch are over its real rows): (tokens, w_gate_up, w_down, b_gate_up, b_down)."""
+    grad_batch = padded.pad(grad_out)                                       # [S, C, H]
+    grad_w_down = torch.bmm(grad_batch.transpose(1, 2), act) if needs_input_grad[2] else None
+    grad_hidden = _activation_backward(torch.bmm(grad_batch, w_down), hidden, activation)   # [S, C, G * F]
+    grad_w_gate_up = torch.bmm(grad_hidden.transpose(1, 2), batch) if needs_input_grad[1] else None
+    grad_tokens = padded.unpad(torch.bmm(grad_hidden, w_gate_up)) if needs_input_grad[0] else None
+    grad_b_gate_up, grad_b_down = (grad_hidden.sum(1), grad_batch.sum(1)) if has_bias else (None, None)
+    return grad_tokens, grad_w_gate_up, grad_w_down, grad_b_gate_up, grad_b_down
 
 
 class GroupedMLPFunction(torch.autograd.Function):
@@ -175,8 +220,11 @@ class GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, w_gate_up, w_down, groups: SlotGroups, activation,
                 recompute_activation: bool = False, b_gate_up=None, b_down=None, add_down_bias: bool = True):
-        out, hidden, act = _grouped_mlp(tokens, w_gate_up, w_down, groups, activation, b_gate_up, b_down,
-                                        add_down_bias)
+        out, *saved = _grouped_mlp(tokens, w_gate_up, w_down, groups, activation, b_gate_up, b_down, add_down_bias)
+        if groups.padded is not None:           # the padded batch of the tokens is saved in their place
+            tokens, hidden, act = saved
+        else:
+            hidden, act = saved
         ctx.has_bias = b_gate_up is not None
         ctx.recompute_activation = recompute_activation
         if recompute_activation:
@@ -198,6 +246,11 @@ class GroupedMLPFunction(torch.autograd.Function):
         # A broadcast (stride-0) gradient, e.g. from `out.sum().backward()`, breaks the GEMMs' stride
         # checks and their speed: make it a dense matrix first.
         grad_out = grad_out.contiguous()
+        if groups.padded is not None:
+            grad_tokens, grad_w_gate_up, grad_w_down, grad_b_gate_up, grad_b_down = _padded_mlp_backward(
+                grad_out, tokens, w_gate_up, w_down, hidden, act, groups.padded, ctx.activation,
+                ctx.needs_input_grad, ctx.has_bias)
+            return grad_tokens, grad_w_gate_up, grad_w_down, None, None, None, grad_b_gate_up, grad_b_down, None
         grad_w_down = grouped_linear_weight_grad(grad_out, act, groups) if ctx.needs_input_grad[2] else None
         grad_hidden = _activation_backward(grouped_linear_input_grad(grad_out, w_down, groups), hidden,
                                            ctx.activation)
