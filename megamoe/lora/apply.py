@@ -61,8 +61,7 @@ def _dense_owners(module: nn.Module, targets: tuple[str, ...]):
 def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int = 0) -> None:
     """Freeze every parameter of ``model`` and add the adapters ``config`` asks for (see the module docstring).
 
-    ValueError when a target is missing from the model (e.g. ``dense_mlp`` in a model whose every layer is an
-    MoE layer), when ``dropout`` > 0 meets a dense target (dense adapters are added to the weight, which has no
+    ValueError when the model has none of the targets, when ``dropout`` > 0 meets a dense target (dense adapters are added to the weight, which has no
     input dropout, like PEFT's ``target_parameters``), or when a layout cannot carry adapters (named)."""
     if not isinstance(config, LoRAConfig):
         raise ValueError(f"apply_lora needs a LoRAConfig, got {type(config).__name__}")
@@ -102,9 +101,11 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int = 0) -> None:
             adapters.reset_parameters(lambda rel, p=f"{prefix}experts.": seeded_generator(seed, f"lora.{p}{rel}"))
             found["experts"] += 1
     missing = [t for t, n in found.items() if n == 0]
-    if missing:
-        raise ValueError(f"LoRAConfig.targets: the model has no {', '.join(missing)} weights to adapt; leave "
-                         f"{'it' if len(missing) == 1 else 'them'} out of the targets")
+    if len(missing) == len(found):
+        raise ValueError(f"LoRAConfig.targets: the model has no {', '.join(missing)} weights to adapt (this stage, "
+                         "for a pipeline stage); choose targets it has")
+    if missing:      # e.g. the default targets on a model without shared experts
+        logger.info("LoRA: the model has no %s weights (no adapters there)", ", ".join(missing))
     trainable = sum(p.numel() for p in lora_parameters(model))
     logger.info("LoRA rank %d alpha %g on %s: %d adapter parameters", config.rank, config.alpha,
                 ", ".join(f"{t} ({n})" for t, n in found.items()), trainable)

@@ -103,3 +103,12 @@ def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy (fp32)."""
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                              ids[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def random_adapters(model, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Give ``model``'s adapters random values (B too) and return them (:func:`lora_state_dict`, one process)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in lora_parameters(model):
+        p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return lora_state_dict(model)
