@@ -112,10 +112,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int = 0) -> None:
 
 
 def _child_name(module: nn.Module, child: nn.Module) -> str:
-    for name, c in module.named_children():
-        if c is child:
-            return name
-    raise ValueError("not a child")
+    return next(name for name, c in module.named_children() if c is child)
 
 
 def _slot_experts_of(layer: MoELayer):

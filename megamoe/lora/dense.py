@@ -53,13 +53,13 @@ class DenseAdapter(nn.Module):
                 "(a k / v head replicated over TP ranks: more TP ranks than key-value heads); LoRA follows only "
                 "plain TP shards: use a TP size <= num_key_value_heads, or leave 'attention' out of the targets")
         factory = {"device": weight.device, "dtype": dtype}
-        self.lora_A = nn.Parameter(torch.empty(rank, in_features, **factory))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, **factory))
+        local_out = spec.local_shape[0] if self.kind == "column" else out_features
+        local_in = spec.local_shape[1] if self.kind == "row" else in_features
+        self.lora_A = nn.Parameter(torch.empty(rank, local_in, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(local_out, rank, **factory))
         if self.kind == "column":
-            self.lora_B = nn.Parameter(torch.zeros(spec.local_shape[0], rank, **factory))
             set_shard_spec(self.lora_B, ShardSpec((out_features, rank), 0, spec.index, spec.count))
         elif self.kind == "row":
-            self.lora_A = nn.Parameter(torch.empty(rank, spec.local_shape[1], **factory))
             set_shard_spec(self.lora_A, ShardSpec((rank, in_features), 1, spec.index, spec.count))
         for tag in _COPIED_TAGS:
             if getattr(weight, tag, False):

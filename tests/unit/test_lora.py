@@ -81,7 +81,6 @@ def test_base_frozen_and_only_adapters_trained():
 def test_merge_lora_gives_the_adapted_model():
     """merge_lora(state, adapters) loaded into a plain model computes the adapted model's logits."""
     family = "deepseek_v3"
-    hf, config = hf_model(family)
     lora = LoRAConfig(rank=4, alpha=16)
     adapted = _model(family).eval()
     base_state = gather_logical_state(adapted)
@@ -108,7 +107,7 @@ def test_merge_lora_refuses_bad_adapters():
 def test_lora_over_kept_block_fp8_experts():
     """LoRA over frozen kept block-FP8 weights (no FP8 recipe: dequantized per slot, forward and backward) equals
     LoRA over the dequantized weights in high precision; the FP8 bytes are untouched by training."""
-    kept_config, kept, dequantized, config = kept_case("deepseek_v3", recipe=None)
+    kept_config, kept, dequantized, _ = kept_case("deepseek_v3", recipe=None)
     lora = LoRAConfig(rank=4, alpha=8)
     fp8_model = kept_model(kept_config, kept).train()
     plain = _model("deepseek_v3", config=dataclasses.replace(kept_config, weight_quantization=None),
