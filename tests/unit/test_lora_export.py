@@ -1,0 +1,110 @@
+"""LoRA export (issue 32 item 3): random adapters on tiny megamoe models imported from tiny HF models of every
+family; megamoe's forward with the merged weights == transformers loading the merged weights == peft loading the
+PEFT export (fp32 logits), experts included; and the refusals of adapters PEFT cannot hold."""
+
+import copy
+import json
+import re
+
+import pytest
+import torch
+
+from megamoe.checkpoint.errors import ConversionError
+from megamoe.hf.adapters import AdapterError, adapter_for
+from megamoe.hf.peft_export import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, export_peft, peft_adapter
+from megamoe.models import GPTMoEModel
+from megamoe.models.families import SUPPORTED_FAMILIES
+from megamoe.models.hf_loading import load_logical_state
+from parallel_state import ParallelState
+from tests.helpers.hf_models import _hf_logits, _ids, hf_model
+
+RANK, ALPHA = 2, 3.0
+TOL = 5e-5          # fp32 logits of order 1-10: the adapters' product is rounded differently on each side
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def random_adapters(logical: dict, seed: int = 5) -> dict:
+    """Adapters (A, B both random) on every 2-D weight but the embeddings: attention, dense MLP, shared experts,
+    router, routed experts (gate and up of an expert share A, as megamoe's fused gate_up adapter)."""
+    g = torch.Generator().manual_seed(seed)
+    lora, shared_a = {}, {}
+    for name, w in logical.items():
+        if w.dim() != 2 or name in ("embed_tokens.weight", "lm_head.weight") or "eh_proj" in name:
+            continue
+        m = _EXPERT.fullmatch(name)
+        if m and m.group(3) in ("gate", "up"):
+            a = shared_a.setdefault(m.group(1, 2), torch.randn(RANK, w.shape[1], generator=g))
+        else:
+            a = torch.randn(RANK, w.shape[1], generator=g)
+        lora[f"{name}.lora_A"] = a
+        lora[f"{name}.lora_B"] = torch.randn(w.shape[0], RANK, generator=g) * 0.1
+    return lora
+
+
+def merged(logical: dict, lora: dict) -> dict:
+    out = dict(logical)
+    for key in lora:
+        if key.endswith(".lora_A"):
+            name = key.removesuffix(".lora_A")
+            out[name] = logical[name] + ALPHA / RANK * lora[f"{name}.lora_B"] @ lora[key]
+    return out
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_peft_export_matches_merged_weights(family, tmp_path):
+    from peft import PeftModel
+    hf, config = hf_model(family)
+    adapter = adapter_for(family)
+    logical = adapter.hf_to_megamoe(hf.state_dict(), config)
+    lora = random_adapters(logical)
+    weights = merged(logical, lora)
+    ids = _ids(2)
+
+    model = GPTMoEModel(config, ParallelState.single_process())
+    assert load_logical_state(model, weights) == []
+    with torch.no_grad():
+        ours, _ = model(ids)
+    hf_merged = copy.deepcopy(hf)
+    hf_merged.load_state_dict(adapter.megamoe_to_hf(weights, config, fused=True), strict=False)
+    theirs = _hf_logits(hf_merged, ids)
+    summary = export_peft(tmp_path / "peft", lora, ALPHA, config)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "peft")
+    peft_logits = _hf_logits(peft_model, ids)
+
+    assert (ours - _hf_logits(hf, ids)).abs().max() > 0.1            # the adapters change the model
+    assert (ours - theirs).abs().max() <= TOL, family
+    assert (peft_logits - ours).abs().max() <= TOL, family
+    # every adapter landed: the experts through target_parameters, attention through target_modules
+    assert any("experts" in t for t in summary["target_parameters"])
+    assert {"o_proj"} <= set(summary["target_modules"])
+    written = json.loads((tmp_path / "peft" / PEFT_CONFIG_FILE).read_text())
+    assert written["r"] == RANK and written["lora_alpha"] == ALPHA and (tmp_path / "peft" / PEFT_WEIGHTS_FILE).is_file()
+
+
+def test_peft_export_refusals(tmp_path):
+    hf, config = hf_model("qwen3_moe")
+    logical = adapter_for("qwen3_moe").hf_to_megamoe(hf.state_dict(), config)
+    lora = random_adapters(logical)
+
+    bad = dict(lora)
+    bad["layers.1.mlp.experts.3.up_proj.weight.lora_A"] = bad["layers.1.mlp.experts.3.up_proj.weight.lora_A"] + 1
+    with pytest.raises(AdapterError, match="experts.3.gate_proj.weight and .*different lora_A"):
+        peft_adapter(bad, ALPHA, config)
+    partial = {k: v for k, v in lora.items() if "experts.5." not in k}
+    with pytest.raises(AdapterError, match="layer 1: 1 of 8 experts have no gate adapter"):
+        peft_adapter(partial, ALPHA, config)
+    with pytest.raises(AdapterError, match="q_proj.weight has lora_A but not its pair"):
+        peft_adapter({k: v for k, v in lora.items() if k != "layers.1.self_attn.q_proj.weight.lora_B"}, ALPHA,
+                     config)
+    with pytest.raises(AdapterError, match="do not fit its weight"):
+        peft_adapter({**lora, "layers.1.self_attn.q_proj.weight.lora_A": torch.zeros(RANK, 5)}, ALPHA, config)
+    with pytest.raises(AdapterError, match="match no HF weight.*layers.9"):
+        peft_adapter({**lora, "layers.9.self_attn.q_proj.weight.lora_A": torch.zeros(RANK, 5),
+                      "layers.9.self_attn.q_proj.weight.lora_B": torch.zeros(5, RANK)}, ALPHA, config)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConversionError, match="already exists"):
+        export_peft(tmp_path / "taken", lora, ALPHA, config)
+    with pytest.raises(ConversionError, match="cannot write a PEFT adapter: .*different lora_A"):
+        export_peft(tmp_path / "out", bad, ALPHA, config)
+    assert not (tmp_path / "out").exists() and (tmp_path / "taken" / "notes.txt").read_text() == "keep me"
