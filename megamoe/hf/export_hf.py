@@ -28,6 +28,8 @@ import json
 import logging
 import os
 from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -52,7 +54,7 @@ from megamoe.models import GPTMoEConfig
 from megamoe.models.families import declared_mtp_layers
 from megamoe.quantization.block_fp8 import SCALE_INV_SUFFIX, BlockFP8Config
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf", "check_hf_config_describes"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "WeightEdit", "export_hf", "check_hf_config_describes"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,26 @@ def _weight_form(adapter: HFAdapter, config: GPTMoEConfig, hf_config: dict, targ
     return adapter, hf_config
 
 
+@dataclass(frozen=True)
+class WeightEdit:
+    """Logical tensors an export changes on the way, e.g. a LoRA run's merged weights: ``apply(name, tensor)``
+    returns the new value (same shape) of each logical tensor of ``names``; ``what`` names the edit in errors."""
+
+    names: frozenset[str]
+    apply: Callable[[str, torch.Tensor], torch.Tensor]
+    what: str
+
+
+def _edited(edit: WeightEdit, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    try:
+        new = edit.apply(name, tensor)
+    except ValueError as e:
+        raise ConversionError(f"{edit.what}: {e}") from None
+    if new.shape != tensor.shape:
+        raise ConversionError(f"{edit.what}: {name} is {tuple(tensor.shape)} but the edit made it {tuple(new.shape)}")
+    return new.to(tensor.dtype)
+
+
 def _shard_names(count: int) -> list[str]:
     if count == 1:
         return ["model.safetensors"]
@@ -158,7 +180,7 @@ def _shard_names(count: int) -> list[str]:
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "keep",
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               hf_config_dir: str | os.PathLike | None = None, progress: bool | None = None,
-              verify_checksums: bool = True, allow_non_finite: bool = False) -> dict:
+              verify_checksums: bool = True, allow_non_finite: bool = False, edit: WeightEdit | None = None) -> dict:
     """Write the HF model directory ``out_dir`` for the megamoe checkpoint ``checkpoint``.
 
     ``dtype``: ``keep`` (each tensor as stored: bit-exact round trip of an import) | ``fp32`` | ``bf16`` |
@@ -166,7 +188,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     the checkpoint. Optimizer state (``optim.*``) is not exported. Every checkpoint file read (and every
     side file) is checked against the manifest before its bytes are used, checksums included unless
     ``verify_checksums=False``. A weight holding NaN or Inf (each is scanned as it is read) is refused by
-    name unless ``allow_non_finite`` (then a warning names it). Raises :class:`ConversionError` or
+    name unless ``allow_non_finite`` (then a warning names it). ``edit``: logical tensors changed as they are
+    read (cast back to their stored dtype; with ``keep``, a kept block-FP8 checkpoint cannot be edited). Raises :class:`ConversionError` or
     :class:`~megamoe.checkpoint.format.CheckpointError` (nothing is left at ``out_dir``). Returns a summary.
     """
     checkpoint = os.fspath(checkpoint)
@@ -185,6 +208,13 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     order = {key: i for i, step in enumerate(adapter.transforms(config, fused=False)) for key in step.logical_keys}
     model_names.sort(key=lambda n: (order.get(n, len(order)), n))
     entries = manifest["tensors"]
+    if edit is not None:
+        if config.weight_quantization is not None:
+            raise ConversionError(f"{checkpoint} holds block-FP8 weights: {edit.what} cannot be applied to them")
+        unknown = sorted(edit.names - set(model_names))
+        if unknown:
+            raise ConversionError(f"{edit.what}: {checkpoint} holds no tensor {unknown[0]} (nor {len(unknown) - 1} "
+                                  "others): it is not the model they were made for")
 
     def meta(name):
         return torch.empty(entries[name]["global_shape"], dtype=_DTYPES[entries[name]["dtype"]], device="meta")
@@ -227,9 +257,14 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         def items():
             for name in model_names:
                 dtype = _DTYPES[entries[name]["dtype"]]
-                extents = reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype else None
+                edited = edit is not None and name in edit.names
+                extents = (reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype and not edited
+                           else None)
                 tensor = reader.read(name)
                 finite(name, tensor)        # a tensor copied file to file is read for this alone
+                if edited:
+                    tensor = _edited(edit, name, tensor)
+                    finite(name, tensor)
                 if extents is None:
                     yield name, tensor.clone() if name in waiting else tensor
                 else:                           # shapes are all the adapter looks at
