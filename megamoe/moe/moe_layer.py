@@ -361,6 +361,9 @@ class MoELayer(nn.Module):
                 chunks.append(LogicalChunk(f"{key}.up_proj.bias", shards["up_bias"], (F,), (f_offset,)))
                 chunks.append(LogicalChunk(f"{key}.down_proj.bias", shards["down_bias"], (H,), (0,)))
             chunks += self._scale_chunks(key, local_slot, f_offset)
+        lora = self.experts._modules.get("lora_adapters")
+        if lora is not None:      # megamoe.lora: experts.<id>.<proj>.weight.lora_A / lora_B
+            chunks += lora.sharded_state_dict(f"{prefix}experts.")
         return chunks
 
     def _scale_chunks(self, key: str, local_slot: int, f_offset: int) -> list[LogicalChunk]:
@@ -388,6 +391,9 @@ class MoELayer(nn.Module):
         """Sum each replicated expert's gradients over all its slots (on this rank and across the EP
         group) and give every replica the sum, so replicas stay identical after the optimizer step.
         One all-reduce over EP per weight kind, of a buffer holding only the replicated experts."""
+        lora = self.experts._modules.get("lora_adapters")     # megamoe.lora: adapters of all experts, EP-summed
+        if lora is not None:
+            lora.reduce_grads()
         replicated = torch.nonzero(self.placement.replica_counts > 1, as_tuple=True)[0]
         if replicated.numel() == 0 or any(main_grad(p) is None for p in self.experts.parameters()):
             return

@@ -64,6 +64,7 @@ from torch.distributed import ProcessGroup
 
 from megamoe import comms
 from megamoe.precision import compute_dtype
+from megamoe.quantization.kept_weights import linear_weight
 
 __all__ = ["RouterConfig", "RouterOutput", "Router"]
 
@@ -220,9 +221,9 @@ class Router(nn.Module):
         # router's gradient (which overflows fp16 under loss scaling) need the full precision.
         bias = None if self.bias is None else self.bias.to(dtype)
         if not torch.amp.is_autocast_available(hidden.device.type):      # e.g. meta: no autocast to leave
-            return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
+            return F.linear(hidden.to(dtype), linear_weight(self, "weight", dtype).to(dtype), bias)
         with torch.autocast(hidden.device.type, enabled=False):
-            return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
+            return F.linear(hidden.to(dtype), linear_weight(self, "weight", dtype).to(dtype), bias)
 
     def forward(self, hidden: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
         """Route ``hidden`` [T, H]: T = num_sequences * seq_len tokens, sequence-major.

@@ -52,7 +52,7 @@ class SharedExperts(nn.Module):
     def __init__(self, config: SharedExpertsConfig, *, shard_group: ProcessGroup | None = None,
                  device=None, dtype=None):
         super().__init__()
-        self.config = config
+        self.config, self.shard_group = config, shard_group
         n, r = comms.group_size(shard_group), comms.group_rank(shard_group)
         if config.ffn_hidden_size % n:
             raise ValueError(f"SharedExpertsConfig.ffn_hidden_size ({config.ffn_hidden_size}) must be divisible "

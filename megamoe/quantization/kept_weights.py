@@ -96,9 +96,11 @@ def keep_block_fp8_weight(owner: nn.Module, attr: str, name: str, config: BlockF
 
 def linear_weight(module: nn.Module, attr: str, dtype: torch.dtype) -> torch.Tensor:
     """``module.<attr>`` as the GEMM uses it: the parameter itself, or for a kept block-FP8 weight its
-    dequantization in ``dtype`` (see the module docstring)."""
+    dequantization in ``dtype`` (see the module docstring); plus, where :func:`megamoe.lora.apply_lora` gave
+    the module adapters (a child ``lora_adapters``), their low-rank update ``scaling * B @ A``."""
     scale = module._parameters.get(attr + SCALE_INV_SUFFIX)
     weight = getattr(module, attr)
-    if scale is None:
-        return weight
-    return dequantize_block_fp8(weight, scale, scale.block_fp8.block_size, dtype)
+    if scale is not None:
+        weight = dequantize_block_fp8(weight, scale, scale.block_fp8.block_size, dtype)
+    lora = module._modules.get("lora_adapters")
+    return weight if lora is None else lora.adapted(attr, weight)

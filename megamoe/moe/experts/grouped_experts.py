@@ -57,6 +57,7 @@ from megamoe.moe.experts.expert_activations import activation_forward as _activa
 from megamoe.moe.experts.fp8 import FP8AmaxReduction, FP8Config, FP8ScalingState, resolve_fp8_backend, te_fp8_recipe
 from megamoe.moe.experts.grouped_mlp import GroupedMLPFunction, SlotGroups, _grouped_mlp, _host_sizes
 from megamoe.moe.experts.kernel_probes import transformer_engine_problem
+from megamoe.moe.experts.lora_experts import lora_grouped_mlp
 from megamoe.moe.experts.loop_experts import loop_mlp as _loop_mlp
 from megamoe.precision import active_autocast_dtype, in_autocast_dtype
 from megamoe.quantization.block_fp8 import BlockFP8Config
@@ -253,6 +254,9 @@ class GroupedExperts(nn.Module):
                                                                                              torch.int64):
             raise ValueError(f"tokens_per_slot must be an integer tensor of shape [{cfg.num_local_slots}], got "
                              f"{tokens_per_slot.dtype} {tuple(tokens_per_slot.shape)}")
+        lora = self._modules.get("lora_adapters")       # megamoe.lora.apply_lora: frozen base + expert adapters
+        if lora is not None:
+            return lora_grouped_mlp(self, lora, tokens_sorted, tokens_per_slot, rows_per_slot)
         if self.backend == "te":
             return self._forward_te(tokens_sorted, tokens_per_slot)
         if self.weight_quantization is not None or (cfg.fp8 is not None and cfg.fp8.recipe == "block"):
@@ -284,7 +288,8 @@ class GroupedExperts(nn.Module):
     @property
     def supports_per_pair(self) -> bool:
         """Whether :meth:`forward_per_pair` is available (stacked high-precision weights)."""
-        return self.backend in ("torch", "loop") and self.config.fp8 is None and self.weight_quantization is None
+        return (self.backend in ("torch", "loop") and self.config.fp8 is None and self.weight_quantization is None
+                and "lora_adapters" not in self._modules)
 
     def forward_per_pair(self, tokens: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed output of few tokens, pair by pair, with static shapes (inference only).
@@ -300,8 +305,9 @@ class GroupedExperts(nn.Module):
         decode step. Worth it while T * K is at most about the number of local slots (decoding).
         """
         if not self.supports_per_pair:
-            raise ValueError(f"forward_per_pair needs the 'torch' or 'loop' backend without FP8, this is "
-                             f"{self.backend!r}{' with FP8' if self.config.fp8 is not None else ''}")
+            raise ValueError(f"forward_per_pair needs the 'torch' or 'loop' backend without FP8 or LoRA, this is "
+                             f"{self.backend!r}{' with FP8' if self.config.fp8 is not None else ''}"
+                             f"{' with LoRA' if 'lora_adapters' in self._modules else ''}")
         num_tokens, top_k = slot_ids.shape
         num_slots = self.config.num_local_slots
         valid = (slot_ids >= 0) & (slot_ids < num_slots)                        # [T, K]
