@@ -33,6 +33,7 @@ from megamoe.checkpoint.errors import CheckpointError, ConversionError
 from megamoe.checkpoint.layout_plan import logical_tensor_shapes
 from megamoe.checkpoint.manifest import MANIFEST_FILE
 from megamoe.checkpoint.manifest_fields import model_config_from_manifest, placements_from_manifest
+from megamoe.lora.state import LORA_SUFFIXES
 from megamoe.models import GPTMoEConfig, LayerSpec
 from megamoe.models.families import SUPPORTED_FAMILIES
 
@@ -152,8 +153,10 @@ def _check_size(config: GPTMoEConfig, listed: dict, model: set[str], fail) -> No
 
 
 def _model_tensors(manifest: dict) -> dict[str, list]:
-    """The model's logical tensors the manifest lists (not optimizer state): name -> global shape."""
-    return {n: t["global_shape"] for n, t in manifest["tensors"].items() if not n.startswith(OPTIMIZER_PREFIX)}
+    """The model's logical tensors the manifest lists (not optimizer state, nor a LoRA run's adapters,
+    :mod:`megamoe.lora`, which sit beside the base's): name -> global shape."""
+    return {n: t["global_shape"] for n, t in manifest["tensors"].items()
+            if not n.startswith(OPTIMIZER_PREFIX) and not n.endswith(LORA_SUFFIXES)}
 
 
 def _shapes_of(config: GPTMoEConfig, layer_spec: LayerSpec | None) -> dict[str, tuple[int, ...]]:

@@ -44,12 +44,18 @@ import torch
 from safetensors.torch import save_file
 
 from megamoe.checkpoint.errors import ConversionError
+from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.manifest import read_manifest
+from megamoe.checkpoint.model_manifest import check_model_manifest
 from megamoe.checkpoint.output_dir import OutputDirectory
 from megamoe.hf.adapter import LOGICAL_EXPERT_KEYS
 from megamoe.hf.adapters import ADAPTERS, AdapterError, adapter_for
+from megamoe.hf.lora_checkpoint import LORA_FILE, lora_checkpoint, read_adapters
+from megamoe.lora import LoRAConfig
 from megamoe.models import GPTMoEConfig
 
-__all__ = ["PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "lora_factors", "peft_adapter", "export_peft"]
+__all__ = ["PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "lora_factors", "peft_adapter", "export_peft",
+           "export_peft_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,18 +162,21 @@ def _shortest_suffixes(chosen: set[str], universe: set[str], least: int) -> list
     return sorted(found)
 
 
-def peft_adapter(lora_state: Mapping[str, torch.Tensor], alpha: float, config: GPTMoEConfig, *,
+def peft_adapter(lora_state: Mapping[str, torch.Tensor], lora: LoRAConfig, config: GPTMoEConfig, *,
                  base_model: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json dict, adapter_model.safetensors tensors) of ``lora_state`` (full, unsharded) for a
-    model of ``config``; AdapterError naming the adapter that does not fit. ``base_model``: recorded as the
-    config's ``base_model_name_or_path``."""
+    """(adapter_config.json dict, adapter_model.safetensors tensors) of ``lora_state`` (full, unsharded; trained
+    as ``lora`` says) for a model of ``config``; AdapterError naming the adapter that does not fit.
+    ``base_model``: recorded as the config's ``base_model_name_or_path``."""
     if config.family not in ADAPTERS:
         raise AdapterError(f"a model of family {config.family!r} has no HuggingFace equivalent: no PEFT adapter can "
                            f"be written for it (families with one: {', '.join(ADAPTERS)})")
     pairs = lora_factors(lora_state)
     ranks = sorted({a.shape[0] for a, _ in pairs.values()})
-    if len(ranks) != 1:
-        raise AdapterError(f"LoRA state: every adapter must have one rank, found ranks {ranks}")
+    if ranks != [lora.rank]:
+        raise AdapterError(f"LoRA state: the adapters have ranks {ranks}, the LoRA config rank {lora.rank}")
+    if lora.dropout:
+        logger.warning("PEFT export: lora_dropout %g is written as 0 (peft's target_parameters refuse dropout; it "
+                       "only acts in training)", lora.dropout)
     mtp_prefixes = tuple(f"layers.{i}." for i in config.mtp_layer_ids)
     mtp = [n for n in pairs if n.startswith(mtp_prefixes)] if mtp_prefixes else []
     if mtp:
@@ -203,7 +212,7 @@ def peft_adapter(lora_state: Mapping[str, torch.Tensor], alpha: float, config: G
     modules_universe = {key.rsplit(".", k)[0] for key in hf_keys for k in range(1, key.count(".") + 1)}
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": ranks[0], "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
         "target_modules": _shortest_suffixes(targets.modules, modules_universe, 1) or None,
@@ -212,7 +221,7 @@ def peft_adapter(lora_state: Mapping[str, torch.Tensor], alpha: float, config: G
     return adapter_config, targets.tensors
 
 
-def export_peft(out_dir: str | os.PathLike, lora_state: Mapping[str, torch.Tensor], alpha: float,
+def export_peft(out_dir: str | os.PathLike, lora_state: Mapping[str, torch.Tensor], lora: LoRAConfig,
                 config: GPTMoEConfig, *, base_model: str | None = None, overwrite: bool = False,
                 inputs: tuple[str, ...] = ()) -> dict:
     """Write the PEFT adapter directory ``out_dir`` (atomically: nothing is left there on error). ``inputs``:
@@ -221,7 +230,7 @@ def export_peft(out_dir: str | os.PathLike, lora_state: Mapping[str, torch.Tenso
     output = OutputDirectory(out_dir, overwrite=overwrite, what="a PEFT adapter directory", inputs=inputs,
                              replaceable=lambda p: os.path.isfile(os.path.join(p, PEFT_CONFIG_FILE)))
     try:
-        adapter_config, tensors = peft_adapter(lora_state, alpha, config, base_model=base_model)
+        adapter_config, tensors = peft_adapter(lora_state, lora, config, base_model=base_model)
     except AdapterError as e:
         raise ConversionError(f"cannot write a PEFT adapter: {e}") from None
     with output as tmp:
@@ -229,6 +238,25 @@ def export_peft(out_dir: str | os.PathLike, lora_state: Mapping[str, torch.Tenso
                   metadata={"format": "pt"})
         with open(os.path.join(tmp, PEFT_CONFIG_FILE), "w", encoding="utf-8") as f:
             f.write(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-    logger.info("wrote the PEFT adapter %s: %d tensors, rank %d", output.path, len(tensors), adapter_config["r"])
-    return {"out_dir": output.path, "family": config.family, "tensors": len(tensors), "rank": adapter_config["r"],
+    logger.info("wrote the PEFT adapter %s: %d tensors, rank %d", output.path, len(tensors), lora.rank)
+    return {"out_dir": output.path, "family": config.family, "tensors": len(tensors), "rank": lora.rank,
             "target_modules": adapter_config["target_modules"], "target_parameters": adapter_config["target_parameters"]}
+
+
+def export_peft_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                           verify_checksums: bool = True) -> dict:
+    """``export-peft``: the adapters of the LoRA run's checkpoint ``checkpoint`` as a PEFT adapter directory
+    (every file read checked against the manifest, checksums unless ``verify_checksums=False``). Its
+    ``base_model_name_or_path`` is the HF directory the run started from, when it did. ConversionError or
+    CheckpointError (nothing is left at ``out_dir``)."""
+    checkpoint = os.fspath(checkpoint)
+    manifest = read_manifest(checkpoint)
+    config = check_model_manifest(manifest, checkpoint)
+    lora = lora_checkpoint(checkpoint, manifest)
+    if lora is None:
+        raise ConversionError(f"{checkpoint} holds no LoRA adapters (no {LORA_FILE}): export-peft writes a LoRA run's "
+                              "adapters; export the whole model with export-hf")
+    with LogicalTensorReader(checkpoint, manifest, verify_checksums=verify_checksums) as reader:
+        adapters = read_adapters(reader, lora)
+    return export_peft(out_dir, adapters, lora.config, config, base_model=lora.base_hf_model, overwrite=overwrite,
+                       inputs=(checkpoint,))

@@ -11,14 +11,17 @@ import torch
 
 from megamoe.checkpoint.errors import ConversionError
 from megamoe.hf.adapters import AdapterError, adapter_for
+from megamoe.lora import LoRAConfig
 from megamoe.hf.peft_export import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, export_peft, peft_adapter
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
 from parallel_state import ParallelState
-from tests.helpers.hf_models import _hf_logits, _ids, hf_model
+from tests.helpers.hf_checkpoints import hf_models  # noqa: F401 (a fixture)
+from tests.helpers.hf_models import _hf_logits, _ids, hf_model, lazy_transformers
 
 RANK, ALPHA = 2, 3.0
+LORA = LoRAConfig(rank=RANK, alpha=ALPHA)
 TOL = 5e-5          # fp32 logits of order 1-10: the adapters' product is rounded differently on each side
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
@@ -67,7 +70,7 @@ def test_peft_export_matches_merged_weights(family, tmp_path):
     hf_merged = copy.deepcopy(hf)
     hf_merged.load_state_dict(adapter.megamoe_to_hf(weights, config, fused=True), strict=False)
     theirs = _hf_logits(hf_merged, ids)
-    summary = export_peft(tmp_path / "peft", lora, ALPHA, config)
+    summary = export_peft(tmp_path / "peft", lora, LORA, config)
     peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "peft")
     peft_logits = _hf_logits(peft_model, ids)
 
@@ -89,22 +92,71 @@ def test_peft_export_refusals(tmp_path):
     bad = dict(lora)
     bad["layers.1.mlp.experts.3.up_proj.weight.lora_A"] = bad["layers.1.mlp.experts.3.up_proj.weight.lora_A"] + 1
     with pytest.raises(AdapterError, match="experts.3.gate_proj.weight and .*different lora_A"):
-        peft_adapter(bad, ALPHA, config)
+        peft_adapter(bad, LORA, config)
     partial = {k: v for k, v in lora.items() if "experts.5." not in k}
     with pytest.raises(AdapterError, match="layer 1: 1 of 8 experts have no gate adapter"):
-        peft_adapter(partial, ALPHA, config)
+        peft_adapter(partial, LORA, config)
     with pytest.raises(AdapterError, match="q_proj.weight has lora_A but not its pair"):
-        peft_adapter({k: v for k, v in lora.items() if k != "layers.1.self_attn.q_proj.weight.lora_B"}, ALPHA,
+        peft_adapter({k: v for k, v in lora.items() if k != "layers.1.self_attn.q_proj.weight.lora_B"}, LORA,
                      config)
     with pytest.raises(AdapterError, match="do not fit its weight"):
-        peft_adapter({**lora, "layers.1.self_attn.q_proj.weight.lora_A": torch.zeros(RANK, 5)}, ALPHA, config)
+        peft_adapter({**lora, "layers.1.self_attn.q_proj.weight.lora_A": torch.zeros(RANK, 5)}, LORA, config)
     with pytest.raises(AdapterError, match="match no HF weight.*layers.9"):
         peft_adapter({**lora, "layers.9.self_attn.q_proj.weight.lora_A": torch.zeros(RANK, 5),
-                      "layers.9.self_attn.q_proj.weight.lora_B": torch.zeros(5, RANK)}, ALPHA, config)
+                      "layers.9.self_attn.q_proj.weight.lora_B": torch.zeros(5, RANK)}, LORA, config)
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("keep me")
     with pytest.raises(ConversionError, match="already exists"):
-        export_peft(tmp_path / "taken", lora, ALPHA, config)
+        export_peft(tmp_path / "taken", lora, LORA, config)
     with pytest.raises(ConversionError, match="cannot write a PEFT adapter: .*different lora_A"):
-        export_peft(tmp_path / "out", bad, ALPHA, config)
+        export_peft(tmp_path / "out", bad, LORA, config)
     assert not (tmp_path / "out").exists() and (tmp_path / "taken" / "notes.txt").read_text() == "keep me"
+
+
+def test_convert_exports_a_lora_checkpoint(hf_models, tmp_path):
+    """A LoRA run's checkpoint (base + adapters + lora.json, saved as training saves it): export-peft gives the
+    adapters peft loads, export-hf --merge-lora the merged weights transformers loads; both compute what the
+    megamoe model with its adapters computes. Refusals: export-hf without --merge-lora, export-peft and
+    --merge-lora of a checkpoint without adapters."""
+    from peft import PeftModel
+
+    from megamoe.checkpoint.model_loading import build_model_from_checkpoint
+    from megamoe.lora import apply_lora
+    from megamoe.training.checkpoint import HFProvenance, save_training_checkpoint
+    from megamoe.training.trainer import TrainConfig, Trainer
+    from tests.helpers.hf_checkpoints import convert, ids
+    t = lazy_transformers()
+
+    hf_dir, _ = hf_models("qwen3_moe")
+    assert convert("import-hf", hf_dir, tmp_path / "base", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    state = ParallelState.single_process()
+    model = build_model_from_checkpoint(tmp_path / "base", state)
+    apply_lora(model, LORA)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():           # B starts at zero: give the adapters something to say
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2))
+    lora_json = json.dumps({"config": json.loads(LORA.to_json()), "base": {"hf_model": hf_dir}}).encode()
+    save_training_checkpoint(tmp_path / "lora", trainer, sampler_state={}, world_group=None,
+                             hf_provenance=HFProvenance.of_checkpoint(tmp_path / "base"),
+                             side_files={"lora.json": lora_json})
+    with torch.no_grad():
+        ours, _ = model(ids())
+
+    assert convert("export-hf", tmp_path / "lora", tmp_path / "merged") == 1               # needs --merge-lora
+    assert not (tmp_path / "merged").exists()
+    assert convert("export-hf", tmp_path / "lora", tmp_path / "merged", "--merge-lora") == 0
+    assert not (tmp_path / "merged" / "lora.json").exists()
+    merged = t.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+    assert convert("export-peft", tmp_path / "lora", tmp_path / "peft") == 0
+    base = t.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "peft")
+    assert json.loads((tmp_path / "peft" / PEFT_CONFIG_FILE).read_text())["base_model_name_or_path"] == hf_dir
+    assert (_hf_logits(merged, ids()) - ours).abs().max() <= TOL
+    assert (_hf_logits(peft_model, ids()) - ours).abs().max() <= TOL
+
+    assert convert("export-peft", tmp_path / "base", tmp_path / "none") == 1
+    assert convert("export-hf", tmp_path / "base", tmp_path / "none", "--merge-lora") == 1
+    assert not (tmp_path / "none").exists()
