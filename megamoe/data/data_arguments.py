@@ -11,6 +11,12 @@ rank starts, then turned into the run's datasets (what ``examples/pretrain_moe.p
 Documents are tokenized by rank 0 into ``<work_dir>/data_cache`` once (a rerun reuses the token file
 while the files, the tokenizer and ``--text-field`` are unchanged); the other ranks wait for it within
 the collective timeout, so tokenize a large corpus beforehand with ``megamoe-preprocess``.
+
+Chat JSON Lines (records holding ``messages`` or ``prompt`` / ``completion``,
+:mod:`megamoe.data.chat_records`) make the run chat SFT, with no other flag: rendered with the
+tokenizer's chat template, packed whole with their document masks, labels on the assistant's tokens only
+(:mod:`megamoe.data.chat_training_data`); ``--sft-overlong`` says what becomes of a conversation longer
+than ``--seq-len``. Every ``--data`` and ``--eval-data`` path is then a chat file.
 """
 
 from __future__ import annotations
@@ -21,13 +27,17 @@ import os
 from pathlib import Path
 
 from megamoe import comms
+from megamoe.data.chat_records import is_chat_file
+from megamoe.data.chat_samples import OVERLONG_CHOICES
+from megamoe.data.chat_training_data import build_chat_train_eval_data, chat_encoder, tokenized_chat_paths
 from megamoe.data.token_source import open_token_source
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.data.training_data import (TrainEvalData, build_train_eval_data, check_data_weights, is_token_source,
                                         tokenized_path)
 from megamoe.errors import UsageError
 
-__all__ = ["add_data_arguments", "check_data_arguments", "data_vocab_size", "on_rank_0", "prepare_training_data"]
+__all__ = ["add_data_arguments", "check_data_arguments", "data_vocab_size", "is_chat_run", "on_rank_0",
+           "prepare_training_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +53,10 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, default_data_help: st
                    help="one weight per --data path (the blend's shares; default: each source's size)")
     d.add_argument("--text-field", default="text", metavar="NAME",
                    help="the text field of JSON Lines records and the text column of Parquet files")
+    d.add_argument("--sft-overlong", choices=OVERLONG_CHOICES, default="truncate",
+                   help="chat data (.jsonl records with messages, or prompt/completion): a conversation longer than "
+                        "--seq-len is truncated to its first --seq-len + 1 tokens (dropped if no assistant token is "
+                        "left) or dropped; never split across rows (default: %(default)s)")
     e = parser.add_argument_group("evaluation on held-out data")
     e.add_argument("--eval-data", type=Path, nargs="+", default=[], metavar="PATH",
                    help="held-out data, in the formats of --data (documents tokenized with the run's tokenizer)")
@@ -74,6 +88,29 @@ def _check_document_directory(flag: str, path: Path) -> None:
                          f"first with megamoe-preprocess --text-suffixes {example} and pass the token file") from None
 
 
+def is_chat_run(args) -> bool:
+    """Whether ``--data`` names chat JSON Lines files (a chat SFT run)."""
+    return any(is_chat_file(path) for path in args.data or [])
+
+
+def _check_chat_arguments(args) -> None:
+    """A chat run: every --data and --eval-data path a chat file, no weights, no EOS-based packing flags."""
+    others = [f"{flag} {path}" for flag, path in _data_paths(args) if not is_chat_file(path)]
+    if others:
+        raise UsageError(f"--data names chat JSON Lines (records with messages or prompt/completion), so every "
+                         f"--data and --eval-data path must be one, but {others[0]} is not: train chat and other "
+                         "data in separate runs")
+    if args.data_weights is not None:
+        raise UsageError("--data-weights does not apply to chat data: several chat files are packed together, each "
+                         "conversation once (repeat a file's lines to weigh it more)")
+    flags = [flag for flag, on in (("--reset-position-ids", args.reset_position_ids),
+                                   ("--reset-attention-mask", args.reset_attention_mask),
+                                   ("--eod-mask-loss", args.eod_mask_loss)) if on]
+    if flags:
+        raise UsageError(f"{', '.join(flags)} do not apply to chat data: its conversations are packed with their own "
+                         "document masks and positions, and only assistant tokens have labels; drop the flag(s)")
+
+
 def check_data_arguments(args) -> None:
     """The flags on their own (paths exist, weights, eval flags); UsageError naming the flag."""
     for flag, path in _data_paths(args):
@@ -82,6 +119,8 @@ def check_data_arguments(args) -> None:
                              "or documents: a text, .jsonl or .parquet file or a directory)")
         if path.is_dir() and not is_token_source(path):
             _check_document_directory(flag, path)
+    if is_chat_run(args):
+        _check_chat_arguments(args)
     if args.data_weights is not None:
         if args.data is None:
             raise UsageError("--data-weights needs --data")
@@ -106,6 +145,11 @@ def data_vocab_size(args, tokenizer: Tokenizer | None) -> int | None:
     token file was made by ``tokenizer`` and that documents have a tokenizer; returns the largest
     vocabulary the token files record (None: none does, e.g. only Megatron datasets or documents)."""
     vocab = None
+    if is_chat_run(args) and tokenizer is not None:
+        try:
+            chat_encoder(tokenizer)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     for flag, path in _data_paths(args):
         if not is_token_source(path):
             if tokenizer is None:
@@ -148,6 +192,8 @@ def prepare_training_data(args, rank: int, world_group, tokenizer: Tokenizer | N
     model's; None: what each token file records) bounds every token id, checked as each source opens.
     Collective."""
     cache = work_dir / "data_cache"
+    if is_chat_run(args):
+        return _prepare_chat_data(args, rank, world_group, tokenizer, vocab_size, cache)
 
     def tokenized(paths) -> list[str]:
         return [os.fspath(tokenized_path(path, tokenizer, cache, text_field=args.text_field)) for path in paths]
@@ -169,3 +215,20 @@ def prepare_training_data(args, rank: int, world_group, tokenizer: Tokenizer | N
         logger.info("blend of %d samples: %s", len(data.train),
                     ", ".join(f"{path}: {n}" for path, n in zip(named, counts)))
     return data
+
+
+def _prepare_chat_data(args, rank: int, world_group, tokenizer: Tokenizer, vocab_size: int | None,
+                       cache: Path) -> TrainEvalData:
+    """prepare_training_data for chat files: rank 0 tokenizes them into ``cache``, every rank packs them."""
+    def tokenized(paths) -> list[str]:
+        return [os.fspath(path) for path in tokenized_chat_paths(paths, tokenizer, cache)]
+
+    train_paths = on_rank_0(lambda: tokenized(args.data), rank, world_group)
+    eval_paths = on_rank_0(lambda: tokenized(args.eval_data), rank, world_group)
+    pad_id = next((i for i in (tokenizer.pad_id, tokenizer.eos_id) if i is not None), 0)
+    try:
+        return build_chat_train_eval_data(train_paths, seq_len=args.seq_len, vocab_size=vocab_size,
+                                          overlong=args.sft_overlong, pad_id=pad_id, eval_fraction=args.eval_fraction,
+                                          eval_paths=eval_paths, seed=args.seed)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None

@@ -149,7 +149,8 @@ def eval_batches(
     dp_size: int,
     num_samples: int | None = None,
 ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """This DP rank's micro-batches (inputs [mb, S], labels [mb, S]) of each eval step, over samples
+    """This DP rank's micro-batches (inputs [mb, S], labels [mb, S]; the :class:`~megamoe.data.packing.MicroBatch`
+    of ``dataset.micro_batch`` where it has one, e.g. chat SFT rows) of each eval step, over samples
     ``0 .. num_samples - 1`` (default: all) in order.
 
     Step ``k`` covers samples ``[k * global_batch_size, (k + 1) * global_batch_size)``, rank ``r``
@@ -175,7 +176,8 @@ def eval_batches(
         for start in range(rank_start, rank_start + per_rank, micro_batch_size):
             positions = np.arange(start, start + micro_batch_size)
             valid = positions < total
-            inputs, labels = dataset.batch(np.where(valid, positions, 0))
-            labels[torch.from_numpy(~valid)] = IGNORE_INDEX
-            micro_batches.append((inputs, labels))
+            # A dataset of packed rows with their own document masks (chat SFT) gives them with its micro_batch.
+            rows = getattr(dataset, "micro_batch", dataset.batch)(np.where(valid, positions, 0))
+            rows[1][torch.from_numpy(~valid)] = IGNORE_INDEX
+            micro_batches.append(rows)
         yield micro_batches

@@ -221,6 +221,12 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int]) -> str:
         ...
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each token's ``[start, end)`` character span in ``text`` (what maps a chat's
+        assistant text to its tokens); ValueError for a format that does not give them."""
+        raise ValueError(f"tokenizer {self.path} gives no character offsets of its tokens (needed for chat data): "
+                         "use an HF tokenizer.json")
+
     @staticmethod
     def from_path(path: str | os.PathLike) -> Tokenizer:
         """Load ``*.model`` (sentencepiece) or ``*.json`` (HF tokenizers) files; for a directory,
@@ -353,6 +359,10 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
 
 def check_tokenizer_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:

@@ -91,11 +91,14 @@ def tokenized_path(path: str | os.PathLike, tokenizer: Tokenizer, cache_dir: str
 @dataclass(frozen=True)
 class TrainEvalData:
     """``train`` for ``ResumableSampler`` + ``batch``; ``eval`` (None without eval data) for ``eval_batches``;
-    ``sources`` the opened token datasets, in ``--data`` order."""
+    ``sources`` the opened token datasets, in ``--data`` order. ``chat``: chat SFT rows
+    (:class:`~megamoe.data.chat_samples.ChatSamples`, whose ``micro_batch`` carries their document masks;
+    labels on the assistant's tokens only), built by :mod:`megamoe.data.chat_training_data`."""
 
     train: SampleDataset
     eval: SampleDataset | None
     sources: tuple[TokenDataset, ...]
+    chat: bool = False
 
 
 def build_train_eval_data(

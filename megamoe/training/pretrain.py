@@ -250,11 +250,13 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
         default_paths = [token_file]
     data = prepare_training_data(args, rank, world_group, tokenizer, vocab_size=known_vocab, work_dir=args.work_dir,
                                  default_train_paths=default_paths)
-    packing = packing_config_from_args(args, tokenizer.eos_id if tokenizer is not None else
-                                       data.sources[0].source.eos_id)
+    # Chat SFT rows come packed with their own document masks (the packing flags are refused with chat data).
+    packing = None if data.chat else packing_config_from_args(args, tokenizer.eos_id if tokenizer is not None else
+                                                              data.sources[0].source.eos_id)
     # Every checkpoint carries the tokenizer, as a conversion's does: generate.py finds it there.
     tokenizer_files = tokenizer_side_files(tokenizer) if tokenizer is not None else None
-    logger.info("packed documents: %s", packing or "off (plain causal rows)")
+    logger.info("packed documents: %s", "chat conversations, each attending to itself; the loss is the mean over "
+                "the global batch's assistant tokens" if data.chat else packing or "off (plain causal rows)")
     torch.manual_seed(args.seed)
     provenance = source.provenance
     if provenance is not None and tokenizer is not None:
@@ -299,6 +301,7 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
     matmul_dtype = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
     peak = resolve_peak_tflops(device, matmul_dtype, explicit_tflops=args.peak_tflops)
     trainer = Trainer(model, state, TrainConfig(lr=args.lr, autocast=autocast, eplb=eplb_config_from_args(args),
+                                                per_token_loss=data.chat,
                                                 **train_config_kwargs(args, train_steps=args.steps)),
                       world_group=world_group, peak_tflops=peak.tflops)
     sampler = ResumableSampler(len(data.train), global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
@@ -322,6 +325,8 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
     if trainer.step >= args.steps:
         logger.info("nothing to train: the run is at step %d and --steps is %d (raise --steps to train further)",
                     trainer.step, args.steps)
+
+    train_rows = data.train.micro_batch if data.chat else data.train.batch
 
     def packed(micro_batches):
         if packing is None:
@@ -378,7 +383,7 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
                          "args": _json_args(args)})
         while trainer.step < args.steps:
             try:
-                m = trainer.train_step(packed([data.train.batch(indices) for indices in sampler.next_micro_batches()]))
+                m = trainer.train_step(packed([train_rows(indices) for indices in sampler.next_micro_batches()]))
             except NonFiniteTrainingError as e:
                 raise NonFiniteTrainingError(f"{e}. {health.rollback_advice()}") from None
             health.record(m)

@@ -29,7 +29,7 @@ SECTIONS = {
     "parallel": ("tp", "pp", "virtual_pipeline_stages", "ep", "etp", "cp", "sequence_parallel",
                  "make_vocab_size_divisible_by", "device", "comm_timeout"),
     "data": ("data", "data_weights", "text_field", "eval_data", "eval_fraction", "corpus_bytes", "seq_len",
-             "reset_position_ids", "reset_attention_mask", "eod_mask_loss"),
+             "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "sft_overlong"),
     "optimizer": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "autocast",
                   "param_dtype", "distributed_optimizer", "zero_stage", "overlap_grad_reduce", "grad_bucket_mb",
                   "max_skipped_steps", "initial_loss_scale", "loss_scale_window", "min_loss_scale"),

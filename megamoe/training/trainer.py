@@ -5,7 +5,11 @@ Loss convention (see :mod:`megamoe.training.grad_sync`): each micro-batch's loss
 its tokens; a rank back-propagates ``loss / num_micro_batches`` (+ its stage's aux losses, also
 divided by ``num_micro_batches``), and the reported loss is the mean over micro-batches and DP ranks.
 Micro-batches are the same token sets under every layout (see ``ResumableSampler``), so a layout
-change leaves the loss curve unchanged.
+change leaves the loss curve unchanged. With ``TrainConfig.per_token_loss`` (chat SFT, whose micro-batches
+hold very different numbers of labelled tokens) each micro-batch's mean is weighted by its labelled tokens
+(labels other than -100) times ``num_micro_batches * dp`` over the global batch's labelled tokens (one
+all-reduce of the count over DP; CP, TP and PP ranks hold the same full labels): the loss, and its
+gradient, is then the mean over every labelled token of the global batch, under any layout.
 
 Each step's LR is ``TrainConfig.lr_schedule.lr_at(n + 1, TrainConfig.lr)``, set on every param group just
 before the optimizer step (:mod:`megamoe.training.lr_schedule`), where ``n`` (``Trainer.lr_schedule_steps``)
@@ -93,6 +97,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megamoe import comms
+from megamoe.data.eval_split import IGNORE_INDEX
 from megamoe.data.packing import MicroBatch, micro_batches_on
 from megamoe.gradients import gradients
 from megamoe.host_values import host_floats
@@ -148,6 +153,9 @@ class TrainConfig:
     # Off: the same buckets are reduced synchronously after the backward (bit-identical results).
     overlap_grad_reduce: bool = False
     grad_bucket_mb: float = 40.0
+    # The loss is the mean over the global batch's labelled tokens, not over micro-batches of their means
+    # (see the module docstring): what chat SFT's assistant-only labels need.
+    per_token_loss: bool = False
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -174,6 +182,8 @@ class TrainConfig:
                 or not 0 < self.grad_bucket_mb < math.inf):
             raise ValueError(f"TrainConfig.grad_bucket_mb must be a number > 0 (MB of gradient per bucket), "
                              f"got {self.grad_bucket_mb!r}")
+        if not isinstance(self.per_token_loss, bool):
+            raise ValueError(f"TrainConfig.per_token_loss must be a bool, got {self.per_token_loss!r}")
         if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
             raise ValueError(f"TrainConfig.eplb must be an EPLBConfig or None, got {type(self.eplb).__name__}")
 
@@ -352,6 +362,7 @@ class Trainer:
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
         lr = self.config.lr_schedule.lr_at(self.lr_schedule_steps + 1, self.config.lr)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+        weights = self._token_weights(micro_batches) if self.config.per_token_loss else None
 
         def chunk_step(chunk: int):
             # The forward step of model chunk ``chunk`` (the whole stage without virtual pipeline stages):
@@ -370,7 +381,7 @@ class Trainer:
                                      **({"input_ids": batch.inputs} if mtp_ids else {}))
                 aux_total += aux.detach().double()
                 if last:
-                    out = upcast(out) / num_mb
+                    out = upcast(out) / num_mb if weights is None else upcast(out) * (weights[index] / num_mb)
                 aux = aux / num_mb
                 if scale is not None:
                     out = out * scale if last else out
@@ -444,6 +455,14 @@ class Trainer:
                            tokens_per_s=tokens / elapsed, balancedness=balancedness, lr=lr, skipped=not finite,
                            consecutive_skips=self.consecutive_skips, loss_scale=scale, tflops=tflops, mfu=mfu,
                            moe_layers=moe_layers, peak_memory_bytes=peak_memory_bytes(self.device), eplb=eplb_report)
+
+    def _token_weights(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """[num_mb] fp32, on the device: each micro-batch's labelled tokens * num_mb * dp / the global batch's
+        (TrainConfig.per_token_loss); all ones when every micro-batch holds as many."""
+        counts = torch.stack([(batch.labels != IGNORE_INDEX).sum() for batch in micro_batches]).double()
+        total = counts.sum()
+        comms.all_reduce_(total, self.state.dp.group)
+        return (counts * (len(micro_batches) * self.state.dp.size) / total.clamp(min=1)).float()
 
     def _on_last_backward(self, chunk: int) -> None:
         """The schedule's call before the last backward of ``chunk``: arm the gradient reducer's hooks."""

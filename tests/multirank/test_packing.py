@@ -1,7 +1,8 @@
 """Packed documents (megamoe.data.packing): reset position ids and document ids match a token-by-token
 reading of Megatron's rules; with both resets, a packed row gives every document the logits, token
 losses and gradients it gets run alone (GQA with and without a sliding window, MLA; one process, TP 2
-and PP 2); each reset alone behaves as documented; unpacked forwards keep the ``is_causal`` kernel.
+and PP 2); with labels on some tokens only, the per-token loss (chat SFT) is the mean over them under TP 2,
+PP 2, CP 2 and DP 2; each reset alone behaves as documented; unpacked forwards keep the ``is_causal`` kernel.
 
 The cases that spawn ranks or run scripts end to end; the in-process ones are in tests/unit/test_packing.py."""
 
@@ -62,6 +63,32 @@ def _packed_under_layouts(rank, world_size):
     mine = [MicroBatch(*(t[rank:rank + 1] for t in batch))]
     assert evaluate_loss(model, state, mine, world_group=dist.group.WORLD) == pytest.approx(ref_loss, rel=TOL)
     destroy_model_parallel()
+    _per_token_loss_under_layouts(rank, config, batch)
+
+
+def _per_token_loss_under_layouts(rank, config, batch):
+    """TrainConfig.per_token_loss (chat SFT: labels on assistant tokens only): rows holding 3 and 11 labelled
+    tokens give the mean over all 14, and its gradient, as the documents run one by one, under TP 2, PP 2,
+    CP 2 and DP 2 (a mean of the two rows' means would differ)."""
+    from megamoe.data.eval_split import IGNORE_INDEX
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    keep = torch.zeros_like(batch.labels, dtype=torch.bool)
+    keep[0, 2:5] = keep[1, 1:12] = True
+    batch = batch._replace(labels=batch.labels.masked_fill(~keep, IGNORE_INDEX))
+    model = build_model(config)
+    loss = sum(model(batch.inputs[r:r + 1, s:e], labels=batch.labels[r:r + 1, s:e])[0] * keep[r, s:e].sum()
+               for r in range(len(DOC_LENGTHS)) for s, e in documents(r)) / keep.sum()
+    loss.backward()
+    ref_grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    rows = [MicroBatch(*(t[row:row + 1] for t in batch)) for row in range(2)]
+    for layout, mine in (({"tp": 2}, rows), ({"pp": 2}, rows), ({"cp": 2}, rows), ({}, rows[rank:rank + 1])):
+        state = initialize_model_parallel(**layout)
+        trainer = Trainer(build_model(config, state), state, TrainConfig(grad_clip=0.0, per_token_loss=True),
+                          world_group=dist.group.WORLD)
+        metrics = trainer.train_step(mine)
+        assert metrics.loss == pytest.approx(float(loss), rel=TOL), layout or "dp 2"
+        assert metrics.grad_norm == pytest.approx(ref_grad_norm, rel=1e-4), layout or "dp 2"
+        destroy_model_parallel()
 
 
 @pytest.mark.slow
