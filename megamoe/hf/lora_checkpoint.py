@@ -16,6 +16,7 @@ import torch
 
 from megamoe.checkpoint.errors import CheckpointError
 from megamoe.checkpoint.logical_reader import LogicalTensorReader
+from megamoe.checkpoint.model_manifest import OPTIMIZER_PREFIX
 from megamoe.checkpoint.side_files import read_side_file
 from megamoe.lora import LORA_SUFFIXES, LoRAConfig, merge_lora
 
@@ -41,7 +42,8 @@ class LoRACheckpoint:
 def lora_checkpoint(checkpoint: str, manifest: dict) -> LoRACheckpoint | None:
     """The LoRA part of ``checkpoint`` (its ``manifest``), None for a checkpoint without adapters.
     CheckpointError when its adapters and its ``lora.json`` do not come together, or ``lora.json`` is damaged."""
-    names = tuple(sorted(n for n in manifest["tensors"] if n.endswith(LORA_SUFFIXES)))
+    names = tuple(sorted(n for n in manifest["tensors"] if n.endswith(LORA_SUFFIXES)
+                         and not n.startswith(OPTIMIZER_PREFIX)))
     saved = read_side_file(checkpoint, LORA_FILE)
     if saved is None and not names:
         return None

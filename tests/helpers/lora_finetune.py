@@ -34,7 +34,8 @@ def write_chats(path, records) -> str:
 
 
 def save_tiny_qwen3_moe(directory) -> str:
-    """A random tiny HF Qwen3-MoE (H 32, 2 MoE layers of 8 experts, top-2) with the ChatML tokenizer of
+    """A random tiny HF Qwen3-MoE (H 32, 2 MoE layers of 8 experts, top-2; norms around 1, weights N(0, 0.2^2))
+    with the ChatML tokenizer of
     tests/helpers/chat_data.py (its chat template marks the assistant's generations)."""
     t = lazy_transformers()
     save_chat_tokenizer(directory)
@@ -44,5 +45,11 @@ def save_tiny_qwen3_moe(directory) -> str:
                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
                               tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
-    t.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    model = t.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():           # norms around 1, weights N(0, 0.2^2): logits of order 1 (as the family tests)
+        for name, tensor in model.state_dict().items():
+            noise = torch.randn(tensor.shape, generator=g) * 0.2
+            tensor.copy_(1.0 + noise if "norm" in name else noise)
+    model.save_pretrained(directory)
     return os.fspath(directory)
