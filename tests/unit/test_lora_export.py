@@ -53,7 +53,15 @@ def merged(logical: dict, lora: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+# The families whose PEFT layout differs: GQA (Qwen3-MoE), MLA with shared experts and a dense layer (DeepSeek-V3),
+# transposed and interleaved experts with biases (gpt-oss), transformers-4 expert names w1/w2/w3 in peft's
+# conversion (Mixtral). Every other family shares one of these layouts; all nine pass (PEFT_FAMILIES widened to
+# SUPPORTED_FAMILIES, 2026-12-03), the suite keeps these four for time.
+PEFT_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral")
+assert set(PEFT_FAMILIES) <= set(SUPPORTED_FAMILIES)
+
+
+@pytest.mark.parametrize("family", PEFT_FAMILIES)
 def test_peft_export_matches_merged_weights(family, tmp_path):
     from peft import PeftModel
     hf, config = hf_model(family)
