@@ -120,7 +120,8 @@ def _add_experts(targets: _Targets, pairs, config: GPTMoEConfig, layer: int, fus
     if gates is not None:
         a_list, b_list = [], []
         for e, ((a_g, b_g), (a_u, b_u)) in enumerate(zip(gates, ups)):
-            _check(gate_n[e], a_g, b_g, (F, H)), _check(up_n[e], a_u, b_u, (F, H))
+            _check(gate_n[e], a_g, b_g, (F, H))
+            _check(up_n[e], a_u, b_u, (F, H))
             if not torch.equal(a_g, a_u):
                 raise AdapterError(f"{gate_n[e]} and {up_n[e]} have different lora_A: HF fuses them into one "
                                    "gate_up_proj, whose rank-r adapter has one A; export merged weights instead")
