@@ -152,11 +152,11 @@ def _check_size(config: GPTMoEConfig, listed: dict, model: set[str], fail) -> No
                    f"{config.num_layers}")
 
 
-def _model_tensors(manifest: dict) -> dict[str, list]:
-    """The model's logical tensors the manifest lists (not optimizer state, nor a LoRA run's adapters,
-    :mod:`megamoe.lora`, which sit beside the base's): name -> global shape."""
+def _model_tensors(manifest: dict, adapters: bool = False) -> dict[str, list]:
+    """The model's logical tensors the manifest lists (not optimizer state; a LoRA run's adapters,
+    :mod:`megamoe.lora`, which sit beside the base's, only with ``adapters``): name -> global shape."""
     return {n: t["global_shape"] for n, t in manifest["tensors"].items()
-            if not n.startswith(OPTIMIZER_PREFIX) and not n.endswith(LORA_SUFFIXES)}
+            if not n.startswith(OPTIMIZER_PREFIX) and (adapters or not n.endswith(LORA_SUFFIXES))}
 
 
 def _shapes_of(config: GPTMoEConfig, layer_spec: LayerSpec | None) -> dict[str, tuple[int, ...]]:
@@ -190,7 +190,7 @@ def _check_model_tensors(manifest: dict, config: GPTMoEConfig, layer_spec: Layer
 def _check_optimizer_state(manifest: dict, fail) -> None:
     """Optimizer state (``optim.<key>.<parameter>``) of listed parameters, shaped like them or scalar, the
     same keys for the same parameters, and present exactly when ``extra.has_optimizer_state`` says so."""
-    listed, by_key = _model_tensors(manifest), {}
+    listed, by_key = _model_tensors(manifest, adapters=True), {}
     for name, entry in manifest["tensors"].items():
         if not name.startswith(OPTIMIZER_PREFIX):
             continue

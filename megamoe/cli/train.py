@@ -51,6 +51,7 @@ from megamoe.moe.placement.eplb_arguments import add_eplb_arguments
 from megamoe.moe.token_dispatcher import DEFAULT_DISPATCHER, dispatcher_names
 from megamoe.process_group import launch_rank, resolve_device
 from megamoe.training.metrics_arguments import add_metrics_arguments
+from megamoe.training.lora_run import add_lora_arguments
 from megamoe.training.optim_arguments import add_optim_arguments
 from megamoe.training.pretrain import pretrain
 from megamoe.training.pretrain_checks import HEADS, check_arguments, check_model_shape_flags
@@ -155,6 +156,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "a DeepSeek-V3 --hf-model / --model-config with them); default: the model config's, 0.1")
     add_packing_arguments(t)
     add_optim_arguments(p)
+    add_lora_arguments(p)
     add_eplb_arguments(p, unit="steps")
     add_recompute_arguments(p)
     add_data_arguments(p, default_data_help="; default: the Python standard library's sources")

@@ -212,8 +212,10 @@ class GradientSync:
 def _replication(param: nn.Parameter, state, tied: bool) -> float:
     """How many ranks hold an identical copy of this parameter's gradient."""
     if getattr(param, "expert_parallel", False):
-        # A tensor every ETP rank holds whole (gpt-oss's expert down bias) is copied over ETP as well.
-        return float(state.edp.size * (state.etp.size if getattr(param, "etp_replicated", False) else 1))
+        # A tensor every ETP rank holds whole (gpt-oss's expert down bias) is copied over ETP as well; LoRA's
+        # expert adapters (megamoe.moe.experts.lora_experts) are whole on every EP rank.
+        return float(state.edp.size * (state.etp.size if getattr(param, "etp_replicated", False) else 1)
+                     * (state.ep.size if getattr(param, "ep_replicated", False) else 1))
     copies = state.dp_cp.size
     if get_shard_spec(param).count == 1:
         copies *= state.tp.size           # not split: replicated over TP
@@ -253,7 +255,8 @@ def _global_norm(model: nn.Module, state, world_group, *, tied_params, grad: boo
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         # Slots holding a replicated expert: their squares were counted once per replica.
         counts = layer.local_replica_counts().double()
-        if bool((counts > 1).any()):
+        slot_weight = layer.experts.slot_parameters(0)[0][0]
+        if bool((counts > 1).any()) and (slot_weight.requires_grad or not grad):     # (a LoRA run's base: frozen)
             extra = torch.zeros((), dtype=torch.float64, device=device)
             for local_slot, count in enumerate(counts.tolist()):
                 if count > 1:

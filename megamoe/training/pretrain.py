@@ -43,6 +43,7 @@ from megamoe.data.tokenizer import Tokenizer, train_sentencepiece
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.errors import UsageError
+from megamoe.lora import apply_lora
 from megamoe.machine_memory import format_bytes
 from megamoe.models import GPTMoEModel
 from megamoe.moe.placement.eplb_arguments import eplb_config_from_args
@@ -64,6 +65,7 @@ from megamoe.training.evaluation import evaluate_loss
 from megamoe.training.metric_sinks import step_record
 from megamoe.training.metrics_arguments import metric_sinks_from_arguments
 from megamoe.training.mfu import resolve_peak_tflops
+from megamoe.training.lora_run import LORA_FILE, check_lora_file, lora_config_from_args, lora_file
 from megamoe.training.optim_arguments import param_dtype, train_config_kwargs
 from megamoe.training.preemption import StopSignals
 from megamoe.training.trainer import TrainConfig, Trainer
@@ -215,6 +217,7 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
     device = resolve_device(args.device)
     source = check_arguments(args, launch_world_size(), device)
     plan = plan_start(args)
+    lora = lora_config_from_args(args)
     rank, world = init_distributed(comm_timeout_s=args.comm_timeout, device=device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -295,6 +298,17 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
     # An engine choice (like the dispatcher), whatever the model source: a checkpoint resumes under either.
     for layer in model.moe_layers().values():
         layer.config = dataclasses.replace(layer.config, shared_expert_overlap=args.moe_shared_expert_overlap)
+    lora_side_files = {}
+    if lora is not None:             # after the base weights are in: the adapters' A is seeded, B zero
+        if plan.resume_from is not None:
+            check_lora_file(read_side_file(plan.resume_from, LORA_FILE), lora, args, plan.resume_from)
+        try:
+            apply_lora(model, lora, seed=args.seed)
+        except ValueError as e:
+            raise UsageError(f"--lora-*: {e}") from None
+        lora_side_files = {LORA_FILE: lora_file(lora, args)}
+    elif plan.resume_from is not None:
+        check_lora_file(read_side_file(plan.resume_from, LORA_FILE), None, args, plan.resume_from)
     if plan.resume_from is not None:
         # A checkpoint of this run carries the provenance it started with (the HF model's, or a config.json's).
         provenance = HFProvenance.of_checkpoint(plan.resume_from) or provenance
@@ -361,7 +375,8 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
         verdict = health.judge(global_param_norm(model, state, world_group, tied_params=model.tied_parameters()))
         save_training_checkpoint(path, trainer, sampler_state=sampler.state_dict(), world_group=world_group,
                                  run_id=run_id, hf_provenance=provenance,
-                                 side_files={**(tokenizer_files or {}), RUN_CONFIG_FILE: config_text},
+                                 side_files={**(tokenizer_files or {}), **lora_side_files,
+                                             RUN_CONFIG_FILE: config_text},
                                  health=verdict.to_dict())
         health.saved(verdict, path)
         if rank == 0:

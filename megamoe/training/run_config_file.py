@@ -6,7 +6,8 @@ Each field is the flag's destination (``--global-batch`` is ``schedule.global_ba
 ``--no-verify-checksums``, is ``checkpoint.verify_checksums = false``). The sections mirror the config
 dataclasses: ``model`` (GPTMoEConfig and the model's source), ``moe`` (MoEConfig, the placement and EPLB),
 ``parallel`` (ParallelState and the devices), ``data``, ``optimizer`` (TrainConfig's AdamW, precision and
-optimizer memory), ``schedule`` (steps, batches, the LR schedule, evaluation), ``checkpoint`` and ``logging``.
+optimizer memory), ``schedule`` (steps, batches, the LR schedule, evaluation), ``checkpoint``, ``lora`` (LoRA fine-tuning) and
+``logging``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SECTIONS = {
                  "override_opt_param_scheduler", "eval_every", "eval_iters"),
     "checkpoint": ("work_dir", "save_dir", "save_every", "keep_checkpoints", "load_dir", "load_step", "overwrite",
                    "allow_foreign_checkpoint", "verify_checksums", "export_hf", "export_peft"),
+    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "logging": ("log_json", "tensorboard_dir", "wandb_project", "wandb_run_name", "peak_tflops", "progress",
                 "sample_tokens", "sample_prompt"),
 }

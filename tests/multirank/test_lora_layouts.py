@@ -1,0 +1,73 @@
+"""LoRA training under TP 2, EP 2 with replica slots (plain and distributed optimizer), ETP 2 and PP 2 equals one
+process over 10 steps: the same losses and gradient norms, and the same adapters at the end (gathered over the
+ranks with lora_state_dict's group); the base stays as it was. One spawn of 2 ranks runs every layout (fp64: the
+layouts sum in other orders, and 10 fp32 steps would amplify that rounding; see tests/multirank/test_training.py)."""
+
+import torch
+import torch.distributed as dist
+
+from megamoe.lora import LoRAConfig, apply_lora, lora_state_dict
+from megamoe.models import GPTMoEModel
+from megamoe.models.hf_loading import gather_logical_state
+from megamoe.spawned_ranks import run_on_ranks
+from megamoe.tensor_parallel import initialize_parameters
+from megamoe.training.trainer import TrainConfig, Trainer
+from tests.helpers.tiny_model import E, GLOBAL_BATCH, MICRO_BATCH, global_batches, tiny_config
+
+STEPS = 10
+LORA = LoRAConfig(rank=4, alpha=8)
+REL_TOL = 1e-9
+
+
+def lora_run(state, layout, world_group=None):
+    """(per-step (loss, grad norm), final adapters) of the tiny model with LoRA trained for STEPS steps."""
+    model = GPTMoEModel(tiny_config(layout.get("dispatcher", "alltoall"), layout.get("slots")), state,
+                        dtype=torch.float64)
+    initialize_parameters(model, seed=0)
+    apply_lora(model, LORA, seed=1)
+    trainer = Trainer(model, state, TrainConfig(lr=1e-2, distributed_optimizer=layout.get("distopt", False)),
+                      world_group=world_group)
+    per_rank = GLOBAL_BATCH // state.dp_cp.size
+    curve = []
+    for batch in global_batches(STEPS):
+        mine = batch[state.dp_cp.rank * per_rank:(state.dp_cp.rank + 1) * per_rank]
+        m = trainer.train_step([(mb[:, :-1], mb[:, 1:]) for mb in mine.split(MICRO_BATCH)])
+        curve.append((m.loss, m.grad_norm))
+    return curve, lora_state_dict(model, world_group)
+
+
+def _worker(rank, world_size, layouts):
+    from parallel_state import destroy_model_parallel, initialize_model_parallel
+    results = []
+    for layout in layouts:
+        state = initialize_model_parallel(**{k: layout.get(k, 1) for k in ("tp", "pp", "ep", "etp")})
+        curve, adapters = lora_run(state, layout, dist.group.WORLD)
+        # numpy arrays travel by value (torch tensors through the result queue share memory the rank frees)
+        results.append((curve, {k: v.numpy() for k, v in adapters.items()}))
+        destroy_model_parallel()
+    return results
+
+
+LAYOUTS = [
+    dict(tp=2, ep=2, dispatcher="allgather"),                      # TP 2 (column / row adapters), EP in the TP group
+    dict(ep=2, slots=2 * E),                                       # every expert on both ranks: replicas across EP
+    dict(ep=2, slots=E + 2, distopt=True),                         # two replicas, distributed optimizer
+    dict(tp=2, etp=2, dispatcher="allgather"),                     # ETP 2: the expert adapters' shards
+    dict(pp=2),
+]
+
+
+def test_lora_layouts_match_one_process_over_10_steps():
+    from parallel_state import ParallelState
+    torch.set_num_threads(1)
+    reference, adapters = lora_run(ParallelState.single_process(), {})
+    assert reference[-1][0] < reference[0][0] - 0.05, "the loss must fall: the adapters train"
+    results = run_on_ranks(_worker, 2, args=(LAYOUTS,), timeout_s=900)
+    for layout, (curve, final) in zip(LAYOUTS, results[0]):
+        for step, (got, want) in enumerate(zip(curve, reference), start=1):
+            for name, g, w in zip(("loss", "grad_norm"), got, want):
+                assert abs(g - w) <= REL_TOL * abs(w), f"{layout} step {step} {name}: {g!r} vs {w!r}"
+        assert final.keys() == adapters.keys()
+        for key, value in adapters.items():
+            torch.testing.assert_close(torch.from_numpy(final[key]), value, rtol=1e-9, atol=1e-12, msg=f"{layout} {key}")
+        assert results[1][LAYOUTS.index(layout)][1].keys() == final.keys()
