@@ -1,7 +1,7 @@
 """``megamoe convert`` (alias ``megamoe-convert``): HuggingFace <-> megamoe checkpoints.
 
-Subcommands: ``import-hf``, ``export-hf``, ``export-peft``, ``reshard``, ``inspect``, ``verify``, ``edit-config``; ``--help`` on
-each.
+Subcommands: ``import-hf``, ``export-hf``, ``export-peft``, ``reshard``, ``inspect``, ``verify``, ``edit-config``;
+``--help`` on each.
 Bad input ends with a one-line ``error:`` message and exit code 1 (2 for a malformed command line);
 ``verify`` exits 1 when the logits differ by more than ``--atol``, ``inspect`` when a file is damaged or a
 tensor holds NaN/Inf, and with an error line when the manifest is refused. Every command that reads a

@@ -18,7 +18,8 @@ back. Every checkpoint and the --work-dir keep it as run_config.toml; a resumed 
 
 Real runs: --data (text, JSON Lines, Parquet, token files, Megatron datasets; blended by --data-weights),
 --hf-model (start from a HuggingFace model) or --model-config (a model of that shape from scratch),
---lr-schedule, --eval-fraction / --eval-data, --export-hf (end as a HuggingFace model), --export-peft (a LoRA run's adapters for peft).
+--lr-schedule, --eval-fraction / --eval-data, --export-hf (end as a HuggingFace model), --export-peft (a LoRA
+run's adapters for peft).
 
 It logs loss, LR, grad norm, tokens/s, model TFLOP/s and MFU, aux loss and expert-load balancedness per
 step (to --log-json, and --tensorboard / --wandb-project), shows a progress line on a terminal

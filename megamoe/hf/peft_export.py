@@ -241,7 +241,8 @@ def export_peft(out_dir: str | os.PathLike, lora_state: Mapping[str, torch.Tenso
             f.write(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     logger.info("wrote the PEFT adapter %s: %d tensors, rank %d", output.path, len(tensors), lora.rank)
     return {"out_dir": output.path, "family": config.family, "tensors": len(tensors), "rank": lora.rank,
-            "target_modules": adapter_config["target_modules"], "target_parameters": adapter_config["target_parameters"]}
+            "target_modules": adapter_config["target_modules"],
+            "target_parameters": adapter_config["target_parameters"]}
 
 
 def export_peft_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,

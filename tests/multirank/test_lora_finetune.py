@@ -44,7 +44,8 @@ def _megamoe_logits(checkpoint, ids):
     record = json.loads((Path(checkpoint) / "hf_files" / "lora.json").read_text())
     model = build_model_from_checkpoint(checkpoint, ParallelState.single_process())
     apply_lora(model, LoRAConfig.from_json(json.dumps(record["config"])))
-    load_lora_state_dict(model, {n: t.clone() for n, t in iter_logical_tensors(checkpoint) if n.endswith(LORA_SUFFIXES)})
+    load_lora_state_dict(model, {name: tensor.clone() for name, tensor in iter_logical_tensors(checkpoint)
+                                 if name.endswith(LORA_SUFFIXES) and not name.startswith("optim.")})
     with torch.no_grad():
         logits, _ = model.eval()(ids)
     return logits

@@ -136,8 +136,8 @@ def test_convert_exports_a_lora_checkpoint(hf_models, tmp_path):
     from tests.helpers.hf_checkpoints import convert, ids
     t = lazy_transformers()
 
-    hf_dir, _ = hf_models("qwen3_moe")
-    assert convert("import-hf", hf_dir, tmp_path / "base", "--tp", 1, "--pp", 1, "--ep", 1) == 0
+    base_hf, _ = hf_models("qwen3_moe")
+    assert convert("import-hf", base_hf, tmp_path / "base", "--tp", 1, "--pp", 1, "--ep", 1) == 0
     state = ParallelState.single_process()
     model = build_model_from_checkpoint(tmp_path / "base", state)
     apply_lora(model, LORA)
@@ -147,7 +147,7 @@ def test_convert_exports_a_lora_checkpoint(hf_models, tmp_path):
             if name.endswith("lora_B"):
                 param.copy_(torch.randn(param.shape, generator=g) * 0.1)
     trainer = Trainer(model, state, TrainConfig(lr=1e-2))
-    lora_json = json.dumps({"config": json.loads(LORA.to_json()), "base": {"hf_model": hf_dir}}).encode()
+    lora_json = json.dumps({"config": json.loads(LORA.to_json()), "base": {"hf_model": base_hf}}).encode()
     save_training_checkpoint(tmp_path / "lora", trainer, sampler_state={}, world_group=None,
                              hf_provenance=HFProvenance.of_checkpoint(tmp_path / "base"),
                              side_files={"lora.json": lora_json})
@@ -160,9 +160,9 @@ def test_convert_exports_a_lora_checkpoint(hf_models, tmp_path):
     assert not (tmp_path / "merged" / "lora.json").exists()
     merged = t.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
     assert convert("export-peft", tmp_path / "lora", tmp_path / "peft") == 0
-    base = t.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    base = t.AutoModelForCausalLM.from_pretrained(base_hf, attn_implementation="eager")
     peft_model = PeftModel.from_pretrained(base, tmp_path / "peft")
-    assert json.loads((tmp_path / "peft" / PEFT_CONFIG_FILE).read_text())["base_model_name_or_path"] == hf_dir
+    assert json.loads((tmp_path / "peft" / PEFT_CONFIG_FILE).read_text())["base_model_name_or_path"] == base_hf
     assert (_hf_logits(merged, ids()) - ours).abs().max() <= TOL
     assert (_hf_logits(peft_model, ids()) - ours).abs().max() <= TOL
 
