@@ -18,7 +18,6 @@ from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
 from parallel_state import ParallelState
 from tests.helpers.hf_checkpoints import hf_models  # noqa: F401 (a fixture)
-from tests.helpers.hf_start import hf_dir, token_file  # noqa: F401 (fixtures)
 from tests.helpers.hf_models import _hf_logits, _ids, hf_model, lazy_transformers
 
 RANK, ALPHA = 2, 3.0
@@ -171,15 +170,14 @@ def test_convert_exports_a_lora_checkpoint(hf_models, tmp_path):
     assert not (tmp_path / "none").exists()
 
 
-def test_export_peft_flag_refusals(demo, hf_dir, token_file, tmp_path, capsys):
-    """``megamoe train --export-peft``: one error line before any training, for a run without LoRA and for an
-    output that exists."""
+def test_export_peft_flag_refusals(demo, tmp_path, capsys):
+    """``megamoe train --export-peft``: one error line before any work, for a run without LoRA and for an output
+    that exists."""
     from megamoe.cli.launch import run_script
-    from tests.helpers.hf_start import _train_args
 
     def run(*extra):
-        code = run_script(demo.main, [str(a) for a in ["--hf-model", hf_dir[0], *extra,
-                                                        *_train_args(tmp_path, token_file, 1)]], prog=demo.PROG)
+        argv = [*extra, "--steps", 1, "--work-dir", tmp_path / "work", "--save-dir", tmp_path / "ckpt"]
+        code = run_script(demo.main, [str(a) for a in argv], prog=demo.PROG)
         return code, capsys.readouterr().err.strip().splitlines()
 
     code, err = run("--export-peft", tmp_path / "peft")
@@ -187,4 +185,4 @@ def test_export_peft_flag_refusals(demo, hf_dir, token_file, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     code, err = run("--lora-rank", 2, "--export-peft", tmp_path / "taken")
     assert code == 1 and len(err) == 1 and "taken already exists" in err[0], err
-    assert not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "peft").exists()
