@@ -1,5 +1,5 @@
 """Data side of training: tokenizers, the user's documents, token files and Megatron datasets, blending,
-held-out data, packing.
+held-out data, packing, chat SFT data.
 
 Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not import itself twice):
 
@@ -24,4 +24,9 @@ Modules (imported directly, so ``python -m megamoe.data.tokenizer`` does not imp
 - ``parallel_encode``: ``DocumentEncoder``, documents tokenized in worker processes, in order.
 - ``preprocess``: what ``megamoe preprocess`` runs (:mod:`megamoe.cli.preprocess`): documents
   to a token file; ``preprocess`` is the same as a function.
+- chat SFT data (``--data chats.jsonl``): ``chat_records`` (chat JSON Lines records -> conversations,
+  checked), ``chat_template`` (a tokenizer's chat template rendered as transformers renders it),
+  ``chat_data`` (conversations -> token ids and the assistant mask, by ``{% generation %}`` or prefix
+  rendering), ``chat_documents`` (the tokenized documents' file), ``chat_samples`` (packed rows, labels on
+  assistant tokens only, truncate/drop), ``chat_training_data`` (the run's chat train and eval datasets).
 """

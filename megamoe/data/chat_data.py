@@ -66,11 +66,11 @@ class ChatEncoder:
         self.tokenizer, self.template = tokenizer, template
         self.rule = GENERATION_RULE if template.has_generation_markers else PREFIX_RULE
 
-    def _render(self, messages: list[dict], where: str, add_generation_prompt: bool = False):
+    def _render(self, messages: list[dict], where: str, tools, add_generation_prompt: bool = False):
         import jinja2
 
         try:
-            return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+            return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise ValueError(f"{where}: the chat template ({self.template.origin}) fails to render this "
                              f"conversation: {type(e).__name__}: {e}") from None
@@ -79,28 +79,29 @@ class ChatEncoder:
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         return np.asarray(ids, dtype=np.int64), spans_to_token_mask(offsets, spans)
 
-    def encode(self, messages: list[dict], where: str = "conversation") -> list[tuple[np.ndarray, np.ndarray]]:
-        """The documents of one conversation: (ids, assistant mask) each; ValueError naming ``where`` when the
-        template fails or nothing is left to train."""
+    def encode(self, messages: list[dict], where: str = "conversation",
+               tools: list[dict] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The documents of one conversation (offered ``tools``): (ids, assistant mask) each; ValueError naming
+        ``where`` when the template fails or nothing is left to train."""
         if self.rule == GENERATION_RULE:
-            rendered = self._render(messages, where)
+            rendered = self._render(messages, where, tools)
             texts = [(rendered.text, rendered.generation_spans)]
         else:
-            texts = self._prefix_documents(messages, where)
+            texts = self._prefix_documents(messages, where, tools)
         documents = [self._tokens(text, spans) for text, spans in texts]
         if not any(mask.any() for _, mask in documents):
             raise ValueError(f"{where}: the chat template ({self.template.origin}) leaves no assistant token to "
                              f"train on ({self.rule} rule)")
         return documents
 
-    def _prefix_documents(self, messages: list[dict], where: str) -> list[tuple[str, list[tuple[int, int]]]]:
+    def _prefix_documents(self, messages: list[dict], where: str, tools) -> list[tuple[str, list[tuple[int, int]]]]:
         documents: list[tuple[str, list[tuple[int, int]]]] = []
         text, spans = None, []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render(messages[:i], where, add_generation_prompt=True).text
-            turn = self._render(messages[:i + 1], where).text
+            prompt = self._render(messages[:i], where, tools, add_generation_prompt=True).text
+            turn = self._render(messages[:i + 1], where, tools).text
             if not turn.startswith(prompt):
                 raise ValueError(f"{where}: the chat template ({self.template.origin}) renders assistant turn {i} "
                                  "in a way that does not start with its prompt (the conversation before it, with "
@@ -125,8 +126,8 @@ def encode_chat_file(path: str | os.PathLike, encoder: ChatEncoder) -> ChatDocum
                 "no {% generation %} in the template: the text each assistant turn adds to its prompt, rendered "
                 "prefix by prefix, is trained, its end-of-turn marker included")
     ids, masks, lengths, per_conversation = [], [], [], []
-    for line, messages in tqdm(chat_records(path), desc="chat data", unit="conversation", disable=None):
-        documents = encoder.encode(messages, f"{path}:{line}")
+    for where, conversation in tqdm(chat_records(path), desc="chat data", unit="conversation", disable=None):
+        documents = encoder.encode(conversation.messages, where, conversation.tools)
         for document_ids, mask in documents:
             ids.append(document_ids)
             masks.append(mask)

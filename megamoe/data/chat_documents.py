@@ -1,7 +1,7 @@
 """Tokenized chat documents: every document's token ids and assistant mask back to back, and where each
 document starts; stored as one safetensors file (no pickle), read back verified.
 
-``ids`` [N] int64, ``assistant`` [N] bool (the token is the assistant's: trained), ``offsets`` [D + 1]
+``ids`` [N] integers (uint32 as read back), ``assistant`` [N] bool (the token is the assistant's: trained), ``offsets`` [D + 1]
 int64 (document ``d`` is ``[offsets[d], offsets[d + 1])``, ``offsets[0] == 0``, ``offsets[-1] == N``),
 ``conversations`` [C + 1] int64 (conversation ``c`` made documents ``[conversations[c], conversations[c +
 1])``: a held-out conversation takes all its documents). The file (:func:`save_chat_documents`) holds
@@ -115,15 +115,13 @@ def save_chat_documents(documents: ChatDocuments, path: str | os.PathLike) -> No
 def load_chat_documents(path: str | os.PathLike, *, vocab_size: int | None = None) -> ChatDocuments:
     """The documents of ``path``, checked: the format, dtypes and shapes, offsets, the mask's values and
     (with ``vocab_size``) every id below it. ValueError naming the file otherwise."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     try:
-        blob = path.read_bytes()
-        tensors = load(blob)
-        header_size = int.from_bytes(blob[:8], "little")
-        metadata = json.loads(blob[8:8 + header_size]).get("__metadata__") or {}
+        with safe_open(path, framework="numpy") as file:
+            metadata = file.metadata() or {}
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
     except (OSError, SafetensorError, ValueError) as e:
         raise ValueError(f"cannot read chat documents {path}: {e}") from None
     if metadata.get("format") != FORMAT or set(tensors) != {"ids", "assistant", "offsets", "conversations"}:
@@ -139,6 +137,6 @@ def load_chat_documents(path: str | os.PathLike, *, vocab_size: int | None = Non
         raise ValueError(f"{path}: token id {int(ids.max())} is outside the tokenizer's vocabulary of {vocab_size}")
     try:
         info = json.loads(metadata.get("info", "{}"))
-        return ChatDocuments(ids.astype(np.int64), assistant.astype(bool), offsets, conversations, info)
+        return ChatDocuments(ids, assistant.view(bool), offsets, conversations, info)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None

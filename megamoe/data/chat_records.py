@@ -5,7 +5,8 @@ the roles ``system``, ``user``, ``assistant`` and ``tool``; an assistant turn ma
 instead of content, a tool turn its ``tool_call_id``; other keys pass through to the template), or a
 ``prompt`` / ``completion`` pair: the prompt (a string: one user turn; or a list of messages) followed by
 the completion (a string: the assistant's turn; or a list of assistant messages). Every conversation
-needs an assistant turn: it is what is trained.
+needs an assistant turn: it is what is trained. An optional ``tools`` list (the functions offered, as JSON
+schemas, OpenAI's request field) is passed to the template as transformers' ``tools``.
 
 Bad records are ValueErrors naming ``file:line``: invalid JSON, a line that is not UTF-8, a record
 without ``messages`` or ``prompt`` / ``completion``, a message without a role or with an unknown one, a
@@ -17,25 +18,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
-__all__ = ["ROLES", "is_chat_file", "chat_records", "record_messages"]
+from megamoe.data.documents import json_lines
+
+__all__ = ["ROLES", "Conversation", "is_chat_file", "chat_records", "record_conversation"]
 
 ROLES = ("system", "user", "assistant", "tool")
-_SNIFF_LINES = 16
 
 
 def _first_record(path: Path) -> dict | None:
     """The first non-blank line of ``path`` as a JSON object; None when there is none or it is no object."""
     try:
-        with open(path, "rb") as file:
-            for _, raw in zip(range(_SNIFF_LINES), file):
-                if raw.strip():
-                    record = json.loads(raw.decode("utf-8"))
-                    return record if isinstance(record, dict) else None
-    except (OSError, UnicodeDecodeError, ValueError):
+        _, record = next(json_lines(path), (None, None))
+    except (OSError, ValueError):
         return None
-    return None
+    return record if isinstance(record, dict) else None
 
 
 def is_chat_file(path: str | os.PathLike) -> bool:
@@ -70,7 +68,14 @@ def _messages(value, where: str, what: str) -> list[dict]:
     return value
 
 
-def record_messages(record, where: str) -> list[dict]:
+class Conversation(NamedTuple):
+    """One record's ``messages`` and the ``tools`` offered (None: none)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+def record_conversation(record, where: str) -> Conversation:
     """The conversation of one record (see the module docstring); ValueError naming ``where`` (``file:line``)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
@@ -90,23 +95,13 @@ def record_messages(record, where: str) -> list[dict]:
                          f"{', '.join(map(repr, record)) or 'no keys'}")
     if not any(message["role"] == "assistant" for message in messages):
         raise ValueError(f"{where}: the conversation has no assistant turn (nothing to train on)")
-    return messages
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        raise ValueError(f"{where}: tools must be a list of JSON schemas (objects), got {json.dumps(tools)[:80]}")
+    return Conversation(messages, tools)
 
 
-def chat_records(path: str | os.PathLike) -> Iterator[tuple[int, list[dict]]]:
-    """(line number, messages) of every non-blank line of the chat JSON Lines file ``path``, checked."""
-    path = Path(path)
-    with open(path, "rb") as file:
-        for line_number, raw in enumerate(file, start=1):
-            where = f"{path}:{line_number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            yield line_number, record_messages(record, where)
+def chat_records(path: str | os.PathLike) -> Iterator[tuple[str, Conversation]]:
+    """(``file:line``, conversation) of every non-blank line of the chat JSON Lines file ``path``, checked."""
+    for where, record in json_lines(path):
+        yield where, record_conversation(record, where)

@@ -22,17 +22,14 @@ Both are counted and logged. Samples are the packed rows, in a fixed order (the 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import logging
-import math
-import numbers
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from megamoe.data.chat_documents import ChatDocuments
-from megamoe.data.eval_split import IGNORE_INDEX
+from megamoe.data.eval_split import IGNORE_INDEX, held_out_split
 from megamoe.data.packing import MicroBatch
 from megamoe.data.sample_dataset import checked_sample_indices
 
@@ -124,9 +121,9 @@ class ChatSamples:
             items = self.row_items[self.row_bounds[row]:self.row_bounds[row + 1]]
             for d, item in enumerate(items.tolist()):
                 start, n = int(self.starts[item]), int(self.lengths[item])
-                inputs[b, at:at + n] = ids[start:start + n]
-                labels[b, at:at + n] = np.where(assistant[start + 1:start + n + 1], ids[start + 1:start + n + 1],
-                                                IGNORE_INDEX)
+                window = ids[start:start + n + 1].astype(np.int64)
+                inputs[b, at:at + n] = window[:-1]
+                labels[b, at:at + n] = np.where(assistant[start + 1:start + n + 1], window[1:], IGNORE_INDEX)
                 positions[b, at:at + n] = np.arange(n)
                 documents[b, at:at + n] = d
                 at += n
@@ -140,23 +137,14 @@ class ChatSamples:
         return batch.inputs, batch.labels
 
 
-def _split_seed(seed: int) -> int:
-    digest = hashlib.sha256(f"megamoe.split_chat_documents:{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def split_chat_documents(documents: ChatDocuments, eval_fraction: float, *, seed: int,
                          source: str = "chat data") -> tuple[ChatDocuments, ChatDocuments]:
     """(train, eval): a seeded random ``eval_fraction`` of the conversations held out, whole (all their
-    documents), as :func:`megamoe.data.eval_split.split_train_eval` holds out documents (at least one
-    conversation on each side; ``n - round((1 - F) * n)`` held out)."""
-    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, numbers.Real) \
-            or not math.isfinite(eval_fraction) or not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
+    documents), by :func:`megamoe.data.eval_split.held_out_split`, the rule that holds out documents (at least
+    one conversation on each side; ``n - round((1 - F) * n)`` held out)."""
     n = documents.num_conversations
     if n < 2:
         raise ValueError(f"{source}: cannot hold out eval conversations from {n} conversation(s) (needs at least 2; "
                          "or give separate eval data, --eval-data)")
-    num_eval = min(n - 1, max(1, n - round((1 - eval_fraction) * n)))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(_split_seed(seed))).numpy()
-    return documents.select(np.sort(order[num_eval:])), documents.select(order[:num_eval])
+    kept, held_out = held_out_split(n, eval_fraction, seed=seed)
+    return documents.select(kept), documents.select(held_out)

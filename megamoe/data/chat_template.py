@@ -7,8 +7,9 @@ extension and a ``generation`` tag, the ``tojson`` filter that does not escape H
 ``indent``, ``separators``, ``sort_keys``), the globals ``raise_exception`` (a template error),
 ``strftime_now``, ``dict`` and ``namespace``; the template sees ``messages``, ``tools``, ``documents``,
 ``add_generation_prompt`` and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...), as
-``apply_chat_template`` passes ``tokenizer.special_tokens_map``. Messages' ``None`` values are dropped
-first, as transformers does (a template then sees a missing key, not the text "None").
+``apply_chat_template`` passes ``tokenizer.special_tokens_map``. Messages are passed as transformers
+passes them: ``None`` values dropped (a template then sees a missing key, not the text "None"), and a
+reasoning given as ``reasoning_content``, ``thinking`` or ``reasoning`` under the first two names too.
 
 Where the template is read from (as transformers' ``from_pretrained``): ``chat_template.jinja`` beside the
 tokenizer, else the ``chat_template`` of ``tokenizer_config.json`` (a string, or a list of named templates
@@ -24,6 +25,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+from megamoe.data.tokenizer import read_json_object
 
 __all__ = ["ChatTemplate", "RenderedChat", "load_chat_template", "chat_template_dir"]
 
@@ -113,8 +116,21 @@ def _environment():
     return environment
 
 
-def _without_none(messages: list[dict]) -> list[dict]:
-    return [{key: value for key, value in message.items() if value is not None} for message in messages]
+# The names a message's reasoning comes under; templates read the first (transformers' aliasing).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _as_transformers_passes(messages: list[dict]) -> list[dict]:
+    """``messages`` as transformers hands them to a template: keys whose value is None dropped, and the
+    reasoning, under any of its names, also as ``reasoning_content`` and ``thinking``."""
+    passed = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        passed.append(message)
+    return passed
 
 
 class ChatTemplate:
@@ -138,13 +154,14 @@ class ChatTemplate:
         """Whether the template marks the assistant's text with ``{% generation %}`` (transformers' test)."""
         return _GENERATION_TAG.search(self.source) is not None
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = False, tools=None) -> RenderedChat:
-        """``messages`` rendered; jinja2's errors (``raise_exception`` included) propagate as
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> RenderedChat:
+        """``messages`` (and the ``tools`` offered, JSON schemas) rendered; jinja2's errors (``raise_exception`` included) propagate as
         ``jinja2.TemplateError``, other failures of the template's code as their own types."""
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         with self._template.environment.track_generations(blocks, spans):
-            for block in self._template.generate(messages=_without_none(messages), tools=tools, documents=None,
+            for block in self._template.generate(messages=_as_transformers_passes(messages), tools=tools, documents=None,
                                                  add_generation_prompt=add_generation_prompt, **self.special_tokens):
                 blocks.append(block)
         return RenderedChat("".join(blocks), tuple(spans))
@@ -156,22 +173,12 @@ def chat_template_dir(tokenizer_path: str | Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def _read_json_object(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"cannot read {path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _special_tokens(directory: Path, config: dict) -> dict[str, str]:
     """The special tokens' strings (``special_tokens_map.json``, then ``tokenizer_config.json`` winning)."""
     tokens: dict[str, str] = {}
     sources = [config]
     if (directory / "special_tokens_map.json").is_file():
-        sources.insert(0, _read_json_object(directory / "special_tokens_map.json"))
+        sources.insert(0, read_json_object(directory / "special_tokens_map.json"))
     for source in sources:
         for name in _SPECIAL_TOKEN_NAMES:
             value = source.get(name)
@@ -187,7 +194,7 @@ def load_chat_template(tokenizer_path: str | Path) -> ChatTemplate | None:
     unreadable files or a template that does not compile."""
     directory = chat_template_dir(tokenizer_path)
     config_path = directory / "tokenizer_config.json"
-    config = _read_json_object(config_path) if config_path.is_file() else {}
+    config = read_json_object(config_path) if config_path.is_file() else {}
     jinja_path = directory / "chat_template.jinja"
     if jinja_path.is_file():
         try:

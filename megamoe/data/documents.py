@@ -30,7 +30,7 @@ from typing import Iterable, Iterator, Sequence
 
 __all__ = [
     "FORMATS", "DEFAULT_TEXT_SUFFIXES", "Document", "format_of", "list_document_files", "read_text_file",
-    "read_jsonl_file", "import_pyarrow", "read_parquet_file", "read_documents", "read_document_files",
+    "json_lines", "read_jsonl_file", "import_pyarrow", "read_parquet_file", "read_documents", "read_document_files",
 ]
 
 FORMATS = ("text", "jsonl", "parquet")
@@ -121,8 +121,9 @@ def read_text_file(path: str | os.PathLike) -> Iterator[Document]:
     yield text, str(path)
 
 
-def read_jsonl_file(path: str | os.PathLike, text_field: str = "text") -> Iterator[Document]:
-    """One document per non-blank line: the string ``text_field`` of the line's JSON object."""
+def json_lines(path: str | os.PathLike) -> Iterator[tuple[str, object]]:
+    """``(where, value)`` of every non-blank line of the JSON Lines file ``path``, ``where`` its ``file:line``;
+    ValueError naming it for a line that is not UTF-8 or not JSON."""
     path = Path(path)
     with open(path, "rb") as file:  # bytes, so that a bad UTF-8 sequence is reported with its line
         for line_number, raw_line in enumerate(file, start=1):
@@ -134,7 +135,7 @@ def read_jsonl_file(path: str | os.PathLike, text_field: str = "text") -> Iterat
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                value = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(
                     f"{where}: not valid JSON ({error.msg} at column {error.colno}); a JSON Lines file "
@@ -143,25 +144,31 @@ def read_jsonl_file(path: str | os.PathLike, text_field: str = "text") -> Iterat
             except RecursionError:  # json's parser recurses once per level of nesting
                 raise ValueError(
                     f"{where}: JSON nested too deeply to read (over about {sys.getrecursionlimit()} levels); a "
-                    "JSON Lines file holds one JSON object per line, its text in a string field"
+                    "JSON Lines file holds one JSON object per line"
                 ) from None
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"{where}: expected a JSON object with a {text_field!r} field, got a JSON "
-                    f"{type(record).__name__}"
-                )
-            if text_field not in record:
-                fields = ", ".join(repr(name) for name in list(record)[:10]) or "none"
-                raise ValueError(
-                    f"{where}: no field {text_field!r} (fields: {fields}); choose the field holding the "
-                    "text (text_field, --text-field)"
-                )
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{where}: field {text_field!r} must be a string, got {type(text).__name__}"
-                )
-            yield text, where
+            yield where, value
+
+
+def read_jsonl_file(path: str | os.PathLike, text_field: str = "text") -> Iterator[Document]:
+    """One document per non-blank line: the string ``text_field`` of the line's JSON object."""
+    for where, record in json_lines(path):
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{where}: expected a JSON object with a {text_field!r} field, got a JSON "
+                f"{type(record).__name__}"
+            )
+        if text_field not in record:
+            fields = ", ".join(repr(name) for name in list(record)[:10]) or "none"
+            raise ValueError(
+                f"{where}: no field {text_field!r} (fields: {fields}); choose the field holding the "
+                "text (text_field, --text-field)"
+            )
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{where}: field {text_field!r} must be a string, got {type(text).__name__}"
+            )
+        yield text, where
 
 
 def import_pyarrow():

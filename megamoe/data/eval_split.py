@@ -39,7 +39,8 @@ import torch
 from megamoe.data.sample_dataset import SampleDataset, checked_sample_indices, common_seq_len, gather_samples
 from megamoe.data.token_dataset import TokenDataset
 
-__all__ = ["IGNORE_INDEX", "DocumentSamples", "ConcatenatedDataset", "split_train_eval", "eval_batches"]
+__all__ = ["IGNORE_INDEX", "DocumentSamples", "ConcatenatedDataset", "held_out_split", "split_train_eval",
+           "eval_batches"]
 
 # Labels the model's loss ignores (GPTMoEModel, vocab_parallel_cross_entropy): padding of the last eval step.
 IGNORE_INDEX = -100
@@ -104,14 +105,28 @@ def _split_seed(seed: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def _check_eval_fraction(eval_fraction) -> None:
+    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, numbers.Real) \
+            or not math.isfinite(eval_fraction) or not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
+
+
+def held_out_split(count: int, eval_fraction: float, *, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out): indices of ``count`` >= 2 units, ``count - round((1 - eval_fraction) * count)`` of them
+    held out (at least one, and one kept) by a seeded permutation; kept in order, held out in the
+    permutation's (see the module docstring); ValueError unless ``eval_fraction`` is in (0, 1)."""
+    _check_eval_fraction(eval_fraction)
+    num_eval = min(count - 1, max(1, count - round((1 - eval_fraction) * count)))
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(_split_seed(seed))).numpy()
+    return np.sort(order[num_eval:]), order[:num_eval]
+
+
 def split_train_eval(dataset: TokenDataset, eval_fraction: float, *, seed: int) -> tuple[DocumentSamples,
                                                                                           DocumentSamples]:
     """(train, eval): ``dataset``'s documents split as the module docstring says; ``eval_fraction`` in
     (0, 1), e.g. ``--eval-fraction``. ValueError when the documents are unknown (a token file built
     without EOS) or too few, or when a side holds too few tokens for one sample."""
-    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, numbers.Real) \
-            or not math.isfinite(eval_fraction) or not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
+    _check_eval_fraction(eval_fraction)
     source = dataset.source
     try:
         bounds = source.document_bounds()
@@ -125,10 +140,8 @@ def split_train_eval(dataset: TokenDataset, eval_fraction: float, *, seed: int) 
     if num_documents < 2:
         raise ValueError(f"cannot hold out eval documents from {source}: it has {num_documents} document(s) and "
                          "needs at least 2 (use more documents, or give separate eval data, --eval-data)")
-    num_eval = min(num_documents - 1, max(1, num_documents - round((1 - eval_fraction) * num_documents)))
-    order = torch.randperm(num_documents, generator=torch.Generator().manual_seed(_split_seed(seed))).numpy()
-    held_out = order[:num_eval]                                      # eval: in the permutation's order
-    kept = np.sort(order[num_eval:])                                 # training: in file order
+    kept, held_out = held_out_split(num_documents, eval_fraction, seed=seed)
+    num_eval = held_out.size
     train = DocumentSamples(source.tokens, starts[kept], ends[kept], dataset.seq_len)
     held = DocumentSamples(source.tokens, starts[held_out], ends[held_out], dataset.seq_len)
     for side, part in (("training", train), ("eval", held)):

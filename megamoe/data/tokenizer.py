@@ -45,7 +45,7 @@ from megamoe.atomic_file import atomic_write, check_output_target
 
 __all__ = [
     "UNK_ID", "BOS_ID", "EOS_ID", "PAD_ID", "train_sentencepiece",
-    "Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "check_tokenizer_fits", "main",
+    "Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "read_json_object", "check_tokenizer_fits", "main",
 ]
 
 logger = logging.getLogger(__name__)
@@ -342,12 +342,7 @@ class HFTokenizer(Tokenizer):
         (a value may be a string or an AddedToken dict with "content"); empty when the file is absent."""
         if not config_path.is_file():
             return {}
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"cannot read {config_path}: {error}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"cannot read {config_path}: expected a JSON object, got {type(config).__name__}")
+        config = read_json_object(config_path)
         tokens = {}
         for name in ("bos_token", "eos_token", "pad_token"):
             value = config.get(name)
@@ -363,6 +358,17 @@ class HFTokenizer(Tokenizer):
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in the file ``path`` (e.g. a ``tokenizer_config.json``); ValueError naming it otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"cannot read {path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def check_tokenizer_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:

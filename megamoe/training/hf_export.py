@@ -38,8 +38,9 @@ from megamoe.training.checkpoint import HFProvenance
 
 __all__ = ["provenance_for_export", "tokenizer_side_files", "with_tokenizer", "export_final_checkpoint"]
 
-# What transformers' AutoTokenizer reads beside tokenizer.json (tokenizer.json itself names no special tokens).
-_HF_TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")
+# What transformers' AutoTokenizer reads beside tokenizer.json (tokenizer.json itself names no special tokens;
+# chat_template.jinja is the chat template, which chat data is rendered with).
+_HF_TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def provenance_for_export(config: GPTMoEConfig, provenance: HFProvenance | None, where: str) -> HFProvenance:
@@ -57,7 +58,8 @@ def provenance_for_export(config: GPTMoEConfig, provenance: HFProvenance | None,
 
 def tokenizer_side_files(tokenizer: Tokenizer) -> dict[str, bytes]:
     """The files an HF directory needs for ``tokenizer``: ``tokenizer.json`` and its companions
-    (tokenizer_config.json, special_tokens_map.json, when beside it), or a sentencepiece ``tokenizer.model``."""
+    (tokenizer_config.json, special_tokens_map.json, chat_template.jinja, when beside it), or a sentencepiece
+    ``tokenizer.model``."""
     if isinstance(tokenizer, HFTokenizer):
         files = {"tokenizer.json": tokenizer.path.read_bytes()}
         for name in _HF_TOKENIZER_COMPANIONS:

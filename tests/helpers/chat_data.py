@@ -8,14 +8,18 @@ import os
 
 CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
-# ChatML; the assistant's content (tool calls as JSON: the tojson filter) and its end-of-turn marker are the
-# generation; a system message after the first is an error (raise_exception).
+# ChatML; the assistant's reasoning, content (tool calls as JSON: the tojson filter) and its end-of-turn
+# marker are the generation; the tools offered open the chat; a system message after the first is an error
+# (raise_exception).
 CHATML_GENERATION = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' + tools | tojson + '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' and not loop.first %}"
     "{{ raise_exception('the system message must come first') }}{% endif %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] }}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{% if message.reasoning_content %}{{ '<think>' + message.reasoning_content + '</think>' }}{% endif %}"
+    "{{ message['content'] }}"
     "{% for call in message.tool_calls or [] %}{{ '<tool_call>' + call.function | tojson + '</tool_call>' }}"
     "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}"
     "{{ '\\n' }}"
@@ -84,6 +88,12 @@ CONVERSATIONS = [
      {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "<Paris> & co"}}}]},
      {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "it is sunny"}],
 ]
+
+# A reasoning under one of its other names (transformers passes it as reasoning_content), and tools offered.
+REASONING_CONVERSATION = [{"role": "user", "content": "two plus two?"},
+                          {"role": "assistant", "content": "four", "reasoning": "2 + 2 = 4"}]
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "description": "a <city> name"}}}}}]
 
 
 def write_jsonl(path, records):

@@ -18,8 +18,8 @@ from megamoe.data.chat_samples import ChatSamples, split_chat_documents
 from megamoe.data.chat_template import load_chat_template
 from megamoe.data.eval_split import IGNORE_INDEX
 from megamoe.data.tokenizer import Tokenizer
-from tests.helpers.chat_data import (CHATML_GENERATION, CHATML_PLAIN, CONVERSATIONS, QWEN3_STYLE, save_chat_tokenizer,
-                                     write_jsonl)
+from tests.helpers.chat_data import (CHATML_GENERATION, CHATML_PLAIN, CONVERSATIONS, QWEN3_STYLE, REASONING_CONVERSATION,
+                                     TOOLS, save_chat_tokenizer, write_jsonl)
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +35,25 @@ def _encoder(directory):
     return ChatEncoder(Tokenizer.from_path(directory), load_chat_template(directory))
 
 
-def _hf_mask(directory, conversation):
+def _hf_mask(directory, conversation, tools=None):
     """transformers' apply_chat_template(..., return_assistant_tokens_mask=True): (ids, mask)."""
     from transformers import AutoTokenizer
     out = AutoTokenizer.from_pretrained(directory).apply_chat_template(
-        conversation, return_assistant_tokens_mask=True, return_dict=True)
+        conversation, tools=tools, return_assistant_tokens_mask=True, return_dict=True)
     return out["input_ids"], [bool(m) for m in out["assistant_masks"]]
 
 
 def test_generation_markers_give_transformers_assistant_mask(tokenizers):
     encoder = _encoder(tokenizers["generation"])
     assert encoder.rule == "generation"
-    for conversation in CONVERSATIONS:
-        (ids, mask), = encoder.encode(conversation)
-        hf_ids, hf_mask = _hf_mask(tokenizers["generation"], conversation)
+    cases = [(c, None) for c in CONVERSATIONS] + [(REASONING_CONVERSATION, None), (CONVERSATIONS[2], TOOLS)]
+    for conversation, tools in cases:
+        (ids, mask), = encoder.encode(conversation, tools=tools)
+        hf_ids, hf_mask = _hf_mask(tokenizers["generation"], conversation, tools)
         assert ids.tolist() == hf_ids and mask.tolist() == hf_mask
         assert 0 < mask.sum() < mask.size
+    (ids, mask), = encoder.encode(REASONING_CONVERSATION)
+    assert encoder.tokenizer.decode(ids[mask].tolist()) == "<think>2 + 2 = 4</think>four<|im_end|>"
     # tojson as transformers': no HTML escaping of the tool call's arguments, which are trained.
     (ids, mask), = encoder.encode(CONVERSATIONS[2])
     assert '<tool_call>{"name": "weather", "arguments": {"city": "<Paris> & co"}}</tool_call><|im_end|>' in \
@@ -91,15 +94,18 @@ def test_prefix_rule_trains_each_turn_and_its_end_of_turn(tokenizers, tmp_path, 
     assert documents.num_conversations == 3 and documents.num_documents == 5
 
 
-def test_prompt_completion_records_are_a_user_and_an_assistant_turn(tokenizers, tmp_path):
+def test_prompt_completion_records_are_a_user_and_an_assistant_turn_with_their_tools(tokenizers, tmp_path):
     encoder = _encoder(tokenizers["generation"])
     system = {"role": "system", "content": "be brief"}
     path = write_jsonl(tmp_path / "pc.jsonl", [
         {"prompt": "hello there", "completion": "fine"},
-        {"prompt": [system, {"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}])
+        {"prompt": [system, {"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}],
+         "tools": TOOLS}])
     documents = encode_chat_file(path, encoder)
     expected = [encoder.encode([{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "fine"}]),
-                encoder.encode([system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])]
+                encoder.encode([system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                               tools=TOOLS)]
+    assert "# Tools" in encoder.tokenizer.decode(documents.ids[documents.offsets[1]:].tolist())
     for d, ((ids, mask),) in enumerate(expected):
         s, e = documents.offsets[d], documents.offsets[d + 1]
         assert documents.ids[s:e].tolist() == ids.tolist() and documents.assistant[s:e].tolist() == mask.tolist()
@@ -145,6 +151,18 @@ def test_packing_keeps_documents_whole_and_labels_only_assistant_tokens():
         ChatSamples(_documents([20], [15]), 8)
 
 
+def test_eval_batches_of_chat_rows_carry_their_document_masks():
+    from megamoe.data.eval_split import eval_batches
+    from megamoe.data.packing import MicroBatch
+    samples = ChatSamples(_documents([5, 9, 4], [3, 2, 1]), 8)                # 2 rows: 8 | 4 + 3 positions
+    (first, second), = eval_batches(samples, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1)
+    assert isinstance(first, MicroBatch)
+    expected = samples.micro_batch([0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(first, expected))
+    assert sorted(first.document_ids[1].unique().tolist()) == [0, 1, 2]     # two documents and the padding
+    assert (second.labels == IGNORE_INDEX).all() and second.document_ids is not None   # past the end: no label
+
+
 def test_documents_file_round_trip_and_split_by_conversation(tmp_path):
     documents = ChatDocuments(np.arange(12), np.arange(12) % 3 == 0, bounds_of([3, 4, 5]), bounds_of([1, 2]),
                               {"rule": "prefix"})
@@ -166,7 +184,7 @@ def test_documents_file_round_trip_and_split_by_conversation(tmp_path):
 def _bad_files(tmp_path):
     ok = {"messages": CONVERSATIONS[0]}
     cases = {
-        "invalid JSON": ['{"messages": [', r"invalid JSON"],
+        "invalid JSON": ['{"messages": [', r"not valid JSON"],
         "not UTF-8": [b'{"prompt": "caf\xe9", "completion": "x"}', r"not UTF-8"],
         "missing role": [{"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}, r"has no role"],
         "unknown role": [{"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]},
@@ -259,3 +277,9 @@ def test_train_on_chat_jsonl_takes_the_loss_on_assistant_tokens_only(demo, token
                                                    "unknown role 'robot'")
     assert "Traceback" not in err
     assert not list((tmp_path / "bad").rglob("*.safetensors"))
+
+
+def test_checkpoints_and_exports_carry_the_chat_template_file(tokenizers):
+    from megamoe.training.hf_export import tokenizer_side_files
+    files = tokenizer_side_files(Tokenizer.from_path(tokenizers["generation"]))
+    assert files["chat_template.jinja"].decode() == CHATML_GENERATION

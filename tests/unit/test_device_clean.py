@@ -368,6 +368,26 @@ def test_glm_and_minimax_paths_on_meta_create_every_tensor_on_the_model_device()
             assert math.isnan(metrics.loss) and out.token_ids == [[0, 0]], out
 
 
+def test_per_token_loss_step_on_meta_creates_every_tensor_on_the_model_device():
+    """TrainConfig.per_token_loss (chat SFT): the labelled-token counts, their all-reduce over DP (dp 2 here)
+    and the micro-batch weights stay on the model's device (ranks 0 and 3: both pipeline stages)."""
+    for rank in (0, WORLD_SIZE - 1):
+        with _fake_rank(rank, ep=2, pp=2) as state:
+            model = GPTMoEModel(tiny_config("alltoall", num_layers=2), state, device="meta")
+            batch = torch.zeros(2 * MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
+            micro_batches = [(mb[:, :-1], mb[:, 1:]) for mb in batch.split(MICRO_BATCH)]
+            calls = []
+            for per_token_loss in (True, False) if rank == 0 else (True,):
+                trainer = Trainer(model, state, TrainConfig(lr=1e-2, per_token_loss=per_token_loss),
+                                  world_group=dist.group.WORLD)
+                with _meta_run() as counter:
+                    trainer.train_step(micro_batches)
+                _accumulated_gradients(model)
+                calls.append(counter.calls("all_reduce", state.dp.group))
+            if len(calls) == 2:         # the one extra collective: the count's all-reduce over the DP group
+                assert calls[0] == calls[1] + 1
+
+
 def test_train_step_moves_host_micro_batches_to_the_model_device():
     from parallel_state import ParallelState
     state = ParallelState.single_process()
