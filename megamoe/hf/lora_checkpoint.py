@@ -44,7 +44,8 @@ def lora_checkpoint(checkpoint: str, manifest: dict) -> LoRACheckpoint | None:
     CheckpointError when its adapters and its ``lora.json`` do not come together, or ``lora.json`` is damaged."""
     names = tuple(sorted(n for n in manifest["tensors"] if n.endswith(LORA_SUFFIXES)
                          and not n.startswith(OPTIMIZER_PREFIX)))
-    saved = read_side_file(checkpoint, LORA_FILE)
+    recorded = (manifest.get("extra") or {}).get("hf_files") or {}
+    saved = read_side_file(checkpoint, LORA_FILE) if LORA_FILE in recorded else None
     if saved is None and not names:
         return None
     if saved is None or not names:
