@@ -1,6 +1,7 @@
-"""LoRA export (issue 32 item 3): random adapters on tiny megamoe models imported from tiny HF models of every
-family; megamoe's forward with the merged weights == transformers loading the merged weights == peft loading the
-PEFT export (fp32 logits), experts included; and the refusals of adapters PEFT cannot hold."""
+"""LoRA export (issue 32 item 3): random adapters on tiny megamoe models imported from tiny HF models (the families
+whose PEFT layouts differ); megamoe's forward with the merged weights == transformers loading the merged weights ==
+peft loading the PEFT export (fp32 logits), experts included; the convert verbs and the training flag on a LoRA
+run's checkpoint; and the refusals."""
 
 import copy
 import json
@@ -11,8 +12,9 @@ import torch
 
 from megamoe.checkpoint.errors import ConversionError
 from megamoe.hf.adapters import AdapterError, adapter_for
-from megamoe.lora import LoRAConfig
+from megamoe.hf.lora_checkpoint import LORA_FILE
 from megamoe.hf.peft_export import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, export_peft, peft_adapter
+from megamoe.lora import LoRAConfig
 from megamoe.models import GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES
 from megamoe.models.hf_loading import load_logical_state
@@ -149,19 +151,20 @@ def test_convert_exports_a_lora_checkpoint(hf_models, tmp_path):
     lora_json = json.dumps({"config": json.loads(LORA.to_json()), "base": {"hf_model": base_hf}}).encode()
     save_training_checkpoint(tmp_path / "lora", trainer, sampler_state={}, world_group=None,
                              hf_provenance=HFProvenance.of_checkpoint(tmp_path / "base"),
-                             side_files={"lora.json": lora_json})
+                             side_files={LORA_FILE: lora_json})
     with torch.no_grad():
         ours, _ = model(ids())
 
     assert convert("export-hf", tmp_path / "lora", tmp_path / "merged") == 1               # needs --merge-lora
     assert not (tmp_path / "merged").exists()
     assert convert("export-hf", tmp_path / "lora", tmp_path / "merged", "--merge-lora") == 0
-    assert not (tmp_path / "merged" / "lora.json").exists()
+    assert not (tmp_path / "merged" / LORA_FILE).exists()
     merged = t.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
     assert convert("export-peft", tmp_path / "lora", tmp_path / "peft") == 0
     base = t.AutoModelForCausalLM.from_pretrained(base_hf, attn_implementation="eager")
     peft_model = PeftModel.from_pretrained(base, tmp_path / "peft")
     assert json.loads((tmp_path / "peft" / PEFT_CONFIG_FILE).read_text())["base_model_name_or_path"] == base_hf
+    assert (ours - _hf_logits(t.AutoModelForCausalLM.from_pretrained(base_hf), ids())).abs().max() > 0.1
     assert (_hf_logits(merged, ids()) - ours).abs().max() <= TOL
     assert (_hf_logits(peft_model, ids()) - ours).abs().max() <= TOL
 
