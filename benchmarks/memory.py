@@ -60,6 +60,16 @@ After them, estimates only (no model is built): DeepSeek-V3 (its config.json val
 ``config_from_hf``) at EP 64, PP 16, DP 64 (1024 ranks), bf16 parameters, sequences of 4096, micro-batch
 1, 16 micro-batches, flash attention, for each recompute mode and optimizer: the most loaded stage.
 
+LoRA (one process, :func:`lora_rows`; ``--lora-only`` runs just these, ``--lora-ranks`` the ranks): the same
+model trained in full and with LoRA adapters of each rank on the default targets (attention and every routed
+expert here; the base frozen), one warm-up step and one measured step each: the trainable parameters and the
+optimizer state bytes, as a fraction of full fine-tuning's. Targets: the optimizer state scales with the
+adapters (the state of rank ``r`` is ``r / 16`` times rank 16's, within 1%: every adapter is ``r * (in + out)``;
+AdamW's per-tensor step counters do not scale), and
+rank 16 holds at most 5% of full fine-tuning's state, on :data:`MODEL` and on :data:`LORA_WIDE_MODEL` (the
+fraction is about ``r * (in + out) / (in * out)`` per weight, so it depends on the widths: the narrow
+:data:`MODEL` (hidden 256, expert FFN 128) cannot meet it at rank 16; the rows say by how much).
+
 Writes JSON (default ``benchmarks/results/memory.json``).
 """
 
@@ -73,6 +83,7 @@ import torch
 import torch.distributed as dist
 
 from common import argument_parser, write_results      # sibling module
+from megamoe.lora import LoRAConfig, apply_lora
 from megamoe.models import GPTMoEConfig, GPTMoEModel
 from megamoe.moe.moe_layer import MoEConfig
 from megamoe.moe.router import RouterConfig
@@ -82,6 +93,7 @@ from megamoe.training.memory_estimate import estimate_memory
 from megamoe.training.memory_measure import DeviceMemory, measure_train_step
 from megamoe.training.trainer import TrainConfig, Trainer
 from megamoe.transformer import AttentionConfig, RopeConfig
+from parallel_state import ParallelState
 
 __all__ = ["MODEL", "QUICK_MODEL", "LAYOUTS", "RECOMPUTE", "model_config", "run", "verdicts"]
 
@@ -92,6 +104,10 @@ MODEL = dict(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, experts=8, 
              seq=128, micro=2, micro_batches=2)
 QUICK_MODEL = dict(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=2, ffn=16, vocab=64,
                    seq=16, micro=2, micro_batches=2)
+# A wider shape for the LoRA rows (hidden 1024, expert FFN 512): one process.
+LORA_WIDE_MODEL = dict(hidden=1024, layers=2, heads=8, kv_heads=4, head_dim=128, experts=4, top_k=2, ffn=512,
+                       vocab=1024, seq=32, micro=1, micro_batches=1)
+LORA_RANKS, LORA_TARGET_RANK, LORA_TARGET = (4, 16, 64), 16, 0.05
 LAYOUTS = {
     "dp4": dict(tp=1, pp=1, ep=1, sp=False),
     "ep4": dict(tp=1, pp=1, ep=4, sp=False),
@@ -477,6 +493,62 @@ def print_table(rows: list[dict]) -> None:
     print("(peak 'est' is the estimate's total: state + saved activations, no temporaries)")
 
 
+def _lora_run(m: dict, rank: int | None) -> dict:
+    """One process: full fine-tuning (``rank`` None) or LoRA of ``rank`` on ``m``; state bytes of a measured step."""
+    state = ParallelState.single_process()
+    model = GPTMoEModel(model_config(m), state)
+    initialize_parameters(model, seed=0)
+    if rank is not None:
+        apply_lora(model, LoRAConfig(rank=rank, alpha=2 * rank))
+    trainer = Trainer(model, state, TrainConfig(lr=1e-3))
+    batches = _batches(m, state)
+    trainer.train_step(batches[0])
+    memory, _ = measure_train_step(trainer, batches[1])
+    return {"lora_rank": rank, "params": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "param": memory.state.param_bytes, "grad": memory.state.grad_bytes, "opt": memory.state.optimizer_bytes,
+            "peak": memory.peak_live_bytes}
+
+
+def lora_rows(models: dict[str, dict], ranks) -> list[dict]:
+    """Per model: full fine-tuning, then LoRA of each rank, each with its optimizer state as a fraction of the
+    full run's (``opt_ratio``)."""
+    rows = []
+    for name, m in models.items():
+        full = _lora_run(m, None)
+        for run in [full] + [_lora_run(m, r) for r in ranks]:
+            rows.append({"model": name, **run, "opt_ratio": run["opt"] / full["opt"],
+                         "trainable_ratio": run["trainable"] / full["trainable"]})
+    return rows
+
+
+def lora_verdicts(rows: list[dict]) -> list[dict]:
+    checks = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        lora = {r["lora_rank"]: r for r in rows if r["model"] == name and r["lora_rank"] is not None}
+        if LORA_TARGET_RANK not in lora:
+            continue
+        base = lora[LORA_TARGET_RANK]
+        scale = max(abs(r["opt"] / base["opt"] - k / LORA_TARGET_RANK) for k, r in lora.items())
+        checks.append({"target": f"{name}: LoRA optimizer state scales with the adapters (rank r: r / "
+                                 f"{LORA_TARGET_RANK} of rank {LORA_TARGET_RANK}'s, within 1%)", "met": scale < 0.01,
+                       "figures": {"largest_deviation": scale}})
+        checks.append({"target": f"{name}: LoRA rank {LORA_TARGET_RANK} optimizer state <= "
+                                 f"{LORA_TARGET:.0%} of full fine-tuning's", "met": base["opt_ratio"] <= LORA_TARGET,
+                       "figures": {"ratio": base["opt_ratio"], "lora_opt_mb": base["opt"] / 2**20,
+                                   "full_opt_mb": base["opt"] / base["opt_ratio"] / 2**20}})
+    return checks
+
+
+def print_lora_table(rows: list[dict]) -> None:
+    print("\nLoRA (one process, fp32 AdamW; default targets): optimizer state against full fine-tuning")
+    print(f"{'model':>8} {'rank':>5} {'params':>11} {'trainable':>11} {'opt MB':>9} {'opt/full':>9} {'peak MB':>9}")
+    for r in rows:
+        rank = "full" if r["lora_rank"] is None else str(r["lora_rank"])
+        print(f"{r['model']:>8} {rank:>5} {r['params']:>11,} {r['trainable']:>11,} {r['opt'] / 2**20:>9.3f} "
+              f"{r['opt_ratio']:>9.2%} {r['peak'] / 2**20:>9.2f}")
+
+
 def main(argv=None) -> int:
     parser = argument_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="a tiny model (QUICK_MODEL): a smoke test in seconds")
@@ -490,9 +562,22 @@ def main(argv=None) -> int:
                         help="the distributed optimizer's bucket size (MB of fp32) in the ZeRO checkpoint runs "
                              f"(default {CHECKPOINT_BUCKET_MB['model']}, --quick {CHECKPOINT_BUCKET_MB['quick']})")
     parser.add_argument("--no-checkpoints", action="store_true", help="skip the ZeRO checkpoint save / load runs")
+    parser.add_argument("--lora-ranks", nargs="+", type=int, default=list(LORA_RANKS),
+                        help="LoRA ranks of the LoRA rows (one process)")
+    parser.add_argument("--lora-only", action="store_true", help="run only the LoRA rows")
     parser.add_argument("--json", default="benchmarks/results/memory.json", help="write the results here")
     args = parser.parse_args(argv)
     m = QUICK_MODEL if args.quick else MODEL
+    lora_models = {"quick": QUICK_MODEL} if args.quick else {"model": MODEL, "wide": LORA_WIDE_MODEL}
+    lora = lora_rows(lora_models, args.lora_ranks)
+    print_lora_table(lora)
+    lora_checks = lora_verdicts(lora)
+    for v in lora_checks:
+        figures = ", ".join(f"{k} {v_:.4g}" for k, v_ in v["figures"].items())
+        print(f"{'PASS' if v['met'] else 'FAIL'}: {v['target']} ({figures})")
+    if args.lora_only:
+        write_results(args.json, {"lora": {"models": lora_models, "rows": lora, "verdicts": lora_checks}})
+        return 0
     if args.checkpoint_bucket_mb is None:
         args.checkpoint_bucket_mb = CHECKPOINT_BUCKET_MB["quick" if args.quick else "model"]
     checkpoint_layouts = [] if args.no_checkpoints else [k for k in args.layouts if k not in (*BASELINE_ONLY,
@@ -512,7 +597,8 @@ def main(argv=None) -> int:
     write_results(args.json, {"model": m, "world_size": WORLD_SIZE, "param_dtype": args.param_dtype,
                               "layouts": {k: LAYOUTS[k] for k in args.layouts}, "rows": rows, "verdicts": checks,
                               "checkpoints": {"bucket_mb": args.checkpoint_bucket_mb, "rows": checkpoints},
-                              "deepseek_v3": {"layout": DEEPSEEK_V3_LAYOUT, "rows": deepseek}})
+                              "deepseek_v3": {"layout": DEEPSEEK_V3_LAYOUT, "rows": deepseek},
+                              "lora": {"models": lora_models, "rows": lora, "verdicts": lora_checks}})
     return 0
 
 

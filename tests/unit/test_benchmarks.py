@@ -258,6 +258,26 @@ def test_eplb_real_benchmark_rebalances_and_writes_its_table(monkeypatch, tmp_pa
     assert len(eplb["balancedness_by_step"]) == 4 and "balancedness over time" in capsys.readouterr().out
 
 
+def test_memory_benchmark_lora_rows_scale_with_the_adapters(monkeypatch, tmp_path, capsys):
+    """--lora-only (one process): full fine-tuning, then LoRA ranks 8 and 16; the adapters' optimizer state is
+    linear in the rank and a fraction of the full run's (the 5% target is the real model's: the quick one is
+    too narrow, and its verdict says so)."""
+    memory = _benchmark("memory", monkeypatch)
+    out = tmp_path / "memory.json"
+    assert memory.main(["--quick", "--lora-only", "--lora-ranks", "8", "16", "--json", str(out)]) == 0
+    lora = json.loads(out.read_text())["lora"]
+    full, r8, r16 = lora["rows"]
+    assert full["lora_rank"] is None and full["opt_ratio"] == 1 and full["trainable"] == full["params"]
+    # the moments double with the rank; AdamW's step counters (4 bytes per tensor) do not
+    assert 0 < 2 * r8["opt"] - r16["opt"] < 0.01 * r16["opt"] and r16["opt_ratio"] < 1
+    assert r16["trainable"] == 2 * r8["trainable"] and r16["trainable"] < full["params"]
+    verdicts = {v["target"]: v for v in lora["verdicts"]}
+    assert verdicts["quick: LoRA optimizer state scales with the adapters (rank r: r / 16 of rank 16's, within 1%)"]["met"]
+    rank16 = verdicts["quick: LoRA rank 16 optimizer state <= 5% of full fine-tuning's"]
+    assert rank16["figures"]["ratio"] == pytest.approx(r16["opt_ratio"])
+    assert "LoRA (one process" in capsys.readouterr().out
+
+
 @pytest.mark.slow      # ~25 s: one spawn of 4 gloo ranks, 13 runs of a tiny model and 2 checkpoint runs
 def test_memory_benchmark_quick_measures_every_layout_beside_the_estimate(monkeypatch, tmp_path, capsys):
     memory = _benchmark("memory", monkeypatch)
