@@ -192,7 +192,6 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     hf_config = _hf_config(manifest, config, checkpoint, hf_config_dir)
     adapter, hf_config = _weight_form(adapter_for(config.family), config, hf_config, target, checkpoint)
 
-    # Dry run on meta tensors: checks the names and shapes, and fixes the order and shapes of the HF keys.
     lora = lora_checkpoint(checkpoint, manifest)
     if lora is not None and not merge_lora:
         raise ConversionError(f"{checkpoint} is a LoRA run's checkpoint (its base and adapters): pass --merge-lora to "
@@ -202,6 +201,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     if lora is not None and config.weight_quantization is not None:
         raise ConversionError(f"{checkpoint} keeps its base in block FP8: merging the adapters into FP8 weights would "
                               "round them away; export the adapters with export-peft")
+    # Dry run on meta tensors: checks the names and shapes, and fixes the order and shapes of the HF keys.
     model_names = [n for n in manifest["tensors"] if not n.startswith("optim.") and not n.endswith(LORA_SUFFIXES)]
     order = {key: i for i, step in enumerate(adapter.transforms(config, fused=False)) for key in step.logical_keys}
     model_names.sort(key=lambda n: (order.get(n, len(order)), n))
