@@ -107,8 +107,9 @@ def _check_chat_arguments(args) -> None:
                                    ("--reset-attention-mask", args.reset_attention_mask),
                                    ("--eod-mask-loss", args.eod_mask_loss)) if on]
     if flags:
-        raise UsageError(f"{', '.join(flags)} do not apply to chat data: its conversations are packed with their own "
-                         "document masks and positions, and only assistant tokens have labels; drop the flag(s)")
+        raise UsageError(f"{', '.join(flags)}: not for chat data, whose conversations are packed with their own "
+                         "document masks and positions, labels on assistant tokens only; drop "
+                         + ("it" if len(flags) == 1 else "them"))
 
 
 def check_data_arguments(args) -> None:

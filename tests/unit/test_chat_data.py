@@ -283,3 +283,22 @@ def test_checkpoints_and_exports_carry_the_chat_template_file(tokenizers):
     from megamoe.training.hf_export import tokenizer_side_files
     files = tokenizer_side_files(Tokenizer.from_path(tokenizers["generation"]))
     assert files["chat_template.jinja"].decode() == CHATML_GENERATION
+
+
+def test_a_chat_run_refuses_other_data_weights_packing_flags_and_a_tokenizer_without_template(demo, tokenizers,
+                                                                                               tmp_path, capsys):
+    from megamoe.cli import train as train_command
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CONVERSATIONS[0]}])
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}])
+    no_template = save_chat_tokenizer(tmp_path / "no_template", None)
+    cases = {
+        "other data": (["--data", chats, text], f"but --data {text} is not: train chat and other data in separate"),
+        "weights": (["--data", chats, chats, "--data-weights", 1, 2], "--data-weights does not apply to chat data"),
+        "packing flag": (["--data", chats, "--eod-mask-loss"], "--eod-mask-loss: not for chat data"),
+        "no template": (["--data", chats, "--tokenizer", no_template], "chat data needs the tokenizer's chat template"),
+    }
+    for name, (argv, message) in cases.items():
+        argv = ["--tokenizer", tokenizers["generation"], "--work-dir", tmp_path / name, *TINY, *argv]
+        assert run_script(train_command.main, [str(a) for a in argv], prog=train_command.PROG) == 1, name
+        _, err = capsys.readouterr()
+        assert err.strip().splitlines()[-1].startswith("megamoe train: error: ") and message in err, (name, err)
