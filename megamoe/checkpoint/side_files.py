@@ -14,9 +14,11 @@ import shutil
 
 from megamoe.checkpoint import checksums
 from megamoe.checkpoint.errors import CheckpointError
+from megamoe.checkpoint.manifest import read_manifest, resolve_checkpoint
+from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
 from megamoe.checkpoint.safe_names import check_name, check_regular_file
 
-__all__ = ["copy_side_files", "verify_side_files"]
+__all__ = ["copy_side_files", "verify_side_files", "read_side_file"]
 
 
 def copy_side_files(source_dir: str, names: list[str], target_dir: str, *,
@@ -53,3 +55,17 @@ def verify_side_files(directory: str, recorded: dict[str, dict]) -> list[str]:
         if problem is not None:
             problems.append(f"side file {problem}")
     return problems
+
+
+def read_side_file(checkpoint: str, name: str) -> bytes | None:
+    """The side file ``name`` of ``checkpoint`` (``hf_files/``), checked against its manifest record; None
+    where the checkpoint records none of that name."""
+    recorded = ((read_manifest(checkpoint).get("extra") or {}).get("hf_files") or {})
+    if name not in recorded:
+        return None
+    directory = os.path.join(resolve_checkpoint(checkpoint), HF_FILES_DIR)
+    problems = verify_side_files(directory, {name: recorded[name]})
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    with open(os.path.join(directory, name), "rb") as f:
+        return f.read()

@@ -1,7 +1,7 @@
 """``megamoe convert`` (alias ``megamoe-convert``): HuggingFace <-> megamoe checkpoints.
 
-Subcommands: ``import-hf``, ``export-hf``, ``reshard``, ``inspect``, ``verify``, ``edit-config``; ``--help`` on
-each.
+Subcommands: ``import-hf``, ``export-hf``, ``export-peft``, ``reshard``, ``inspect``, ``verify``, ``edit-config``;
+``--help`` on each.
 Bad input ends with a one-line ``error:`` message and exit code 1 (2 for a malformed command line);
 ``verify`` exits 1 when the logits differ by more than ``--atol``, ``inspect`` when a file is damaged or a
 tensor holds NaN/Inf, and with an error line when the manifest is refused. Every command that reads a
@@ -119,7 +119,18 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
                    help="take config.json and tokenizer files from this HF directory (for checkpoints saved by "
                         "training, which do not keep them)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing HF model directory at OUT_DIR")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run's checkpoint: write each adapted weight merged, W + alpha / r * B @ A")
     _allow_non_finite_option(p, "export")
+    add_no_verify_checksums_argument(p)
+
+    p = add("export-peft", help="LoRA run's checkpoint -> PEFT adapter directory",
+            description="Write the adapters of a LoRA run's checkpoint as a PEFT adapter directory "
+                        "(adapter_config.json, adapter_model.safetensors) that peft's PeftModel.from_pretrained "
+                        "loads onto the transformers model of its base, expert adapters included.")
+    p.add_argument("checkpoint", metavar="CKPT_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing PEFT adapter directory at OUT_DIR")
     add_no_verify_checksums_argument(p)
 
     p = add("reshard", help="megamoe checkpoint -> another layout / slots / placement",
@@ -183,9 +194,17 @@ def _run(args) -> int:
         from megamoe.hf.export_hf import export_hf
         summary = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
                             max_shard_bytes=args.max_shard_size, hf_config_dir=args.hf_config,
-                            verify_checksums=args.verify_checksums, allow_non_finite=args.allow_non_finite)
+                            verify_checksums=args.verify_checksums, allow_non_finite=args.allow_non_finite,
+                            merge_lora=args.merge_lora)
         print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['tensors']} tensors in {summary['shards']} "
               f"shards, {summary['bytes'] / 2**20:.1f} MiB")
+        return 0
+    if args.command == "export-peft":
+        from megamoe.hf.peft_export import export_peft_checkpoint
+        summary = export_peft_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite,
+                                         verify_checksums=args.verify_checksums)
+        print(f"wrote {summary['out_dir']}: {summary['family']}, {summary['tensors']} adapter tensors of rank "
+              f"{summary['rank']}")
         return 0
     if args.command == "reshard":
         from megamoe.checkpoint.format import read_manifest

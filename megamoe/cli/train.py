@@ -18,7 +18,8 @@ back. Every checkpoint and the --work-dir keep it as run_config.toml; a resumed 
 
 Real runs: --data (text, JSON Lines, Parquet, token files, Megatron datasets; blended by --data-weights),
 --hf-model (start from a HuggingFace model) or --model-config (a model of that shape from scratch),
---lr-schedule, --eval-fraction / --eval-data, --export-hf (end as a HuggingFace model).
+--lr-schedule, --eval-fraction / --eval-data, --export-hf (end as a HuggingFace model), --export-peft (a LoRA
+run's adapters for peft).
 
 It logs loss, LR, grad norm, tokens/s, model TFLOP/s and MFU, aux loss and expert-load balancedness per
 step (to --log-json, and --tensorboard / --wandb-project), shows a progress line on a terminal
@@ -194,7 +195,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "corpus")
     d.add_argument("--export-hf", type=Path, default=None, metavar="OUT",
                    help="at the end, write the final checkpoint as a HuggingFace model directory (with the "
-                        "tokenizer and side files) that transformers loads; OUT must not exist")
+                        "tokenizer and side files) that transformers loads; OUT must not exist (a LoRA run: the "
+                        "merged weights)")
+    d.add_argument("--export-peft", type=Path, default=None, metavar="OUT",
+                   help="a LoRA run: at the end, write its adapters as a PEFT adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors) that peft loads onto the transformers model; OUT must not exist")
     d.add_argument("--log-json", type=Path, default=None,
                    help="append one JSON object per step here, after a run_start record; default: "
                         "<work-dir>/log.jsonl")

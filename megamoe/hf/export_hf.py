@@ -47,7 +47,9 @@ from megamoe.hf.adapters import ADAPTERS, AdapterError, HFAdapter, adapter_for
 from megamoe.hf.block_fp8_steps import HFWeightForm
 from megamoe.hf.hf_quantization import hf_quantization, without_quantization
 from megamoe.hf.import_hf import model_config_from_hf
+from megamoe.hf.lora_checkpoint import LORA_FILE, lora_checkpoint, merged_weights, read_adapters
 from megamoe.hf.target_dtype import cast, target_dtype
+from megamoe.lora import LORA_SUFFIXES
 from megamoe.models import GPTMoEConfig
 from megamoe.models.families import declared_mtp_layers
 from megamoe.quantization.block_fp8 import SCALE_INV_SUFFIX, BlockFP8Config
@@ -149,6 +151,13 @@ def _weight_form(adapter: HFAdapter, config: GPTMoEConfig, hf_config: dict, targ
     return adapter, hf_config
 
 
+def _merged(apply, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    try:
+        return apply(name, tensor).to(tensor.dtype)
+    except ValueError as e:
+        raise ConversionError(f"merging the LoRA adapters: {e}") from None
+
+
 def _shard_names(count: int) -> list[str]:
     if count == 1:
         return ["model.safetensors"]
@@ -158,7 +167,7 @@ def _shard_names(count: int) -> list[str]:
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "keep",
               overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               hf_config_dir: str | os.PathLike | None = None, progress: bool | None = None,
-              verify_checksums: bool = True, allow_non_finite: bool = False) -> dict:
+              verify_checksums: bool = True, allow_non_finite: bool = False, merge_lora: bool = False) -> dict:
     """Write the HF model directory ``out_dir`` for the megamoe checkpoint ``checkpoint``.
 
     ``dtype``: ``keep`` (each tensor as stored: bit-exact round trip of an import) | ``fp32`` | ``bf16`` |
@@ -166,8 +175,11 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     the checkpoint. Optimizer state (``optim.*``) is not exported. Every checkpoint file read (and every
     side file) is checked against the manifest before its bytes are used, checksums included unless
     ``verify_checksums=False``. A weight holding NaN or Inf (each is scanned as it is read) is refused by
-    name unless ``allow_non_finite`` (then a warning names it). Raises :class:`ConversionError` or
-    :class:`~megamoe.checkpoint.format.CheckpointError` (nothing is left at ``out_dir``). Returns a summary.
+    name unless ``allow_non_finite`` (then a warning names it). A LoRA run's checkpoint (the base, its
+    adapters and ``lora.json``: :mod:`megamoe.hf.lora_checkpoint`) exports only with ``merge_lora``: each
+    adapted weight is written merged, ``W + alpha / r * B @ A`` in its stored dtype (not over kept block-FP8
+    weights). Raises :class:`ConversionError` or :class:`~megamoe.checkpoint.format.CheckpointError` (nothing
+    is left at ``out_dir``). Returns a summary.
     """
     checkpoint = os.fspath(checkpoint)
     hf_config_dir = None if hf_config_dir is None else os.fspath(hf_config_dir)
@@ -180,8 +192,17 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
     hf_config = _hf_config(manifest, config, checkpoint, hf_config_dir)
     adapter, hf_config = _weight_form(adapter_for(config.family), config, hf_config, target, checkpoint)
 
+    lora = lora_checkpoint(checkpoint, manifest)
+    if lora is not None and not merge_lora:
+        raise ConversionError(f"{checkpoint} is a LoRA run's checkpoint (its base and adapters): pass --merge-lora to "
+                              "export the merged weights, or write the adapters for peft with export-peft")
+    if lora is None and merge_lora:
+        raise ConversionError(f"{checkpoint} holds no LoRA adapters: drop --merge-lora")
+    if lora is not None and config.weight_quantization is not None:
+        raise ConversionError(f"{checkpoint} keeps its base in block FP8: merging the adapters into FP8 weights would "
+                              "round them away; export the adapters with export-peft")
     # Dry run on meta tensors: checks the names and shapes, and fixes the order and shapes of the HF keys.
-    model_names = [n for n in manifest["tensors"] if not n.startswith("optim.")]
+    model_names = [n for n in manifest["tensors"] if not n.startswith("optim.") and not n.endswith(LORA_SUFFIXES)]
     order = {key: i for i, step in enumerate(adapter.transforms(config, fused=False)) for key in step.logical_keys}
     model_names.sort(key=lambda n: (order.get(n, len(order)), n))
     entries = manifest["tensors"]
@@ -218,6 +239,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         casts = ScratchBuffer()
         copies: dict[str, tuple[torch.Tensor, list[FileExtent]]] = {}    # HF key -> (placeholder, its bytes)
 
+        merged, merge = merged_weights(read_adapters(reader, lora), lora.config) if lora else (frozenset(), None)
+        unknown = sorted(merged - set(model_names))
+        if unknown:
+            raise CheckpointError(f"{checkpoint}: the adapter {unknown[0]}.lora_A has no base weight {unknown[0]}")
         # The inputs of a step of several wait for each other, but the reader's buffer they may lie in is
         # reused by the next read: they are copied (a block-FP8 weight and its scales, gpt-oss's per-expert
         # tensors of one fused HF tensor).
@@ -227,9 +252,13 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         def items():
             for name in model_names:
                 dtype = _DTYPES[entries[name]["dtype"]]
-                extents = reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype else None
+                extents = (reader.extents(name) if name in renamed_to and cast(dtype, target) == dtype
+                           and name not in merged else None)
                 tensor = reader.read(name)
                 finite(name, tensor)        # a tensor copied file to file is read for this alone
+                if name in merged:
+                    tensor = _merged(merge, name, tensor)
+                    finite(name, tensor)
                 if extents is None:
                     yield name, tensor.clone() if name in waiting else tensor
                 else:                           # shapes are all the adapter looks at
@@ -272,7 +301,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         if hf_config_dir is not None:
             side = copy_side_files(hf_config_dir, HFCheckpoint.side_files_of(hf_config_dir), tmp)
         else:
-            side = (manifest.get("extra") or {}).get("hf_files") or {}
+            side = {name: entry for name, entry in ((manifest.get("extra") or {}).get("hf_files") or {}).items()
+                    if name != LORA_FILE}        # the merged weights are no LoRA run
             if copy_side_files(os.path.join(reader.root, HF_FILES_DIR), list(side), tmp,
                                recorded=side if verify_checksums else None) != side:
                 raise CheckpointError(f"{checkpoint}: the side files in {HF_FILES_DIR}/ do not match the manifest")

@@ -1,4 +1,5 @@
-"""The end of a training run: its final checkpoint as a HuggingFace model directory (``--export-hf OUT``).
+"""The end of a training run: its final checkpoint as a HuggingFace model directory (``--export-hf OUT``; a LoRA
+run's merged), and a LoRA run's adapters as a PEFT adapter directory (``--export-peft OUT``).
 
 A run exports with :func:`megamoe.hf.export_hf.export_hf`, which takes config.json and the side
 files from the checkpoint's :class:`~megamoe.training.checkpoint.HFProvenance` (stored by every save the
@@ -25,11 +26,13 @@ import os
 
 from megamoe import comms
 from megamoe.checkpoint.errors import ConversionError
-from megamoe.checkpoint.format import CheckpointError
+from megamoe.checkpoint.format import CheckpointError, read_manifest
 from megamoe.data.tokenizer import HFTokenizer, Tokenizer
 from megamoe.hf.adapters import ADAPTERS
 from megamoe.hf.export_hf import export_hf
 from megamoe.hf.hf_config_writer import hf_config_for
+from megamoe.hf.lora_checkpoint import lora_checkpoint
+from megamoe.hf.peft_export import export_peft_checkpoint
 from megamoe.models import GPTMoEConfig
 from megamoe.training.checkpoint import HFProvenance
 
@@ -76,17 +79,23 @@ def with_tokenizer(provenance: HFProvenance, tokenizer: Tokenizer) -> HFProvenan
 
 
 def export_final_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, world_group,
-                            verify_checksums: bool = True) -> dict:
+                            verify_checksums: bool = True, peft: bool = False) -> dict:
     """Write the HF directory ``out_dir`` from the training checkpoint ``checkpoint`` (saved with an
-    HFProvenance). Collective over ``world_group`` (None: one process): rank 0 writes, every rank
+    HFProvenance): a LoRA run's with its adapters merged; with ``peft``, the LoRA run's adapters as a PEFT
+    adapter directory instead. Collective over ``world_group`` (None: one process): rank 0 writes, every rank
     returns its summary or raises its error (nothing is left at ``out_dir`` then)."""
     rank = comms.group_rank(world_group)
     summary, error = None, None
     if rank == 0:
         try:
-            summary = export_hf(checkpoint, out_dir, verify_checksums=verify_checksums)
+            if peft:
+                summary = export_peft_checkpoint(checkpoint, out_dir, verify_checksums=verify_checksums)
+            else:
+                lora = lora_checkpoint(os.fspath(checkpoint), read_manifest(checkpoint))
+                summary = export_hf(checkpoint, out_dir, verify_checksums=verify_checksums,
+                                    merge_lora=lora is not None)
         except (ValueError, CheckpointError, OSError) as e:
-            error = f"--export-hf {out_dir}: {e}"
+            error = f"{'--export-peft' if peft else '--export-hf'} {out_dir}: {e}"
     summary, error = comms.all_gather_object((summary, error), world_group)[0]
     if error is not None:
         raise ConversionError(error)

@@ -21,12 +21,12 @@ import os
 from pathlib import Path
 
 from megamoe.errors import UsageError
+from megamoe.hf.lora_checkpoint import LORA_FILE
 from megamoe.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS, LoRAConfig
 
 __all__ = ["add_lora_arguments", "lora_config_from_args", "LORA_FILE", "lora_file", "check_lora_file",
            "base_fingerprint"]
 
-LORA_FILE = "lora.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".json")
 
 

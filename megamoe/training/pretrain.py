@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamoe.checkpoint.format import CheckpointError, read_manifest, resolve_checkpoint
-from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
-from megamoe.checkpoint.side_files import verify_side_files
+from megamoe.checkpoint.format import read_manifest
+from megamoe.checkpoint.side_files import read_side_file
 from megamoe.atomic_file import atomic_write
 from megamoe.checkpoint.placements import build_placements
 from megamoe import comms
@@ -176,20 +175,6 @@ def _suspect_reason(checkpoint: str) -> str:
     extra = read_manifest(checkpoint).get("extra") or {}
     recorded = Health.from_dict(extra.get("health"))
     return recorded.suspect if recorded is not None and recorded.suspect else "not verified finite"
-
-
-def read_side_file(checkpoint: str, name: str) -> bytes | None:
-    """The side file ``name`` of ``checkpoint`` (``hf_files/``), checked against its manifest record; None
-    where the checkpoint records none of that name."""
-    recorded = ((read_manifest(checkpoint).get("extra") or {}).get("hf_files") or {})
-    if name not in recorded:
-        return None
-    directory = os.path.join(resolve_checkpoint(checkpoint), HF_FILES_DIR)
-    problems = verify_side_files(directory, {name: recorded[name]})
-    if problems:
-        raise CheckpointError("; ".join(problems))
-    with open(os.path.join(directory, name), "rb") as f:
-        return f.read()
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -454,6 +439,11 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
         logger.info("exported %s (step %d) to %s: %d tensors, %s", last_saved, trainer.step, exported["out_dir"],
                     exported["tensors"], ", ".join(exported["side_files"]) or "no side files")
         summary.exported_to = os.fspath(exported["out_dir"])
+    if finished and args.export_peft is not None:
+        exported = export_final_checkpoint(last_saved, args.export_peft, world_group=world_group,
+                                           verify_checksums=args.verify_checksums, peft=True)
+        logger.info("exported the adapters of %s (step %d) for peft to %s: %d tensors", last_saved, trainer.step,
+                    exported["out_dir"], exported["tensors"])
     if finished and args.sample_tokens and state.cp.size > 1:
         logger.info("no samples: generation cannot split the sequence over --cp %d; the checkpoints in %s "
                     "generate under any layout with cp 1", state.cp.size, args.save_dir)

@@ -22,6 +22,7 @@ from megamoe.data.packing import packing_config_from_args
 from megamoe.data.token_dataset import recorded_tokenizer, sidecar_path
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.errors import UsageError
+from megamoe.hf.adapters import ADAPTERS
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.models import GPTMoEConfig
 from megamoe.models.gpt_moe import check_moe_layout_on_grid
@@ -202,6 +203,15 @@ def _check_model_source(args, source: ModelSource) -> tuple[GPTMoEConfig, HFProv
             provenance = provenance_for_export(config, provenance, _model_flag(args))
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.export_peft is not None:
+        if args.lora_rank is None:
+            raise UsageError(f"--export-peft {args.export_peft} writes a LoRA run's adapters, and this run trains the "
+                             "whole model: add --lora-rank R, or export it with --export-hf")
+        if args.export_peft.exists():
+            raise UsageError(f"--export-peft {args.export_peft} already exists; remove it or choose another path")
+        if config.family not in ADAPTERS:
+            raise UsageError(f"--export-peft: a model of family {config.family!r} has no HuggingFace equivalent for "
+                             f"peft to load adapters onto (families with one: {', '.join(ADAPTERS)})")
     if args.expert_load is not None:
         try:
             build_placements(config, args.ep, expert_load=args.expert_load)

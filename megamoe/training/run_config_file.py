@@ -38,7 +38,7 @@ SECTIONS = {
                  "min_lr_ratio", "lr_wsd_decay_style", "lr_wsd_decay_steps", "lr_wsd_decay_fraction",
                  "override_opt_param_scheduler", "eval_every", "eval_iters"),
     "checkpoint": ("work_dir", "save_dir", "save_every", "keep_checkpoints", "load_dir", "load_step", "overwrite",
-                   "allow_foreign_checkpoint", "verify_checksums", "export_hf"),
+                   "allow_foreign_checkpoint", "verify_checksums", "export_hf", "export_peft"),
     "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "logging": ("log_json", "tensorboard_dir", "wandb_project", "wandb_run_name", "peak_tflops", "progress",
                 "sample_tokens", "sample_prompt"),
