@@ -1,0 +1,271 @@
+"""The OpenAI-compatible server (megamoe.serving.http) over the real engine, in process: uvicorn in a thread on a
+free port, the real ``openai`` client (and raw HTTP for what the client cannot send).
+
+- completions and chats, streamed and not: each text is the tokenizer's decode of ``generate()``'s greedy tokens
+  (special tokens skipped), a stream's deltas concatenate to it, usage and finish reasons in OpenAI's shapes;
+- incremental detokenization never shows half a UTF-8 character; stop strings end the text before them;
+- ``/v1/models``, ``/health``, ``/metrics`` (Prometheus text, counts that match the requests served);
+- bad input: each a 4xx with OpenAI's JSON error naming the problem, and the server keeps serving;
+- faults, with the test double ``PacedEngine`` (the real engine, stepped only when the test says): a client
+  that disconnects mid-stream has its request aborted and its blocks freed, a flood is answered 429, an engine
+  that fails (a dead rank) ends the server with its error.
+"""
+
+import json
+import math
+import re
+import threading
+
+import httpx
+import pytest
+import torch
+
+from megamoe.inference.generation import GenerationConfig, generate
+from megamoe.inference.sampling import SamplingConfig
+from megamoe.serving import Engine, EngineConfig
+from megamoe.serving.http.detokenizer import IncrementalDetokenizer
+from megamoe.serving.http.tokenizer import ServingTokenizer
+from tests.helpers.inference import SOLO, _our_model
+from tests.helpers.serving import EOS_ID, PacedEngine, running_server, save_chat_tokenizer
+
+pytest.importorskip("fastapi", reason="the server needs the serve extra (fastapi, uvicorn)")
+openai = pytest.importorskip("openai", reason="the client tests need the openai package (test extra)")
+
+CONFIG = EngineConfig(kv_cache_memory=1 << 20, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+PROMPT = "x y z"                 # its greedy continuation: "???rH2,,,,,."
+CHAT = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is 2 + 2?"}]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _our_model("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    save_chat_tokenizer(directory)
+    return ServingTokenizer.from_path(directory)
+
+
+@pytest.fixture(scope="module")
+def served(model, tokenizer):
+    with running_server(Engine(model, SOLO, CONFIG, tokenizer=tokenizer), tokenizer) as (server, errors):
+        yield server
+    assert not errors
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+
+def _greedy_text(model, tokenizer, prompt_ids, new=NEW):
+    out = generate(model, SOLO, [prompt_ids], GenerationConfig(max_new_tokens=new, stop_token_ids=(EOS_ID,)))
+    return out.token_ids[0], tokenizer.decode(out.token_ids[0]), out.finish_reasons[0]
+
+
+def _metrics(server) -> dict:
+    """The Prometheus text as {sample name with labels: value}."""
+    text = httpx.get(server.url + "/metrics").text
+    return {name: float(value) for name, value in re.findall(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+# --- completions and chats -------------------------------------------------------------------------------------
+
+def test_completions_streamed_and_not_equal_the_decode_of_generate(client, model, tokenizer):
+    ids, text, reason = _greedy_text(model, tokenizer, tokenizer.encode(PROMPT))
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0)
+    assert got.choices[0].text == text and got.choices[0].finish_reason == reason
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(tokenizer.encode(PROMPT)), len(ids))
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    by_ids = client.completions.create(model="tiny", prompt=tokenizer.encode(PROMPT), max_tokens=NEW, temperature=0)
+    assert by_ids.choices[0].text == text
+
+
+def test_chat_streamed_and_not_equal_the_decode_of_generate_over_the_chat_template(client, model, tokenizer):
+    import transformers
+    hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer.path))     # the oracle renders the chat
+    prompt_ids = hf.encode(hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    ids, text, reason = _greedy_text(model, tokenizer, prompt_ids)
+    got = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=NEW, temperature=0, logprobs=True)
+    choice = got.choices[0]
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", text, reason)
+    assert got.usage.prompt_tokens == len(prompt_ids) and got.usage.completion_tokens == len(ids)
+    assert [t.token for t in choice.logprobs.content] == [tokenizer.token_text(t) for t in ids]
+    assert all(math.isfinite(t.logprob) and t.logprob <= 0 for t in choice.logprobs.content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=NEW, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_seeded_samples_streamed_and_not_equal_generate_with_the_seed_and_request_id(client, model, tokenizer):
+    """A sampled text is varied (spaces, bytes of split characters, special tokens): streamed, it still
+    concatenates to the decode of the tokens generate() samples with that seed and request id."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    sampling = SamplingConfig(temperature=1.0, top_k=40, seed=7)
+    for stream in (False, True):
+        kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.0, seed=7, extra_body={"top_k": 40})
+        if stream:
+            chunks = list(client.completions.create(**kwargs, stream=True))
+            response_id, text = chunks[0].id, "".join(c.choices[0].text for c in chunks)
+        else:
+            got = client.completions.create(**kwargs)
+            response_id, text = got.id, got.choices[0].text
+        request_id = int(response_id.removeprefix("cmpl-"))
+        want = generate(model, SOLO, [prompt_ids], GenerationConfig(max_new_tokens=24, stop_token_ids=(EOS_ID,),
+                                                                   sampling=sampling), request_ids=[request_id])
+        assert text == tokenizer.decode(want.token_ids[0])
+
+
+def test_a_stop_string_ends_the_text_before_it(client, model, tokenizer):
+    _, full, _ = _greedy_text(model, tokenizer, tokenizer.encode(PROMPT))
+    stop = full[4:6]
+    want = full[:full.index(stop)]
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stop=[stop, "zz"])
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "stop")
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+
+
+def test_incremental_detokenization_never_shows_half_a_character(tokenizer):
+    ids = tokenizer.encode("a € b")                      # the euro sign is three byte tokens
+    detokenizer = IncrementalDetokenizer(tokenizer.decode)
+    deltas = [detokenizer.add([t]) for t in ids] + [detokenizer.finish()]
+    assert "".join(deltas) == tokenizer.decode(ids) == "a € b"
+    assert all("\ufffd" not in d for d in deltas) and " €" in deltas
+    stopped = IncrementalDetokenizer(tokenizer.decode, stop=["€ b"])
+    deltas = [stopped.add([t]) for t in ids] + [stopped.finish()]
+    assert "".join(deltas) == "a " and stopped.stopped
+
+
+# --- models, health, metrics -------------------------------------------------------------------------------------
+
+def test_models_health_and_metrics(served, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    before = _metrics(served)
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
+    after = _metrics(served)
+    assert after["megamoe_generation_tokens_total"] - before["megamoe_generation_tokens_total"] == \
+        got.usage.completion_tokens
+    assert after["megamoe_time_to_first_token_seconds_count"] == before["megamoe_time_to_first_token_seconds_count"] + 1
+    for name in ("megamoe_running", "megamoe_waiting", "megamoe_kv_blocks_used", "megamoe_kv_blocks_total",
+                 "megamoe_prefix_cache_hit_rate", "megamoe_generation_tokens_per_second",
+                 'megamoe_time_per_output_token_seconds_bucket{le="+Inf"}'):
+        assert name in after, name
+    assert after["megamoe_running"] == after["megamoe_waiting"] == 0
+    assert after["megamoe_prefix_cache_hits_total"] > 0        # the same prompt again: its full blocks are shared
+    assert any(name.startswith('megamoe_expert_balancedness{layer=') for name in after)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+LONG = " ".join("abcdefghij") * 4       # 80 tokens: past the context of 64
+
+BAD_INPUTS = {
+    # name: (path, raw body, status, words of the message)
+    "prompt past the context": ("completions", {"prompt": LONG}, 400, ["context is 64 tokens"]),
+    "max_tokens past the context": ("completions", {"prompt": PROMPT, "max_tokens": 60}, 400,
+                                    ["max_tokens 60", "at most"]),
+    "invalid JSON": ("completions", b'{"prompt": "hi",', 400, ["not valid JSON"]),
+    "non-UTF-8 body": ("completions", b'{"prompt": "\xff\xfe"}', 400, ["not UTF-8"]),
+    "not an object": ("completions", [1, 2], 400, ["JSON object"]),
+    "unknown parameter": ("completions", {"prompt": "hi", "max_token": 3}, 400, ["unknown parameter 'max_token'"]),
+    "negative temperature": ("completions", {"prompt": "hi", "temperature": -1}, 400, ["'temperature'"]),
+    "n > 1": ("completions", {"prompt": "hi", "n": 2}, 400, ["'n'"]),
+    "no prompt": ("completions", {"max_tokens": 3}, 400, ["missing parameter 'prompt'"]),
+    "token id outside the vocabulary": ("completions", {"prompt": [1, 99]}, 400, ["outside the model's vocabulary"]),
+    "two prompts": ("completions", {"prompt": ["a", "b"]}, 400, ["one prompt per request"]),
+    "another model": ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, ["'gpt-4' does not exist"]),
+    "no messages": ("chat/completions", {"messages": []}, 400, ["'messages'"]),
+    "a bad role": ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, ["role"]),
+    "image content": ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                      400, ["text content parts"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_a_json_error_and_the_server_keeps_serving(served, client, case):
+    path, body, status, words = BAD_INPUTS[case]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{served.url}/v1/{path}", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] and all(word in error["message"] for word in words), error
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+# --- faults (PacedEngine: the real engine, stepped when the test says) ---------------------------------------
+
+def test_a_client_that_disconnects_mid_stream_has_its_request_aborted_and_blocks_freed(model, tokenizer):
+    engine = PacedEngine(Engine(model, SOLO, CONFIG, tokenizer=tokenizer))
+    with running_server(engine, tokenizer) as (server, errors):
+        idle = engine.metrics().kv_blocks_used
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.Client() as http, http.stream("POST", server.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            engine.allow(2)                      # the prefill (first token) and one decode step: 2 of 40 tokens
+            engine.wait_steps(2)
+            running = engine.metrics()
+            assert running.running == 1 and running.kv_blocks_used > idle
+            next(response.iter_lines())          # the stream has started; now the client goes away
+        for _ in range(600):                     # no step is allowed: only an abort can end the request
+            now = engine.metrics()
+            if now.running == 0 and now.kv_blocks_used == idle:
+                break
+            threading.Event().wait(0.05)
+        assert (now.running, now.waiting, now.kv_blocks_used) == (0, 0, idle), now
+        assert _metrics(server)['megamoe_requests_finished_total{reason="abort"}'] == 1
+        engine.open = True
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert not errors
+
+
+def test_a_flood_is_answered_429_and_the_admitted_requests_complete(model, tokenizer):
+    engine = PacedEngine(Engine(model, SOLO, EngineConfig(kv_cache_memory=1 << 20, block_size=4, max_num_seqs=1,
+                                                          max_waiting=2), tokenizer=tokenizer))
+    with running_server(engine, tokenizer, max_in_flight=3) as (server, errors):
+        statuses, lock = [], threading.Lock()
+
+        def send():
+            response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
+                                  timeout=120)
+            with lock:
+                statuses.append((response.status_code, response.json()))
+        senders = [threading.Thread(target=send) for _ in range(8)]
+        for sender in senders:
+            sender.start()
+        for _ in range(1200):                    # no step runs: the admitted 3 wait, the other 5 are refused
+            if len(statuses) == 5:
+                break
+            threading.Event().wait(0.05)
+        assert [s for s, _ in statuses] == [429] * 5, statuses
+        assert all(body["error"]["type"] == "rate_limit_error" for _, body in statuses)
+        engine.open = True
+        for sender in senders:
+            sender.join(120)
+        assert sorted(s for s, _ in statuses) == [200] * 3 + [429] * 5
+        assert _metrics(server)['megamoe_requests_rejected_total{status="429"}'] == 5
+    assert not errors
+
+
+def test_an_engine_failure_answers_503_and_ends_the_server_with_its_error(model, tokenizer):
+    engine = PacedEngine(Engine(model, SOLO, CONFIG, tokenizer=tokenizer))
+    dead_rank = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+    with running_server(engine, tokenizer) as (server, errors):
+        engine.fail = dead_rank
+        engine.open = True
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        assert response.status_code == 503 and "Connection closed by peer" in response.json()["error"]["message"]
+        server.started.clear()
+    assert errors == [dead_rank]                 # run() ended by itself with the engine's error
