@@ -152,20 +152,25 @@ def main(argv=None, *, prog: str = PROG) -> int:
         from megamoe.serving.http.server import bind_socket
         sock = bind_socket(args.host, args.port)
 
+    if world > 1 and not hasattr(Engine, "follow"):
+        raise UsageError("this build's engine serves one process (no Engine.follow for the other ranks): launch "
+                         "megamoe serve without torchrun")
     state = join_layout(args, dispatcher, world, device)
     model = load_model(args, engine_choices(args, saved, dispatcher), state, device)
     engine = Engine(model, state, config, tokenizer=tokenizer)
     if state.rank != 0:
-        engine.follow()                  # runs rank 0's steps until it stops serving
+        engine.follow()                  # runs rank 0's steps until rank 0 stops serving
         return 0
     from megamoe.serving.http.server import OpenAIServer
     name = args.served_model_name or str(args.checkpoint)
     server = OpenAIServer(engine, tokenizer, model_name=name, vocab_size=saved.vocab_size,
                           context_length=max_sequence_length(saved),
-                          max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting,
-                          sock=sock)
+                          max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting, sock=sock)
     print(f"{prog}: serving {name} at {server.url}/v1 (world {state.world_size}); Ctrl-C stops", flush=True)
-    server.run()
+    server.run()                         # raises the engine's error (a dead rank, a timed-out collective)
+    if world > 1:
+        engine.shutdown()                # the followers return from follow()
+    logger.info("stopped serving")
     return 0
 
 

@@ -37,6 +37,19 @@ def save_chat_tokenizer(directory) -> None:
     fast.save_pretrained(os.fspath(directory))
 
 
+def save_served_checkpoint(path):
+    """The tiny Qwen3-MoE (tests.helpers.inference) as a megamoe checkpoint with the chat tokenizer in its
+    hf_files/ (where ``megamoe serve`` looks by default); returns the model."""
+    from megamoe.checkpoint.format import save_checkpoint
+    from megamoe.checkpoint.manifest_fields import HF_FILES_DIR
+    from megamoe.checkpoint_state import sharded_state_dict
+    from tests.helpers.inference import _our_model
+    model = _our_model("qwen3_moe")
+    save_checkpoint(path, sharded_state_dict(model), manifest_fields={"model_config": model.config.to_dict()})
+    save_chat_tokenizer(os.path.join(path, HF_FILES_DIR))
+    return model
+
+
 @contextlib.contextmanager
 def running_server(engine, tokenizer, *, model_name="tiny", max_in_flight=16):
     """An OpenAIServer on a free port of 127.0.0.1 in a thread; yields (server, errors): ``errors`` gets what

@@ -26,7 +26,8 @@ from megamoe.serving import Engine, EngineConfig
 from megamoe.serving.http.detokenizer import IncrementalDetokenizer
 from megamoe.serving.http.tokenizer import ServingTokenizer
 from tests.helpers.inference import SOLO, _our_model
-from tests.helpers.serving import EOS_ID, PacedEngine, running_server, save_chat_tokenizer
+from tests.helpers.serving import (EOS_ID, PacedEngine, running_server, save_chat_tokenizer,
+                                   save_served_checkpoint)
 
 pytest.importorskip("fastapi", reason="the server needs the serve extra (fastapi, uvicorn)")
 openai = pytest.importorskip("openai", reason="the client tests need the openai package (test extra)")
@@ -269,3 +270,33 @@ def test_an_engine_failure_answers_503_and_ends_the_server_with_its_error(model,
         assert response.status_code == 503 and "Connection closed by peer" in response.json()["error"]["message"]
         server.started.clear()
     assert errors == [dead_rank]                 # run() ended by itself with the engine's error
+
+
+# --- the command's mistakes: one error line, before the model loads ------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "ckpt"
+    save_served_checkpoint(str(path))
+    return path
+
+
+def test_serve_command_mistakes_are_one_error_line(checkpoint, tmp_path, capsys, monkeypatch):
+    from megamoe.cli.main import main
+    from megamoe.serving.http.server import bind_socket
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    taken = bind_socket("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    cases = [(["--max-num-seqs", "0"], ["--max-num-seqs must be an integer >= 1"]),
+             (["--port", str(port)], [f"cannot listen on 127.0.0.1:{port}"]),
+             (["--tokenizer", str(tmp_path / "nothing")], ["--tokenizer", "does not exist"]),
+             (["--tp", "2"], ["do not fit 1 rank(s)"])]
+    try:
+        for flags, words in cases:
+            assert main(["serve", str(checkpoint), *flags]) == 1, flags
+            lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("megamoe serve: error: "), lines
+            assert all(word in lines[0] for word in words), lines[0]
+    finally:
+        taken.close()

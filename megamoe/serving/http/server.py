@@ -11,7 +11,9 @@ most twice that many concurrent connections (more get its 503), so a flood costs
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
 import threading
 
@@ -40,6 +42,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn's server, but a SIGINT / SIGTERM only shuts it down gracefully: uvicorn raises the signal again
+        afterwards (KeyboardInterrupt, or death by SIGTERM), and a server asked to stop has done nothing wrong."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+    return Uvicorn
+
+
 class OpenAIServer:
     """``engine`` (a :class:`megamoe.serving.Engine`) served over HTTP on ``sock`` (a listening socket), else on
     (host, port). ``context_length``: the most positions of a request (None: the model declares none)."""
@@ -53,7 +76,7 @@ class OpenAIServer:
         self.loop = EngineLoop(engine, max_in_flight=max_in_flight, on_failure=self._engine_failed)
         self.app = build_app(self.loop, tokenizer, model_name=model_name, vocab_size=vocab_size,
                              context_length=context_length)
-        self._uvicorn = uvicorn.Server(uvicorn.Config(
+        self._uvicorn = _uvicorn_server_class()(uvicorn.Config(
             self.app, log_level=log_level, access_log=False, limit_concurrency=2 * max_in_flight + 16,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off"))
         self.started = threading.Event()
