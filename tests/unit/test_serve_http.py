@@ -169,6 +169,35 @@ def test_models_health_and_metrics(served, client):
     assert any(name.startswith('megamoe_expert_balancedness{layer=') for name in after)
 
 
+# --- the README's and docs' examples, run against the server ----------------------------------------------
+
+def _documented(pages=("README.md", "docs/serving.md")):
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    return {page: (root / page).read_text() for page in pages}
+
+
+def test_the_readme_serving_examples_run_against_a_server(served, capsys):
+    """The README.md "## Serving" python block as written (its URL and model name pointed at this server), and
+    every documented curl request."""
+    import shlex
+    from megamoe.serving.http.app import ENDPOINTS
+    pages = _documented()
+    assert {route.path for route in served.app.routes} >= set(ENDPOINTS)
+    readme = pages["README.md"]
+    block = re.search(r"^## Serving\n.*?```python\n(.*?)^```", readme, re.S | re.M).group(1)
+    exec(block.replace("http://127.0.0.1:8000", served.url).replace('"ckpt"', '"tiny"'), {})
+    assert "CompletionUsage(" in capsys.readouterr().out
+    curls = [shlex.split(line) for text in pages.values() for line in text.splitlines() if line.startswith("curl ")]
+    assert len(curls) >= 4
+    for args in curls:
+        url = next(a for a in args if a.startswith("http")).replace("http://127.0.0.1:8000", served.url)
+        body = args[args.index("-d") + 1].replace('"ckpt"', '"tiny"') if "-d" in args else None
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"}) if body else \
+            httpx.get(url)
+        assert response.status_code == 200, (args, response.text)
+
+
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 LONG = " ".join("abcdefghij") * 4       # 80 tokens: past the context of 64
@@ -233,30 +262,40 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted_and_blocks
 
 
 def test_a_flood_is_answered_429_and_the_admitted_requests_complete(model, tokenizer):
+    """Both bounds: the engine's queue (max_waiting 2) and the server's requests in flight (3)."""
     engine = PacedEngine(Engine(model, SOLO, EngineConfig(kv_cache_memory=1 << 20, block_size=4, max_num_seqs=1,
                                                           max_waiting=2), tokenizer=tokenizer))
+    body = {"prompt": PROMPT, "max_tokens": 3}
     with running_server(engine, tokenizer, max_in_flight=3) as (server, errors):
-        statuses, lock = [], threading.Lock()
+        answers = []
 
         def send():
-            response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
-                                  timeout=120)
-            with lock:
-                statuses.append((response.status_code, response.json()))
-        senders = [threading.Thread(target=send) for _ in range(8)]
-        for sender in senders:
+            answers.append(httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code)
+
+        def until(condition):
+            for _ in range(1200):
+                if condition():
+                    return
+                threading.Event().wait(0.05)
+            raise AssertionError(engine.metrics())
+        senders = [threading.Thread(target=send) for _ in range(3)]
+        for sender in senders[:2]:
             sender.start()
-        for _ in range(1200):                    # no step runs: the admitted 3 wait, the other 5 are refused
-            if len(statuses) == 5:
-                break
-            threading.Event().wait(0.05)
-        assert [s for s, _ in statuses] == [429] * 5, statuses
-        assert all(body["error"]["type"] == "rate_limit_error" for _, body in statuses)
+        until(lambda: engine.metrics().waiting == 2)            # no step has run: both wait
+        full = httpx.post(server.url + "/v1/completions", json=body)
+        assert full.status_code == 429 and "the queue is full" in full.json()["error"]["message"]
+        engine.allow(1)                                         # one of them starts running
+        until(lambda: engine.metrics().running == 1)
+        senders[2].start()
+        until(lambda: engine.metrics().waiting == 2)
+        busy = httpx.post(server.url + "/v1/completions", json=body)
+        assert busy.status_code == 429 and "3 requests are in flight" in busy.json()["error"]["message"]
+        assert busy.json()["error"]["type"] == "rate_limit_error"
         engine.open = True
         for sender in senders:
             sender.join(120)
-        assert sorted(s for s, _ in statuses) == [200] * 3 + [429] * 5
-        assert _metrics(server)['megamoe_requests_rejected_total{status="429"}'] == 5
+        assert answers == [200] * 3
+        assert _metrics(server)['megamoe_requests_rejected_total{status="429"}'] == 2
     assert not errors
 
 

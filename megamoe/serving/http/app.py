@@ -27,10 +27,13 @@ from megamoe.serving.http.metrics import render_metrics
 from megamoe.serving.http.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from megamoe.serving.http.tokenizer import ChatTemplateError, ServingTokenizer
 
-__all__ = ["MAX_BODY_BYTES", "build_app"]
+__all__ = ["ENDPOINTS", "MAX_BODY_BYTES", "build_app"]
 
 logger = logging.getLogger(__name__)
 
+# path -> the request model of its body (None: a GET)
+ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest, "/v1/models": None,
+             "/health": None, "/metrics": None}
 MAX_BODY_BYTES = 16 << 20
 _DISCONNECT_POLL_S = 0.5        # how often a non-streamed request checks that its client is still there
 
