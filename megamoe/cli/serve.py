@@ -37,6 +37,7 @@ from megamoe.process_group import launch_rank, launch_world_size, resolve_device
 logger = logging.getLogger(__name__)
 
 PROG = "megamoe serve"
+HEARTBEAT_S = 10.0           # under torchrun, an idle rank 0 steps the engine this often (the followers' collectives)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000 ** 4, "tb": 1000 ** 4}
@@ -136,25 +137,27 @@ def main(argv=None, *, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO if launch_rank() == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    check_serving_packages()
+    serving = launch_rank() == 0         # rank 0 serves HTTP; the other ranks need no tokenizer nor web stack
+    if serving:
+        check_serving_packages()
     from megamoe.serving import Engine, EngineConfig
     config = engine_config(args, EngineConfig)
     device = resolve_device(args.device)
     saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
     world = launch_world_size()
     dispatcher = check_layout(args, saved, world)
-    tokenizer = load_serving_tokenizer(args)
-    if tokenizer.vocab_size > saved.vocab_size:
-        raise UsageError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the model's "
-                         f"vocabulary of {saved.vocab_size}: pass this model's --tokenizer")
-    sock = None
-    if launch_rank() == 0:               # the port is taken before the model loads: a port in use fails fast
-        from megamoe.serving.http.server import bind_socket
-        sock = bind_socket(args.host, args.port)
-
     if world > 1 and not hasattr(Engine, "follow"):
         raise UsageError("this build's engine serves one process (no Engine.follow for the other ranks): launch "
                          "megamoe serve without torchrun")
+    tokenizer, sock = None, None
+    if serving:
+        tokenizer = load_serving_tokenizer(args)
+        if tokenizer.vocab_size > saved.vocab_size:
+            raise UsageError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+                             f"model's vocabulary of {saved.vocab_size}: pass this model's --tokenizer")
+        from megamoe.serving.http.server import bind_socket
+        sock = bind_socket(args.host, args.port)     # before the model loads: a port in use fails fast
+
     state = join_layout(args, dispatcher, world, device)
     model = load_model(args, engine_choices(args, saved, dispatcher), state, device)
     engine = Engine(model, state, config, tokenizer=tokenizer)
@@ -165,7 +168,8 @@ def main(argv=None, *, prog: str = PROG) -> int:
     name = args.served_model_name or str(args.checkpoint)
     server = OpenAIServer(engine, tokenizer, model_name=name, vocab_size=saved.vocab_size,
                           context_length=max_sequence_length(saved),
-                          max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting, sock=sock)
+                          max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting, sock=sock,
+                          heartbeat_s=min(args.comm_timeout / 4, HEARTBEAT_S) if world > 1 else None)
     print(f"{prog}: serving {name} at {server.url}/v1 (world {state.world_size}); Ctrl-C stops", flush=True)
     server.run()                         # raises the engine's error (a dead rank, a timed-out collective)
     if world > 1:

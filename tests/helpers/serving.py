@@ -51,14 +51,14 @@ def save_served_checkpoint(path):
 
 
 @contextlib.contextmanager
-def running_server(engine, tokenizer, *, model_name="tiny", max_in_flight=16):
-    """An OpenAIServer on a free port of 127.0.0.1 in a thread; yields (server, errors): ``errors`` gets what
-    ``run()`` raised."""
+def running_server(engine, tokenizer, *, model_name="tiny", max_in_flight=16, **options):
+    """An OpenAIServer (``options``: its other arguments) on a free port of 127.0.0.1 in a thread; yields
+    (server, errors): ``errors`` gets what ``run()`` raised."""
     from megamoe.inference.generation import max_sequence_length
     from megamoe.serving.http.server import OpenAIServer
     config = engine.model.config
     server = OpenAIServer(engine, tokenizer, model_name=model_name, vocab_size=config.vocab_size,
-                          context_length=max_sequence_length(config), max_in_flight=max_in_flight)
+                          context_length=max_sequence_length(config), max_in_flight=max_in_flight, **options)
     errors = []
 
     def run():

@@ -307,8 +307,23 @@ def test_an_engine_failure_answers_503_and_ends_the_server_with_its_error(model,
         engine.open = True
         response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
         assert response.status_code == 503 and "Connection closed by peer" in response.json()["error"]["message"]
-        server.started.clear()
     assert errors == [dead_rank]                 # run() ended by itself with the engine's error
+
+
+def test_an_idle_server_steps_its_engine_so_a_dead_rank_ends_it_without_any_request(model, tokenizer):
+    """Under torchrun the followers wait in a collective for rank 0's next step: the heartbeat keeps them from
+    timing out, and finds a rank that died while no request came."""
+    engine = PacedEngine(Engine(model, SOLO, CONFIG, tokenizer=tokenizer))
+    engine.open = True
+    with running_server(engine, tokenizer, heartbeat_s=0.05) as (server, errors):
+        engine.wait_steps(3)                     # no request: heartbeats
+        dead_rank = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+        engine.fail = dead_rank
+        for _ in range(1200):
+            if errors:
+                break
+            threading.Event().wait(0.05)
+    assert errors == [dead_rank]
 
 
 # --- the command's mistakes: one error line, before the model loads ------------------------------------------
@@ -339,3 +354,39 @@ def test_serve_command_mistakes_are_one_error_line(checkpoint, tmp_path, capsys,
             assert all(word in lines[0] for word in words), lines[0]
     finally:
         taken.close()
+
+
+def test_megamoe_serve_serves_until_sigterm_then_exits_0(checkpoint, tokenizer, monkeypatch, capsys):
+    """The command in this process (main thread, as the console script runs it): a request answered, then
+    SIGTERM stops it gracefully with exit code 0."""
+    import os
+    import signal
+    from megamoe.cli.main import main
+    from megamoe.serving.http.server import bind_socket
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    probe = bind_socket("127.0.0.1", 0)
+    port = probe.getsockname()[1]
+    probe.close()
+    url = f"http://127.0.0.1:{port}"
+    answers = []
+
+    def client():
+        for _ in range(1200):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                threading.Event().wait(0.05)
+        answers.append(httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4,
+                                                                 "temperature": 0}, timeout=120).json())
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    code = main(["serve", str(checkpoint), "--port", str(port), "--served-model-name", "tiny",
+                 "--kv-cache-memory", "1MiB", "--block-size", "4"])
+    thread.join(60)
+    assert code == 0
+    assert answers and answers[0]["usage"]["completion_tokens"] == 4, answers
+    out = capsys.readouterr().out
+    assert f"megamoe serve: serving tiny at {url}/v1" in out, out

@@ -2,6 +2,10 @@
 thread-safe queue, and this thread adds them to the engine, steps it while any request is unfinished, and hands
 each request's outputs back to the handler awaiting them (``loop.call_soon_threadsafe``).
 
+Under torchrun the other ranks wait in ``Engine.follow()`` for rank 0's next step, and a collective waits at
+most ``--comm-timeout``: an idle server steps its empty engine every ``heartbeat_s`` (a broadcast and no model
+call), so that followers never time out while no request comes, and a rank that died is found while idle too.
+
 The engine is never touched by another thread: its methods need no lock, and under torchrun the rank-0 engine
 thread is the one that runs every step's collectives. An exception of the engine (a rank that died, a
 collective that timed out) ends the thread: every request waiting gets :class:`EngineFailed`, and
@@ -78,14 +82,18 @@ class RequestStream:
 
 class EngineLoop:
     """Owns ``engine`` on a daemon thread. ``max_in_flight``: requests submitted and not finished at most
-    (beyond it :meth:`submit` raises :class:`ServerBusy`), so the command queue is bounded too."""
+    (beyond it :meth:`submit` raises :class:`ServerBusy`), so the command queue is bounded too.
+    ``heartbeat_s``: step the idle engine this often (None: never; see the module docstring)."""
 
-    def __init__(self, engine, *, max_in_flight: int, stats: ServingStats | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine, *, max_in_flight: int, heartbeat_s: float | None = None,
+                 stats: ServingStats | None = None, on_failure: Callable[[BaseException], None] | None = None):
         if max_in_flight < 1:
             raise ValueError(f"EngineLoop.max_in_flight must be >= 1, got {max_in_flight}")
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise ValueError(f"EngineLoop.heartbeat_s must be > 0 seconds or None, got {heartbeat_s}")
         self.engine = engine
         self.max_in_flight = max_in_flight
+        self.heartbeat_s = heartbeat_s
         self.stats = stats or ServingStats()
         self.on_failure = on_failure
         self.error: BaseException | None = None
@@ -136,11 +144,16 @@ class EngineLoop:
     # --- the engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            last_step = time.monotonic()
             with torch.no_grad():
                 while not self._stopping.is_set():
                     self._take_commands(wait=not self.engine.has_unfinished())
-                    if self.engine.has_unfinished() and not self._stopping.is_set():
+                    if self._stopping.is_set():
+                        break
+                    idle = time.monotonic() - last_step
+                    if self.engine.has_unfinished() or (self.heartbeat_s is not None and idle >= self.heartbeat_s):
                         self._deliver(self.engine.step())
+                        last_step = time.monotonic()
                     self._metrics = self.engine.metrics()
         except BaseException as error:           # noqa: BLE001 - every request must learn that the engine is gone
             self.error = error

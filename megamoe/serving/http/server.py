@@ -65,15 +65,17 @@ def _uvicorn_server_class():
 
 class OpenAIServer:
     """``engine`` (a :class:`megamoe.serving.Engine`) served over HTTP on ``sock`` (a listening socket), else on
-    (host, port). ``context_length``: the most positions of a request (None: the model declares none)."""
+    (host, port). ``context_length``: the most positions of a request (None: the model declares none).
+    ``heartbeat_s``: under torchrun, step the idle engine this often (see :mod:`.engine_loop`)."""
 
     def __init__(self, engine, tokenizer: ServingTokenizer, *, model_name: str, vocab_size: int,
                  context_length: int | None, max_in_flight: int, host: str = "127.0.0.1", port: int = 0,
-                 sock: socket.socket | None = None, log_level: str = "warning"):
+                 sock: socket.socket | None = None, heartbeat_s: float | None = None, log_level: str = "warning"):
         import uvicorn
         self.socket = sock if sock is not None else bind_socket(host, port)
         self.host, self.port = self.socket.getsockname()[:2]
-        self.loop = EngineLoop(engine, max_in_flight=max_in_flight, on_failure=self._engine_failed)
+        self.loop = EngineLoop(engine, max_in_flight=max_in_flight, heartbeat_s=heartbeat_s,
+                               on_failure=self._engine_failed)
         self.app = build_app(self.loop, tokenizer, model_name=model_name, vocab_size=vocab_size,
                              context_length=context_length)
         self._uvicorn = _uvicorn_server_class()(uvicorn.Config(
