@@ -36,6 +36,8 @@ def _pid_of_rank(marker: str, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow      # two ranks under torchrun: about 30 s of CPU
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not hasattr(Engine, "follow"), reason="the engine of this build serves one process (no "
                                                              "Engine.follow: serving under torchrun is not built)")
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds rank 1's process through /proc")
@@ -48,7 +50,7 @@ def test_megamoe_serve_under_torchrun_answers_then_ends_when_a_rank_dies(tmp_pat
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0", "-m", "megamoe",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "megamoe",
          "serve", str(tmp_path / "ckpt"), "--tp", "2", "--port", "0", "--kv-cache-memory", "1MiB", "--block-size", "4",
          "--served-model-name", "tiny", "--comm-timeout", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
