@@ -67,6 +67,15 @@ def _greedy_text(model, tokenizer, prompt_ids, new=NEW):
     return out.token_ids[0], tokenizer.decode(out.token_ids[0]), out.finish_reasons[0]
 
 
+def _until(condition, polls=1200):
+    """Wait until ``condition()`` holds (polled every 50 ms; an AssertionError after ``polls`` polls)."""
+    for _ in range(polls):
+        if condition():
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError("the condition never held")
+
+
 def _metrics(server) -> dict:
     """The Prometheus text as {sample name with labels: value}."""
     text = httpx.get(server.url + "/metrics").text
@@ -249,13 +258,27 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted_and_blocks
             running = engine.metrics()
             assert running.running == 1 and running.kv_blocks_used > idle
             next(response.iter_lines())          # the stream has started; now the client goes away
-        for _ in range(600):                     # no step is allowed: only an abort can end the request
-            now = engine.metrics()
-            if now.running == 0 and now.kv_blocks_used == idle:
-                break
-            threading.Event().wait(0.05)
+        # No step is allowed: only an abort can end the request.
+        _until(lambda: (engine.metrics().running, engine.metrics().kv_blocks_used) == (0, idle))
+        now = engine.metrics()
         assert (now.running, now.waiting, now.kv_blocks_used) == (0, 0, idle), now
         assert _metrics(server)['megamoe_requests_finished_total{reason="abort"}'] == 1
+
+        def give_up():                           # a non-streamed request whose client stops waiting
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=2.0)
+        engine.allow(1)                          # the step that reports the abort (no model call)
+        engine.wait_steps(3)
+        impatient = threading.Thread(target=give_up)
+        impatient.start()
+        _until(lambda: engine.metrics().waiting == 1)
+        engine.allow(1)                          # its prefill: it runs, holding blocks, until its client gives up
+        engine.wait_steps(4)
+        assert engine.metrics().running == 1 and engine.metrics().kv_blocks_used > idle
+        impatient.join(60)
+        _until(lambda: _metrics(server).get('megamoe_requests_finished_total{reason="abort"}') == 2)
+        now = engine.metrics()
+        assert (now.running, now.waiting, now.kv_blocks_used) == (0, 0, idle), now
         engine.open = True
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     assert not errors
@@ -272,22 +295,16 @@ def test_a_flood_is_answered_429_and_the_admitted_requests_complete(model, token
         def send():
             answers.append(httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code)
 
-        def until(condition):
-            for _ in range(1200):
-                if condition():
-                    return
-                threading.Event().wait(0.05)
-            raise AssertionError(engine.metrics())
         senders = [threading.Thread(target=send) for _ in range(3)]
         for sender in senders[:2]:
             sender.start()
-        until(lambda: engine.metrics().waiting == 2)            # no step has run: both wait
+        _until(lambda: engine.metrics().waiting == 2)            # no step has run: both wait
         full = httpx.post(server.url + "/v1/completions", json=body)
         assert full.status_code == 429 and "the queue is full" in full.json()["error"]["message"]
         engine.allow(1)                                         # one of them starts running
-        until(lambda: engine.metrics().running == 1)
+        _until(lambda: engine.metrics().running == 1)
         senders[2].start()
-        until(lambda: engine.metrics().waiting == 2)
+        _until(lambda: engine.metrics().waiting == 2)
         busy = httpx.post(server.url + "/v1/completions", json=body)
         assert busy.status_code == 429 and "3 requests are in flight" in busy.json()["error"]["message"]
         assert busy.json()["error"]["type"] == "rate_limit_error"
@@ -319,10 +336,7 @@ def test_an_idle_server_steps_its_engine_so_a_dead_rank_ends_it_without_any_requ
         engine.wait_steps(3)                     # no request: heartbeats
         dead_rank = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
         engine.fail = dead_rank
-        for _ in range(1200):
-            if errors:
-                break
-            threading.Event().wait(0.05)
+        _until(lambda: errors)
     assert errors == [dead_rank]
 
 
