@@ -73,7 +73,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     h.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port, printed at start)")
     h.add_argument("--served-model-name", default=None,
-                   help="the model id of /v1/models and the requests' \"model\" (default: the checkpoint path as given)")
+                   help="the model id of /v1/models and the requests' \"model\" (default: the checkpoint path as "
+                        "given)")
     h.add_argument("--tokenizer", type=Path, default=None,
                    help=f"tokenizer file or directory (default: CKPT/{HF_FILES_DIR} if present, else CKPT)")
     e = p.add_argument_group("engine (defaults: megamoe.serving.EngineConfig's)")

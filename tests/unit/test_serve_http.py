@@ -18,7 +18,6 @@ import threading
 
 import httpx
 import pytest
-import torch
 
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.inference.sampling import SamplingConfig
@@ -356,7 +355,13 @@ def test_serve_command_mistakes_are_one_error_line(checkpoint, tmp_path, capsys,
         monkeypatch.delenv(name, raising=False)
     taken = bind_socket("127.0.0.1", 0)
     port = taken.getsockname()[1]
+    import argparse
+    from megamoe.cli.serve import byte_size
+    assert (byte_size("1MiB"), byte_size("2e9"), byte_size("512")) == (1 << 20, 2 * 10 ** 9, 512)
+    with pytest.raises(argparse.ArgumentTypeError, match="such as 4GiB"):
+        byte_size("12XB")
     cases = [(["--max-num-seqs", "0"], ["--max-num-seqs must be an integer >= 1"]),
+             (["--kv-cache-memory", "0"], ["--kv-cache-memory must be a number of bytes >= 1"]),
              (["--port", str(port)], [f"cannot listen on 127.0.0.1:{port}"]),
              (["--tokenizer", str(tmp_path / "nothing")], ["--tokenizer", "does not exist"]),
              (["--tp", "2"], ["do not fit 1 rank(s)"])]

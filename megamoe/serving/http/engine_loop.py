@@ -135,6 +135,8 @@ class EngineLoop:
             self._in_flight += 1
         stream = RequestStream(next(self._ids), prompt_ids, params, asyncio.get_running_loop())
         self._commands.put(("add", stream))
+        if self.error is not None:           # the engine failed meanwhile, perhaps after draining the queue
+            stream._put(EngineFailed(f"the engine failed: {self.error}"))
         return stream
 
     def abort(self, request_id: int) -> None:

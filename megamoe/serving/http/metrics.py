@@ -40,7 +40,8 @@ class Histogram:
         for bound, count in zip(self.buckets, self.counts):
             total += count
             lines.append(f'{name}_bucket{{le="{bound:g}"}} {total}')
-        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6g}", f"{name}_count {self.count}"]
+        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6g}",
+                  f"{name}_count {self.count}"]
         return lines
 
 
@@ -100,9 +101,11 @@ class ServingStats:
             lines += _metric("megamoe_requests_rejected_total", "counter",
                              "requests refused before they ran (429: queue full, 503: server failing), by status",
                              [(f'{{status="{s}"}}', n) for s, n in sorted(self.rejected.items())] or [("", 0)])
-            lines += _metric("megamoe_generation_tokens_total", "counter", "tokens generated", [("", self.generated_tokens)])
+            lines += _metric("megamoe_generation_tokens_total", "counter", "tokens generated",
+                             [("", self.generated_tokens)])
             lines += _metric("megamoe_generation_tokens_per_second", "gauge",
-                             f"tokens generated per second over the last {TOKENS_PER_SECOND_WINDOW_S:g} s", [("", rate)])
+                             f"tokens generated per second over the last {TOKENS_PER_SECOND_WINDOW_S:g} s",
+                             [("", rate)])
             lines += ["# HELP megamoe_time_to_first_token_seconds from a request's arrival to its first token",
                       "# TYPE megamoe_time_to_first_token_seconds histogram",
                       *self.ttft.lines("megamoe_time_to_first_token_seconds")]
@@ -143,12 +146,10 @@ def render_metrics(engine_metrics, stats: ServingStats) -> str:
     for field, kind, help_text in ENGINE_METRICS:
         lines += _metric(f"megamoe_{field}" + ("_total" if kind == "counter" else ""), kind, help_text,
                          [("", getattr(engine_metrics, field))])
-    queries, hits = engine_metrics.prefix_cache_queries, engine_metrics.prefix_cache_hits
-    lines += _metric("megamoe_prefix_cache_hit_rate", "gauge", "prefix-cache hits over queries (tokens), since the start",
-                     [("", hits / queries if queries else 0.0)])
+    lines += _metric("megamoe_prefix_cache_hit_rate", "gauge", "prefix-cache hits over queries (tokens), since "
+                     "the start", [("", engine_metrics.prefix_cache_hit_rate)])
     lines += _metric("megamoe_kv_cache_usage", "gauge", "KV-cache blocks used over the pool",
-                     [("", engine_metrics.kv_blocks_used / engine_metrics.kv_blocks_total
-                       if engine_metrics.kv_blocks_total else 0.0)])
+                     [("", engine_metrics.kv_cache_usage)])
     balance = engine_metrics.expert_balancedness
     lines += _metric("megamoe_expert_balancedness", "gauge",
                      "per MoE layer: mean over max expert-parallel rank load of the routed tokens (1.0: balanced)",

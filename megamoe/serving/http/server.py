@@ -5,8 +5,8 @@ port in use is an error before the model is needed, and the address printed is t
 :meth:`OpenAIServer.run` serves until SIGINT / SIGTERM (in the main thread) or :meth:`OpenAIServer.shutdown`,
 and raises the engine's error if the engine failed (the server shuts down by itself then: it cannot serve).
 
-Bounds: at most ``max_in_flight`` requests are submitted and unfinished (more get a 429), and uvicorn accepts at
-most twice that many concurrent connections (more get its 503), so a flood costs bounded memory.
+Bounds: at most ``max_in_flight`` requests are submitted and unfinished (more get a 429), and uvicorn serves at
+most ``2 * max_in_flight + 16`` concurrent connections (more get its 503), so a flood costs bounded memory.
 """
 
 from __future__ import annotations
