@@ -85,6 +85,7 @@ class Engine:
         self._pending: list[RequestOutput] = []          # aborts reported by the next step
         self.prompt_tokens_computed = 0
         self.generated_tokens = 0
+        self.spec_proposed = self.spec_accepted = 0      # MTP draft tokens, totals (speculation adds to them)
         logger.info("KV cache: %d blocks of %d positions (%s) over %d layers", num_blocks, config.block_size,
                     format_bytes(self.cache.nbytes), len(layers))
 
@@ -146,11 +147,14 @@ class Engine:
                    self.max_positions else f"shorten it to at most {self.max_positions - 1} tokens")
             raise ValueError(f"the prompt ({len(prompt)} tokens) with max_tokens {params.max_tokens} needs "
                              f"{positions} positions, more than the model's context of {self.max_positions}: {fix}")
-        block_size = self.config.block_size
-        if self.cache.common_window is None and -(-positions // block_size) > self.cache.num_blocks:
+        block_size, window = self.config.block_size, self.cache.common_window
+        blocks = -(-positions // block_size)
+        if window is not None:      # blocks behind every layer's window are released: a step holds at most these
+            blocks = min(blocks, -(-(window - 1 + self.config.max_num_batched_tokens) // block_size) + 1)
+        if blocks > self.cache.num_blocks:
             raise ValueError(f"the prompt ({len(prompt)} tokens) with max_tokens {params.max_tokens} needs "
-                             f"{positions} positions, more than the whole KV cache holds "
-                             f"({self.cache.num_blocks} blocks of {block_size}): lower max_tokens or raise "
+                             f"{blocks} KV blocks, more than the whole KV cache holds "
+                             f"({self.cache.num_blocks} blocks of {block_size} positions): lower max_tokens or raise "
                              "EngineConfig.kv_cache_memory")
         return prompt
 
@@ -175,6 +179,10 @@ class Engine:
         outputs, self._pending = self._pending, []
         schedule = self.scheduler.schedule()
         if not schedule.chunks:
+            if self.requests:     # cannot happen: every admitted request fits in the pool alone
+                raise RuntimeError(f"the scheduler found no work for {len(self.requests)} unfinished requests "
+                                   f"({self.scheduler.pool.num_free} of {self.scheduler.pool.num_blocks} KV blocks "
+                                   "free)")
             return outputs
         tokens, logprobs = self._forward(schedule)
         sampled = iter(zip(tokens, logprobs))
@@ -280,5 +288,4 @@ class Engine:
             kv_blocks_total=scheduler.pool.num_blocks, prefix_cache_queries=cache.queries if cache else 0,
             prefix_cache_hits=cache.hits if cache else 0, prompt_tokens_computed=self.prompt_tokens_computed,
             generated_tokens=self.generated_tokens, preemptions=scheduler.preemptions,
-            spec_proposed=sum(r.spec_proposed for r in self.requests.values()),
-            spec_accepted=sum(r.spec_accepted for r in self.requests.values()), expert_balancedness=balance)
+            spec_proposed=self.spec_proposed, spec_accepted=self.spec_accepted, expert_balancedness=balance)

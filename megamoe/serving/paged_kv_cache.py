@@ -11,8 +11,8 @@ blocks), with ``packed_segments``: per request, where its queries and its keys l
 :func:`~megamoe.transformer.attention.packed_attention` then lets each query see only its own request's
 keys: the decoding requests (one query each) as one left-padded batch, each prefill chunk in its own call,
 so the work is each request's queries times its own keys (one masked call over the whole row, as
-transformers' ``sdpa_paged`` does, costs every query times every key of the step: with 64 requests that
-was half of a step's time here). Each request's queries are the last of its keys, in position order, so the
+transformers' ``sdpa_paged`` does, costs every query times every key of the step: serving 64 requests of
+16-128 prompt tokens on a Qwen3-MoE-like model, H 256, 6 layers, on one CPU thread, it took half the time). Each request's queries are the last of its keys, in position order, so the
 causal and sliding-window masks of :func:`~megamoe.transformer.attention.causal_attention` are exact, and
 attention sinks (gpt-oss) need nothing more.
 
@@ -33,6 +33,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
+
+from megamoe.transformer.attention import PackedSegments
 
 __all__ = ["PagedKVCache", "PagedLayerView", "PackedKeys", "ScheduledChunk", "attention_layers", "pack_step"]
 
@@ -61,7 +63,7 @@ class PackedKeys:
     gather [K], and per request (first query, queries, first key, keys) among the step's queries and them."""
 
     gather_slots: torch.Tensor
-    segments: list[tuple[int, int, int, int]]
+    segments: PackedSegments
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -84,7 +86,8 @@ def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, d
             segments[window].append((queries, chunk.count, keys[window], end - first))
             keys[window] += end - first
         queries += chunk.count
-    packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), segments[w]) for w in windows}
+    packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), PackedSegments.build(segments[w], device))
+              for w in windows}
     return torch.cat(writes).to(device), packed
 
 
@@ -96,7 +99,7 @@ class PagedLayerView:
         self.pools, self.write_slots, self.keys = pools, write_slots, keys
 
     @property
-    def packed_segments(self) -> list[tuple[int, int, int, int]]:
+    def packed_segments(self) -> PackedSegments:
         return self.keys.segments
 
     def update(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,10 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"SamplingParams.{name} must be a number, got {value!r}")
         try:
             self.sampling
         except ValueError as error:

@@ -39,10 +39,6 @@ class StepSchedule:
     chunks: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(count for _, count in self.chunks)
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, window: int | None = None):
@@ -154,11 +150,14 @@ class Scheduler:
             return 0
         hashes = chained_block_hashes(request.tokens, self.block_size, request.block_hashes)
         blocks = self.prefix_cache.lookup(hashes[:(request.num_tokens - 1) // self.block_size])
-        for block in blocks:
+        found = len(blocks) * self.block_size
+        # With every layer sliding, the blocks behind the window of the first query are not taken.
+        dead = 0 if self.window is None else min(len(blocks), max(0, (found - self.window + 1) // self.block_size))
+        for block in blocks[dead:]:
             self.pool.acquire(block)
-        request.block_table = list(blocks)
-        request.num_computed = len(blocks) * self.block_size
-        return request.num_computed
+        request.block_table = [None] * dead + list(blocks[dead:])
+        request.num_computed = found
+        return found
 
     def _count_prefix_lookup(self, request: Request, cached: int) -> None:
         if self.prefix_cache is None:

@@ -30,7 +30,9 @@ KV cache seam: ``forward(hidden, position_ids, kv_cache=None, attention_mask=Non
 object with ``update(key, value) -> (all_keys, all_values)`` (:class:`KVCache`) holding ONE layer's
 state; it receives this call's rotated keys and values [B, kv_heads_local, S, head_dim] and returns
 every cached position [B, kv_heads_local, S_past + S, head_dim]. The queries are taken to be the last
-S positions: the causal / sliding-window mask is aligned to the end of the key sequence.
+S positions: the causal / sliding-window mask is aligned to the end of the key sequence. A paged cache
+serving several requests packed in one row (:mod:`megamoe.serving`) also tells where each request's
+queries and keys lie (``packed_segments``); attention then runs per request (:func:`packed_attention`).
 
 Masking is by index along each batch row; ``position_ids`` only drive RoPE. Padding: the optional
 ``attention_mask`` [B, S_past + S] (HF's 2-D mask: True / 1 where the position holds a real token)
@@ -103,8 +105,8 @@ from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["AttentionConfig", "Attention", "KVCache", "cache_packed_segments", "cached_keys", "causal_attention",
-           "packed_attention",
+__all__ = ["AttentionConfig", "Attention", "KVCache", "PackedSegments", "cache_packed_segments", "cached_keys",
+           "causal_attention", "packed_attention",
            "check_no_cache_with_documents", "check_no_cache_under_context_parallel",
            "masked_attention_expands_kv_heads"]
 
@@ -122,11 +124,10 @@ class KVCache(Protocol):
     # returned ones (a cache written by index returns its whole buffer); absent or None otherwise.
     query_positions: torch.Tensor | None
 
-    # Optional (a paged cache serving several requests in one packed row [1, S], megamoe.serving): per
-    # request, (first query, queries, first key, keys) among this call's queries and the returned keys,
-    # a request's queries being the last of its keys; attention then keeps requests apart
+    # Optional (a paged cache serving several requests in one packed row [1, S], megamoe.serving): where
+    # each request's queries and keys lie (:class:`PackedSegments`); attention then keeps requests apart
     # (:func:`packed_attention`). Absent or None otherwise.
-    packed_segments: list[tuple[int, int, int, int]] | None
+    packed_segments: "PackedSegments | None"
 
 
 def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -144,13 +145,40 @@ def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_m
     return a, b, query_positions
 
 
-def cache_packed_segments(kv_cache) -> list[tuple[int, int, int, int]] | None:
+@dataclass(frozen=True)
+class PackedSegments:
+    """Where several requests packed in one row lie (a paged cache's ``packed_segments``, see :class:`KVCache`):
+    per request ``(first query, queries, first key, keys)`` among the row's queries and the returned keys, a
+    request's queries being the last of its keys; and, built once for every layer, how the decoding requests
+    (one query each) are batched: their query indices ``decode_rows`` [R], the key indices ``decode_keys``
+    [R, L] (real keys right-aligned, L the longest) and ``decode_mask`` [R, L] (True: a real key)."""
+
+    segments: tuple[tuple[int, int, int, int], ...]
+    decode_rows: torch.Tensor
+    decode_keys: torch.Tensor
+    decode_mask: torch.Tensor
+
+    @classmethod
+    def build(cls, segments, device=None) -> "PackedSegments":
+        segments = tuple(tuple(int(x) for x in s) for s in segments)
+        decodes = [s for s in segments if s[1] == 1]
+        longest = max((n for _, _, _, n in decodes), default=0)
+        offsets = torch.arange(longest)
+        lengths = torch.tensor([n for _, _, _, n in decodes], dtype=torch.int64)
+        ends = torch.tensor([k + n for _, _, k, n in decodes], dtype=torch.int64)
+        keys = (ends[:, None] - longest + offsets).clamp(min=0)
+        mask = offsets[None, :] >= (longest - lengths)[:, None]
+        rows = torch.tensor([q for q, _, _, _ in decodes], dtype=torch.int64)
+        return cls(segments, rows.to(device), keys.to(device), mask.to(device))
+
+
+def cache_packed_segments(kv_cache) -> PackedSegments | None:
     """A paged cache's ``packed_segments`` (see :class:`KVCache`), or None."""
     return None if kv_cache is None else getattr(kv_cache, "packed_segments", None)
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                     segments: list[tuple[int, int, int, int]], sliding_window: int | None = None,
+                     packed: PackedSegments, sliding_window: int | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`causal_attention` of several requests packed in one row: query [1, Hq, Sq, D], key [1, Hk, Sk, D],
     value [1, Hk, Sk, Dv] -> [1, Hq, Sq, Dv], each request's queries (the last of its keys) seeing only its own
@@ -158,23 +186,15 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     hidden by the key mask), the others (prefill chunks) one call each: the work is each request's queries
     times its own keys, not every query times every key of the row."""
     out = query.new_empty(*query.shape[:-1], value.shape[-1])
-    decodes = [s for s in segments if s[1] == 1]
-    if decodes:
-        device = query.device
-        rows = torch.tensor([q for q, _, _, _ in decodes], device=device)
-        lengths = torch.tensor([n for _, _, _, n in decodes], device=device)
-        ends = torch.tensor([k + n for _, _, k, n in decodes], device=device)
-        longest = int(max(n for _, _, _, n in decodes))
-        offsets = torch.arange(longest, device=device)
-        index = (ends[:, None] - longest + offsets).clamp(min=0)               # [R, L], real keys right-aligned
-        mask = offsets[None, :] >= (longest - lengths)[:, None]
-        batch = len(decodes)
-        k, v = (t[0].index_select(1, index.flatten()).unflatten(1, (batch, longest)).transpose(0, 1)
+    rows = packed.decode_rows
+    if rows.numel():
+        batch, longest = packed.decode_keys.shape
+        k, v = (t[0].index_select(1, packed.decode_keys.flatten()).unflatten(1, (batch, longest)).transpose(0, 1)
                 for t in (key, value))                                            # [R, Hk, L, D]
         q = query[0].index_select(1, rows).transpose(0, 1).unsqueeze(2)           # [R, Hq, 1, D]
-        o = causal_attention(q, k, v, scale, sliding_window, attention_mask=mask, sinks=sinks)
+        o = causal_attention(q, k, v, scale, sliding_window, attention_mask=packed.decode_mask, sinks=sinks)
         out[0].index_copy_(1, rows, o.squeeze(2).transpose(0, 1).to(out.dtype))
-    for q0, q_len, k0, k_len in segments:
+    for q0, q_len, k0, k_len in packed.segments:
         if q_len > 1:
             out[:, :, q0:q0 + q_len] = causal_attention(query[:, :, q0:q0 + q_len], key[:, :, k0:k0 + k_len],
                                                         value[:, :, k0:k0 + k_len], scale, sliding_window, sinks=sinks)

@@ -33,6 +33,7 @@ PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
 PYTHON_BLOCKS_RUN_ELSEWHERE = {
     ("docs/generation.md", "# Generation"): "tests/multirank/test_inference.py",
     ("README.md", "## Serving"): "tests/unit/test_serve_http.py",
+    ("docs/serving_engine.md", "# The serving engine (`megamoe.serving`)"): "tests/unit/test_serving_engine.py",
 }
 
 # Packages the pages tell users to pip-install by name, outside this package's extras.

@@ -4,6 +4,8 @@ logprobs and bad requests. Tiny random HF models (tests/helpers/hf_models.py), b
 
 import functools
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +15,14 @@ from megamoe.inference.pipeline_forward import pipeline_logits
 from megamoe.serving import Engine, EngineConfig, QueueFullError, SamplingParams
 from megamoe.serving.block_pool import BlockPool
 from megamoe.serving.prefix_cache import PrefixCache, chained_block_hashes
+from megamoe.transformer.attention import PackedSegments, causal_attention, packed_attention
 from tests.helpers.hf_models import V, hf_model
 from tests.helpers.inference import NEW, PROMPTS, SAMPLING, SOLO, _our_model
 
-# GQA (qk norm, tied embeddings), MLA (DeepSeek-V3), sliding + full layers with sinks (gpt-oss), sliding
-# window on every layer (Mixtral, window 5: blocks behind it are released).
 pytestmark = pytest.mark.usefixtures("one_thread")     # tiny steps: two threads on a busy machine cost 10x
 
+# GQA (qk norm, tied embeddings), MLA (DeepSeek-V3), sliding + full layers with sinks (gpt-oss), sliding
+# window on every layer (Mixtral, window 5: blocks behind it are released).
 FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
 
 
@@ -95,6 +98,30 @@ def test_greedy_tokens_equal_generate_and_transformers(family):
     assert (max(freed) > 0) == (family == "mixtral")
 
 
+def test_sliding_window_layers_serve_sequences_longer_than_the_pool():
+    """Mixtral (window 5 on every layer): blocks behind the window are released, so a pool of 5 blocks of 2
+    positions serves 13-position sequences with generate()'s tokens, prefix-cache hits included."""
+    family = "mixtral"
+    probe = engine_for(family, block_size=2)
+    per_block = probe.cache.nbytes // probe.cache.num_blocks
+    engine = engine_for(family, block_size=2, kv_cache_memory=5 * per_block, max_num_batched_tokens=3)
+    assert engine.cache.num_blocks == 5
+    out = drive(engine, [(0, i, p, SamplingParams(max_tokens=NEW)) for i, p in enumerate(PROMPTS)])
+    assert [out[i].token_ids for i in range(len(PROMPTS))] == reference(family)
+    # A 12-token prompt twice (8 blocks): the second finds its 5 leading blocks cached but takes only the 2
+    # inside the window of its first query (position 10).
+    engine = engine_for(family, block_size=2, kv_cache_memory=8 * per_block, max_num_batched_tokens=3)
+    prompt = [(5 * i + 2) % V for i in range(12)]
+    expected = generate(model(family), SOLO, [prompt], GenerationConfig(max_new_tokens=2)).token_ids[0]
+    assert drive(engine, [(0, 10, prompt, SamplingParams(max_tokens=2))])[10].token_ids == expected
+    engine.add_request(11, prompt, SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.scheduler.running[0].block_table[:5] == [None] * 3 + engine.scheduler.running[0].block_table[3:5]
+    assert None not in engine.scheduler.running[0].block_table[3:] and engine.metrics().kv_blocks_used == 3
+    assert [t for o in engine.run() for t in o.new_token_ids] == expected[1:]
+    assert engine.metrics().prefix_cache_hits == 10
+
+
 def test_seeded_sampling_equals_generate_whatever_the_batch():
     """Seeded sampling = generate(..., request_ids=[id]) with the same seed, for requests mixed with greedy
     ones in the same steps."""
@@ -156,6 +183,40 @@ def test_preemption_with_a_tiny_pool_keeps_every_token():
     assert [out[i].token_ids for i in range(len(PROMPTS))] == greedy
     assert [out[ids[i]].token_ids for i in (1, 3)] == [sampled_ref[1], sampled_ref[3]]
     assert engine.metrics().preemptions > 0 and max(used) <= 8
+
+
+def test_a_long_prompt_never_stalls_running_decodes():
+    """Chunked prefill: while a 40-token prompt is prefilled under a budget of 8 tokens per step, both running
+    requests get a token every step (6 prompt tokens go with their 2 decodes); a finished request's blocks
+    are released in the step that ends it (the pool holds exactly the running requests' blocks after every
+    step); every request's tokens are still generate()'s."""
+    family = "qwen3_moe"
+    long_prompt = [(7 * i + 3) % V for i in range(40)]
+    expected = generate(model(family), SOLO, [long_prompt], GenerationConfig(max_new_tokens=3)).token_ids[0]
+    engine = engine_for(family, max_num_batched_tokens=8, enable_prefix_caching=False)
+    engine.add_request(0, PROMPTS[1], SamplingParams(max_tokens=NEW + 2))   # ends in the step after the prefill
+    engine.add_request(1, PROMPTS[3], SamplingParams(max_tokens=NEW + 4))
+    engine.step()                                              # both prompts (2 + 4 tokens) in one step
+    engine.add_request(2, long_prompt, SamplingParams(max_tokens=3))
+    out, step = {}, 0
+    while engine.has_unfinished():
+        outputs = {o.request_id: o for o in engine.step()}
+        step += 1
+        if step < 7:                                           # 40 = 6 x 6 + 4 prompt tokens
+            assert sorted(outputs) == [0, 1] and engine.scheduler.running[-1].num_computed == 6 * step
+        held = {b for r in engine.scheduler.running for b in r.block_table}
+        assert engine.metrics().kv_blocks_used == len(held)
+        out.update(outputs)
+    assert out[0].finish_reason == "length" and out[0].token_ids[:NEW] == reference(family)[1]
+    assert out[1].token_ids[:NEW] == reference(family)[3] and out[2].token_ids == expected
+
+
+def test_max_num_seqs_bounds_the_running_requests():
+    running = []
+    engine = engine_for("qwen3_moe", max_num_seqs=2)
+    out = drive(engine, [(0, i, p, SamplingParams(max_tokens=NEW)) for i, p in enumerate(PROMPTS)],
+                lambda e: running.append(e.metrics().running))
+    assert max(running) == 2 and [out[i].token_ids for i in range(len(PROMPTS))] == reference("qwen3_moe")
 
 
 def test_abort_frees_blocks_at_once():
@@ -253,7 +314,7 @@ def test_bad_settings_queue_and_pool_limits():
     with pytest.raises(QueueFullError, match="max_waiting"):
         engine.add_request(2, [1, 2], SamplingParams())
     small = engine_for("qwen3_moe", kv_cache_memory=engine.cache.nbytes // engine.cache.num_blocks * 3)
-    with pytest.raises(ValueError, match=r"more than the whole KV cache holds \(3 blocks of 4\)"):
+    with pytest.raises(ValueError, match=r"needs 4 KV blocks, more than the whole KV cache holds \(3 blocks of 4 positions\)"):
         small.add_request(0, [1] * 10, SamplingParams(max_tokens=3))
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_memory .* holds no KV block"):
         engine_for("qwen3_moe", kv_cache_memory=10)
@@ -261,10 +322,30 @@ def test_bad_settings_queue_and_pool_limits():
                          ("kv_cache_memory_fraction", 0), ("kv_cache_memory", -1), ("speculative_tokens", -1)):
         with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
             EngineConfig(**{field: value})
-    for field, value in (("temperature", -1.0), ("top_k", 0), ("top_p", 0.0), ("seed", -1), ("max_tokens", 0),
+    for field, value in (("temperature", -1.0), ("temperature", "hot"), ("top_p", None), ("top_k", 0), ("top_k", 2.5), ("top_p", 0.0), ("seed", -1), ("max_tokens", 0),
                          ("stop_token_ids", (-1,)), ("stop", ("",)), ("logprobs", 1)):
         with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
             SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (3, True)])
+def test_packed_attention_equals_each_request_alone(window, sinks):
+    """Three requests in one row, two decoding (5 and 2 keys) around a prefill chunk (3 queries over 6 keys):
+    each query's output equals causal_attention over its own request's keys alone (GQA 4 / 2 heads)."""
+    g = torch.Generator().manual_seed(0)
+    lengths, queries = [5, 6, 2], [1, 3, 1]
+    keys = [torch.randn(1, 2, n, 8, generator=g) for n in lengths]
+    values = [torch.randn(1, 2, n, 6, generator=g) for n in lengths]
+    qs = [torch.randn(1, 4, n, 8, generator=g) for n in queries]
+    sink = torch.randn(4, generator=g) if sinks else None
+    segments, q0, k0 = [], 0, 0
+    for n_q, n_k in zip(queries, lengths):
+        segments.append((q0, n_q, k0, n_k))
+        q0, k0 = q0 + n_q, k0 + n_k
+    out = packed_attention(torch.cat(qs, 2), torch.cat(keys, 2), torch.cat(values, 2), 0.3,
+                           PackedSegments.build(segments), window, sink)
+    alone = torch.cat([causal_attention(q, k, v, 0.3, window, sinks=sink) for q, k, v in zip(qs, keys, values)], 2)
+    torch.testing.assert_close(out, alone, atol=1e-6, rtol=0)
 
 
 def test_block_pool_shares_and_evicts_least_recently_used():
@@ -285,3 +366,12 @@ def test_block_pool_shares_and_evicts_least_recently_used():
     assert pool.allocate(2) is None and pool.num_free == 1     # nothing taken when short
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([c, c])
+
+
+def test_the_docs_example_runs_as_written():
+    """The python block of docs/serving_engine.md (a random tiny Qwen3-MoE): both requests get their 8 tokens."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving_engine.md").read_text()
+    namespace = {}
+    exec(re.search(r"```python\n(.*?)```", page, re.S).group(1), namespace)
+    assert {i: len(ids) for i, ids in namespace["finished"].items()} == {0: 8, 1: 8}
+    assert namespace["engine"].metrics().kv_blocks_used == 0
