@@ -78,6 +78,13 @@ FLAG_OF_FIELD = {"max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = ScriptArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("checkpoint", type=Path, help="megamoe checkpoint directory (holding manifest.json)")
+    add_layout_arguments(p)
+    _add_request_arguments(p)
+    return p
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout, device and loading flags (``megamoe generate`` and ``megamoe serve``)."""
     g = p.add_argument_group("parallel layout (world size = tp * pp * dp; dp is what is left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads, MLPs, vocab)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
@@ -106,6 +113,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add_no_verify_checksums_argument(g)
     g.add_argument("--allow-non-finite", action="store_true",
                    help="generate from weights holding NaN or Inf (a warning names each) instead of refusing them")
+
+
+def _add_request_arguments(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("prompts (at least one)")
     q.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
     q.add_argument("--prompt-file", type=Path, default=None, help="a text file, one prompt per non-empty line")
@@ -133,7 +143,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="write prompts, prompt ids, generated ids and text, finish reasons and timings here")
     o.add_argument("--record-expert-load", type=Path, default=None,
                    help="write the per-layer router token counts per expert of this run here (expert-load JSON)")
-    return p
 
 
 def parse_args(argv=None, *, prog: str = PROG) -> argparse.Namespace:

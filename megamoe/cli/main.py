@@ -23,6 +23,11 @@ def _generate(argv):
     return generate.cli(argv)
 
 
+def _serve(argv):
+    from megamoe.cli import serve
+    return serve.cli(argv)
+
+
 def _convert(argv):
     from megamoe.cli import convert
     return convert.main(argv, prog="megamoe convert")
@@ -42,6 +47,7 @@ def _preprocess(argv):
 SUBCOMMANDS = {
     "train": ("pretrain or fine-tune a MoE model (flags or --config run.toml)", _train),
     "generate": ("generate text from a checkpoint under any layout", _generate),
+    "serve": ("an OpenAI-compatible HTTP server over a checkpoint (continuous batching)", _serve),
     "convert": ("checkpoint conversion: import-hf, export-hf, reshard, verify, ... (megamoe-convert)", _convert),
     "preprocess": ("tokenize documents into token files (megamoe-preprocess)", _preprocess),
     "inspect": ("describe a checkpoint: layout, placements, parameters, checksums, NaN/Inf", _inspect),

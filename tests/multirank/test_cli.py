@@ -58,7 +58,7 @@ def _plain_process(monkeypatch):
 @pytest.mark.parametrize("subcommand, usage", [
     ("train", "usage: megamoe train"), ("generate", "usage: megamoe generate"),
     ("convert", "usage: megamoe convert"), ("preprocess", "usage: megamoe preprocess"),
-    ("inspect", "usage: megamoe inspect")])
+    ("inspect", "usage: megamoe inspect"), ("serve", "usage: megamoe serve")])
 def test_each_subcommand_has_its_own_help(subcommand, usage, capsys):
     code, out, _ = _megamoe([subcommand, "--help"], capsys)
     assert code == 0 and out.startswith(usage), out[:300]
@@ -66,9 +66,9 @@ def test_each_subcommand_has_its_own_help(subcommand, usage, capsys):
 
 def test_the_command_dispatches_and_names_the_subcommand_in_its_errors(tmp_path, capsys):
     code, out, _ = _megamoe(["--help"], capsys)
-    assert code == 0 and all(name in out for name in ("train", "generate", "convert", "preprocess", "inspect"))
-    code, _, err = _megamoe(["serve"], capsys)
-    assert code == 2 and "megamoe: error: argument SUBCOMMAND: invalid choice: 'serve'" in err, err
+    assert code == 0 and all(name in out for name in ("train", "generate", "serve", "convert", "preprocess", "inspect"))
+    code, _, err = _megamoe(["serv"], capsys)
+    assert code == 2 and "megamoe: error: argument SUBCOMMAND: invalid choice: 'serv'" in err, err
     code, _, err = _megamoe(["inspect", tmp_path / "missing"], capsys)
     assert code == 1 and err.startswith("megamoe inspect: error: "), err
     code, _, err = _megamoe(["train", "--tp", "0"], capsys)

@@ -10,6 +10,7 @@
 
 import argparse
 import contextlib
+import json
 import re
 import shlex
 import tomllib
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.errors import UsageError
+from megamoe.serving.http.protocol import APIError
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -30,6 +32,7 @@ PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
 # -> the test that runs it as written.
 PYTHON_BLOCKS_RUN_ELSEWHERE = {
     ("docs/generation.md", "# Generation"): "tests/multirank/test_inference.py",
+    ("README.md", "## Serving"): "tests/unit/test_serve_http.py",
     ("docs/serving_engine.md", "# The serving engine (`megamoe.serving`)"): "tests/unit/test_serving_engine.py",
 }
 
@@ -134,7 +137,7 @@ def _check_train(args: list[str], where: str) -> None:
 
 def _check_megamoe(args: list[str], where: str) -> None:
     from megamoe.cli import convert as convert_cli
-    from megamoe.cli import generate, preprocess
+    from megamoe.cli import generate, preprocess, serve
     from megamoe.cli.main import SUBCOMMANDS
     name, rest = args[0], args[1:]
     assert name in SUBCOMMANDS, f"{where}: megamoe has no subcommand {name!r}"
@@ -142,6 +145,8 @@ def _check_megamoe(args: list[str], where: str) -> None:
         _check_train(rest, where)
     elif name == "generate":
         _check_flags(generate.build_parser(), rest, where)
+    elif name == "serve":
+        _check_flags(serve.build_parser(), rest, where)
     elif name == "convert":
         _check_flags(_subparser(convert_cli.build_parser(), rest[0]), rest[1:], where)
     elif name == "inspect":
@@ -201,6 +206,22 @@ def _check_pip(args: list[str], where: str) -> None:
             assert arg in PIP_PACKAGES, f"{where}: pip package {arg} is not one the docs may name"
 
 
+def _check_curl(args: list[str], where: str) -> None:
+    """``curl URL [-H HEADER] [-d JSON]`` against ``megamoe serve``: an endpoint of the server, and a body its
+    request model accepts (tests/unit/test_serve_http.py also sends these requests to a running server)."""
+    from megamoe.serving.http.app import ENDPOINTS
+    from megamoe.serving.http.protocol import parse_request
+    urls = [arg for arg in args if arg.startswith("http")]
+    assert len(urls) == 1 and urls[0].startswith("http://127.0.0.1:8000/"), f"{where}: one URL of the server"
+    path = urls[0].removeprefix("http://127.0.0.1:8000")
+    assert path in ENDPOINTS, f"{where}: megamoe serve has no endpoint {path}"
+    options = dict(zip(args[::2], args[1::2])) if args[0] != urls[0] else dict(zip(args[1::2], args[2::2]))
+    assert set(options) <= {"-H", "-d"}, f"{where}: curl options other than -H / -d"
+    if "-d" in options:
+        assert ENDPOINTS[path] is not None, f"{where}: {path} takes no body"
+        parse_request(ENDPOINTS[path], json.loads(options["-d"]))
+
+
 def _check_command(command: list[str], where: str) -> None:
     program, args = command[0], command[1:]
     if program == "make":
@@ -218,6 +239,8 @@ def _check_command(command: list[str], where: str) -> None:
         _check_megamoe(["preprocess", *args], where)
     elif program == "pip":
         _check_pip(args, where)
+    elif program == "curl":
+        _check_curl(args, where)
     elif program == ".":
         assert args == [".venv/bin/activate"], where
     else:
@@ -231,10 +254,12 @@ def test_every_documented_command_exists_with_its_flags(page, command):
 
 def test_the_command_check_refuses_a_misspelt_flag_or_program():
     for command in (["megamoe", "train", "--learning-rate", "1"], ["megamoe", "train", "--optimizer.lrate", "1"],
-                    ["megamoe", "convert", "import-hf", "a", "b", "--tp-size", "2"], ["megamoe", "serve"],
+                    ["megamoe", "convert", "import-hf", "a", "b", "--tp-size", "2"],
+                    ["megamoe", "serve", "ckpt", "--prot", "8000"], ["curl", "http://127.0.0.1:8000/v1/complete"],
+                    ["curl", "http://127.0.0.1:8000/v1/completions", "-d", '{"prompt": "a", "n": 2}'],
                     ["torchrun", "--nodes", "2", "-m", "megamoe", "train"], ["make", "demos"],
                     ["pip", "install", "-e", ".[gpu]"], ["python3", "examples/pretrain.py"]):
-        with pytest.raises((AssertionError, UsageError)):      # UsageError: an unknown --section.key
+        with pytest.raises((AssertionError, UsageError, APIError)):   # an unknown --section.key, a bad request
             _check_command(command, "test")
 
 
