@@ -246,8 +246,15 @@ def run_on_ranks(
             )
             for rank in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        # Tensors in the arguments go as named shared memory, not one file descriptor each: a fork server
+        # takes at most 256 descriptors per process ("too many fds").
+        strategy = mp.get_sharing_strategy()
+        mp.set_sharing_strategy("file_system")
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            mp.set_sharing_strategy(strategy)
         outcomes = _Outcomes(procs, result_queue)
         deadline = time.monotonic() + timeout_s
         try:
