@@ -14,9 +14,10 @@ $(STAMP): setup.py pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite: the unit tier, then the multi-rank tier (this is what CI runs).
+# The whole suite: the unit tier, then the multi-rank tier (this is what CI runs); the 25 slowest tests are
+# listed at the end, so a CI log shows where the time went.
 test: $(STAMP)
-	$(PYTHON) -m pytest -q tests/unit tests/multirank
+	$(PYTHON) -m pytest -q --durations=25 tests/unit tests/multirank
 
 # The unit tier (in-process: no spawned ranks, no torchrun, no end-to-end script runs): for the edit-test loop.
 test-fast: $(STAMP)

@@ -6,7 +6,9 @@ tests of several modules take (tiny HF checkpoints, tokenizers, data) live in te
 
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,19 @@ REPO = Path(__file__).resolve().parent.parent
 # --autocast auto stays fp32 in every test, and in the scripts and ranks they start, on any machine (oracle
 # tests compare fp32 runs; megamoe.matmul_peak.PIN_ENV); tests/test_matmul_peak.py unsets it to measure.
 os.environ.setdefault("MEGAMOE_AUTOCAST_AUTO", "none")
+# torch.compile's cache (graphs, kernels) in a directory of this run's own, for it and the processes it starts:
+# the tests compile cold, as on a fresh CI machine, and never load what another process wrote into the
+# machine-wide /tmp/torchinductor_<user> (a graph cached there by a concurrent session aborted pytest with
+# "Fatal Python error: Aborted" inside the compiled decode step, twice; the same test passed with a cache of its own).
+_INDUCTOR_CACHE = None
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="megamoe-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _INDUCTOR_CACHE is not None:
+        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
 def _script_module(monkeypatch, name: str, path: str):

@@ -48,6 +48,7 @@ attention so that sampled tokens do not depend on how requests are spread over r
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -190,7 +191,11 @@ def _stage_forward(model: GPTMoEModel, inputs, positions, caches, attention_mask
 
 # One compiled callable for every model: dynamo caches a graph per model. The lengths that change
 # from step to step and call to call are marked dynamic (see generate), so one graph serves them all.
-_compiled_stage_forward = torch.compile(_stage_forward)
+# Made at the first compiled step: torch.compile imports dynamo and inductor, seconds of CPU in every
+# process that imports this module, and most (training, eager decoding) never compile.
+@functools.cache
+def _compiled_stage_forward():
+    return torch.compile(_stage_forward)
 
 
 def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tensor, caches: dict,
@@ -207,7 +212,7 @@ def _step(model: GPTMoEModel, state, inputs: torch.Tensor, positions: torch.Tens
     device = attention_mask.device
     ranks = state.pp.ranks
     prev_rank, next_rank = ranks[(state.pp.rank - 1) % len(ranks)], ranks[(state.pp.rank + 1) % len(ranks)]
-    forward = _stage_forward if token_mask is None else _compiled_stage_forward
+    forward = _stage_forward if token_mask is None else _compiled_stage_forward()
     tokens = None
     for chunk in range(getattr(model, "virtual_pipeline_stages", 1)):
         chunk_inputs = inputs

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._compile import _disable_dynamo
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
@@ -486,8 +487,10 @@ class MoELayer(nn.Module):
         return output.view(shape), routing.aux_loss
 
     # Row counts and split sizes are read on the host by design: never traced by torch.compile, which
-    # would otherwise recompile its pieces for every new count.
-    @torch.compiler.disable
+    # would otherwise recompile its pieces for every new count. torch.compiler.disable, but made at the first
+    # call (torch's own lazy form): the decorator imports torch._dynamo, over a second of CPU in every process
+    # that imports this module, and most (training ranks, conversions) never compile.
+    @_disable_dynamo
     def dispatch_and_compute(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """dispatch -> experts -> combine (with the shared experts): [T, H] for this rank's tokens.
 
