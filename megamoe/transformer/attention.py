@@ -103,7 +103,7 @@ from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["AttentionConfig", "Attention", "KVCache", "cached_keys", "causal_attention",
+__all__ = ["AttentionConfig", "Attention", "KVCache", "cache_document_ids", "cached_keys", "causal_attention",
            "check_no_cache_with_documents", "check_no_cache_under_context_parallel",
            "masked_attention_expands_kv_heads"]
 
@@ -121,6 +121,12 @@ class KVCache(Protocol):
     # returned ones (a cache written by index returns its whole buffer); absent or None otherwise.
     query_positions: torch.Tensor | None
 
+    # Optional (a paged cache serving several requests in one packed row, megamoe.serving): the
+    # request of every returned key [B, Sk]; a query then sees only its own request's keys, as with
+    # packed documents (``document_ids``). The returned keys are exactly those in use: no
+    # ``attention_mask`` is needed. Absent or None otherwise.
+    key_document_ids: torch.Tensor | None
+
 
 def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor | None):
     """Store this call's ``a`` / ``b`` (keys / values, or MLA's latent / rope key) in ``kv_cache`` and
@@ -129,12 +135,19 @@ def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_m
     in use are the first ``attention_mask.shape[-1]`` (the mask spans the keys, as always)."""
     a, b = kv_cache.update(a, b)
     query_positions = getattr(kv_cache, "query_positions", None)
-    if query_positions is not None:
+    if query_positions is not None and cache_document_ids(kv_cache, None) is None:
         if attention_mask is None:
             raise ValueError("a KV cache written by index needs the attention_mask that spans its filled positions")
         length = attention_mask.shape[-1]
         a, b = a[..., :length, :], b[..., :length, :]
     return a, b, query_positions
+
+
+def cache_document_ids(kv_cache, document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The document ids the attention masks its keys with: a paged cache's ``key_document_ids`` (one
+    id per request of a packed step, see :class:`KVCache`) when it has them, else ``document_ids``."""
+    from_cache = getattr(kv_cache, "key_document_ids", None) if kv_cache is not None else None
+    return document_ids if from_cache is None else from_cache
 
 
 def check_no_cache_with_documents(kv_cache, document_ids: torch.Tensor | None) -> None:
@@ -408,6 +421,12 @@ class Attention(nn.Module):
         if self.sinks is not None:
             init_sharded_(self.sinks, normal_init(self.config.init_std), generator)
 
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) per position of the two entries a KV cache stores for this layer (``update(a, b)``):
+        this rank's KV heads' rotated keys and its values."""
+        shape = (self.num_kv_heads_local, self.config.head_dim)
+        return shape, shape
+
     def _qk_norm(self, norm: RMSNorm | None, x: torch.Tensor, heads: int) -> torch.Tensor:
         """[B, S, heads * D] -> normed [B, S, heads, D]."""
         if norm is not None and self.config.qk_norm == "full_width":
@@ -451,6 +470,7 @@ class Attention(nn.Module):
         query_positions = None
         if kv_cache is not None:
             k, v, query_positions = cached_keys(kv_cache, k, v, attention_mask)
+            document_ids = cache_document_ids(kv_cache, document_ids)
         if self.cp_group is not None:  # the whole sequence's KV heads; the queries stay this rank's
             (k, v), query_positions = gather_keys_for_context_parallel((k, v), self.cp_group)
         out = checkpointed(causal_attention, q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window,

@@ -62,7 +62,7 @@ from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM, enter_tensor_parallel_region
-from megamoe.transformer.attention import (KVCache, cached_keys, causal_attention,
+from megamoe.transformer.attention import (KVCache, cache_document_ids, cached_keys, causal_attention,
                                            check_no_cache_under_context_parallel, check_no_cache_with_documents)
 from megamoe.transformer.context_parallel import gather_keys_for_context_parallel
 from megamoe.transformer.norm import RMSNorm
@@ -196,6 +196,11 @@ class MultiHeadLatentAttention(nn.Module):
             if module is not None:
                 module.reset_parameters(generator)
 
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) per position of the two entries a KV cache stores for this layer (``update(a, b)``):
+        the normed compressed latent and the rotated shared rope key, one "head" each (every rank holds both)."""
+        return (1, self.config.kv_lora_rank), (1, self.config.qk_rope_head_dim)
+
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, *,
@@ -241,6 +246,7 @@ class MultiHeadLatentAttention(nn.Module):
         exactly what core attention keeps for its backward, so they can be dropped only if core
         attention is recomputed with them; a region ending before it would free nothing."""
         q, k, v, query_positions = self._up_projections(q, kv_latent, k_pe, cos, sin, kv_cache, attention_mask)
+        document_ids = cache_document_ids(kv_cache, document_ids)
         return checkpointed(causal_attention, q, k, v, self.config.softmax_scale, attention_mask=attention_mask,
                             query_positions=query_positions, document_ids=document_ids, enabled=recompute_core_attn)
 

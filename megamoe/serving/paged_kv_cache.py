@@ -1,0 +1,150 @@
+"""The paged KV cache: one pool of fixed-size blocks per attention layer, and the per-step views that the
+attention layers write to and read from.
+
+Why one packed row. Each engine step packs the tokens it computes (every request's prefill chunk or decode
+token, in schedule order) into ONE sequence [1, T] with per-token positions, so the model runs once per step,
+with no padding (no MLP / MoE work wasted, no expert-load counted for padding). Attention keeps requests
+apart as packed training documents are kept apart: each layer's view (:class:`PagedLayerView`, the
+:class:`~megamoe.transformer.attention.KVCache` seam) writes this step's entries into their block slots and
+returns, for every request in turn, its cached positions followed by the new ones (gathered from its
+blocks), with ``query_positions`` (where each query sits among those keys) and ``key_document_ids`` (the
+request of each key). :func:`~megamoe.transformer.attention.causal_attention` then lets a query see only
+keys of its own request at or before its position; since each request's keys are contiguous and in
+position order, index distances are position distances, so causal and sliding-window masks are exact and
+attention sinks (gpt-oss) need nothing more. This is transformers' ``sdpa_paged`` idea on top of the
+existing masked SDPA call.
+
+What a block holds (per layer, as :class:`~megamoe.inference.kv_cache.StaticKVCache` stores them): GQA,
+this rank's KV heads' rotated keys and values [kv_heads, block_size, head_dim]; MLA, the normed compressed
+latent and the rotated rope key [1, block_size, width]. The pool of a layer is two tensors
+[heads, num_blocks * block_size, width] (slot ``block * block_size + offset``); its shapes come from the
+attention module's ``kv_cache_shapes()``.
+
+Sliding-window layers read only their window: a request's keys start at ``first query - window + 1``
+(so blocks behind every layer's window may be freed, see the scheduler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["PagedKVCache", "PagedLayerView", "PackedKeys", "ScheduledChunk", "attention_layers", "pack_step"]
+
+
+def attention_layers(model: nn.Module, layer_ids: Sequence[int]) -> dict[int, nn.Module]:
+    """The attention module of each of ``layer_ids`` (decoder layers of ``model.layers``)."""
+    return {i: model.layers[str(i)].self_attn for i in layer_ids}
+
+
+def _window(attention: nn.Module) -> int | None:
+    return getattr(attention.config, "sliding_window", None)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's tokens in a step: positions ``[start, start + count)``, in its ``block_table``."""
+
+    block_table: Sequence[int | None]
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class PackedKeys:
+    """How the layers with one sliding window (None: full attention) read the step's keys: the slots to
+    gather [K], each query's index among them [T], and the request of each key [1, K]."""
+
+    gather_slots: torch.Tensor
+    query_positions: torch.Tensor
+    key_document_ids: torch.Tensor
+
+
+def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, device) -> tuple[torch.Tensor, dict]:
+    """(write slots [T] of the step's tokens, {window: :class:`PackedKeys`}) for the step's ``chunks``."""
+    writes, keys = [], {window: ([], [], []) for window in windows}
+    for index, chunk in enumerate(chunks):
+        end = chunk.start + chunk.count
+        table = torch.tensor([-1 if b is None else b for b in chunk.block_table[:(end + block_size - 1) // block_size]],
+                             dtype=torch.int64)
+        writes.append(_slots(table, torch.arange(chunk.start, end), block_size))
+        for window, (gathers, queries, documents) in keys.items():
+            first = 0 if window is None else max(0, chunk.start - window + 1)
+            offset = sum(len(g) for g in gathers)
+            gathers.append(_slots(table, torch.arange(first, end), block_size))
+            queries.append(torch.arange(chunk.start - first, end - first) + offset)
+            documents.append(torch.full((end - first,), index, dtype=torch.int64))
+    packed = {window: PackedKeys(torch.cat(g).to(device), torch.cat(q).to(device), torch.cat(d)[None].to(device))
+              for window, (g, q, d) in keys.items()}
+    return torch.cat(writes).to(device), packed
+
+
+class PagedLayerView:
+    """One layer's cache for one step (the attention's KV-cache seam): writes the step's entries, returns
+    every scheduled request's keys (see the module docstring)."""
+
+    def __init__(self, pools: tuple[torch.Tensor, torch.Tensor], write_slots: torch.Tensor, keys: PackedKeys):
+        self.pools, self.write_slots, self.keys = pools, write_slots, keys
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        return self.keys.query_positions
+
+    @property
+    def key_document_ids(self) -> torch.Tensor:
+        return self.keys.key_document_ids
+
+    def update(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a`` / ``b`` [1, heads, T, width] -> the gathered keys [1, heads, K, width] of both."""
+        out = []
+        for pool, new in zip(self.pools, (a, b)):
+            if new.shape[0] != 1 or new.shape[1] != pool.shape[0] or new.shape[-1] != pool.shape[-1]:
+                raise ValueError(f"the paged KV cache holds entries of {pool.shape[0]} heads x {pool.shape[-1]} "
+                                 f"features in one packed row, got {tuple(new.shape)}")
+            pool.index_copy_(1, self.write_slots, new[0].to(pool.dtype))
+            out.append(pool.index_select(1, self.keys.gather_slots)[None].to(new.dtype))
+        return out[0], out[1]
+
+
+class PagedKVCache:
+    """The pools of ``layers`` ({layer id: attention module}), ``num_blocks`` blocks of ``block_size``
+    positions each, in ``dtype`` on ``device``."""
+
+    def __init__(self, layers: dict[int, nn.Module], num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.windows = {layer_id: _window(attention) for layer_id, attention in layers.items()}
+        slots = num_blocks * block_size
+        self.pools = {layer_id: tuple(torch.zeros(heads, slots, width, dtype=dtype, device=device)
+                                      for heads, width in attention.kv_cache_shapes())
+                      for layer_id, attention in layers.items()}
+
+    @staticmethod
+    def bytes_per_block(layers: dict[int, nn.Module], block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all ``layers``."""
+        per_position = sum(heads * width for attention in layers.values() for heads, width in attention.kv_cache_shapes())
+        return per_position * block_size * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.pools.values() for t in pair)
+
+    @property
+    def common_window(self) -> int | None:
+        """The widest sliding window when EVERY layer has one (blocks behind it are dead for all layers);
+        None when some layer attends to everything."""
+        windows = list(self.windows.values())
+        return None if not windows or None in windows else max(windows)
+
+    def views(self, chunks: Sequence[ScheduledChunk]) -> dict[int, PagedLayerView]:
+        """Each layer's view of one step over ``chunks``."""
+        device = next(iter(self.pools.values()))[0].device
+        write_slots, packed = pack_step(chunks, self.block_size, set(self.windows.values()), device)
+        return {layer_id: PagedLayerView(pools, write_slots, packed[self.windows[layer_id]])
+                for layer_id, pools in self.pools.items()}
