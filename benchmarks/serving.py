@@ -68,6 +68,7 @@ FULL = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, vocab_s
             moe_intermediate_size=256, intermediate_size=512, num_experts_per_tok=2, experts=16)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512, max_position_embeddings=256,
             moe_intermediate_size=32, intermediate_size=64, num_experts_per_tok=2, experts=4)
+SCENARIOS = ("offline", "online", "shared_prefix", "mtp")
 BLOCK_SIZE = 16          # KV block (page) size of the engine and of transformers' continuous batching
 TOKEN_BUDGET = 256       # tokens per step of both
 TARGETS = {"offline_over_best_static": 1.5, "offline_over_hf_cb": 4.0, "online_ttft_p99_over_best_static": 1 / 3,
@@ -322,7 +323,8 @@ def engine_server(model: GPTMoEModel, trace: list[TraceRequest], kv_per_position
     """The megamoe engine stepped as a server: arrived requests added before each step, idle until the next
     arrival. Returns (served, peak KV bytes, engine metrics)."""
     from megamoe.serving import Engine, EngineConfig, SamplingParams
-    block_size = engine_config.get("block_size", 16)
+    engine_config = {"block_size": BLOCK_SIZE, "max_num_batched_tokens": TOKEN_BUDGET, **engine_config}
+    block_size = engine_config["block_size"]
     longest = max(len(r.prompt) + r.max_tokens for r in trace)
     memory = engine_config.pop("kv_cache_memory", None) or (
         kv_per_position * block_size * (64 + len(trace) * -(-longest // block_size)))
@@ -372,12 +374,18 @@ def static_row(trace, batch, run_batch, kv, reference) -> dict:
     return summarize(served, trace, reference, peak, batch=batch)
 
 
+_HF_CB_FAILED: dict[int, str] = {}       # id(model) -> why transformers' continuous batching failed on it
+
+
 def hf_cb_row(hf, trace, kv, reference) -> dict:
+    if id(hf) in _HF_CB_FAILED:          # tried once (the warm-up): not again
+        return {"skipped": _HF_CB_FAILED[id(hf)]}
     try:
         served, peak = hf_continuous(hf, trace, kv)
     except Exception as error:         # a peer that cannot serve this model is reported, not fatal
         log.warning("hf/cb skipped: %s", error)
-        return {"skipped": f"{type(error).__name__}: {error}"}
+        _HF_CB_FAILED[id(hf)] = f"{type(error).__name__}: {error}"
+        return {"skipped": _HF_CB_FAILED[id(hf)]}
     return summarize(served, trace, reference, peak)
 
 
@@ -415,66 +423,74 @@ def run_model(family: str, args, size: dict, sizes: dict) -> dict:
         for system, row in rows.items():
             print_row(family, name, system, row)
 
-    # offline: every request at t = 0
-    offline = trace(sizes["offline_requests"])
-    reference = reference_ids(model, offline)
-    rows = {"hf/cb": hf_cb_row(hf, offline, kv, reference)}
-    for batch in sizes["batches"]:
-        rows[f"hf/static-{batch}"] = static_row(offline, batch, hf_static_batch(hf), kv, reference)
-        rows[f"megamoe/static-{batch}"] = static_row(offline, batch, megamoe_static_batch(model), kv, reference)
-    rows["engine"] = engine_row(model, offline, kv, reference)
-    rows["engine/no-prefix"] = engine_row(model, offline, kv, reference, enable_prefix_caching=False)
-    scenario("offline", offline, rows)
-    best = best_static(rows)
-    result["verdicts"]["offline_over_best_static"] = verdict(
-        rows["engine"]["output_tokens_per_s"] / rows[best]["output_tokens_per_s"], "offline_over_best_static", best)
-    if "skipped" not in rows["hf/cb"]:
-        result["verdicts"]["offline_over_hf_cb"] = verdict(
-            rows["engine"]["output_tokens_per_s"] / rows["hf/cb"]["output_tokens_per_s"], "offline_over_hf_cb", "hf/cb")
+    engine_rate = None
+    if "offline" in args.scenarios:          # every request at t = 0
+        offline = trace(sizes["offline_requests"])
+        reference = reference_ids(model, offline)
+        rows = {"hf/cb": hf_cb_row(hf, offline, kv, reference)}
+        for batch in sizes["batches"]:
+            rows[f"hf/static-{batch}"] = static_row(offline, batch, hf_static_batch(hf), kv, reference)
+            rows[f"megamoe/static-{batch}"] = static_row(offline, batch, megamoe_static_batch(model), kv, reference)
+        rows["engine"] = engine_row(model, offline, kv, reference)
+        rows["engine/no-prefix"] = engine_row(model, offline, kv, reference, enable_prefix_caching=False)
+        scenario("offline", offline, rows)
+        best = best_static(rows)
+        engine_rate = sizes["offline_requests"] / rows["engine"]["makespan_s"]
+        result["verdicts"]["offline_over_best_static"] = verdict(
+            rows["engine"]["output_tokens_per_s"] / rows[best]["output_tokens_per_s"], "offline_over_best_static", best)
+        if "skipped" not in rows["hf/cb"]:
+            result["verdicts"]["offline_over_hf_cb"] = verdict(
+                rows["engine"]["output_tokens_per_s"] / rows["hf/cb"]["output_tokens_per_s"], "offline_over_hf_cb",
+                "hf/cb")
+        best_batch = {kind: max((r for n, r in rows.items() if n.startswith(kind + "/static-")),
+                                key=lambda r: r["output_tokens_per_s"])["batch"] for kind in ("hf", "megamoe")}
+    else:
+        best_batch = {"hf": sizes["batches"][0], "megamoe": sizes["batches"][0]}
+    # The online rate: a fraction of the engine's offline request rate (measured above, or its own short run).
+    if engine_rate is None:
+        probe = trace(min(sizes["offline_requests"], 32))
+        engine_rate = len(probe) / engine_row(model, probe, kv, None)["makespan_s"]
+    rate = args.online_load * engine_rate
 
-    # online: Poisson arrivals at a fraction of the engine's offline request rate
-    rate = args.online_load * sizes["offline_requests"] / rows["engine"]["makespan_s"]
-    online = trace(sizes["online_requests"], rate=rate, seed=args.seed + 1)
-    reference = reference_ids(model, online)
-    best_batch = {kind: max((r for n, r in rows.items() if n.startswith(kind + "/static-")),
-                            key=lambda r: r["output_tokens_per_s"])["batch"] for kind in ("hf", "megamoe")}
-    online_rows = {"hf/cb": hf_cb_row(hf, online, kv, reference),
-                   f"hf/static-{best_batch['hf']}": static_row(online, best_batch["hf"], hf_static_batch(hf), kv,
-                                                               reference),
-                   f"megamoe/static-{best_batch['megamoe']}": static_row(online, best_batch["megamoe"],
-                                                                         megamoe_static_batch(model), kv, reference),
-                   "engine": engine_row(model, online, kv, reference)}
-    scenario("online", online, online_rows)
-    result["scenarios"]["online"]["rate_per_s"] = rate
-    static_ttft = min(r["ttft_p99_s"] for n, r in online_rows.items() if "/static-" in n)
-    result["verdicts"]["online_ttft_p99_over_best_static"] = verdict(
-        online_rows["engine"]["ttft_p99_s"] / static_ttft, "online_ttft_p99_over_best_static", "best static p99",
-        at_most=True)
+    if "online" in args.scenarios:           # Poisson arrivals
+        online = trace(sizes["online_requests"], rate=rate, seed=args.seed + 1)
+        reference = reference_ids(model, online)
+        online_rows = {"hf/cb": hf_cb_row(hf, online, kv, reference),
+                       f"hf/static-{best_batch['hf']}": static_row(online, best_batch["hf"], hf_static_batch(hf), kv,
+                                                                   reference),
+                       f"megamoe/static-{best_batch['megamoe']}": static_row(
+                           online, best_batch["megamoe"], megamoe_static_batch(model), kv, reference),
+                       "engine": engine_row(model, online, kv, reference)}
+        scenario("online", online, online_rows)
+        result["scenarios"]["online"]["rate_per_s"] = rate
+        static_ttft = min(r["ttft_p99_s"] for n, r in online_rows.items() if "/static-" in n)
+        result["verdicts"]["online_ttft_p99_over_best_static"] = verdict(
+            online_rows["engine"]["ttft_p99_s"] / static_ttft, "online_ttft_p99_over_best_static", "best static p99",
+            at_most=True)
 
-    # a shared system prompt: prefix caching
-    shared = trace(sizes["shared_requests"], prefix=sizes["system_prompt"], prompt_lens=sizes["suffix_lens"],
-                   seed=args.seed + 2)
-    reference = reference_ids(model, shared)
-    shared_rows = {"engine": engine_row(model, shared, kv, reference),
-                   "engine/no-prefix": engine_row(model, shared, kv, reference, enable_prefix_caching=False)}
-    scenario("shared_prefix", shared, shared_rows)
-    result["verdicts"]["shared_prefix_prefill_cut"] = verdict(
-        shared_rows["engine/no-prefix"]["prompt_tokens_computed"] / max(shared_rows["engine"]["prompt_tokens_computed"],
-                                                                        1), "shared_prefix_prefill_cut", "no prefix")
+    if "shared_prefix" in args.scenarios:    # a shared system prompt, requests arriving at the online rate
+        shared = trace(sizes["shared_requests"], rate=rate, prefix=sizes["system_prompt"],
+                       prompt_lens=sizes["suffix_lens"], seed=args.seed + 2)
+        reference = reference_ids(model, shared)
+        shared_rows = {"engine": engine_row(model, shared, kv, reference),
+                       "engine/no-prefix": engine_row(model, shared, kv, reference, enable_prefix_caching=False)}
+        scenario("shared_prefix", shared, shared_rows)
+        result["verdicts"]["shared_prefix_prefill_cut"] = verdict(
+            shared_rows["engine/no-prefix"]["prompt_tokens_computed"]
+            / max(shared_rows["engine"]["prompt_tokens_computed"], 1), "shared_prefix_prefill_cut", "no prefix")
 
-    if model.mtp_layer_ids:                  # batch 1: requests one after the other
+    if "mtp" in args.scenarios and model.mtp_layer_ids:      # batch 1: one request after the other
         single = trace(sizes["mtp_requests"], seed=args.seed + 3)
-        spaced = [TraceRequest(r.request_id, 0.0, r.prompt, sizes["mtp_tokens"]) for r in single]
-        reference = reference_ids(model, spaced)
+        alone = [TraceRequest(r.request_id, 0.0, r.prompt, sizes["mtp_tokens"]) for r in single]
+        reference = reference_ids(model, alone)
         mtp_rows = {}
-        for name, config in (("engine", {}), (f"engine/mtp-{args.speculative_tokens}",
-                                              {"speculative_tokens": args.speculative_tokens})):
-            rows_one = [engine_row(model, [r], kv, {r.request_id: reference[r.request_id]}, **config) for r in spaced]
+        for name, config in (("engine", {}), ("engine/mtp", {"speculative_tokens": args.speculative_tokens})):
+            rows_one = [engine_row(model, [r], kv, {r.request_id: reference[r.request_id]}, **config) for r in alone]
             mtp_rows[name] = batch_one(rows_one)
-        scenario("mtp_batch1", spaced, mtp_rows)
-        plain, mtp = mtp_rows.values()
+        scenario("mtp_batch1", alone, mtp_rows)
         result["verdicts"]["mtp_decode_speedup"] = verdict(
-            mtp["decode_tokens_per_s"] / plain["decode_tokens_per_s"], "mtp_decode_speedup", "engine, no MTP")
+            mtp_rows["engine/mtp"]["decode_tokens_per_s"] / mtp_rows["engine"]["decode_tokens_per_s"],
+            "mtp_decode_speedup", "engine, no MTP")
     return result
 
 
@@ -522,6 +538,8 @@ def main(argv=None) -> int:
                         help="the model families to serve")
     parser.add_argument("--requests", type=int, default=None,
                         help="offline requests (default 256; --tiny 12); online: 200 (8) requests")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS,
+                        help="the scenarios to run (see above)")
     parser.add_argument("--online-load", type=float, default=0.7,
                         help="online arrival rate as a fraction of the engine's offline request rate")
     parser.add_argument("--speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
