@@ -352,11 +352,17 @@ def engine_server(model: GPTMoEModel, trace: list[TraceRequest], kv_per_position
 
 
 # ------------------------------------------------------------------------------------------------- scenarios
-def reference_ids(model: GPTMoEModel, trace: list[TraceRequest]) -> dict[int, list[int]]:
-    """megamoe's static generate() of every request alone (batch 1): the token ids every system should give."""
+def reference_ids(model: GPTMoEModel, trace: list[TraceRequest], batch: int = 32) -> dict[int, list[int]]:
+    """megamoe's static generate() of every request (left-padded batches of ``batch``, each row cut at its
+    ``max_tokens``): the token ids every system should give."""
     state = ParallelState.single_process()
-    return {r.request_id: generate(model, state, [r.prompt], GenerationConfig(max_new_tokens=r.max_tokens)).token_ids[0]
-            for r in trace}
+    out = {}
+    for first in range(0, len(trace), batch):
+        group = trace[first:first + batch]
+        ids = generate(model, state, [r.prompt for r in group],
+                       GenerationConfig(max_new_tokens=max(r.max_tokens for r in group))).token_ids
+        out.update({r.request_id: row[:r.max_tokens] for r, row in zip(group, ids)})
+    return out
 
 
 def engine_row(model, trace, kv, reference, **config) -> dict:
@@ -566,6 +572,7 @@ def main(argv=None) -> int:
           f"{'TPOT p50':>8s} {'TPOT p99':>8s} {'KV MiB':>8s} {'same':>5s}  (TTFT s, TPOT ms; mtp rows: decode tok/s)")
     for family in args.models:
         results["models"][family] = run_model(family, args, size, sizes)
+        write_results(args.json, results)          # after each model: a long run keeps what it measured
     print("targets (engine over the peer measured in the same run):")
     for family, entry in results["models"].items():
         for name, v in entry["verdicts"].items():

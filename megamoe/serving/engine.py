@@ -45,6 +45,8 @@ from megamoe.serving.paged_kv_cache import PagedKVCache, ScheduledChunk, attenti
 from megamoe.serving.request import Request, RequestOutput
 from megamoe.serving.sampling_params import SamplingParams
 from megamoe.serving.scheduler import Scheduler, StepSchedule
+from megamoe.serving.step_broadcast import (ABORT, STOPPED, AddRequest, StepBroadcast, agree_num_blocks,
+                                           schedule_digest)
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 
 __all__ = ["Engine"]
@@ -76,7 +78,7 @@ class Engine:
         if config.speculative_tokens:
             layer_ids += list(model.mtp_layer_ids)
         layers = attention_layers(model, layer_ids)
-        num_blocks = self._num_blocks(layers)
+        num_blocks = agree_num_blocks(self._num_blocks(layers), self.device)     # one pool size on every rank
         self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(config, num_blocks, window=self.cache.common_window)
         self.max_positions = max_sequence_length(model.config)
@@ -85,6 +87,8 @@ class Engine:
         self._pending: list[RequestOutput] = []          # aborts reported by the next step
         self.prompt_tokens_computed = 0
         self.generated_tokens = 0
+        # Under torchrun: rank 0 broadcasts each step's changes, the others follow (megamoe.serving.step_broadcast).
+        self._broadcast = StepBroadcast(self.device) if state.world_size > 1 else None
         logger.info("KV cache: %d blocks of %d positions (%s) over %d layers", num_blocks, config.block_size,
                     format_bytes(self.cache.nbytes), len(layers))
 
@@ -122,6 +126,8 @@ class Engine:
         self._arrivals += 1
         self.requests[request_id] = request
         self.scheduler.add(request)
+        if self._broadcast is not None:
+            self._broadcast.record(AddRequest(request_id, tuple(prompt), params))
 
     def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> list[int]:
         vocab = self.model.config.vocab_size
@@ -160,6 +166,8 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        if self._broadcast is not None:
+            self._broadcast.record((ABORT, request_id))
         self.scheduler.finish(request)
         request.finish_reason = "abort"
         self._pending.append(request.report([], []))
@@ -169,11 +177,44 @@ class Engine:
 
     # -- steps
 
-    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """One model call over the scheduled tokens; an output for every request that got tokens or ended."""
+        """One model call over the scheduled tokens; an output for every request that got tokens or ended.
+        Under torchrun, on rank 0 only (it first broadcasts the changes since the last step; the other ranks run
+        :meth:`follow`)."""
+        if self._broadcast is not None:
+            if not self._broadcast.is_source:
+                raise RuntimeError("under torchrun only rank 0 calls Engine.step(); the other ranks call "
+                                   "Engine.follow(), which runs the steps rank 0 broadcasts")
+            self._broadcast.send()
+        return self._step()
+
+    def follow(self) -> None:
+        """On every rank but 0 under torchrun: apply rank 0's changes and run its steps, until its
+        :meth:`shutdown` (see :mod:`megamoe.serving.step_broadcast`)."""
+        if self._broadcast is None or self._broadcast.is_source:
+            raise RuntimeError("Engine.follow() runs on the ranks other than 0 under torchrun; rank 0 calls step()")
+        while True:
+            message = self._broadcast.receive()
+            if message.shutdown:
+                return
+            for change in message.changes:
+                if isinstance(change, AddRequest):
+                    self.add_request(change.request_id, list(change.prompt), change.params)
+                else:
+                    self.abort(change[1])
+            self._step()
+
+    def shutdown(self) -> None:
+        """On rank 0 under torchrun: end the other ranks' :meth:`follow`. Nothing to do in one process."""
+        if self._broadcast is not None and self._broadcast.is_source:
+            self._broadcast.send(shutdown=True)
+
+    @torch.no_grad()
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         schedule = self.scheduler.schedule()
+        if self._broadcast is not None:
+            self._broadcast.last_digest = schedule_digest(schedule.chunks)
         if not schedule.chunks:
             return outputs
         tokens, logprobs = self._forward(schedule)
@@ -204,6 +245,8 @@ class Engine:
             request.finish_reason, request.stop_reason = "stop", token
         elif params.stop and (stop := self._stop_string(request)) is not None:
             request.finish_reason, request.stop_reason = "stop", stop
+            if self._broadcast is not None:           # the other ranks get no stop strings: rank 0 ends it there
+                self._broadcast.record((STOPPED, request.request_id))
         elif len(request.output) >= params.max_tokens:
             request.finish_reason = "length"
         if request.finished:
