@@ -7,12 +7,14 @@ with no padding (no MLP / MoE work wasted, no expert-load counted for padding). 
 apart as packed training documents are kept apart: each layer's view (:class:`PagedLayerView`, the
 :class:`~megamoe.transformer.attention.KVCache` seam) writes this step's entries into their block slots and
 returns, for every request in turn, its cached positions followed by the new ones (gathered from its
-blocks), with ``query_positions`` (where each query sits among those keys) and ``key_document_ids`` (the
-request of each key). :func:`~megamoe.transformer.attention.causal_attention` then lets a query see only
-keys of its own request at or before its position; since each request's keys are contiguous and in
-position order, index distances are position distances, so causal and sliding-window masks are exact and
-attention sinks (gpt-oss) need nothing more. This is transformers' ``sdpa_paged`` idea on top of the
-existing masked SDPA call.
+blocks), with ``packed_segments``: per request, where its queries and its keys lie in the row.
+:func:`~megamoe.transformer.attention.packed_attention` then lets each query see only its own request's
+keys: the decoding requests (one query each) as one left-padded batch, each prefill chunk in its own call,
+so the work is each request's queries times its own keys (one masked call over the whole row, as
+transformers' ``sdpa_paged`` does, costs every query times every key of the step: with 64 requests that
+was half of a step's time here). Each request's queries are the last of its keys, in position order, so the
+causal and sliding-window masks of :func:`~megamoe.transformer.attention.causal_attention` are exact, and
+attention sinks (gpt-oss) need nothing more.
 
 What a block holds (per layer, as :class:`~megamoe.inference.kv_cache.StaticKVCache` stores them): GQA,
 this rank's KV heads' rotated keys and values [kv_heads, block_size, head_dim]; MLA, the normed compressed
@@ -56,11 +58,10 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class PackedKeys:
     """How the layers with one sliding window (None: full attention) read the step's keys: the slots to
-    gather [K], each query's index among them [T], and the request of each key [1, K]."""
+    gather [K], and per request (first query, queries, first key, keys) among the step's queries and them."""
 
     gather_slots: torch.Tensor
-    query_positions: torch.Tensor
-    key_document_ids: torch.Tensor
+    segments: list[tuple[int, int, int, int]]
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -69,37 +70,34 @@ def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tor
 
 def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, device) -> tuple[torch.Tensor, dict]:
     """(write slots [T] of the step's tokens, {window: :class:`PackedKeys`}) for the step's ``chunks``."""
-    writes, keys = [], {window: ([], [], []) for window in windows}
-    for index, chunk in enumerate(chunks):
+    writes, gathers, segments = [], {w: [] for w in windows}, {w: [] for w in windows}
+    queries = 0
+    keys = dict.fromkeys(windows, 0)                        # keys gathered so far, per window
+    for chunk in chunks:
         end = chunk.start + chunk.count
         table = torch.tensor([-1 if b is None else b for b in chunk.block_table[:(end + block_size - 1) // block_size]],
                              dtype=torch.int64)
         writes.append(_slots(table, torch.arange(chunk.start, end), block_size))
-        for window, (gathers, queries, documents) in keys.items():
+        for window in windows:
             first = 0 if window is None else max(0, chunk.start - window + 1)
-            offset = sum(len(g) for g in gathers)
-            gathers.append(_slots(table, torch.arange(first, end), block_size))
-            queries.append(torch.arange(chunk.start - first, end - first) + offset)
-            documents.append(torch.full((end - first,), index, dtype=torch.int64))
-    packed = {window: PackedKeys(torch.cat(g).to(device), torch.cat(q).to(device), torch.cat(d)[None].to(device))
-              for window, (g, q, d) in keys.items()}
+            gathers[window].append(_slots(table, torch.arange(first, end), block_size))
+            segments[window].append((queries, chunk.count, keys[window], end - first))
+            keys[window] += end - first
+        queries += chunk.count
+    packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), segments[w]) for w in windows}
     return torch.cat(writes).to(device), packed
 
 
 class PagedLayerView:
     """One layer's cache for one step (the attention's KV-cache seam): writes the step's entries, returns
-    every scheduled request's keys (see the module docstring)."""
+    every scheduled request's keys with their ``packed_segments`` (see the module docstring)."""
 
     def __init__(self, pools: tuple[torch.Tensor, torch.Tensor], write_slots: torch.Tensor, keys: PackedKeys):
         self.pools, self.write_slots, self.keys = pools, write_slots, keys
 
     @property
-    def query_positions(self) -> torch.Tensor:
-        return self.keys.query_positions
-
-    @property
-    def key_document_ids(self) -> torch.Tensor:
-        return self.keys.key_document_ids
+    def packed_segments(self) -> list[tuple[int, int, int, int]]:
+        return self.keys.segments
 
     def update(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``a`` / ``b`` [1, heads, T, width] -> the gathered keys [1, heads, K, width] of both."""

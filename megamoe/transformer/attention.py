@@ -103,7 +103,8 @@ from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
 from megamoe.transformer.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["AttentionConfig", "Attention", "KVCache", "cache_document_ids", "cached_keys", "causal_attention",
+__all__ = ["AttentionConfig", "Attention", "KVCache", "cache_packed_segments", "cached_keys", "causal_attention",
+           "packed_attention",
            "check_no_cache_with_documents", "check_no_cache_under_context_parallel",
            "masked_attention_expands_kv_heads"]
 
@@ -121,11 +122,11 @@ class KVCache(Protocol):
     # returned ones (a cache written by index returns its whole buffer); absent or None otherwise.
     query_positions: torch.Tensor | None
 
-    # Optional (a paged cache serving several requests in one packed row, megamoe.serving): the
-    # request of every returned key [B, Sk]; a query then sees only its own request's keys, as with
-    # packed documents (``document_ids``). The returned keys are exactly those in use: no
-    # ``attention_mask`` is needed. Absent or None otherwise.
-    key_document_ids: torch.Tensor | None
+    # Optional (a paged cache serving several requests in one packed row [1, S], megamoe.serving): per
+    # request, (first query, queries, first key, keys) among this call's queries and the returned keys,
+    # a request's queries being the last of its keys; attention then keeps requests apart
+    # (:func:`packed_attention`). Absent or None otherwise.
+    packed_segments: list[tuple[int, int, int, int]] | None
 
 
 def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -135,7 +136,7 @@ def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_m
     in use are the first ``attention_mask.shape[-1]`` (the mask spans the keys, as always)."""
     a, b = kv_cache.update(a, b)
     query_positions = getattr(kv_cache, "query_positions", None)
-    if query_positions is not None and cache_document_ids(kv_cache, None) is None:
+    if query_positions is not None:
         if attention_mask is None:
             raise ValueError("a KV cache written by index needs the attention_mask that spans its filled positions")
         length = attention_mask.shape[-1]
@@ -143,11 +144,41 @@ def cached_keys(kv_cache: KVCache, a: torch.Tensor, b: torch.Tensor, attention_m
     return a, b, query_positions
 
 
-def cache_document_ids(kv_cache, document_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """The document ids the attention masks its keys with: a paged cache's ``key_document_ids`` (one
-    id per request of a packed step, see :class:`KVCache`) when it has them, else ``document_ids``."""
-    from_cache = getattr(kv_cache, "key_document_ids", None) if kv_cache is not None else None
-    return document_ids if from_cache is None else from_cache
+def cache_packed_segments(kv_cache) -> list[tuple[int, int, int, int]] | None:
+    """A paged cache's ``packed_segments`` (see :class:`KVCache`), or None."""
+    return None if kv_cache is None else getattr(kv_cache, "packed_segments", None)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     segments: list[tuple[int, int, int, int]], sliding_window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`causal_attention` of several requests packed in one row: query [1, Hq, Sq, D], key [1, Hk, Sk, D],
+    value [1, Hk, Sk, Dv] -> [1, Hq, Sq, Dv], each request's queries (the last of its keys) seeing only its own
+    keys. Requests with one query (decoding) run as one left-padded batch [R, H, 1, longest keys] (padding
+    hidden by the key mask), the others (prefill chunks) one call each: the work is each request's queries
+    times its own keys, not every query times every key of the row."""
+    out = query.new_empty(*query.shape[:-1], value.shape[-1])
+    decodes = [s for s in segments if s[1] == 1]
+    if decodes:
+        device = query.device
+        rows = torch.tensor([q for q, _, _, _ in decodes], device=device)
+        lengths = torch.tensor([n for _, _, _, n in decodes], device=device)
+        ends = torch.tensor([k + n for _, _, k, n in decodes], device=device)
+        longest = int(max(n for _, _, _, n in decodes))
+        offsets = torch.arange(longest, device=device)
+        index = (ends[:, None] - longest + offsets).clamp(min=0)               # [R, L], real keys right-aligned
+        mask = offsets[None, :] >= (longest - lengths)[:, None]
+        batch = len(decodes)
+        k, v = (t[0].index_select(1, index.flatten()).unflatten(1, (batch, longest)).transpose(0, 1)
+                for t in (key, value))                                            # [R, Hk, L, D]
+        q = query[0].index_select(1, rows).transpose(0, 1).unsqueeze(2)           # [R, Hq, 1, D]
+        o = causal_attention(q, k, v, scale, sliding_window, attention_mask=mask, sinks=sinks)
+        out[0].index_copy_(1, rows, o.squeeze(2).transpose(0, 1).to(out.dtype))
+    for q0, q_len, k0, k_len in segments:
+        if q_len > 1:
+            out[:, :, q0:q0 + q_len] = causal_attention(query[:, :, q0:q0 + q_len], key[:, :, k0:k0 + k_len],
+                                                        value[:, :, k0:k0 + k_len], scale, sliding_window, sinks=sinks)
+    return out
 
 
 def check_no_cache_with_documents(kv_cache, document_ids: torch.Tensor | None) -> None:
@@ -470,7 +501,11 @@ class Attention(nn.Module):
         query_positions = None
         if kv_cache is not None:
             k, v, query_positions = cached_keys(kv_cache, k, v, attention_mask)
-            document_ids = cache_document_ids(kv_cache, document_ids)
+            segments = cache_packed_segments(kv_cache)
+            if segments is not None:     # requests packed in one row (megamoe.serving)
+                out = packed_attention(q, k, v, self.config.head_dim ** -0.5, segments, self.config.sliding_window,
+                                       self.sinks)
+                return self.o_proj(out.transpose(1, 2).flatten(2))
         if self.cp_group is not None:  # the whole sequence's KV heads; the queries stay this rank's
             (k, v), query_positions = gather_keys_for_context_parallel((k, v), self.cp_group)
         out = checkpointed(causal_attention, q, k, v, self.config.head_dim ** -0.5, self.config.sliding_window,

@@ -62,8 +62,9 @@ from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM, enter_tensor_parallel_region
-from megamoe.transformer.attention import (KVCache, cache_document_ids, cached_keys, causal_attention,
-                                           check_no_cache_under_context_parallel, check_no_cache_with_documents)
+from megamoe.transformer.attention import (KVCache, cache_packed_segments, cached_keys, causal_attention,
+                                           check_no_cache_under_context_parallel, check_no_cache_with_documents,
+                                           packed_attention)
 from megamoe.transformer.context_parallel import gather_keys_for_context_parallel
 from megamoe.transformer.norm import RMSNorm
 from megamoe.transformer.recompute import checkpointed
@@ -246,7 +247,9 @@ class MultiHeadLatentAttention(nn.Module):
         exactly what core attention keeps for its backward, so they can be dropped only if core
         attention is recomputed with them; a region ending before it would free nothing."""
         q, k, v, query_positions = self._up_projections(q, kv_latent, k_pe, cos, sin, kv_cache, attention_mask)
-        document_ids = cache_document_ids(kv_cache, document_ids)
+        segments = cache_packed_segments(kv_cache)
+        if segments is not None:         # requests packed in one row (megamoe.serving)
+            return packed_attention(q, k, v, self.config.softmax_scale, segments)
         return checkpointed(causal_attention, q, k, v, self.config.softmax_scale, attention_mask=attention_mask,
                             query_positions=query_positions, document_ids=document_ids, enabled=recompute_core_attn)
 

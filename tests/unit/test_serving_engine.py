@@ -1,0 +1,287 @@
+"""The serving engine in one process (megamoe.serving): continuous batching over the paged KV cache against
+generate() and transformers, per-request sampling, prefix caching, preemption, aborts, stop strings,
+logprobs and bad requests. Tiny random HF models (tests/helpers/hf_models.py), built once per module."""
+
+import functools
+import random
+
+import pytest
+import torch
+
+from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
+from megamoe.inference.pipeline_forward import pipeline_logits
+from megamoe.serving import Engine, EngineConfig, QueueFullError, SamplingParams
+from megamoe.serving.block_pool import BlockPool
+from megamoe.serving.prefix_cache import PrefixCache, chained_block_hashes
+from tests.helpers.hf_models import V, hf_model
+from tests.helpers.inference import NEW, PROMPTS, SAMPLING, SOLO, _our_model
+
+# GQA (qk norm, tied embeddings), MLA (DeepSeek-V3), sliding + full layers with sinks (gpt-oss), sliding
+# window on every layer (Mixtral, window 5: blocks behind it are released).
+pytestmark = pytest.mark.usefixtures("one_thread")     # tiny steps: two threads on a busy machine cost 10x
+
+FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
+
+
+@functools.cache
+def model(family):
+    return _our_model(family)
+
+
+@functools.cache
+def reference(family):
+    """generate()'s greedy tokens of PROMPTS (one left-padded batch), NEW each."""
+    return generate(model(family), SOLO, PROMPTS, GenerationConfig(max_new_tokens=NEW)).token_ids
+
+
+def hf_greedy(family):
+    ids, mask = left_padded_batch(PROMPTS)
+    with torch.no_grad():
+        out = hf_model(family)[0].generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=NEW,
+                                           min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def engine_for(family, **config):
+    config = {"block_size": 4, "kv_cache_memory": 1 << 20, **config}
+    return Engine(model(family), SOLO, EngineConfig(**config))
+
+
+def drive(engine, arrivals, on_step=None):
+    """Add each (step, request id, prompt, params) at its step, run to the end: {id: final output}."""
+    pending, finished, step = sorted(arrivals, key=lambda a: a[0]), {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, request_id, prompt, params = pending.pop(0)
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if on_step is not None:
+            on_step(engine)
+        step += 1
+    return finished
+
+
+def random_arrivals(seed, params_of):
+    """PROMPTS in a random order, each arriving at a random step of the first few."""
+    rng = random.Random(seed)
+    order = list(range(len(PROMPTS)))
+    rng.shuffle(order)
+    return [(rng.randrange(4), i, PROMPTS[i], params_of(i)) for i in order]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_generate_and_transformers(family):
+    """Every request's greedy tokens equal generate()'s and transformers' for random arrival orders, token
+    budgets (chunked prefill: a 7-token prompt over several steps next to decodes) and block sizes."""
+    expected = reference(family)
+    assert expected == hf_greedy(family)
+    freed = []
+
+    def released_behind_window(engine):
+        freed.append(sum(None in r.block_table for r in engine.scheduler.running))
+
+    for seed, budget, block_size in ((0, 3, 4), (1, 64, 2)):
+        engine = engine_for(family, block_size=block_size, max_num_batched_tokens=budget)
+        out = drive(engine, random_arrivals(seed, lambda i: SamplingParams(max_tokens=NEW)), released_behind_window)
+        assert [out[i].token_ids for i in range(len(PROMPTS))] == expected, (family, seed)
+        assert all(out[i].finish_reason == "length" and out[i].num_prompt_tokens == len(PROMPTS[i])
+                   for i in out)
+        metrics = engine.metrics()
+        assert metrics.kv_blocks_used == 0 and metrics.running == metrics.waiting == 0
+        assert metrics.generated_tokens == NEW * len(PROMPTS)
+    # Mixtral: every layer slides (window 5), so blocks behind the window were released while running.
+    assert (max(freed) > 0) == (family == "mixtral")
+
+
+def test_seeded_sampling_equals_generate_whatever_the_batch():
+    """Seeded sampling = generate(..., request_ids=[id]) with the same seed, for requests mixed with greedy
+    ones in the same steps."""
+    family = "qwen3_moe"
+    ids = [7, 11, 3, 5]
+    expected = generate(model(family), SOLO, PROMPTS, GenerationConfig(max_new_tokens=NEW, sampling=SAMPLING),
+                        request_ids=ids).token_ids
+    sampled = SamplingParams(temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, top_p=SAMPLING.top_p,
+                             seed=SAMPLING.seed, max_tokens=NEW)
+    arrivals = [(step, ids[i], p, sampled) for step, i, p, _ in random_arrivals(2, lambda i: None)]
+    arrivals += [(1, 100 + i, p, SamplingParams(max_tokens=NEW)) for i, p in enumerate(PROMPTS)]   # greedy company
+    out = drive(engine_for(family, max_num_batched_tokens=6), arrivals)
+    assert [out[r].token_ids for r in ids] == expected
+    assert [out[100 + i].token_ids for i in range(len(PROMPTS))] == reference(family)
+    assert expected != reference(family)                       # sampling did change the tokens
+
+
+def test_prefix_cache_prefills_a_shared_system_prompt_once():
+    family = "qwen3_moe"
+    system = [3, 14, 15, 9, 26, 5, 35, 8]                           # two full blocks of 4
+    prompts = [system + p for p in PROMPTS]
+    expected = generate(model(family), SOLO, prompts, GenerationConfig(max_new_tokens=4)).token_ids
+    runs = {}
+    for caching in (True, False):
+        engine = engine_for(family, enable_prefix_caching=caching)
+        first = drive(engine, [(0, 0, prompts[0], SamplingParams(max_tokens=4))])
+        rest = drive(engine, [(0, i, p, SamplingParams(max_tokens=4)) for i, p in enumerate(prompts) if i])
+        out = {**first, **rest}
+        assert [out[i].token_ids for i in range(len(prompts))] == expected, caching
+        runs[caching] = engine.metrics()
+        if caching:
+            assert first[0].num_cached_tokens == 0
+            assert all(rest[i].num_cached_tokens == len(system) for i in rest)
+    cached, uncached = runs[True], runs[False]
+    assert cached.prefix_cache_hits == len(system) * (len(prompts) - 1)
+    assert cached.prefix_cache_queries == sum(map(len, prompts))
+    assert uncached.prefix_cache_hits == uncached.prefix_cache_queries == 0
+    assert uncached.prompt_tokens_computed - cached.prompt_tokens_computed == cached.prefix_cache_hits
+
+
+def test_preemption_with_a_tiny_pool_keeps_every_token():
+    """A pool of 8 blocks of 2 positions for 6 requests of up to 13 positions: running requests are preempted
+    (recomputed later, sampling generators kept) and every token is still the same."""
+    family = "deepseek_v3"
+    greedy = reference(family)
+    ids = [7, 11, 3, 5]
+    sampled_ref = generate(model(family), SOLO, PROMPTS, GenerationConfig(max_new_tokens=NEW, sampling=SAMPLING),
+                           request_ids=ids).token_ids
+    sampled = SamplingParams(temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, top_p=SAMPLING.top_p,
+                             seed=SAMPLING.seed, max_tokens=NEW)
+    probe = engine_for(family, block_size=2)
+    per_block = probe.cache.nbytes // probe.cache.num_blocks
+    engine = engine_for(family, block_size=2, kv_cache_memory=9 * per_block - 1, max_num_batched_tokens=8)
+    assert engine.cache.num_blocks == 8
+    used = []
+    arrivals = [(0, i, p, SamplingParams(max_tokens=NEW)) for i, p in enumerate(PROMPTS)]
+    arrivals += [(0, ids[i], p, sampled) for i, p in enumerate(PROMPTS) if i % 2]
+    out = drive(engine, arrivals, lambda e: used.append(e.metrics().kv_blocks_used))
+    assert [out[i].token_ids for i in range(len(PROMPTS))] == greedy
+    assert [out[ids[i]].token_ids for i in (1, 3)] == [sampled_ref[1], sampled_ref[3]]
+    assert engine.metrics().preemptions > 0 and max(used) <= 8
+
+
+def test_abort_frees_blocks_at_once():
+    engine = engine_for("qwen3_moe")
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(i, prompt, SamplingParams(max_tokens=NEW))
+    engine.step()
+    engine.step()
+    both = engine.metrics().kv_blocks_used
+    engine.abort(0)
+    assert engine.metrics().kv_blocks_used == both - 2 and engine.metrics().running == 1   # 7 + 2 positions
+    engine.abort(12345)                                       # unknown (or finished): ignored
+    outputs = engine.step()
+    aborted = [o for o in outputs if o.request_id == 0]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].finish_reason == "abort"
+    assert [o.request_id for o in outputs if o.request_id != 0] == [1]
+    engine.abort(1)                                           # a waiting request too
+    engine.add_request(2, PROMPTS[2], SamplingParams(max_tokens=NEW))
+    engine.abort(2)
+    assert engine.metrics().kv_blocks_used == 0 and engine.metrics().waiting == 0
+    assert sorted(o.request_id for o in engine.step()) == [1, 2] and not engine.has_unfinished()
+
+
+class CharTokenizer:
+    """Token t decodes to a letter; tokens >= 60 are "special" (skipped)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t % 26) for t in ids if not (skip_special_tokens and t >= 60))
+
+
+def test_stop_strings_and_stop_token_ids():
+    family = "gpt_oss"
+    free_run = reference(family)
+    decode = functools.partial(CharTokenizer().decode, skip_special_tokens=True)
+    stop = decode(free_run[0])[1:3]
+    ends = next(n for n in range(len(free_run[0]) + 1) if stop in decode(free_run[0][:n]))   # the token completing it
+    assert ends < NEW
+    engine = Engine(model(family), SOLO, EngineConfig(block_size=4, kv_cache_memory=1 << 20),
+                    tokenizer=CharTokenizer())
+    stop_token = free_run[1][2]
+    out = drive(engine, [(0, 0, PROMPTS[0], SamplingParams(max_tokens=NEW, stop=("zzzz", stop))),
+                         (0, 1, PROMPTS[1], SamplingParams(max_tokens=NEW, stop_token_ids=(stop_token,)))])
+    assert out[0].finish_reason == "stop" and out[0].stop_reason == stop
+    assert out[0].token_ids == free_run[0][:ends]
+    cut = free_run[1].index(stop_token) + 1
+    assert out[1].finish_reason == "stop" and out[1].stop_reason == stop_token and out[1].token_ids == free_run[1][:cut]
+
+
+def test_logprobs_are_log_softmax_of_the_reference_logits():
+    """The log-probability of each sampled token (one per new token, step by step) is the log-softmax of the
+    full-sequence forward's logits there (before temperature)."""
+    family = "deepseek_v3"
+    engine = engine_for(family, max_num_batched_tokens=5)
+    params = SamplingParams(max_tokens=NEW, logprobs=True, temperature=0.7, seed=1)
+    tokens, logprobs = {0: [], 1: []}, {0: [], 1: []}
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(i, p, params)
+    engine.add_request(2, PROMPTS[2], SamplingParams(max_tokens=2))
+    for output in engine.run():
+        if output.request_id == 2:
+            assert output.logprobs is None                     # not asked
+            continue
+        assert len(output.logprobs) == len(output.new_token_ids) == 1
+        tokens[output.request_id] += output.new_token_ids
+        logprobs[output.request_id] += output.logprobs
+    for i in range(2):
+        ids = torch.tensor([PROMPTS[i] + tokens[i][:-1]])
+        logits = pipeline_logits(model(family), SOLO, ids)[0, len(PROMPTS[i]) - 1:]
+        expected = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(tokens[i])[:, None]).squeeze(1)
+        assert len(tokens[i]) == NEW
+        torch.testing.assert_close(torch.tensor(logprobs[i], dtype=torch.float64), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, V], SamplingParams(), r"token ids \[64\] outside the vocabulary"),
+    ([1] * 60, SamplingParams(max_tokens=8), "more than the model's context of 64: at most 4 new tokens"),
+    ([1, 2], SamplingParams(stop_token_ids=(V,)), "stop_token_ids"),
+    ([1, 2], SamplingParams(stop=("x",)), "needs the engine's tokenizer"),
+    ("12", SamplingParams(), "list of integer token ids"),
+])
+def test_bad_requests_raise_value_error_naming_the_problem(prompt, params, match):
+    engine = engine_for("qwen3_moe")
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(0, prompt, params)
+    assert not engine.has_unfinished()
+
+
+def test_bad_settings_queue_and_pool_limits():
+    engine = engine_for("qwen3_moe", max_waiting=2, kv_cache_memory=None, kv_cache_memory_fraction=1e-6)
+    engine.add_request(0, [1, 2], SamplingParams())
+    with pytest.raises(ValueError, match="request_id 0 is already"):
+        engine.add_request(0, [1, 2], SamplingParams())
+    engine.add_request(1, [1, 2], SamplingParams())
+    with pytest.raises(QueueFullError, match="max_waiting"):
+        engine.add_request(2, [1, 2], SamplingParams())
+    small = engine_for("qwen3_moe", kv_cache_memory=engine.cache.nbytes // engine.cache.num_blocks * 3)
+    with pytest.raises(ValueError, match=r"more than the whole KV cache holds \(3 blocks of 4\)"):
+        small.add_request(0, [1] * 10, SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_memory .* holds no KV block"):
+        engine_for("qwen3_moe", kv_cache_memory=10)
+    for field, value in (("block_size", 0), ("max_num_batched_tokens", 0), ("max_num_seqs", True),
+                         ("kv_cache_memory_fraction", 0), ("kv_cache_memory", -1), ("speculative_tokens", -1)):
+        with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+            EngineConfig(**{field: value})
+    for field, value in (("temperature", -1.0), ("top_k", 0), ("top_p", 0.0), ("seed", -1), ("max_tokens", 0),
+                         ("stop_token_ids", (-1,)), ("stop", ("",)), ("logprobs", 1)):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+            SamplingParams(**{field: value})
+
+
+def test_block_pool_shares_and_evicts_least_recently_used():
+    cache = PrefixCache()
+    pool = BlockPool(3, cache)
+    a, b = pool.allocate(2)
+    keys = chained_block_hashes([1, 2, 3, 4, 5], 2, [])
+    assert len(keys) == 2 and chained_block_hashes([9, 2, 3, 4], 2, [])[1] != keys[1]   # keyed by the whole prefix
+    cache.insert(a, keys[0])
+    cache.insert(b, keys[1])
+    pool.acquire(a)                                            # a second request shares block a
+    pool.release([b, a])
+    assert pool.num_used == 1 and cache.lookup(keys) == [a, b]
+    pool.release([a])                                          # unreferenced: cached, evictable (b older)
+    assert pool.num_used == 0 and pool.num_free == 3
+    c, d = pool.allocate(2)                                    # the free block, then the LRU one (b)
+    assert d == b and cache.lookup(keys) == [a]
+    assert pool.allocate(2) is None and pool.num_free == 1     # nothing taken when short
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([c, c])
