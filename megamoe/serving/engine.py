@@ -45,6 +45,7 @@ from megamoe.serving.paged_kv_cache import PagedKVCache, ScheduledChunk, attenti
 from megamoe.serving.request import Request, RequestOutput
 from megamoe.serving.sampling_params import SamplingParams
 from megamoe.serving.scheduler import Scheduler, StepSchedule
+from megamoe.serving.speculation import MTPSpeculator, check_speculation
 from megamoe.serving.step_broadcast import (ABORT, STOPPED, AddRequest, StepBroadcast, agree_num_blocks,
                                            schedule_digest)
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
@@ -75,12 +76,16 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, stage_hidden_dtype(model)
         layer_ids = [i for chunk in model.chunk_layer_ids for i in chunk]
+        check_speculation(model, state, config.speculative_tokens)
         if config.speculative_tokens:
             layer_ids += list(model.mtp_layer_ids)
         layers = attention_layers(model, layer_ids)
         num_blocks = agree_num_blocks(self._num_blocks(layers), self.device)     # one pool size on every rank
         self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(config, num_blocks, window=self.cache.common_window)
+        # MTP drafts (megamoe.serving.speculation): verified in the next step's batch.
+        self._speculator = MTPSpeculator(model, self.cache) if config.speculative_tokens else None
+        self._hidden = None                               # the last step's hidden states (the drafts read them)
         self.max_positions = max_sequence_length(model.config)
         self.requests: dict[int, Request] = {}           # unfinished, by id
         self._arrivals = 0
@@ -212,23 +217,51 @@ class Engine:
     @torch.no_grad()
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        speculator = self._speculator
+        if speculator is not None:
+            speculator.attach(self.scheduler.running)
         schedule = self.scheduler.schedule()
+        if speculator is not None:
+            speculator.keep_scheduled(schedule.chunks)
         if self._broadcast is not None:
             self._broadcast.last_digest = schedule_digest(schedule.chunks)
         if not schedule.chunks:
             return outputs
         tokens, logprobs = self._forward(schedule)
+        drafted = dict(speculator.drafts) if speculator is not None else {}
+        if drafted:
+            speculator.detach()
         sampled = iter(zip(tokens, logprobs))
+        committed, row = [], 0                 # (request, first position, committed positions, first row)
         for request, count in schedule.chunks:
-            request.num_computed += count
-            self.scheduler.register_full_blocks(request)
-            if request.num_computed < request.num_tokens:       # a prefill chunk before the last
-                self.prompt_tokens_computed += count
-                continue
-            self.prompt_tokens_computed += count - 1
-            token, logprob = next(sampled)
-            self._append(request, token, logprob)
-            outputs.append(request.report([token], [logprob]))
+            start = request.num_computed
+            if request in drafted:             # a decode token and its draft: verify
+                kept, rollback = speculator.verify(request, self._hidden[0, row + count - 2], *next(sampled))
+                request.num_computed += count - rollback
+                new = []
+                for token, logprob in kept:
+                    if request.finished:
+                        break
+                    if request.num_tokens == request.num_computed:     # the tokens cover the computed positions
+                        self.scheduler.register_full_blocks(request)
+                    self._append(request, token, logprob)
+                    new.append((token, logprob))
+                outputs.append(request.report([t for t, _ in new], [lp for _, lp in new]))
+            else:
+                request.num_computed += count
+                self.scheduler.register_full_blocks(request)
+                if request.num_computed < request.num_tokens:       # a prefill chunk before the last
+                    self.prompt_tokens_computed += count
+                else:
+                    self.prompt_tokens_computed += count - 1
+                    token, logprob = next(sampled)
+                    self._append(request, token, logprob)
+                    outputs.append(request.report([token], [logprob]))
+            if speculator is not None and not request.finished:
+                committed.append((request, start, request.num_computed - start, row))
+            row += count
+        if speculator is not None:
+            speculator.draft(committed, self._hidden)
         return outputs
 
     def run(self) -> Iterator[RequestOutput]:
@@ -286,6 +319,7 @@ class Engine:
                 chunk_inputs, = comms.batch_send_recv([], [(buffer, prev_rank)], pp.group)
             hidden, _ = model.run_layers(chunk_inputs, position_ids, views, chunk=chunk)
             if model.chunk_is_last(chunk):
+                self._hidden = hidden
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits = gather_vocab_parallel_logits(model.logits(hidden[0].index_select(0, index)), state.tp.group,
                                                       model.config.vocab_size).float()
@@ -323,5 +357,5 @@ class Engine:
             kv_blocks_total=scheduler.pool.num_blocks, prefix_cache_queries=cache.queries if cache else 0,
             prefix_cache_hits=cache.hits if cache else 0, prompt_tokens_computed=self.prompt_tokens_computed,
             generated_tokens=self.generated_tokens, preemptions=scheduler.preemptions,
-            spec_proposed=sum(r.spec_proposed for r in self.requests.values()),
-            spec_accepted=sum(r.spec_accepted for r in self.requests.values()), expert_balancedness=balance)
+            spec_proposed=self._speculator.proposed if self._speculator else 0,
+            spec_accepted=self._speculator.accepted if self._speculator else 0, expert_balancedness=balance)
