@@ -542,10 +542,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model and a few requests (the test's mode)")
     parser.add_argument("--models", nargs="+", default=["qwen3_moe", "deepseek_v3"], choices=["qwen3_moe", "deepseek_v3"],
                         help="the model families to serve")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="offline requests (default 256; --tiny 12); online: 200 (8) requests")
+    parser.add_argument("--requests", type=int, default=None, help="offline requests (default 256; --tiny 8)")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS,
                         help="the scenarios to run (see above)")
+    parser.add_argument("--online-requests", type=int, default=None, help="online requests (default 200; --tiny 8)")
+    parser.add_argument("--max-output", type=int, default=None, help="longest output (default 64; --tiny 8)")
     parser.add_argument("--online-load", type=float, default=0.7,
                         help="online arrival rate as a fraction of the engine's offline request rate")
     parser.add_argument("--speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
@@ -557,7 +558,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     size = TINY if args.tiny else FULL
-    sizes = dict(offline_requests=12, online_requests=8, batches=(4, 8), prompt_lens=(4, 24), output_lens=(2, 8),
+    sizes = dict(offline_requests=8, online_requests=6, batches=(4, 8), prompt_lens=(4, 24), output_lens=(2, 8),
                  shared_requests=6, system_prompt=64, suffix_lens=(2, 8), mtp_requests=2, mtp_tokens=12,
                  mtp_fit_steps=4) if args.tiny else dict(
         offline_requests=256, online_requests=200, batches=(8, 16, 32), prompt_lens=(16, 128), output_lens=(8, 64),
@@ -565,6 +566,10 @@ def main(argv=None) -> int:
         mtp_fit_steps=300)
     if args.requests is not None:
         sizes["offline_requests"] = args.requests
+    if args.online_requests is not None:
+        sizes["online_requests"] = args.online_requests
+    if args.max_output is not None:
+        sizes["output_lens"] = (min(sizes["output_lens"][0], args.max_output), args.max_output)
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "fp32", "model": size,
                "sizes": sizes, "targets": TARGETS, "models": {}}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, greedy; model {size}; load {sizes}")
