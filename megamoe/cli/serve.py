@@ -147,9 +147,6 @@ def main(argv=None, *, prog: str = PROG) -> int:
     saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
     world = launch_world_size()
     dispatcher = check_layout(args, saved, world)
-    if world > 1 and not hasattr(Engine, "follow"):
-        raise UsageError("this build's engine serves one process (no Engine.follow for the other ranks): launch "
-                         "megamoe serve without torchrun")
     tokenizer, sock = None, None
     if serving:
         tokenizer = load_serving_tokenizer(args)

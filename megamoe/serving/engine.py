@@ -45,6 +45,9 @@ from megamoe.serving.paged_kv_cache import PagedKVCache, ScheduledChunk, attenti
 from megamoe.serving.request import Request, RequestOutput
 from megamoe.serving.sampling_params import SamplingParams
 from megamoe.serving.scheduler import Scheduler, StepSchedule
+from megamoe.serving.speculation import MTPSpeculator, check_speculation
+from megamoe.serving.step_broadcast import (ABORT, STOPPED, AddRequest, StepBroadcast, agree_num_blocks,
+                                           schedule_digest)
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 
 __all__ = ["Engine"]
@@ -73,19 +76,24 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, stage_hidden_dtype(model)
         layer_ids = [i for chunk in model.chunk_layer_ids for i in chunk]
+        check_speculation(model, state, config.speculative_tokens)
         if config.speculative_tokens:
             layer_ids += list(model.mtp_layer_ids)
         layers = attention_layers(model, layer_ids)
-        num_blocks = self._num_blocks(layers)
+        num_blocks = agree_num_blocks(self._num_blocks(layers), self.device)     # one pool size on every rank
         self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(config, num_blocks, window=self.cache.common_window)
+        # MTP drafts (megamoe.serving.speculation): verified in the next step's batch.
+        self._speculator = MTPSpeculator(model, self.cache) if config.speculative_tokens else None
+        self._hidden = None                               # the last step's hidden states (the drafts read them)
         self.max_positions = max_sequence_length(model.config)
         self.requests: dict[int, Request] = {}           # unfinished, by id
         self._arrivals = 0
         self._pending: list[RequestOutput] = []          # aborts reported by the next step
         self.prompt_tokens_computed = 0
         self.generated_tokens = 0
-        self.spec_proposed = self.spec_accepted = 0      # MTP draft tokens, totals (speculation adds to them)
+        # Under torchrun: rank 0 broadcasts each step's changes, the others follow (megamoe.serving.step_broadcast).
+        self._broadcast = StepBroadcast(self.device) if state.world_size > 1 else None
         logger.info("KV cache: %d blocks of %d positions (%s) over %d layers", num_blocks, config.block_size,
                     format_bytes(self.cache.nbytes), len(layers))
 
@@ -123,6 +131,8 @@ class Engine:
         self._arrivals += 1
         self.requests[request_id] = request
         self.scheduler.add(request)
+        if self._broadcast is not None:
+            self._broadcast.record(AddRequest(request_id, tuple(prompt), params))
 
     def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> list[int]:
         vocab = self.model.config.vocab_size
@@ -164,6 +174,8 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        if self._broadcast is not None:
+            self._broadcast.record((ABORT, request_id))
         self.scheduler.finish(request)
         request.finish_reason = "abort"
         self._pending.append(request.report([], []))
@@ -173,11 +185,49 @@ class Engine:
 
     # -- steps
 
-    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """One model call over the scheduled tokens; an output for every request that got tokens or ended."""
+        """One model call over the scheduled tokens; an output for every request that got tokens or ended.
+        Under torchrun, on rank 0 only (it first broadcasts the changes since the last step; the other ranks run
+        :meth:`follow`)."""
+        if self._broadcast is not None:
+            if not self._broadcast.is_source:
+                raise RuntimeError("under torchrun only rank 0 calls Engine.step(); the other ranks call "
+                                   "Engine.follow(), which runs the steps rank 0 broadcasts")
+            self._broadcast.send()
+        return self._step()
+
+    def follow(self) -> None:
+        """On every rank but 0 under torchrun: apply rank 0's changes and run its steps, until its
+        :meth:`shutdown` (see :mod:`megamoe.serving.step_broadcast`)."""
+        if self._broadcast is None or self._broadcast.is_source:
+            raise RuntimeError("Engine.follow() runs on the ranks other than 0 under torchrun; rank 0 calls step()")
+        while True:
+            message = self._broadcast.receive()
+            if message.shutdown:
+                return
+            for change in message.changes:
+                if isinstance(change, AddRequest):
+                    self.add_request(change.request_id, list(change.prompt), change.params)
+                else:
+                    self.abort(change[1])
+            self._step()
+
+    def shutdown(self) -> None:
+        """On rank 0 under torchrun: end the other ranks' :meth:`follow`. Nothing to do in one process."""
+        if self._broadcast is not None and self._broadcast.is_source:
+            self._broadcast.send(shutdown=True)
+
+    @torch.no_grad()
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        speculator = self._speculator
+        if speculator is not None:
+            speculator.attach(self.scheduler.running)
         schedule = self.scheduler.schedule()
+        if speculator is not None:
+            speculator.keep_scheduled(schedule.chunks)
+        if self._broadcast is not None:
+            self._broadcast.last_digest = schedule_digest(schedule.chunks)
         if not schedule.chunks:
             if self.requests:     # cannot happen: every admitted request fits in the pool alone
                 raise RuntimeError(f"the scheduler found no work for {len(self.requests)} unfinished requests "
@@ -185,17 +235,40 @@ class Engine:
                                    "free)")
             return outputs
         tokens, logprobs = self._forward(schedule)
+        drafted = dict(speculator.drafts) if speculator is not None else {}
+        if drafted:
+            speculator.detach()
         sampled = iter(zip(tokens, logprobs))
+        committed, row = [], 0                 # (request, first position, committed positions, first row)
         for request, count in schedule.chunks:
-            request.num_computed += count
-            self.scheduler.register_full_blocks(request)
-            if request.num_computed < request.num_tokens:       # a prefill chunk before the last
-                self.prompt_tokens_computed += count
-                continue
-            self.prompt_tokens_computed += count - 1
-            token, logprob = next(sampled)
-            self._append(request, token, logprob)
-            outputs.append(request.report([token], [logprob]))
+            start = request.num_computed
+            if request in drafted:             # a decode token and its draft: verify
+                kept, rollback = speculator.verify(request, self._hidden[0, row + count - 2], *next(sampled))
+                request.num_computed += count - rollback
+                new = []
+                for token, logprob in kept:
+                    if request.finished:
+                        break
+                    if request.num_tokens == request.num_computed:     # the tokens cover the computed positions
+                        self.scheduler.register_full_blocks(request)
+                    self._append(request, token, logprob)
+                    new.append((token, logprob))
+                outputs.append(request.report([t for t, _ in new], [lp for _, lp in new]))
+            else:
+                request.num_computed += count
+                self.scheduler.register_full_blocks(request)
+                if request.num_computed < request.num_tokens:       # a prefill chunk before the last
+                    self.prompt_tokens_computed += count
+                else:
+                    self.prompt_tokens_computed += count - 1
+                    token, logprob = next(sampled)
+                    self._append(request, token, logprob)
+                    outputs.append(request.report([token], [logprob]))
+            if speculator is not None and not request.finished:
+                committed.append((request, start, request.num_computed - start, row))
+            row += count
+        if speculator is not None:
+            speculator.draft(committed, self._hidden)
         return outputs
 
     def run(self) -> Iterator[RequestOutput]:
@@ -212,6 +285,8 @@ class Engine:
             request.finish_reason, request.stop_reason = "stop", token
         elif params.stop and (stop := self._stop_string(request)) is not None:
             request.finish_reason, request.stop_reason = "stop", stop
+            if self._broadcast is not None:           # the other ranks get no stop strings: rank 0 ends it there
+                self._broadcast.record((STOPPED, request.request_id))
         elif len(request.output) >= params.max_tokens:
             request.finish_reason = "length"
         if request.finished:
@@ -251,6 +326,7 @@ class Engine:
                 chunk_inputs, = comms.batch_send_recv([], [(buffer, prev_rank)], pp.group)
             hidden, _ = model.run_layers(chunk_inputs, position_ids, views, chunk=chunk)
             if model.chunk_is_last(chunk):
+                self._hidden = hidden
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits = gather_vocab_parallel_logits(model.logits(hidden[0].index_select(0, index)), state.tp.group,
                                                       model.config.vocab_size).float()
@@ -288,4 +364,5 @@ class Engine:
             kv_blocks_total=scheduler.pool.num_blocks, prefix_cache_queries=cache.queries if cache else 0,
             prefix_cache_hits=cache.hits if cache else 0, prompt_tokens_computed=self.prompt_tokens_computed,
             generated_tokens=self.generated_tokens, preemptions=scheduler.preemptions,
-            spec_proposed=self.spec_proposed, spec_accepted=self.spec_accepted, expert_balancedness=balance)
+            spec_proposed=self._speculator.proposed if self._speculator else 0,
+            spec_accepted=self._speculator.accepted if self._speculator else 0, expert_balancedness=balance)

@@ -12,7 +12,6 @@ import uuid
 import pytest
 
 from megamoe.inference.generation import GenerationConfig, generate
-from megamoe.serving import Engine
 from parallel_state import ParallelState
 from tests.helpers.serving import EOS_ID, save_served_checkpoint
 
@@ -38,8 +37,6 @@ def _pid_of_rank(marker: str, rank: int) -> int | None:
 
 @pytest.mark.slow      # two ranks under torchrun: about 30 s of CPU
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not hasattr(Engine, "follow"), reason="the engine of this build serves one process (no "
-                                                             "Engine.follow: serving under torchrun is not built)")
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds rank 1's process through /proc")
 def test_megamoe_serve_under_torchrun_answers_then_ends_when_a_rank_dies(tmp_path):
     from megamoe.serving.http.tokenizer import ServingTokenizer

@@ -382,3 +382,28 @@ def test_scaling_benchmark_quick_reports_every_layout_with_overlap_off_and_on(mo
     transfers = 2 * (pp["pp"] * pp["v"] - 1) / pp["pp"] * pp["micro_batches"]
     assert pp["bytes_per_step"]["send"] == pp["bytes_per_step"]["recv"] == transfers * m["seq"] * m["hidden"] * 4
     assert pp["bytes_per_step"]["all_to_all"] > 0 and 0 < pp["bubble_measured"] < 1
+
+
+@pytest.mark.slow      # ~30 s of CPU: a tiny model, every system once (the MTP scenario: test_serving_speculation)
+@pytest.mark.timeout(900)
+def test_serving_benchmark_tiny(monkeypatch, tmp_path):
+    serving = _benchmark("serving", monkeypatch)
+    out = tmp_path / "serving.json"
+    assert serving.main(["--tiny", "--models", "qwen3_moe", "--scenarios", "offline", "shared_prefix",
+                         "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["models"]["qwen3_moe"]
+    offline = results["scenarios"]["offline"]["rows"]
+    assert set(offline) == {"hf/cb", "hf/static-4", "hf/static-8", "megamoe/static-4", "megamoe/static-8", "engine",
+                            "engine/no-prefix"}
+    for name, row in offline.items():
+        assert row["same_ids"] == 1.0, f"{name} generated other tokens than generate()"
+        assert row["ttft_p50_s"] <= row["ttft_p99_s"] and row["peak_kv_bytes"] > 0, name
+    assert len({row["output_tokens"] for row in offline.values()}) == 1      # every system: every request's tokens
+    verdicts = results["verdicts"]
+    best = verdicts["offline_over_best_static"]
+    assert best["value"] == pytest.approx(offline["engine"]["output_tokens_per_s"]
+                                          / offline[best["against"]]["output_tokens_per_s"])
+    shared = results["scenarios"]["shared_prefix"]["rows"]
+    assert verdicts["shared_prefix_prefill_cut"]["value"] == pytest.approx(
+        shared["engine/no-prefix"]["prompt_tokens_computed"] / shared["engine"]["prompt_tokens_computed"])
+    assert shared["engine"]["prefix_cache_hit_tokens"] > 0
