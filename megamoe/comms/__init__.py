@@ -64,6 +64,7 @@ from megamoe.comms.collectives import (
     all_gather_object,
     all_gather_sizes,
     all_reduce_,
+    all_reduce_coalesced_,
     barrier,
     broadcast_,
     reduce_scatter_flat,
@@ -95,7 +96,8 @@ from megamoe.comms.timeline import Timeline, TimelineEvent, comm_timeline, recor
 
 __all__ = [
     "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
-    "all_reduce_", "all_gather_into", "all_gather_sizes", "all_gather_object", "all_to_all_counts", "broadcast_",
+    "all_reduce_", "all_reduce_coalesced_", "all_gather_into", "all_gather_sizes", "all_gather_object",
+    "all_to_all_counts", "broadcast_",
     "reduce_scatter_flat", "all_gather_flat",
     "batch_send_recv", "barrier",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",

@@ -29,6 +29,18 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.Reduce
     return tensor
 
 
+def all_reduce_coalesced_(tensors: Sequence[torch.Tensor], group: ProcessGroup | None) -> None:
+    """Sum each of ``tensors`` over ``group`` in place with ONE all-reduce of their flat concatenation
+    (same dtype and device), instead of one call per tensor."""
+    if not tensors or group_size(group) == 1:
+        return
+    flat = all_reduce_(torch.cat([t.reshape(-1) for t in tensors]), group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_gather_into(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0,
                     sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Concatenate ``tensor`` from every rank along ``dim`` (rank order). The shapes must be equal,

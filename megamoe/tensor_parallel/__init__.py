@@ -1,6 +1,5 @@
 """Tensor-parallel building blocks: plain nn.Modules holding local shards, groups passed explicitly."""
 
-import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -22,11 +21,4 @@ def allreduce_sequence_parallel_grads(module: nn.Module, tp_group: ProcessGroup 
     fed only this rank's tokens). One all-reduce for all of them. Reads each parameter's accumulated gradient
     (:func:`megamoe.gradients.main_grad`: the fp32 ``main_grad`` of a bf16 parameter, else ``p.grad``)."""
     grads = gradients(p for p in module.parameters() if getattr(p, "sequence_parallel", False))
-    if not grads or comms.group_size(tp_group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comms.all_reduce_(flat, tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    comms.all_reduce_coalesced_(grads, tp_group)

@@ -144,19 +144,10 @@ class ExpertAdapters(nn.Module):
         grads = [main_grad(p) for p in self.parameters()]
         if any(g is None for g in grads):
             return
-        _all_reduce_flat([main_grad(self.lora_A_gate_up), main_grad(self.lora_B_down)], self.etp_group)
-        _all_reduce_flat(grads, self.ep_group)
+        comms.all_reduce_coalesced_([main_grad(self.lora_A_gate_up), main_grad(self.lora_B_down)], self.etp_group)
+        comms.all_reduce_coalesced_(grads, self.ep_group)
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    if comms.group_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comms.all_reduce_(flat, group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class _GroupedLinear(torch.autograd.Function):
