@@ -152,7 +152,7 @@ def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _logical_chunks(logical, by_param) -> list[LogicalChunk]:
-    """The chunks of a distributed optimizer's logical state (a part of it, :class:`_LogicalState`): its
+    """The chunks of a distributed optimizer's logical state (a part of it, :class:`~megamoe.training.optimizer_state_checkpoint._LogicalState`): its
     state cut like a plain optimizer's, and the chunks of the parameters whose fp32 master it holds,
     viewing the master instead of the parameter (the checkpoint's weights are the master, in fp32)."""
     chunks = optimizer_chunks(logical, by_param)
