@@ -48,25 +48,14 @@ from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, g
 __all__ = ["GradientSync", "clip_grad_norm_", "global_grad_norm", "global_param_norm"]
 
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float = 1.0) -> None:
-    grads = [g for g in grads if g is not None]
-    if not grads or comms.group_size(group) == 1:
-        if scale != 1.0:
-            for g in grads:
-                g.mul_(scale)
-        return
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    """Sum ``grads`` (those that exist) over ``group``: one flat all-reduce per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
+        if g is not None:
+            by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        comms.all_reduce_(flat, group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        comms.all_reduce_coalesced_(same, group)
 
 
 class GradientSync:
