@@ -94,6 +94,11 @@ class ChatEncoder:
                              f"train on ({self.rule} rule)")
         return documents
 
+    def generation_prompt(self, messages: list[dict], where: str = "prompt") -> tuple[str, list[int]]:
+        """``messages`` rendered with the generation prompt (what a chat model answers), and its token ids."""
+        text = self._render(messages, where, None, add_generation_prompt=True).text
+        return text, self.tokenizer.encode_with_offsets(text)[0]
+
     def _prefix_documents(self, messages: list[dict], where: str, tools) -> list[tuple[str, list[tuple[int, int]]]]:
         documents: list[tuple[str, list[tuple[int, int]]]] = []
         text, spans = None, []

@@ -33,6 +33,7 @@ from megamoe.atomic_file import atomic_write
 from megamoe.checkpoint.placements import build_placements
 from megamoe import comms
 from megamoe.after_torchrun import note_newest_checkpoint
+from megamoe.data.chat_training_data import chat_encoder
 from megamoe.data.corpus import stdlib_corpus_files
 from megamoe.data.data_arguments import on_rank_0, prepare_training_data
 from megamoe.data.eval_split import eval_batches
@@ -137,20 +138,26 @@ def _step_of_entry(entry: Path) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
-def print_samples(model, state, tokenizer: Tokenizer, args, rank: int) -> None:
+def print_samples(model, state, tokenizer: Tokenizer, args, rank: int, chat: bool = False) -> None:
     """Greedy and temperature samples of --sample-prompt: collective, every rank generates (under
-    --sequence-parallel with a copy of the model built without it: decoding cannot split the sequence)."""
+    --sequence-parallel with a copy of the model built without it: decoding cannot split the sequence).
+    A chat run (``chat``) samples its answer to --sample-prompt as a user turn in the tokenizer's chat template,
+    as it was trained."""
     model = model.without_sequence_parallel()
-    prompt = tokenizer.encode(args.sample_prompt)
+    if chat:
+        shown, prompt = chat_encoder(tokenizer).generation_prompt([{"role": "user", "content": args.sample_prompt}],
+                                                                  where="--sample-prompt")
+    else:
+        shown, prompt = args.sample_prompt, tokenizer.encode(args.sample_prompt)
     greedy = generate(model, state, [prompt], GenerationConfig(max_new_tokens=args.sample_tokens))
     sampling = SamplingConfig(temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=args.seed)
     sampled = generate(model, state, [prompt] * NUM_SAMPLES,
                        GenerationConfig(max_new_tokens=args.sample_tokens, sampling=sampling))
     if rank == 0:
-        text = [f"--- greedy sample ---\n{args.sample_prompt}{tokenizer.decode(greedy.token_ids[0])}"]
+        text = [f"--- greedy sample ---\n{shown}{tokenizer.decode(greedy.token_ids[0])}"]
         # One batch, one seed: each request draws from its own stream, seeded by (seed, request number).
         text += [f"--- sample {i + 1} (temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, seed {args.seed} "
-                 f"request {i}) ---\n{args.sample_prompt}{tokenizer.decode(ids)}"
+                 f"request {i}) ---\n{shown}{tokenizer.decode(ids)}"
                  for i, ids in enumerate(sampled.token_ids)]
         print("\n" + "\n".join(text) + "\n---------------------", flush=True)
 
@@ -448,7 +455,7 @@ def pretrain(config: argparse.Namespace) -> RunSummary:
         logger.info("no samples: generation cannot split the sequence over --cp %d; the checkpoints in %s "
                     "generate under any layout with cp 1", state.cp.size, args.save_dir)
     elif finished and args.sample_tokens:
-        print_samples(model, state, tokenizer, args, rank)
+        print_samples(model, state, tokenizer, args, rank, chat=data.chat)
     if rank == 0 and records:
         plot(records, args.work_dir / "loss.png")
     if save_dir_lock is not None:

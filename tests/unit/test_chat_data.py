@@ -60,6 +60,17 @@ def test_generation_markers_give_transformers_assistant_mask(tokenizers):
         encoder.tokenizer.decode(ids[mask].tolist())
 
 
+def test_generation_prompt_is_transformers_add_generation_prompt(tokenizers):
+    from transformers import AutoTokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    for directory in tokenizers.values():
+        text, ids = _encoder(directory).generation_prompt(messages)
+        hf = AutoTokenizer.from_pretrained(directory)
+        assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ids == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"]
+
+
 def _trained_texts(encoder, conversation):
     return [encoder.tokenizer.decode(ids[mask].tolist()) for ids, mask in encoder.encode(conversation)]
 
@@ -259,11 +270,15 @@ def test_train_on_chat_jsonl_takes_the_loss_on_assistant_tokens_only(demo, token
 
     monkeypatch.setattr(Trainer, "train_step", train_step)
     # One global batch of every row (4 rows of 96 tokens hold the 6 documents, best fit).
+    # The end-of-run samples answer --sample-prompt as a user turn of the chat template, as transformers renders it.
     argv = ["--tokenizer", tok_dir, "--data", data, "--work-dir", tmp_path / "work", "--steps", 1,
-            "--global-batch", 4, *TINY]
+            "--global-batch", 4, *TINY, "--sample-tokens", 2, "--sample-prompt", "hello there"]
     code = run_script(train_command.main, [str(a) for a in argv], prog=train_command.PROG)
-    _, err = capsys.readouterr()
+    out, err = capsys.readouterr()
     assert code == 0, err
+    chat_prompt = hf.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert f"--- greedy sample ---\n{chat_prompt}" in out
     assert sum(seen["labelled"]) == sum(trained for _, trained in documents)
     assert len(set(seen["labelled"])) > 1           # micro-batches of unequal weight: the mean is per token
     assert seen["loss"] == pytest.approx(seen["oracle"], rel=1e-5)
