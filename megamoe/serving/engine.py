@@ -41,6 +41,7 @@ from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.serving.config import EngineConfig
 from megamoe.serving.errors import QueueFullError
 from megamoe.serving.metrics import EngineMetrics
+from megamoe.serving.online_eplb import ServingRebalancer
 from megamoe.serving.paged_kv_cache import PagedKVCache, ScheduledChunk, attention_layers
 from megamoe.serving.request import Request, RequestOutput
 from megamoe.serving.sampling_params import SamplingParams
@@ -94,6 +95,9 @@ class Engine:
         self.generated_tokens = 0
         # Under torchrun: rank 0 broadcasts each step's changes, the others follow (megamoe.serving.step_broadcast).
         self._broadcast = StepBroadcast(self.device) if state.world_size > 1 else None
+        # Online expert rebalancing between steps (megamoe.serving.online_eplb); every rank runs the same steps.
+        self.rebalancer = (ServingRebalancer(model, state, config.eplb_interval, config.data_parallel_attention)
+                           if config.eplb_interval else None)
         logger.info("KV cache: %d blocks of %d positions (%s) over %d layers", num_blocks, config.block_size,
                     format_bytes(self.cache.nbytes), len(layers))
 
@@ -235,15 +239,16 @@ class Engine:
                                    "free)")
             return outputs
         tokens, logprobs = self._forward(schedule)
-        drafted = dict(speculator.drafts) if speculator is not None else {}
-        if drafted:
+        drafted = {}
+        if speculator is not None and speculator.drafts:
             speculator.detach()
+            drafted = speculator.verify_greedy(schedule.chunks, self._hidden)   # (token, logprob) before each draft
         sampled = iter(zip(tokens, logprobs))
         committed, row = [], 0                 # (request, first position, committed positions, first row)
         for request, count in schedule.chunks:
             start = request.num_computed
             if request in drafted:             # a decode token and its draft: verify
-                kept, rollback = speculator.verify(request, self._hidden[0, row + count - 2], *next(sampled))
+                kept, rollback = speculator.verify(request, *drafted[request], *next(sampled))
                 request.num_computed += count - rollback
                 new = []
                 for token, logprob in kept:
@@ -269,6 +274,8 @@ class Engine:
             row += count
         if speculator is not None:
             speculator.draft(committed, self._hidden)
+        if self.rebalancer is not None:
+            self.rebalancer.after_step()
         return outputs
 
     def run(self) -> Iterator[RequestOutput]:
