@@ -319,7 +319,8 @@ def test_bad_settings_queue_and_pool_limits():
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_memory .* holds no KV block"):
         engine_for("qwen3_moe", kv_cache_memory=10)
     for field, value in (("block_size", 0), ("max_num_batched_tokens", 0), ("max_num_seqs", True),
-                         ("kv_cache_memory_fraction", 0), ("kv_cache_memory", -1), ("speculative_tokens", -1)):
+                         ("kv_cache_memory_fraction", 0), ("kv_cache_memory", -1), ("speculative_tokens", -1),
+                         ("eplb_interval", -1), ("eplb_interval", 1.5)):
         with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
             EngineConfig(**{field: value})
     for field, value in (("temperature", -1.0), ("temperature", "hot"), ("top_p", None), ("top_k", 0), ("top_k", 2.5), ("top_p", 0.0), ("seed", -1), ("max_tokens", 0),
