@@ -92,11 +92,16 @@ class Scheduler:
             if request in self.running:
                 step.chunks.append((request, count))
                 budget -= count
+        deferred = []                 # waiting for a running request to compute blocks of their prefix
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request in step.preempted:               # not back in the step that preempted it
                 break
             cached = self._lookup_prefix(request)
+            if self._prefix_in_flight(request):
+                self._release(request)                  # the cached blocks it took: it looks again next step
+                deferred.append(self.waiting.popleft())
+                continue
             count = min(request.num_tokens - request.num_computed, budget)
             if not self._grow(request, request.num_computed + count):
                 self._release(request)                  # the cached blocks it took
@@ -106,6 +111,7 @@ class Scheduler:
             self.running.append(request)
             step.chunks.append((request, count))
             budget -= count
+        self.waiting.extendleft(reversed(deferred))     # in their order, still ahead of later arrivals
         return step
 
     def _grow(self, request: Request, positions: int) -> bool:
@@ -158,6 +164,19 @@ class Scheduler:
         request.block_table = [None] * dead + list(blocks[dead:])
         request.num_computed = found
         return found
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """Whether the next full block of ``request``'s prompt (after its cached prefix, just looked up) is one
+        a running request is computing (in this step or a later one) and will register: then ``request``
+        waits for it rather than computing the same block again (two requests with one system prompt that
+        arrive together share it, as later arrivals do)."""
+        if self.prefix_cache is None or not self.running:
+            return False
+        wanted = request.num_computed // self.block_size          # its first block not found in the cache
+        if wanted >= (request.num_tokens - 1) // self.block_size:    # no further full block it could share
+            return False
+        key = request.block_hashes[wanted]
+        return any(key in r.block_hashes[r.blocks_registered:] for r in self.running)
 
     def _count_prefix_lookup(self, request: Request, cached: int) -> None:
         if self.prefix_cache is None:

@@ -162,6 +162,30 @@ def test_prefix_cache_prefills_a_shared_system_prompt_once():
     assert uncached.prompt_tokens_computed - cached.prompt_tokens_computed == cached.prefix_cache_hits
 
 
+@pytest.mark.parametrize("budget", [512, 6])      # the shared blocks prefilled in one step, or over two
+def test_requests_admitted_together_share_their_common_prefix(budget):
+    """Two requests with one system prompt arriving in the same step: the second waits for the first to
+    compute the shared blocks and takes them from the prefix cache; a third, unrelated one is not held back."""
+    family = "qwen3_moe"
+    system = [3, 14, 15, 9, 26, 5, 35, 8]                           # two full blocks of 4
+    prompts = [system + [40, 2], system + [7], PROMPTS[1]]
+    expected = generate(model(family), SOLO, prompts, GenerationConfig(max_new_tokens=4)).token_ids
+    runs, first_step = {}, {}
+    for caching in (True, False):
+        engine = engine_for(family, enable_prefix_caching=caching, max_num_batched_tokens=budget)
+        running = []
+        out = drive(engine, [(0, i, p, SamplingParams(max_tokens=4)) for i, p in enumerate(prompts)],
+                    on_step=lambda e: running.append(sorted(r.request_id for r in e.scheduler.running)))
+        assert [out[i].token_ids for i in range(len(prompts))] == expected, caching
+        runs[caching], first_step[caching] = (engine.metrics(), out), running[0]
+    (cached, out), (uncached, _) = runs[True], runs[False]
+    assert (out[0].num_cached_tokens, out[1].num_cached_tokens, out[2].num_cached_tokens) == (0, len(system), 0)
+    assert cached.prefix_cache_hits == len(system)
+    assert uncached.prompt_tokens_computed - cached.prompt_tokens_computed == len(system)
+    if budget == 512:       # the unrelated request starts at once; the one sharing the prefix a step later
+        assert first_step == {True: [0, 2], False: [0, 1, 2]}
+
+
 def test_preemption_with_a_tiny_pool_keeps_every_token():
     """A pool of 8 blocks of 2 positions for 6 requests of up to 13 positions: running requests are preempted
     (recomputed later, sampling generators kept) and every token is still the same."""
