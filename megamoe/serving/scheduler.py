@@ -6,7 +6,10 @@ Per step, under a budget of ``max_num_batched_tokens`` tokens:
 2. running requests still prefilling, a chunk each (chunked prefill: a long prompt takes several steps, and
    never delays the decodes, which are scheduled before it);
 3. waiting requests, oldest first, while ``max_num_seqs`` allows: a prefix-cache lookup first (full blocks
-   of its tokens found by content are shared, not computed), then a chunk of the rest.
+   of its tokens found by content are shared, not computed), then a chunk of the rest. A request whose next
+   full block (after the cached ones) is one a running request is about to compute (two requests with one
+   system prompt that arrive together) waits, ahead of later arrivals, until that block is registered, and
+   then shares it; the requests behind it are admitted meanwhile.
 
 Blocks. A request gets the blocks its scheduled positions need. When none are left (after evicting
 unreferenced cached blocks), the NEWEST running request is preempted: its blocks are released and it goes
