@@ -221,8 +221,16 @@ class Engine:
         if self._broadcast is not None and self._broadcast.is_source:
             self._broadcast.send(shutdown=True)
 
-    @torch.no_grad()
     def _step(self) -> list[RequestOutput]:
+        """One step on this rank (every rank runs the same steps), then an expert rebalancing round when one is
+        due: counted in steps, model-less ones included, so that every rank counts alike in every layout."""
+        outputs = self._model_step()
+        if self.rebalancer is not None:
+            self.rebalancer.after_step()
+        return outputs
+
+    @torch.no_grad()
+    def _model_step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         speculator = self._speculator
         if speculator is not None:
@@ -274,8 +282,6 @@ class Engine:
             row += count
         if speculator is not None:
             speculator.draft(committed, self._hidden)
-        if self.rebalancer is not None:
-            self.rebalancer.after_step()
         return outputs
 
     def run(self) -> Iterator[RequestOutput]:

@@ -1,8 +1,9 @@
 """Online expert rebalancing (EPLB) while the engine serves: between two engine steps, with the KV cache untouched.
 
 Every MoE layer counts the (token, expert) pairs its router picks (``load_counter``, cumulative). After each
-engine step that ran the model, :meth:`ServingRebalancer.after_step` records the step's counts into the load
-window, and every ``EngineConfig.eplb_interval`` such steps it runs one round of the trainer's rebalancer
+engine step (one without work too: every rank counts the same steps, whatever it computed),
+:meth:`ServingRebalancer.after_step` records the step's counts into the load window, and every
+``EngineConfig.eplb_interval`` steps it runs one round of the trainer's rebalancer
 (:class:`~megamoe.moe.placement.eplb.ExpertRebalancer`) over the window of those steps: the counts are reduced
 over every rank (each token counted once: TP rank 0, and the data-parallel ranks only under data-parallel
 attention, as ``generate(eplb=...)``), every rank plans the same placement (a deterministic function of the
@@ -37,7 +38,7 @@ class ServingRebalancer:
             world_group=torch.distributed.group.WORLD if state.world_size > 1 else None,
             counts_tokens=state.tp.rank == 0 and (data_parallel_attention or state.dp.rank == 0),
             cumulative_counters=True)
-        self.steps = 0                      # engine steps that ran the model
+        self.steps = 0                      # engine steps so far
 
     @property
     def reports(self) -> list[EPLBReport]:

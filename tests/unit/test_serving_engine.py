@@ -186,6 +186,18 @@ def test_requests_admitted_together_share_their_common_prefix(budget):
         assert first_step == {True: [0, 2], False: [0, 1, 2]}
 
 
+def test_eplb_interval_runs_a_rebalancing_round_every_n_steps():
+    """A round after every second step (one EP rank: nothing to move; EP 2 with replicas moving experts is
+    tests/multirank/test_serving_layouts.py), the tokens unchanged."""
+    engine = engine_for("qwen3_moe", eplb_interval=2)
+    rounds = []
+    out = drive(engine, random_arrivals(0, lambda i: SamplingParams(max_tokens=NEW)),
+                on_step=lambda e: rounds.append(len(e.rebalancer.reports)))
+    assert [out[i].token_ids for i in range(len(PROMPTS))] == reference("qwen3_moe")
+    assert rounds == [step // 2 for step in range(1, len(rounds) + 1)] and rounds[-1] > 0, rounds
+    assert not any(report.layers for report in engine.rebalancer.reports)
+
+
 def test_preemption_with_a_tiny_pool_keeps_every_token():
     """A pool of 8 blocks of 2 positions for 6 requests of up to 13 positions: running requests are preempted
     (recomputed later, sampling generators kept) and every token is still the same."""
