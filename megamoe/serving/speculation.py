@@ -46,7 +46,7 @@ from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits
 __all__ = ["MTPSpeculator", "check_speculation"]
 
 
-def check_speculation(model, state, speculative_tokens: int) -> None:
+def check_speculation(model, speculative_tokens: int) -> None:
     """ValueError naming the problem when the engine cannot draft ``speculative_tokens`` with ``model``."""
     if not speculative_tokens:
         return
