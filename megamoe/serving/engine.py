@@ -83,7 +83,8 @@ class Engine:
         layers = attention_layers(model, layer_ids)
         num_blocks = agree_num_blocks(self._num_blocks(layers), self.device)     # one pool size on every rank
         self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.dtype, self.device)
-        self.scheduler = Scheduler(config, num_blocks, window=self.cache.common_window)
+        self.scheduler = Scheduler(config, num_blocks, window=self.cache.common_window,
+                                   split_window=self.cache.split_window)
         # MTP drafts (megamoe.serving.speculation): verified in the next step's batch.
         self._speculator = MTPSpeculator(model, self.cache) if config.speculative_tokens else None
         self._hidden = None                               # the last step's hidden states (the drafts read them)
@@ -164,13 +165,20 @@ class Engine:
         block_size, window = self.config.block_size, self.cache.common_window
         blocks = -(-positions // block_size)
         if window is not None:      # blocks behind every layer's window are released: a step holds at most these
-            blocks = min(blocks, -(-(window - 1 + self.config.max_num_batched_tokens) // block_size) + 1)
+            blocks = self._sliding_blocks(blocks, window)
+        elif self.cache.split_window is not None:      # the full layers' table, and the sliding layers' own
+            blocks += self._sliding_blocks(blocks, self.cache.split_window)
         if blocks > self.cache.num_blocks:
             raise ValueError(f"the prompt ({len(prompt)} tokens) with max_tokens {params.max_tokens} needs "
                              f"{blocks} KV blocks, more than the whole KV cache holds "
                              f"({self.cache.num_blocks} blocks of {block_size} positions): lower max_tokens or raise "
                              "EngineConfig.kv_cache_memory")
         return prompt
+
+    def _sliding_blocks(self, blocks: int, window: int) -> int:
+        """Of a request's ``blocks``, those a sliding table holds at most in one step (the ones wholly behind
+        ``window`` are released)."""
+        return min(blocks, -(-(window - 1 + self.config.max_num_batched_tokens) // self.config.block_size) + 1)
 
     def abort(self, request_id: int) -> None:
         """End a request now (a client disconnect): its blocks are released at once and the next step reports it
@@ -328,7 +336,8 @@ class Engine:
                 rows.append(len(inputs) - 1)
         ids = torch.tensor([inputs], dtype=torch.int64, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.int64, device=self.device)
-        views = self.cache.views([ScheduledChunk(r.block_table, r.num_computed, count) for r, count in schedule.chunks])
+        views = self.cache.views([ScheduledChunk(r.block_table, r.num_computed, count, r.window_table)
+                                  for r, count in schedule.chunks])
         pp = state.pp
         prev_rank, next_rank = pp.ranks[(pp.rank - 1) % pp.size], pp.ranks[(pp.rank + 1) % pp.size]
         result = None

@@ -155,7 +155,7 @@ class MTPSpeculator:
             rows.extend(range(row, row + count))
             ids.extend(request.tokens[start + 1:start + count + 1])
             positions.extend(range(start, start + count))
-            chunks.append(ScheduledChunk(request.block_table, start, count))
+            chunks.append(ScheduledChunk(request.block_table, start, count, request.window_table))
             last_rows[request] = len(rows) - 1
         index = torch.tensor(rows, dtype=torch.int64, device=device)
         previous = model.norm(hidden[:, index])

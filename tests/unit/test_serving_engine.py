@@ -2,6 +2,7 @@
 generate() and transformers, per-request sampling, prefix caching, preemption, aborts, stop strings,
 logprobs and bad requests. Tiny random HF models (tests/helpers/hf_models.py), built once per module."""
 
+import dataclasses
 import functools
 import random
 import re
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megamoe.hf.adapters import adapter_for
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.inference.pipeline_forward import pipeline_logits
+from megamoe.models import GPTMoEModel
+from megamoe.models.hf_loading import load_logical_state
 from megamoe.serving import Engine, EngineConfig, QueueFullError, SamplingParams
 from megamoe.serving.block_pool import BlockPool
 from megamoe.serving.prefix_cache import PrefixCache, chained_block_hashes
@@ -118,6 +122,52 @@ def test_sliding_window_layers_serve_sequences_longer_than_the_pool():
     engine.step()
     assert engine.scheduler.running[0].block_table[:5] == [None] * 3 + engine.scheduler.running[0].block_table[3:5]
     assert None not in engine.scheduler.running[0].block_table[3:] and engine.metrics().kv_blocks_used == 3
+    assert [t for o in engine.run() for t in o.new_token_ids] == expected[1:]
+    assert engine.metrics().prefix_cache_hits == 10
+
+
+@functools.cache
+def sliding_and_full():
+    """gpt-oss's first two layers (sliding with window 4, full): as many sliding as full layers, so the
+    sliding one gets its own block table."""
+    hf, config = hf_model("gpt_oss")
+    logical = adapter_for("gpt_oss").hf_to_megamoe(hf.state_dict(), config)
+    config = dataclasses.replace(config, num_layers=2, moe_layer_ids=(0, 1), sliding_window_layer_ids=(0,))
+    model = GPTMoEModel(config, SOLO)
+    load_logical_state(model, {k: v for k, v in logical.items() if not k.startswith("layers.2.")})
+    return model
+
+
+def test_mixed_sliding_and_full_layers_release_the_sliding_blocks_behind_the_window():
+    """The sliding layer's blocks (their own table) behind the window are released while the requests run,
+    so the pool's used blocks are the full layer's plus at most a window's worth per request; the tokens
+    are generate()'s, prefix-cache hits included."""
+    model = sliding_and_full()
+    expected = generate(model, SOLO, PROMPTS, GenerationConfig(max_new_tokens=NEW)).token_ids
+    engine = Engine(model, SOLO, EngineConfig(block_size=2, kv_cache_memory=1 << 20, max_num_batched_tokens=3))
+    assert engine.cache.split_window == 4
+    steps = []
+
+    def count(engine):
+        running = engine.scheduler.running
+        steps.append((engine.metrics().kv_blocks_used, sum(len(r.block_table) for r in running),
+                      [sum(b is not None for b in r.window_table) for r in running],
+                      sum(r.window_table.count(None) for r in running)))
+    out = drive(engine, random_arrivals(0, lambda i: SamplingParams(max_tokens=NEW)), count)
+    assert [out[i].token_ids for i in range(len(PROMPTS))] == expected
+    for used, full, live, _ in steps[:-1]:
+        # each request: at most the blocks of window - 1 + 3 step tokens, plus one where they start mid-block
+        assert used == full + sum(live) and all(0 < n <= 4 for n in live), steps
+    assert max(released for *_, released in steps) > 0 and steps[-1][0] == 0, steps
+    # A 12-token prompt twice (6 blocks): the second finds 5 full-layer blocks and the sliding blocks inside the
+    # window of its first query (position 10), cached by the first although it released them.
+    prompt = [(5 * i + 2) % V for i in range(12)]
+    expected = generate(model, SOLO, [prompt], GenerationConfig(max_new_tokens=2)).token_ids[0]
+    assert drive(engine, [(0, 10, prompt, SamplingParams(max_tokens=2))])[10].token_ids == expected
+    engine.add_request(11, prompt, SamplingParams(max_tokens=2))
+    engine.step()
+    request = engine.scheduler.running[0]
+    assert request.window_table[:3] == [None] * 3 and None not in request.window_table[3:] + request.block_table
     assert [t for o in engine.run() for t in o.new_token_ids] == expected[1:]
     assert engine.metrics().prefix_cache_hits == 10
 
