@@ -29,6 +29,7 @@ before the shared prefix ones).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -75,8 +76,9 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
-        self.pool.release(reversed(request.window_table))
-        self.pool.release(reversed(request.block_table))
+        # Last positions first, each position's blocks of both tables together (the LRU keeps the prefix longest).
+        pairs = list(itertools.zip_longest(request.block_table, request.window_table))
+        self.pool.release(block for pair in reversed(pairs) for block in pair)
         request.block_table, request.window_table = [], []
         request.num_computed = 0
         request.blocks_registered = 0
