@@ -45,7 +45,8 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2,
 FLAG_OF_FIELD = {"block_size": "--block-size", "kv_cache_memory": "--kv-cache-memory",
                  "max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
                  "max_waiting": "--max-waiting", "enable_prefix_caching": "--no-prefix-caching",
-                 "speculative_tokens": "--speculative-tokens", "data_parallel_attention": "--data-parallel-attention"}
+                 "speculative_tokens": "--speculative-tokens", "data_parallel_attention": "--data-parallel-attention",
+                 "eplb_interval": "--eplb-interval"}
 
 
 def byte_size(text: str) -> int:
@@ -90,6 +91,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="do not share the KV blocks of common prompt prefixes between requests")
     e.add_argument("--speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step (models with MTP layers; 0: no speculation)")
+    e.add_argument("--eplb-interval", type=int, default=None, metavar="N",
+                   help="re-place the expert slots every N engine steps from those steps' expert load, replicas "
+                        "of hot experts where there are more slots than experts (0: never)")
     add_layout_arguments(p)
     return p
 
@@ -99,7 +103,8 @@ def engine_config(args, engine_config_class):
     naming the flag."""
     fields = {"block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-              "max_waiting": args.max_waiting, "speculative_tokens": args.speculative_tokens}
+              "max_waiting": args.max_waiting, "speculative_tokens": args.speculative_tokens,
+              "eplb_interval": args.eplb_interval}
     given = {name: value for name, value in fields.items() if value is not None}
     if not args.prefix_caching:
         given["enable_prefix_caching"] = False
@@ -147,6 +152,9 @@ def main(argv=None, *, prog: str = PROG) -> int:
     saved = check_model_manifest(read_manifest(args.checkpoint), args.checkpoint)
     world = launch_world_size()
     dispatcher = check_layout(args, saved, world)
+    if config.eplb_interval and saved.moe is None:
+        raise UsageError("--eplb-interval: the checkpoint's model has no MoE layer, so there is no expert to "
+                         "rebalance; leave the flag out")
     tokenizer, sock = None, None
     if serving:
         tokenizer = load_serving_tokenizer(args)

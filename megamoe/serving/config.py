@@ -1,5 +1,6 @@
 """The engine's settings: KV-cache size and block size, the per-step token budget, the batch and queue
-bounds, prefix caching, and (for the scaled layouts) speculation and data-parallel attention."""
+bounds, prefix caching, online expert rebalancing, and (for the scaled layouts) speculation and data-parallel
+attention."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ class EngineConfig:
     ``max_num_batched_tokens``: the tokens one step computes (decode tokens first, then prefill chunks).
     ``max_num_seqs``: requests running at once. ``max_waiting``: requests queued before
     :class:`~megamoe.serving.errors.QueueFullError`. ``speculative_tokens``: MTP draft tokens per step;
-    ``data_parallel_attention``: each DP rank schedules its own requests (both for the scaled layouts)."""
+    ``data_parallel_attention``: each DP rank schedules its own requests (both for the scaled layouts).
+    ``eplb_interval``: re-place the expert slots every that many engine steps from those steps' expert loads
+    (:mod:`megamoe.serving.online_eplb`); 0: never."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
@@ -30,6 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative_tokens: int = 0
     data_parallel_attention: bool = False
+    eplb_interval: int = 0
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_waiting"):
@@ -45,6 +49,9 @@ class EngineConfig:
         if not _is_int(self.speculative_tokens) or self.speculative_tokens < 0:
             raise ValueError(f"EngineConfig.speculative_tokens must be an integer >= 0, got "
                              f"{self.speculative_tokens!r}")
+        if not _is_int(self.eplb_interval) or self.eplb_interval < 0:
+            raise ValueError(f"EngineConfig.eplb_interval must be an integer >= 0 (engine steps between expert "
+                             f"rebalancing rounds; 0: off), got {self.eplb_interval!r}")
         for name in ("enable_prefix_caching", "data_parallel_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")

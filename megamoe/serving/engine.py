@@ -41,6 +41,7 @@ from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.serving.config import EngineConfig
 from megamoe.serving.errors import QueueFullError
 from megamoe.serving.metrics import EngineMetrics
+from megamoe.serving.online_eplb import ServingRebalancer
 from megamoe.serving.paged_kv_cache import PagedKVCache, ScheduledChunk, attention_layers
 from megamoe.serving.request import Request, RequestOutput
 from megamoe.serving.sampling_params import SamplingParams
@@ -76,13 +77,14 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, stage_hidden_dtype(model)
         layer_ids = [i for chunk in model.chunk_layer_ids for i in chunk]
-        check_speculation(model, state, config.speculative_tokens)
+        check_speculation(model, config.speculative_tokens)
         if config.speculative_tokens:
             layer_ids += list(model.mtp_layer_ids)
         layers = attention_layers(model, layer_ids)
         num_blocks = agree_num_blocks(self._num_blocks(layers), self.device)     # one pool size on every rank
         self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.dtype, self.device)
-        self.scheduler = Scheduler(config, num_blocks, window=self.cache.common_window)
+        self.scheduler = Scheduler(config, num_blocks, window=self.cache.common_window,
+                                   split_window=self.cache.split_window)
         # MTP drafts (megamoe.serving.speculation): verified in the next step's batch.
         self._speculator = MTPSpeculator(model, self.cache) if config.speculative_tokens else None
         self._hidden = None                               # the last step's hidden states (the drafts read them)
@@ -94,6 +96,9 @@ class Engine:
         self.generated_tokens = 0
         # Under torchrun: rank 0 broadcasts each step's changes, the others follow (megamoe.serving.step_broadcast).
         self._broadcast = StepBroadcast(self.device) if state.world_size > 1 else None
+        # Online expert rebalancing between steps (megamoe.serving.online_eplb); every rank runs the same steps.
+        self.rebalancer = (ServingRebalancer(model, state, config.eplb_interval, config.data_parallel_attention)
+                           if config.eplb_interval else None)
         logger.info("KV cache: %d blocks of %d positions (%s) over %d layers", num_blocks, config.block_size,
                     format_bytes(self.cache.nbytes), len(layers))
 
@@ -160,13 +165,20 @@ class Engine:
         block_size, window = self.config.block_size, self.cache.common_window
         blocks = -(-positions // block_size)
         if window is not None:      # blocks behind every layer's window are released: a step holds at most these
-            blocks = min(blocks, -(-(window - 1 + self.config.max_num_batched_tokens) // block_size) + 1)
+            blocks = self._sliding_blocks(blocks, window)
+        elif self.cache.split_window is not None:      # the full layers' table, and the sliding layers' own
+            blocks += self._sliding_blocks(blocks, self.cache.split_window)
         if blocks > self.cache.num_blocks:
             raise ValueError(f"the prompt ({len(prompt)} tokens) with max_tokens {params.max_tokens} needs "
                              f"{blocks} KV blocks, more than the whole KV cache holds "
                              f"({self.cache.num_blocks} blocks of {block_size} positions): lower max_tokens or raise "
                              "EngineConfig.kv_cache_memory")
         return prompt
+
+    def _sliding_blocks(self, blocks: int, window: int) -> int:
+        """Of a request's ``blocks``, those a sliding table holds at most in one step (the ones wholly behind
+        ``window`` are released)."""
+        return min(blocks, -(-(window - 1 + self.config.max_num_batched_tokens) // self.config.block_size) + 1)
 
     def abort(self, request_id: int) -> None:
         """End a request now (a client disconnect): its blocks are released at once and the next step reports it
@@ -217,8 +229,16 @@ class Engine:
         if self._broadcast is not None and self._broadcast.is_source:
             self._broadcast.send(shutdown=True)
 
-    @torch.no_grad()
     def _step(self) -> list[RequestOutput]:
+        """One step on this rank (every rank runs the same steps), then an expert rebalancing round when one is
+        due: counted in steps, model-less ones included, so that every rank counts alike in every layout."""
+        outputs = self._model_step()
+        if self.rebalancer is not None:
+            self.rebalancer.after_step()
+        return outputs
+
+    @torch.no_grad()
+    def _model_step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         speculator = self._speculator
         if speculator is not None:
@@ -235,15 +255,16 @@ class Engine:
                                    "free)")
             return outputs
         tokens, logprobs = self._forward(schedule)
-        drafted = dict(speculator.drafts) if speculator is not None else {}
-        if drafted:
+        drafted = {}
+        if speculator is not None and speculator.drafts:
             speculator.detach()
+            drafted = speculator.verify_greedy(schedule.chunks, self._hidden)   # (token, logprob) before each draft
         sampled = iter(zip(tokens, logprobs))
         committed, row = [], 0                 # (request, first position, committed positions, first row)
         for request, count in schedule.chunks:
             start = request.num_computed
             if request in drafted:             # a decode token and its draft: verify
-                kept, rollback = speculator.verify(request, self._hidden[0, row + count - 2], *next(sampled))
+                kept, rollback = speculator.verify(request, *drafted[request], *next(sampled))
                 request.num_computed += count - rollback
                 new = []
                 for token, logprob in kept:
@@ -315,7 +336,8 @@ class Engine:
                 rows.append(len(inputs) - 1)
         ids = torch.tensor([inputs], dtype=torch.int64, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.int64, device=self.device)
-        views = self.cache.views([ScheduledChunk(r.block_table, r.num_computed, count) for r, count in schedule.chunks])
+        views = self.cache.views([ScheduledChunk(r.block_table, r.num_computed, count, r.window_table)
+                                  for r, count in schedule.chunks])
         pp = state.pp
         prev_rank, next_rank = pp.ranks[(pp.rank - 1) % pp.size], pp.ranks[(pp.rank + 1) % pp.size]
         result = None

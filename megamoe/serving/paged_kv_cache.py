@@ -24,6 +24,14 @@ attention module's ``kv_cache_shapes()``.
 
 Sliding-window layers read only their window: a request's keys start at ``first query - window + 1``
 (so blocks behind every layer's window may be freed, see the scheduler).
+
+Models that mix sliding and full layers in equal numbers with one window and one entry shape (gpt-oss:
+alternating): the two kinds get their own block table per request (``block_table`` for the full layers,
+``window_table`` for the sliding ones, :attr:`PagedKVCache.split_window`), from ONE pool of block ids whose
+storage the kinds share: the k-th full layer and the k-th sliding layer use the same two tensors, at the
+slots of their own tables (a block id is in one table only). A block so costs half of all layers' entries,
+the blocks of a sequence shorter than the window take what they took in one table, and the sliding
+layers' blocks behind their window are released as the request advances (the full layers' stay).
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from torch import nn
 
 from megamoe.transformer.attention import PackedSegments
 
-__all__ = ["PagedKVCache", "PagedLayerView", "PackedKeys", "ScheduledChunk", "attention_layers", "pack_step"]
+__all__ = ["PagedKVCache", "PagedLayerView", "PackedKeys", "ScheduledChunk", "attention_layers", "layer_pairs",
+           "pack_step"]
 
 
 def attention_layers(model: nn.Module, layer_ids: Sequence[int]) -> dict[int, nn.Module]:
@@ -48,13 +57,27 @@ def _window(attention: nn.Module) -> int | None:
     return getattr(attention.config, "sliding_window", None)
 
 
+def layer_pairs(layers: dict[int, nn.Module]) -> list[tuple[int, int]] | None:
+    """(full layer, sliding layer) pairs sharing their pools when ``layers`` mix sliding and full attention in
+    equal numbers with one window and one entry shape (see the module docstring); None otherwise."""
+    full = [i for i, attention in layers.items() if _window(attention) is None]
+    sliding = [i for i, attention in layers.items() if _window(attention) is not None]
+    if not full or len(full) != len(sliding) or len({_window(layers[i]) for i in sliding}) != 1:
+        return None
+    if len({tuple(attention.kv_cache_shapes()) for attention in layers.values()}) != 1:
+        return None
+    return list(zip(full, sliding))
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """One request's tokens in a step: positions ``[start, start + count)``, in its ``block_table``."""
+    """One request's tokens in a step: positions ``[start, start + count)``, in its ``block_table`` (and,
+    for the sliding layers of a split cache, its ``window_table``)."""
 
     block_table: Sequence[int | None]
     start: int
     count: int
+    window_table: Sequence[int | None] = ()
 
 
 @dataclass(frozen=True)
@@ -70,25 +93,32 @@ def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tor
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, device) -> tuple[torch.Tensor, dict]:
-    """(write slots [T] of the step's tokens, {window: :class:`PackedKeys`}) for the step's ``chunks``."""
-    writes, gathers, segments = [], {w: [] for w in windows}, {w: [] for w in windows}
+def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, device,
+              split_window: int | None = None) -> tuple[dict, dict]:
+    """({window: write slots [T] of the step's tokens}, {window: :class:`PackedKeys`}) for the step's
+    ``chunks``; the layers of window ``split_window`` (a split cache) use the chunks' ``window_table``."""
+    writes = {w: [] for w in windows}
+    gathers, segments = {w: [] for w in windows}, {w: [] for w in windows}
     queries = 0
     keys = dict.fromkeys(windows, 0)                        # keys gathered so far, per window
     for chunk in chunks:
         end = chunk.start + chunk.count
-        table = torch.tensor([-1 if b is None else b for b in chunk.block_table[:(end + block_size - 1) // block_size]],
-                             dtype=torch.int64)
-        writes.append(_slots(table, torch.arange(chunk.start, end), block_size))
+        blocks = (end + block_size - 1) // block_size
+        tables = {}
         for window in windows:
+            source = chunk.window_table if split_window is not None and window == split_window else chunk.block_table
+            if id(source) not in tables:
+                tables[id(source)] = torch.tensor([-1 if b is None else b for b in source[:blocks]], dtype=torch.int64)
+            table = tables[id(source)]
             first = 0 if window is None else max(0, chunk.start - window + 1)
+            writes[window].append(_slots(table, torch.arange(chunk.start, end), block_size))
             gathers[window].append(_slots(table, torch.arange(first, end), block_size))
             segments[window].append((queries, chunk.count, keys[window], end - first))
             keys[window] += end - first
         queries += chunk.count
     packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), PackedSegments.build(segments[w], device))
               for w in windows}
-    return torch.cat(writes).to(device), packed
+    return {w: torch.cat(writes[w]).to(device) for w in windows}, packed
 
 
 class PagedLayerView:
@@ -121,20 +151,31 @@ class PagedKVCache:
     def __init__(self, layers: dict[int, nn.Module], num_blocks: int, block_size: int, dtype: torch.dtype, device):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.windows = {layer_id: _window(attention) for layer_id, attention in layers.items()}
+        pairs = layer_pairs(layers)
+        # The sliding layers' window when they have their own block tables (module docstring); None: one table.
+        self.split_window = self.windows[pairs[0][1]] if pairs else None
+        shared = {sliding: full for full, sliding in pairs or ()}
         slots = num_blocks * block_size
         self.pools = {layer_id: tuple(torch.zeros(heads, slots, width, dtype=dtype, device=device)
                                       for heads, width in attention.kv_cache_shapes())
-                      for layer_id, attention in layers.items()}
+                      for layer_id, attention in layers.items() if layer_id not in shared}
+        for sliding, full in shared.items():
+            self.pools[sliding] = self.pools[full]
+        self.pools = {layer_id: self.pools[layer_id] for layer_id in layers}          # in layer order
 
     @staticmethod
     def bytes_per_block(layers: dict[int, nn.Module], block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes over all ``layers``."""
-        per_position = sum(heads * width for attention in layers.values() for heads, width in attention.kv_cache_shapes())
+        """Bytes one block takes over all ``layers`` (over the full ones only when the sliding ones share their
+        storage)."""
+        pairs = layer_pairs(layers)
+        counted = [full for full, _ in pairs] if pairs else list(layers)
+        per_position = sum(heads * width for i in counted for heads, width in layers[i].kv_cache_shapes())
         return per_position * block_size * torch.empty((), dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.pools.values() for t in pair)
+        unique = {id(t): t for pair in self.pools.values() for t in pair}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     @property
     def common_window(self) -> int | None:
@@ -146,6 +187,7 @@ class PagedKVCache:
     def views(self, chunks: Sequence[ScheduledChunk]) -> dict[int, PagedLayerView]:
         """Each layer's view of one step over ``chunks``."""
         device = next(iter(self.pools.values()))[0].device
-        write_slots, packed = pack_step(chunks, self.block_size, set(self.windows.values()), device)
-        return {layer_id: PagedLayerView(pools, write_slots, packed[self.windows[layer_id]])
+        write_slots, packed = pack_step(chunks, self.block_size, set(self.windows.values()), device,
+                                        self.split_window)
+        return {layer_id: PagedLayerView(pools, write_slots[self.windows[layer_id]], packed[self.windows[layer_id]])
                 for layer_id, pools in self.pools.items()}

@@ -49,6 +49,10 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
+    def lookup_each(self, keys: Sequence[bytes]) -> list[int | None]:
+        """The cached block of each of ``keys`` (None where there is none)."""
+        return [self.by_hash.get(key) for key in keys]
+
     def insert(self, block: int, key: bytes) -> None:
         """Register a freshly filled ``block`` under ``key`` (kept uncached when another block holds it)."""
         if key not in self.by_hash and block not in self.hash_of:

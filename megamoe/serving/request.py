@@ -52,6 +52,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0                          # tokens whose K/V are in the cache
     block_table: list[int | None] = field(default_factory=list)   # None: a block freed behind a sliding window
+    window_table: list[int | None] = field(default_factory=list)  # the sliding layers' own (a split cache)
     block_hashes: list[bytes] = field(default_factory=list)       # chained hashes of its full blocks
     blocks_registered: int = 0                     # leading blocks offered to the prefix cache
     num_cached_tokens: int | None = None           # prompt tokens found in the prefix cache (first admission)

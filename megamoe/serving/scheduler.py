@@ -6,14 +6,22 @@ Per step, under a budget of ``max_num_batched_tokens`` tokens:
 2. running requests still prefilling, a chunk each (chunked prefill: a long prompt takes several steps, and
    never delays the decodes, which are scheduled before it);
 3. waiting requests, oldest first, while ``max_num_seqs`` allows: a prefix-cache lookup first (full blocks
-   of its tokens found by content are shared, not computed), then a chunk of the rest.
+   of its tokens found by content are shared, not computed), then a chunk of the rest. A request whose next
+   full block (after the cached ones) is one a running request is about to compute (two requests with one
+   system prompt that arrive together) waits, ahead of later arrivals, until that block is registered, and
+   then shares it; the requests behind it are admitted meanwhile.
 
 Blocks. A request gets the blocks its scheduled positions need. When none are left (after evicting
 unreferenced cached blocks), the NEWEST running request is preempted: its blocks are released and it goes
 back to the front of the queue, to be recomputed (its prompt and generated tokens, as one prefill; its
 sampling generator is kept, so its next tokens are those it would have produced). A waiting request is
 never admitted by preempting a running one: it waits. When every layer has a sliding window, blocks that
-lie wholly behind the widest window are released as the request advances.
+lie wholly behind the widest window are released as the request advances. When the sliding layers have
+their own block table (``split_window``: models mixing sliding and full layers, see
+:mod:`megamoe.serving.paged_kv_cache`), a request's positions take a block in each table, and the sliding
+table's blocks behind the window are released the same way; both tables' full blocks are prefix-cached (the
+sliding ones under their own keys), and a hit covers the blocks whose sliding blocks inside the window of
+the first computed position are cached too.
 
 A finished or aborted request releases its blocks at once (its last blocks first, so the LRU evicts them
 before the shared prefix ones).
@@ -21,6 +29,7 @@ before the shared prefix ones).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -41,12 +50,14 @@ class StepSchedule:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, window: int | None = None):
+    def __init__(self, config: EngineConfig, num_blocks: int, window: int | None = None,
+                 split_window: int | None = None):
         self.config = config
         self.block_size = config.block_size
         self.prefix_cache = PrefixCache() if config.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.window = window                      # every layer's sliding window at most this; None: full
+        self.split_window = split_window          # the sliding layers' window when they have their own table
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -65,8 +76,10 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
-        self.pool.release(reversed(request.block_table))
-        request.block_table = []
+        # Last positions first, each position's blocks of both tables together (the LRU keeps the prefix longest).
+        pairs = list(itertools.zip_longest(request.block_table, request.window_table))
+        self.pool.release(block for pair in reversed(pairs) for block in pair)
+        request.block_table, request.window_table = [], []
         request.num_computed = 0
         request.blocks_registered = 0
 
@@ -92,11 +105,16 @@ class Scheduler:
             if request in self.running:
                 step.chunks.append((request, count))
                 budget -= count
+        deferred = []                 # waiting for a running request to compute blocks of their prefix
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request in step.preempted:               # not back in the step that preempted it
                 break
             cached = self._lookup_prefix(request)
+            if self._prefix_in_flight(request):
+                self._release(request)                  # the cached blocks it took: it looks again next step
+                deferred.append(self.waiting.popleft())
+                continue
             count = min(request.num_tokens - request.num_computed, budget)
             if not self._grow(request, request.num_computed + count):
                 self._release(request)                  # the cached blocks it took
@@ -106,17 +124,21 @@ class Scheduler:
             self.running.append(request)
             step.chunks.append((request, count))
             budget -= count
+        self.waiting.extendleft(reversed(deferred))     # in their order, still ahead of later arrivals
         return step
 
     def _grow(self, request: Request, positions: int) -> bool:
         """Blocks for ``positions`` positions of ``request``; False (nothing taken) when the pool is short."""
-        need = -(-positions // self.block_size) - len(request.block_table)
-        if need <= 0:
+        blocks = -(-positions // self.block_size)
+        need = max(0, blocks - len(request.block_table))
+        need_window = max(0, blocks - len(request.window_table)) if self.split_window is not None else 0
+        if need + need_window == 0:
             return True
-        blocks = self.pool.allocate(need)
-        if blocks is None:
+        new = self.pool.allocate(need + need_window)
+        if new is None:
             return False
-        request.block_table.extend(blocks)
+        request.block_table.extend(new[:need])
+        request.window_table.extend(new[need:])
         return True
 
     def _preempt(self, victim: Request, step: StepSchedule) -> int:
@@ -131,15 +153,20 @@ class Scheduler:
         return freed
 
     def _release_behind_window(self, request: Request) -> None:
-        """Release the blocks no layer reads again: those before ``num_computed - window + 1``."""
-        if self.window is None:
-            return
-        dead = (request.num_computed - self.window + 1) // self.block_size      # blocks wholly behind
-        for index in range(min(dead, len(request.block_table))):
-            block = request.block_table[index]
+        """Release the blocks no layer reads again: those before ``num_computed - window + 1`` (of the
+        sliding layers' own table when they have one)."""
+        if self.window is not None:
+            self._release_before(request.block_table, request.num_computed - self.window + 1)
+        if self.split_window is not None:
+            self._release_before(request.window_table, request.num_computed - self.split_window + 1)
+
+    def _release_before(self, table: list[int | None], position: int) -> None:
+        dead = position // self.block_size                                   # blocks wholly behind
+        for index in range(min(dead, len(table))):
+            block = table[index]
             if block is not None:
                 self.pool.release([block])
-                request.block_table[index] = None
+                table[index] = None
 
     # -- prefix cache
 
@@ -150,14 +177,42 @@ class Scheduler:
             return 0
         hashes = chained_block_hashes(request.tokens, self.block_size, request.block_hashes)
         blocks = self.prefix_cache.lookup(hashes[:(request.num_tokens - 1) // self.block_size])
+        window_blocks, window_dead = [], 0
+        if self.split_window is not None:
+            blocks, window_blocks, window_dead = self._split_hit(blocks, hashes)
         found = len(blocks) * self.block_size
         # With every layer sliding, the blocks behind the window of the first query are not taken.
         dead = 0 if self.window is None else min(len(blocks), max(0, (found - self.window + 1) // self.block_size))
-        for block in blocks[dead:]:
+        for block in blocks[dead:] + window_blocks:
             self.pool.acquire(block)
         request.block_table = [None] * dead + list(blocks[dead:])
+        request.window_table = [None] * window_dead + window_blocks
         request.num_computed = found
         return found
+
+    def _split_hit(self, blocks: list[int], hashes: list[bytes]) -> tuple[list[int], list[int], int]:
+        """The longest run of the cached full-layer ``blocks`` whose sliding-layer blocks inside the window of
+        the first position after it are cached too: (its full-layer blocks, those sliding blocks, the number
+        of sliding blocks wholly behind that window)."""
+        for count in range(len(blocks), 0, -1):
+            dead = max(0, (count * self.block_size - self.split_window + 1) // self.block_size)
+            window_blocks = self.prefix_cache.lookup_each([_window_key(key) for key in hashes[dead:count]])
+            if None not in window_blocks:
+                return blocks[:count], window_blocks, dead
+        return [], [], 0
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """Whether the next full block of ``request``'s prompt (after its cached prefix, just looked up) is one
+        a running request is computing (in this step or a later one) and will register: then ``request``
+        waits for it rather than computing the same block again (two requests with one system prompt that
+        arrive together share it, as later arrivals do)."""
+        if self.prefix_cache is None or not self.running:
+            return False
+        wanted = request.num_computed // self.block_size          # its first block not found in the cache
+        if wanted >= (request.num_tokens - 1) // self.block_size:    # no further full block it could share
+            return False
+        key = request.block_hashes[wanted]
+        return any(key in r.block_hashes[r.blocks_registered:] for r in self.running)
 
     def _count_prefix_lookup(self, request: Request, cached: int) -> None:
         if self.prefix_cache is None:
@@ -178,4 +233,12 @@ class Scheduler:
             block = request.block_table[index]
             if block is not None:
                 self.prefix_cache.insert(block, hashes[index])
+            block = request.window_table[index] if index < len(request.window_table) else None
+            if block is not None:
+                self.prefix_cache.insert(block, _window_key(hashes[index]))
         request.blocks_registered = max(request.blocks_registered, full)
+
+
+def _window_key(key: bytes) -> bytes:
+    """The prefix-cache key of a sliding-layer block (a split cache) holding the positions of ``key``'s."""
+    return b"w" + key

@@ -10,7 +10,8 @@ from megamoe.hf.adapters import adapter_for
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.inference.sampling import SamplingConfig
 from megamoe.models import GPTMoEModel
-from megamoe.models.hf_loading import load_logical_state
+from megamoe.models.hf_loading import gather_logical_state, load_logical_state
+from megamoe.tensor_parallel import initialize_parameters
 from parallel_state import ParallelState
 from tests.helpers.hf_models import hf_model
 
@@ -28,6 +29,20 @@ def _our_model(family, state=SOLO, **moe_fields):
     model = GPTMoEModel(config, state)
     load_logical_state(model, adapter_for(family).hf_to_megamoe(hf.state_dict(), config))
     return model
+
+
+def _mtp_model(state=SOLO):
+    """The tiny deepseek_v3 with one MTP layer under ``state``: the main weights from transformers' model, the
+    MTP layer's its own random ones (seeded, built in one process: the same under every layout)."""
+    hf, main = hf_model("deepseek_v3")
+    config = dataclasses.replace(main, mtp_num_layers=1)
+    solo = GPTMoEModel(config, SOLO)
+    initialize_parameters(solo, seed=0)
+    logical = gather_logical_state(solo)
+    logical.update(adapter_for("deepseek_v3").hf_to_megamoe(hf.state_dict(), main))
+    model = solo if state is SOLO else GPTMoEModel(config, state)
+    load_logical_state(model, logical)
+    return model.eval()
 
 
 def _hf_generate(hf, prompts, max_new_tokens, stop_id):

@@ -1,25 +1,39 @@
 """The serving engine under parallel layouts (2 spawned ranks, one spawn): rank 0 adds requests in a random
 arrival order between its steps (and aborts one), the other rank follows (``Engine.follow``, rank 0's changes
 broadcast before each step); every request's greedy tokens equal single-process ``generate()`` of that
-prompt alone, under TP 2, EP 2 with replica slots (all-to-all) and PP 2, for a GQA and an MLA family."""
+prompt alone, under TP 2, EP 2 with replica slots (all-to-all) and PP 2, for a GQA and an MLA family.
+
+Under EP 2 the router is skewed to two experts of one EP rank, and the engine also runs with online EPLB
+every few steps: the placement changes, the balancedness improves, the tokens do not. Under PP 2 the engine
+also speculates with the MTP layer (on the last stage), its drafts overruled by an oracle (the MTP layer
+still runs): right for even request ids, wrong for odd ones, so that both acceptance and rollback cross the
+stages; the tokens are those without speculation, and the drafts are counted per request."""
 
 import random
 import zlib
 
 import pytest
+import torch
 
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.spawned_ranks import run_on_ranks
 from tests.helpers.hf_models import V
-from tests.helpers.inference import SOLO, _our_model
+from tests.helpers.inference import SOLO, _mtp_model, _our_model
 
-# name -> (layout, MoE fields, family): GQA and MLA families both covered, one model build per layout.
+SKEWED, MTP = "deepseek_v3, router skewed", "deepseek_v3 with an MTP layer"
+EP2 = (dict(ep=2), dict(dispatcher="alltoall", num_expert_slots=12))
+# name -> (layout, MoE fields, model, EngineConfig fields): GQA and MLA families both covered, one model build
+# per layout.
 LAYOUTS = {
-    "tp2": (dict(tp=2), {}, "qwen3_moe"),
-    "ep2 alltoall, 12 slots for 8 experts": (dict(ep=2), dict(dispatcher="alltoall", num_expert_slots=12),
-                                             "deepseek_v3"),
-    "pp2": (dict(pp=2), {}, "deepseek_v3"),
+    "tp2": (dict(tp=2), {}, "qwen3_moe", {}),
+    "ep2 alltoall, 12 slots for 8 experts": (*EP2, SKEWED, {}),
+    "ep2 alltoall, 12 slots for 8 experts, EPLB every 3 steps": (*EP2, SKEWED, dict(eplb_interval=3)),
+    "pp2": (dict(pp=2), {}, "deepseek_v3", {}),
+    "pp2, MTP speculation, oracle drafts": (dict(pp=2), {}, MTP, dict(speculative_tokens=1)),
 }
+# The selection bias of the skewed router: experts 4 and 5 (both on EP rank 0 under the default placement of
+# 12 slots: experts 0-5 | 6, 7, 0-3) take most tokens; deepseek_v3's grouped routing keeps them (one group).
+HOT_BIAS = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.3, 0.2, 0.0, 0.0])
 _rng = random.Random(5)
 # Lengths across block boundaries (block size 4 below), two sharing a prefix of two full blocks.
 PREFIX = [_rng.randrange(1, V) for _ in range(8)]
@@ -30,7 +44,7 @@ ABORTED = 3                    # aborted after its first step
 
 def _serve(engine, order, rng):
     """Rank 0: add requests in ``order``, one to three per step at random, abort ABORTED after its first
-    output; returns {request id: tokens} of the requests that finished."""
+    output; returns {request id: final output} of the requests that finished."""
     from megamoe.serving import SamplingParams
     pending, done = list(order), {}
     while pending or engine.has_unfinished():
@@ -41,39 +55,91 @@ def _serve(engine, order, rng):
             if output.request_id == ABORTED and not output.finished:
                 engine.abort(ABORTED)
             if output.finished and output.finish_reason != "abort":
-                done[output.request_id] = output.token_ids
+                done[output.request_id] = output
     engine.shutdown()
     return done
 
 
-def _worker(rank, world_size, layouts):
+def _model(kind, state=SOLO, **moe):
+    if kind == MTP:
+        return _mtp_model(state)
+    if kind != SKEWED:
+        return _our_model(kind, state, **moe)
+    model = _our_model("deepseek_v3", state, **moe)
+    for layer in model.moe_layers().values():
+        layer.router.expert_bias.add_(HOT_BIAS)
+    return model
+
+
+def _overrule_drafts(speculator, expected):
+    """The last stage's drafts: the MTP layer runs, then the expected token for even request ids, a wrong one
+    for odd ids."""
+    real = speculator._mtp_drafts
+
+    def oracle(committed, hidden, wanted):
+        drafts = real(committed, hidden, wanted)
+        for i, request in enumerate(wanted):
+            right = expected[request.request_id][len(request.output)]
+            drafts[i] = right if request.request_id % 2 == 0 else (right + 1) % V
+        return drafts
+    speculator._mtp_drafts = oracle
+
+
+def _worker(rank, world_size, layouts, expected):
     from megamoe.serving import Engine, EngineConfig
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     results = {}
-    for name, (sizes, moe, family) in layouts.items():
+    for name, (sizes, moe, kind, settings) in layouts.items():
         state = initialize_model_parallel(**sizes)
-        model = _our_model(family, state, **moe)
-        engine = Engine(model, state, EngineConfig(block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=16))
+        model = _model(kind, state, **moe)
+        engine = Engine(model, state, EngineConfig(block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=16,
+                                                   **settings))
+        if settings.get("speculative_tokens"):
+            _overrule_drafts(engine._speculator, expected[kind])
         order = list(range(len(PROMPTS)))
         random.Random(zlib.crc32(name.encode())).shuffle(order)
         if rank == 0:
-            results[name] = (order, _serve(engine, order, random.Random(1)))
+            done = _serve(engine, order, random.Random(1))
+            placements = {i: layer.placement.slot_to_expert.tolist() for i, layer in model.moe_layers().items()}
+            reports = engine.rebalancer.reports if engine.rebalancer is not None else []
+            results[name] = (order, done, engine.metrics(), placements, reports)
         else:
             engine.follow()
         destroy_model_parallel()
     return results
 
 
-@pytest.mark.slow          # 2 ranks, 3 layouts of tiny models
+@pytest.mark.slow          # 2 ranks, 5 layouts of tiny models
 def test_engine_tokens_equal_generate_under_layouts():
-    results = run_on_ranks(_worker, 2, args=(LAYOUTS,))[0]
-    for family in {family for _, _, family in LAYOUTS.values()}:
-        model = _our_model(family)
-        expected = {i: generate(model, SOLO, [prompt], GenerationConfig(max_new_tokens=MAX_TOKENS[i])).token_ids[0]
-                    for i, prompt in enumerate(PROMPTS)}
-        for name in (name for name, layout in LAYOUTS.items() if layout[2] == family):
-            order, done = results[name]
-            what = f"{family} under {name}, arrival order {order}"
-            assert set(done) == set(range(len(PROMPTS))) - {ABORTED}, what
-            for request_id, tokens in done.items():
-                assert tokens == expected[request_id], f"{what}: request {request_id} {tokens} != generate()"
+    expected = {}
+    for kind in {kind for _, _, kind, _ in LAYOUTS.values()}:
+        model = _model(kind)
+        expected[kind] = {i: generate(model, SOLO, [p], GenerationConfig(max_new_tokens=MAX_TOKENS[i])).token_ids[0]
+                          for i, p in enumerate(PROMPTS)}
+    results = run_on_ranks(_worker, 2, args=(LAYOUTS, expected))[0]
+    for name, (_, _, kind, _) in LAYOUTS.items():
+        order, done = results[name][:2]
+        what = f"{kind} under {name}, arrival order {order}"
+        assert set(done) == set(range(len(PROMPTS))) - {ABORTED}, what
+        for request_id, output in done.items():
+            assert output.token_ids == expected[kind][request_id], \
+                f"{what}: request {request_id} {output.token_ids} != generate()"
+
+    # Online EPLB: the same tokens as without it (checked above), a changed placement, better balance.
+    _, plain, plain_metrics, default, _ = results["ep2 alltoall, 12 slots for 8 experts"]
+    _, rebalanced, metrics, placements, reports = results["ep2 alltoall, 12 slots for 8 experts, EPLB every 3 steps"]
+    assert reports and reports[0].layers, "the skewed load must re-place a layer, else this test cannot fail"
+    assert all(placements[i] != default[i] for i in reports[0].layers), (placements, default)
+    assert all(r.balancedness_after >= r.balancedness_before for r in reports), reports
+    assert reports[0].balancedness_after > reports[0].balancedness_before + 0.1, reports[0]
+    before, after = plain_metrics.expert_balancedness, metrics.expert_balancedness     # since the start, /metrics'
+    assert set(before) == set(after) and sum(after.values()) > sum(before.values()) + 0.1, (before, after)
+
+    # MTP under PP 2: the tokens of pp2 without speculation (both equal generate() above); the oracle's right
+    # drafts (even ids) all accepted, its wrong ones (odd ids) all rolled back, on both stages alike.
+    assert expected[MTP] == expected["deepseek_v3"]
+    _, speculated, metrics, _, _ = results["pp2, MTP speculation, oracle drafts"]
+    for request_id, output in speculated.items():
+        accepted = output.spec_proposed if request_id % 2 == 0 else 0
+        assert output.spec_proposed > 0 and output.spec_accepted == accepted, (request_id, output)
+    assert metrics.spec_accepted > 0 and metrics.spec_proposed > metrics.spec_accepted, metrics

@@ -362,6 +362,7 @@ def test_serve_command_mistakes_are_one_error_line(checkpoint, tmp_path, capsys,
         byte_size("12XB")
     cases = [(["--max-num-seqs", "0"], ["--max-num-seqs must be an integer >= 1"]),
              (["--kv-cache-memory", "0"], ["--kv-cache-memory must be a number of bytes >= 1"]),
+             (["--eplb-interval", "-1"], ["--eplb-interval must be an integer >= 0"]),
              (["--port", str(port)], [f"cannot listen on 127.0.0.1:{port}"]),
              (["--tokenizer", str(tmp_path / "nothing")], ["--tokenizer", "does not exist"]),
              (["--tp", "2"], ["do not fit 1 rank(s)"])]

@@ -2,6 +2,7 @@
 generate() and transformers, per-request sampling, prefix caching, preemption, aborts, stop strings,
 logprobs and bad requests. Tiny random HF models (tests/helpers/hf_models.py), built once per module."""
 
+import dataclasses
 import functools
 import random
 import re
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megamoe.hf.adapters import adapter_for
 from megamoe.inference.generation import GenerationConfig, generate, left_padded_batch
 from megamoe.inference.pipeline_forward import pipeline_logits
+from megamoe.models import GPTMoEModel
+from megamoe.models.hf_loading import load_logical_state
 from megamoe.serving import Engine, EngineConfig, QueueFullError, SamplingParams
 from megamoe.serving.block_pool import BlockPool
 from megamoe.serving.prefix_cache import PrefixCache, chained_block_hashes
@@ -122,6 +126,52 @@ def test_sliding_window_layers_serve_sequences_longer_than_the_pool():
     assert engine.metrics().prefix_cache_hits == 10
 
 
+@functools.cache
+def sliding_and_full():
+    """gpt-oss's first two layers (sliding with window 4, full): as many sliding as full layers, so the
+    sliding one gets its own block table."""
+    hf, config = hf_model("gpt_oss")
+    logical = adapter_for("gpt_oss").hf_to_megamoe(hf.state_dict(), config)
+    config = dataclasses.replace(config, num_layers=2, moe_layer_ids=(0, 1), sliding_window_layer_ids=(0,))
+    model = GPTMoEModel(config, SOLO)
+    load_logical_state(model, {k: v for k, v in logical.items() if not k.startswith("layers.2.")})
+    return model
+
+
+def test_mixed_sliding_and_full_layers_release_the_sliding_blocks_behind_the_window():
+    """The sliding layer's blocks (their own table) behind the window are released while the requests run,
+    so the pool's used blocks are the full layer's plus at most a window's worth per request; the tokens
+    are generate()'s, prefix-cache hits included."""
+    model = sliding_and_full()
+    expected = generate(model, SOLO, PROMPTS, GenerationConfig(max_new_tokens=NEW)).token_ids
+    engine = Engine(model, SOLO, EngineConfig(block_size=2, kv_cache_memory=1 << 20, max_num_batched_tokens=3))
+    assert engine.cache.split_window == 4
+    steps = []
+
+    def count(engine):
+        running = engine.scheduler.running
+        steps.append((engine.metrics().kv_blocks_used, sum(len(r.block_table) for r in running),
+                      [sum(b is not None for b in r.window_table) for r in running],
+                      sum(r.window_table.count(None) for r in running)))
+    out = drive(engine, random_arrivals(0, lambda i: SamplingParams(max_tokens=NEW)), count)
+    assert [out[i].token_ids for i in range(len(PROMPTS))] == expected
+    for used, full, live, _ in steps[:-1]:
+        # each request: at most the blocks of window - 1 + 3 step tokens, plus one where they start mid-block
+        assert used == full + sum(live) and all(0 < n <= 4 for n in live), steps
+    assert max(released for *_, released in steps) > 0 and steps[-1][0] == 0, steps
+    # A 12-token prompt twice (6 blocks): the second finds 5 full-layer blocks and the sliding blocks inside the
+    # window of its first query (position 10), cached by the first although it released them.
+    prompt = [(5 * i + 2) % V for i in range(12)]
+    expected = generate(model, SOLO, [prompt], GenerationConfig(max_new_tokens=2)).token_ids[0]
+    assert drive(engine, [(0, 10, prompt, SamplingParams(max_tokens=2))])[10].token_ids == expected
+    engine.add_request(11, prompt, SamplingParams(max_tokens=2))
+    engine.step()
+    request = engine.scheduler.running[0]
+    assert request.window_table[:3] == [None] * 3 and None not in request.window_table[3:] + request.block_table
+    assert [t for o in engine.run() for t in o.new_token_ids] == expected[1:]
+    assert engine.metrics().prefix_cache_hits == 10
+
+
 def test_seeded_sampling_equals_generate_whatever_the_batch():
     """Seeded sampling = generate(..., request_ids=[id]) with the same seed, for requests mixed with greedy
     ones in the same steps."""
@@ -160,6 +210,42 @@ def test_prefix_cache_prefills_a_shared_system_prompt_once():
     assert cached.prefix_cache_queries == sum(map(len, prompts))
     assert uncached.prefix_cache_hits == uncached.prefix_cache_queries == 0
     assert uncached.prompt_tokens_computed - cached.prompt_tokens_computed == cached.prefix_cache_hits
+
+
+@pytest.mark.parametrize("budget", [512, 6])      # the shared blocks prefilled in one step, or over two
+def test_requests_admitted_together_share_their_common_prefix(budget):
+    """Two requests with one system prompt arriving in the same step: the second waits for the first to
+    compute the shared blocks and takes them from the prefix cache; a third, unrelated one is not held back."""
+    family = "qwen3_moe"
+    system = [3, 14, 15, 9, 26, 5, 35, 8]                           # two full blocks of 4
+    prompts = [system + [40, 2], system + [7], PROMPTS[1]]
+    expected = generate(model(family), SOLO, prompts, GenerationConfig(max_new_tokens=4)).token_ids
+    runs, first_step = {}, {}
+    for caching in (True, False):
+        engine = engine_for(family, enable_prefix_caching=caching, max_num_batched_tokens=budget)
+        running = []
+        out = drive(engine, [(0, i, p, SamplingParams(max_tokens=4)) for i, p in enumerate(prompts)],
+                    on_step=lambda e: running.append(sorted(r.request_id for r in e.scheduler.running)))
+        assert [out[i].token_ids for i in range(len(prompts))] == expected, caching
+        runs[caching], first_step[caching] = (engine.metrics(), out), running[0]
+    (cached, out), (uncached, _) = runs[True], runs[False]
+    assert (out[0].num_cached_tokens, out[1].num_cached_tokens, out[2].num_cached_tokens) == (0, len(system), 0)
+    assert cached.prefix_cache_hits == len(system)
+    assert uncached.prompt_tokens_computed - cached.prompt_tokens_computed == len(system)
+    if budget == 512:       # the unrelated request starts at once; the one sharing the prefix a step later
+        assert first_step == {True: [0, 2], False: [0, 1, 2]}
+
+
+def test_eplb_interval_runs_a_rebalancing_round_every_n_steps():
+    """A round after every second step (one EP rank: nothing to move; EP 2 with replicas moving experts is
+    tests/multirank/test_serving_layouts.py), the tokens unchanged."""
+    engine = engine_for("qwen3_moe", eplb_interval=2)
+    rounds = []
+    out = drive(engine, random_arrivals(0, lambda i: SamplingParams(max_tokens=NEW)),
+                on_step=lambda e: rounds.append(len(e.rebalancer.reports)))
+    assert [out[i].token_ids for i in range(len(PROMPTS))] == reference("qwen3_moe")
+    assert rounds == [step // 2 for step in range(1, len(rounds) + 1)] and rounds[-1] > 0, rounds
+    assert not any(report.layers for report in engine.rebalancer.reports)
 
 
 def test_preemption_with_a_tiny_pool_keeps_every_token():
@@ -319,7 +405,8 @@ def test_bad_settings_queue_and_pool_limits():
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_memory .* holds no KV block"):
         engine_for("qwen3_moe", kv_cache_memory=10)
     for field, value in (("block_size", 0), ("max_num_batched_tokens", 0), ("max_num_seqs", True),
-                         ("kv_cache_memory_fraction", 0), ("kv_cache_memory", -1), ("speculative_tokens", -1)):
+                         ("kv_cache_memory_fraction", 0), ("kv_cache_memory", -1), ("speculative_tokens", -1),
+                         ("eplb_interval", -1), ("eplb_interval", 1.5)):
         with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
             EngineConfig(**{field: value})
     for field, value in (("temperature", -1.0), ("temperature", "hot"), ("top_p", None), ("top_k", 0), ("top_k", 2.5), ("top_p", 0.0), ("seed", -1), ("max_tokens", 0),

@@ -4,20 +4,16 @@ with drafts forced right or wrong (an oracle replaces the MTP layer's), accepted
 step and rejected ones roll back, the tokens still generate()'s; a sampled request is never drafted; what the
 engine cannot draft is refused. A tiny DeepSeek-V3 (MLA) with one MTP layer (its own random weights)."""
 
-import dataclasses
 import functools
 import random
 
 import pytest
 
-from megamoe.hf.adapters import adapter_for
 from megamoe.inference.generation import GenerationConfig, generate
-from megamoe.models import GPTMoEModel
-from megamoe.models.hf_loading import gather_logical_state, load_logical_state
 from megamoe.serving import Engine, EngineConfig, SamplingParams
 from megamoe.serving.speculation import MTPSpeculator
-from tests.helpers.hf_models import V, hf_model
-from tests.helpers.inference import SOLO, _our_model
+from tests.helpers.hf_models import V
+from tests.helpers.inference import SOLO, _mtp_model, _our_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,15 +22,7 @@ PROMPTS = [[_rng.randrange(1, V) for _ in range(n)] for n in (3, 9, 6, 5)]
 MAX_TOKENS = [9, 7, 8, 6]
 
 
-@functools.cache
-def mtp_model():
-    """The tiny deepseek_v3 with one MTP layer: the main weights from transformers' model, the MTP layer ours."""
-    hf, config = hf_model("deepseek_v3")
-    model = GPTMoEModel(dataclasses.replace(config, mtp_num_layers=1), SOLO).eval()
-    logical = gather_logical_state(model)
-    logical.update(adapter_for("deepseek_v3").hf_to_megamoe(hf.state_dict(), config))
-    load_logical_state(model, logical)
-    return model
+mtp_model = functools.cache(_mtp_model)
 
 
 @functools.cache
