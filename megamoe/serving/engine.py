@@ -78,10 +78,10 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, stage_hidden_dtype(model)
         layer_ids = [i for chunk in model.chunk_layer_ids for i in chunk]
-        check_speculation(model, state, config.speculative_tokens)
         if config.data_parallel_attention:
             check_data_parallel_layout(state.tp.size, state.pp.size, config.speculative_tokens)
         check_moe_input(model, state, config.data_parallel_attention)
+        check_speculation(model, state, config.speculative_tokens)
         if config.speculative_tokens:
             layer_ids += list(model.mtp_layer_ids)
         layers = attention_layers(model, layer_ids)
