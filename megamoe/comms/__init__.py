@@ -31,8 +31,8 @@ Where things live
 - :mod:`~megamoe.comms.groups`: ``group_size``, ``group_rank``, ``group_ranks``.
 - :mod:`~megamoe.comms.counter`: :class:`CommCounter`, :func:`comm_counter`, the recording every collective
   does (``_record``) and the naming of timed-out collectives (``_timeout_named``).
-- :mod:`~megamoe.comms.collectives`: raw collectives, no autograd: ``all_reduce_``, ``any_rank``, ``all_gather_into``,
-  ``all_gather_sizes``, the distributed optimizer's ``reduce_scatter_flat`` / ``all_gather_flat``,
+- :mod:`~megamoe.comms.collectives`: raw collectives, no autograd: ``all_reduce_``, ``any_rank``,
+  ``all_gather_into``, ``all_gather_sizes``, the distributed optimizer's ``reduce_scatter_flat`` / ``all_gather_flat``,
   ``all_gather_object``, ``broadcast_``, ``barrier``.
 - :mod:`~megamoe.comms.tensor_parallel_regions`: the ``*_tensor_parallel_region`` autograd functions (last dim).
 - :mod:`~megamoe.comms.sequence_parallel_regions`: the ``*_sequence_parallel_region`` autograd functions

@@ -1,5 +1,6 @@
-"""Raw collectives (no autograd): all-reduce (and ``any_rank``, a flag's), all-gather (even or uneven first dims), reduce-scatter,
-the flat reduce-scatter / all-gather of the distributed optimizer, object all-gather, broadcast, barrier."""
+"""Raw collectives (no autograd): all-reduce (and ``any_rank``: of one flag), all-gather (even or uneven first
+dims), reduce-scatter, the flat reduce-scatter / all-gather of the distributed optimizer, object all-gather,
+broadcast, barrier."""
 
 from __future__ import annotations
 

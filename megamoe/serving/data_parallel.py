@@ -181,7 +181,8 @@ class DataParallelSteps:
             preemptions=local.preemptions + sum(r.preemptions for r in others), data_parallel=states)
 
 
-def report_of(outputs: Sequence[RequestOutput], scheduler, prompt_tokens_computed: int, step_tokens: int) -> RankReport:
+def report_of(outputs: Sequence[RequestOutput], scheduler, prompt_tokens_computed: int,
+              step_tokens: int) -> RankReport:
     """This rank's report of a step: its ``outputs`` (aborts left out: rank 0 aborted them) and the state of its
     ``scheduler`` after it."""
     reported = tuple(RemoteOutput(o.request_id, tuple(o.new_token_ids), tuple(o.logprobs) if o.logprobs is not None

@@ -19,7 +19,9 @@ the last bits a different batch can bring to the logits).
 Pipeline and tensor parallelism follow ``generate()``: each stage receives the previous stage's hidden states,
 the last stage gathers the logits over TP, samples, and broadcasts the tokens (and their log-probabilities)
 over the pipeline group. Every rank must run the same schedule (rank 0 broadcasting it is the scaled layouts'
-part); this module's own tests run one process.
+part); this module's own tests run one process. Under data-parallel attention (``EngineConfig.
+data_parallel_attention``) each data-parallel rank runs its own schedule over its own requests and KV cache, and
+the ranks run the model together whenever any has work (:mod:`megamoe.serving.data_parallel`).
 
 Refused: context parallelism (the cache needs every position on one rank), sequence parallelism (build the
 model without it: ``model.without_sequence_parallel()``), dynamic-NTK rope (its frequencies would depend on the

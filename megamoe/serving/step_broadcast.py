@@ -6,8 +6,8 @@ same requests and run the same schedule. Rank 0 (the HTTP server's rank) is the 
 requests; before each step its engine broadcasts, over the world group, what changed since the last step, in
 the order it happened: requests added (id, prompt, sampling parameters, and the data-parallel rank that serves
 it), requests aborted, and requests rank 0 ended on a stop string (the other ranks may have no tokenizer; they
-get no stop strings and drop those requests here). Every other rank runs :meth:`Engine.follow`: it receives, applies the same changes to its own engine
-and runs the same step. The scheduler is deterministic (it depends only on the requests, their order and
+get no stop strings and drop those requests here). Every other rank runs :meth:`Engine.follow`: it receives,
+applies the same changes to its own engine and runs the same step. The scheduler is deterministic (it depends only on the requests, their order and
 the KV pool's size, which the ranks agree on when the engine starts: :func:`agree_num_blocks`), and the new
 tokens are the same on every rank (the logits are gathered over TP before sampling, and the last pipeline
 stage broadcasts them), so the steps stay identical without sending the schedule itself. To catch a

@@ -168,7 +168,8 @@ def _check_data_parallel_attention(name, family, result, follower_aborts):
         params = _params(request_id)
         config = GenerationConfig(max_new_tokens=params.max_tokens, sampling=params.sampling)
         want = generate(model, SOLO, [_prompt(request_id)], config, request_ids=[request_id]).token_ids[0]
-        assert done[request_id] == want, f"{what}: request {request_id} on rank {served[request_id]}: {done[request_id]}"
+        assert done[request_id] == want, f"{what}: request {request_id} on rank {served[request_id]}: " \
+                                         f"{done[request_id]} != generate()'s {want}"
     assert set(done) == set(served) - {aborted}, what
     assert {served[i] for i in SAMPLED if i != aborted} == {0, 1}, f"{what}: sampled requests on both ranks {served}"
     assert served[LONG] == 0 and len(done[LONG]) == LONG_TOKENS, what

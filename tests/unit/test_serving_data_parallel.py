@@ -29,6 +29,10 @@ def test_a_rank_report_round_trips_exactly():
     assert decode_report(encode_report(RankReport((), report.state))).outputs == ()
     with pytest.raises(RuntimeError, match="format"):
         decode_report([1, 2, 3])
+    values = encode_report(report)
+    values[12] = 9                                                            # the first output's finish code
+    with pytest.raises(RuntimeError, match="unknown finish code 9"):
+        decode_report(values)
 
 
 def _request(request_id, prompt_len, max_tokens, dp_rank):
