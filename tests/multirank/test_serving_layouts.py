@@ -6,8 +6,9 @@ prompt alone, under TP 2, EP 2 with replica slots (all-to-all) and PP 2, for a G
 Data-parallel attention (dp 2 x ep 2, 12 slots for 8 experts, all-to-all and input-sharded all-gather): each rank
 serves the requests rank 0 assigns it (least loaded), one rank idles for several steps (an empty forward) while
 the other decodes a long request; greedy tokens equal ``generate()``'s, seeded samples equal ``generate()`` with
-the same seed and request id, whichever rank served them; aborting a request that lives on rank 1 frees its
-blocks there; an idle step costs the step broadcast and one all-reduce."""
+the same seed and request id, whichever rank served them; rank 0 ends a request of rank 1 on a stop string (only
+rank 0 has a tokenizer); aborting a request that lives on rank 1 frees its blocks there; an idle step costs the
+step broadcast and one all-reduce."""
 
 import random
 import zlib
@@ -42,6 +43,7 @@ LONG = len(PROMPTS)            # the long request's id: PROMPTS[0] decoding LONG
 LONG_TOKENS = 16
 SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.95, seed=3)
 SAMPLED = {1, 2, 4}            # request ids sampled with SAMPLING (the others greedy)
+STOP_STRING_IDS = (0, 5)       # greedy, ending on a stop string: the text of their 2nd and 3rd greedy tokens
 
 
 def _serve(engine, order, rng):
@@ -62,18 +64,27 @@ def _serve(engine, order, rng):
     return done
 
 
-def _params(request_id):
+class _Letters:
+    """A tokenizer for stop strings (rank 0's only, as under ``megamoe serve``): one letter per token."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def _params(request_id, stops):
+    """``stops``: {request id: stop string}."""
     from megamoe.serving import SamplingParams
     if request_id == LONG:
         return SamplingParams(max_tokens=LONG_TOKENS)
-    return SamplingParams(max_tokens=MAX_TOKENS[request_id], **(SAMPLING if request_id in SAMPLED else {}))
+    return SamplingParams(max_tokens=MAX_TOKENS[request_id], stop=stops.get(request_id, ()),
+                          **(SAMPLING if request_id in SAMPLED else {}))
 
 
 def _prompt(request_id):
     return PROMPTS[0] if request_id == LONG else PROMPTS[request_id]
 
 
-def _serve_dp(engine, order, rng):
+def _serve_dp(engine, order, rng, stops):
     """Rank 0 under data-parallel attention: adds LONG first, then ``order`` (none to two per step at random), and
     aborts the first request served by rank 1 after its first output. Returns the finished requests' tokens, the
     rank serving each request, each step's tokens per rank, the aborted id, the collectives of an idle step and
@@ -83,7 +94,7 @@ def _serve_dp(engine, order, rng):
     while pending or engine.has_unfinished():
         for _ in range(min(len(pending), rng.randint(0, 2) if engine.has_unfinished() else 1)):
             request_id = pending.pop(0)
-            engine.add_request(request_id, _prompt(request_id), _params(request_id))
+            engine.add_request(request_id, _prompt(request_id), _params(request_id, stops))
             served[request_id] = engine.requests[request_id].dp_rank
         for output in engine.step():
             if aborted is None and served[output.request_id] == 1 and not output.finished:
@@ -117,7 +128,7 @@ def _follow_dp(engine):
     return aborts
 
 
-def _worker(rank, world_size, layouts):
+def _worker(rank, world_size, layouts, stops):
     from megamoe.serving import Engine, EngineConfig
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     results = {}
@@ -135,17 +146,23 @@ def _worker(rank, world_size, layouts):
     for name, (sizes, moe, family) in DP_LAYOUTS.items():
         state = initialize_model_parallel(**sizes)
         engine = Engine(_our_model(family, state, **moe), state, EngineConfig(
-            block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=16, data_parallel_attention=True))
+            block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=16, data_parallel_attention=True),
+            tokenizer=_Letters() if rank == 0 else None)
         order = list(range(len(PROMPTS)))
         random.Random(zlib.crc32(name.encode())).shuffle(order)
-        results[name] = (order, _serve_dp(engine, order, random.Random(2))) if rank == 0 else _follow_dp(engine)
+        results[name] = ((order, _serve_dp(engine, order, random.Random(2), stops[family])) if rank == 0
+                         else _follow_dp(engine))
         destroy_model_parallel()
     return results
 
 
 @pytest.mark.slow          # 2 ranks, 5 layouts of tiny models
 def test_engine_tokens_equal_generate_under_layouts():
-    results, followed = run_on_ranks(_worker, 2, args=(LAYOUTS,))
+    stops = {}                  # the stop strings of STOP_STRING_IDS, per data-parallel family
+    for family in {family for _, _, family in DP_LAYOUTS.values()}:
+        stops[family] = {i: _Letters().decode(generate(_our_model(family), SOLO, [PROMPTS[i]], GenerationConfig(
+            max_new_tokens=MAX_TOKENS[i])).token_ids[0][1:3]) for i in STOP_STRING_IDS}
+    results, followed = run_on_ranks(_worker, 2, args=(LAYOUTS, stops))
     for family in {family for _, _, family in LAYOUTS.values()}:
         model = _our_model(family)
         expected = {i: generate(model, SOLO, [prompt], GenerationConfig(max_new_tokens=MAX_TOKENS[i])).token_ids[0]
@@ -157,21 +174,25 @@ def test_engine_tokens_equal_generate_under_layouts():
             for request_id, tokens in done.items():
                 assert tokens == expected[request_id], f"{what}: request {request_id} {tokens} != generate()"
     for name, (_, _, family) in DP_LAYOUTS.items():
-        _check_data_parallel_attention(name, family, results[name], followed[name])
+        _check_data_parallel_attention(name, family, results[name], followed[name], stops[family])
 
 
-def _check_data_parallel_attention(name, family, result, follower_aborts):
+def _check_data_parallel_attention(name, family, result, follower_aborts, stops):
     model = _our_model(family)
     order, (done, served, steps, aborted, idle_step, metrics) = result
     what = f"{family} under {name}, arrival order {order}"
     for request_id in done:
-        params = _params(request_id)
+        params = _params(request_id, stops)
         config = GenerationConfig(max_new_tokens=params.max_tokens, sampling=params.sampling)
         want = generate(model, SOLO, [_prompt(request_id)], config, request_ids=[request_id]).token_ids[0]
+        if request_id in stops:       # cut at the token that completes the stop string
+            want = want[:next(n for n in range(1, len(want) + 1) if stops[request_id] in _Letters().decode(want[:n]))]
+            assert len(want) < params.max_tokens or request_id == aborted, (what, request_id)
         assert done[request_id] == want, f"{what}: request {request_id} on rank {served[request_id]}: " \
                                          f"{done[request_id]} != generate()'s {want}"
     assert set(done) == set(served) - {aborted}, what
     assert {served[i] for i in SAMPLED if i != aborted} == {0, 1}, f"{what}: sampled requests on both ranks {served}"
+    assert 1 in {served[i] for i in stops if i != aborted}, f"{what}: rank 0 stops a request of rank 1 {served}"
     assert served[LONG] == 0 and len(done[LONG]) == LONG_TOKENS, what
     # One rank idles (an empty forward) while the other computes, for several steps; both compute in others.
     assert sum(1 for mine, other in steps if mine and not other) >= 3, f"{what}: {steps}"
