@@ -70,9 +70,11 @@ def test_megamoe_serve_under_torchrun_answers_then_ends_when_a_rank_dies(tmp_pat
         assert [len(want[prompt]) for prompt in requests] == list(requests.values())
         streams, texts = {}, {}
         for prompt, n in requests.items():      # the second arrives while the first runs: the other rank takes it
-            streams[prompt] = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-                                                        stream=True)
-            texts[prompt] = next(iter(streams[prompt])).choices[0].text
+            streams[prompt] = iter(client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                             stream=True))
+            texts[prompt] = next(streams[prompt]).choices[0].text
+        # A second chunk comes a step later: /metrics (a snapshot after each step) shows the first's step by then.
+        texts["the sky"] += next(streams["the sky"]).choices[0].text
         metrics = httpx.get(match.group(1)[:-len("/v1")] + "/metrics").text.splitlines()
         assert 'megamoe_dp_running{dp_rank="0"} 1' in metrics and 'megamoe_dp_running{dp_rank="1"} 1' in metrics, \
             [line for line in metrics if line.startswith("megamoe_dp_")]
@@ -84,6 +86,8 @@ def test_megamoe_serve_under_torchrun_answers_then_ends_when_a_rank_dies(tmp_pat
         assert process.returncode != 0, stderr[-3000:]
         assert stderr.strip().splitlines()[-1].startswith("megamoe serve: error: "), stderr[-3000:]
     finally:
-        if process.poll() is None:
+        if process.poll() is None:       # the ranks first: they hold the pipes that communicate() reads to the end
+            for pid in filter(None, (_pid_of_rank(marker, rank) for rank in (0, 1))):
+                os.kill(pid, signal.SIGKILL)
             process.kill()
-            process.communicate()
+            process.communicate(timeout=60)
