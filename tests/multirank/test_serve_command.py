@@ -63,7 +63,7 @@ def test_megamoe_serve_under_torchrun_answers_then_ends_when_a_rank_dies(tmp_pat
         assert match, line + (process.communicate(timeout=60)[1][-3000:] if not line else "")
         client = openai.OpenAI(base_url=match.group(1), api_key="none", max_retries=0, timeout=120)
         tokenizer = ServingTokenizer.from_path(tmp_path / "ckpt" / "hf_files")
-        requests = {"x y z": 40, "the sky": 30}         # long enough to run at once (generate() meets no EOS)
+        requests = {"x y z": 56, "the sky": 30}         # long enough to run at once (generate() meets no EOS)
         want = {prompt: generate(model, ParallelState.single_process(), [tokenizer.encode(prompt)],
                                  GenerationConfig(max_new_tokens=n, stop_token_ids=(EOS_ID,))).token_ids[0]
                 for prompt, n in requests.items()}
