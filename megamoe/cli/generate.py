@@ -104,7 +104,8 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-backend", choices=("auto", "torch", "loop", "te"), default=None,
                    help="grouped-GEMM experts implementation (default: the checkpoint's)")
     g.add_argument("--data-parallel-attention", action="store_true",
-                   help="each data-parallel rank serves its own share of the prompts (round robin); MoE layers are "
+                   help="each data-parallel rank serves its own requests (generate: a round-robin share of the "
+                        "prompts; serve: those rank 0 assigns it, least loaded first); MoE layers are "
                         "expert-parallel across them (allgather: input-sharded gather + reduce-scatter)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank (LOCAL_RANK), NCCL")

@@ -3,10 +3,13 @@ KV cache (:mod:`megamoe.serving`)::
 
     megamoe serve CKPT --host 127.0.0.1 --port 8000
     torchrun --nproc-per-node 2 -m megamoe serve CKPT --tp 2 --port 8000
+    torchrun --nproc-per-node 2 -m megamoe serve CKPT --ep 2 --data-parallel-attention --port 8000
 
 Endpoints: ``/v1/completions`` and ``/v1/chat/completions`` (streamed or not), ``/v1/models``, ``/health`` and
 ``/metrics`` (Prometheus text). Under torchrun, rank 0 serves HTTP and schedules every step, and the other
-ranks follow its steps. ``--port 0`` takes any free port; the first line printed says where it listens.
+ranks follow its steps; with ``--data-parallel-attention`` (tp 1, pp 1: EP spans the data-parallel ranks) each
+data-parallel rank schedules the requests rank 0 assigns it (:mod:`megamoe.serving.data_parallel`). ``--port 0``
+takes any free port; the first line printed says where it listens.
 
 Chats are rendered by the chat template of the tokenizer files (``--tokenizer``, by default
 ``CKPT/hf_files/`` if present, else ``CKPT``, as ``megamoe generate`` finds them). The default stop tokens are
@@ -111,10 +114,14 @@ def engine_config(args, engine_config_class):
     if args.data_parallel_attention:
         given["data_parallel_attention"] = True
     try:
-        return engine_config_class(**given)
+        config = engine_config_class(**given)
+        if config.data_parallel_attention:        # before anything loads: the layouts the engine runs it with
+            from megamoe.serving.data_parallel import check_data_parallel_layout
+            check_data_parallel_layout(args.tp, args.pp, config.speculative_tokens)
     except ValueError as error:
         raise UsageError(re.sub(r"\bEngineConfig\.(\w+)", lambda m: FLAG_OF_FIELD.get(m.group(1), m.group(0)),
                                 str(error))) from None
+    return config
 
 
 def load_serving_tokenizer(args):
@@ -172,11 +179,13 @@ def main(argv=None, *, prog: str = PROG) -> int:
         return 0
     from megamoe.serving.http.server import OpenAIServer
     name = args.served_model_name or str(args.checkpoint)
+    replicas = state.dp.size if config.data_parallel_attention else 1     # each holds its own running and waiting
     server = OpenAIServer(engine, tokenizer, model_name=name, vocab_size=saved.vocab_size,
                           context_length=max_sequence_length(saved),
-                          max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting, sock=sock,
+                          max_in_flight=replicas * (engine.config.max_num_seqs + engine.config.max_waiting), sock=sock,
                           heartbeat_s=min(args.comm_timeout / 4, HEARTBEAT_S) if world > 1 else None)
-    print(f"{prog}: serving {name} at {server.url}/v1 (world {state.world_size}); Ctrl-C stops", flush=True)
+    layout = f", data-parallel attention over {replicas} ranks" if replicas > 1 else ""
+    print(f"{prog}: serving {name} at {server.url}/v1 (world {state.world_size}{layout}); Ctrl-C stops", flush=True)
     server.run()                         # raises the engine's error (a dead rank, a timed-out collective)
     if world > 1:
         engine.shutdown()                # the followers return from follow()

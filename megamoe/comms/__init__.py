@@ -31,8 +31,8 @@ Where things live
 - :mod:`~megamoe.comms.groups`: ``group_size``, ``group_rank``, ``group_ranks``.
 - :mod:`~megamoe.comms.counter`: :class:`CommCounter`, :func:`comm_counter`, the recording every collective
   does (``_record``) and the naming of timed-out collectives (``_timeout_named``).
-- :mod:`~megamoe.comms.collectives`: raw collectives, no autograd: ``all_reduce_``, ``all_gather_into``,
-  ``all_gather_sizes``, the distributed optimizer's ``reduce_scatter_flat`` / ``all_gather_flat``,
+- :mod:`~megamoe.comms.collectives`: raw collectives, no autograd: ``all_reduce_``, ``any_rank``,
+  ``all_gather_into``, ``all_gather_sizes``, the distributed optimizer's ``reduce_scatter_flat`` / ``all_gather_flat``,
   ``all_gather_object``, ``broadcast_``, ``barrier``.
 - :mod:`~megamoe.comms.tensor_parallel_regions`: the ``*_tensor_parallel_region`` autograd functions (last dim).
 - :mod:`~megamoe.comms.sequence_parallel_regions`: the ``*_sequence_parallel_region`` autograd functions
@@ -65,6 +65,7 @@ from megamoe.comms.collectives import (
     all_gather_sizes,
     all_reduce_,
     all_reduce_coalesced_,
+    any_rank,
     barrier,
     broadcast_,
     reduce_scatter_flat,
@@ -96,7 +97,7 @@ from megamoe.comms.timeline import Timeline, TimelineEvent, comm_timeline, recor
 
 __all__ = [
     "CollectiveTimeout", "CommCounter", "comm_counter", "group_size", "group_rank", "group_ranks",
-    "all_reduce_", "all_reduce_coalesced_", "all_gather_into", "all_gather_sizes", "all_gather_object",
+    "all_reduce_", "all_reduce_coalesced_", "any_rank", "all_gather_into", "all_gather_sizes", "all_gather_object",
     "all_to_all_counts", "broadcast_",
     "reduce_scatter_flat", "all_gather_flat",
     "batch_send_recv", "barrier",

@@ -1,5 +1,6 @@
-"""Raw collectives (no autograd): all-reduce, all-gather (even or uneven first dims), reduce-scatter,
-the flat reduce-scatter / all-gather of the distributed optimizer, object all-gather, broadcast, barrier."""
+"""Raw collectives (no autograd): all-reduce (and ``any_rank``: of one flag), all-gather (even or uneven first
+dims), reduce-scatter, the flat reduce-scatter / all-gather of the distributed optimizer, object all-gather,
+broadcast, barrier."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.Reduce
     with _timeout_named("all_reduce", group):
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def any_rank(flag: bool, group: ProcessGroup | None, device=None) -> bool:
+    """True when ``flag`` is True on any rank of ``group``: ONE all-reduce (MAX) of one int64 on ``device``,
+    counted as ``"all_reduce"``. The serving engine's data-parallel ranks agree this way, every step, whether
+    any of them has work (then all run the model together: their MoE all-to-alls must match)."""
+    if group_size(group) == 1:
+        return bool(flag)
+    busy = torch.tensor([int(bool(flag))], dtype=torch.int64, device=device)
+    return host_ints(all_reduce_(busy, group, op=dist.ReduceOp.MAX), on_meta=[1])[0] > 0
 
 
 def all_reduce_coalesced_(tensors: Sequence[torch.Tensor], group: ProcessGroup | None) -> None:

@@ -19,8 +19,10 @@ class EngineConfig:
     fraction ``kv_cache_memory_fraction`` of the device's free memory when the engine starts.
     ``max_num_batched_tokens``: the tokens one step computes (decode tokens first, then prefill chunks).
     ``max_num_seqs``: requests running at once. ``max_waiting``: requests queued before
-    :class:`~megamoe.serving.errors.QueueFullError`. ``speculative_tokens``: MTP draft tokens per step;
-    ``data_parallel_attention``: each DP rank schedules its own requests (both for the scaled layouts).
+    :class:`~megamoe.serving.errors.QueueFullError`. ``speculative_tokens``: MTP draft tokens per step.
+    ``data_parallel_attention``: each data-parallel rank schedules its own requests over its own KV cache, and
+    the MoE layers run expert-parallel across them (:mod:`megamoe.serving.data_parallel`: tp = pp = 1, no
+    speculation); the sizes and bounds above are then per data-parallel rank.
     ``eplb_interval``: re-place the expert slots every that many engine steps from those steps' expert loads
     (:mod:`megamoe.serving.online_eplb`); 0: never."""
 

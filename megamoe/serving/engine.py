@@ -19,7 +19,9 @@ the last bits a different batch can bring to the logits).
 Pipeline and tensor parallelism follow ``generate()``: each stage receives the previous stage's hidden states,
 the last stage gathers the logits over TP, samples, and broadcasts the tokens (and their log-probabilities)
 over the pipeline group. Every rank must run the same schedule (rank 0 broadcasting it is the scaled layouts'
-part); this module's own tests run one process.
+part); this module's own tests run one process. Under data-parallel attention (``EngineConfig.
+data_parallel_attention``) each data-parallel rank runs its own schedule over its own requests and KV cache, and
+the ranks run the model together whenever any has work (:mod:`megamoe.serving.data_parallel`).
 
 Refused: context parallelism (the cache needs every position on one rank), sequence parallelism (build the
 model without it: ``model.without_sequence_parallel()``), dynamic-NTK rope (its frequencies would depend on the
@@ -39,6 +41,8 @@ from megamoe.inference.sampling import request_generator, sample_next_tokens
 from megamoe.machine_memory import available_memory_bytes, format_bytes
 from megamoe.pipeline.stage_dtype import stage_hidden_dtype
 from megamoe.serving.config import EngineConfig
+from megamoe.serving.data_parallel import (DataParallelSteps, RemoteOutput, check_data_parallel_layout,
+                                           check_moe_input, least_loaded, report_of)
 from megamoe.serving.errors import QueueFullError
 from megamoe.serving.metrics import EngineMetrics
 from megamoe.serving.online_eplb import ServingRebalancer
@@ -77,6 +81,9 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, stage_hidden_dtype(model)
         layer_ids = [i for chunk in model.chunk_layer_ids for i in chunk]
+        if config.data_parallel_attention:
+            check_data_parallel_layout(state.tp.size, state.pp.size, config.speculative_tokens)
+        check_moe_input(model, state, config.data_parallel_attention)
         check_speculation(model, config.speculative_tokens)
         if config.speculative_tokens:
             layer_ids += list(model.mtp_layer_ids)
@@ -99,6 +106,10 @@ class Engine:
         # Online expert rebalancing between steps (megamoe.serving.online_eplb); every rank runs the same steps.
         self.rebalancer = (ServingRebalancer(model, state, config.eplb_interval, config.data_parallel_attention)
                            if config.eplb_interval else None)
+        # Data-parallel attention: each data-parallel rank its own requests (megamoe.serving.data_parallel).
+        self._dp = (DataParallelSteps(state, self.device, num_blocks)
+                    if config.data_parallel_attention and state.dp.size > 1 else None)
+        self._dp_rank = self._dp.rank if self._dp is not None else 0
         logger.info("KV cache: %d blocks of %d positions (%s) over %d layers", num_blocks, config.block_size,
                     format_bytes(self.cache.nbytes), len(layers))
 
@@ -129,15 +140,29 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt = self._check_prompt(prompt_token_ids, params)
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        dp_rank = least_loaded(self.requests.values(), self._dp.size) if self._dp is not None else 0
+        if self._waiting_on(dp_rank) >= self.config.max_waiting:
             raise QueueFullError(f"the engine's queue is full ({self.config.max_waiting} waiting requests, "
                                  "EngineConfig.max_waiting): retry later")
-        request = Request(request_id, prompt, params, request_generator(params.seed, request_id), self._arrivals)
+        self._admit(request_id, prompt, params, dp_rank)
+        if self._broadcast is not None:
+            self._broadcast.record(AddRequest(request_id, tuple(prompt), params, dp_rank))
+
+    def _admit(self, request_id: int, prompt: list[int], params: SamplingParams, dp_rank: int) -> None:
+        """Hold a checked request; schedule it when this rank serves it (under data-parallel attention rank 0
+        holds the others' requests too, as mirrors: :meth:`_merge_remote`)."""
+        request = Request(request_id, prompt, params, request_generator(params.seed, request_id), self._arrivals,
+                          dp_rank=dp_rank)
         self._arrivals += 1
         self.requests[request_id] = request
-        self.scheduler.add(request)
-        if self._broadcast is not None:
-            self._broadcast.record(AddRequest(request_id, tuple(prompt), params))
+        if dp_rank == self._dp_rank:
+            self.scheduler.add(request)
+
+    def _waiting_on(self, dp_rank: int) -> int:
+        """Requests waiting on data-parallel rank ``dp_rank``: another's, as rank 0 knows them (no token yet)."""
+        if dp_rank == self._dp_rank:
+            return len(self.scheduler.waiting)
+        return sum(1 for r in self.requests.values() if r.dp_rank == dp_rank and not r.output)
 
     def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> list[int]:
         vocab = self.model.config.vocab_size
@@ -218,8 +243,9 @@ class Engine:
             if message.shutdown:
                 return
             for change in message.changes:
-                if isinstance(change, AddRequest):
-                    self.add_request(change.request_id, list(change.prompt), change.params)
+                if isinstance(change, AddRequest):           # checked by rank 0; added where it is served
+                    if change.dp_rank == self._dp_rank:
+                        self._admit(change.request_id, list(change.prompt), change.params, change.dp_rank)
                 else:
                     self.abort(change[1])
             self._step()
@@ -246,13 +272,14 @@ class Engine:
         schedule = self.scheduler.schedule()
         if speculator is not None:
             speculator.keep_scheduled(schedule.chunks)
-        if self._broadcast is not None:
+        if self._broadcast is not None and self._dp is None:
             self._broadcast.last_digest = schedule_digest(schedule.chunks)
-        if not schedule.chunks:
-            if self.requests:     # cannot happen: every admitted request fits in the pool alone
-                raise RuntimeError(f"the scheduler found no work for {len(self.requests)} unfinished requests "
-                                   f"({self.scheduler.pool.num_free} of {self.scheduler.pool.num_blocks} KV blocks "
-                                   "free)")
+        if not schedule.chunks and (self.scheduler.running or self.scheduler.waiting):
+            # Cannot happen: every admitted request fits in the pool alone.
+            raise RuntimeError(f"the scheduler found no work for {len(self.scheduler.running)} running and "
+                               f"{len(self.scheduler.waiting)} waiting requests ({self.scheduler.pool.num_free} of "
+                               f"{self.scheduler.pool.num_blocks} KV blocks free)")
+        if not self._runs_model(schedule):
             return outputs
         tokens, logprobs = self._forward(schedule)
         drafted = {}
@@ -290,7 +317,49 @@ class Engine:
             row += count
         if speculator is not None:
             speculator.draft(committed, self._hidden)
+        if self._dp is not None:
+            outputs = self._data_parallel_outputs(outputs, sum(count for _, count in schedule.chunks))
         return outputs
+
+    # -- data-parallel attention (megamoe.serving.data_parallel)
+
+    def _runs_model(self, schedule: StepSchedule) -> bool:
+        """Whether this step runs the model: tokens are scheduled here or, under data-parallel attention, on any
+        data-parallel rank (one all-reduce; a rank with nothing scheduled then runs it over an empty row)."""
+        if self._dp is None:
+            return bool(schedule.chunks)
+        return self._dp.any_work(bool(schedule.chunks))
+
+    def _data_parallel_outputs(self, outputs: list[RequestOutput], step_tokens: int) -> list[RequestOutput]:
+        """After a step that ran the model: every data-parallel rank's report reaches rank 0 (one gather), which
+        adds the other ranks' outputs to its own."""
+        reports = self._dp.gather(report_of(outputs, self.scheduler, self.prompt_tokens_computed, step_tokens))
+        if reports is None:                 # not rank 0: it reports this rank's requests
+            return outputs
+        for dp_rank, report in enumerate(reports[1:], start=1):
+            outputs.extend(self._merge_remote(dp_rank, remote) for remote in report.outputs)
+        return outputs
+
+    def _merge_remote(self, dp_rank: int, remote: RemoteOutput) -> RequestOutput:
+        """Rank 0: data-parallel rank ``dp_rank``'s new tokens of one of its requests, appended to rank 0's mirror
+        of it (stop strings are checked here: a stop reaches that rank before the next step)."""
+        request = self.requests.get(remote.request_id)
+        if request is None or request.dp_rank != dp_rank:
+            raise RuntimeError(f"data-parallel rank {dp_rank} reported request {remote.request_id}, which rank 0 does "
+                               "not hold there: the ranks' engines diverged; every rank must serve the same "
+                               "checkpoint with the same settings")
+        request.num_cached_tokens = remote.num_cached_tokens
+        new = []
+        for token, logprob in zip(remote.token_ids, remote.logprobs):
+            if request.finished:
+                break
+            self._append(request, token, logprob)
+            new.append((token, logprob))
+        if remote.finish_reason is not None and not request.finished:
+            raise RuntimeError(f"data-parallel rank {dp_rank} finished request {remote.request_id} "
+                               f"({remote.finish_reason}) after {len(request.output)} tokens, rank 0 did not: the "
+                               "ranks' engines diverged")
+        return request.report([t for t, _ in new], [lp for _, lp in new])
 
     def run(self) -> Iterator[RequestOutput]:
         """Steps until every request finished, yielding each step's outputs."""
@@ -381,10 +450,13 @@ class Engine:
         cache = scheduler.prefix_cache
         balance = {layer_id: layer.placement.balancedness(layer.load_counter.per_expert)
                    for layer_id, layer in self.model.moe_layers().items()}
-        return EngineMetrics(
+        metrics = EngineMetrics(
             running=len(scheduler.running), waiting=len(scheduler.waiting), kv_blocks_used=scheduler.pool.num_used,
             kv_blocks_total=scheduler.pool.num_blocks, prefix_cache_queries=cache.queries if cache else 0,
             prefix_cache_hits=cache.hits if cache else 0, prompt_tokens_computed=self.prompt_tokens_computed,
             generated_tokens=self.generated_tokens, preemptions=scheduler.preemptions,
             spec_proposed=self._speculator.proposed if self._speculator else 0,
             spec_accepted=self._speculator.accepted if self._speculator else 0, expert_balancedness=balance)
+        if self._dp is not None and self._dp.rank == 0:      # every data-parallel rank's, added up and listed
+            metrics = self._dp.combined_metrics(metrics)
+        return metrics

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["EngineMetrics"]
+__all__ = ["DataParallelRankMetrics", "EngineMetrics"]
+
+
+@dataclass(frozen=True)
+class DataParallelRankMetrics:
+    """One data-parallel rank's state after the latest step that ran the model (data-parallel attention,
+    :mod:`megamoe.serving.data_parallel`): its requests running and waiting, its KV blocks used and in its
+    pool, and the tokens it computed in that step (0: it ran the empty forward while others worked)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    step_tokens: int
 
 
 @dataclass(frozen=True)
@@ -14,7 +27,9 @@ class EngineMetrics:
     ``prefix_cache_hits``: of those, the tokens found (not computed). ``prompt_tokens_computed``: tokens the
     model computed without producing a new token (prefill chunks, recomputation after preemption);
     ``expert_balancedness``: per MoE layer of this stage, mean / max load per EP rank under its placement, of
-    the tokens routed since the start (1.0: even)."""
+    the tokens routed since the start (1.0: even). Under data-parallel attention (on rank 0) the gauges and
+    counters add up every data-parallel rank's, ``data_parallel`` lists each rank's state, and the expert
+    balancedness is of rank 0's own tokens."""
 
     running: int
     waiting: int
@@ -28,6 +43,7 @@ class EngineMetrics:
     spec_proposed: int = 0
     spec_accepted: int = 0
     expert_balancedness: dict[int, float] = field(default_factory=dict)
+    data_parallel: tuple[DataParallelRankMetrics, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

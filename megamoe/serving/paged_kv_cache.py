@@ -116,9 +116,13 @@ def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, d
             segments[window].append((queries, chunk.count, keys[window], end - first))
             keys[window] += end - first
         queries += chunk.count
-    packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), PackedSegments.build(segments[w], device))
-              for w in windows}
-    return {w: torch.cat(writes[w]).to(device) for w in windows}, packed
+    packed = {w: PackedKeys(_cat(gathers[w]).to(device), PackedSegments.build(segments[w], device)) for w in windows}
+    return {w: _cat(writes[w]).to(device) for w in windows}, packed
+
+
+def _cat(slots: list[torch.Tensor]) -> torch.Tensor:
+    """The slot lists concatenated; none (an empty step: a data-parallel rank idle while the others work): [0]."""
+    return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
 
 
 class PagedLayerView:

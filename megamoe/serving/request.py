@@ -61,6 +61,7 @@ class Request:
     spec_proposed: int = 0
     spec_accepted: int = 0
     text_checked: int = 0                          # characters of the decoded output searched for stop strings
+    dp_rank: int = 0                               # the data-parallel rank that serves it (data-parallel attention)
 
     @property
     def tokens(self) -> list[int]:

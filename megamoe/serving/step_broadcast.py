@@ -4,15 +4,18 @@ Every rank of a model runs every engine step together: TP ranks split each layer
 step's hidden states on, EP ranks exchange the step's tokens in the MoE layers. So every rank must hold the
 same requests and run the same schedule. Rank 0 (the HTTP server's rank) is the only one that hears of
 requests; before each step its engine broadcasts, over the world group, what changed since the last step, in
-the order it happened: requests added (id, prompt, sampling parameters), requests aborted, and requests rank 0
-ended on a stop string (the other ranks may have no tokenizer; they get no stop strings and drop those requests
-here). Every other rank runs :meth:`Engine.follow`: it receives, applies the same changes to its own engine
-and runs the same step. The scheduler is deterministic (it depends only on the requests, their order and
+the order it happened: requests added (id, prompt, sampling parameters, and the data-parallel rank that serves
+it), requests aborted, and requests rank 0 ended on a stop string (the other ranks may have no tokenizer; they
+get no stop strings and drop those requests here). Every other rank runs :meth:`Engine.follow`: it receives,
+applies the same changes to its own engine and runs the same step. The scheduler is deterministic (it depends only on the requests, their order and
 the KV pool's size, which the ranks agree on when the engine starts: :func:`agree_num_blocks`), and the new
 tokens are the same on every rank (the logits are gathered over TP before sampling, and the last pipeline
 stage broadcasts them), so the steps stay identical without sending the schedule itself. To catch a
 divergence anyway, each message carries a digest of rank 0's previous schedule (request ids and token
 counts), which every rank compares with its own (RuntimeError on a mismatch, never silently different steps).
+
+Under data-parallel attention (:mod:`megamoe.serving.data_parallel`) each data-parallel rank holds only the
+requests added for it and runs its own schedule: there the digest is not kept (0 on every rank).
 
 :meth:`Engine.shutdown` on rank 0 sends the message that ends ``follow()`` elsewhere. A rank that dies leaves
 the others waiting in a broadcast or a model collective: the process group's timeout ends them with
@@ -36,15 +39,19 @@ from megamoe.serving.sampling_params import SamplingParams
 
 __all__ = ["StepMessage", "AddRequest", "StepBroadcast", "agree_num_blocks", "schedule_digest"]
 
-_MAGIC = 0x5E4E_0001                   # format of the message; a follower refuses any other
+_MAGIC = 0x5E4E_0002                   # format of the message; a follower refuses any other
 ADD, ABORT, STOPPED = 1, 2, 3
 
 
 @dataclass(frozen=True)
 class AddRequest:
+    """A request to add; under data-parallel attention only on the ranks of data-parallel rank ``dp_rank``
+    (:mod:`megamoe.serving.data_parallel`)."""
+
     request_id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    dp_rank: int = 0
 
 
 @dataclass
@@ -72,7 +79,7 @@ def encode(message: StepMessage) -> list[int]:
             p = change.params
             out += [ADD, change.request_id, len(change.prompt), *change.prompt, p.max_tokens, p.seed,
                     -1 if p.top_k is None else p.top_k, _float_bits(p.temperature), _float_bits(p.top_p),
-                    int(p.logprobs), len(p.stop_token_ids), *p.stop_token_ids]
+                    int(p.logprobs), len(p.stop_token_ids), *p.stop_token_ids, change.dp_rank]
         else:
             kind, request_id = change
             out += [kind, request_id]
@@ -95,11 +102,12 @@ def decode(values: list[int]) -> StepMessage:
             max_tokens, seed, top_k, temperature, top_p, logprobs, num_stops = values[at:at + 7]
             at += 7
             stops = tuple(values[at:at + num_stops])
-            at += num_stops
+            dp_rank = values[at + num_stops]
+            at += num_stops + 1
             params = SamplingParams(temperature=_bits_float(temperature), top_k=None if top_k < 0 else top_k,
                                     top_p=_bits_float(top_p), seed=seed, max_tokens=max_tokens, stop_token_ids=stops,
                                     logprobs=bool(logprobs))
-            message.changes.append(AddRequest(request_id, prompt, params))
+            message.changes.append(AddRequest(request_id, prompt, params, dp_rank))
         elif kind in (ABORT, STOPPED):
             message.changes.append((kind, values[at + 1]))
             at += 2

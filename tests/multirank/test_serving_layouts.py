@@ -7,7 +7,14 @@ Under EP 2 the router is skewed to two experts of one EP rank, and the engine al
 every few steps: the placement changes, the balancedness improves, the tokens do not. Under PP 2 the engine
 also speculates with the MTP layer (on the last stage), its drafts overruled by an oracle (the MTP layer
 still runs): right for even request ids, wrong for odd ones, so that both acceptance and rollback cross the
-stages; the tokens are those without speculation, and the drafts are counted per request."""
+stages; the tokens are those without speculation, and the drafts are counted per request.
+
+Data-parallel attention (dp 2 x ep 2, 12 slots for 8 experts, all-to-all and input-sharded all-gather): each rank
+serves the requests rank 0 assigns it (least loaded), one rank idles for several steps (an empty forward) while
+the other decodes a long request; greedy tokens equal ``generate()``'s, seeded samples equal ``generate()`` with
+the same seed and request id, whichever rank served them; rank 0 ends a request of rank 1 on a stop string (only
+rank 0 has a tokenizer); aborting a request that lives on rank 1 frees its blocks there; an idle step costs the
+step broadcast and one all-reduce."""
 
 import random
 import zlib
@@ -40,6 +47,18 @@ PREFIX = [_rng.randrange(1, V) for _ in range(8)]
 PROMPTS = [[_rng.randrange(1, V) for _ in range(n)] for n in (3, 9, 5, 13)] + [PREFIX + [7, 3], PREFIX + [9]]
 MAX_TOKENS = [5, 3, 6, 4, 5, 4]
 ABORTED = 3                    # aborted after its first step
+# Data-parallel attention: (layout, MoE fields, family); a long request first (to rank 0), then the others.
+DP_LAYOUTS = {
+    "dp2 ep2 alltoall, 12 slots": (dict(ep=2), dict(dispatcher="alltoall", num_expert_slots=12), "qwen3_moe"),
+    "dp2 ep2 allgather sharded, 12 slots": (dict(ep=2), dict(dispatcher="allgather", input_sharded=True,
+                                                            num_expert_slots=12), "deepseek_v3"),
+}
+LONG = len(PROMPTS)            # the long request's id: PROMPTS[0] decoding LONG_TOKENS tokens
+LONG_TOKENS = 16
+SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.95, seed=3)
+SAMPLED = {1, 2, 4}            # request ids sampled with SAMPLING (the others greedy)
+STOP_STRING_IDS = (0, 5)       # greedy, ending on a stop string: the text of their 2nd and 3rd greedy tokens
+
 
 
 def _serve(engine, order, rng):
@@ -58,6 +77,70 @@ def _serve(engine, order, rng):
                 done[output.request_id] = output
     engine.shutdown()
     return done
+
+
+class _Letters:
+    """A tokenizer for stop strings (rank 0's only, as under ``megamoe serve``): one letter per token."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def _params(request_id, stops):
+    """``stops``: {request id: stop string}."""
+    from megamoe.serving import SamplingParams
+    if request_id == LONG:
+        return SamplingParams(max_tokens=LONG_TOKENS)
+    return SamplingParams(max_tokens=MAX_TOKENS[request_id], stop=stops.get(request_id, ()),
+                          **(SAMPLING if request_id in SAMPLED else {}))
+
+
+def _prompt(request_id):
+    return PROMPTS[0] if request_id == LONG else PROMPTS[request_id]
+
+
+def _serve_dp(engine, order, rng, stops):
+    """Rank 0 under data-parallel attention: adds LONG first, then ``order`` (none to two per step at random), and
+    aborts the first request served by rank 1 after its first output. Returns the finished requests' tokens, the
+    rank serving each request, each step's tokens per rank, the aborted id, the collectives of an idle step and
+    the metrics at the end."""
+    from megamoe import comms
+    pending, done, served, steps, aborted = [LONG, *order], {}, {}, [], None
+    while pending or engine.has_unfinished():
+        for _ in range(min(len(pending), rng.randint(0, 2) if engine.has_unfinished() else 1)):
+            request_id = pending.pop(0)
+            engine.add_request(request_id, _prompt(request_id), _params(request_id, stops))
+            served[request_id] = engine.requests[request_id].dp_rank
+        for output in engine.step():
+            if aborted is None and served[output.request_id] == 1 and not output.finished:
+                aborted = output.request_id
+                engine.abort(aborted)
+            if output.finished and output.finish_reason != "abort":
+                done[output.request_id] = output.token_ids
+        steps.append(tuple(rank.step_tokens for rank in engine.metrics().data_parallel))
+    metrics = engine.metrics()
+    with comms.comm_counter() as counter:
+        engine.step()                                     # nothing to do anywhere
+    engine.shutdown()
+    return done, served, steps, aborted, counter.kinds(), metrics
+
+
+def _follow_dp(engine):
+    """Rank 1 under data-parallel attention: follows rank 0's steps; returns, for each abort of a request it held,
+    (id, its blocks no other request references, KV blocks used before, after)."""
+    aborts, abort = [], engine.abort
+
+    def recording_abort(request_id):
+        request, pool = engine.requests.get(request_id), engine.scheduler.pool
+        if request is None:
+            return abort(request_id)
+        own = sum(1 for block in set(request.block_table) if block is not None and pool.refs[block] == 1)
+        before = pool.num_used
+        abort(request_id)
+        aborts.append((request_id, own, before, pool.num_used))
+    engine.abort = recording_abort
+    engine.follow()
+    return aborts
 
 
 def _model(kind, state=SOLO, **moe):
@@ -85,7 +168,7 @@ def _overrule_drafts(speculator, expected):
     speculator._mtp_drafts = oracle
 
 
-def _worker(rank, world_size, layouts, expected):
+def _worker(rank, world_size, layouts, expected, stops):
     from megamoe.serving import Engine, EngineConfig
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     results = {}
@@ -106,17 +189,31 @@ def _worker(rank, world_size, layouts, expected):
         else:
             engine.follow()
         destroy_model_parallel()
+    for name, (sizes, moe, family) in DP_LAYOUTS.items():
+        state = initialize_model_parallel(**sizes)
+        engine = Engine(_our_model(family, state, **moe), state, EngineConfig(
+            block_size=4, kv_cache_memory=1 << 20, max_num_batched_tokens=16, data_parallel_attention=True),
+            tokenizer=_Letters() if rank == 0 else None)
+        order = list(range(len(PROMPTS)))
+        random.Random(zlib.crc32(name.encode())).shuffle(order)
+        results[name] = ((order, _serve_dp(engine, order, random.Random(2), stops[family])) if rank == 0
+                         else _follow_dp(engine))
+        destroy_model_parallel()
     return results
 
 
-@pytest.mark.slow          # 2 ranks, 5 layouts of tiny models
+@pytest.mark.slow          # 2 ranks, 7 layouts of tiny models
 def test_engine_tokens_equal_generate_under_layouts():
     expected = {}
     for kind in {kind for _, _, kind, _ in LAYOUTS.values()}:
         model = _model(kind)
         expected[kind] = {i: generate(model, SOLO, [p], GenerationConfig(max_new_tokens=MAX_TOKENS[i])).token_ids[0]
                           for i, p in enumerate(PROMPTS)}
-    results = run_on_ranks(_worker, 2, args=(LAYOUTS, expected))[0]
+    stops = {}                  # the stop strings of STOP_STRING_IDS, per data-parallel family
+    for family in {family for _, _, family in DP_LAYOUTS.values()}:
+        stops[family] = {i: _Letters().decode(generate(_our_model(family), SOLO, [PROMPTS[i]], GenerationConfig(
+            max_new_tokens=MAX_TOKENS[i])).token_ids[0][1:3]) for i in STOP_STRING_IDS}
+    results, followed = run_on_ranks(_worker, 2, args=(LAYOUTS, expected, stops))
     for name, (_, _, kind, _) in LAYOUTS.items():
         order, done = results[name][:2]
         what = f"{kind} under {name}, arrival order {order}"
@@ -143,3 +240,34 @@ def test_engine_tokens_equal_generate_under_layouts():
         accepted = output.spec_proposed if request_id % 2 == 0 else 0
         assert output.spec_proposed > 0 and output.spec_accepted == accepted, (request_id, output)
     assert metrics.spec_accepted > 0 and metrics.spec_proposed > metrics.spec_accepted, metrics
+    for name, (_, _, family) in DP_LAYOUTS.items():
+        _check_data_parallel_attention(name, family, results[name], followed[name], stops[family])
+
+
+def _check_data_parallel_attention(name, family, result, follower_aborts, stops):
+    model = _our_model(family)
+    order, (done, served, steps, aborted, idle_step, metrics) = result
+    what = f"{family} under {name}, arrival order {order}"
+    for request_id in done:
+        params = _params(request_id, stops)
+        config = GenerationConfig(max_new_tokens=params.max_tokens, sampling=params.sampling)
+        want = generate(model, SOLO, [_prompt(request_id)], config, request_ids=[request_id]).token_ids[0]
+        if request_id in stops:       # cut at the token that completes the stop string
+            want = want[:next(n for n in range(1, len(want) + 1) if stops[request_id] in _Letters().decode(want[:n]))]
+            assert len(want) < params.max_tokens, (what, request_id)      # it did end on the stop string
+        assert done[request_id] == want, f"{what}: request {request_id} on rank {served[request_id]}: " \
+                                         f"{done[request_id]} != generate()'s {want}"
+    assert set(done) == set(served) - {aborted}, what
+    assert {served[i] for i in SAMPLED if i != aborted} == {0, 1}, f"{what}: sampled requests on both ranks {served}"
+    assert 1 in {served[i] for i in stops if i != aborted}, f"{what}: rank 0 stops a request of rank 1 {served}"
+    assert served[LONG] == 0 and len(done[LONG]) == LONG_TOKENS, what
+    # One rank idles (an empty forward) while the other computes, for several steps; both compute in others.
+    assert sum(1 for mine, other in steps if mine and not other) >= 3, f"{what}: {steps}"
+    assert sum(1 for mine, other in steps if mine and other) >= 3, f"{what}: {steps}"
+    # The abort of a request served by rank 1 freed its own blocks there at once.
+    assert served[aborted] == 1, what
+    (request_id, own, before, after), = [a for a in follower_aborts if a[0] == aborted]
+    assert own >= 1 and before - after == own, (what, own, before, after)
+    assert idle_step == {"broadcast": 2, "all_reduce": 1}, idle_step
+    assert (metrics.running, metrics.waiting, metrics.kv_blocks_used) == (0, 0, 0), metrics
+    assert len(metrics.data_parallel) == 2 and metrics.kv_blocks_total == 2 * metrics.data_parallel[1].kv_blocks_total

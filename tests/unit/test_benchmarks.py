@@ -237,7 +237,7 @@ def test_attention_benchmark_quick_measures_every_mask_kind_against_the_math_ker
 
 
 @pytest.mark.parametrize("name", ["attention", "checkpoint_load", "convert", "decode", "eplb", "fp8_experts",
-                                  "layout_plan", "memory", "moe_layer", "scaling", "train_step"])
+                                  "layout_plan", "memory", "moe_layer", "scaling", "serving_dp", "train_step"])
 def test_benchmark_help_shows_its_whole_description_and_every_default(name, monkeypatch, capsys):
     import argparse
 
@@ -407,3 +407,22 @@ def test_serving_benchmark_tiny(monkeypatch, tmp_path):
     assert verdicts["shared_prefix_prefill_cut"]["value"] == pytest.approx(
         shared["engine/no-prefix"]["prompt_tokens_computed"] / shared["engine"]["prompt_tokens_computed"])
     assert shared["engine"]["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.slow      # ~5 s of CPU: 2 gloo ranks, a tiny model, 4 requests of 2 tokens, each system twice
+def test_serving_dp_benchmark_quick(monkeypatch, tmp_path, capsys):
+    serving_dp = _benchmark("serving_dp", monkeypatch)
+    out = tmp_path / "serving_dp.json"
+    assert serving_dp.main(["--quick", "--requests", "4", "--new-tokens", "2", "--repeats", "1",
+                            "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    assert set(rows) == {"replicated attention", "data-parallel attention"}
+    replicated, data_parallel = rows["replicated attention"], rows["data-parallel attention"]
+    # Replicated: both ranks compute every token; data-parallel attention: each its own requests' (all of them).
+    assert replicated["tokens_computed_per_rank"][0] == replicated["tokens_computed_per_rank"][1]
+    assert sum(data_parallel["tokens_computed_per_rank"]) == replicated["tokens_computed_per_rank"][0]
+    assert min(data_parallel["tokens_computed_per_rank"]) > 0
+    assert results["verdicts"]["dp_attention_tokens_per_s_over_replicated"] == pytest.approx(
+        replicated["min_s"] / data_parallel["min_s"])
+    assert "data-parallel attention / replicated" in capsys.readouterr().out

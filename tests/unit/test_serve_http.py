@@ -365,7 +365,8 @@ def test_serve_command_mistakes_are_one_error_line(checkpoint, tmp_path, capsys,
              (["--eplb-interval", "-1"], ["--eplb-interval must be an integer >= 0"]),
              (["--port", str(port)], [f"cannot listen on 127.0.0.1:{port}"]),
              (["--tokenizer", str(tmp_path / "nothing")], ["--tokenizer", "does not exist"]),
-             (["--tp", "2"], ["do not fit 1 rank(s)"])]
+             (["--tp", "2"], ["do not fit 1 rank(s)"]),
+             (["--data-parallel-attention", "--pp", "2"], ["--data-parallel-attention", "tp=1, pp=1", "got tp=1 pp=2"])]
     try:
         for flags, words in cases:
             assert main(["serve", str(checkpoint), *flags]) == 1, flags

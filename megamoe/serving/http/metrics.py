@@ -1,5 +1,6 @@
 """What ``/metrics`` serves, in Prometheus' text format (version 0.0.4): the engine's state (running and waiting
-requests, KV blocks, prefix-cache hits, preemptions, speculation, per-layer expert balancedness) and the
+requests, KV blocks, prefix-cache hits, preemptions, speculation, per-layer expert balancedness; under
+data-parallel attention each data-parallel rank's requests, KV blocks and step tokens) and the
 server's own measurements (finished requests, generated tokens and tokens/s, time to first token and time per
 output token histograms).
 
@@ -154,4 +155,24 @@ def render_metrics(engine_metrics, stats: ServingStats) -> str:
     lines += _metric("megamoe_expert_balancedness", "gauge",
                      "per MoE layer: mean over max expert-parallel rank load of the routed tokens (1.0: balanced)",
                      [(f'{{layer="{layer}"}}', value) for layer, value in sorted(balance.items())])
+    lines += _data_parallel_lines(engine_metrics.data_parallel)
     return "\n".join(lines + stats.snapshot_lines()) + "\n"
+
+
+# Per data-parallel rank (data-parallel attention): (DataParallelRankMetrics field, help).
+DATA_PARALLEL_METRICS = (
+    ("running", "requests running on the data-parallel rank"),
+    ("waiting", "requests waiting on the data-parallel rank"),
+    ("kv_blocks_used", "KV-cache blocks in use on the data-parallel rank"),
+    ("kv_blocks_total", "KV-cache blocks in the data-parallel rank's pool"),
+    ("step_tokens", "tokens the data-parallel rank computed in the latest step that ran the model (0: idle)"),
+)
+
+
+def _data_parallel_lines(ranks) -> list[str]:
+    """``megamoe_dp_<field>{dp_rank="r"}`` gauges (none without data-parallel attention)."""
+    lines = []
+    for field, help_text in DATA_PARALLEL_METRICS if ranks else ():
+        lines += _metric(f"megamoe_dp_{field}", "gauge", help_text,
+                         [(f'{{dp_rank="{rank}"}}', getattr(state, field)) for rank, state in enumerate(ranks)])
+    return lines
