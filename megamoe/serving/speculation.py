@@ -115,7 +115,7 @@ class MTPSpeculator:
         rows, ids, positions, chunks = [], [], [], []
         for request, start, count, row in committed:
             rows.extend(range(row, row + count))
-            ids.extend(request.tokens[start + 1:start + count + 1])
+            ids.extend(request.token_slice(start + 1, start + count + 1))
             positions.extend(range(start, start + count))
             chunks.append(ScheduledChunk(request.block_table, start, count))
         index = torch.tensor(rows, dtype=torch.int64, device=device)
