@@ -66,29 +66,38 @@ class PackedKeys:
     segments: PackedSegments
 
 
-def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return table[positions // block_size] * block_size + positions % block_size
+def _ranges(first: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk index, position) of every position of the ranges ``[first[c], first[c] + length[c])``, in order."""
+    chunk = torch.repeat_interleave(torch.arange(len(first)), length)
+    begin = torch.cumsum(length, 0) - length
+    return chunk, first[chunk] + torch.arange(int(length.sum())) - begin[chunk]
 
 
 def pack_step(chunks: Sequence[ScheduledChunk], block_size: int, windows: set, device) -> tuple[torch.Tensor, dict]:
-    """(write slots [T] of the step's tokens, {window: :class:`PackedKeys`}) for the step's ``chunks``."""
-    writes, gathers, segments = [], {w: [] for w in windows}, {w: [] for w in windows}
-    queries = 0
-    keys = dict.fromkeys(windows, 0)                        # keys gathered so far, per window
-    for chunk in chunks:
-        end = chunk.start + chunk.count
-        table = torch.tensor([-1 if b is None else b for b in chunk.block_table[:(end + block_size - 1) // block_size]],
-                             dtype=torch.int64)
-        writes.append(_slots(table, torch.arange(chunk.start, end), block_size))
-        for window in windows:
-            first = 0 if window is None else max(0, chunk.start - window + 1)
-            gathers[window].append(_slots(table, torch.arange(first, end), block_size))
-            segments[window].append((queries, chunk.count, keys[window], end - first))
-            keys[window] += end - first
-        queries += chunk.count
-    packed = {w: PackedKeys(torch.cat(gathers[w]).to(device), PackedSegments.build(segments[w], device))
-              for w in windows}
-    return torch.cat(writes).to(device), packed
+    """(write slots [T] of the step's tokens, {window: :class:`PackedKeys`}) for the step's ``chunks``: a few
+    vectorized ops over all chunks (a step of hundreds of decode chunks spends no Python per position)."""
+    starts = [chunk.start for chunk in chunks]
+    counts = [chunk.count for chunk in chunks]
+    flat, offsets = [], []                                 # the block tables the step reads, concatenated
+    for chunk, start, count in zip(chunks, starts, counts):
+        offsets.append(len(flat))
+        flat.extend(-1 if b is None else b for b in chunk.block_table[:(start + count + block_size - 1) // block_size])
+    flat_t, offsets_t = torch.tensor(flat, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+    start_t, count_t = torch.tensor(starts, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64)
+
+    def slots(first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        chunk, positions = _ranges(first, length)
+        return flat_t[offsets_t[chunk] + positions // block_size] * block_size + positions % block_size
+
+    queries = (torch.cumsum(count_t, 0) - count_t).tolist()
+    packed = {}
+    for window in windows:
+        first = torch.zeros_like(start_t) if window is None else (start_t - window + 1).clamp(min=0)
+        length = start_t + count_t - first
+        keys = (torch.cumsum(length, 0) - length).tolist()
+        segments = list(zip(queries, counts, keys, length.tolist()))
+        packed[window] = PackedKeys(slots(first, length).to(device), PackedSegments.build(segments, device))
+    return slots(start_t, count_t).to(device), packed
 
 
 class PagedLayerView:
