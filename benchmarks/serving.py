@@ -1,14 +1,20 @@
 """Serving: the megamoe engine against static generate() and transformers' continuous batching, same weights.
 
-    python benchmarks/serving.py [--tiny] [--models qwen3_moe deepseek_v3] [--json out.json]
+    python benchmarks/serving.py [--tiny] [--models qwen3_moe deepseek_v3] [--bf16] [--threads 1] [--json out.json]
 
-One process, CPU, fp32, greedy, no stop token (every request generates exactly its ``max_tokens``, so every
-system produces the same number of tokens per request). A Qwen3-MoE-like model and a DeepSeek-V3-like model
-(MLA, one MTP layer) are built by transformers with seeded random weights and imported into megamoe through
-the HF adapter, so every system runs the same weights (the MTP layer exists on megamoe's side only). The DeepSeek-V3-like model is first trained, main and MTP
-losses together, on a seeded synthetic corpus with structure (:func:`train_on_corpus`), and its trained
-weights copied to transformers' model: random MTP weights draft nothing a random model accepts (acceptance 0.00
-on the random model, also through ``generate_with_mtp_draft`` and teacher-forced), a trained head does.
+One process, CPU, fp32 (``--bf16``: also bf16 rows), greedy, no stop token (every request generates exactly its
+``max_tokens``, so every system produces the same number of tokens per request). A Qwen3-MoE-like model and a
+DeepSeek-V3-like model (MLA, one MTP layer) are built by transformers with seeded random weights and imported
+into megamoe through the HF adapter, so every system runs the same weights (the MTP layer exists on megamoe's
+side only). The DeepSeek-V3-like model is first trained, main and MTP losses together (megamoe's Trainer,
+``train_steps`` steps), on a seeded synthetic corpus with structure (:func:`structured_corpus`: each token
+followed by its fixed successor 90% of the time), and its trained weights are copied to transformers' model
+(:func:`train_on_corpus`; cached under ``--train-cache``): random MTP weights draft nothing a random model
+accepts (acceptance 0.00 on the random model, the same through ``generate_with_mtp_draft`` and teacher-forced:
+the random model's greedy continuations are unpredictable), a head trained with its model does.
+
+On a host shared with other jobs run it with ``--threads 1``: two intra-op threads on two busy vCPUs made tiny
+steps tens of times slower (each op waits for the descheduled thread).
 
 Load: seeded traces (:func:`make_trace`) of requests with prompt and output lengths drawn uniformly from
 ranges. Scenarios, each over the same trace for every system:
@@ -16,7 +22,8 @@ ranges. Scenarios, each over the same trace for every system:
 - ``offline``: every request queued at t = 0;
 - ``online``: Poisson arrivals at ``--online-load`` (0.7) of the engine's offline request rate;
 - ``shared_prefix``: offline, every prompt a shared ``--system-prompt`` (512) token prefix plus its own tokens;
-- ``mtp`` (models with MTP layers): one request at a time (batch 1), the engine with and without MTP drafts.
+- ``mtp`` (models with MTP layers): one request at a time (batch 1), prompts from the training corpus, the
+  engine with and without MTP drafts, interleaved request by request.
 
 Systems:
 
@@ -25,7 +32,10 @@ Systems:
 - ``hf/static-B`` and ``megamoe/static-B``: a static server over ``generate()``: whenever it is idle it takes up
   to B arrived requests, runs them as one left-padded batch to their longest ``max_tokens`` and returns them;
 - ``engine`` (prefix caching on), ``engine/no-prefix``, and ``engine/mtp`` (``speculative_tokens``): the
-  megamoe engine, stepped as a server would, requests added at their arrival.
+  megamoe engine, stepped as a server would, requests added at their arrival, up to ``MAX_SEQS`` (256) running
+  under a ``TOKEN_BUDGET`` (512) token step budget (transformers' manager gets the same budget and block size).
+- with ``--bf16``, the ``offline_bf16`` rows: both models' weights rounded to bf16, the static servers at their
+  fp32 best batch size and the engine (``same_ids`` against megamoe's bf16 static generate()).
 
 Per system: output tokens/s (every request's own tokens over the time from the first arrival to the last
 finish), TTFT p50/p99 (first token - arrival), TPOT p50/p99 (per request: (finish - first token) / (tokens -
