@@ -472,11 +472,11 @@ def bf16_rows(hf, model, trace, kv, best_batch: dict) -> dict:
     kv16 = kv // 2
     reference = reference_ids(model16, trace)
     warm_up(hf16, model16, trace[:4], kv16, cb=False)
-    rows = {f"hf/static-{best_batch['hf']}": static_row(trace, best_batch["hf"], hf_static_batch(hf16), kv16, reference),
-            f"megamoe/static-{best_batch['megamoe']}": static_row(trace, best_batch["megamoe"],
-                                                                 megamoe_static_batch(model16), kv16, reference),
+    hf_batch, megamoe_batch = best_batch["hf"], best_batch["megamoe"]
+    return {f"hf/static-{hf_batch}": static_row(trace, hf_batch, hf_static_batch(hf16), kv16, reference),
+            f"megamoe/static-{megamoe_batch}": static_row(trace, megamoe_batch, megamoe_static_batch(model16), kv16,
+                                                          reference),
             "engine": engine_row(model16, trace, kv16, reference)}
-    return rows
 
 
 def best_static(rows: dict) -> str:

@@ -385,7 +385,7 @@ def test_scaling_benchmark_quick_reports_every_layout_with_overlap_off_and_on(mo
     assert pp["bytes_per_step"]["all_to_all"] > 0 and 0 < pp["bubble_measured"] < 1
 
 
-@pytest.mark.slow      # ~30 s of CPU: a tiny model, every system once (the MTP scenario: test_serving_speculation)
+@pytest.mark.slow      # ~3-8 s on one thread: a tiny model, every system once, fp32 and bf16
 @pytest.mark.timeout(900)
 @pytest.mark.usefixtures("one_thread")     # two threads on the busy 2-core machine: tiny steps ~10x slower
 def test_serving_benchmark_tiny(monkeypatch, tmp_path):
@@ -421,7 +421,7 @@ def test_serving_benchmark_tiny(monkeypatch, tmp_path):
                                             / bf16[best16["against"].split()[0]]["output_tokens_per_s"])
 
 
-@pytest.mark.slow      # ~8 s of CPU: a tiny DeepSeek-V3 trained 15 steps, 2 requests at batch 1 with and without MTP
+@pytest.mark.slow      # ~1-2 s: a tiny DeepSeek-V3 trained 15 steps, 2 requests at batch 1 with and without MTP
 @pytest.mark.timeout(900)
 @pytest.mark.usefixtures("one_thread")
 def test_serving_benchmark_mtp_drafts_of_the_trained_model_are_accepted(monkeypatch, tmp_path):
