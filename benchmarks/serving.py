@@ -1,13 +1,20 @@
 """Serving: the megamoe engine against static generate() and transformers' continuous batching, same weights.
 
-    python benchmarks/serving.py [--tiny] [--models qwen3_moe deepseek_v3] [--json out.json]
+    python benchmarks/serving.py [--tiny] [--models qwen3_moe deepseek_v3] [--bf16] [--threads 1] [--json out.json]
 
-One process, CPU, fp32, greedy, no stop token (every request generates exactly its ``max_tokens``, so every
-system produces the same number of tokens per request). A Qwen3-MoE-like model and a DeepSeek-V3-like model
-(MLA, one MTP layer) are built by transformers with seeded random weights and imported into megamoe through
-the HF adapter, so every system runs the same weights (the MTP layer exists on megamoe's side only: it is
-fitted to the main model's own greedy continuations first, see :func:`fit_mtp_layer`, as an MTP head is
-trained with its model; random MTP weights would draft nothing acceptable).
+One process, CPU, fp32 (``--bf16``: also bf16 rows), greedy, no stop token (every request generates exactly its
+``max_tokens``, so every system produces the same number of tokens per request). A Qwen3-MoE-like model and a
+DeepSeek-V3-like model (MLA, one MTP layer) are built by transformers with seeded random weights and imported
+into megamoe through the HF adapter, so every system runs the same weights (the MTP layer exists on megamoe's
+side only). The DeepSeek-V3-like model is first trained, main and MTP losses together (megamoe's Trainer,
+``train_steps`` steps), on a seeded synthetic corpus with structure (:func:`structured_corpus`: each token
+followed by its fixed successor 90% of the time), and its trained weights are copied to transformers' model
+(:func:`train_on_corpus`; cached under ``--train-cache``): random MTP weights draft nothing a random model
+accepts (acceptance 0.00 on the random model, the same through ``generate_with_mtp_draft`` and teacher-forced:
+the random model's greedy continuations are unpredictable), a head trained with its model does.
+
+On a host shared with other jobs run it with ``--threads 1``: two intra-op threads on two busy vCPUs made tiny
+steps tens of times slower (each op waits for the descheduled thread).
 
 Load: seeded traces (:func:`make_trace`) of requests with prompt and output lengths drawn uniformly from
 ranges. Scenarios, each over the same trace for every system:
@@ -15,7 +22,8 @@ ranges. Scenarios, each over the same trace for every system:
 - ``offline``: every request queued at t = 0;
 - ``online``: Poisson arrivals at ``--online-load`` (0.7) of the engine's offline request rate;
 - ``shared_prefix``: offline, every prompt a shared ``--system-prompt`` (512) token prefix plus its own tokens;
-- ``mtp`` (models with MTP layers): one request at a time (batch 1), the engine with and without MTP drafts.
+- ``mtp`` (models with MTP layers): one request at a time (batch 1), prompts from the training corpus, the
+  engine with and without MTP drafts, interleaved request by request.
 
 Systems:
 
@@ -24,7 +32,10 @@ Systems:
 - ``hf/static-B`` and ``megamoe/static-B``: a static server over ``generate()``: whenever it is idle it takes up
   to B arrived requests, runs them as one left-padded batch to their longest ``max_tokens`` and returns them;
 - ``engine`` (prefix caching on), ``engine/no-prefix``, and ``engine/mtp`` (``speculative_tokens``): the
-  megamoe engine, stepped as a server would, requests added at their arrival.
+  megamoe engine, stepped as a server would, requests added at their arrival, up to ``MAX_SEQS`` (256) running
+  under a ``TOKEN_BUDGET`` (512) token step budget (transformers' manager gets the same budget and block size).
+- with ``--bf16``, the ``offline_bf16`` rows: both models' weights rounded to bf16, the static servers at their
+  fp32 best batch size and the engine (``same_ids`` against megamoe's bf16 static generate()).
 
 Per system: output tokens/s (every request's own tokens over the time from the first arrival to the last
 finish), TTFT p50/p99 (first token - arrival), TPOT p50/p99 (per request: (finish - first token) / (tokens -
@@ -43,7 +54,11 @@ benchmarks/results/serving.json) and prints a table.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import hashlib
 import logging
+import os
 import statistics
 import sys
 import time
@@ -52,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import tqdm
 
 from common import argument_parser, write_results  # sibling module
 from megamoe.hf.adapters import adapter_for
@@ -70,7 +86,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_si
             moe_intermediate_size=32, intermediate_size=64, num_experts_per_tok=2, experts=4)
 SCENARIOS = ("offline", "online", "shared_prefix", "mtp")
 BLOCK_SIZE = 16          # KV block (page) size of the engine and of transformers' continuous batching
-TOKEN_BUDGET = 256       # tokens per step of both
+TOKEN_BUDGET = 512       # tokens per step of both
+MAX_SEQS = 256           # requests the engine runs at once (transformers' manager: as many as its budget and pool hold)
+MTP_LOSS_COEFF = 0.3     # DeepSeek-V3's weight of the MTP loss (its first 10T training tokens)
 TARGETS = {"offline_over_best_static": 1.5, "offline_over_hf_cb": 4.0, "online_ttft_p99_over_best_static": 1 / 3,
            "shared_prefix_prefill_cut": 3.0, "mtp_decode_speedup": 1.3}
 
@@ -97,14 +115,15 @@ def hf_config(family: str, size: dict):
 
 def build_models(family: str, size: dict, seed: int, attn_implementation: str = "sdpa"):
     """(transformers model, megamoe model) holding the same weights; the DeepSeek-V3-like megamoe model also
-    has one MTP layer (megamoe's own initialization, fitted later)."""
+    has one MTP layer (megamoe's own initialization, trained with the model by :func:`train_on_corpus`)."""
     import transformers
     cfg = hf_config(family, size)
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation).eval()
     plain = config_from_hf(cfg, expert_backend="torch")
     mtp_layers = 1 if family == "deepseek_v3" else 0
-    config = config_from_hf(cfg, expert_backend="torch", mtp_num_layers=mtp_layers) if mtp_layers else plain
+    config = dataclasses.replace(config_from_hf(cfg, expert_backend="torch", mtp_num_layers=mtp_layers),
+                                 mtp_loss_coeff=MTP_LOSS_COEFF) if mtp_layers else plain
     model = GPTMoEModel(config, ParallelState.single_process()).eval()
     logical = gather_logical_state(model)                       # the MTP layer keeps its own initialization
     logical.update(adapter_for(family).hf_to_megamoe(hf.state_dict(), plain))
@@ -112,36 +131,69 @@ def build_models(family: str, size: dict, seed: int, attn_implementation: str = 
     return hf, model
 
 
-def fit_mtp_layer(model: GPTMoEModel, steps: int, seed: int, batch: int = 16, length: int = 48) -> list[float]:
-    """Train the MTP layers (the main model frozen) with the model's MTP loss (:meth:`GPTMoEModel.mtp_loss`) on
-    the main model's own greedy continuations of random prompts: what joint training gives a real model's MTP
-    head. Returns the losses of the steps."""
+def structured_corpus(count: int, length: int, *, seed: int, alphabet: int, follow: float = 0.9) -> torch.Tensor:
+    """[count, length] token ids of a seeded synthetic language with structure: over the ids 1..``alphabet``, each
+    token is followed by its fixed successor (a seeded permutation) with probability ``follow``, else by a
+    uniformly drawn id. A model trained on it predicts the successor; greedy continuations follow the chain."""
     generator = torch.Generator().manual_seed(seed)
-    state = ParallelState.single_process()
-    prompts = [torch.randint(1, model.config.vocab_size, (8,), generator=generator).tolist() for _ in range(4 * batch)]
-    out = generate(model, state, prompts, GenerationConfig(max_new_tokens=length))
-    sequences = torch.tensor([p + ids for p, ids in zip(prompts, out.token_ids)])
-    mtp_ids = {str(i) for i in model.mtp_layer_ids}
-    mtp_params = [p for name, p in model.layers.named_parameters() if name.split(".")[0] in mtp_ids]
-    optimizer = torch.optim.Adam(mtp_params, lr=3e-3)
-    losses = []
-    model.requires_grad_(False)
-    for p in mtp_params:
-        p.requires_grad_(True)
-    for _ in range(steps):
-        ids = sequences[torch.randint(0, len(sequences), (batch,), generator=generator)]
-        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        with torch.no_grad():
-            hidden, _ = model.run_layers(ids)
-        loss, _ = model.mtp_loss(hidden, ids, labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    for p in mtp_params:
-        p.requires_grad_(False)
-        p.grad = None
-    return losses
+    successor = torch.randperm(alphabet, generator=generator) + 1                  # successor[t - 1]
+    out = torch.empty(count, length, dtype=torch.int64)
+    out[:, 0] = torch.randint(1, alphabet + 1, (count,), generator=generator)
+    for i in range(1, length):
+        jump = torch.rand(count, generator=generator) >= follow
+        out[:, i] = torch.where(jump, torch.randint(1, alphabet + 1, (count,), generator=generator),
+                                successor[out[:, i - 1] - 1])
+    return out
+
+
+def train_on_corpus(hf, model: GPTMoEModel, family: str, steps: int, seed: int, alphabet: int,
+                    cache_dir: str | None = None, batch: int = 8, length: int = 32) -> dict:
+    """Train ``model`` (main and MTP losses, megamoe's Trainer, Adam at 3e-3) for ``steps`` steps of ``batch``
+    sequences of :func:`structured_corpus`, then copy the main model's weights into ``hf`` (so every side serves
+    the same trained weights): an MTP head trained with its model drafts what the model then accepts (random MTP
+    weights draft nothing a random model accepts: acceptance 0.00). With ``cache_dir``, the trained weights are
+    kept there (safetensors, named by everything that decides them) and a later run with the same settings loads
+    them instead of training. Returns what it did, for the results."""
+    import safetensors.torch
+    from megamoe.training.trainer import TrainConfig, Trainer
+    names = gather_logical_state(model)
+    key = hashlib.sha256(repr((family, model.config, seed, steps, alphabet, batch, length)).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"serving_{family}_{key}.safetensors" if cache_dir else None
+    if path is not None and path.exists():
+        logical = safetensors.torch.load_file(str(path))
+        if {k: tuple(v.shape) for k, v in logical.items()} != {k: tuple(v.shape) for k, v in names.items()}:
+            raise RuntimeError(f"{path} does not hold this model's tensors: delete it to train again")
+        load_logical_state(model, logical)
+        info = {"steps": steps, "cached": str(path)}
+    else:
+        state = ParallelState.single_process()
+        corpus = structured_corpus(steps * batch, length + 1, seed=seed, alphabet=alphabet)
+        trainer = Trainer(model, state, TrainConfig(lr=3e-3))
+        model.train()
+        started, losses = time.perf_counter(), []
+        for step in tqdm.trange(steps, desc=f"training {family}", disable=None):
+            ids = corpus[step * batch:(step + 1) * batch]
+            losses.append(trainer.train_step([(ids[:, :-1], ids[:, 1:])]).loss)
+        model.eval()
+        for p in model.parameters():
+            p.grad = None
+        info = {"steps": steps, "first_loss": losses[0], "last_loss": losses[-1],
+                "seconds": time.perf_counter() - started}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            safetensors.torch.save_file({k: v.contiguous() for k, v in gather_logical_state(model).items()},
+                                        str(partial))
+            partial.replace(path)
+    plain = config_from_hf(hf.config, expert_backend="torch")
+    mtp = tuple(f"layers.{i}." for i in model.mtp_layer_ids)
+    logical = {k: v for k, v in gather_logical_state(model).items() if not k.startswith(mtp)}
+    missing, unexpected = hf.load_state_dict(adapter_for(family).megamoe_to_hf(logical, plain, fused=True),
+                                             strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"the trained weights do not fit transformers' model: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    return dict(info, alphabet=alphabet, batch=batch, length=length)
 
 
 # ---------------------------------------------------------------------------------------------------- load
@@ -323,7 +375,8 @@ def engine_server(model: GPTMoEModel, trace: list[TraceRequest], kv_per_position
     """The megamoe engine stepped as a server: arrived requests added before each step, idle until the next
     arrival. Returns (served, peak KV bytes, engine metrics)."""
     from megamoe.serving import Engine, EngineConfig, SamplingParams
-    engine_config = {"block_size": BLOCK_SIZE, "max_num_batched_tokens": TOKEN_BUDGET, **engine_config}
+    engine_config = {"block_size": BLOCK_SIZE, "max_num_batched_tokens": TOKEN_BUDGET, "max_num_seqs": MAX_SEQS,
+                     **engine_config}
     block_size = engine_config["block_size"]
     longest = max(len(r.prompt) + r.max_tokens for r in trace)
     memory = engine_config.pop("kv_cache_memory", None) or (
@@ -341,7 +394,7 @@ def engine_server(model: GPTMoEModel, trace: list[TraceRequest], kv_per_position
             continue
         outputs = engine.step()
         now = clock.now()
-        peak_blocks = max(peak_blocks, engine.metrics().kv_blocks_used)
+        peak_blocks = max(peak_blocks, engine.scheduler.pool.num_used)      # not metrics(): every layer's balance
         for out in outputs:
             if out.new_token_ids and out.request_id not in first:
                 first[out.request_id] = now
@@ -395,12 +448,35 @@ def hf_cb_row(hf, trace, kv, reference) -> dict:
     return summarize(served, trace, reference, peak)
 
 
-def warm_up(hf, model, trace, kv) -> None:
-    """One untimed run of every system (lazy initializations, allocator growth, transformers' manager)."""
-    static_server(trace, 2, hf_static_batch(hf), kv)
-    static_server(trace, 2, megamoe_static_batch(model), kv)
-    hf_cb_row(hf, trace, kv, None)
+def warm_up(hf, model, trace, kv, peers: bool = True, cb: bool = True) -> None:
+    """One untimed run of every system to be measured (lazy initializations, allocator growth, transformers'
+    manager): the static servers with ``peers``, transformers' continuous batching with ``cb`` too, the engine
+    (with MTP drafts too when the model has MTP layers)."""
+    if peers:
+        static_server(trace, 2, hf_static_batch(hf), kv)
+        static_server(trace, 2, megamoe_static_batch(model), kv)
+        if cb:
+            hf_cb_row(hf, trace, kv, None)
     engine_server(model, trace, kv)
+    if model.mtp_layer_ids:
+        engine_server(model, trace, kv, speculative_tokens=1)
+
+
+def bf16_rows(hf, model, trace, kv, best_batch: dict) -> dict:
+    """The offline rows of bf16 copies of both models (the same weights rounded to bf16): the static servers at
+    the batch sizes given, and the engine; ``same_ids`` against megamoe's bf16 static generate()."""
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    model16 = GPTMoEModel(model.config, ParallelState.single_process()).eval()    # (a deepcopy loses the
+    load_logical_state(model16, gather_logical_state(model))                      # parameters' layout attributes)
+    model16.to(torch.bfloat16)
+    kv16 = kv // 2
+    reference = reference_ids(model16, trace)
+    warm_up(hf16, model16, trace[:4], kv16, cb=False)
+    hf_batch, megamoe_batch = best_batch["hf"], best_batch["megamoe"]
+    return {f"hf/static-{hf_batch}": static_row(trace, hf_batch, hf_static_batch(hf16), kv16, reference),
+            f"megamoe/static-{megamoe_batch}": static_row(trace, megamoe_batch, megamoe_static_batch(model16), kv16,
+                                                          reference),
+            "engine": engine_row(model16, trace, kv16, reference)}
 
 
 def best_static(rows: dict) -> str:
@@ -414,11 +490,13 @@ def run_model(family: str, args, size: dict, sizes: dict) -> dict:
     hf, model = build_models(family, size, args.seed)
     kv = kv_bytes_per_position(model)
     result = {"kv_bytes_per_position": kv, "scenarios": {}, "verdicts": {}}
-    if model.mtp_layer_ids:
-        losses = fit_mtp_layer(model, sizes["mtp_fit_steps"], args.seed)
-        result["mtp_fit_loss"] = [losses[0], losses[-1]] if losses else []
     vocab = size["vocab_size"]
-    warm_up(hf, model, make_trace(4, seed=args.seed + 9, vocab_size=vocab, prompt_lens=(4, 8), output_lens=(2, 4)), kv)
+    if model.mtp_layer_ids:
+        result["training"] = train_on_corpus(hf, model, family, sizes["train_steps"], args.seed, sizes["alphabet"],
+                                             args.train_cache or None)
+        log.info("%s: trained on the structured corpus: %s", family, result["training"])
+    warm_up(hf, model, make_trace(4, seed=args.seed + 9, vocab_size=vocab, prompt_lens=(4, 8), output_lens=(2, 4)), kv,
+            peers=bool({"offline", "online"} & set(args.scenarios)))
 
     def trace(count, rate=None, prefix=0, prompt_lens=sizes["prompt_lens"], seed=args.seed):
         return make_trace(count, seed=seed, vocab_size=vocab, prompt_lens=prompt_lens,
@@ -450,6 +528,13 @@ def run_model(family: str, args, size: dict, sizes: dict) -> dict:
                 "hf/cb")
         best_batch = {kind: max((r for n, r in rows.items() if n.startswith(kind + "/static-")),
                                 key=lambda r: r["output_tokens_per_s"])["batch"] for kind in ("hf", "megamoe")}
+        if args.bf16:        # the same weights in bf16 on both sides, each static row at its fp32 best batch
+            rows16 = bf16_rows(hf, model, offline, kv, best_batch)
+            scenario("offline_bf16", offline, rows16)
+            best16 = best_static(rows16)
+            result["verdicts"]["offline_bf16_over_best_static"] = verdict(
+                rows16["engine"]["output_tokens_per_s"] / rows16[best16]["output_tokens_per_s"],
+                "offline_over_best_static", best16 + " (bf16)")
     else:
         best_batch = {"hf": sizes["batches"][0], "megamoe": sizes["batches"][0]}
     # The online rate: a fraction of the engine's offline request rate (measured above, or its own short run).
@@ -486,13 +571,17 @@ def run_model(family: str, args, size: dict, sizes: dict) -> dict:
             / max(shared_rows["engine"]["prompt_tokens_computed"], 1), "shared_prefix_prefill_cut", "no prefix")
 
     if "mtp" in args.scenarios and model.mtp_layer_ids:      # batch 1: one request after the other
-        single = trace(sizes["mtp_requests"], seed=args.seed + 3)
-        alone = [TraceRequest(r.request_id, 0.0, r.prompt, sizes["mtp_tokens"]) for r in single]
+        # Prompts from the corpus the model was trained on (its drafts are meaningful there), one at a time.
+        prompts = structured_corpus(sizes["mtp_requests"], sizes["prompt_lens"][1], seed=args.seed + 3,
+                                    alphabet=sizes["alphabet"]).tolist()
+        alone = [TraceRequest(i, 0.0, p, sizes["mtp_tokens"]) for i, p in enumerate(prompts)]
         reference = reference_ids(model, alone)
-        mtp_rows = {}
-        for name, config in (("engine", {}), ("engine/mtp", {"speculative_tokens": args.speculative_tokens})):
-            rows_one = [engine_row(model, [r], kv, {r.request_id: reference[r.request_id]}, **config) for r in alone]
-            mtp_rows[name] = batch_one(rows_one)
+        systems = (("engine", {}), ("engine/mtp", {"speculative_tokens": args.speculative_tokens}))
+        rows_one = {name: [] for name, _ in systems}
+        for r in alone:                      # interleaved request by request: host noise hits both alike
+            for name, config in systems:
+                rows_one[name].append(engine_row(model, [r], kv, {r.request_id: reference[r.request_id]}, **config))
+        mtp_rows = {name: batch_one(rows) for name, rows in rows_one.items()}
         scenario("mtp_batch1", alone, mtp_rows)
         result["verdicts"]["mtp_decode_speedup"] = verdict(
             mtp_rows["engine/mtp"]["decode_tokens_per_s"] / mtp_rows["engine"]["decode_tokens_per_s"],
@@ -546,12 +635,16 @@ def main(argv=None) -> int:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS,
                         help="the scenarios to run (see above)")
     parser.add_argument("--online-requests", type=int, default=None, help="online requests (default 200; --tiny 8)")
-    parser.add_argument("--max-output", type=int, default=None, help="longest output (default 64; --tiny 8)")
+    parser.add_argument("--max-output", type=int, default=None, help="longest output (default 32; --tiny 8)")
     parser.add_argument("--online-load", type=float, default=0.7,
                         help="online arrival rate as a fraction of the engine's offline request rate")
     parser.add_argument("--speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also the offline rows of both models in bf16 (static at the fp32 best batch, engine)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the traces")
+    parser.add_argument("--train-cache", default=str(Path(__file__).parent / "results" / "cache"),
+                        help="where the DeepSeek-V3-like model's trained weights are kept between runs ('': nowhere)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "serving.json"),
                         help="where to write the results")
     args = parser.parse_args(argv)
@@ -560,10 +653,10 @@ def main(argv=None) -> int:
     size = TINY if args.tiny else FULL
     sizes = dict(offline_requests=8, online_requests=6, batches=(4, 8), prompt_lens=(4, 24), output_lens=(2, 8),
                  shared_requests=6, system_prompt=64, suffix_lens=(2, 8), mtp_requests=2, mtp_tokens=12,
-                 mtp_fit_steps=4) if args.tiny else dict(
-        offline_requests=256, online_requests=200, batches=(8, 16, 32), prompt_lens=(16, 128), output_lens=(8, 64),
-        shared_requests=32, system_prompt=512, suffix_lens=(16, 64), mtp_requests=4, mtp_tokens=64,
-        mtp_fit_steps=300)
+                 train_steps=15, alphabet=8) if args.tiny else dict(
+        offline_requests=256, online_requests=200, batches=(8, 16, 32), prompt_lens=(16, 128), output_lens=(16, 32),
+        shared_requests=32, system_prompt=512, suffix_lens=(16, 64), mtp_requests=4, mtp_tokens=32,
+        train_steps=120, alphabet=256)
     if args.requests is not None:
         sizes["offline_requests"] = args.requests
     if args.online_requests is not None:
@@ -571,12 +664,13 @@ def main(argv=None) -> int:
     if args.max_output is not None:
         sizes["output_lens"] = (min(sizes["output_lens"][0], args.max_output), args.max_output)
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "fp32", "model": size,
-               "sizes": sizes, "targets": TARGETS, "models": {}}
+               "sizes": sizes, "targets": TARGETS, "load_average_before": os.getloadavg(), "models": {}}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, greedy; model {size}; load {sizes}")
     print(f"{'model':>11s} {'scenario':>13s} {'system':>18s} {'tok/s':>9s} {'TTFT p50':>8s} {'TTFT p99':>8s} "
           f"{'TPOT p50':>8s} {'TPOT p99':>8s} {'KV MiB':>8s} {'same':>5s}  (TTFT s, TPOT ms; mtp rows: decode tok/s)")
     for family in args.models:
         results["models"][family] = run_model(family, args, size, sizes)
+        results["models"][family]["load_average_after"] = os.getloadavg()     # the host's load (uptime)
         write_results(args.json, results)          # after each model: a long run keeps what it measured
     print("targets (engine over the peer measured in the same run):")
     for family, entry in results["models"].items():

@@ -399,7 +399,7 @@ class Engine:
         inputs, positions, rows = [], [], []
         for request, count in schedule.chunks:
             start = request.num_computed
-            inputs.extend(request.tokens[start:start + count])
+            inputs.extend(request.token_slice(start, start + count))
             positions.extend(range(start, start + count))
             if start + count == request.num_tokens:
                 rows.append(len(inputs) - 1)

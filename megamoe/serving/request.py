@@ -67,6 +67,13 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the whole list (a step reads a few tokens of a long one)."""
+        prompt = len(self.prompt)
+        if start >= prompt:
+            return self.output[start - prompt:end - prompt]
+        return self.prompt[start:end] + self.output[:max(0, end - prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

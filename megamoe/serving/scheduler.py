@@ -225,9 +225,9 @@ class Scheduler:
 
     def register_full_blocks(self, request: Request) -> None:
         """Offer ``request``'s computed full blocks to the prefix cache."""
-        if self.prefix_cache is None:
-            return
         full = request.num_computed // self.block_size
+        if self.prefix_cache is None or full <= request.blocks_registered:      # most decode steps: no new block
+            return
         hashes = chained_block_hashes(request.tokens[:full * self.block_size], self.block_size, request.block_hashes)
         for index in range(request.blocks_registered, full):
             block = request.block_table[index]

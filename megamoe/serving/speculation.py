@@ -153,7 +153,7 @@ class MTPSpeculator:
         rows, ids, positions, chunks, last_rows = [], [], [], [], {}
         for request, start, count, row in committed:
             rows.extend(range(row, row + count))
-            ids.extend(request.tokens[start + 1:start + count + 1])
+            ids.extend(request.token_slice(start + 1, start + count + 1))
             positions.extend(range(start, start + count))
             chunks.append(ScheduledChunk(request.block_table, start, count, request.window_table))
             last_rows[request] = len(rows) - 1

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -384,12 +385,13 @@ def test_scaling_benchmark_quick_reports_every_layout_with_overlap_off_and_on(mo
     assert pp["bytes_per_step"]["all_to_all"] > 0 and 0 < pp["bubble_measured"] < 1
 
 
-@pytest.mark.slow      # ~30 s of CPU: a tiny model, every system once (the MTP scenario: test_serving_speculation)
+@pytest.mark.slow      # ~3-8 s on one thread: a tiny model, every system once, fp32 and bf16
 @pytest.mark.timeout(900)
+@pytest.mark.usefixtures("one_thread")     # two threads on the busy 2-core machine: tiny steps ~10x slower
 def test_serving_benchmark_tiny(monkeypatch, tmp_path):
     serving = _benchmark("serving", monkeypatch)
     out = tmp_path / "serving.json"
-    assert serving.main(["--tiny", "--models", "qwen3_moe", "--scenarios", "offline", "shared_prefix",
+    assert serving.main(["--tiny", "--models", "qwen3_moe", "--scenarios", "offline", "shared_prefix", "--bf16",
                          "--json", str(out)]) == 0
     results = json.loads(out.read_text())["models"]["qwen3_moe"]
     offline = results["scenarios"]["offline"]["rows"]
@@ -407,6 +409,17 @@ def test_serving_benchmark_tiny(monkeypatch, tmp_path):
     assert verdicts["shared_prefix_prefill_cut"]["value"] == pytest.approx(
         shared["engine/no-prefix"]["prompt_tokens_computed"] / shared["engine"]["prompt_tokens_computed"])
     assert shared["engine"]["prefix_cache_hit_tokens"] > 0
+    bf16 = results["scenarios"]["offline_bf16"]["rows"]         # the same weights in bf16, each static at its best
+    batches = {kind: max((r for n, r in offline.items() if n.startswith(kind + "/static-")),
+                         key=lambda r: r["output_tokens_per_s"])["batch"] for kind in ("hf", "megamoe")}
+    assert set(bf16) == {f"hf/static-{batches['hf']}", f"megamoe/static-{batches['megamoe']}", "engine"}
+    assert all(row["output_tokens"] == offline["engine"]["output_tokens"] for row in bf16.values())
+    assert bf16[f"megamoe/static-{batches['megamoe']}"]["same_ids"] == 1.0     # its own reference
+    assert bf16["engine"]["peak_kv_bytes"] * 2 == offline["engine"]["peak_kv_bytes"]
+    best16 = verdicts["offline_bf16_over_best_static"]
+    assert best16["value"] == pytest.approx(bf16["engine"]["output_tokens_per_s"]
+                                            / bf16[best16["against"].split()[0]]["output_tokens_per_s"])
+
 
 
 @pytest.mark.slow      # ~5 s of CPU: 2 gloo ranks, a tiny model, 4 requests of 2 tokens, each system twice
@@ -426,3 +439,30 @@ def test_serving_dp_benchmark_quick(monkeypatch, tmp_path, capsys):
     assert results["verdicts"]["dp_attention_tokens_per_s_over_replicated"] == pytest.approx(
         replicated["min_s"] / data_parallel["min_s"])
     assert "data-parallel attention / replicated" in capsys.readouterr().out
+
+
+@pytest.mark.slow      # ~1-2 s: a tiny DeepSeek-V3 trained 15 steps, 2 requests at batch 1 with and without MTP
+@pytest.mark.timeout(900)
+@pytest.mark.usefixtures("one_thread")
+def test_serving_benchmark_mtp_drafts_of_the_trained_model_are_accepted(monkeypatch, tmp_path):
+    """The DeepSeek-V3-like model trained on the structured corpus (main and MTP losses) drafts tokens the engine
+    accepts (with its random MTP weights, none were: acceptance 0.00); the trained weights are cached, and a
+    model built again reads them, transformers' copy included."""
+    serving = _benchmark("serving", monkeypatch)
+    out, cache = tmp_path / "serving.json", tmp_path / "cache"
+    assert serving.main(["--tiny", "--models", "deepseek_v3", "--scenarios", "mtp", "--train-cache", str(cache),
+                         "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["models"]["deepseek_v3"]
+    rows = result["scenarios"]["mtp_batch1"]["rows"]
+    assert rows["engine"]["same_ids"] == rows["engine/mtp"]["same_ids"] == 1.0
+    assert rows["engine/mtp"]["spec_proposed"] > 0 and rows["engine/mtp"]["acceptance_rate"] >= 0.5
+    assert result["training"]["last_loss"] < result["training"]["first_loss"] / 2
+    assert result["verdicts"]["mtp_decode_speedup"]["value"] == pytest.approx(
+        rows["engine/mtp"]["decode_tokens_per_s"] / rows["engine"]["decode_tokens_per_s"])
+    hf, model = serving.build_models("deepseek_v3", serving.TINY, 0)
+    info = serving.train_on_corpus(hf, model, "deepseek_v3", result["training"]["steps"], 0,
+                                   result["training"]["alphabet"], str(cache))
+    assert info["cached"].startswith(str(cache))
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids)[0], hf(ids).logits, atol=1e-4)

@@ -435,6 +435,42 @@ def test_packed_attention_equals_each_request_alone(window, sinks):
     torch.testing.assert_close(out, alone, atol=1e-6, rtol=0)
 
 
+def test_pack_step_equals_the_per_chunk_slots():
+    """The vectorized step packing against the slots written out position by position: full and sliding windows,
+    a split window table, chunks across block boundaries, unallocated (None) blocks behind a window."""
+    from megamoe.serving.paged_kv_cache import ScheduledChunk, pack_step
+    block = 4
+    chunks = [ScheduledChunk([3, 7, 1], 2, 7, [None, 5, 2]), ScheduledChunk([9], 0, 1, [6]),
+              ScheduledChunk([None, None, 4, 8, 11], 17, 1, [None, None, None, 12, 13]),
+              ScheduledChunk([0, 10], 5, 3, [14, 15])]
+
+    def slot(table, position):          # an unallocated block reads as -1 (never read by a query in a real step)
+        number = table[position // block]
+        return (-1 if number is None else number) * block + position % block
+
+    windows = {None, 3}
+    for split in (None, 3):
+        writes, packed = pack_step(chunks, block, windows, "cpu", split_window=split)
+        queries = 0
+        keys = dict.fromkeys(windows, 0)
+        want_writes, want_gathers = {w: [] for w in windows}, {w: [] for w in windows}
+        want_segments = {w: [] for w in windows}
+        for chunk in chunks:
+            end = chunk.start + chunk.count
+            for window in windows:
+                table = chunk.window_table if split is not None and window == split else chunk.block_table
+                first = 0 if window is None else max(0, chunk.start - window + 1)
+                want_writes[window] += [slot(table, p) for p in range(chunk.start, end)]
+                want_gathers[window] += [slot(table, p) for p in range(first, end)]
+                want_segments[window].append((queries, chunk.count, keys[window], end - first))
+                keys[window] += end - first
+            queries += chunk.count
+        for window in windows:
+            assert writes[window].tolist() == want_writes[window], (split, window)
+            assert packed[window].gather_slots.tolist() == want_gathers[window], (split, window)
+            assert packed[window].segments.segments == tuple(want_segments[window]), (split, window)
+
+
 def test_block_pool_shares_and_evicts_least_recently_used():
     cache = PrefixCache()
     pool = BlockPool(3, cache)

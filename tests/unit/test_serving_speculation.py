@@ -8,6 +8,7 @@ import functools
 import random
 
 import pytest
+import torch
 
 from megamoe.inference.generation import GenerationConfig, generate
 from megamoe.serving import Engine, EngineConfig, SamplingParams
@@ -74,6 +75,33 @@ def test_accepted_drafts_give_two_tokens_and_rejected_ones_roll_back(monkeypatch
         assert output.spec_accepted == (output.spec_proposed if accepted else 0), request_id
         assert (2 in sizes[request_id]) == accepted and max(sizes[request_id]) <= 2, (request_id, sizes[request_id])
     assert metrics.spec_accepted == sum(done[i].spec_proposed for i in (0, 2))
+
+
+def test_drafts_are_the_mtp_layers_teacher_forced_predictions(monkeypatch):
+    """Every draft equals the MTP layer's greedy token run over the whole final sequence by the training path
+    (model.mtp_hidden_states): the draft for token x[n + 1] reads the main model's hidden state at n - 1 and the
+    embedding of x[n], at rotary position n - 1, whatever the batch. A misaligned position, rotary, hidden state or
+    fed token in the engine would draft other tokens (the benchmark's 0.00 acceptance came from random weights)."""
+    drafts = {}                                          # (request id, index in its output) -> the draft
+    real_draft = MTPSpeculator.draft
+
+    def record(self, committed, hidden):
+        real_draft(self, committed, hidden)
+        for request, token in self.drafts.items():
+            drafts[request.request_id, len(request.output)] = token
+    monkeypatch.setattr(MTPSpeculator, "draft", record)
+    done, _, _ = serve()
+    assert {i: done[i].token_ids for i in done} == dict(enumerate(expected()))
+    model = mtp_model()
+    with torch.no_grad():
+        for request_id, prompt in enumerate(PROMPTS):
+            ids = torch.tensor([prompt + expected()[request_id]])
+            hidden, _ = model.run_layers(ids)
+            states, _ = model.mtp_hidden_states(hidden, ids)
+            teacher = model.logits(states[0], norm=False)[0].argmax(-1).tolist()    # at i: the draft for x[i + 2]
+            mine = {index: token for (rid, index), token in drafts.items() if rid == request_id}
+            assert mine, request_id
+            assert mine == {index: teacher[len(prompt) + index - 2] for index in mine}, request_id
 
 
 def test_sampled_requests_are_not_drafted():
