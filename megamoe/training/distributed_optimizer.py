@@ -95,6 +95,7 @@ skips them): the models here give every trainable parameter a gradient on every 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
@@ -104,7 +105,7 @@ from torch.optim.adam import adam as _adam
 from torch import nn
 
 from megamoe import comms
-from megamoe.gradients import main_grad
+from megamoe.gradients import grad_went_to_main_grad, main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
@@ -118,6 +119,16 @@ __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_NUMEL"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_NUMEL = 40_000_000     # padded elements per reduce-scatter bucket
+
+
+def _provide_main_grad(optimizer_ref, param: nn.Parameter) -> torch.Tensor | None:
+    """``param.main_grad_provider`` (:func:`megamoe.gradients.main_grad_target`): the fp32 ``main_grad`` the live
+    optimizer accumulates ``param`` in (allocated on first use); None once it is gone or does not hold ``param``
+    (a copy of the model)."""
+    optimizer = optimizer_ref()
+    if optimizer is None or param not in optimizer._entries:
+        return None
+    return optimizer._main_grad_of(param)
 
 
 class DistributedOptimizer(ShardedStateCheckpointing, torch.optim.Optimizer):
@@ -210,6 +221,7 @@ class DistributedOptimizer(ShardedStateCheckpointing, torch.optim.Optimizer):
                 e.grad_offset = bucket.grad_numel
                 bucket.grad_numel += e.param.numel()
                 self._hooks.append(e.param.register_post_accumulate_grad_hook(accumulate))
+                e.param.main_grad_provider = functools.partial(_provide_main_grad, this, e.param)
         # Overlapped reduce-scatters (see the module docstring): hooks registered after the accumulation hooks
         # above, so a bf16 parameter's main_grad holds its gradient when the parameter is marked ready.
         self.overlap = bool(overlap)
@@ -293,14 +305,19 @@ class DistributedOptimizer(ShardedStateCheckpointing, torch.optim.Optimizer):
         grad = param.grad
         if grad is None:
             return
+        if not grad_went_to_main_grad(param):      # else a backward added it into main_grad_target(param)
+            self._main_grad_of(param).add_(grad)
+        param.grad = None
+
+    def _main_grad_of(self, param: nn.Parameter) -> torch.Tensor:
+        """``param.main_grad``, with its bucket's fp32 buffer allocated zeroed on the step's first use."""
         bucket = self._buckets[self._entries[param].bucket]
         if bucket.main_grad is None:
             bucket.main_grad = torch.zeros(bucket.grad_numel, dtype=torch.float32, device=self.device)
             for e in bucket.entries:
                 e.param.main_grad = bucket.main_grad[e.grad_offset:e.grad_offset + e.param.numel()].view(
                     e.param.shape)
-        param.main_grad.add_(grad)
-        param.grad = None
+        return param.main_grad
 
     def _free_main_grads(self, bucket: ShardBucket) -> None:
         bucket.main_grad = None
@@ -421,7 +438,7 @@ class DistributedOptimizer(ShardedStateCheckpointing, torch.optim.Optimizer):
             for e in bucket.entries:
                 copies = _replication(e.param, state, id(e.param) in self.tied_ids)
                 copies /= (state.edp.size if e.expert else state.dp_cp.size) if self.shard else 1
-                sq = e.shard_of(bucket.grad_shard).double().pow(2).sum(dim=1)     # [S]
+                sq = e.shard_of(bucket.grad_shard).double().square().sum(dim=1)     # [S] (pow(2)'s values, 2x faster)
                 rows = row_weights.get(id(e.param))
                 if rows is not None:
                     sq = sq * rows
