@@ -10,11 +10,11 @@ clipping, the non-finite search, the memory measurement) goes through :func:`mai
 parameters, which have no ``main_grad``, are read exactly as before (``p.grad``).
 
 A backward may also add a weight's gradient straight into that fp32 buffer (:func:`main_grad_target`,
-:func:`add_matmul_`): the grouped experts do (:class:`megamoe.moe.experts.grouped_mlp.GroupedMLPFunction`).
-It then returns :func:`placeholder_grad` for the weight: an uninitialised tensor that autograd hands to the
-accumulation hook, which drops it (:func:`grad_went_to_main_grad`), so the hooks registered after it (the
-overlapped reduce-scatters) still fire once per micro-batch. The weight must reach autograd through that one
-node per backward (a second gradient summed with the placeholder is caught, not accumulated).
+:func:`add_matmul_`), as the grouped experts (:class:`megamoe.moe.experts.grouped_mlp.GroupedMLPFunction`)
+and the dense linears (:func:`megamoe.tensor_parallel.main_grad_linear.linear`) do, and return None for the
+weight: autograd still runs the weight's accumulation node, so the post-accumulate hooks (the accumulation
+hook, with ``p.grad`` None or another node's gradient, and the overlapped reduce-scatters) fire once per
+backward as before, and a weight that other nodes also use gets their gradients through the hook.
 
 Low-level on purpose: :mod:`megamoe.moe` and :mod:`megamoe.tensor_parallel` read it without importing
 :mod:`megamoe.training`.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["main_grad", "gradients", "main_grad_target", "add_matmul_", "placeholder_grad", "grad_went_to_main_grad"]
+__all__ = ["main_grad", "gradients", "main_grad_target", "add_matmul_"]
 
 
 def main_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -59,23 +59,3 @@ def add_matmul_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     else:
         target.add_(torch.bmm(a, b) if batched else torch.mm(a, b))
 
-
-def placeholder_grad(param: torch.Tensor) -> torch.Tensor:
-    """What a backward that added ``param``'s gradient into :func:`main_grad_target` returns for ``param``:
-    an uninitialised tensor like it, remembered so that :func:`grad_went_to_main_grad` drops it."""
-    placeholder = torch.empty_like(param, memory_format=torch.contiguous_format)
-    param.main_grad_placeholder = placeholder.data_ptr()
-    return placeholder
-
-
-def grad_went_to_main_grad(param: torch.Tensor) -> bool:
-    """For the accumulation hook: whether ``param.grad`` is a :func:`placeholder_grad` (the gradient is in
-    ``main_grad`` already; drop it). Raises when a placeholder was summed with another gradient of ``param``."""
-    placeholder = getattr(param, "main_grad_placeholder", None)
-    if placeholder is None:
-        return False
-    param.main_grad_placeholder = None
-    if param.grad is None or param.grad.data_ptr() != placeholder:
-        raise RuntimeError("a weight whose gradient a backward added into its fp32 main_grad received another "
-                           "gradient in the same backward: it must reach autograd through one node only")
-    return True

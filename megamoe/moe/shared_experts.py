@@ -25,6 +25,7 @@ from megamoe.precision import compute_dtype
 from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel.init import init_sharded_, normal_init
+from megamoe.tensor_parallel.main_grad_linear import linear
 from megamoe.transformer.swiglu import swiglu
 
 __all__ = ["SharedExpertsConfig", "SharedExperts"]
@@ -91,12 +92,12 @@ class SharedExperts(nn.Module):
         """The first half of :meth:`forward`: the activated FFN hidden [T, F / n] of ``tokens`` [T, H]. Split
         from :meth:`down` so that the MoE layer can run the halves while different all-to-alls are in flight."""
         act = _ACTIVATIONS[self.config.activation]
-        up = F.linear(tokens, linear_weight(self, "up_proj", tokens.dtype))
+        up = linear(tokens, linear_weight(self, "up_proj", tokens.dtype))
         if self.gated:        # swiglu: one node saving only its inputs (bf16 / fp16)
-            return swiglu(F.linear(tokens, linear_weight(self, "gate_proj", tokens.dtype)), up)
+            return swiglu(linear(tokens, linear_weight(self, "gate_proj", tokens.dtype)), up)
         return act(up)
 
     def down(self, hidden: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """The second half: the partial output [T, H] of :meth:`up`'s ``hidden`` (times ``gate``)."""
-        out = F.linear(hidden, linear_weight(self, "down_proj", hidden.dtype))
+        out = linear(hidden, linear_weight(self, "down_proj", hidden.dtype))
         return out if gate is None else out * gate.to(out.dtype)

@@ -105,7 +105,7 @@ from torch.optim.adam import adam as _adam
 from torch import nn
 
 from megamoe import comms
-from megamoe.gradients import grad_went_to_main_grad, main_grad
+from megamoe.gradients import main_grad
 from megamoe.host_values import host_floats
 from megamoe.moe.moe_layer import MoELayer
 from megamoe.training.grad_buckets import (GradReadiness, deferred_parameters, grad_bucket_numel, parameter_chunks,
@@ -301,12 +301,12 @@ class DistributedOptimizer(ShardedStateCheckpointing, torch.optim.Optimizer):
     def _accumulate(self, param: nn.Parameter) -> None:
         """The post-accumulate-grad hook of a non-fp32 parameter: add this micro-batch's ``p.grad`` into its
         fp32 ``p.main_grad`` (the bucket's buffer, allocated zeroed on the step's first gradient), then free
-        ``p.grad``, so the next micro-batch's gradient starts afresh instead of adding into it in bf16."""
+        ``p.grad``, so the next micro-batch's gradient starts afresh instead of adding into it in bf16. (None
+        where the backward added the gradient into ``main_grad`` itself: :func:`megamoe.gradients.main_grad_target`.)"""
         grad = param.grad
         if grad is None:
             return
-        if not grad_went_to_main_grad(param):      # else a backward added it into main_grad_target(param)
-            self._main_grad_of(param).add_(grad)
+        self._main_grad_of(param).add_(grad)
         param.grad = None
 
     def _main_grad_of(self, param: nn.Parameter) -> torch.Tensor:

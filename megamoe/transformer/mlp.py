@@ -25,6 +25,7 @@ from megamoe import comms
 from megamoe.quantization.kept_weights import linear_weight
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import normal_init
+from megamoe.tensor_parallel.main_grad_linear import linear
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer.swiglu import swiglu
 
@@ -89,7 +90,7 @@ class MLP(nn.Module):
                 dim=SEQUENCE_DIM)
         else:                        # one grad all-reduce for gate and up
             x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
-            outputs = [F.linear(x, linear_weight(l, "weight", x.dtype), l.bias) for l in layers]
+            outputs = [linear(x, linear_weight(l, "weight", x.dtype), l.bias) for l in layers]
         up = outputs[0]
         if self.gate_proj is None:
             hidden = self.act(up)

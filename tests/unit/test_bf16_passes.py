@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megamoe.gradients import grad_went_to_main_grad
 from megamoe.moe.experts.grouped_mlp import GroupedMLPFunction, SlotGroups
 from megamoe.transformer.norm import RMSNorm, RMSNormFunction
 from megamoe.transformer.swiglu import SwiGLUFunction, swiglu
@@ -69,33 +68,58 @@ def test_fused_swiglu_matches_autograd_and_saves_only_its_inputs():
 @pytest.mark.parametrize("padded", [True, False])
 def test_expert_weight_gradients_go_straight_into_main_grad(padded):
     """A bf16 expert weight with an fp32 main_grad: the backward adds its gradient there (the values autograd's
-    bf16 gradient would add, bit for bit) and hands autograd a placeholder the accumulation hook drops; a second
-    gradient summed with the placeholder is an error, not a silent corruption."""
+    bf16 gradient would add, bit for bit) and gives autograd none (its accumulation hooks still fire); a weight
+    used by two nodes gets both gradients."""
     sizes, hidden, ffn = [3, 0, 5, 2], 16, 8
     g = torch.Generator().manual_seed(2)
     tokens = torch.randn(sum(sizes), hidden, generator=g).bfloat16()
-    weights = [torch.randn(4, 2 * ffn, hidden, generator=g).bfloat16(), torch.randn(4, hidden, ffn, generator=g).bfloat16()]
+    weights = [torch.randn(4, 2 * ffn, hidden, generator=g).bfloat16(),
+               torch.randn(4, hidden, ffn, generator=g).bfloat16()]
     grad_out = torch.randn(sum(sizes), hidden, generator=g).bfloat16()
     groups = SlotGroups.from_counts(torch.tensor(sizes), sum(sizes), use_grouped_mm=False, use_padded_bmm=padded)
 
     def run(with_main_grad: bool, uses: int = 1):
         leaves = [w.clone().requires_grad_() for w in weights]
-        main = [torch.full(w.shape, 0.5) for w in weights]
-        if with_main_grad:
-            for leaf, buffer in zip(leaves, main):
+        main, hooks = [torch.full(w.shape, 0.5) for w in weights], []
+        for leaf, buffer in zip(leaves, main):
+            leaf.register_post_accumulate_grad_hook(hooks.append)
+            if with_main_grad:
                 leaf.main_grad_provider = lambda buffer=buffer: buffer
         out = sum(GroupedMLPFunction.apply(tokens, *leaves, groups, "swiglu") for _ in range(uses))
         out.backward(grad_out)
+        assert len(hooks) == 2
         return leaves, main
 
     reference, _ = run(with_main_grad=False)
     leaves, main = run(with_main_grad=True)
     for leaf, buffer, ref in zip(leaves, main, reference):
-        assert grad_went_to_main_grad(leaf), "the gradient autograd received is the placeholder"
+        assert leaf.grad is None and ref.grad is not None
         assert torch.equal(buffer, 0.5 + ref.grad.float())
-    leaves, _ = run(with_main_grad=True, uses=2)
-    with pytest.raises(RuntimeError, match="another gradient"):
-        grad_went_to_main_grad(leaves[0])
+    _, main = run(with_main_grad=True, uses=2)
+    for buffer, ref in zip(main, reference):
+        torch.testing.assert_close(buffer, 0.5 + 2 * ref.grad.float(), rtol=0, atol=1e-6)
+
+
+def test_dense_weight_gradients_go_straight_into_main_grad():
+    """megamoe.tensor_parallel.main_grad_linear.linear: F.linear's output and input / bias gradients bit for bit,
+    the weight's added into its main_grad; a weight without one (fp32, no optimizer) takes F.linear itself."""
+    from megamoe.tensor_parallel.main_grad_linear import linear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 16, generator=g).bfloat16()
+    w, b = torch.randn(24, 16, generator=g).bfloat16(), torch.randn(24, generator=g).bfloat16()
+    grad = torch.randn(2, 5, 24, generator=g).bfloat16()
+    ref = [t.clone().requires_grad_() for t in (x, w, b)]
+    F.linear(*ref).backward(grad)
+    ours = [t.clone().requires_grad_() for t in (x, w, b)]
+    buffer = torch.zeros(24, 16)
+    ours[1].main_grad_provider = lambda: buffer
+    out = linear(*ours)
+    assert out.grad_fn.name() == "_LinearIntoMainGradBackward" and torch.equal(out, F.linear(*ref))
+    out.backward(grad)
+    assert torch.equal(ours[0].grad, ref[0].grad) and torch.equal(ours[2].grad, ref[2].grad)
+    assert ours[1].grad is None and torch.equal(buffer, ref[1].grad.float())
+    assert linear(x.float(), w.float().requires_grad_()).grad_fn.name() != "_LinearIntoMainGradBackward"
 
 
 class _WeightCasts(TorchDispatchMode):

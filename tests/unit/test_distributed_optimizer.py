@@ -327,5 +327,6 @@ def test_zero_checkpoint_save_and_load_stage_bucket_by_bucket_through_host_memor
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
         want, got = optimizer.state[p], resumed.optimizer.state[q]
-        assert want.keys() == got.keys() == {"exp_avg", "exp_avg_sq", "master", "step"}, name
+        master = {"master"} if p.dtype != torch.float32 else set()      # the fp32 router gates are their own
+        assert want.keys() == got.keys() == {"exp_avg", "exp_avg_sq", "step"} | master, name
         assert all(torch.equal(want[k], got[k]) for k in want), name

@@ -11,7 +11,7 @@ and gradient for all slots, the activation on the padded batch.
 Weights whose gradient accumulates in an fp32 ``main_grad`` (bf16 parameters under the distributed
 optimizer: :func:`megamoe.gradients.main_grad_target`) get it added there by the weight-gradient GEMMs
 themselves (:func:`megamoe.gradients.add_matmul_`: one GEMM with fp32 output where the device has one),
-and autograd a placeholder: no bf16 gradient tensor is handed to the accumulation hook to be cast-added.
+and autograd None: no bf16 gradient tensor is handed to the accumulation hook to be cast-added.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from megamoe.gradients import add_matmul_, main_grad_target, placeholder_grad
+from megamoe.gradients import add_matmul_, main_grad_target
 from megamoe.host_values import even_split, host_ints
 from megamoe.moe.experts.grouped_bmm import PaddedSlots, padded_bmm_applies
 from megamoe.moe.experts.expert_activations import activation_backward as _activation_backward
@@ -159,9 +159,10 @@ def grouped_linear_weight_grad(grad_y: torch.Tensor, x: torch.Tensor, groups: Sl
     return out
 
 
-def _weight_grad(weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
+def _weight_grad(weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor,
+                 groups: SlotGroups) -> torch.Tensor | None:
     """``weight``'s gradient for autograd, per slot ``dy_s^T x_s``: :func:`grouped_linear_weight_grad`, or, where
-    ``weight`` accumulates in an fp32 ``main_grad``, added into it slot by slot and a placeholder returned."""
+    ``weight`` accumulates in an fp32 ``main_grad``, added into it slot by slot (None returned)."""
     target = main_grad_target(weight)
     if target is None:
         return grouped_linear_weight_grad(grad_y, x, groups)
@@ -170,16 +171,16 @@ def _weight_grad(weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor, gr
     else:
         dy_rows, x_rows = grad_y.split(groups.sizes), x.split(groups.sizes)
         _for_each_slot(groups.sizes, lambda s: add_matmul_(target[s], dy_rows[s].t(), x_rows[s]))
-    return placeholder_grad(weight)
+    return None
 
 
-def _padded_weight_grad(weight: torch.Tensor, grad_batch: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+def _padded_weight_grad(weight: torch.Tensor, grad_batch: torch.Tensor, batch: torch.Tensor) -> torch.Tensor | None:
     """:func:`_weight_grad` on the padded batch: one ``bmm`` (into ``main_grad`` where there is one)."""
     target = main_grad_target(weight)
     if target is None:
         return torch.bmm(grad_batch.transpose(1, 2), batch)
     add_matmul_(target, grad_batch.transpose(1, 2), batch)
-    return placeholder_grad(weight)
+    return None
 
 
 def _row_slots(groups: SlotGroups) -> torch.Tensor:
