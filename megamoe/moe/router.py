@@ -63,7 +63,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
-from megamoe.precision import compute_dtype
+from megamoe.precision import compute_dtype, hold_in_compute_dtype_
 from megamoe.quantization.kept_weights import linear_weight
 
 __all__ = ["RouterConfig", "RouterOutput", "Router"]
@@ -200,9 +200,7 @@ class Router(nn.Module):
     def _apply(self, fn, recurse=True):
         """As nn.Module's, then the gate's parameters back to at least fp32 (see the class docstring)."""
         super()._apply(fn, recurse)
-        for param in (self.weight, self.bias):
-            if param is not None and param.is_floating_point() and param.dtype != compute_dtype(param.dtype):
-                param.data = param.data.to(compute_dtype(param.dtype))
+        hold_in_compute_dtype_(self.weight, self.bias)
         return self
 
     @torch.no_grad()

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
-from megamoe.precision import compute_dtype
+from megamoe.precision import compute_dtype, hold_in_compute_dtype_
 from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel.init import init_sharded_, normal_init
@@ -69,8 +69,16 @@ class SharedExperts(nn.Module):
             self.register_parameter(name, param)
         self.down_proj = nn.Parameter(torch.empty(H, F_full // n, **factory))
         set_shard_spec(self.down_proj, ShardSpec((H, F_full), 1, r, n))
-        self.gate_weight = nn.Parameter(torch.empty(1, H, **factory)) if config.gate else None
+        # the gate computes in fp32: held in fp32 in every model dtype (no per-call weight cast)
+        gate_dtype = compute_dtype(dtype if dtype is not None else torch.get_default_dtype())
+        self.gate_weight = nn.Parameter(torch.empty(1, H, device=device, dtype=gate_dtype)) if config.gate else None
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's, then the gate's weight back to at least fp32 (see ``__init__``)."""
+        super()._apply(fn, recurse)
+        hold_in_compute_dtype_(self.gate_weight)
+        return self
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init = normal_init(self.config.init_std)

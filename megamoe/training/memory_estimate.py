@@ -390,7 +390,7 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
                                   num_expert_slots=num_expert_slots, pp_split=pp_split)
         dense = sum(p.numel for p in params if not p.expert)
         expert = sum(p.numel for p in params if p.expert)
-        # The routers' gates are held in fp32 in every model dtype (megamoe.moe.router.Router): fp32 parameters
+        # The routers' and shared experts' gates are held in fp32 in every model dtype (precision.hold_in_compute_dtype_)
         # beside the others, without a master copy.
         fp32 = [p for p in params if _held_in_fp32(p)] if e != 4 else []
         others = [p for p in params if not _held_in_fp32(p)] if fp32 else params
@@ -457,8 +457,8 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
 
 
 def _held_in_fp32(p: ParamTensor) -> bool:
-    """A router gate's weight or bias: fp32 in every model dtype."""
-    return ".router." in p.name
+    """A router's or the shared experts' gate (weight, bias): fp32 in every model dtype."""
+    return ".router." in p.name or p.name.endswith("shared_experts.gate_weight")
 
 
 def _grad_and_optimizer_bytes(params: list[ParamTensor], *, e: int, distributed: bool, zero_stage: int, dp: int,

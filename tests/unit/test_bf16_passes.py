@@ -155,3 +155,18 @@ def test_a_bf16_training_step_casts_no_weight():
     with counter:
         trainer.train_step([(batch[:, :-1], batch[:, 1:])])
     assert counter.seen == []
+
+
+def test_the_shared_experts_gate_is_held_in_fp32():
+    """The Qwen2-MoE shared-expert gate computes in fp32: a bf16 model holds it in fp32 (built so or converted),
+    so its gate casts no weight per call, while the projections stay bf16."""
+    from megamoe.moe.shared_experts import SharedExperts, SharedExpertsConfig
+
+    config = SharedExpertsConfig(hidden_size=16, ffn_hidden_size=32, gate=True)
+    for experts in (SharedExperts(config, dtype=torch.bfloat16), SharedExperts(config).to(torch.bfloat16)):
+        assert experts.gate_weight.dtype == torch.float32 and experts.up_proj.dtype == torch.bfloat16
+        counter = _WeightCasts(experts.parameters())
+        tokens = torch.randn(5, 16).bfloat16()
+        with counter:
+            experts(tokens, experts.gate(tokens)).float().sum().backward()
+        assert counter.seen == [] and experts.gate_weight.grad.dtype == torch.float32
