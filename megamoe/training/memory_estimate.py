@@ -36,9 +36,8 @@ context parallelism attention's keys and values span the whole sequence, ``T cp`
 fp32, 4 bytes):
 
 - RMSNorm over width ``w`` (rows ``r``): its fp32 input ``4 T w`` (the input itself in fp32, an fp32
-  copy in bf16), ``rsqrt`` ``4 r`` and the normalised output ``e T w`` (``weight * normed`` saves it);
-  in bf16 / fp16, unsharded (:class:`~megamoe.transformer.norm.RMSNormFunction`): the input ``e T w`` and
-  ``rsqrt`` ``4 r`` only.
+  copy in bf16), ``rsqrt`` ``4 r`` and the normalised output ``e T w`` (``weight * normed`` saves it;
+  :class:`~megamoe.transformer.norm.RMSNormFunction` in bf16 keeps the same bytes).
 - GQA attention: its input ``e T H`` (the norm's output, saved by the q projection), q/k norms as
   above on the q/k projection outputs (without them the projections' outputs are not saved: RoPE
   saves only cos/sin), SDPA's rotated q and k, v, its output and log-sum-exp ``4 B heads S``, and the
@@ -48,7 +47,8 @@ fp32, 4 bytes):
   three for SwiGLU in bf16 / fp16 (:mod:`megamoe.transformer.swiglu` recomputes the activation).
 - MoE layer with ``N`` (token, slot) pairs on this rank (balanced routing: ``T k`` for all-to-all,
   ``T k / ep`` for the all-gather dispatcher): router input ``4 T H`` (fp32), scores ``4 T E``, top-k
-  ids ``8 T k`` (the gate's weight is fp32 in every model dtype: no copy), the renormalisation ``4 T (k + 1)``, the aux loss ``4 E``; per pair the row -> token index
+  ids ``8 T k`` (the gate's weight is fp32 in every model dtype: no copy), the renormalisation
+  ``4 T (k + 1)``, the aux loss ``4 E``; per pair the row -> token index
   ``8 N``, combine weights ``4 N``, the experts' input and output ``2 e N H``, their gate/up output and
   activation ``3 e N F/etp``; the pair permutation ``8 k n_recv`` (it spans all k pairs of each token
   received). With EP > 1 (all-to-all) ``n_recv = n_send``, the token-rank pairs, ``T ep (1 - C(E - E/ep,
@@ -173,11 +173,8 @@ class MemoryEstimate:
 
 
 # ---- activations ----------------------------------------------------------------------------------
-def _norm_bytes(tokens: int, width: int, rows: int, e: int, sharded: bool = False) -> int:
-    """RMSNorm: fp32 input (or copy), rsqrt per row, normalised output; bf16 / fp16 unsharded norms
-    (:class:`megamoe.transformer.norm.RMSNormFunction`): the input and the fp32 rsqrt per row."""
-    if e != 4 and not sharded:
-        return e * tokens * width + 4 * rows
+def _norm_bytes(tokens: int, width: int, rows: int, e: int) -> int:
+    """RMSNorm: fp32 input (or copy), rsqrt per row, normalised output."""
     return 4 * tokens * width + 4 * rows + e * tokens * width
 
 
@@ -245,8 +242,7 @@ def _attention_activations(cfg, *, T: int, B: int, S: int, tp: int, e: int, reco
     if cfg.qk_norm == "per_head":
         b += _norm_bytes(T, heads_l * d, T * heads_l, e) + _norm_bytes(T, kv_l * d, T * kv_l, e)
     elif cfg.qk_norm == "full_width":
-        sharded = tp > 1                            # the heads of the norm's width split over TP
-        b += _norm_bytes(T, heads_l * d, T, e, sharded) + _norm_bytes(T, kv_l * d, T, e, sharded)
+        b += _norm_bytes(T, heads_l * d, T, e) + _norm_bytes(T, kv_l * d, T, e)
     # GQA: SDPA's k and v hold the KV heads only (enable_gqa), each its own storage (under CP: views of
     # the gathered [k, v], for the whole sequence)
     qk_v = e * T * heads_l * d + e * T * cp * 2 * kv_l * d + order_index
@@ -390,8 +386,8 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
                                   num_expert_slots=num_expert_slots, pp_split=pp_split)
         dense = sum(p.numel for p in params if not p.expert)
         expert = sum(p.numel for p in params if p.expert)
-        # The routers' and shared experts' gates are held in fp32 in every model dtype (precision.hold_in_compute_dtype_)
-        # beside the others, without a master copy.
+        # The routers' and shared experts' gates are held in fp32 in every model dtype
+        # (precision.hold_in_compute_dtype_): fp32 parameters beside the others, without a master copy.
         fp32 = [p for p in params if _held_in_fp32(p)] if e != 4 else []
         others = [p for p in params if not _held_in_fp32(p)] if fp32 else params
         param_bytes = sum(p.numel for p in others) * e + sum(p.numel for p in fp32) * 4
