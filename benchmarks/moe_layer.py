@@ -192,7 +192,10 @@ def build_rows(shape, generator: torch.Generator, dtype: torch.dtype = torch.flo
         reference.experts.w_gate_up.normal_(0.0, 0.02, generator=generator)
         reference.experts.w_down.normal_(0.0, 0.02, generator=generator)
     reference.to(dtype)
+    with torch.no_grad():       # megamoe holds its gate in fp32: the dtype's values, so that every row routes alike
+        reference.router.weight.copy_(reference.router.weight.to(dtype))
     router_weight = reference.router.weight
+    hf_router_weight = nn.Parameter(router_weight.detach().to(dtype))        # transformers' gate: in the dtype
     w_gate_up, w_down = reference.experts.w_gate_up, reference.experts.w_down
 
     kernel_forced = MegamoeMoE(reference.router, GroupedMMKernelExperts(reference.experts.config))
@@ -214,7 +217,7 @@ def build_rows(shape, generator: torch.Generator, dtype: torch.dtype = torch.flo
                                                       f"{weight_copies / 2**30:.0f} GiB"))
                     continue
             block = _hf_block(family, H, F_, E, K, implementation).to(dtype)
-            block.gate.weight = router_weight
+            block.gate.weight = hf_router_weight
             block.experts.gate_up_proj, block.experts.down_proj = w_gate_up, w_down
             rows.append(_module_row(name, _HFAdapter(block), x, grad_out))
     return rows
