@@ -58,4 +58,3 @@ def add_matmul_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         (target.baddbmm_ if batched else target.addmm_)(a, b)
     else:
         target.add_(torch.bmm(a, b) if batched else torch.mm(a, b))
-

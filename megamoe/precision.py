@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "upcast", "hold_in_compute_dtype_", "active_autocast_dtype", "in_autocast_dtype", "has_non_finite", "count_non_finite"]
+__all__ = ["compute_dtype", "upcast", "hold_in_compute_dtype_", "active_autocast_dtype", "in_autocast_dtype",
+           "has_non_finite", "count_non_finite"]
 
 _SCAN_BLOCK = 1 << 22      # elements checked at once: a widened fp8 block is 16 MiB, whatever the tensor
 # fp8 dtype -> (mask, lowest masked byte that is NaN or Inf): read from the bits, as widening to fp32 costs

@@ -6,7 +6,8 @@ accumulation hook, which adds it into ``main_grad`` and frees it. Here the backw
 into ``main_grad`` itself (:func:`megamoe.gradients.add_matmul_`: one GEMM with fp32 output where the device has
 one; on CPU the bf16 GEMM, then one add) and returns None for the weight, so the hook has nothing to add. The
 input and bias gradients, and the GEMMs' values, are ``F.linear``'s (the same GEMM calls: bit for bit).
-Weights without a ``main_grad`` (fp32 parameters, a dequantized or adapted weight) take ``F.linear`` itself.
+Weights without a ``main_grad`` (fp32 parameters, a dequantized or adapted weight), inputs of another dtype and
+autocast regions take ``F.linear`` itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.gradients import add_matmul_, main_grad_target
+from megamoe.precision import active_autocast_dtype
 
 __all__ = ["linear"]
 
@@ -49,6 +51,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``; under autograd, for a weight that accumulates in an fp32 ``main_grad``,
     one node whose backward adds the weight gradient there (see the module docstring)."""
     if (getattr(weight, "main_grad_provider", None) is None or not torch.is_grad_enabled()
-            or not weight.requires_grad):
-        return F.linear(x, weight, bias)
+            or not weight.requires_grad or x.dtype != weight.dtype or active_autocast_dtype(x.device.type)):
+        return F.linear(x, weight, bias)        # (under autocast, F.linear casts its operands itself)
     return _LinearIntoMainGrad.apply(x, weight, bias)
