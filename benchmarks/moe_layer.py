@@ -2,7 +2,7 @@
 
     python benchmarks/moe_layer.py [--quick] [--dtype fp32|bf16|all] [--json out.json]
 
-On CPU, ``torch.set_num_threads(2)``, in fp32 and in bf16 (``--dtype``, default both: one table each).
+On CPU, ``torch.set_num_threads(2)`` (``--threads``), in fp32 and in bf16 (``--dtype``, default both: one table each).
 In bf16 every row holds its weights and activations in bf16 (transformers' blocks too; megamoe's router
 computes in fp32 inside) and the bound is dense bf16 GEMMs; the matmul peak per dtype measured in the
 same run is printed first, with a note when the machine has no fast bf16 (``common.matmul_peaks``).
@@ -192,7 +192,10 @@ def build_rows(shape, generator: torch.Generator, dtype: torch.dtype = torch.flo
         reference.experts.w_gate_up.normal_(0.0, 0.02, generator=generator)
         reference.experts.w_down.normal_(0.0, 0.02, generator=generator)
     reference.to(dtype)
+    with torch.no_grad():       # megamoe holds its gate in fp32: the dtype's values, so that every row routes alike
+        reference.router.weight.copy_(reference.router.weight.to(dtype))
     router_weight = reference.router.weight
+    hf_router_weight = nn.Parameter(router_weight.detach().to(dtype))        # transformers' gate: in the dtype
     w_gate_up, w_down = reference.experts.w_gate_up, reference.experts.w_down
 
     kernel_forced = MegamoeMoE(reference.router, GroupedMMKernelExperts(reference.experts.config))
@@ -214,7 +217,7 @@ def build_rows(shape, generator: torch.Generator, dtype: torch.dtype = torch.flo
                                                       f"{weight_copies / 2**30:.0f} GiB"))
                     continue
             block = _hf_block(family, H, F_, E, K, implementation).to(dtype)
-            block.gate.weight = router_weight
+            block.gate.weight = hf_router_weight
             block.experts.gate_up_proj, block.experts.down_proj = w_gate_up, w_down
             rows.append(_module_row(name, _HFAdapter(block), x, grad_out))
     return rows
@@ -249,11 +252,13 @@ def main(argv=None) -> int:
                         help="keep glibc's allocator defaults (large tensors are fresh mmaps)")
     parser.add_argument("--shape", type=int, nargs=5, action="append", metavar=("T", "H", "F", "E", "K"),
                         help="measure this shape instead of the issue's three (repeatable); no target")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1: the figures of docs/bf16.md, taken on a loaded 2-core host)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe_layer.json"),
                         help="where to write the results")
     args = parser.parse_args(argv)
     allocator = "glibc defaults" if args.default_allocator else keep_freed_memory_in_heap()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
     generator = torch.Generator().manual_seed(0)
 

@@ -4,7 +4,7 @@ transformers' ``Qwen3MoeForCausalLM`` with the same config and weights.
     python benchmarks/train_step.py [--quick] [--repeats N] [--dtype fp32|bf16|all] [--profile]
                                     [--default-allocator] [--json out.json]
 
-On CPU, one process, ``torch.set_num_threads(2)``, fp32 rows and ``bf16 ``-prefixed rows (``--dtype``,
+On CPU, one process, ``torch.set_num_threads(2)`` (``--threads``), fp32 rows and ``bf16 ``-prefixed rows (``--dtype``,
 default both, all timed interleaved in one run). In bf16, megamoe's model holds bf16 parameters with fp32
 master weights and fp32 gradient accumulation (the Trainer's ``main_grad`` path: no per-call weight
 casts); transformers' model is cast to bf16 and trained with fused AdamW on its bf16 parameters; the bf16
@@ -408,11 +408,13 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="also break one step of every row down by op category")
     parser.add_argument("--default-allocator", action="store_true",
                         help="keep glibc's allocator defaults (large tensors are fresh mmaps)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1: the figures of docs/bf16.md, taken on a loaded 2-core host)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "train_step.json"),
                         help="where to write the results")
     args = parser.parse_args(argv)
     allocator = "glibc defaults" if args.default_allocator else keep_freed_memory_in_heap()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     shape = QUICK_MODEL if args.quick else MODEL
     repeats = args.repeats or (2 if args.quick else 9)
     tokens = shape["batch"] * shape["seq"]

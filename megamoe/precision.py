@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "upcast", "active_autocast_dtype", "in_autocast_dtype", "has_non_finite", "count_non_finite"]
+__all__ = ["compute_dtype", "upcast", "hold_in_compute_dtype_", "active_autocast_dtype", "in_autocast_dtype",
+           "has_non_finite", "count_non_finite"]
 
 _SCAN_BLOCK = 1 << 22      # elements checked at once: a widened fp8 block is 16 MiB, whatever the tensor
 # fp8 dtype -> (mask, lowest masked byte that is NaN or Inf): read from the bits, as widening to fp32 costs
@@ -32,6 +33,15 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in :func:`compute_dtype` of its dtype (``x`` itself when already that wide)."""
     return x.to(compute_dtype(x.dtype))
+
+
+def hold_in_compute_dtype_(*params: torch.nn.Parameter | None) -> None:
+    """Hold each floating parameter of ``params`` (None skipped) in :func:`compute_dtype` of its dtype, in place
+    (``.data``): the gates that compute in fp32 (the routers', the shared experts') call it after
+    ``nn.Module._apply``, so a bf16 model keeps them in fp32 and casts no weight per call."""
+    for param in params:
+        if param is not None and param.is_floating_point() and param.dtype != compute_dtype(param.dtype):
+            param.data = param.data.to(compute_dtype(param.dtype))
 
 
 def active_autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -60,6 +60,7 @@ from megamoe.moe.moe_layer import MoELayer
 from megamoe.moe.placement.expert_slots import ExpertPlacement
 from megamoe.parallel_plan import build_moe_layout, build_parallel_plan, check_moe_layout
 from megamoe.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from megamoe.tensor_parallel.main_grad_linear import linear
 from megamoe.tensor_parallel.init import normal_init
 from megamoe.tensor_parallel.vocab_padding import gather_vocab_parallel_logits  # noqa: F401 (doc)
 from megamoe.tensor_parallel.vocab_padding import mask_padded_logits_, padded_vocab_size
@@ -440,4 +441,6 @@ class GPTMoEModel(nn.Module):
             # 2 to 16 rows (measured for vocabularies of 8k to 50k, 1 and 2 threads; decode steps of
             # benchmarks/decode.py at batch 8: 0.3 to 2.3 ms less); one row is a GEMV either way.
             return torch.mm(weight, hidden.t()).t().contiguous()
-        return F.linear(hidden, weight)
+        if self.config.tie_word_embeddings or self.config.mtp_num_layers:
+            return F.linear(hidden, weight)     # a weight with other uses: their gradients sum in autograd, as ever
+        return linear(hidden, weight)           # the weight gradient straight into an fp32 main_grad

@@ -108,7 +108,8 @@ def _weighted_combine(expert_output, weights, token_index, pair_index, determini
     """(out [T, H], row_weights [N] in the accumulation dtype): see :class:`_WeightedCombine`."""
     acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
     row_weights = weights.reshape(-1).index_select(0, pair_index).to(acc_dtype)    # [N]
-    out = sum_rows(expert_output.to(acc_dtype) * row_weights.unsqueeze(1), token_index, weights.shape[0],
+    # the product promotes the rows to the weights' dtype as it reads them: no upcast copy of the rows
+    out = sum_rows(expert_output * row_weights.unsqueeze(1), token_index, weights.shape[0],
                    max_per_out=weights.shape[1], deterministic=deterministic)
     return out.to(expert_output.dtype), row_weights
 
@@ -138,16 +139,17 @@ class _WeightedCombine(torch.autograd.Function):
     def backward(ctx, grad_out):
         expert_output, row_weights, token_index, pair_index = ctx.saved_tensors
         grad_rows = grad_out.index_select(0, token_index)                 # [N, H], contiguous
+        acc_dtype = row_weights.dtype
+        grad_rows_acc = grad_rows.to(acc_dtype)          # cast once for both products (itself in fp32)
         grad_weights = None
         if ctx.needs_input_grad[1]:
-            acc_dtype = row_weights.dtype
-            row_dots = torch.linalg.vecdot(expert_output.to(acc_dtype), grad_rows.to(acc_dtype))  # [N]
+            row_dots = torch.linalg.vecdot(expert_output.to(acc_dtype), grad_rows_acc)  # [N]
             grad_weights = row_dots.new_zeros(ctx.weights_shape.numel()).index_copy_(0, pair_index, row_dots)
             grad_weights = grad_weights.view(ctx.weights_shape).to(ctx.weights_dtype)
         grad_expert_output = None
         if ctx.needs_input_grad[0]:
-            if grad_rows.dtype == row_weights.dtype:
+            if grad_rows.dtype == acc_dtype:
                 grad_expert_output = grad_rows.mul_(row_weights.unsqueeze(1))
             else:        # the product in the weights' precision, rounded once (see the class docstring)
-                grad_expert_output = (grad_rows.to(row_weights.dtype) * row_weights.unsqueeze(1)).to(grad_rows.dtype)
+                grad_expert_output = grad_rows_acc.mul_(row_weights.unsqueeze(1)).to(grad_rows.dtype)
         return grad_expert_output, grad_weights, None, None, None

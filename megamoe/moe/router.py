@@ -63,7 +63,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
-from megamoe.precision import compute_dtype
+from megamoe.precision import compute_dtype, hold_in_compute_dtype_
 from megamoe.quantization.kept_weights import linear_weight
 
 __all__ = ["RouterConfig", "RouterOutput", "Router"]
@@ -167,8 +167,10 @@ class Router(nn.Module):
     ``weight`` is ``[E, H]`` like HF's ``gate.weight``. With ``use_expert_bias`` the persistent fp32
     buffer ``expert_bias`` ``[E]`` (HF's ``e_score_correction_bias``) shifts the scores used for
     selection only; it is adjusted by :meth:`update_expert_bias`, never by the optimizer.
-    All router arithmetic runs in fp32 whatever the dtype of ``weight`` and of the input (in fp64
-    when either is fp64, see :mod:`megamoe.precision`).
+    All router arithmetic runs in fp32 whatever the dtype of the input (in fp64 when either is fp64, see
+    :mod:`megamoe.precision`), and ``weight`` and ``bias`` are HELD in that dtype: a bf16 / fp16 model
+    (``dtype=``, ``model.to(torch.bfloat16)``) keeps its routers' parameters in fp32 (:meth:`_apply`), so
+    the fp32 gate GEMM casts no weight per call and its weight gradient reaches the optimizer in fp32.
     """
 
     # The group holding the other sequence chunks of this router's tokens (see the module docstring).
@@ -180,6 +182,7 @@ class Router(nn.Module):
     def __init__(self, config: RouterConfig, *, device=None, dtype=None) -> None:
         super().__init__()
         self.config = config
+        dtype = compute_dtype(dtype if dtype is not None else torch.get_default_dtype())   # fp32 at least
         self.weight = nn.Parameter(
             torch.empty(config.num_experts, config.hidden_size, device=device, dtype=dtype)
         )  # [E, H]
@@ -193,6 +196,12 @@ class Router(nn.Module):
         else:
             self.register_buffer("expert_bias", None)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's, then the gate's parameters back to at least fp32 (see the class docstring)."""
+        super()._apply(fn, recurse)
+        hold_in_compute_dtype_(self.weight, self.bias)
+        return self
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:

@@ -21,10 +21,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megamoe import comms
-from megamoe.precision import compute_dtype
+from megamoe.precision import compute_dtype, hold_in_compute_dtype_
 from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel.init import init_sharded_, normal_init
+from megamoe.tensor_parallel.main_grad_linear import linear
+from megamoe.transformer.swiglu import swiglu
 
 __all__ = ["SharedExpertsConfig", "SharedExperts"]
 
@@ -67,8 +69,16 @@ class SharedExperts(nn.Module):
             self.register_parameter(name, param)
         self.down_proj = nn.Parameter(torch.empty(H, F_full // n, **factory))
         set_shard_spec(self.down_proj, ShardSpec((H, F_full), 1, r, n))
-        self.gate_weight = nn.Parameter(torch.empty(1, H, **factory)) if config.gate else None
+        # the gate computes in fp32: held in fp32 in every model dtype (no per-call weight cast)
+        gate_dtype = compute_dtype(dtype if dtype is not None else torch.get_default_dtype())
+        self.gate_weight = nn.Parameter(torch.empty(1, H, device=device, dtype=gate_dtype)) if config.gate else None
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's, then the gate's weight back to at least fp32 (see ``__init__``)."""
+        super()._apply(fn, recurse)
+        hold_in_compute_dtype_(self.gate_weight)
+        return self
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init = normal_init(self.config.init_std)
@@ -90,12 +100,12 @@ class SharedExperts(nn.Module):
         """The first half of :meth:`forward`: the activated FFN hidden [T, F / n] of ``tokens`` [T, H]. Split
         from :meth:`down` so that the MoE layer can run the halves while different all-to-alls are in flight."""
         act = _ACTIVATIONS[self.config.activation]
-        up = F.linear(tokens, linear_weight(self, "up_proj", tokens.dtype))
-        if self.gated:
-            return act(F.linear(tokens, linear_weight(self, "gate_proj", tokens.dtype))) * up
+        up = linear(tokens, linear_weight(self, "up_proj", tokens.dtype))
+        if self.gated:        # swiglu: one node saving only its inputs (bf16 / fp16)
+            return swiglu(linear(tokens, linear_weight(self, "gate_proj", tokens.dtype)), up)
         return act(up)
 
     def down(self, hidden: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """The second half: the partial output [T, H] of :meth:`up`'s ``hidden`` (times ``gate``)."""
-        out = F.linear(hidden, linear_weight(self, "down_proj", hidden.dtype))
+        out = linear(hidden, linear_weight(self, "down_proj", hidden.dtype))
         return out if gate is None else out * gate.to(out.dtype)

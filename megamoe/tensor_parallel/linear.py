@@ -31,6 +31,7 @@ from megamoe import comms
 from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import ShardSpec, set_shard_spec
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
+from megamoe.tensor_parallel.main_grad_linear import linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -99,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, linear_weight(self, "weight", x.dtype), bias)
+        y = linear(x, linear_weight(self, "weight", x.dtype), bias)
         if self.gather_output:
             y = comms.gather_from_tensor_parallel_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
@@ -154,7 +155,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = comms.scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, linear_weight(self, "weight", x.dtype))
+        y = linear(x, linear_weight(self, "weight", x.dtype))
         if self.sequence_parallel:
             y = comms.reduce_scatter_to_sequence_parallel_region(y, self.tp_group, dim=self.sequence_dim)
         else:

@@ -36,16 +36,19 @@ context parallelism attention's keys and values span the whole sequence, ``T cp`
 fp32, 4 bytes):
 
 - RMSNorm over width ``w`` (rows ``r``): its fp32 input ``4 T w`` (the input itself in fp32, an fp32
-  copy in bf16), ``rsqrt`` ``4 r`` and the normalised output ``e T w`` (``weight * normed`` saves it).
+  copy in bf16), ``rsqrt`` ``4 r`` and the normalised output ``e T w`` (``weight * normed`` saves it;
+  :class:`~megamoe.transformer.norm.RMSNormFunction` in bf16 keeps the same bytes).
 - GQA attention: its input ``e T H`` (the norm's output, saved by the q projection), q/k norms as
   above on the q/k projection outputs (without them the projections' outputs are not saved: RoPE
   saves only cos/sin), SDPA's rotated q and k, v, its output and log-sum-exp ``4 B heads S``, and the
   o-projection's input (a contiguous copy of the output) ``e T heads d``. RoPE's cos/sin
   ``2 * 4 B S d/2`` once per forward (shared by the layers).
-- dense MLP: input ``e T H`` and four ``e T F/tp`` (gate and up outputs, the activation, the product).
+- dense MLP: input ``e T H`` and four ``e T F/tp`` (gate and up outputs, the activation, the product);
+  three for SwiGLU in bf16 / fp16 (:mod:`megamoe.transformer.swiglu` recomputes the activation).
 - MoE layer with ``N`` (token, slot) pairs on this rank (balanced routing: ``T k`` for all-to-all,
   ``T k / ep`` for the all-gather dispatcher): router input ``4 T H`` (fp32), scores ``4 T E``, top-k
-  ids ``8 T k``, the renormalisation ``4 T (k + 1)``, the aux loss ``4 E``; per pair the row -> token index
+  ids ``8 T k`` (the gate's weight is fp32 in every model dtype: no copy), the renormalisation
+  ``4 T (k + 1)``, the aux loss ``4 E``; per pair the row -> token index
   ``8 N``, combine weights ``4 N``, the experts' input and output ``2 e N H``, their gate/up output and
   activation ``3 e N F/etp``; the pair permutation ``8 k n_recv`` (it spans all k pairs of each token
   received). With EP > 1 (all-to-all) ``n_recv = n_send``, the token-rank pairs, ``T ep (1 - C(E - E/ep,
@@ -124,6 +127,7 @@ class StageEstimate:
     micro_batches_in_flight: int
     dense_param_count: int = 0
     expert_param_count: int = 0
+    dense_param_bytes: int = 0            # the routers' fp32 gates included (fp32 in every model dtype)
     dense_optimizer_bytes: int = 0
     expert_optimizer_bytes: int = 0
     norm_activation_bytes: int = 0        # of one micro-batch: the decoder norms' (what SP splits over TP)
@@ -172,6 +176,12 @@ class MemoryEstimate:
 def _norm_bytes(tokens: int, width: int, rows: int, e: int) -> int:
     """RMSNorm: fp32 input (or copy), rsqrt per row, normalised output."""
     return 4 * tokens * width + 4 * rows + e * tokens * width
+
+
+def _swiglu_factor(e: int) -> int:
+    """[T, F] tensors a SwiGLU MLP keeps (gate and up outputs, the down input): autograd's form also keeps
+    silu(gate); the bf16 / fp16 node (:mod:`megamoe.transformer.swiglu`) does not."""
+    return 4 if e == 4 else 3
 
 
 def _sdpa_bytes(*, T: int, B: int, S: int, heads: int, dqk: int, dv: int, e: int, backend: str,
@@ -267,7 +277,7 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
         N = T * k
         # token-rank pairs: a token is sent once to each rank holding one of its k (distinct) experts
         n_send = n_recv = T * ep * (1 - _none_on_rank(E, ep, k)) if ep > 1 else float(T)
-    router = 4 * T * H + (4 * E * H if e != 4 else 0) + 4 * T * E + 8 * T * k + 4 * T * (k + 1) + 4 * E
+    router = 4 * T * H + 4 * T * E + 8 * T * k + 4 * T * (k + 1) + 4 * E     # its gate is fp32: no weight copy
     # per pair: the row -> token index, the combine weights (fp32), the experts' input, gate/up output,
     # activation and output; the permutation (the pair index) spans the received tokens' k pairs each
     pairs = 8 * N + 4 * N + 2 * e * N * H + e * N * gated * F_l + (0 if recompute_act else e * N * F_l)
@@ -281,7 +291,7 @@ def _moe_activations(config: GPTMoEConfig, *, T: int, tp: int, ep: int, etp: int
         se = moe.shared_experts
         n = dispatcher.reduce_group_size(ep, etp)
         fs = se.ffn_hidden_size // n
-        shared = (4 if se.activation == "swiglu" else 2) * e * T * fs + (4 * T if se.gate else 0)
+        shared = (_swiglu_factor(e) if se.activation == "swiglu" else 2) * e * T * fs + (4 * T if se.gate else 0)
         if e != 4:
             shared += e * T * H        # their input, which the router saved as an fp32 copy instead
     return {"mlp": int(router + pairs + shared)}
@@ -313,7 +323,8 @@ def _layer_activations(config: GPTMoEConfig, layer_id: int, *, T: int, B: int, S
     else:
         mlp = config.dense_mlp
         f_l = mlp.intermediate_size // tp
-        out["mlp"] = e * T_norm * H + (4 if mlp.gated else 2) * e * T * f_l     # input: the chunk under SP
+        kept = (_swiglu_factor(e) if mlp.activation == "silu" else 4) if mlp.gated else 2
+        out["mlp"] = e * T_norm * H + kept * e * T * f_l     # input: the chunk under SP
         if "mlp" in modules:
             out["mlp"] = 0
             out["other"] += e * T_norm * H
@@ -375,10 +386,20 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
                                   num_expert_slots=num_expert_slots, pp_split=pp_split)
         dense = sum(p.numel for p in params if not p.expert)
         expert = sum(p.numel for p in params if p.expert)
-        param_bytes = (dense + expert) * e
+        # The routers' and shared experts' gates are held in fp32 in every model dtype
+        # (precision.hold_in_compute_dtype_): fp32 parameters beside the others, without a master copy.
+        fp32 = [p for p in params if _held_in_fp32(p)] if e != 4 else []
+        others = [p for p in params if not _held_in_fp32(p)] if fp32 else params
+        param_bytes = sum(p.numel for p in others) * e + sum(p.numel for p in fp32) * 4
         grad_bytes, opt_dense, opt_expert = _grad_and_optimizer_bytes(
-            params, e=e, distributed=distributed_optimizer, zero_stage=zero_stage, dp=dp * cp, edp=edp,
+            others, e=e, distributed=distributed_optimizer, zero_stage=zero_stage, dp=dp * cp, edp=edp,
             master=dtype != torch.float32)
+        if fp32:
+            fp32_grads, fp32_dense, fp32_expert = _grad_and_optimizer_bytes(
+                fp32, e=4, distributed=True, zero_stage=zero_stage, dp=dp * cp if distributed_optimizer else 1,
+                edp=edp if distributed_optimizer else 1, master=False)
+            grad_bytes, opt_dense, opt_expert = (grad_bytes + fp32_grads, opt_dense + fp32_dense,
+                                                 opt_expert + fp32_expert)
         acts = _stage_activations(config, layer_ids, first=stage == 0, last=stage == pp - 1, T=T, B=B, S=S,
                                   tp=tp, ep=ep, etp=etp, e=e, sp=sequence_parallel, recompute=recompute,
                                   sdpa_backend=sdpa_backend, cp=cp)
@@ -389,7 +410,8 @@ def estimate_memory(config: GPTMoEConfig, *, tp: int = 1, pp: int = 1, ep: int =
             stage=stage, layer_ids=tuple(layer_ids), param_bytes=param_bytes, grad_bytes=grad_bytes,
             optimizer_bytes=opt_dense + opt_expert, activation_bytes=per_mb * in_flight,
             activation_bytes_per_micro_batch=per_mb, micro_batches_in_flight=in_flight,
-            dense_param_count=dense, expert_param_count=expert, dense_optimizer_bytes=opt_dense,
+            dense_param_count=dense, expert_param_count=expert, dense_param_bytes=param_bytes - expert * e,
+            dense_optimizer_bytes=opt_dense,
             expert_optimizer_bytes=opt_expert, norm_activation_bytes=acts.get("norm", 0), breakdown=acts))
     return MemoryEstimate(tuple(stages))
 
@@ -428,6 +450,11 @@ def _stage_activations(config, layer_ids, *, first, last, T, B, S, tp, ep, etp, 
         out["norm"] += _norm_bytes(T_norm, H, T_norm, e)
         out["lm_head"] += e * T * H + 4 * T * V_local + 10 * T
     return out
+
+
+def _held_in_fp32(p: ParamTensor) -> bool:
+    """A router's or the shared experts' gate (weight, bias): fp32 in every model dtype."""
+    return ".router." in p.name or p.name.endswith("shared_experts.gate_weight")
 
 
 def _grad_and_optimizer_bytes(params: list[ParamTensor], *, e: int, distributed: bool, zero_stage: int, dp: int,

@@ -97,6 +97,7 @@ from megamoe.quantization.kept_weights import linear_weight
 from megamoe.sharding import set_shard_spec, shard_parameter
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import InitMethod, init_sharded_, normal_init, zeros_init
+from megamoe.tensor_parallel.main_grad_linear import linear
 from megamoe.comms import gather_linears_from_sequence_parallel_region
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
 from megamoe.transformer.context_parallel import gather_keys_for_context_parallel
@@ -396,7 +397,7 @@ def _local_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A column shard's matmul on an input that already entered the TP region."""
     if isinstance(layer, _ReplicatedHeadLinear):
         return layer.local_linear(x)
-    return F.linear(x, linear_weight(layer, "weight", x.dtype), layer.bias)
+    return linear(x, linear_weight(layer, "weight", x.dtype), layer.bias)
 
 
 def _local_weight_and_bias(layer: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -25,7 +25,9 @@ from megamoe import comms
 from megamoe.quantization.kept_weights import linear_weight
 from megamoe.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megamoe.tensor_parallel.init import normal_init
+from megamoe.tensor_parallel.main_grad_linear import linear
 from megamoe.tensor_parallel.sequence import SEQUENCE_DIM
+from megamoe.transformer.swiglu import swiglu
 
 __all__ = ["MLPConfig", "MLP"]
 
@@ -88,7 +90,12 @@ class MLP(nn.Module):
                 dim=SEQUENCE_DIM)
         else:                        # one grad all-reduce for gate and up
             x = comms.copy_to_tensor_parallel_region(x, self.tp_group)
-            outputs = [F.linear(x, linear_weight(l, "weight", x.dtype), l.bias) for l in layers]
+            outputs = [linear(x, linear_weight(l, "weight", x.dtype), l.bias) for l in layers]
         up = outputs[0]
-        hidden = self.act(up) if self.gate_proj is None else self.act(outputs[1]) * up
+        if self.gate_proj is None:
+            hidden = self.act(up)
+        elif self.config.activation == "silu":     # SwiGLU: one node saving only its inputs (bf16 / fp16)
+            hidden = swiglu(outputs[1], up)
+        else:
+            hidden = self.act(outputs[1]) * up
         return self.down_proj(hidden)

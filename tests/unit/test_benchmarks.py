@@ -63,9 +63,11 @@ def test_train_step_benchmark_quick(monkeypatch, tmp_path, capsys):
 def test_moe_layer_benchmark_on_a_small_shape(monkeypatch, tmp_path):
     moe_layer = _benchmark("moe_layer", monkeypatch)
     out = tmp_path / "moe_layer.json"
-    assert moe_layer.main(["--quick", "--default-allocator", "--shape", "64", "32", "16", "8", "2",
+    assert moe_layer.main(["--quick", "--default-allocator", "--shape", "64", "32", "16", "8", "2", "--threads", "1",
                            "--json", str(out)]) == 0
-    entry, bf16_entry = json.loads(out.read_text())["shapes"]             # one table per dtype
+    results = json.loads(out.read_text())
+    assert results["threads"] == 1
+    entry, bf16_entry = results["shapes"]             # one table per dtype
     assert (entry["dtype"], bf16_entry["dtype"]) == ("fp32", "bf16")
     assert {row["name"] for row in bf16_entry["rows"]} == {row["name"] for row in entry["rows"]}
     assert all(row["train_step_ratio"] > 0 for row in bf16_entry["rows"] if "skipped" not in row)

@@ -54,7 +54,9 @@ def test_a_short_bf16_run_of_the_demo_model_follows_fp32(demo):
         model.load_state_dict(initial)
         model.to(dtype)
         curves[dtype] = train_losses(model, batches, TrainConfig(lr=5e-3), micro_batch=MICRO_BATCH)
-        assert all(p.dtype == dtype for p in model.parameters())
+        # (a bf16 model holds its routers' and shared experts' gates in fp32: precision.hold_in_compute_dtype_)
+        assert all(p.dtype == dtype for n, p in model.named_parameters()
+                   if ".router." not in n and not n.endswith("gate_weight"))
     assert curves[torch.float32][-1] < 0.9 * curves[torch.float32][0], "the fp32 run learns"
     assert curves[torch.bfloat16] != curves[torch.float32], "the bf16 run computed in bf16"
     band = loss_band(curves[torch.float32], curves[torch.bfloat16], window=WINDOW)

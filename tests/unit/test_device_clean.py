@@ -247,8 +247,9 @@ def _zero_checkpoint_device_peaks(optimizer, rank: int) -> None:
     parameter in transit), far below the full fp32 state (12 bytes per parameter with masters, 8 without)."""
     from megamoe.training.memory_measure import DeviceMemory
     buckets = optimizer._buckets
-    keys = len(optimizer.state[buckets[0].entries[0].param]) - 1           # the fp32 tensors, not the step
-    full_state = sum((4 * keys) * p.numel() for p in optimizer._entries)
+    def keys(param) -> int:         # its fp32 state tensors, not the step (no master: the fp32 router gates)
+        return len(optimizer.state[param]) - 1
+    full_state = sum((4 * keys(p)) * p.numel() for p in optimizer._entries)
     bucket_bytes = max(4 * b.shard_numel * (b.group.size + 1) for b in buckets)      # gathered + its shard
     bound = bucket_bytes + 2 * max(4 * p.numel() for p in optimizer._entries)
     assert bound < full_state / 2, (bound, full_state)
@@ -264,7 +265,7 @@ def _zero_checkpoint_device_peaks(optimizer, rank: int) -> None:
                     assert part.state and all(v.is_meta for s in part.state.values() for v in s.values() if v.dim())
                     optimizer.load_logical_state(part)
         peaks.append(live.peak_bytes - baseline)
-        gathers = sum(b.group.size > 1 for b in buckets) * keys          # (a group of one rank needs none)
+        gathers = sum(keys(b.entries[0].param) for b in buckets if b.group.size > 1)   # (none for a group of one)
         assert counter.calls("all_gather") == (gathers if stage == "save" else 0), stage
     written = {e.param for i, b in enumerate(buckets) if i % b.group.size == b.group.rank for e in b.entries}
     assert set(logical.state) == written and set(logical.masters) <= written, f"rank {rank}"
@@ -687,7 +688,7 @@ def test_gpt_oss_parts_on_meta_create_every_tensor_on_the_model_device():
         with _fake_rank(rank, tp=2, ep=2, etp=2) as state:
             model = GPTMoEModel(config, state, device="meta", dtype=torch.bfloat16)
             # The memory estimate counts the sinks, the router bias and the expert biases.
-            assert sum(p.numel() * 2 for p in model.parameters()) == estimate.stages[0].param_bytes
+            assert sum(p.numel() * p.element_size() for p in model.parameters()) == estimate.stages[0].param_bytes
             trainer = Trainer(model, state, TrainConfig(lr=1e-2), world_group=dist.group.WORLD)
             batch = torch.zeros(MICRO_BATCH, S + 1, dtype=torch.int64, device="meta")
             with _meta_run():

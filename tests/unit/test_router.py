@@ -233,13 +233,14 @@ def test_gradients_reach_the_router_weight(loss):
     kwargs = {} if loss == "weights" else {loss: 0.1}
     cfg = RouterConfig(hidden_size=HIDDEN, num_experts=16, top_k=4, score_func="sigmoid", n_group=4, topk_group=2,
                        norm_topk_prob=True, use_expert_bias=True, **kwargs)
-    router = Router(cfg, dtype=torch.bfloat16)  # fp32 math on a low-precision weight still backpropagates
+    router = Router(cfg, dtype=torch.bfloat16)  # a bf16 router holds its gate in fp32 and backpropagates into it
     router.reset_parameters(_generator(9))
     out = router(_hidden(seed=10).bfloat16(), num_sequences=2)
     # Renormalised weights sum to 1 per token, so weigh them to get a non-constant objective.
     objective = out.aux_loss if loss != "weights" else (out.weights * _hidden(11)[:, : cfg.top_k]).sum()
     objective.backward()
-    assert router.weight.grad is not None and router.weight.grad.dtype == torch.bfloat16
+    assert router.weight.dtype == torch.float32
+    assert router.weight.grad is not None and router.weight.grad.dtype == torch.float32
     assert router.weight.grad.float().abs().sum() > 0
     assert not router.expert_bias.requires_grad
 
@@ -330,7 +331,7 @@ def test_reset_parameters_is_deterministic_and_dtype_independent():
     a, b = Router(cfg), Router(cfg, dtype=torch.bfloat16)
     a.reset_parameters(_generator(18))
     b.reset_parameters(_generator(18))
-    torch.testing.assert_close(b.weight.detach(), a.weight.detach().bfloat16())
+    assert b.weight.dtype == torch.float32 and torch.equal(b.weight, a.weight)      # a bf16 router holds fp32
     c = Router(cfg)
     c.reset_parameters(_generator(19))
     assert not torch.equal(a.weight, c.weight)
@@ -377,3 +378,29 @@ def test_gate_logits_stay_fp32_under_autocast():
         logits = router.gate_logits(hidden.bfloat16())
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden.bfloat16().float() @ router.weight.t(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_low_precision_router_keeps_its_gate_in_fp32():
+    """Router in fp32 without a per-call weight cast: built in bf16 or converted with .to(bf16 / fp16), the gate's
+    weight and bias stay fp32 (fp64 stays fp64), and the bf16 routing casts no parameter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = RouterConfig(hidden_size=HIDDEN, num_experts=8, top_k=2, bias=True)
+    built = Router(cfg, dtype=torch.bfloat16)
+    converted = Router(cfg).to(torch.float16)
+    assert {p.dtype for r in (built, converted) for p in r.parameters()} == {torch.float32}
+    assert {p.dtype for p in Router(cfg).double().parameters()} == {torch.float64}
+    params = {p.data_ptr() for p in built.parameters()}
+
+    class WeightCasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+                WeightCasts.count += any(isinstance(a, torch.Tensor) and a.data_ptr() in params for a in args)
+            return func(*args, **(kwargs or {}))
+
+    with WeightCasts():
+        built(_hidden(seed=3).bfloat16()).weights.sum().backward()
+    assert WeightCasts.count == 0
+    assert built.weight.grad.dtype == torch.float32

@@ -7,6 +7,11 @@ grouped GEMMs (``torch._grouped_mm`` where its kernels apply, else one GEMM per 
 gradient once, straight into its stacked buffer, backward. Low-precision rows on CPU run it on the
 padded batch of slots instead (:mod:`megamoe.moe.experts.grouped_bmm`): one ``torch.bmm`` per projection
 and gradient for all slots, the activation on the padded batch.
+
+Weights whose gradient accumulates in an fp32 ``main_grad`` (bf16 parameters under the distributed
+optimizer: :func:`megamoe.gradients.main_grad_target`) get it added there by the weight-gradient GEMMs
+themselves (:func:`megamoe.gradients.add_matmul_`: one GEMM with fp32 output where the device has one),
+and autograd None: no bf16 gradient tensor is handed to the accumulation hook to be cast-added.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from megamoe.gradients import add_matmul_, main_grad_target
 from megamoe.host_values import even_split, host_ints
 from megamoe.moe.experts.grouped_bmm import PaddedSlots, padded_bmm_applies
 from megamoe.moe.experts.expert_activations import activation_backward as _activation_backward
@@ -153,6 +159,30 @@ def grouped_linear_weight_grad(grad_y: torch.Tensor, x: torch.Tensor, groups: Sl
     return out
 
 
+def _weight_grad(weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor,
+                 groups: SlotGroups) -> torch.Tensor | None:
+    """``weight``'s gradient for autograd, per slot ``dy_s^T x_s``: :func:`grouped_linear_weight_grad`, or, where
+    ``weight`` accumulates in an fp32 ``main_grad``, added into it slot by slot (None returned)."""
+    target = main_grad_target(weight)
+    if target is None:
+        return grouped_linear_weight_grad(grad_y, x, groups)
+    if groups.sizes is None or groups.num_rows == 0:
+        target.add_(grouped_linear_weight_grad(grad_y, x, groups))
+    else:
+        dy_rows, x_rows = grad_y.split(groups.sizes), x.split(groups.sizes)
+        _for_each_slot(groups.sizes, lambda s: add_matmul_(target[s], dy_rows[s].t(), x_rows[s]))
+    return None
+
+
+def _padded_weight_grad(weight: torch.Tensor, grad_batch: torch.Tensor, batch: torch.Tensor) -> torch.Tensor | None:
+    """:func:`_weight_grad` on the padded batch: one ``bmm`` (into ``main_grad`` where there is one)."""
+    target = main_grad_target(weight)
+    if target is None:
+        return torch.bmm(grad_batch.transpose(1, 2), batch)
+    add_matmul_(target, grad_batch.transpose(1, 2), batch)
+    return None
+
+
 def _row_slots(groups: SlotGroups) -> torch.Tensor:
     """[N] the local slot of every sorted row (no host sync: the row count is known)."""
     counts = groups.tokens_per_slot
@@ -196,9 +226,9 @@ def _padded_mlp_backward(grad_out, batch, w_gate_up, w_down, hidden, act, padded
     """The gradients of :func:`_padded_mlp` (zero rows get zero gradients, so the sums over each slot's
     batch are over its real rows): (tokens, w_gate_up, w_down, b_gate_up, b_down)."""
     grad_batch = padded.pad(grad_out)                                       # [S, C, H]
-    grad_w_down = torch.bmm(grad_batch.transpose(1, 2), act) if needs_input_grad[2] else None
+    grad_w_down = _padded_weight_grad(w_down, grad_batch, act) if needs_input_grad[2] else None
     grad_hidden = _activation_backward(torch.bmm(grad_batch, w_down), hidden, activation)   # [S, C, G * F]
-    grad_w_gate_up = torch.bmm(grad_hidden.transpose(1, 2), batch) if needs_input_grad[1] else None
+    grad_w_gate_up = _padded_weight_grad(w_gate_up, grad_hidden, batch) if needs_input_grad[1] else None
     grad_tokens = padded.unpad(torch.bmm(grad_hidden, w_gate_up)) if needs_input_grad[0] else None
     grad_b_gate_up, grad_b_down = (grad_hidden.sum(1), grad_batch.sum(1)) if has_bias else (None, None)
     return grad_tokens, grad_w_gate_up, grad_w_down, grad_b_gate_up, grad_b_down
@@ -251,11 +281,10 @@ class GroupedMLPFunction(torch.autograd.Function):
                 grad_out, tokens, w_gate_up, w_down, hidden, act, groups.padded, ctx.activation,
                 ctx.needs_input_grad, ctx.has_bias)
             return grad_tokens, grad_w_gate_up, grad_w_down, None, None, None, grad_b_gate_up, grad_b_down, None
-        grad_w_down = grouped_linear_weight_grad(grad_out, act, groups) if ctx.needs_input_grad[2] else None
+        grad_w_down = _weight_grad(w_down, grad_out, act, groups) if ctx.needs_input_grad[2] else None
         grad_hidden = _activation_backward(grouped_linear_input_grad(grad_out, w_down, groups), hidden,
                                            ctx.activation)
-        grad_w_gate_up = (grouped_linear_weight_grad(grad_hidden, tokens, groups)
-                          if ctx.needs_input_grad[1] else None)
+        grad_w_gate_up = _weight_grad(w_gate_up, grad_hidden, tokens, groups) if ctx.needs_input_grad[1] else None
         grad_tokens = (grouped_linear_input_grad(grad_hidden, w_gate_up, groups)
                        if ctx.needs_input_grad[0] else None)
         grad_b_gate_up = grad_b_down = None
