@@ -65,8 +65,9 @@ class RankTimeout(TimeoutError):
 
 # What the fork server imports before it forks any rank: torch and the library's heavy packages (names
 # only: this module imports none of them; one that fails to import is skipped, and a rank imports it
-# itself).
-_PRELOAD = ("torch", "torch.distributed", "megamoe.models", "megamoe.training")
+# itself). torch._dynamo too: a rank imports it at its first optimizer step (torch.optim's step and
+# add_param_group) or grouped MoE forward (torch._disable_dynamo's first call), ~1.3 s of CPU in each.
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "megamoe.models", "megamoe.training")
 
 
 def _rank_context():

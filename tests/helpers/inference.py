@@ -24,10 +24,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _our_model(family, state=SOLO, **moe_fields):
     hf, config = hf_model(family)
+    return _model_from_logical(config, adapter_for(family).hf_to_megamoe(hf.state_dict(), config), state,
+                               **moe_fields)
+
+
+def _model_from_logical(config, logical, state=SOLO, **moe_fields):
+    """Our model of ``config`` (its MoE fields replaced by ``moe_fields``) holding the logical weights ``logical``:
+    what a spawned rank builds from its arguments without importing transformers (seconds in each rank)."""
     if moe_fields:
         config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe_fields))
     model = GPTMoEModel(config, state)
-    load_logical_state(model, adapter_for(family).hf_to_megamoe(hf.state_dict(), config))
+    load_logical_state(model, logical)
     return model
 
 

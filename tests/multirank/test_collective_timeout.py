@@ -15,7 +15,7 @@ from datetime import timedelta
 from megamoe import comms
 from megamoe.spawned_ranks import run_on_ranks
 
-COLLECTIVE_TIMEOUT_S = 12      # gloo's timeout inside the ranks (the grace period is a quarter of it)
+COLLECTIVE_TIMEOUT_S = 8       # gloo's timeout inside the ranks (the grace period: a quarter of it, at least 2 s)
 HARNESS_TIMEOUT_S = 300        # only reached if a collective does not time out
 
 

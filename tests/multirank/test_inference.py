@@ -29,13 +29,12 @@ from megamoe.checkpoint_state import sharded_state_dict
 from megamoe.hf.adapters import adapter_for
 from megamoe.inference.expert_load import gather_expert_load, reset_expert_load
 from megamoe.inference.generation import GenerationConfig, generate
-from megamoe.models import GPTMoEModel
 from megamoe.models.families import SUPPORTED_FAMILIES
-from megamoe.models.hf_loading import load_logical_state
 from megamoe.moe.placement.expert_slots import ExpertPlacement, load_expert_load, save_expert_load
 from megamoe.spawned_ranks import run_on_ranks
 from tests.helpers.hf_models import V, hf_model  # tiny random HF models of every family (E=8, K=2)
-from tests.helpers.inference import NEW, PROMPTS, REPO, SAMPLING, SOLO, _hf_generate, _our_model, _stop_token
+from tests.helpers.inference import (NEW, PROMPTS, REPO, SAMPLING, SOLO, _hf_generate, _model_from_logical, _our_model,
+                                     _stop_token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,9 +103,7 @@ def _layouts_worker(rank, world_size, cases, layouts, load_file):
             if layout.from_checkpoint:
                 model = build_model_from_checkpoint(checkpoint, state, num_expert_slots=num_slots, **layout.engine)
             else:
-                moe = dataclasses.replace(config.moe, num_expert_slots=num_slots, **layout.engine)
-                model = GPTMoEModel(dataclasses.replace(config, moe=moe), state)
-                load_logical_state(model, logical)
+                model = _model_from_logical(config, logical, state, num_expert_slots=num_slots, **layout.engine)
             placements = {str(i): layer.placement.to_dict() for i, layer in model.moe_layers().items()}
             reset_expert_load(model)
             greedy = generate(model, state, prompts, GenerationConfig(max_new_tokens=NEW, stop_token_ids=(stop,)),
@@ -145,15 +142,20 @@ def _expected(family, checkpoint_dir):
     return (family, config, logical, stop, path), expected
 
 
-def _compiled_layouts_worker(rank, world_size, family, layouts):
+def _compiled_layouts_worker(rank, world_size, model_config, logical, layouts):
+    """Per layout: (compiled tokens == eager tokens, graphs compiled, graph breaks)."""
+    import torch._dynamo
     from parallel_state import destroy_model_parallel, initialize_model_parallel
     results = []
     for sizes, engine in layouts:
         state = initialize_model_parallel(**sizes)
-        model = _our_model(family, state, **engine)
+        model = _model_from_logical(model_config, logical, state, **engine)
         config = GenerationConfig(max_new_tokens=NEW)
         eager = generate(model, state, PROMPTS, config).token_ids
-        results.append(generate(model, state, PROMPTS, config, compiled=True).token_ids == eager)
+        torch._dynamo.utils.counters.clear()
+        same = generate(model, state, PROMPTS, config, compiled=True).token_ids == eager
+        counters = torch._dynamo.utils.counters
+        results.append((same, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
         destroy_model_parallel()
     return results
 
@@ -170,13 +172,20 @@ COMPILED_LAYOUTS_TIMEOUT_S = 1500
 @pytest.mark.timeout(COMPILED_LAYOUTS_TIMEOUT_S + 300)
 def test_compiled_decoding_under_parallel_layouts():
     """Where layers communicate (TP, EP, PP), the compiled step breaks its graph around the
-    collectives and the MoE dispatch (always eager): still the eager tokens."""
+    collectives and the MoE dispatch (always eager): still the eager tokens. A pipeline stage
+    communicates outside its layers only: each stage's step is one graph (Qwen2-MoE's gated shared
+    expert and dense layer included; tests/unit/test_inference.py checks the rest single-process)."""
     # TP and EP in one layout (EP folded over the TP ranks: one compilation fewer), then PP.
     layouts = [(dict(tp=2, ep=2, etp=1), dict(dispatcher="alltoall", num_expert_slots=12)),
                (dict(pp=2), {})]
-    results = run_on_ranks(_compiled_layouts_worker, 2, args=("qwen2_moe", layouts),
+    hf, config = hf_model("qwen2_moe")
+    logical = adapter_for("qwen2_moe").hf_to_megamoe(hf.state_dict(), config)
+    results = run_on_ranks(_compiled_layouts_worker, 2, args=(config, logical, layouts),
                            timeout_s=COMPILED_LAYOUTS_TIMEOUT_S)
-    assert results == [[True] * 2] * 2
+    for rank, ((tp_ep_same, tp_ep_graphs, _), (pp_same, pp_graphs, pp_breaks)) in enumerate(results):
+        assert tp_ep_same and pp_same, f"rank {rank}: compiled tokens differ from eager ones: {results}"
+        assert tp_ep_graphs > 0 and pp_graphs > 0, f"rank {rank}: nothing was compiled: {results}"
+        assert pp_breaks == 0, f"rank {rank}: a pipeline stage's step broke its graph: {results}"
 
 
 @pytest.mark.slow
@@ -221,21 +230,24 @@ def test_generation_under_parallel_layouts():
 # ----------------------------------------------------------------------------------------------
 def _run_script(args, nproc, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    "--nproc-per-node", str(nproc)]
-    result = subprocess.run([*launcher, os.path.join(REPO, "examples", "generate.py"), *args], cwd=cwd, env=env,
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                             os.path.join(REPO, "examples", "generate.py"), *args], cwd=cwd, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
 @pytest.mark.slow
-def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
+def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch, capsys, one_thread):
     """transformers model -> megamoe-convert import-hf (EP 2, 12 slots) -> examples/generate.py, one
-    process (compiled decoding) and 2 ranks with data-parallel attention (uneven requests):
-    transformers' generate() ids, decoded with the tokenizer the conversion kept; the recorded
-    expert load feeds import-hf --expert-load (balanced placements)."""
+    process (compiled decoding; in this process: the torchrun run below is the script's own process) and 2
+    ranks with data-parallel attention (uneven requests): transformers' generate() ids, decoded with the
+    tokenizer the conversion kept; the recorded expert load feeds import-hf --expert-load (balanced
+    placements)."""
+    import torch._dynamo
     from tokenizers import Tokenizer as TokenizerFile
+    from megamoe.cli import generate as generate_command    # examples/generate.py's main
+    from megamoe.cli.launch import run_script
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
@@ -257,7 +269,11 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
             *(arg for prompt in PROMPTS[1:] for arg in ("--prompt-ids", ",".join(map(str, prompt)))),
             "--max-new-tokens", str(NEW), "--stop-token-id", str(stop)]
 
-    single = _run_script([*args, "--compile", "--output-json", "one.json"], 1, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    torch._dynamo.reset()           # compiles afresh, as in a process of its own
+    assert run_script(generate_command.main, [*args, "--compile", "--output-json", "one.json"],
+                      prog="generate.py") == 0
+    single_stdout = capsys.readouterr().out
     document = json.loads((tmp_path / "one.json").read_text())
     assert [r["ids"] for r in document["requests"]] == expected
     assert [r["prompt_ids"] for r in document["requests"]] == PROMPTS
@@ -271,7 +287,7 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     assert 0 < timings["decode_tokens_excluding_compile"] < timings["decode_tokens"]
     assert timings["decode_tokens_per_second"] == pytest.approx(
         timings["decode_tokens_excluding_compile"] / timings["decode_seconds_excluding_compile"])
-    assert f"--- request 3 ({document['requests'][3]['finish_reason']}" in single.stdout
+    assert f"--- request 3 ({document['requests'][3]['finish_reason']}" in single_stdout
 
     _run_script([*args, "--ep", "2", "--dispatcher", "allgather", "--data-parallel-attention",
                  "--output-json", "two.json", "--record-expert-load", "load.json"], 2, tmp_path)
@@ -291,7 +307,6 @@ def test_generate_script_on_converted_checkpoint(tmp_path, monkeypatch):
     # The Generation example of docs/generation.md runs as written, on this checkpoint.
     page = open(os.path.join(REPO, "docs/generation.md")).read()
     example = re.search(r"```python\n(.*?)```", page[page.index("# Generation"):], re.S).group(1)
-    monkeypatch.chdir(tmp_path)
     namespace = {}
     exec(example.replace('"path/to/checkpoint"', repr(str(checkpoint))), namespace)
     out = namespace["out"]

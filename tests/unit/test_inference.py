@@ -47,15 +47,17 @@ def test_greedy_matches_transformers(family):
     assert out.decode_tokens_per_second > 0 and out.prefill_tokens_per_second > 0
 
 
-@pytest.mark.slow      # one torch.compile per family, ~15 s each
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
-def test_compiled_decoding_matches_eager(family):
+@pytest.mark.slow      # one torch.compile, ~20 s
+def test_compiled_decoding_matches_eager():
     """generate(compiled=True): the same tokens, stop reasons and expert load as eager decoding, for a
     left-padded batch with a row that stops early (then runs on as padding), with replicated expert
-    slots (MLA, shared experts, group-limited routing, a dense first layer for DeepSeek-V3; a gated
-    shared expert for Qwen2-MoE); the step is one graph, and later calls with another cache length or
-    batch size reuse it; the time spent compiling is reported."""
+    slots (MLA, shared experts, group-limited routing, a dense first layer: DeepSeek-V3); the step is
+    one graph, and later calls with another cache length or batch size reuse it; the time spent
+    compiling is reported. (Qwen2-MoE's gated shared expert compiles in one graph per pipeline stage in
+    tests/multirank/test_inference.py, with its tokens under TP, EP and PP.)"""
     import torch._dynamo
+
+    family = "deepseek_v3"
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
