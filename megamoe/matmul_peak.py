@@ -15,7 +15,9 @@ at 0.74x fp32's tokens/s on the 5.6x Xeon; a bf16-autocast SwiGLU expert gained 
 sits above the EPYC's noisy 2-4.5x so that a machine without AMX keeps fp32 (bf16 stays selectable:
 ``--autocast bf16``). The measurement is bounded: a slow dtype is timed on a 512^3 pilot matmul only (a
 1024^3 fp16 matmul takes 2.4 s on the EPYC); the best of several repeats is taken, as other processes
-only add time.
+only add time, and ``auto`` measures fp32 and bf16 in alternation (:func:`interleaved_peaks_tflops`), so that
+a load passing during one dtype's measurement does not decide the ratio (measured one after the other, the
+EPYC once read bf16 at 4.56x fp32 under load).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BF16_MIN_SPEEDUP", "PIN_ENV", "AutocastChoice", "choose_autocast", "auto_autocast", "matmul_peak_tflops",
-           "measure_matmul_tflops"]
+           "interleaved_peaks_tflops", "measure_matmul_tflops"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ _PILOT_SIZE = 512
 # that every oracle test keeps its fp32 path on any machine, and so can runs whose ranks or restarts must agree.
 PIN_ENV = "MEGAMOE_AUTOCAST_AUTO"
 _PINNED = {"bf16": "bf16", "none": None}
+_INTERLEAVED_ROUNDS = 2                                     # alternations of the dtypes auto compares
 _PEAKS: dict[tuple[str, torch.dtype, int], float] = {}      # (device, dtype, threads) -> TFLOP/s, per process
 
 
@@ -86,6 +89,25 @@ def matmul_peak_tflops(device: torch.device | str, dtype: torch.dtype) -> float:
     if key not in _PEAKS:
         _PEAKS[key] = measure_matmul_tflops(device, dtype)
     return _PEAKS[key]
+
+
+def interleaved_peaks_tflops(device: torch.device | str, dtypes: tuple[torch.dtype, ...],
+                             rounds: int = _INTERLEAVED_ROUNDS) -> dict[torch.dtype, float]:
+    """:func:`matmul_peak_tflops` of several ``dtypes`` compared with each other: measured in alternation,
+    ``rounds`` times each, the best kept (then shared with :func:`matmul_peak_tflops`). On a shared machine
+    the load changes from second to second; measured one after the other, a dtype timed while another process
+    ran reads slow, and the ratio with it (what ``auto`` decides on) is off by that much. Alternating, a
+    passing load depresses one round of each dtype, not all of one."""
+    device = torch.device(device)
+    threads = torch.get_num_threads()
+    missing = [dtype for dtype in dtypes if (str(device), dtype, threads) not in _PEAKS]
+    if missing:
+        best = dict.fromkeys(dtypes, 0.0)
+        for _ in range(rounds):
+            for dtype in dtypes:
+                best[dtype] = max(best[dtype], measure_matmul_tflops(device, dtype))
+        _PEAKS.update({(str(device), dtype, threads): tflops for dtype, tflops in best.items()})
+    return {dtype: _PEAKS[(str(device), dtype, threads)] for dtype in dtypes}
 
 
 @dataclass(frozen=True)
@@ -139,7 +161,8 @@ def auto_autocast(device: torch.device | str) -> AutocastChoice:
         nan = float("nan")
         logger.info("autocast auto on %s: %s, pinned by %s", torch.device(device), pinned, PIN_ENV)
         return AutocastChoice(_PINNED[pinned], nan, nan, BF16_MIN_SPEEDUP, f"{pinned}, pinned by {PIN_ENV}")
-    choice = choose_autocast(matmul_peak_tflops(device, torch.float32), matmul_peak_tflops(device, torch.bfloat16))
+    peaks = interleaved_peaks_tflops(device, (torch.float32, torch.bfloat16))
+    choice = choose_autocast(peaks[torch.float32], peaks[torch.bfloat16])
     close = (" (close to the margin: ranks or runs may decide differently; pass --autocast bf16 or none)"
              if choice.close_to_margin else "")
     logger.info("autocast auto on %s: %s%s", torch.device(device), choice.reason, close)
