@@ -97,6 +97,10 @@ def _rank_entry(fn, rank, world_size, init_file, args, kwargs, result_queue, col
             timeout=datetime.timedelta(seconds=collective_timeout_s),
             **device_options,
         )
+        # Every rank connected before any runs ``fn``: gloo's init can return on one rank while another is still
+        # connecting its full mesh, and a rank whose ``fn`` returns at once would then close its connections under
+        # it ("Connection closed by peer" in the other rank's init_process_group).
+        dist.barrier()
         try:
             # On CPU before it leaves: a CUDA tensor sent through the queue dies with this process.
             result = _on_cpu(fn(rank, world_size, *args, **kwargs))
